@@ -1,0 +1,43 @@
+# Set-up and everyday commands. Everything installs into .venv from pyproject.toml.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: run test test-fast lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(VENV)/.installed $@
+
+## run: start the broker on 127.0.0.1:7878 with config/blipmq.toml and ./data
+run: $(VENV)/.installed
+	$(BIN)/blipmq start --config config/blipmq.toml --data-dir ./data
+
+## test: install everything and run the whole suite (lint, unit, server, end-to-end, slow)
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+## test-fast: the suite without the tests marked slow
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+## bench: the issue-2 benchmark (starts its own brokers, prints figures)
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) data .pytest_cache

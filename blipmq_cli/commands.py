@@ -1,0 +1,206 @@
+"""What the client commands do, shared by the lean parser (``fast``) and the Typer app.
+
+Each command returns an exit code (``exits.Exit``); ``guarded`` turns every error into one
+line on stderr plus its code, never a traceback. Nothing here imports typer, rich or trio at
+module level: ``blipmq pub`` must start fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+from blipmq_cli.client import Client, connect_from_env
+from blipmq_cli.exits import Exit, for_error
+from blipmq_cli.output import WRITERS
+from blipmq_server.errors import BlipError, BrokerError
+from blipmq_server.protocol.codec import ErrorCode, Message
+
+_READ = 1 << 16
+
+
+def say(text: str) -> None:
+    sys.stderr.write(f"blipmq: {text}\n")
+    sys.stderr.flush()
+
+
+def guarded(fn: Callable[[], int]) -> int:
+    """Run a command; map every failure to one stderr line and an exit code."""
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        return Exit.INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return Exit.OK
+    except (BlipError, TimeoutError) as exc:
+        say(str(exc))
+        return for_error(exc)
+    except OSError as exc:
+        say(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}")
+        return Exit.USAGE
+    except Exception as exc:  # a bug: still one line, and a distinct code
+        say(f"internal error: {type(exc).__name__}: {exc}")
+        return Exit.INTERNAL
+
+
+def _silence_stdout() -> None:
+    # stdout's reader went away (`| head -1`): point fd 1 at /dev/null so the interpreter's
+    # final flush does not raise again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _key(key: str | None) -> bytes | None:
+    return None if key is None else os.fsencode(key)
+
+
+def pub(
+    topic: str,
+    message: str,
+    *,
+    addr: str | None,
+    api_key: str | None,
+    ttl: int = 0,
+    qos: int = 0,
+    key: str | None = None,
+    lines: bool = False,
+) -> int:
+    if lines:
+        if message != "-":
+            say("--lines reads standard input: give '-' as the message")
+            return Exit.USAGE
+        return _pub_lines(topic, addr, api_key, ttl, qos, _key(key))
+    payload = sys.stdin.buffer.read() if message == "-" else os.fsencode(message)
+    with connect_from_env(addr, api_key) as client:
+        client.publish(topic, payload, qos=qos, ttl_ms=ttl, key=_key(key))
+    return Exit.OK
+
+
+def _stdin_lines(stream: BinaryIO) -> Iterator[list[bytes]]:
+    """Complete lines as they arrive (a read returns what is there, so `tail -f` streams)."""
+    fd = stream.fileno()
+    rest = b""
+    while True:
+        chunk = os.read(fd, _READ)
+        if not chunk:
+            if rest:
+                yield [rest]
+            return
+        parts = (rest + chunk).split(b"\n")
+        rest = parts.pop()
+        if parts:
+            yield parts
+
+
+def _pub_lines(
+    topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None
+) -> int:
+    with connect_from_env(addr, api_key) as client:
+        plain = ttl == 0 and qos == 0 and key is None
+        for batch in _stdin_lines(sys.stdin.buffer):
+            if plain:
+                client.publish_many([(topic, line) for line in batch])
+            else:
+                client.publish_many([Message(topic, line, qos, ttl, key) for line in batch])
+            client.check()
+    return Exit.OK
+
+
+def pubfile(
+    topic: str,
+    path: str,
+    *,
+    addr: str | None,
+    api_key: str | None,
+    ttl: int = 0,
+    qos: int = 0,
+    key: str | None = None,
+) -> int:
+    size = os.path.getsize(path)
+    with connect_from_env(addr, api_key) as client:
+        if size > client.max_message:
+            raise BrokerError(
+                ErrorCode.MESSAGE_TOO_LARGE,
+                f"{path} is {size} bytes, over the broker's limit of {client.max_message}",
+            )
+        with open(path, "rb") as f:
+            data = f.read()
+        if sys.stderr.isatty() and size >= 1 << 20:
+            _send_with_progress(client, topic, data, ttl, qos, _key(key), path)
+        else:
+            client.publish(topic, data, qos=qos, ttl_ms=ttl, key=_key(key))
+    return Exit.OK
+
+
+def _send_with_progress(
+    client: Client, topic: str, data: bytes, ttl: int, qos: int, key: bytes | None, path: str
+) -> None:
+    from rich.progress import Progress  # only on a terminal: rich costs startup time
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"sending {os.path.basename(path)}", total=len(data))
+        client.publish(
+            topic, data, qos=qos, ttl_ms=ttl, key=key,
+            progress=lambda sent: progress.update(task, completed=sent),
+        )
+        client.flush()
+
+
+def sub(
+    topic: str,
+    *,
+    addr: str | None,
+    api_key: str | None,
+    count: int | None = None,
+    timeout: float | None = None,
+    group: str = "",
+    qos: int = 0,
+    fmt: str = "raw",
+) -> int:
+    if count is not None and count < 1:
+        say("--count must be at least 1")
+        return Exit.USAGE
+    if timeout is not None and timeout <= 0:
+        say("--timeout must be a positive number of seconds")
+        return Exit.USAGE
+    write_batch = WRITERS[fmt]
+    out = sys.stdout.buffer
+    deadline = None if timeout is None else time.monotonic() + timeout
+    received = 0
+    with connect_from_env(addr, api_key) as client:
+        subscription = client.subscribe(topic, group=group, qos=qos)
+        while count is None or received < count:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            try:
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError
+                batch = subscription.next_batch(remaining)
+            except TimeoutError:
+                if received == 0 or count is not None:
+                    say(f"timed out after {timeout:g} s with {received} message(s) received")
+                    return Exit.TIMEOUT
+                return Exit.OK
+            if batch is None:
+                say("the broker ended the subscription (shutting down)")
+                return Exit.OK if count is None else Exit.REFUSED
+            if count is not None and received + len(batch) > count:
+                batch = batch[: count - received]
+            received += len(batch)
+            out.write(write_batch(batch))
+            out.flush()
+    return Exit.OK
+
+
+def unsub(topic: str, *, addr: str | None, api_key: str | None, group: str) -> int:
+    if not group:
+        say("unsub needs --group NAME (a plain subscription ends with its connection)")
+        return Exit.USAGE
+    with connect_from_env(addr, api_key) as client:
+        client.unsubscribe(topic, group=group)
+    return Exit.OK
+

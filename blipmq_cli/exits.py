@@ -1,0 +1,48 @@
+"""Exit codes of the ``blipmq`` client commands, and the mapping from errors to them.
+
+The table is repeated in README.md ("Exit codes"); tests hold the two together.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from blipmq_server.errors import BrokerError, ConfigError, ConnectError
+from blipmq_server.protocol.codec import ErrorCode
+
+
+class Exit(IntEnum):
+    OK = 0
+    INTERNAL = 1  # a bug: please report it
+    USAGE = 2  # bad arguments, bad config, unreadable input file
+    UNREACHABLE = 3  # broker unreachable, or the connection was lost
+    TIMEOUT = 4  # sub --timeout ran out before --count messages (or any) arrived
+    AUTH = 5  # API key refused
+    TOO_LARGE = 6  # message larger than the broker's max_message_bytes
+    BAD_NAME = 7  # invalid topic, filter or group name
+    NOT_FOUND = 8  # unsub of a group that does not exist
+    REFUSED = 9  # any other refusal by the broker (queue full, connection limit, ...)
+    INTERRUPTED = 130  # Ctrl-C
+
+
+_BY_CODE = {
+    ErrorCode.AUTH_FAILED: Exit.AUTH,
+    ErrorCode.NOT_AUTHENTICATED: Exit.AUTH,
+    ErrorCode.MESSAGE_TOO_LARGE: Exit.TOO_LARGE,
+    ErrorCode.FRAME_TOO_LARGE: Exit.TOO_LARGE,
+    ErrorCode.INVALID_TOPIC: Exit.BAD_NAME,
+    ErrorCode.INVALID_REQUEST: Exit.BAD_NAME,
+    ErrorCode.NOT_FOUND: Exit.NOT_FOUND,
+}
+
+
+def for_error(exc: BaseException) -> Exit:
+    if isinstance(exc, BrokerError):
+        return _BY_CODE.get(exc.code, Exit.REFUSED)  # type: ignore[call-overload]
+    if isinstance(exc, ConnectError):
+        return Exit.UNREACHABLE
+    if isinstance(exc, ConfigError):
+        return Exit.USAGE
+    if isinstance(exc, TimeoutError):
+        return Exit.UNREACHABLE
+    return Exit.INTERNAL

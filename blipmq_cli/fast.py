@@ -1,0 +1,81 @@
+"""A lean argument parser for the commands that must start fast.
+
+Importing Typer costs about 150 ms here (it pulls in pydantic), more than a whole one-shot
+``blipmq pub``. So ``pub``, ``pubfile``, ``sub``, ``unsub`` and ``start`` are parsed with
+argparse; the Typer app (``blipmq_cli.app``) declares the same commands for ``--help`` and
+everything else, and tests/test_cli_parity.py keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from blipmq_cli import commands
+from blipmq_cli.exits import Exit
+from blipmq_cli.output import FORMATS
+
+COMMANDS = ("pub", "pubfile", "sub", "unsub", "start")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(Exit.USAGE)
+
+
+def _client_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default=None)
+    p.add_argument("--api-key", dest="api_key", default=None)
+
+
+def _pub_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ttl", type=int, default=0)
+    p.add_argument("--qos", type=int, choices=(0, 1), default=0)
+    p.add_argument("--key", default=None)
+    _client_opts(p)
+
+
+def parser(command: str) -> argparse.ArgumentParser:
+    p = _Parser(prog=f"blipmq {command}", add_help=False)
+    if command == "pub":
+        p.add_argument("topic")
+        p.add_argument("message")
+        p.add_argument("--lines", action="store_true")
+        _pub_opts(p)
+    elif command == "pubfile":
+        p.add_argument("topic")
+        p.add_argument("path")
+        _pub_opts(p)
+    elif command == "sub":
+        p.add_argument("topic")
+        p.add_argument("--count", type=int, default=None)
+        p.add_argument("--timeout", type=float, default=None)
+        p.add_argument("--group", default="")
+        p.add_argument("--qos", type=int, choices=(0, 1), default=0)
+        p.add_argument("--format", dest="fmt", choices=FORMATS, default="raw")
+        _client_opts(p)
+    elif command == "unsub":
+        p.add_argument("topic")
+        p.add_argument("--group", default="")
+        _client_opts(p)
+    elif command == "start":
+        p.add_argument("--config", default=None)
+        p.add_argument("--data-dir", dest="data_dir", default=None)
+        p.add_argument("--bind", default=None)
+        p.add_argument("--metrics-bind", dest="metrics_bind", default=None)
+        p.add_argument("--log-level", dest="log_level", default=None)
+        p.add_argument("--log-format", dest="log_format", default=None)
+    return p
+
+
+def run(argv: list[str]) -> int:
+    command, rest = argv[0], argv[1:]
+    args = vars(parser(command).parse_args(rest))
+    if command == "start":
+        from blipmq_server import daemon
+
+        return daemon.start(**args)
+    fn = getattr(commands, command)
+    return commands.guarded(lambda: fn(**args))

@@ -1,0 +1,368 @@
+"""The broker core: routing publishes into subscription queues and taking deliveries out.
+
+``Broker`` owns topics (implicitly: a topic exists once something is published to it),
+subscriptions, consumer groups and their queues. Every call is synchronous and returns a
+small result value; the Trio shell decides whom to wake and what to send. Time comes in as
+``now_ms`` (monotonic milliseconds). Never imports trio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from blipmq_server.broker.queue import Overflow, Queue
+from blipmq_server.broker.topics import matches
+from blipmq_server.protocol.codec import DELIVERY_PREFIX, ErrorCode, RawMessage
+from blipmq_server.protocol.names import filter_problem, group_problem, topic_problem
+
+_ROUTE_CACHE_LIMIT = 8192
+_pack_prefix = DELIVERY_PREFIX.pack
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The broker options the core needs (built from the config by the shell)."""
+
+    capacity: int = 1024
+    overflow: Overflow = Overflow.DROP_OLDEST
+    default_ttl_ms: int = 0
+    max_message_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class Counters:
+    """Plain counters, read by metrics at scrape time."""
+
+    published: int = 0
+    unrouted: int = 0  # accepted, but no subscription matched
+    enqueued: int = 0
+    delivered: int = 0
+    dropped_oldest: int = 0
+    dropped_new: int = 0
+    dropped_ttl: int = 0
+    dropped_block_timeout: int = 0
+    refused: int = 0  # messages answered with an error frame (bad topic, too large, ...)
+
+
+class Consumer:
+    """One subscriber attachment: a connection's subscription id on a queue."""
+
+    __slots__ = ("credit", "owner", "qos", "queue", "request_id", "sub_id")
+
+    def __init__(
+        self, sub_id: int, queue: Queue, owner: Any, qos: int, credit: int, request_id: int
+    ) -> None:
+        self.sub_id = sub_id
+        self.queue = queue
+        self.owner = owner
+        self.qos = qos
+        self.credit = credit
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"Consumer({self.sub_id}, {self.queue!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    code: ErrorCode
+    text: str
+
+
+@dataclass(slots=True)
+class PublishResult:
+    """``accepted`` messages of the batch were taken; the rest were not looked at.
+
+    ``blocked`` is a full queue with the ``block`` policy that stopped the batch (retry the
+    rest when it has room); ``refusal`` says why a message was refused.
+    """
+
+    accepted: int
+    woken: set[Queue]
+    blocked: Queue | None = None
+    refusal: Refusal | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeResult:
+    consumer: Consumer | None
+    refusal: Refusal | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UnsubscribeResult:
+    count: int
+    ended: tuple[Consumer, ...] = ()  # other connections' consumers detached (group deleted)
+    removed: tuple[Queue, ...] = ()  # queues that no longer exist
+    refusal: Refusal | None = None
+
+
+@dataclass(slots=True)
+class _Route:
+    targets: tuple[Queue, ...]
+    blockers: tuple[Queue, ...]  # the targets with the block policy
+
+
+@dataclass
+class Broker:
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        self.counters = Counters()
+        self.offset = 0  # offset of the last accepted message
+        self._queues: list[Queue] = []
+        self._groups: dict[tuple[str, str], Queue] = {}
+        self._consumers: dict[int, Consumer] = {}
+        self._by_owner: dict[Any, list[Consumer]] = {}
+        self._routes: dict[bytes, _Route | Refusal] = {}
+        self._next_sub_id = 1
+
+    # ----------------------------------------------------------------------------- publish
+
+    def publish(self, messages: Sequence[RawMessage], now_ms: int) -> PublishResult:
+        """Route a batch. Stops at the first message refused or blocked by a full queue."""
+        routes = self._routes
+        woken: set[Queue] = set()
+        add = woken.add
+        c = self.counters
+        max_bytes = self.limits.max_message_bytes
+        default_ttl = self.limits.default_ttl_ms
+        offset = self.offset
+        accepted = 0
+        result = None
+        for m in messages:
+            route = routes.get(m.topic)
+            if route is None:
+                route = self._resolve(m.topic)
+            if route.__class__ is Refusal:
+                result = PublishResult(accepted, woken, refusal=route)  # type: ignore[arg-type]
+                break
+            if m.payload_len > max_bytes:
+                refusal = Refusal(
+                    ErrorCode.MESSAGE_TOO_LARGE,
+                    f"message of {m.payload_len} bytes exceeds max_message_bytes ({max_bytes})",
+                )
+                result = PublishResult(accepted, woken, refusal=refusal)
+                break
+            if m.qos:
+                refusal = Refusal(
+                    ErrorCode.UNSUPPORTED,
+                    "QoS 1 needs the durable log, which this broker does not have yet",
+                )
+                result = PublishResult(accepted, woken, refusal=refusal)
+                break
+            blocked = next((q for q in route.blockers if len(q.items) >= q.capacity), None)  # type: ignore[union-attr]
+            if blocked is not None:
+                result = PublishResult(accepted, woken, blocked=blocked)
+                break
+            offset += 1
+            accepted += 1
+            targets = route.targets  # type: ignore[union-attr]
+            if not targets:
+                c.unrouted += 1
+                continue
+            ttl = m.ttl_ms or default_ttl
+            item = (_pack_prefix(offset, 1) + m.record, now_ms + ttl if ttl else 0)
+            for q in targets:
+                items = q.items
+                if len(items) < q.capacity:
+                    items.append(item)
+                elif q.overflow is Overflow.DROP_OLDEST:
+                    items.popleft()
+                    items.append(item)
+                    q.dropped_oldest += 1
+                    c.dropped_oldest += 1
+                else:  # DROP_NEW (BLOCK never gets here: checked above)
+                    q.dropped_new += 1
+                    c.dropped_new += 1
+                    continue
+                if ttl:
+                    q.expiring = True
+                c.enqueued += 1
+                add(q)
+        self.offset = offset
+        c.published += accepted
+        if result is None:
+            return PublishResult(accepted, woken)
+        if result.refusal is not None:
+            c.refused += 1
+        return result
+
+    def _resolve(self, topic: bytes) -> _Route | Refusal:
+        """Which queues a topic goes to (cached until the subscriptions change)."""
+        if len(self._routes) >= _ROUTE_CACHE_LIMIT:
+            self._routes.clear()
+        try:
+            name = topic.decode("utf-8")
+        except UnicodeDecodeError:
+            route: _Route | Refusal = Refusal(ErrorCode.INVALID_TOPIC, "topic is not valid UTF-8")
+        else:
+            problem = topic_problem(name)
+            if problem:
+                route = Refusal(ErrorCode.INVALID_TOPIC, problem)
+            else:
+                levels = tuple(name.split("/"))
+                targets = tuple(q for q in self._queues if matches(q.levels, levels))
+                blockers = tuple(q for q in targets if q.overflow is Overflow.BLOCK)
+                route = _Route(targets, blockers)
+        self._routes[topic] = route
+        return route
+
+    def count_block_timeout(self, dropped: int) -> None:
+        """A blocked publisher gave up: its ``dropped`` remaining messages are lost."""
+        self.counters.dropped_block_timeout += dropped
+
+    # ------------------------------------------------------------------------ subscriptions
+
+    def subscribe(
+        self,
+        owner: Any,
+        topic_filter: str,
+        group: str = "",
+        qos: int = 0,
+        credit: int = 0,
+        request_id: int = 0,
+    ) -> SubscribeResult:
+        """Attach ``owner`` (a connection) to a new subscription or to a group's queue."""
+        problem = filter_problem(topic_filter) or (group_problem(group) if group else None)
+        if problem:
+            code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
+            return SubscribeResult(None, Refusal(code, problem))
+        if qos:
+            return SubscribeResult(
+                None,
+                Refusal(ErrorCode.UNSUPPORTED, "QoS 1 subscriptions need the durable log"),
+            )
+        queue = self._groups.get((topic_filter, group)) if group else None
+        if queue is None:
+            queue = Queue(topic_filter, group or None, self.limits.capacity, self.limits.overflow)
+            self._queues.append(queue)
+            if group:
+                self._groups[(topic_filter, group)] = queue
+            self._routes.clear()
+        consumer = Consumer(self._next_sub_id, queue, owner, qos, credit, request_id)
+        self._next_sub_id += 1
+        queue.consumers.append(consumer)
+        self._consumers[consumer.sub_id] = consumer
+        self._by_owner.setdefault(owner, []).append(consumer)
+        return SubscribeResult(consumer)
+
+    def unsubscribe(
+        self, owner: Any, sub_id: int = 0, topic_filter: str = "", group: str = ""
+    ) -> UnsubscribeResult:
+        """End one subscription (by id), this owner's subscriptions on a filter, or a group."""
+        if sub_id:
+            consumer = self._consumers.get(sub_id)
+            if consumer is None or consumer.owner is not owner:
+                return UnsubscribeResult(
+                    0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}")
+                )
+            return UnsubscribeResult(1, removed=self._detach(consumer))
+        if group:
+            queue = self._groups.pop((topic_filter, group), None)
+            if queue is None:
+                return UnsubscribeResult(
+                    0,
+                    refusal=Refusal(
+                        ErrorCode.NOT_FOUND, f"no group {group!r} on topic filter {topic_filter!r}"
+                    ),
+                )
+            ended = tuple(c for c in queue.consumers if c.owner is not owner)
+            for consumer in list(queue.consumers):
+                self._forget(consumer)
+            queue.consumers.clear()
+            self._drop_queue(queue)
+            return UnsubscribeResult(1, ended=ended, removed=(queue,))
+        mine = [
+            c for c in self._by_owner.get(owner, ())
+            if c.queue.filter == topic_filter and c.queue.group is None
+        ]
+        removed: list[Queue] = []
+        for consumer in mine:
+            removed.extend(self._detach(consumer))
+        return UnsubscribeResult(len(mine), removed=tuple(removed))
+
+    def disconnect(self, owner: Any) -> tuple[Queue, ...]:
+        """A connection is gone: end its subscriptions. Groups keep their queues."""
+        removed: list[Queue] = []
+        for consumer in list(self._by_owner.get(owner, ())):
+            removed.extend(self._detach(consumer))
+        self._by_owner.pop(owner, None)
+        return tuple(removed)
+
+    def consumers_of(self, owner: Any) -> list[Consumer]:
+        return self._by_owner.get(owner, [])
+
+    def _detach(self, consumer: Consumer) -> tuple[Queue, ...]:
+        self._forget(consumer)
+        queue = consumer.queue
+        if consumer in queue.consumers:
+            queue.consumers.remove(consumer)
+        if queue.group is None:
+            self._drop_queue(queue)
+            return (queue,)
+        return ()
+
+    def _forget(self, consumer: Consumer) -> None:
+        self._consumers.pop(consumer.sub_id, None)
+        mine = self._by_owner.get(consumer.owner)
+        if mine and consumer in mine:
+            mine.remove(consumer)
+
+    def _drop_queue(self, queue: Queue) -> None:
+        if queue in self._queues:
+            self._queues.remove(queue)
+            self._routes.clear()
+
+    # ---------------------------------------------------------------------------- delivery
+
+    def take(self, consumer: Consumer, limit: int, max_bytes: int, now_ms: int) -> list[bytes]:
+        """Up to ``limit`` delivery records (and about ``max_bytes``) for one consumer.
+
+        Expired items met on the way are dropped and counted, so an expired message is never
+        handed out. A group's consumers each take a fair share of what is waiting.
+        """
+        queue = consumer.queue
+        items = queue.items
+        if not items:
+            return []
+        sharers = len(queue.consumers)
+        if sharers > 1:
+            limit = min(limit, -(-len(items) // sharers))
+        out: list[bytes] = []
+        size = 0
+        expired = 0
+        popleft = items.popleft
+        while items and len(out) < limit:
+            record, expires = items[0]
+            if expires and expires <= now_ms:
+                popleft()
+                expired += 1
+                continue
+            if out and size + len(record) > max_bytes:
+                break
+            popleft()
+            out.append(record)
+            size += len(record)
+        if expired:
+            queue.dropped_ttl += expired
+            self.counters.dropped_ttl += expired
+        self.counters.delivered += len(out)
+        return out
+
+    def tick(self, now_ms: int) -> int:
+        """Maintenance: drop expired messages from every queue; returns how many."""
+        removed = sum(q.purge_expired(now_ms) for q in self._queues)
+        self.counters.dropped_ttl += removed
+        return removed
+
+    # ------------------------------------------------------------------------------- views
+
+    @property
+    def queues(self) -> tuple[Queue, ...]:
+        return tuple(self._queues)
+
+    def group(self, topic_filter: str, group: str) -> Queue | None:
+        return self._groups.get((topic_filter, group))

@@ -1,0 +1,111 @@
+"""``blipmq start``: configuration, logging, the data directory lock, then the Trio server.
+
+Exit codes: 0 after a clean shutdown, 1 when the broker cannot run (address in use, data
+directory locked or not writable), 2 for a configuration error. Every failure is one line on
+stderr.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sys
+from typing import IO
+
+from blipmq_server.errors import ConfigError
+
+log = logging.getLogger("blipmq")
+
+
+def _split_bind(value: str, key: str) -> dict[str, object]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{value!r} is not HOST:PORT", key)
+    return {"host": host.strip("[]"), "port": port}
+
+
+def overrides(
+    data_dir: str | None = None,
+    bind: str | None = None,
+    metrics_bind: str | None = None,
+    log_level: str | None = None,
+    log_format: str | None = None,
+) -> dict[str, object]:
+    """Flags of ``blipmq start`` as dotted config keys."""
+    out: dict[str, object] = {}
+    if data_dir is not None:
+        out["storage.data_dir"] = data_dir
+    if bind is not None:
+        out.update({f"server.{k}": v for k, v in _split_bind(bind, "--bind").items()})
+    if metrics_bind is not None:
+        parts = _split_bind(metrics_bind, "--metrics-bind")
+        out.update({f"metrics.{k}": v for k, v in parts.items()})
+    if log_level is not None:
+        out["log.level"] = log_level
+    if log_format is not None:
+        out["log.format"] = log_format
+    return out
+
+
+def lock_data_dir(path: str) -> IO[str]:
+    """Create the data directory and hold its lock for the life of the process."""
+    os.makedirs(path, exist_ok=True)
+    handle = open(os.path.join(path, "blipmq.lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "?"
+        handle.close()
+        raise OSError(f"data directory {path} is in use by another broker (pid {owner})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def start(config: str | None = None, **flags: str | None) -> int:
+    from blipmq_server import config as config_module
+    from blipmq_server import logs
+
+    try:
+        cfg = config_module.load(config, overrides=overrides(**flags))
+    except ConfigError as exc:
+        sys.stderr.write(f"blipmq: config error: {exc}\n")
+        return 2
+    logs.setup(cfg.log.level, cfg.log.format)
+    try:
+        lock = lock_data_dir(cfg.storage.data_dir)
+    except OSError as exc:
+        sys.stderr.write(f"blipmq: cannot use data directory: {exc.strerror or exc}\n")
+        return 1
+
+    import trio
+
+    from blipmq_server.server.app import run
+
+    try:
+        trio.run(run, cfg)
+    except (OSError, BaseExceptionGroup) as exc:
+        failure = _os_error(exc)
+        if failure is None:
+            raise
+        sys.stderr.write(f"blipmq: cannot start: {failure.strerror or failure}\n")
+        return 1
+    finally:
+        lock.close()
+    return 0
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError inside what trio raised (nurseries wrap errors in exception groups)."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _os_error(inner)
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,86 @@
+"""Prometheus exposition of the broker's plain counters, read at scrape time.
+
+The core keeps ints; this module turns them into metric families when /metrics is
+scraped, so the hot path never touches a metrics object. Must not import trio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+if TYPE_CHECKING:
+    from blipmq_server.server.app import Server
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class BrokerCollector:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        broker = self.server.broker
+        c = broker.counters
+        s = self.server.counters
+        yield CounterMetricFamily(
+            "blipmq_messages_published", "Messages accepted from publishers", value=c.published
+        )
+        yield CounterMetricFamily(
+            "blipmq_messages_unrouted", "Accepted messages no subscription matched",
+            value=c.unrouted,
+        )
+        yield CounterMetricFamily(
+            "blipmq_messages_enqueued", "Message copies put on subscription queues",
+            value=c.enqueued,
+        )
+        yield CounterMetricFamily(
+            "blipmq_messages_delivered", "Message copies handed to subscriber connections",
+            value=c.delivered,
+        )
+        yield CounterMetricFamily(
+            "blipmq_messages_refused", "Publish batches answered with an error frame",
+            value=c.refused,
+        )
+        dropped = CounterMetricFamily(
+            "blipmq_messages_dropped", "Message copies dropped, by reason", labels=["reason"]
+        )
+        dropped.add_metric(["drop_oldest"], c.dropped_oldest)
+        dropped.add_metric(["drop_new"], c.dropped_new)
+        dropped.add_metric(["ttl"], c.dropped_ttl)
+        dropped.add_metric(["block_timeout"], c.dropped_block_timeout)
+        yield dropped
+        yield CounterMetricFamily(
+            "blipmq_connections", "Connections accepted", value=s.connections_total
+        )
+        yield CounterMetricFamily(
+            "blipmq_connections_refused", "Connections refused at max_connections",
+            value=s.connections_refused,
+        )
+        yield CounterMetricFamily(
+            "blipmq_auth_failures", "Connections that offered a refused API key",
+            value=s.auth_failures,
+        )
+        yield GaugeMetricFamily(
+            "blipmq_connections_open", "Open client connections", value=len(self.server.sessions)
+        )
+        queues = broker.queues
+        yield GaugeMetricFamily("blipmq_queues", "Subscription and group queues", value=len(queues))
+        yield GaugeMetricFamily(
+            "blipmq_queue_depth", "Messages waiting in all queues",
+            value=sum(len(q.items) for q in queues),
+        )
+
+
+def registry_for(server: Server) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BrokerCollector(server))  # type: ignore[arg-type]
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

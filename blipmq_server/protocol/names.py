@@ -1,0 +1,66 @@
+"""Validation of topic names, subscription filters and group names.
+
+Returns a problem as a string (or None when the name is fine), so callers decide whether a
+bad name is an error frame, a CLI exit code or a test assertion. Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_TOPIC_BYTES = 1024
+MAX_GROUP_CHARS = 64
+_GROUP_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def _common(name: str, what: str) -> str | None:
+    if not name:
+        return f"{what} is empty"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return f"{what} {name!r} is not valid UTF-8"
+    if size > MAX_TOPIC_BYTES:
+        return f"{what} is {size} bytes long, the limit is {MAX_TOPIC_BYTES}"
+    if "\x00" in name:
+        return f"{what} {name!r} contains a NUL character"
+    if "" in name.split("/"):
+        return f"{what} {name!r} has an empty level (leading, trailing or double '/')"
+    return None
+
+
+def topic_problem(name: str) -> str | None:
+    """Why ``name`` cannot be published to, or None. Wildcards and a leading '$' are refused."""
+    problem = _common(name, "topic")
+    if problem:
+        return problem
+    if "+" in name or "#" in name:
+        return f"topic {name!r} contains a wildcard ('+' or '#'); wildcards are for sub"
+    if name.startswith("$"):
+        return f"topic {name!r} starts with '$', which is reserved for the broker"
+    return None
+
+
+def filter_problem(name: str) -> str | None:
+    """Why ``name`` is not a valid subscription filter, or None (MQTT-style '+' and '#')."""
+    problem = _common(name, "topic filter")
+    if problem:
+        return problem
+    levels = name.split("/")
+    for i, level in enumerate(levels):
+        if ("+" in level and level != "+") or ("#" in level and level != "#"):
+            return f"topic filter {name!r}: a wildcard must be a whole level"
+        if level == "#" and i != len(levels) - 1:
+            return f"topic filter {name!r}: '#' must be the last level"
+    return None
+
+
+def group_problem(name: str) -> str | None:
+    """Why ``name`` is not a valid consumer group name, or None."""
+    if not name:
+        return "group name is empty"
+    if len(name) > MAX_GROUP_CHARS:
+        return f"group name is {len(name)} characters long, the limit is {MAX_GROUP_CHARS}"
+    if not _GROUP_RE.fullmatch(name):
+        return f"group name {name!r} may only contain letters, digits, '_', '.' and '-'"
+    return None

@@ -1,0 +1,188 @@
+"""The broker process: listeners, the connection nursery, maintenance and shutdown.
+
+Nursery tree (docs/ARCHITECTURE.md)::
+
+    serve
+    +-- root nursery: expiry ticker, metrics HTTP listener
+        +-- connections nursery: one task per connection (reader + writer inside)
+            +-- accept loop(s)
+
+Shutdown follows hypercorn's order: stop accepting, tell every session to stop intake and
+drain its queued deliveries, wait at most ``shutdown_grace_ms``, then cancel what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import trio
+
+from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.queue import Overflow
+from blipmq_server.config import Config
+from blipmq_server.protocol import codec
+from blipmq_server.protocol.codec import ErrorCode
+from blipmq_server.server.session import CloseReason, Session, now_ms, release_waiter
+
+log = logging.getLogger("blipmq")
+
+
+@dataclass(slots=True)
+class ServerCounters:
+    connections_total: int = 0
+    connections_refused: int = 0
+    auth_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """What ``serve`` reports once it listens (tests use the ports)."""
+
+    port: int
+    metrics_port: int | None
+
+
+class Server:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        q = config.queues
+        self.broker = Broker(
+            Limits(
+                capacity=q.capacity,
+                overflow=Overflow(q.overflow),
+                default_ttl_ms=q.default_ttl_ms,
+                max_message_bytes=config.server.max_message_bytes,
+            )
+        )
+        self.counters = ServerCounters()
+        self.sessions: set[Session] = set()
+        self.shutdown = trio.Event()
+        self.started_at = 0.0
+        self._next_conn_id = 1
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        cfg = self.config
+        listeners = await trio.open_tcp_listeners(cfg.server.port, host=cfg.server.host)
+        port = listeners[0].socket.getsockname()[1]
+        self.started_at = trio.current_time()
+        async with trio.open_nursery() as root:
+            root.start_soon(self._expiry_loop)
+            metrics_port = None
+            if cfg.metrics.enabled:
+                from blipmq_server.server.http import serve_http
+
+                metrics_port = await root.start(serve_http, self)
+            async with trio.open_nursery() as conns:
+                accept_scope = trio.CancelScope()
+                conns.start_soon(self._accept_all, listeners, conns, accept_scope)
+                log.info(
+                    "listening on %s:%d%s; queues: capacity %d, overflow %s; auth %s",
+                    cfg.server.host, port,
+                    f", metrics on http://{cfg.metrics.host}:{metrics_port}/metrics"
+                    if metrics_port is not None else "",
+                    cfg.queues.capacity, cfg.queues.overflow,
+                    "enabled" if cfg.auth.api_keys else "disabled (no api_keys configured)",
+                )
+                task_status.started(Bound(port, metrics_port))
+                await self.shutdown.wait()
+                await self._drain(accept_scope, listeners, conns)
+            root.cancel_scope.cancel()
+        log.info("stopped")
+
+    async def _drain(
+        self,
+        accept_scope: trio.CancelScope,
+        listeners: list[trio.SocketListener],
+        conns: trio.Nursery,
+    ) -> None:
+        grace = self.config.server.shutdown_grace_ms / 1000
+        log.info("shutting down: draining %d connection(s), up to %.1f s",
+                 len(self.sessions), grace)
+        accept_scope.cancel()
+        for listener in listeners:
+            await listener.aclose()
+        for session in list(self.sessions):
+            session.stop_reading(CloseReason.SHUTDOWN)
+        for queue in self.broker.queues:
+            release_waiter(queue)  # blocked publishers: their readers are cancelled anyway
+        conns.cancel_scope.deadline = trio.current_time() + grace
+
+    async def _accept_all(
+        self,
+        listeners: list[trio.SocketListener],
+        conns: trio.Nursery,
+        scope: trio.CancelScope,
+    ) -> None:
+        with scope:
+            async with trio.open_nursery() as nursery:
+                for listener in listeners:
+                    nursery.start_soon(self._accept, listener, conns)
+
+    async def _accept(self, listener: trio.SocketListener, conns: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                log.warning("accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            conns.start_soon(self._connection, stream)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.counters.connections_total += 1
+        if len(self.sessions) >= self.config.server.max_connections:
+            self.counters.connections_refused += 1
+            limit = self.config.server.max_connections
+            frame = codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
+                                f"the broker is at max_connections ({limit})")
+            with trio.move_on_after(1):
+                try:
+                    await stream.send_all(codec.encode(frame))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            await trio.aclose_forcefully(stream)
+            return
+        session = Session(self, stream, self._next_conn_id)
+        self._next_conn_id += 1
+        self.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+
+    async def _expiry_loop(self) -> None:
+        interval = self.config.queues.expiry_interval_ms / 1000
+        if not interval:
+            await trio.sleep_forever()
+        while True:
+            await trio.sleep(interval)
+            removed = self.broker.tick(now_ms())
+            if removed:
+                log.debug("expired %d message(s)", removed)
+
+
+async def run(config: Config) -> None:
+    """Serve until SIGINT/SIGTERM; a second signal ends the process at once."""
+    server = Server(config)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals, signals, server)
+            await server.serve()
+            nursery.cancel_scope.cancel()
+
+
+async def _watch_signals(signals: AsyncIterator[int], server: Server) -> None:
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if server.shutdown.is_set():
+            log.warning("second %s: exiting at once", name)
+            logging.shutdown()
+            os._exit(128 + signum)
+        log.info("received %s", name)
+        server.shutdown.set()

@@ -1,0 +1,68 @@
+"""A tiny HTTP/1.1 listener for /metrics, /health and /ready (one request per connection)."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import TYPE_CHECKING
+
+import trio
+
+from blipmq_server import metrics
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+    from blipmq_server.server.app import Server
+
+log = logging.getLogger("blipmq.http")
+_MAX_REQUEST = 8192
+
+
+async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> None:
+    cfg = server.config.metrics
+    listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+    registry = metrics.registry_for(server)
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(partial(_handle, server, registry), listeners)
+
+
+async def _handle(server: Server, registry: CollectorRegistry, stream: trio.SocketStream) -> None:
+    try:
+        with trio.move_on_after(5):
+            request = b""
+            while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    break
+                request += chunk
+            status, ctype, body = _respond(server, registry, request)
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            await stream.send_all(head.encode() + body)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+def _respond(server: Server, registry: CollectorRegistry, request: bytes) -> tuple[str, str, bytes]:
+    text = "text/plain; charset=utf-8"
+    try:
+        method, target, _ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+    except ValueError:
+        return "400 Bad Request", text, b"bad request\n"
+    if method not in ("GET", "HEAD"):
+        return "405 Method Not Allowed", text, b"only GET\n"
+    path = target.split("?", 1)[0]
+    if path == "/metrics":
+        return "200 OK", metrics.CONTENT_TYPE, metrics.render(registry)
+    if path == "/health":
+        return "200 OK", text, b"ok\n"
+    if path == "/ready":
+        if server.shutdown.is_set():
+            return "503 Service Unavailable", text, b"shutting down\n"
+        return "200 OK", text, b"ready\n"
+    return "404 Not Found", text, b"not found: try /metrics, /health or /ready\n"

@@ -1,0 +1,204 @@
+"""The pure broker core: routing, overflow policies, groups, TTL. No event loop, no sleeps."""
+
+import pytest
+
+from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.queue import Overflow
+from blipmq_server.protocol.codec import (
+    DELIVERY_PREFIX,
+    ErrorCode,
+    Message,
+    RawMessage,
+    decode_one,
+    encode_deliver,
+    encode_publish,
+    message_record,
+)
+
+
+def raw(topic: str, payload: bytes = b"x", ttl: int = 0, qos: int = 0) -> RawMessage:
+    frame = decode_one(encode_publish([message_record(Message(topic, payload, qos, ttl))]))
+    return frame.messages[0]  # type: ignore[union-attr]
+
+
+def payloads(records: list[bytes]) -> list[bytes]:
+    frame = decode_one(encode_deliver(1, records))
+    return [d.payload for d in frame.messages]  # type: ignore[union-attr]
+
+
+def take_all(b: Broker, consumer, now: int = 0) -> list[bytes]:
+    return payloads(b.take(consumer, 10_000, 1 << 30, now))
+
+
+def test_publish_routes_to_matching_subscriptions_only() -> None:
+    b = Broker()
+    exact = b.subscribe("c1", "sensors/kitchen/temp").consumer
+    plus = b.subscribe("c2", "sensors/+/temp").consumer
+    hash_ = b.subscribe("c3", "sensors/#").consumer
+    other = b.subscribe("c4", "alerts").consumer
+    res = b.publish([raw("sensors/kitchen/temp", b"21"), raw("sensors/hall/temp", b"19")], 0)
+    assert res.accepted == 2 and res.refusal is None
+    assert take_all(b, exact) == [b"21"]
+    assert take_all(b, plus) == [b"21", b"19"]
+    assert take_all(b, hash_) == [b"21", b"19"]
+    assert take_all(b, other) == []
+    assert b.counters.published == 2 and b.counters.delivered == 5
+
+
+def test_offsets_increase_and_records_carry_them() -> None:
+    b = Broker()
+    c = b.subscribe("c", "t").consumer
+    b.publish([raw("t"), raw("nobody/listens"), raw("t")], 0)
+    records = b.take(c, 10, 1 << 20, 0)
+    offsets = [DELIVERY_PREFIX.unpack_from(r)[0] for r in records]
+    assert offsets == [1, 3]
+    assert b.counters.unrouted == 1
+
+
+def test_drop_oldest_keeps_the_newest() -> None:
+    b = Broker(Limits(capacity=3, overflow=Overflow.DROP_OLDEST))
+    c = b.subscribe("c", "t").consumer
+    b.publish([raw("t", bytes([i])) for i in range(5)], 0)
+    assert take_all(b, c) == [b"\x02", b"\x03", b"\x04"]
+    assert b.counters.dropped_oldest == 2
+
+
+def test_drop_new_keeps_the_oldest() -> None:
+    b = Broker(Limits(capacity=3, overflow=Overflow.DROP_NEW))
+    c = b.subscribe("c", "t").consumer
+    res = b.publish([raw("t", bytes([i])) for i in range(5)], 0)
+    assert res.accepted == 5
+    assert take_all(b, c) == [b"\x00", b"\x01", b"\x02"]
+    assert b.counters.dropped_new == 2
+
+
+def test_block_stops_the_batch_at_the_full_queue() -> None:
+    b = Broker(Limits(capacity=2, overflow=Overflow.BLOCK))
+    c = b.subscribe("c", "t").consumer
+    msgs = [raw("t", bytes([i])) for i in range(5)]
+    res = b.publish(msgs, 0)
+    assert res.accepted == 2 and res.blocked is c.queue
+    assert take_all(b, c) == [b"\x00", b"\x01"]
+    res = b.publish(msgs[2:], 0)
+    assert res.accepted == 2 and res.blocked is c.queue
+    b.count_block_timeout(1)
+    assert b.counters.dropped_block_timeout == 1
+
+
+def test_refusals_stop_the_batch_and_say_why() -> None:
+    b = Broker(Limits(max_message_bytes=10))
+    res = b.publish([raw("ok"), raw("bad//topic")], 0)
+    assert res.accepted == 1 and res.refusal is not None
+    assert res.refusal.code == ErrorCode.INVALID_TOPIC and "empty level" in res.refusal.text
+    res = b.publish([raw("ok", b"x" * 11)], 0)
+    assert res.accepted == 0 and res.refusal.code == ErrorCode.MESSAGE_TOO_LARGE
+    assert b.publish([raw("a/+")], 0).refusal.code == ErrorCode.INVALID_TOPIC
+    assert b.publish([raw("$dlq/x")], 0).refusal.code == ErrorCode.INVALID_TOPIC
+    assert b.publish([raw("ok", qos=1)], 0).refusal.code == ErrorCode.UNSUPPORTED
+    assert b.counters.published == 1
+
+
+def test_invalid_utf8_topic_is_refused() -> None:
+    b = Broker()
+    bad = raw("t")._replace(topic=b"\xff\xfe")
+    assert b.publish([bad], 0).refusal.code == ErrorCode.INVALID_TOPIC
+
+
+def test_ttl_expired_messages_are_never_taken() -> None:
+    b = Broker()
+    c = b.subscribe("c", "t").consumer
+    b.publish([raw("t", b"short", ttl=100), raw("t", b"forever"), raw("t", b"long", ttl=5000)], 0)
+    assert take_all(b, c, now=1000) == [b"forever", b"long"]
+    assert b.counters.dropped_ttl == 1
+
+
+def test_default_ttl_applies_when_message_has_none() -> None:
+    b = Broker(Limits(default_ttl_ms=50))
+    c = b.subscribe("c", "t").consumer
+    b.publish([raw("t", b"a"), raw("t", b"b", ttl=500)], 0)
+    assert b.tick(100) == 1
+    assert take_all(b, c, now=100) == [b"b"]
+
+
+def test_tick_frees_capacity_taken_by_expired_messages() -> None:
+    b = Broker(Limits(capacity=2, overflow=Overflow.DROP_NEW))
+    c = b.subscribe("c", "t").consumer
+    b.publish([raw("t", b"1", ttl=10), raw("t", b"2", ttl=10)], 0)
+    assert b.tick(5) == 0
+    assert b.tick(20) == 2
+    b.publish([raw("t", b"3")], 20)
+    assert take_all(b, c, now=20) == [b"3"]
+    assert b.counters.dropped_new == 0
+
+
+def test_group_members_share_and_groups_each_get_everything() -> None:
+    b = Broker()
+    a1 = b.subscribe("conn1", "jobs", group="workers").consumer
+    a2 = b.subscribe("conn2", "jobs", group="workers").consumer
+    other = b.subscribe("conn3", "jobs", group="audit").consumer
+    assert a1.queue is a2.queue and other.queue is not a1.queue
+    b.publish([raw("jobs", str(i).encode()) for i in range(10)], 0)
+    first: list[bytes] = []
+    second: list[bytes] = []
+    while a1.queue.items:  # members take turns, each a fair share of what waits
+        first += take_all(b, a1)
+        second += take_all(b, a2)
+    assert 4 <= len(first) <= 6 and 4 <= len(second) <= 6
+    assert sorted(first + second) == sorted(str(i).encode() for i in range(10))
+    assert len(take_all(b, other)) == 10
+
+
+def test_group_outlives_its_consumers_until_unsub() -> None:
+    b = Broker()
+    b.subscribe("conn1", "jobs", group="g")
+    b.disconnect("conn1")
+    b.publish([raw("jobs", b"queued while away")], 0)
+    again = b.subscribe("conn2", "jobs", group="g").consumer
+    assert take_all(b, again) == [b"queued while away"]
+    res = b.unsubscribe("conn3", topic_filter="jobs", group="g")
+    assert res.count == 1 and res.ended == (again,)
+    assert b.group("jobs", "g") is None
+    gone = b.unsubscribe("conn3", topic_filter="jobs", group="g")
+    assert gone.refusal.code == ErrorCode.NOT_FOUND
+
+
+def test_ephemeral_subscription_ends_with_its_connection() -> None:
+    b = Broker()
+    c = b.subscribe("conn", "t").consumer
+    assert b.disconnect("conn") == (c.queue,)
+    assert b.queues == ()
+    assert b.publish([raw("t")], 0).woken == set()
+
+
+def test_unsubscribe_by_id_checks_the_owner() -> None:
+    b = Broker()
+    c = b.subscribe("conn", "t").consumer
+    assert b.unsubscribe("intruder", sub_id=c.sub_id).refusal.code == ErrorCode.NOT_FOUND
+    assert b.unsubscribe("conn", sub_id=c.sub_id).count == 1
+    assert b.queues == ()
+
+
+def test_subscribe_validates_filter_group_and_qos() -> None:
+    b = Broker()
+    assert b.subscribe("c", "a/#/b").refusal.code == ErrorCode.INVALID_TOPIC
+    assert b.subscribe("c", "a", group="bad name").refusal.code == ErrorCode.INVALID_REQUEST
+    assert b.subscribe("c", "a", qos=1).refusal.code == ErrorCode.UNSUPPORTED
+
+
+def test_take_respects_batch_limits() -> None:
+    b = Broker()
+    c = b.subscribe("c", "t").consumer
+    b.publish([raw("t", b"x" * 100) for _ in range(10)], 0)
+    assert len(b.take(c, 3, 1 << 20, 0)) == 3
+    assert len(b.take(c, 100, 250, 0)) == 2  # two ~123-byte records fit in 250 bytes
+    assert len(b.take(c, 100, 1, 0)) == 1  # always at least one, however large
+    assert len(c.queue.items) == 4
+
+
+@pytest.mark.parametrize("policy", list(Overflow))
+def test_queue_never_exceeds_capacity(policy: Overflow) -> None:
+    b = Broker(Limits(capacity=7, overflow=policy))
+    c = b.subscribe("c", "t").consumer
+    for i in range(50):
+        b.publish([raw("t", bytes([i]))], 0)
+        assert len(c.queue.items) <= 7
