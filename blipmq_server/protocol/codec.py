@@ -294,7 +294,7 @@ def encode_publish(records: list[bytes], request_id: int = 0) -> bytes:
     if not 1 <= len(records) <= MAX_BATCH:
         raise LocalProtocolError(f"a PUBLISH carries 1 to {MAX_BATCH} messages, not {len(records)}")
     body = b"".join(records)
-    head = HEADER.pack(7 + len(body), FrameType.PUBLISH, request_id)
+    head = HEADER.pack(7 + len(body), FrameType.PUBLISH, _u(request_id, 32, "request_id"))
     return head + _U16.pack(len(records)) + body
 
 
@@ -302,8 +302,8 @@ def encode_deliver(sub_id: int, records: list[bytes], request_id: int = 0) -> by
     """A DELIVER frame from delivery records (``DELIVERY_PREFIX`` + message record)."""
     body = b"".join(records)
     return (
-        HEADER.pack(11 + len(body), FrameType.DELIVER, request_id)
-        + _ACK_HEAD.pack(sub_id, len(records))
+        HEADER.pack(11 + len(body), FrameType.DELIVER, _u(request_id, 32, "request_id"))
+        + _ACK_HEAD.pack(_u(sub_id, 32, "sub_id"), _u(len(records), 16, "DELIVER count"))
         + body
     )
 
@@ -326,6 +326,10 @@ def _body(frame: Frame) -> bytes:
         case AuthOk():
             return b""
         case Publish():
+            if not 1 <= len(frame.messages) <= MAX_BATCH:
+                raise LocalProtocolError(
+                    f"a PUBLISH carries 1 to {MAX_BATCH} messages, not {len(frame.messages)}"
+                )
             return _U16.pack(len(frame.messages)) + b"".join(m.record for m in frame.messages)
         case PubAck():
             return _U32.pack(_u(frame.count, 32, "count"))
@@ -368,7 +372,10 @@ def _body(frame: Frame) -> bytes:
 
 def encode(frame: Frame) -> bytes:
     """The bytes of one frame."""
-    body = _body(frame)
+    try:
+        body = _body(frame)
+    except struct.error as exc:  # a field the struct formats above cannot carry
+        raise LocalProtocolError(f"cannot encode {type(frame).__name__}: {exc}") from None
     return HEADER.pack(5 + len(body), frame.TYPE, _u(frame.request_id, 32, "request_id")) + body
 
 
@@ -566,7 +573,7 @@ class Decoder:
         if size < 4:
             return []
         (first,) = _U32.unpack_from(buf, 0)
-        if first <= self.max_frame and size < 4 + first:
+        if MIN_LENGTH <= first <= self.max_frame and size < 4 + first:
             return []  # the first frame is incomplete: do not copy the buffer yet
         data = bytes(buf)
         out: list[Frame] = []

@@ -170,15 +170,18 @@ class Session:
                 if not data:
                     return CloseReason.EOF
                 decoder.feed(data)
-                try:
-                    frames = decoder.frames()
-                except RemoteProtocolError as exc:
-                    self.error(ErrorCode(exc.code), str(exc))
-                    return CloseReason.PROTOCOL_ERROR
-                for frame in frames:
-                    reason = await self._handle(frame)
-                    if reason is not None:
-                        return reason
+                while True:  # again after the good frames: a bad one behind them raises now
+                    try:
+                        frames = decoder.frames()
+                    except RemoteProtocolError as exc:
+                        self.error(ErrorCode(exc.code), str(exc))
+                        return CloseReason.PROTOCOL_ERROR
+                    if not frames:
+                        break
+                    for frame in frames:
+                        reason = await self._handle(frame)
+                        if reason is not None:
+                            return reason
                     if self.authenticated and scope.deadline != math.inf:
                         scope.deadline = math.inf
         if self.close_reason is None and not self.authenticated:

@@ -1,0 +1,153 @@
+"""Shared fixtures: a real broker subprocess on loopback and the real `blipmq` CLI."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import tomlkit
+
+BLIPMQ = str(Path(sys.executable).with_name("blipmq"))
+_LISTENING = re.compile(r"listening on [\d.]+:(\d+)(?:, metrics on http://[\d.]+:(\d+)/metrics)?")
+
+
+@dataclass
+class BrokerProcess:
+    proc: subprocess.Popen[bytes]
+    config_path: Path
+    data_dir: Path
+    port: int = 0
+    metrics_port: int | None = None
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")}
+        env["BLIPMQ_ADDR"] = self.addr
+        return env
+
+    def cli(
+        self, *args: str, input: bytes | None = None, timeout: float = 30, **env: str
+    ) -> subprocess.CompletedProcess[bytes]:
+        """Run `blipmq ARGS` against this broker and wait for it."""
+        return subprocess.run(
+            [BLIPMQ, *args], input=input, capture_output=True, timeout=timeout,
+            env={**self.env, **env},
+        )
+
+    def spawn(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
+        """Start `blipmq ARGS` in the background with pipes on all three streams."""
+        return subprocess.Popen(
+            [BLIPMQ, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={**self.env, **env},
+        )
+
+    def shell(self, script: str, timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+        """Run a shell pipeline with `blipmq` on PATH and BLIPMQ_ADDR set, and wait for it."""
+        proc = self.spawn_shell(script)
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def spawn_shell(self, script: str) -> subprocess.Popen[bytes]:
+        """Start a shell pipeline in the background (`blipmq sub t > file`, `... | head -1`)."""
+        env = {**self.env, "PATH": f"{Path(BLIPMQ).parent}:{os.environ['PATH']}"}
+        return subprocess.Popen(
+            ["bash", "-o", "pipefail", "-c", script], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=env,
+        )
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample from /metrics, e.g. metric("blipmq_messages_dropped_total", reason="ttl")."""
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        key = f"{name}{{{want}}}" if want else name
+        for line in self.metrics().splitlines():
+            if line.startswith(key + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(key)
+
+    def wait_metric(self, name: str, value: float, timeout: float = 10, **labels: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            current = self.metric(name, **labels)
+            if current == value:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}{labels} is {current}, waited for {value}")
+            time.sleep(0.02)
+
+    def wait_subscribers(self, n: int) -> None:
+        """Wait until n subscriptions/groups exist (so a publish cannot race a subscribe)."""
+        self.wait_metric("blipmq_queues", n)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def _drain(proc: subprocess.Popen[bytes], sink: list[str], ready: threading.Event,
+           bp: BrokerProcess) -> None:
+    assert proc.stderr is not None
+    for raw in proc.stderr:
+        line = raw.decode(errors="replace").rstrip("\n")
+        sink.append(line)
+        m = _LISTENING.search(line)
+        if m and not ready.is_set():
+            bp.port = int(m.group(1))
+            bp.metrics_port = int(m.group(2)) if m.group(2) else None
+            ready.set()
+    ready.set()
+
+
+@pytest.fixture
+def start_broker(tmp_path: Path) -> Iterator:
+    started: list[BrokerProcess] = []
+
+    def start(config: dict | None = None, *, expect_ready: bool = True) -> BrokerProcess:
+        n = len(started)
+        settings: dict = {"server": {"port": 0}, "metrics": {"port": 0}}
+        for section, values in (config or {}).items():
+            settings.setdefault(section, {}).update(values)
+        path = tmp_path / f"blipmq-{n}.toml"
+        path.write_text(tomlkit.dumps(settings))
+        data_dir = tmp_path / f"data-{n}"
+        proc = subprocess.Popen(
+            [BLIPMQ, "start", "--config", str(path), "--data-dir", str(data_dir),
+             "--log-format", "plain"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env={k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")},
+        )
+        bp = BrokerProcess(proc, path, data_dir)
+        started.append(bp)
+        ready = threading.Event()
+        threading.Thread(target=_drain, args=(proc, bp.log, ready, bp), daemon=True).start()
+        if expect_ready:
+            if not ready.wait(20) or not bp.port:
+                proc.kill()
+                raise AssertionError("broker did not start:\n" + "\n".join(bp.log))
+        return bp
+
+    yield start
+    for bp in started:
+        if bp.proc.poll() is None:
+            bp.proc.kill()
+            bp.proc.wait()

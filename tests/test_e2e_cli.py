@@ -1,0 +1,324 @@
+"""End to end: the real `blipmq` CLI through real pipes against a real broker process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from blipmq_cli.exits import Exit
+from blipmq_server.protocol import codec
+
+
+def lines_of(out: bytes) -> list[str]:
+    return out.decode().splitlines()
+
+
+def test_text_lines_arrive_in_order_through_pipes(start_broker) -> None:
+    b = start_broker()
+    sub = b.spawn("sub", "logs", "--count", "2000", "--format", "lines")
+    b.wait_subscribers(1)
+    pub = b.shell("seq 1 2000 | blipmq pub logs --lines -")
+    assert pub.returncode == 0, pub.stderr
+    out, err = sub.communicate(timeout=30)
+    assert sub.returncode == 0, err
+    assert lines_of(out) == [str(i) for i in range(1, 2001)]
+
+
+def test_binary_file_round_trips_byte_for_byte(start_broker, tmp_path: Path) -> None:
+    """The README's promise: `blipmq sub fw --count 1 > fw.bin` equals what pubfile sent."""
+    b = start_broker()
+    blob = os.urandom(5 * 1024 * 1024)
+    src, dst = tmp_path / "fw.bin", tmp_path / "out.bin"
+    src.write_bytes(blob)
+    sub = b.spawn_shell(f"blipmq sub fw --count 1 > {dst}")
+    b.wait_subscribers(1)
+    res = b.cli("pubfile", "fw", str(src))
+    assert res.returncode == 0, res.stderr
+    _, err = sub.communicate(timeout=30)
+    assert sub.returncode == 0, err
+    assert dst.read_bytes() == blob
+
+
+def test_binary_payload_with_every_byte_value(start_broker) -> None:
+    b = start_broker()
+    blob = bytes(range(256)) * 64 + b"\n\r\x00tail"
+    sub = b.spawn("sub", "bin", "--count", "1")
+    b.wait_subscribers(1)
+    assert b.cli("pub", "bin", "-", input=blob).returncode == 0
+    out, _ = sub.communicate(timeout=15)
+    assert out == blob
+
+
+def test_count_stops_after_n(start_broker) -> None:
+    b = start_broker()
+    sub = b.spawn("sub", "t", "--count", "3", "--format", "lines")
+    b.wait_subscribers(1)
+    assert b.shell("printf 'a\\nb\\nc\\nd\\ne\\n' | blipmq pub t --lines -").returncode == 0
+    out, _ = sub.communicate(timeout=15)
+    assert sub.returncode == 0
+    assert lines_of(out) == ["a", "b", "c"]
+
+
+def test_timeout_with_nothing_received_has_its_own_exit_code(start_broker) -> None:
+    b = start_broker()
+    started = time.monotonic()
+    res = b.cli("sub", "quiet", "--timeout", "0.5")
+    elapsed = time.monotonic() - started
+    assert res.returncode == Exit.TIMEOUT
+    assert res.stdout == b""
+    assert len(res.stderr.decode().strip().splitlines()) == 1
+    assert "timed out" in res.stderr.decode()
+    assert 0.4 < elapsed < 5
+
+
+def test_wildcard_subscriptions(start_broker) -> None:
+    b = start_broker()
+    plus = b.spawn("sub", "sensors/+/temp", "--count", "2", "--format", "json")
+    hash_ = b.spawn("sub", "sensors/#", "--count", "3", "--format", "json")
+    b.wait_subscribers(2)
+    for topic, value in [("sensors/a/temp", "1"), ("sensors/a/hum", "2"), ("sensors/b/temp", "3")]:
+        assert b.cli("pub", topic, value).returncode == 0
+    out, _ = plus.communicate(timeout=15)
+    got = [json.loads(line) for line in lines_of(out)]
+    assert [(m["topic"], m["payload"]) for m in got] == [("sensors/a/temp", "1"),
+                                                         ("sensors/b/temp", "3")]
+    out, _ = hash_.communicate(timeout=15)
+    assert [json.loads(line)["payload"] for line in lines_of(out)] == ["1", "2", "3"]
+
+
+def test_group_members_share_and_groups_each_get_all(start_broker) -> None:
+    b = start_broker()
+    w1 = b.spawn("sub", "jobs", "--group", "workers", "--format", "lines", "--timeout", "4")
+    w2 = b.spawn("sub", "jobs", "--group", "workers", "--format", "lines", "--timeout", "4")
+    audit = b.spawn("sub", "jobs", "--group", "audit", "--count", "300", "--format", "lines")
+    b.wait_metric("blipmq_connections_open", 3)
+    b.wait_subscribers(2)  # two queues: one per group
+    for start in range(0, 300, 10):  # several publishes, so both members get turns
+        batch = "".join(f"{i}\n" for i in range(start, start + 10)).encode()
+        assert b.cli("pub", "jobs", "--lines", "-", input=batch).returncode == 0
+    o1, _ = w1.communicate(timeout=20)
+    o2, _ = w2.communicate(timeout=20)
+    oa, _ = audit.communicate(timeout=20)
+    got1, got2 = lines_of(o1), lines_of(o2)
+    assert got1 and got2, "both members of the group must get work"
+    assert sorted(got1 + got2, key=int) == [str(i) for i in range(300)]
+    assert lines_of(oa) == [str(i) for i in range(300)]
+
+
+def test_group_outlives_its_consumers_until_unsub(start_broker) -> None:
+    b = start_broker()
+    first = b.cli("sub", "jobs", "--group", "g", "--timeout", "0.3")
+    assert first.returncode == Exit.TIMEOUT
+    assert b.shell("printf 'x\\ny\\n' | blipmq pub jobs --lines -").returncode == 0
+    res = b.cli("sub", "jobs", "--group", "g", "--count", "2", "--format", "lines")
+    assert res.returncode == 0 and lines_of(res.stdout) == ["x", "y"]
+    assert b.cli("unsub", "jobs", "--group", "g").returncode == 0
+    again = b.cli("unsub", "jobs", "--group", "g")
+    assert again.returncode == Exit.NOT_FOUND
+    assert "no group" in again.stderr.decode()
+    assert b.cli("unsub", "jobs").returncode == Exit.USAGE
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected", "reason"),
+    [("drop_oldest", ["5", "6", "7", "8", "9"], "drop_oldest"),
+     ("drop_new", ["0", "1", "2", "3", "4"], "drop_new"),
+     ("block", ["0", "1", "2", "3", "4"], "block_timeout")],
+)
+def test_overflow_policies(start_broker, policy: str, expected: list[str], reason: str) -> None:
+    b = start_broker({"queues": {"capacity": 5, "overflow": policy, "block_timeout_ms": 300}})
+    assert b.cli("sub", "q", "--group", "g", "--timeout", "0.2").returncode == Exit.TIMEOUT
+    pub = b.shell("seq 0 9 | blipmq pub q --lines -")
+    if policy == "block":
+        assert pub.returncode == Exit.REFUSED
+        assert "stayed full" in pub.stderr.decode()
+    else:
+        assert pub.returncode == 0, pub.stderr
+    res = b.cli("sub", "q", "--group", "g", "--count", "5", "--format", "lines")
+    assert lines_of(res.stdout) == expected
+    assert b.metric("blipmq_messages_dropped_total", reason=reason) == 5
+
+
+def test_block_policy_waits_for_a_slow_consumer(start_broker) -> None:
+    b = start_broker({"queues": {"capacity": 10, "overflow": "block", "block_timeout_ms": 5000}})
+    sub = b.spawn("sub", "q", "--count", "5000", "--format", "lines")
+    b.wait_subscribers(1)
+    pub = b.shell("seq 1 5000 | blipmq pub q --lines -")
+    assert pub.returncode == 0, pub.stderr
+    out, _ = sub.communicate(timeout=30)
+    assert lines_of(out) == [str(i) for i in range(1, 5001)]
+    assert b.metric("blipmq_messages_dropped_total", reason="block_timeout") == 0
+
+
+def test_ttl_expired_messages_are_never_delivered(start_broker) -> None:
+    b = start_broker({"queues": {"expiry_interval_ms": 50}})
+    assert b.cli("sub", "t", "--group", "g", "--timeout", "0.2").returncode == Exit.TIMEOUT
+    assert b.cli("pub", "t", "stale", "--ttl", "100").returncode == 0
+    assert b.cli("pub", "t", "fresh").returncode == 0
+    b.wait_metric("blipmq_messages_dropped_total", 1, reason="ttl")
+    res = b.cli("sub", "t", "--group", "g", "--count", "2", "--timeout", "1", "--format", "lines")
+    assert lines_of(res.stdout) == ["fresh"]
+    assert res.returncode == Exit.TIMEOUT
+
+
+def test_default_ttl_from_config(start_broker) -> None:
+    b = start_broker({"queues": {"default_ttl_ms": 100, "expiry_interval_ms": 50}})
+    assert b.cli("sub", "t", "--group", "g", "--timeout", "0.2").returncode == Exit.TIMEOUT
+    assert b.cli("pub", "t", "gone").returncode == 0
+    b.wait_metric("blipmq_messages_dropped_total", 1, reason="ttl")
+    assert b.cli("sub", "t", "--group", "g", "--timeout", "0.5").returncode == Exit.TIMEOUT
+
+
+def test_auth_refusal_and_acceptance(start_broker) -> None:
+    b = start_broker({"auth": {"api_keys": ["s3cret"]}})
+    res = b.cli("pub", "t", "x")
+    assert res.returncode == Exit.AUTH
+    assert res.stderr.decode().count("\n") == 1 and "refused" in res.stderr.decode()
+    assert b.cli("pub", "t", "x", "--api-key", "wrong").returncode == Exit.AUTH
+    assert b.cli("pub", "t", "x", "--api-key", "s3cret").returncode == 0
+    assert b.cli("pub", "t", "x", BLIPMQ_API_KEY="s3cret").returncode == 0
+    assert b.metric("blipmq_auth_failures_total") == 2
+
+
+def test_oversize_and_bad_names_are_refused(start_broker, tmp_path: Path) -> None:
+    b = start_broker({"server": {"max_message_bytes": 1000}})
+    big = b.cli("pub", "t", "-", input=b"x" * 2000)
+    assert big.returncode == Exit.TOO_LARGE and b"1000" in big.stderr
+    (tmp_path / "big.bin").write_bytes(b"y" * 5000)
+    assert b.cli("pubfile", "t", str(tmp_path / "big.bin")).returncode == Exit.TOO_LARGE
+    assert b.cli("pub", "t", "-", input=b"x" * 1000).returncode == 0
+    bad = b.cli("pub", "a//b", "x")
+    assert bad.returncode == Exit.BAD_NAME and b"empty level" in bad.stderr
+    assert b.cli("sub", "a/#/b", "--timeout", "1").returncode == Exit.BAD_NAME
+    assert b.cli("sub", "a", "--group", "bad name", "--timeout", "1").returncode == Exit.BAD_NAME
+    for res in (big, bad):
+        assert b"Traceback" not in res.stderr and res.stderr.count(b"\n") == 1
+
+
+def test_unreachable_broker(tmp_path: Path, start_broker) -> None:
+    b = start_broker()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    res = b.cli("pub", "t", "x", "--addr", f"127.0.0.1:{free}")
+    assert res.returncode == Exit.UNREACHABLE
+    assert b"cannot connect" in res.stderr and b"Traceback" not in res.stderr
+    assert b.cli("pub", "t", "x", "--addr", "nonsense").returncode == Exit.USAGE
+
+
+def _handshake(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(codec.encode(codec.Hello(1, "raw", 1)) + codec.encode(codec.Auth("", 2)))
+    dec = codec.Decoder()
+    frames: list = []
+    while len(frames) < 2:
+        dec.feed(s.recv(65536))
+        frames += dec.frames()
+    assert isinstance(frames[1], codec.AuthOk)
+    return s
+
+
+def _read_until_closed(s: socket.socket) -> list:
+    dec = codec.Decoder()
+    while chunk := s.recv(65536):
+        dec.feed(chunk)
+    return dec.frames()
+
+
+def test_garbage_on_one_socket_does_not_disturb_others(start_broker) -> None:
+    b = start_broker()
+    sub = b.spawn("sub", "t", "--count", "1")
+    b.wait_subscribers(1)
+    with socket.create_connection(("127.0.0.1", b.port), timeout=5) as s:
+        s.sendall(b"\x00\x00\x00\x09\xee\x00\x00\x00\x01garbage!")
+        frames = _read_until_closed(s)
+    assert isinstance(frames[-1], codec.Error) and frames[-1].code == codec.ErrorCode.PROTOCOL
+    with socket.create_connection(("127.0.0.1", b.port), timeout=5) as s:
+        s.sendall(b"\xff\xff\xff\xff")  # a length beyond max_frame
+        frames = _read_until_closed(s)
+    assert frames[-1].code == codec.ErrorCode.FRAME_TOO_LARGE
+    assert b.cli("pub", "t", "still here").returncode == 0
+    out, _ = sub.communicate(timeout=10)
+    assert out == b"still here"
+
+
+def test_max_connections(start_broker) -> None:
+    b = start_broker({"server": {"max_connections": 2}})
+    held = [_handshake(b.port), _handshake(b.port)]
+    res = b.cli("pub", "t", "x")
+    assert res.returncode == Exit.REFUSED and b"max_connections" in res.stderr
+    assert b.metric("blipmq_connections_refused_total") == 1
+    held.pop().close()
+    b.wait_metric("blipmq_connections_open", 1)
+    assert b.cli("pub", "t", "x").returncode == 0
+    held[0].close()
+
+
+def test_sigterm_drains_and_exits_zero(start_broker) -> None:
+    b = start_broker({"server": {"shutdown_grace_ms": 3000}})
+    sub = b.spawn("sub", "t", "--format", "lines")
+    b.wait_subscribers(1)
+    assert b.shell("seq 1 20000 | blipmq pub t --lines -").returncode == 0
+    started = time.monotonic()
+    assert b.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - started < 3.5
+    out, err = sub.communicate(timeout=10)
+    assert lines_of(out) == [str(i) for i in range(1, 20001)]
+    assert sub.returncode == 0, err
+
+
+def test_sub_into_head_ends_quietly(start_broker) -> None:
+    b = start_broker()
+    pipeline = b.spawn_shell("blipmq sub t --format lines | head -1")
+    b.wait_subscribers(1)
+    assert b.shell("seq 1 50000 | blipmq pub t --lines -").returncode == 0
+    out, err = pipeline.communicate(timeout=20)
+    assert pipeline.returncode == 0, err
+    assert out == b"1\n"
+    assert err == b""
+
+
+def test_ctrl_c_ends_sub_quietly(start_broker) -> None:
+    b = start_broker()
+    sub = b.spawn("sub", "t")
+    b.wait_subscribers(1)
+    sub.send_signal(signal.SIGINT)
+    _, err = sub.communicate(timeout=10)
+    assert sub.returncode == Exit.INTERRUPTED
+    assert err == b""
+
+
+def test_lines_stream_as_they_come(start_broker) -> None:
+    b = start_broker()
+    sub = b.spawn("sub", "logs", "--format", "lines")
+    b.wait_subscribers(1)
+    pub = b.spawn("pub", "logs", "--lines", "-")
+    assert pub.stdin is not None and sub.stdout is not None
+    for word in ("first", "second"):
+        pub.stdin.write(word.encode() + b"\n")
+        pub.stdin.flush()
+        assert sub.stdout.readline() == word.encode() + b"\n"  # before stdin closes
+    pub.stdin.close()
+    assert pub.wait(10) == 0
+    sub.send_signal(signal.SIGINT)
+    sub.wait(10)
+
+
+def test_bad_config_refuses_to_start(start_broker) -> None:
+    b = start_broker({"queues": {"overflow": "sometimes"}}, expect_ready=False)
+    assert b.proc.wait(20) == 2
+    time.sleep(0.1)
+    lines = [line for line in b.log if line.strip()]
+    assert len(lines) == 1 and "queues.overflow" in lines[0]
+
+
+def test_second_broker_on_same_data_dir_is_refused(start_broker) -> None:
+    b = start_broker()
+    res = b.cli("start", "--config", str(b.config_path), "--data-dir", str(b.data_dir))
+    assert res.returncode == 1 and b"in use" in res.stderr

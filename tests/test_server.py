@@ -1,0 +1,259 @@
+"""The Trio server in-process on loopback (port 0), driven with raw frames."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from blipmq_server import config as config_module
+from blipmq_server.protocol import codec
+from blipmq_server.protocol.codec import ErrorCode, Message
+from blipmq_server.server.app import Bound, Server
+
+
+def make_config(**sections: dict) -> config_module.Config:
+    overrides = {"server.port": 0, "metrics.enabled": False}
+    for section, values in sections.items():
+        overrides.update({f"{section}.{k}": v for k, v in values.items()})
+    return config_module.load(None, env={}, overrides=overrides)
+
+
+class Conn:
+    """A raw protocol connection for tests."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = codec.Decoder(1 << 24)
+        self.frames: list[codec.Frame] = []
+
+    async def send(self, *frames: codec.Frame | bytes) -> None:
+        data = b"".join(f if isinstance(f, bytes) else codec.encode(f) for f in frames)
+        await self.stream.send_all(data)
+
+    async def recv(self) -> codec.Frame | None:
+        """The next frame, or None when the server closed the connection."""
+        while not self.frames:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                return None
+            self.decoder.feed(data)
+            self.frames += self.decoder.frames()
+        return self.frames.pop(0)
+
+    async def expect(self, kind: type) -> codec.Frame:
+        frame = await self.recv()
+        assert isinstance(frame, kind), frame
+        return frame
+
+    async def closed(self) -> bool:
+        return await self.recv() is None
+
+
+async def start(nursery: trio.Nursery, cfg: config_module.Config) -> tuple[Server, int]:
+    server = Server(cfg)
+    bound: Bound = await nursery.start(server.serve)
+    return server, bound.port
+
+
+async def connect(port: int, api_key: str = "", handshake: bool = True) -> Conn:
+    conn = Conn(await trio.open_tcp_stream("127.0.0.1", port))
+    if handshake:
+        await conn.send(codec.Hello(1, "test", 1), codec.Auth(api_key, 2))
+        await conn.expect(codec.Welcome)
+        await conn.expect(codec.AuthOk)
+    return conn
+
+
+def publish(*msgs: tuple[str, bytes], rid: int = 0, ttl: int = 0) -> bytes:
+    return codec.encode_publish([codec.message_record(Message(t, p, 0, ttl)) for t, p in msgs], rid)
+
+
+async def test_pipelined_session(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config())
+    conn = await connect(port, handshake=False)
+    await conn.send(
+        codec.Hello(1, "t", 1), codec.Auth("", 2), codec.Subscribe("a/#", "", 0, 0, 3),
+        publish(("a/b", b"one"), ("a/c", b"two"), rid=4), codec.Ping(b"xy", 5),
+    )
+    got: list[codec.Frame] = []
+    while not (got and isinstance(got[-1], codec.Deliver)) or len(got) < 5:
+        frame = await conn.recv()
+        assert frame is not None
+        got.append(frame)
+    kinds = [type(f) for f in got]
+    assert kinds[:3] == [codec.Welcome, codec.AuthOk, codec.Subscribed]
+    assert codec.Pong in kinds
+    deliver = next(f for f in got if isinstance(f, codec.Deliver))
+    assert [(d.topic, d.payload) for d in deliver.messages] == [("a/b", b"one"), ("a/c", b"two")]
+    assert [d.delivery_count for d in deliver.messages] == [1, 1]
+    pong = next(f for f in got if isinstance(f, codec.Pong))
+    assert pong.data == b"xy" and pong.request_id == 5
+    server.shutdown.set()
+
+
+async def test_first_frame_must_be_hello(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config())
+    conn = await connect(port, handshake=False)
+    await conn.send(codec.Ping(b"", 9))
+    err = await conn.expect(codec.Error)
+    assert err.code == ErrorCode.PROTOCOL and err.request_id == 9
+    assert await conn.closed()
+    server.shutdown.set()
+
+
+async def test_nothing_is_served_before_auth(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config(auth={"api_keys": ["k"]}))
+    conn = await connect(port, handshake=False)
+    await conn.send(codec.Hello(1, "t", 1), publish(("t", b"x"), rid=2))
+    await conn.expect(codec.Welcome)
+    err = await conn.expect(codec.Error)
+    assert err.code == ErrorCode.NOT_AUTHENTICATED
+    assert await conn.closed()
+    assert server.broker.counters.published == 0
+
+    conn = await connect(port, handshake=False)
+    await conn.send(codec.Hello(1, "t", 1), codec.Auth("nope", 2))
+    await conn.expect(codec.Welcome)
+    assert (await conn.expect(codec.Error)).code == ErrorCode.AUTH_FAILED
+    assert await conn.closed()
+    ok = await connect(port, api_key="k")
+    await ok.send(codec.Goodbye())
+    server.shutdown.set()
+
+
+async def test_unsupported_version(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config())
+    conn = await connect(port, handshake=False)
+    await conn.send(codec.Hello(99, "future", 1))
+    assert (await conn.expect(codec.Error)).code == ErrorCode.UNSUPPORTED_VERSION
+    assert await conn.closed()
+    server.shutdown.set()
+
+
+async def test_handshake_timeout(nursery: trio.Nursery, autojump_clock: trio.testing.MockClock) -> None:
+    server, port = await start(nursery, make_config(server={"handshake_timeout_ms": 500}))
+    conn = await connect(port, handshake=False)
+    before = trio.current_time()
+    assert (await conn.expect(codec.Error)).code == ErrorCode.TIMEOUT
+    assert await conn.closed()
+    assert 0.5 <= trio.current_time() - before < 1
+    server.shutdown.set()
+
+
+async def test_block_policy_times_out_with_an_error_frame(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = make_config(queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 2000})
+    server, port = await start(nursery, cfg)
+    pub = await connect(port)
+    await pub.send(codec.Subscribe("t", "g", 0, 0, 1))
+    await pub.expect(codec.Subscribed)
+    await pub.send(codec.Unsubscribe(1))  # leave the group with nobody consuming
+    await pub.expect(codec.Unsubscribed)
+    before = trio.current_time()
+    await pub.send(publish(("t", b"1"), ("t", b"2"), ("t", b"3"), rid=7), codec.Ping(b"", 8))
+    err = await pub.expect(codec.Error)
+    assert err.code == ErrorCode.QUEUE_FULL and err.request_id == 7
+    assert "1 of 3" in err.text
+    assert trio.current_time() - before >= 2
+    await pub.expect(codec.Pong)  # the connection keeps serving
+    assert server.broker.counters.dropped_block_timeout == 1
+    server.shutdown.set()
+
+
+async def test_blocked_publisher_resumes_when_consumer_takes(nursery: trio.Nursery) -> None:
+    cfg = make_config(queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 10000})
+    server, port = await start(nursery, cfg)
+    sub = await connect(port)
+    await sub.send(codec.Subscribe("t", "", 0, 0, 1))
+    await sub.expect(codec.Subscribed)
+    pub = await connect(port)
+    await pub.send(publish(*[("t", str(i).encode()) for i in range(50)]), codec.Ping(b"", 2))
+    received: list[bytes] = []
+    while len(received) < 50:
+        frame = await sub.expect(codec.Deliver)
+        received += [d.payload for d in frame.messages]
+    assert received == [str(i).encode() for i in range(50)]
+    await pub.expect(codec.Pong)
+    server.shutdown.set()
+
+
+async def test_refusal_keeps_the_connection(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config(server={"max_message_bytes": 10}))
+    conn = await connect(port)
+    await conn.send(publish(("ok", b"x"), ("ok", b"y" * 11), rid=3), codec.Ping(b"", 4))
+    err = await conn.expect(codec.Error)
+    assert err.code == ErrorCode.MESSAGE_TOO_LARGE and err.request_id == 3
+    assert "1 before it were accepted" in err.text
+    await conn.expect(codec.Pong)
+    await conn.send(publish(("bad/+", b"x"), rid=5))
+    assert (await conn.expect(codec.Error)).code == ErrorCode.INVALID_TOPIC
+    server.shutdown.set()
+
+
+async def test_client_frames_only(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config())
+    conn = await connect(port)
+    await conn.send(codec.Welcome(1, 1, 1, "x", 3))
+    assert (await conn.expect(codec.Error)).code == ErrorCode.PROTOCOL
+    assert await conn.closed()
+    server.shutdown.set()
+
+
+async def test_group_deletion_notifies_its_consumers(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config())
+    member = await connect(port)
+    await member.send(codec.Subscribe("jobs", "g", 0, 0, 11))
+    await member.expect(codec.Subscribed)
+    admin = await connect(port)
+    await admin.send(codec.Unsubscribe(0, "jobs", "g", 5))
+    assert (await admin.expect(codec.Unsubscribed)).count == 1
+    note = await member.expect(codec.Error)
+    assert note.code == ErrorCode.GROUP_DELETED and note.request_id == 11
+    await admin.send(codec.Unsubscribe(0, "jobs", "g", 6))
+    assert (await admin.expect(codec.Error)).code == ErrorCode.NOT_FOUND
+    server.shutdown.set()
+
+
+async def test_shutdown_drains_queued_deliveries_then_says_goodbye(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config())
+    sub = await connect(port)
+    await sub.send(codec.Subscribe("t", "", 0, 0, 1))
+    await sub.expect(codec.Subscribed)
+    pub = await connect(port)
+    await pub.send(publish(*[("t", b"m%d" % i) for i in range(1000)]), codec.Ping(b"", 2))
+    await pub.expect(codec.Pong)
+    server.shutdown.set()
+    received = 0
+    while True:
+        frame = await sub.recv()
+        if isinstance(frame, codec.Deliver):
+            received += len(frame.messages)
+        else:
+            break
+    assert received == 1000
+    assert isinstance(frame, codec.Goodbye) and frame.code == ErrorCode.SHUTTING_DOWN
+
+
+async def test_max_connections_error_frame(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config(server={"max_connections": 1}))
+    first = await connect(port)
+    second = await connect(port, handshake=False)
+    err = await second.expect(codec.Error)
+    assert err.code == ErrorCode.TOO_MANY_CONNECTIONS
+    assert await second.closed()
+    await first.send(codec.Ping(b"", 1))
+    await first.expect(codec.Pong)
+    assert server.counters.connections_refused == 1
+    server.shutdown.set()
+
+
+
+async def test_bad_frame_behind_good_ones_is_answered_at_once(nursery: trio.Nursery) -> None:
+    server, port = await start(nursery, make_config())
+    conn = await connect(port)
+    await conn.send(codec.Ping(b"a", 1), b"\x00\x00\x00\x05\xee\x00\x00\x00\x02")
+    assert (await conn.expect(codec.Pong)).data == b"a"
+    assert (await conn.expect(codec.Error)).code == ErrorCode.PROTOCOL
+    assert await conn.closed()  # without the client sending anything more
+    server.shutdown.set()
