@@ -18,6 +18,7 @@ a one-shot ``blipmq pub`` starts fast.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -25,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 
-from blipmq_server.errors import BrokerError, ConnectError
+from blipmq_server.errors import BrokerError, ConfigError, ConnectError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import MSG_HEAD, Delivery, ErrorCode, Message
 from blipmq_server.protocol.names import topic_problem
@@ -100,6 +101,7 @@ class Client:
         self._batches: dict[int, deque[tuple[Delivery, ...]]] = {}
         self._ended: set[int] = set()
         self._closed_by_broker: BrokerError | None = None
+        self._eof = False
         self._topics: dict[str, bytes] = {}
         self._out: list[bytes] = []  # message records not yet sealed into a frame
         self._out_size = 0
@@ -133,8 +135,11 @@ class Client:
     def close(self) -> None:
         """Flush, say GOODBYE and close; raises the first refusal not yet reported."""
         try:
-            self.flush()
-            self._send_now(codec.encode(codec.Goodbye()))
+            if self._eof or self._closed_by_broker is not None:
+                self._raise_errors()  # the broker ended the connection: nothing to flush
+            else:
+                self.flush()
+                self._send_now(codec.encode(codec.Goodbye()))
         finally:
             self.abort()
 
@@ -248,7 +253,7 @@ class Client:
     ) -> Subscription:
         reply = self._request(codec.Subscribe(topic_filter, group, qos, credit))
         assert isinstance(reply, codec.Subscribed)
-        self._batches[reply.sub_id] = deque()
+        self._batches.setdefault(reply.sub_id, deque())  # deliveries may already be here
         return Subscription(self, reply.sub_id, topic_filter, group)
 
     def unsubscribe(self, topic_filter: str, *, group: str = "") -> int:
@@ -276,7 +281,7 @@ class Client:
 
     def _request(self, frame: codec.Frame) -> codec.Frame:
         rid = self._next_rid()
-        frame = type(frame)(**{**_fields(frame), "request_id": rid})
+        frame = dataclasses.replace(frame, request_id=rid)
         self._send_pending()
         self._send_now(codec.encode(frame))
         return self._await_reply(rid)
@@ -292,6 +297,10 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         while rid not in self._replies:
             self._raise_errors()
+            if self._eof:
+                raise self._closed_by_broker or ConnectError(
+                    f"the broker at {self.addr} closed the connection"
+                )
             self._pump(block=True, deadline=deadline)
         self._raise_errors()
         return self._replies.pop(rid)
@@ -346,12 +355,13 @@ class Client:
         except OSError as exc:
             raise ConnectError(f"connection to {self.addr} lost: {exc.strerror or exc}") from None
         if not data:
+            self._eof = True
             if self._closed_by_broker is not None:
                 if self._closed_by_broker.code == ErrorCode.SHUTTING_DOWN:
-                    for sub_id in self._batches:
-                        self._ended.add(sub_id)
+                    self._ended.update(self._batches)
                     return
                 raise self._closed_by_broker
+            self._raise_errors()  # e.g. the ERROR that explains why the broker closed
             raise ConnectError(f"the broker at {self.addr} closed the connection")
         self._decoder.feed(data)
         try:
@@ -372,14 +382,14 @@ class Client:
             self._replies[frame.request_id] = frame
 
 
-def _fields(frame: codec.Frame) -> dict[str, object]:
-    return {name: getattr(frame, name) for name in frame.__dataclass_fields__}
-
-
 def connect_from_env(addr: str | None = None, api_key: str | None = None) -> Client:
     """A client configured by arguments, else BLIPMQ_ADDR / BLIPMQ_API_KEY, else defaults."""
+    where = addr or os.environ.get("BLIPMQ_ADDR") or DEFAULT_ADDR
+    try:
+        parse_addr(where)
+    except ValueError as exc:
+        raise ConfigError(str(exc), "--addr") from None
     return Client(
-        addr or os.environ.get("BLIPMQ_ADDR") or DEFAULT_ADDR,
-        api_key if api_key is not None else os.environ.get("BLIPMQ_API_KEY", ""),
+        where, api_key if api_key is not None else os.environ.get("BLIPMQ_API_KEY", "")
     )
 

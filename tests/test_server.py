@@ -130,7 +130,9 @@ async def test_unsupported_version(nursery: trio.Nursery) -> None:
     server.shutdown.set()
 
 
-async def test_handshake_timeout(nursery: trio.Nursery, autojump_clock: trio.testing.MockClock) -> None:
+async def test_handshake_timeout(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
     server, port = await start(nursery, make_config(server={"handshake_timeout_ms": 500}))
     conn = await connect(port, handshake=False)
     before = trio.current_time()

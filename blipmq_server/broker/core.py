@@ -25,8 +25,8 @@ _pack_prefix = DELIVERY_PREFIX.pack
 class Limits:
     """The broker options the core needs (built from the config by the shell)."""
 
-    capacity: int = 1024
-    overflow: Overflow = Overflow.DROP_OLDEST
+    capacity: int = 8192
+    overflow: Overflow = Overflow.BLOCK
     default_ttl_ms: int = 0
     max_message_bytes: int = 8 * 1024 * 1024
 

@@ -69,6 +69,7 @@ class Session:
         self.closing = False  # no more frames will be read; the writer drains and exits
         self.close_reason: CloseReason | None = None
         self._greeted = False
+        self._said_goodbye = False
         self._wakeup = trio.Event()
         self._read_scope: trio.CancelScope | None = None
 
@@ -122,6 +123,12 @@ class Session:
             while True:
                 if not self.outbox and not self._has_deliveries():
                     if self.closing:
+                        if self.close_reason is CloseReason.SHUTDOWN and not self._said_goodbye:
+                            # only now: every delivery queued for us went out before it
+                            self._said_goodbye = True
+                            self.send(codec.Goodbye(ErrorCode.SHUTTING_DOWN,
+                                                    "broker is shutting down"))
+                            continue
                         return
                     self._wakeup = trio.Event()
                     await self._wakeup.wait()
@@ -187,8 +194,6 @@ class Session:
         if self.close_reason is None and not self.authenticated:
             self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
             return CloseReason.HANDSHAKE_TIMEOUT
-        if self.close_reason is CloseReason.SHUTDOWN:
-            self.send(codec.Goodbye(ErrorCode.SHUTTING_DOWN, "broker is shutting down"))
         return self.close_reason or CloseReason.SHUTDOWN
 
     async def _handle(self, frame: codec.Frame) -> CloseReason | None:

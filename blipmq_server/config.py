@@ -1,0 +1,314 @@
+"""Broker configuration: defaults < TOML file < BLIPMQ_* environment < command-line flags.
+
+One schema table (``SCHEMA``) drives validation, environment parsing, the commented default
+file (``default_text``) and the docs test. Every refusal is a ``ConfigError`` naming the key.
+Must not import trio, typer or rich.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+from tomlkit.exceptions import ParseError
+
+from blipmq_server.errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 7878
+    max_connections: int = 1024
+    max_message_bytes: int = 8 * MiB
+    handshake_timeout_ms: int = 5000
+    shutdown_grace_ms: int = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class AuthOptions:
+    api_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class QueueOptions:
+    capacity: int = 8192
+    overflow: str = "block"
+    block_timeout_ms: int = 5000
+    default_ttl_ms: int = 0
+    expiry_interval_ms: int = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryOptions:
+    max_batch: int = 256
+    max_batch_bytes: int = 262144
+    flush_interval_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsOptions:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 9090
+
+
+@dataclass(frozen=True, slots=True)
+class StorageOptions:
+    data_dir: str = "./data"
+
+
+@dataclass(frozen=True, slots=True)
+class LogOptions:
+    level: str = "info"
+    format: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerOptions = field(default_factory=ServerOptions)
+    auth: AuthOptions = field(default_factory=AuthOptions)
+    queues: QueueOptions = field(default_factory=QueueOptions)
+    delivery: DeliveryOptions = field(default_factory=DeliveryOptions)
+    metrics: MetricsOptions = field(default_factory=MetricsOptions)
+    storage: StorageOptions = field(default_factory=StorageOptions)
+    log: LogOptions = field(default_factory=LogOptions)
+
+
+# ----------------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One configuration key: its type, allowed values and documentation."""
+
+    section: str
+    name: str
+    kind: type  # int, str, bool or tuple (a list of strings)
+    doc: str
+    low: int | None = None
+    high: int | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env(self) -> str:
+        return f"BLIPMQ_{self.section}_{self.name}".upper()
+
+    @property
+    def default(self) -> Any:
+        return getattr(_SECTIONS[self.section](), self.name)
+
+    @property
+    def allowed(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.low is not None:
+            return f"{self.low}-{self.high}" if self.high is not None else f">= {self.low}"
+        return ""
+
+
+_U32 = 2**32 - 1
+SCHEMA: tuple[Key, ...] = (
+    Key("server", "host", str, "Address to listen on (loopback by default)"),
+    Key("server", "port", int, "TCP port for clients (0 picks a free port)", 0, 65535),
+    Key("server", "max_connections", int, "Client connections served at once", 1, 100_000),
+    Key("server", "max_message_bytes", int, "Largest payload accepted", 1, 256 * MiB),
+    Key("server", "handshake_timeout_ms", int, "Time to complete HELLO+AUTH (0 = no limit)",
+        0, _U32),
+    Key("server", "shutdown_grace_ms", int, "How long shutdown waits to drain deliveries",
+        0, _U32),
+    Key("auth", "api_keys", tuple, "Accepted API keys; empty = authentication disabled"),
+    Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
+        10_000_000),
+    Key("queues", "overflow", str, "What a full queue does with a new message",
+        choices=("drop_oldest", "drop_new", "block")),
+    Key("queues", "block_timeout_ms", int, "With overflow = block: longest wait for room",
+        0, _U32),
+    Key("queues", "default_ttl_ms", int, "TTL of messages published without one (0 = never)",
+        0, _U32),
+    Key("queues", "expiry_interval_ms", int, "How often expired messages are purged (0 = only "
+        "when taken)", 0, _U32),
+    Key("delivery", "max_batch", int, "Most messages in one DELIVER frame", 1, 65535),
+    Key("delivery", "max_batch_bytes", int, "Approximate byte cap of one DELIVER frame",
+        1024, 64 * MiB),
+    Key("delivery", "flush_interval_ms", int, "Linger before sending a delivery batch "
+        "(0 = send as soon as the writer is free)", 0, 10_000),
+    Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
+    Key("metrics", "host", str, "Address of the metrics listener"),
+    Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),
+    Key("storage", "data_dir", str, "Data directory (lock file; the log when durability lands)"),
+    Key("log", "level", str, "Log level", choices=("debug", "info", "warning", "error")),
+    Key("log", "format", str, "auto = rich on a terminal, plain otherwise",
+        choices=("auto", "plain", "rich", "json")),
+)
+
+_SECTIONS: dict[str, Callable[..., Any]] = {
+    "server": ServerOptions,
+    "auth": AuthOptions,
+    "queues": QueueOptions,
+    "delivery": DeliveryOptions,
+    "metrics": MetricsOptions,
+    "storage": StorageOptions,
+    "log": LogOptions,
+}
+_BY_DOTTED = {k.dotted: k for k in SCHEMA}
+_BY_ENV = {k.env: k for k in SCHEMA}
+_ENV_PREFIXES = tuple(f"BLIPMQ_{s.upper()}_" for s in _SECTIONS)
+
+
+def _describe(value: object) -> str:
+    kind = {bool: "boolean", int: "integer", str: "string", float: "number"}.get(
+        type(value), type(value).__name__
+    )
+    return f"{kind} {value!r}"
+
+
+def _check(key: Key, value: object, name: str) -> object:
+    """Validate an already-typed value for ``key``; ``name`` is what the error names."""
+    want = {int: "an integer", str: "a string", bool: "a boolean", tuple: "a list of strings"}
+    if key.kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif key.kind is tuple:
+        ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    else:
+        ok = isinstance(value, key.kind)
+    if not ok:
+        raise ConfigError(f"expected {want[key.kind]}, got {_describe(value)}", name)
+    if key.kind is int:
+        assert isinstance(value, int)
+        if (key.low is not None and value < key.low) or (
+            key.high is not None and value > key.high
+        ):
+            raise ConfigError(f"{value} is out of range ({key.allowed})", name)
+    if key.kind is str:
+        assert isinstance(value, str)
+        if key.choices and value not in key.choices:
+            raise ConfigError(f"{value!r} is not {key.allowed}", name)
+        if not value.strip():
+            raise ConfigError("must not be empty", name)
+    if key.kind is tuple:
+        return tuple(str(v) for v in value)  # type: ignore[union-attr]
+    return value
+
+
+def _parse_text(key: Key, text: str, name: str) -> object:
+    """A string from the environment or a flag, converted to the key's type."""
+    if key.kind is int:
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise ConfigError(f"expected an integer, got {text!r}", name) from None
+    if key.kind is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"expected true or false, got {text!r}", name)
+    if key.kind is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    return text
+
+
+def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc}") from None
+    try:
+        doc = tomlkit.parse(text).unwrap()
+    except ParseError as exc:
+        raise ConfigError(f"{p}: TOML syntax error at line {exc.line}, column {exc.col}") from None
+    out: dict[str, dict[str, object]] = {}
+    for section, table in doc.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown section (known: {', '.join(_SECTIONS)})", f"[{section}]")
+        if not isinstance(table, dict):
+            raise ConfigError("must be a table", f"[{section}]")
+        for name, value in table.items():
+            key = _BY_DOTTED.get(f"{section}.{name}")
+            if key is None:
+                raise ConfigError("unknown key", f"{section}.{name}")
+            out.setdefault(section, {})[name] = _check(key, value, key.dotted)
+    return out
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Build the configuration; raises ConfigError naming the first bad key."""
+    values = _read_file(path) if path is not None else {}
+    for name, text in (os.environ if env is None else env).items():
+        if not name.startswith(_ENV_PREFIXES):
+            continue
+        key = _BY_ENV.get(name)
+        if key is None:
+            raise ConfigError("unknown setting (see docs/CONFIG.md for the names)", name)
+        value = _check(key, _parse_text(key, text, name), name)
+        values.setdefault(key.section, {})[key.name] = value
+    for dotted, raw in (overrides or {}).items():
+        key = _BY_DOTTED.get(dotted)
+        if key is None:
+            raise ConfigError("unknown key", dotted)
+        value = _parse_text(key, raw, dotted) if isinstance(raw, str) else raw
+        values.setdefault(key.section, {})[key.name] = _check(key, value, dotted)
+    return Config(**{s: factory(**values.get(s, {})) for s, factory in _SECTIONS.items()})
+
+
+# ----------------------------------------------------------------------------- default file
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(f'"{v}"' for v in value) + "]"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def default_text() -> str:
+    """The commented default configuration (what `blipmq config init` writes)."""
+    lines = [
+        "# BlipMQ broker configuration. Every key is optional; shown here with its default.",
+        "# Environment variables override this file (BLIPMQ_<SECTION>_<KEY>, e.g.",
+        "# BLIPMQ_SERVER_PORT=7900), and `blipmq start` flags override both.",
+        "# Reference: docs/CONFIG.md",
+    ]
+    section = None
+    for key in SCHEMA:
+        if key.section != section:
+            section = key.section
+            lines += ["", f"[{section}]"]
+        allowed = f" ({key.allowed})" if key.allowed else ""
+        lines.append(f"# {key.doc}{allowed}")
+        lines.append(f"{key.name} = {_toml_value(key.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_default(path: str | os.PathLike[str]) -> None:
+    p = Path(path)
+    if p.exists():
+        raise ConfigError(f"{p} already exists; not overwriting it")
+    p.write_text(default_text(), encoding="utf-8")
+
+
+def option_fields() -> list[str]:
+    """Every dotted key of ``Config`` (tests check SCHEMA covers exactly these)."""
+    return [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(_SECTIONS[s.name])]
