@@ -11,11 +11,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e . --config-settings editable_mode=compat
 	touch $@
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $(VENV)/.installed $@
 
 ## run: start the broker on 127.0.0.1:7878 with config/blipmq.toml and ./data

@@ -121,17 +121,18 @@ def latency(addr: str, rate: int, n: int) -> dict:
 
 def pipe_blipmq(addr: str, lines_file: Path, n: int) -> dict:
     env = {**os.environ, "BLIPMQ_ADDR": addr}
-    sub = subprocess.Popen(
-        [BLIPMQ, "sub", "pipe", "--count", str(n), "--format", "lines"],
-        stdout=subprocess.PIPE, env=env,
-    )
-    time.sleep(0.5)  # the CLI has no "ready" signal; half a second is ample on loopback
-    start = time.monotonic()
-    with open(lines_file, "rb") as f:
-        subprocess.run([BLIPMQ, "pub", "pipe", "--lines", "-"], stdin=f, env=env, check=True)
-    out, _ = sub.communicate(timeout=300)
-    elapsed = time.monotonic() - start
-    got = out.count(b"\n")
+    received = lines_file.with_suffix(".blipmq.out")
+    with open(received, "wb") as sink:
+        sub = subprocess.Popen(
+            [BLIPMQ, "sub", "pipe", "--count", str(n), "--format", "lines"], stdout=sink, env=env
+        )
+        time.sleep(0.5)  # the CLI has no "ready" signal; half a second is ample on loopback
+        start = time.monotonic()
+        with open(lines_file, "rb") as f:
+            subprocess.run([BLIPMQ, "pub", "pipe", "--lines", "-"], stdin=f, env=env, check=True)
+        sub.wait(300)
+        elapsed = time.monotonic() - start
+    got = received.read_bytes().count(b"\n")
     return {"lines": got, "lost": n - got, "seconds": round(elapsed, 3),
             "msg_per_s": round(got / elapsed)}
 
@@ -147,19 +148,21 @@ def pipe_mosquitto(workdir: Path, lines_file: Path, n: int) -> dict | str:
                             stderr=subprocess.DEVNULL)
     try:
         wait_port(port)
-        sub = subprocess.Popen(
-            ["mosquitto_sub", "-p", str(port), "-h", "127.0.0.1", "-t", "pipe", "-C", str(n),
-             "-W", "60"],
-            stdout=subprocess.PIPE,
-        )
-        time.sleep(0.5)
-        start = time.monotonic()
-        with open(lines_file, "rb") as f:
-            subprocess.run(["mosquitto_pub", "-p", str(port), "-h", "127.0.0.1", "-t", "pipe",
-                            "-l"], stdin=f, check=True)
-        out, _ = sub.communicate(timeout=120)
-        elapsed = time.monotonic() - start
-        got = out.count(b"\n")
+        received = lines_file.with_suffix(".mosquitto.out")
+        with open(received, "wb") as sink:
+            sub = subprocess.Popen(
+                ["mosquitto_sub", "-p", str(port), "-h", "127.0.0.1", "-t", "pipe", "-C", str(n),
+                 "-W", "60"],
+                stdout=sink,
+            )
+            time.sleep(0.5)
+            start = time.monotonic()
+            with open(lines_file, "rb") as f:
+                subprocess.run(["mosquitto_pub", "-p", str(port), "-h", "127.0.0.1", "-t", "pipe",
+                                "-l"], stdin=f, check=True)
+            sub.wait(120)
+            elapsed = time.monotonic() - start
+        got = received.read_bytes().count(b"\n")
         return {"lines": got, "lost": n - got, "seconds": round(elapsed, 3),
                 "msg_per_s": round(got / elapsed),
                 "version": subprocess.run([broker, "-h"], capture_output=True, text=True)

@@ -18,7 +18,6 @@ a one-shot ``blipmq pub`` starts fast.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import time
@@ -281,7 +280,7 @@ class Client:
 
     def _request(self, frame: codec.Frame) -> codec.Frame:
         rid = self._next_rid()
-        frame = dataclasses.replace(frame, request_id=rid)
+        frame = frame._replace(request_id=rid)
         self._send_pending()
         self._send_now(codec.encode(frame))
         return self._await_reply(rid)

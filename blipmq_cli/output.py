@@ -1,9 +1,11 @@
-"""How ``blipmq sub`` writes deliveries to stdout (``--format``)."""
+"""How ``blipmq sub`` writes deliveries to stdout (``--format``).
+
+base64 and json are imported by the formats that use them, not at start-up: every client
+command imports this module, and a one-shot ``blipmq pub`` should not pay for them.
+"""
 
 from __future__ import annotations
 
-import base64
-import json
 from collections.abc import Callable, Sequence
 
 from blipmq_server.protocol.codec import Delivery
@@ -24,10 +26,15 @@ def _hex(batch: Sequence[Delivery]) -> bytes:
 
 
 def _base64(batch: Sequence[Delivery]) -> bytes:
+    import base64
+
     return b"".join(base64.b64encode(d.payload) + b"\n" for d in batch)
 
 
 def _json_one(d: Delivery) -> str:
+    import base64
+    import json
+
     try:
         payload, encoding = d.payload.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:
