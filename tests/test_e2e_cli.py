@@ -6,12 +6,15 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from conftest import BLIPMQ
 
 from blipmq_cli.exits import Exit
+from blipmq_server.config import default_text
 from blipmq_server.protocol import codec
 
 
@@ -322,3 +325,22 @@ def test_second_broker_on_same_data_dir_is_refused(start_broker) -> None:
     b = start_broker()
     res = b.cli("start", "--config", str(b.config_path), "--data-dir", str(b.data_dir))
     assert res.returncode == 1 and b"in use" in res.stderr
+
+
+def test_config_init_writes_the_commented_default(tmp_path: Path) -> None:
+    target = tmp_path / "my.toml"
+    res = subprocess.run([BLIPMQ, "config", "init", str(target)], capture_output=True)
+    assert res.returncode == 0 and target.read_text() == default_text()
+    again = subprocess.run([BLIPMQ, "config", "init", str(target)], capture_output=True)
+    assert again.returncode == Exit.USAGE and b"already exists" in again.stderr
+
+
+def test_bad_environment_override_names_the_variable(start_broker) -> None:
+    b = start_broker()
+    res = b.cli("start", "--config", str(b.config_path), "--data-dir", str(b.data_dir) + "-x",
+                BLIPMQ_QUEUES_OVERFLOW="sometimes")
+    assert res.returncode == 2
+    assert res.stderr.decode().strip() == (
+        "blipmq: config error: BLIPMQ_QUEUES_OVERFLOW: 'sometimes' is not one of "
+        "drop_oldest, drop_new, block"
+    )

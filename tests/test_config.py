@@ -1,0 +1,122 @@
+"""Configuration: defaults < file < environment < overrides, and one clear error per problem."""
+
+from pathlib import Path
+
+import pytest
+
+from blipmq_server import config
+from blipmq_server.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_text(tmp_path: Path, text: str, **kw) -> config.Config:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return config.load(path, env=kw.pop("env", {}), **kw)
+
+
+def error_of(fn) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        fn()
+    return info.value
+
+
+def test_defaults() -> None:
+    cfg = config.load(None, env={})
+    assert cfg.server.port == 7878 and cfg.server.host == "127.0.0.1"
+    assert cfg.queues.overflow == "block" and cfg.queues.capacity == 8192
+    assert cfg.auth.api_keys == ()
+
+
+def test_precedence_file_env_overrides(tmp_path: Path) -> None:
+    text = "[server]\nport = 7001\nmax_connections = 5\n[queues]\noverflow = \"drop_new\"\n"
+    cfg = load_text(tmp_path, text)
+    assert (cfg.server.port, cfg.server.max_connections) == (7001, 5)
+    cfg = load_text(tmp_path, text, env={"BLIPMQ_SERVER_PORT": "7002"})
+    assert cfg.server.port == 7002 and cfg.server.max_connections == 5
+    cfg = load_text(tmp_path, text, env={"BLIPMQ_SERVER_PORT": "7002"},
+                    overrides={"server.port": "7003", "queues.capacity": 9})
+    assert cfg.server.port == 7003 and cfg.queues.capacity == 9
+    assert cfg.queues.overflow == "drop_new"
+
+
+def test_env_parsing() -> None:
+    cfg = config.load(None, env={
+        "BLIPMQ_AUTH_API_KEYS": "k1, k2,,", "BLIPMQ_METRICS_ENABLED": "no",
+        "BLIPMQ_ADDR": "ignored:1", "BLIPMQ_API_KEY": "ignored", "HOME": "/root",
+    })
+    assert cfg.auth.api_keys == ("k1", "k2")
+    assert cfg.metrics.enabled is False
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[server]\ncolour = 1\n", "server.colour: unknown key"),
+        ("[srv]\nport = 1\n", "[srv]: unknown section"),
+        ("[server]\nport = 70000\n", "server.port: 70000 is out of range (0-65535)"),
+        ("[server]\nport = true\n", "server.port: expected an integer, got boolean True"),
+        ("[queues]\ncapacity = \"abc\"\n", "queues.capacity: expected an integer, got string"),
+        ("[queues]\noverflow = \"dropp\"\n",
+         "queues.overflow: 'dropp' is not one of drop_oldest, drop_new, block"),
+        ("[queues]\ncapacity = 0\n", "queues.capacity: 0 is out of range"),
+        ("[auth]\napi_keys = \"k\"\n", "auth.api_keys: expected a list of strings"),
+        ("[server]\nhost = \"\"\n", "server.host: must not be empty"),
+        ("[delivery]\nmax_batch_bytes = 10\n", "delivery.max_batch_bytes: 10 is out of range"),
+        ("[server]\nport = \n", "TOML syntax error at line 2"),
+        ("server = 1\n", "[server]: must be a table"),
+    ],
+)
+def test_file_errors_name_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    err = error_of(lambda: load_text(tmp_path, text))
+    assert needle in str(err)
+    assert "\n" not in str(err)
+
+
+def test_env_errors_name_the_variable() -> None:
+    err = error_of(lambda: config.load(None, env={"BLIPMQ_SERVER_PORT": "http"}))
+    assert str(err).startswith("BLIPMQ_SERVER_PORT: expected an integer")
+    err = error_of(lambda: config.load(None, env={"BLIPMQ_SERVER_PROT": "1"}))
+    assert str(err).startswith("BLIPMQ_SERVER_PROT: unknown setting")
+    err = error_of(lambda: config.load(None, env={"BLIPMQ_METRICS_ENABLED": "maybe"}))
+    assert "expected true or false" in str(err)
+
+
+def test_override_errors() -> None:
+    assert "unknown key" in str(error_of(lambda: config.load(None, env={},
+                                                             overrides={"server.nope": 1})))
+    err = error_of(lambda: config.load(None, env={}, overrides={"log.level": "loud"}))
+    assert str(err).startswith("log.level: 'loud' is not one of")
+
+
+def test_missing_file() -> None:
+    err = error_of(lambda: config.load("/nonexistent/blipmq.toml", env={}))
+    assert "not found" in str(err)
+
+
+def test_schema_covers_every_option() -> None:
+    assert sorted(config.option_fields()) == sorted(k.dotted for k in config.SCHEMA)
+
+
+def test_default_text_is_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "d.toml"
+    path.write_text(config.default_text())
+    assert config.load(path, env={}) == config.load(None, env={})
+
+
+def test_shipped_config_is_the_default_text() -> None:
+    assert (ROOT / "config" / "blipmq.toml").read_text() == config.default_text()
+
+
+def test_docs_describe_every_key() -> None:
+    doc = (ROOT / "docs" / "CONFIG.md").read_text()
+    for key in config.SCHEMA:
+        assert f"`{key.name}`" in doc and f"`{key.env}`" in doc, key.dotted
+
+
+def test_write_default_refuses_to_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "new.toml"
+    config.write_default(path)
+    assert path.read_text() == config.default_text()
+    assert "already exists" in str(error_of(lambda: config.write_default(path)))
