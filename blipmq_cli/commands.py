@@ -140,9 +140,10 @@ def pubfile(
 def _send_with_progress(
     client: Client, topic: str, data: bytes, ttl: int, qos: int, key: bytes | None, path: str
 ) -> None:
-    from rich.progress import Progress  # only on a terminal: rich costs startup time
+    from rich.console import Console  # only on a terminal: rich costs start-up time
+    from rich.progress import Progress
 
-    with Progress(transient=True) as progress:
+    with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(f"sending {os.path.basename(path)}", total=len(data))
         client.publish(
             topic, data, qos=qos, ttl_ms=ttl, key=key,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import BLIPMQ
 
+from blipmq_cli.client import Client
 from blipmq_cli.exits import Exit
 from blipmq_server.config import default_text
 from blipmq_server.protocol import codec
@@ -344,3 +345,82 @@ def test_bad_environment_override_names_the_variable(start_broker) -> None:
         "blipmq: config error: BLIPMQ_QUEUES_OVERFLOW: 'sometimes' is not one of "
         "drop_oldest, drop_new, block"
     )
+
+
+def test_second_signal_exits_at_once(start_broker) -> None:
+    b = start_broker({"server": {"shutdown_grace_ms": 30000},
+                      "queues": {"capacity": 100000, "overflow": "drop_new"}})
+    stuck = _handshake(b.port)  # subscribes, then never reads: the drain cannot finish
+    stuck.sendall(codec.encode(codec.Subscribe("big", "", 0, 0, 3)))
+    b.wait_subscribers(1)
+    payload = os.urandom(4096)
+    with Client(b.addr) as c:
+        c.publish_many(("big", payload) for _ in range(5000))
+    b.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert b.proc.poll() is None, "still draining towards the stuck subscriber"
+    started = time.monotonic()
+    assert b.stop(signal.SIGTERM, timeout=5) == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 2
+    stuck.close()
+
+
+def test_health_ready_and_unknown_paths(start_broker) -> None:
+    import urllib.error
+    import urllib.request
+
+    b = start_broker()
+    base = f"http://127.0.0.1:{b.metrics_port}"
+    for path, body in (("/health", b"ok\n"), ("/ready", b"ready\n")):
+        with urllib.request.urlopen(base + path, timeout=5) as resp:
+            assert resp.status == 200 and resp.read() == body
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(base + "/nope", timeout=5)
+    assert info.value.code == 404
+
+
+def test_qos1_is_refused_clearly_until_the_log_exists(start_broker) -> None:
+    b = start_broker()
+    res = b.cli("pub", "t", "x", "--qos", "1")
+    assert res.returncode == Exit.REFUSED and b"QoS 1" in res.stderr
+    res = b.cli("sub", "t", "--qos", "1", "--timeout", "1")
+    assert res.returncode == Exit.REFUSED and b"QoS 1" in res.stderr
+
+
+def test_key_and_ttl_travel_with_the_message(start_broker) -> None:
+    b = start_broker()
+    sub = b.spawn("sub", "t", "--count", "1", "--format", "json")
+    b.wait_subscribers(1)
+    assert b.cli("pub", "t", "v", "--key", "dev-7", "--ttl", "60000").returncode == 0
+    out, _ = sub.communicate(timeout=10)
+    msg = json.loads(out)
+    assert msg["key"] == "ZGV2LTc=" and msg["ttl_ms"] == 60000 and msg["payload"] == "v"
+    assert msg["offset"] >= 1 and msg["delivery_count"] == 1
+
+
+def test_pubfile_shows_progress_on_a_terminal(start_broker, tmp_path: Path) -> None:
+    import pty
+
+    b = start_broker()
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(3 * 1024 * 1024))
+    sub = b.spawn("sub", "fw", "--count", "1")
+    b.wait_subscribers(1)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([BLIPMQ, "pubfile", "fw", str(src)], stderr=follower,
+                            stdout=subprocess.DEVNULL, env=b.env)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(20) == 0
+    os.close(leader)
+    assert b"sending big.bin" in seen
+    out, _ = sub.communicate(timeout=20)
+    assert out == src.read_bytes()
