@@ -71,6 +71,10 @@ class Subscription:
         """
         return self.client._next_batch(self.sub_id, timeout)
 
+    def ack(self, *deliveries: Delivery) -> None:
+        """Acknowledge deliveries of this subscription."""
+        self.client.ack(self.sub_id, *deliveries)
+
     def unsubscribe(self) -> None:
         self.client._request(codec.Unsubscribe(self.sub_id))
         self.ended = True
