@@ -14,7 +14,7 @@ def test_publish_many_and_iterate(start_broker) -> None:
     with Client(b.addr) as sub_client, Client(b.addr) as pub:
         sub = sub_client.subscribe("data/#")
         b.wait_subscribers(1)
-        sent = pub.publish_many(("data/%d" % (i % 3), b"%d" % i) for i in range(1000))
+        sent = pub.publish_many((f"data/{i % 3}", b"%d" % i) for i in range(1000))
         pub.publish("data/x", b"last", ttl_ms=60000, key=b"k")
         pub.flush()
         got = []
