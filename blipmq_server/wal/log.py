@@ -1,0 +1,380 @@
+"""The segmented write-ahead log: recovery on open, buffered appends, group-commit batches,
+reads by offset and retention (docs/WAL.md).
+
+Appends only touch memory. ``take_batch`` hands everything appended since the last batch to
+the caller as one ``Batch``; ``Batch.write`` does the blocking work (create segment files,
+one write per segment, fsync) and is meant to run in a worker thread while appends go on;
+then the owner calls ``commit`` or ``abort``. One batch is in flight at a time.
+No trio, no clock: timestamps and ``now_ms`` come from the caller.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from dataclasses import dataclass, field
+
+from blipmq_server.errors import WalError
+from blipmq_server.wal import record as rec
+from blipmq_server.wal.disk import Disk
+
+log = logging.getLogger("blipmq.wal")
+MiB = 1024 * 1024
+SUFFIX = ".seg"
+_READ_CHUNK = 256 * 1024
+
+
+def segment_name(base_offset: int) -> str:
+    return f"{base_offset:020d}{SUFFIX}"
+
+
+@dataclass(frozen=True, slots=True)
+class LogOptions:
+    segment_bytes: int = 64 * MiB
+    retention_bytes: int = 0  # 0: no size cap
+    retention_ms: int = 0  # 0: keep forever
+    index_every: int = 64  # one sparse index entry per this many records
+
+
+class Segment:
+    """One segment file. ``size`` counts committed bytes (header included) on disk."""
+
+    __slots__ = ("base", "count", "created", "first", "index", "last", "last_ts", "path",
+                 "pending", "pending_bytes", "size")
+
+    def __init__(self, path: str, base: int) -> None:
+        self.path = path
+        self.base = base
+        self.size = 0
+        self.created = False
+        self.first = -1
+        self.last = -1
+        self.last_ts = 0
+        self.count = 0
+        self.index: list[tuple[int, int]] = []  # sparse (offset, position)
+        self.pending: list[tuple[bytes, int, int]] = []  # (encoded record, offset, timestamp)
+        self.pending_bytes = 0
+
+    @property
+    def projected(self) -> int:
+        return (self.size if self.created else rec.HEADER_SIZE) + self.pending_bytes
+
+    def __repr__(self) -> str:
+        return f"Segment({os.path.basename(self.path)}, {self.first}..{self.last})"
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What opening the log found; logged by the broker and counted in its metrics."""
+
+    segments: int = 0
+    records: int = 0
+    torn_bytes: int = 0  # bytes cut off a torn tail
+    quarantined: list[str] = field(default_factory=list)  # files set aside
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Batch:
+    """Records appended since the previous batch, grouped by segment, ready to write."""
+
+    parts: list[tuple[Segment, bytes, list[tuple[int, int, int]]]]  # data, (offset, pos, ts)
+    first_offset: int
+    last_offset: int
+    records: int
+    directory: str
+
+    def write(self, disk: Disk, sync: bool) -> None:
+        """Blocking: write (and fsync if ``sync``). On failure, undo partial writes, re-raise."""
+        done: list[tuple[Segment, int]] = []
+        try:
+            for seg, data, _ in self.parts:
+                start = seg.size if seg.created else 0
+                done.append((seg, start))
+                if not seg.created:
+                    disk.append(seg.path, rec.header(seg.base) + data)
+                    if sync:
+                        disk.fsync(seg.path)
+                        disk.fsync_dir(self.directory)
+                else:
+                    disk.append(seg.path, data)
+                    if sync:
+                        disk.fsync(seg.path)
+        except OSError:
+            for seg, start in done:
+                try:
+                    disk.forget(seg.path)
+                    if start:
+                        disk.truncate(seg.path, start)
+                    elif os.path.exists(seg.path):
+                        disk.remove(seg.path)
+                except OSError:
+                    pass  # the next open's recovery cuts whatever is left
+            raise
+
+    def sync(self, disk: Disk) -> None:
+        """Blocking: fsync the files this (already written) batch touched."""
+        for seg, _, _ in self.parts:
+            disk.fsync(seg.path)
+
+
+@dataclass(slots=True)
+class Retention:
+    removed: list[str] = field(default_factory=list)
+    forced_below: int | None = None  # offsets below this were needed but removed (size cap)
+
+
+class Log:
+    def __init__(
+        self, directory: str, options: LogOptions | None = None, disk: Disk | None = None
+    ) -> None:
+        self.directory = directory
+        self.options = options or LogOptions()
+        self.disk = disk or Disk()
+        self.segments: list[Segment] = []
+        self.next_offset = 1
+        self.written_offset = 0  # highest offset committed to the files
+        self._in_flight: Batch | None = None
+
+    # ---------------------------------------------------------------------------- recovery
+
+    def open(self) -> Recovery:
+        """Scan every segment, cut a torn tail, set damaged bytes aside, index the rest."""
+        os.makedirs(self.directory, exist_ok=True)
+        found = Recovery()
+        names = [n for n in self.disk.listdir(self.directory) if n.endswith(SUFFIX)]
+        last_offset = 0
+        for i, name in enumerate(names):
+            path = os.path.join(self.directory, name)
+            is_last = i == len(names) - 1
+            data = self.disk.read(path)
+            seg = self._recover_segment(path, data, is_last, last_offset, found)
+            if seg is None:
+                continue
+            self.segments.append(seg)
+            found.records += seg.count
+            if seg.count:
+                last_offset = seg.last
+        found.segments = len(self.segments)
+        self.next_offset = max(last_offset + 1, self.segments[-1].base if self.segments else 1)
+        self.written_offset = last_offset
+        return found
+
+    def _recover_segment(
+        self, path: str, data: bytes, is_last: bool, last_offset: int, found: Recovery
+    ) -> Segment | None:
+        name = os.path.basename(path)
+        header_ok = len(data) >= rec.HEADER_SIZE
+        if header_ok:
+            magic, version, base = rec.HEADER.unpack_from(data)
+            header_ok = magic == rec.MAGIC and version == rec.FORMAT_VERSION
+        if not header_ok:
+            if is_last and len(data) < rec.HEADER_SIZE:
+                self.disk.remove(path)
+                found.torn_bytes += len(data)
+                found.notes.append(f"{name}: torn segment header ({len(data)} bytes) removed")
+            else:
+                self._quarantine(path, data, 0, found, "unreadable segment header")
+            return None
+        scan = rec.scan(data, rec.HEADER_SIZE, last_offset)
+        if scan.problem is not None:
+            if is_last and scan.torn:
+                self.disk.truncate(path, scan.good_end)
+                found.torn_bytes += len(data) - scan.good_end
+                found.notes.append(
+                    f"{name}: torn tail cut at byte {scan.good_end} "
+                    f"({len(data) - scan.good_end} bytes: {scan.problem})"
+                )
+            else:
+                self._quarantine(path, data, scan.good_end, found, scan.problem)
+        seg = Segment(path, base)
+        seg.created = True
+        seg.size = scan.good_end
+        seg.count = len(scan.records)
+        if scan.records:
+            seg.first = scan.records[0][0]
+            seg.last = scan.records[-1][0]
+            every = self.options.index_every
+            seg.index = scan.records[::every]
+            last, _ = rec.decode_at(data, scan.records[-1][1])
+            seg.last_ts = last.timestamp_ms
+        return seg
+
+    def _quarantine(
+        self, path: str, data: bytes, good_end: int, found: Recovery, problem: str
+    ) -> None:
+        aside = f"{path}.{good_end}.corrupt"
+        with open(aside, "wb") as f:  # recovery runs before serving: plain blocking I/O
+            f.write(data[good_end:])
+        if good_end:
+            self.disk.truncate(path, good_end)
+        else:
+            self.disk.remove(path)
+        found.quarantined.append(os.path.basename(aside))
+        found.notes.append(
+            f"{os.path.basename(path)}: {problem} at byte {good_end}; "
+            f"{len(data) - good_end} bytes set aside in {os.path.basename(aside)}"
+        )
+
+    # ----------------------------------------------------------------------------- appends
+
+    def append(self, kind: int, body: bytes, timestamp_ms: int) -> int:
+        """Buffer one record; returns its offset. Nothing touches the disk here."""
+        offset = self.next_offset
+        self.next_offset = offset + 1
+        data = rec.encode(kind, offset, timestamp_ms, body)
+        seg = self.segments[-1] if self.segments else None
+        if seg is None or (
+            seg.projected + len(data) > self.options.segment_bytes
+            and seg.projected > rec.HEADER_SIZE
+        ):
+            seg = Segment(os.path.join(self.directory, segment_name(offset)), offset)
+            self.segments.append(seg)
+        seg.pending.append((data, offset, timestamp_ms))
+        seg.pending_bytes += len(data)
+        return offset
+
+    @property
+    def pending_records(self) -> int:
+        return sum(len(s.pending) for s in self.segments)
+
+    def take_batch(self) -> Batch | None:
+        """Everything appended since the last batch, or None. Call ``commit`` or ``abort``."""
+        if self._in_flight is not None:
+            raise WalError("a log batch is already being written")
+        parts = []
+        records = 0
+        first = last = 0
+        for seg in self.segments:
+            if not seg.pending:
+                continue
+            pos = seg.size if seg.created else rec.HEADER_SIZE
+            where = []
+            for data, offset, ts in seg.pending:
+                where.append((offset, pos, ts))
+                pos += len(data)
+            parts.append((seg, b"".join(d for d, _, _ in seg.pending), where))
+            records += len(where)
+            first = first or where[0][0]
+            last = where[-1][0]
+            seg.pending = []
+            seg.pending_bytes = 0
+        if not parts:
+            return None
+        self._in_flight = Batch(parts, first, last, records, self.directory)
+        return self._in_flight
+
+    def commit(self, batch: Batch) -> None:
+        """The batch is on disk: make its records readable."""
+        every = self.options.index_every
+        for seg, data, where in batch.parts:
+            if not seg.created:
+                seg.created = True
+                seg.size = rec.HEADER_SIZE
+            seg.size += len(data)
+            for offset, pos, ts in where:
+                if seg.count % every == 0:
+                    seg.index.append((offset, pos))
+                if seg.first < 0:
+                    seg.first = offset
+                seg.last = offset
+                seg.last_ts = ts
+                seg.count += 1
+        self.written_offset = batch.last_offset
+        self._in_flight = None
+
+    def abort(self, batch: Batch) -> None:
+        """The batch could not be written: its records are gone (their offsets stay unused)."""
+        for seg, _, _ in batch.parts:
+            if not seg.created and not seg.pending and seg is not self.segments[-1]:
+                self.segments.remove(seg)
+        self._in_flight = None
+
+    # ------------------------------------------------------------------------------- reads
+
+    @property
+    def first_offset(self) -> int:
+        for seg in self.segments:
+            if seg.count:
+                return seg.first
+        return self.next_offset
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    def read(
+        self, from_offset: int, max_records: int = 1000, max_bytes: int = MiB
+    ) -> list[rec.Record]:
+        """Committed records with offset >= ``from_offset``, in order, within the limits."""
+        out: list[rec.Record] = []
+        size = 0
+        bases = [s.first if s.count else s.base for s in self.segments]
+        i = max(0, bisect.bisect_right(bases, from_offset) - 1)
+        for seg in self.segments[i:]:
+            if not seg.count or seg.last < from_offset:
+                continue
+            keys = [o for o, _ in seg.index]
+            j = bisect.bisect_right(keys, from_offset) - 1
+            pos = seg.index[j][1] if j >= 0 else rec.HEADER_SIZE
+            while pos < seg.size and len(out) < max_records and size < max_bytes:
+                chunk = self.disk.pread(seg.path, pos, min(seg.size - pos, _READ_CHUNK))
+                at = 0
+                while at + rec.RECORD_OVERHEAD <= len(chunk):
+                    length, _ = rec.PREFIX.unpack_from(chunk, at)
+                    if at + 4 + length > len(chunk):
+                        if at == 0:  # one record larger than the chunk: read it whole
+                            chunk = self.disk.pread(seg.path, pos, 4 + length)
+                            continue
+                        break
+                    record, end = rec.decode_at(chunk, at)
+                    at = end
+                    if record.offset < from_offset:
+                        continue
+                    out.append(record)
+                    size += len(record.body)
+                    if len(out) >= max_records or size >= max_bytes:
+                        break
+                if at == 0:
+                    raise WalError(f"{seg.path}: unreadable record at byte {pos}")
+                pos += at
+            if len(out) >= max_records or size >= max_bytes:
+                break
+        return out
+
+    # --------------------------------------------------------------------------- retention
+
+    def retain(self, now_ms: int, keep_from: int | None = None) -> Retention:
+        """Delete whole old segments by total size and by age (never the newest one).
+
+        A segment holding offsets >= ``keep_from`` (still needed by a durable group) is kept
+        unless the size cap forces it out; then ``forced_below`` says what was lost.
+        """
+        opts = self.options
+        result = Retention()
+        total = self.total_bytes
+        while len(self.segments) > 1:
+            seg = self.segments[0]
+            if seg.pending or (self._in_flight and any(p[0] is seg for p in self._in_flight.parts)):
+                break
+            too_big = bool(opts.retention_bytes) and total > opts.retention_bytes
+            too_old = bool(opts.retention_ms) and seg.count > 0 and (
+                now_ms - seg.last_ts > opts.retention_ms
+            )
+            if not (too_big or too_old or (seg.count == 0 and seg.created)):
+                break
+            needed = keep_from is not None and seg.count > 0 and seg.last >= keep_from
+            if needed and not too_big:
+                break
+            if needed:
+                result.forced_below = seg.last + 1
+            self.segments.pop(0)
+            total -= seg.size
+            if seg.created:
+                self.disk.remove(seg.path)
+            result.removed.append(os.path.basename(seg.path))
+        return result
+
+    def close(self) -> None:
+        self.disk.close()

@@ -1,0 +1,104 @@
+"""The write-ahead log's record format (docs/WAL.md): one source of truth for every reader.
+
+A segment file is a 16-byte header followed by records::
+
+    header:  | magic "BLPWAL" (6) | version u16 | base_offset u64 |
+    record:  | length u32 | crc32c u32 | kind u8 | offset u64 | timestamp_ms u64 | body |
+
+``length`` counts the bytes after itself (21 + body). ``crc32c`` covers kind through body.
+A MESSAGE body is the message's wire record from ``protocol.codec`` (flags, ttl, lengths,
+topic, key, payload), so the broker stores what it received without re-encoding it.
+Integers are big-endian. Standard library and ``crc32c`` only; no trio.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+from typing import NamedTuple
+
+from crc32c import crc32c
+
+MAGIC = b"BLPWAL"
+FORMAT_VERSION = 1
+HEADER = struct.Struct(">6sHQ")  # magic, version, base offset
+HEADER_SIZE = HEADER.size  # 16
+PREFIX = struct.Struct(">II")  # length, crc32c
+FIXED = struct.Struct(">BQQ")  # kind, offset, timestamp_ms
+RECORD_OVERHEAD = PREFIX.size + FIXED.size  # 25
+MIN_LENGTH = 4 + FIXED.size  # crc + fixed fields: 21
+
+
+class Kind(IntEnum):
+    MESSAGE = 1
+
+
+class Record(NamedTuple):
+    kind: int
+    offset: int
+    timestamp_ms: int
+    body: bytes
+
+
+def encode(kind: int, offset: int, timestamp_ms: int, body: bytes) -> bytes:
+    fixed = FIXED.pack(kind, offset, timestamp_ms)
+    crc = crc32c(body, crc32c(fixed))
+    return PREFIX.pack(len(fixed) + 4 + len(body), crc) + fixed + body
+
+
+def header(base_offset: int) -> bytes:
+    return HEADER.pack(MAGIC, FORMAT_VERSION, base_offset)
+
+
+class Scan(NamedTuple):
+    """What a pass over one segment's bytes found.
+
+    ``good_end`` is the byte position just after the last whole, valid record. ``problem``
+    is None for a clean segment, else why scanning stopped at ``good_end`` and whether it
+    looks like a torn write (``torn``: the bytes end inside a record) or corruption.
+    """
+
+    records: list[tuple[int, int]]  # (offset, position) of every valid record
+    good_end: int
+    problem: str | None
+    torn: bool
+
+
+def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = -1) -> Scan:
+    """Validate records from ``start``; stops at the first damage. Never raises on bad bytes."""
+    size = len(data)
+    pos = start
+    out: list[tuple[int, int]] = []
+    unpack_prefix = PREFIX.unpack_from
+    unpack_fixed = FIXED.unpack_from
+    while pos < size:
+        if size - pos < PREFIX.size + FIXED.size:
+            return Scan(out, pos, f"{size - pos} trailing bytes, less than a record header", True)
+        length, crc = unpack_prefix(data, pos)
+        end = pos + 4 + length
+        if length < MIN_LENGTH:
+            return Scan(out, pos, f"record length {length} is below the minimum", False)
+        if end > size:
+            return Scan(out, pos, f"record of {length} bytes is cut off after {size - pos}", True)
+        if crc32c(data[pos + 8 : end]) != crc:
+            return Scan(out, pos, "CRC mismatch", end == size)
+        kind, offset, _ = unpack_fixed(data, pos + 8)
+        if kind not in _KINDS:
+            return Scan(out, pos, f"unknown record kind {kind}", False)
+        if offset <= last_offset:
+            return Scan(out, pos, f"offset {offset} does not follow {last_offset}", False)
+        out.append((offset, pos))
+        last_offset = offset
+        pos = end
+    return Scan(out, pos, None, False)
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+def decode_at(data: bytes | memoryview, pos: int) -> tuple[Record, int]:
+    """The record at ``pos`` (already validated by ``scan``) and the position after it."""
+    length, _ = PREFIX.unpack_from(data, pos)
+    kind, offset, ts = FIXED.unpack_from(data, pos + 8)
+    end = pos + 4 + length
+    return Record(kind, offset, ts, bytes(data[pos + RECORD_OVERHEAD : end])), end
