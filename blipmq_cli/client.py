@@ -110,6 +110,10 @@ class Client:
         self._out_size = 0
         self._frames: list[bytes] = []  # sealed PUBLISH frames not yet written
         self._frames_size = 0
+        self._out_qos1 = 0  # QoS 1 records among self._out
+        self._awaiting: dict[int, int] = {}  # PUBLISH request id -> QoS 1 messages in it
+        self.qos1_sent = 0
+        self.confirmed = 0  # QoS 1 messages the broker confirmed as durable
         hello, auth = self._next_rid(), self._next_rid()
         self._send_now(
             codec.encode(codec.Hello(codec.VERSION, name, hello))
@@ -164,11 +168,16 @@ class Client:
         key: bytes | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """Send one message. ``progress(bytes_sent)`` is called as a large one goes out."""
+        """Send one message; with ``qos=1``, return once the broker confirmed it durable.
+
+        ``progress(bytes_sent)`` is called as a large message goes out.
+        """
         self._add(Message(topic, payload, qos, ttl_ms, key))
         self._seal()
         if progress is None:
             self._send_frames()
+            if qos:
+                self.wait_confirms()
             return
         data = b"".join(self._frames)
         self._frames, self._frames_size = [], 0
@@ -216,11 +225,18 @@ class Client:
             self._seal()
         self._out.append(record)
         self._out_size += len(record)
+        if m.qos:
+            self._out_qos1 += 1
 
     def _seal(self) -> None:
         """Turn the records gathered so far into one PUBLISH frame, queued for sending."""
         if self._out:
-            self._frames.append(codec.encode_publish(self._out, self._next_rid()))
+            rid = self._next_rid()
+            self._frames.append(codec.encode_publish(self._out, rid))
+            if self._out_qos1:
+                self._awaiting[rid] = self._out_qos1
+                self.qos1_sent += self._out_qos1
+                self._out_qos1 = 0
             self._frames_size += self._out_size
             self._out, self._out_size = [], 0
             if self._frames_size >= _SEND_CHUNK:
@@ -242,11 +258,25 @@ class Client:
         self._raise_errors()
 
     def flush(self, timeout: float | None = None) -> None:
-        """Send everything, then wait until the broker has processed it (PING/PONG)."""
+        """Send everything, wait until the broker processed it (PING/PONG) and confirmed every
+        QoS 1 message sent so far; raise the first refusal."""
         self._send_pending()
         rid = self._next_rid()
         self._send_now(codec.encode(codec.Ping(b"", rid)))
         self._await_reply(rid, timeout)
+        self.wait_confirms(timeout)
+
+    def wait_confirms(self, timeout: float | None = None) -> None:
+        """Wait for the PUB_ACK of every QoS 1 publish sent; raise the first refusal."""
+        self._send_pending()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._awaiting:
+            self._raise_errors()
+            if self._eof:
+                raise self._closed_by_broker or ConnectError(
+                    f"the broker at {self.addr} closed the connection"
+                )
+            self._pump(block=True, deadline=deadline)
         self._raise_errors()
 
     # ----------------------------------------------------------------------- subscribing
@@ -379,6 +409,9 @@ class Client:
             self._batches.setdefault(frame.sub_id, deque()).append(frame.messages)
         elif isinstance(frame, codec.Error):
             self._errors.append(BrokerError(frame.code, frame.text))
+        elif isinstance(frame, codec.PubAck):
+            self._awaiting.pop(frame.request_id, None)
+            self.confirmed += frame.count
         elif isinstance(frame, codec.Goodbye):
             self._closed_by_broker = BrokerError(frame.code, frame.text or "broker said goodbye")
         else:

@@ -16,7 +16,7 @@ from typing import BinaryIO
 from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit, for_error
 from blipmq_cli.output import WRITERS
-from blipmq_server.errors import BlipError, BrokerError
+from blipmq_server.errors import BlipError, BrokerError, ConnectError
 from blipmq_server.protocol.codec import ErrorCode, Message
 
 _READ = 1 << 16
@@ -100,14 +100,24 @@ def _stdin_lines(stream: BinaryIO) -> Iterator[list[bytes]]:
 def _pub_lines(
     topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None
 ) -> int:
-    with connect_from_env(addr, api_key) as client:
-        plain = ttl == 0 and qos == 0 and key is None
-        for batch in _stdin_lines(sys.stdin.buffer):
-            if plain:
-                client.publish_many([(topic, line) for line in batch])
-            else:
-                client.publish_many([Message(topic, line, qos, ttl, key) for line in batch])
-            client.check()
+    client = connect_from_env(addr, api_key)
+    try:
+        with client:
+            plain = ttl == 0 and qos == 0 and key is None
+            for batch in _stdin_lines(sys.stdin.buffer):
+                if plain:
+                    client.publish_many([(topic, line) for line in batch])
+                else:
+                    client.publish_many([Message(topic, line, qos, ttl, key) for line in batch])
+                client.check()
+    except (BrokerError, ConnectError) as exc:
+        if not qos:
+            raise
+        # say how far we got: every confirmed message is stored
+        note = f"{client.confirmed} of {client.qos1_sent} messages confirmed"
+        if isinstance(exc, BrokerError):
+            raise BrokerError(exc.code, f"{exc.text}; {note}") from None
+        raise ConnectError(f"{exc}; {note}") from None
     return Exit.OK
 
 

@@ -17,6 +17,7 @@ import tomlkit
 from tomlkit.exceptions import ParseError
 
 from blipmq_server.errors import ConfigError
+from blipmq_server.wal import policy
 
 MiB = 1024 * 1024
 
@@ -53,6 +54,16 @@ class DeliveryOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class WalOptions:
+    enabled: bool = True
+    fsync: str = "always"
+    include_qos0: bool = True
+    segment_bytes: int = 64 * MiB
+    retention_bytes: int = 1024 * MiB
+    retention_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsOptions:
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -76,6 +87,7 @@ class Config:
     auth: AuthOptions = field(default_factory=AuthOptions)
     queues: QueueOptions = field(default_factory=QueueOptions)
     delivery: DeliveryOptions = field(default_factory=DeliveryOptions)
+    wal: WalOptions = field(default_factory=WalOptions)
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
     storage: StorageOptions = field(default_factory=StorageOptions)
     log: LogOptions = field(default_factory=LogOptions)
@@ -95,6 +107,7 @@ class Key:
     low: int | None = None
     high: int | None = None
     choices: tuple[str, ...] = ()
+    check: Callable[[str], str | None] | None = None  # extra rule for strings: the problem
 
     @property
     def dotted(self) -> str:
@@ -118,6 +131,13 @@ class Key:
 
 
 _U32 = 2**32 - 1
+
+
+def _fsync_problem(text: str) -> str | None:
+    parsed = policy.parse(text)
+    return parsed if isinstance(parsed, str) else None
+
+
 SCHEMA: tuple[Key, ...] = (
     Key("server", "host", str, "Address to listen on (loopback by default)"),
     Key("server", "port", int, "TCP port for clients (0 picks a free port)", 0, 65535),
@@ -143,10 +163,21 @@ SCHEMA: tuple[Key, ...] = (
         1024, 64 * MiB),
     Key("delivery", "flush_interval_ms", int, "Linger before sending a delivery batch "
         "(0 = send as soon as the writer is free)", 0, 10_000),
+    Key("wal", "enabled", bool, "Keep the write-ahead log (needed for QoS 1)"),
+    Key("wal", "fsync", str, "When appends are forced to disk: always, every_n:N, "
+        "interval_ms:M or none (docs/OPERATIONS.md says what each can lose)",
+        check=_fsync_problem),
+    Key("wal", "include_qos0", bool, "Log QoS 0 messages too (for replay and fleet analytics)"),
+    Key("wal", "segment_bytes", int, "Size at which a log segment file is closed", 4096,
+        1024 * MiB),
+    Key("wal", "retention_bytes", int, "Delete the oldest segments beyond this total "
+        "(0 = no cap)", 0, 2**50),
+    Key("wal", "retention_ms", int, "Delete segments whose newest record is older "
+        "(0 = keep)", 0, 2**50),
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
     Key("metrics", "host", str, "Address of the metrics listener"),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),
-    Key("storage", "data_dir", str, "Data directory (lock file; the log when durability lands)"),
+    Key("storage", "data_dir", str, "Data directory: the lock file and the log (wal/)"),
     Key("log", "level", str, "Log level", choices=("debug", "info", "warning", "error")),
     Key("log", "format", str, "auto = rich on a terminal, plain otherwise",
         choices=("auto", "plain", "rich", "json")),
@@ -157,6 +188,7 @@ _SECTIONS: dict[str, Callable[..., Any]] = {
     "auth": AuthOptions,
     "queues": QueueOptions,
     "delivery": DeliveryOptions,
+    "wal": WalOptions,
     "metrics": MetricsOptions,
     "storage": StorageOptions,
     "log": LogOptions,
@@ -196,6 +228,10 @@ def _check(key: Key, value: object, name: str) -> object:
             raise ConfigError(f"{value!r} is not {key.allowed}", name)
         if not value.strip():
             raise ConfigError("must not be empty", name)
+        if key.check is not None:
+            problem = key.check(value)
+            if problem:
+                raise ConfigError(problem, name)
     if key.kind is tuple:
         return tuple(str(v) for v in value)  # type: ignore[union-attr]
     return value

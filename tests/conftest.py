@@ -122,14 +122,16 @@ def _drain(proc: subprocess.Popen[bytes], sink: list[str], ready: threading.Even
 def start_broker(tmp_path: Path) -> Iterator:
     started: list[BrokerProcess] = []
 
-    def start(config: dict | None = None, *, expect_ready: bool = True) -> BrokerProcess:
+    def start(
+        config: dict | None = None, *, expect_ready: bool = True, data_dir: Path | None = None
+    ) -> BrokerProcess:
         n = len(started)
         settings: dict = {"server": {"port": 0}, "metrics": {"port": 0}}
         for section, values in (config or {}).items():
             settings.setdefault(section, {}).update(values)
         path = tmp_path / f"blipmq-{n}.toml"
         path.write_text(tomlkit.dumps(settings))
-        data_dir = tmp_path / f"data-{n}"
+        data_dir = data_dir or tmp_path / f"data-{n}"
         proc = subprocess.Popen(
             [BLIPMQ, "start", "--config", str(path), "--data-dir", str(data_dir),
              "--log-format", "plain"],

@@ -31,7 +31,7 @@ def test_publish_many_and_iterate(start_broker) -> None:
 
 
 def test_refusals_surface_at_flush_and_keep_the_connection(start_broker) -> None:
-    b = start_broker({"server": {"max_message_bytes": 100}})
+    b = start_broker({"server": {"max_message_bytes": 100}, "wal": {"enabled": False}})
     with Client(b.addr) as c:
         with pytest.raises(BrokerError) as info:
             c.publish("t", b"x" * 101)  # checked against WELCOME before sending

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from blipmq_server.broker.queue import Overflow, Queue
 from blipmq_server.broker.topics import matches
@@ -19,6 +19,13 @@ from blipmq_server.protocol.names import filter_problem, group_problem, topic_pr
 
 _ROUTE_CACHE_LIMIT = 8192
 _pack_prefix = DELIVERY_PREFIX.pack
+MESSAGE_RECORD = 1  # wal.record.Kind.MESSAGE (the core does not import the log package)
+
+
+class MessageLog(Protocol):
+    """What the core needs of the write-ahead log (tests can pass an in-memory one)."""
+
+    def append(self, kind: int, body: bytes, timestamp_ms: int) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +36,7 @@ class Limits:
     overflow: Overflow = Overflow.BLOCK
     default_ttl_ms: int = 0
     max_message_bytes: int = 8 * 1024 * 1024
+    log_qos0: bool = True  # with a log: append QoS 0 messages too
 
 
 @dataclass(slots=True)
@@ -76,13 +84,16 @@ class PublishResult:
     """``accepted`` messages of the batch were taken; the rest were not looked at.
 
     ``blocked`` is a full queue with the ``block`` policy that stopped the batch (retry the
-    rest when it has room); ``refusal`` says why a message was refused.
+    rest when it has room); ``refusal`` says why a message was refused. ``confirms`` QoS 1
+    messages were accepted; confirm them once the log holds ``last_offset``.
     """
 
     accepted: int
     woken: set[Queue]
     blocked: Queue | None = None
     refusal: Refusal | None = None
+    confirms: int = 0
+    last_offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +119,11 @@ class _Route:
 @dataclass
 class Broker:
     limits: Limits = field(default_factory=Limits)
+    log: MessageLog | None = None
 
     def __post_init__(self) -> None:
         self.counters = Counters()
-        self.offset = 0  # offset of the last accepted message
+        self.offset = 0  # offset of the last accepted message when there is no log
         self._queues: list[Queue] = []
         self._groups: dict[tuple[str, str], Queue] = {}
         self._consumers: dict[int, Consumer] = {}
@@ -121,15 +133,27 @@ class Broker:
 
     # ----------------------------------------------------------------------------- publish
 
-    def publish(self, messages: Sequence[RawMessage], now_ms: int) -> PublishResult:
-        """Route a batch. Stops at the first message refused or blocked by a full queue."""
+    def publish(
+        self, messages: Sequence[RawMessage], now_ms: int, timestamp_ms: int = 0
+    ) -> PublishResult:
+        """Route a batch. Stops at the first message refused or blocked by a full queue.
+
+        With a log, every accepted message is appended to it first (QoS 0 ones only when
+        ``limits.log_qos0``) and carries its log offset; a QoS 0 message kept out of the log
+        carries offset 0. ``timestamp_ms`` (wall clock) is stored in the log records.
+        """
         routes = self._routes
         woken: set[Queue] = set()
         add = woken.add
         c = self.counters
         max_bytes = self.limits.max_message_bytes
         default_ttl = self.limits.default_ttl_ms
+        log = self.log
+        append = log.append if log is not None else None
+        log_qos0 = self.limits.log_qos0
         offset = self.offset
+        last_logged = 0
+        confirms = 0
         accepted = 0
         result = None
         for m in messages:
@@ -146,10 +170,9 @@ class Broker:
                 )
                 result = PublishResult(accepted, woken, refusal=refusal)
                 break
-            if m.qos:
+            if m.qos and append is None:
                 refusal = Refusal(
-                    ErrorCode.UNSUPPORTED,
-                    "QoS 1 needs the durable log, which this broker does not have yet",
+                    ErrorCode.UNSUPPORTED, "QoS 1 needs the write-ahead log (wal.enabled = false)"
                 )
                 result = PublishResult(accepted, woken, refusal=refusal)
                 break
@@ -157,7 +180,14 @@ class Broker:
             if blocked is not None:
                 result = PublishResult(accepted, woken, blocked=blocked)
                 break
-            offset += 1
+            if append is None:
+                offset += 1
+            elif m.qos or log_qos0:
+                offset = last_logged = append(MESSAGE_RECORD, m.record, timestamp_ms)
+                if m.qos:
+                    confirms += 1
+            else:
+                offset = 0
             accepted += 1
             targets = route.targets  # type: ignore[union-attr]
             if not targets:
@@ -182,12 +212,15 @@ class Broker:
                     q.expiring = True
                 c.enqueued += 1
                 add(q)
-        self.offset = offset
+        if append is None:
+            self.offset = offset
         c.published += accepted
         if result is None:
-            return PublishResult(accepted, woken)
+            return PublishResult(accepted, woken, confirms=confirms, last_offset=last_logged)
         if result.refusal is not None:
             c.refused += 1
+        result.confirms = confirms
+        result.last_offset = last_logged
         return result
 
     def _resolve(self, topic: bytes) -> _Route | Refusal:
@@ -233,7 +266,9 @@ class Broker:
         if qos:
             return SubscribeResult(
                 None,
-                Refusal(ErrorCode.UNSUPPORTED, "QoS 1 subscriptions need the durable log"),
+                Refusal(ErrorCode.UNSUPPORTED,
+                        "QoS 1 subscriptions (acks, redelivery) are not available yet; "
+                        "subscribe with QoS 0"),
             )
         queue = self._groups.get((topic_filter, group)) if group else None
         if queue is None:

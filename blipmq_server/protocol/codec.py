@@ -69,6 +69,7 @@ class ErrorCode(IntEnum):
     GROUP_DELETED = 14
     TIMEOUT = 15
     NORMAL = 16  # GOODBYE only: a plain, intended close
+    STORAGE = 17  # the write-ahead log could not store a message; it was not confirmed
 
 
 class FrameType(IntEnum):

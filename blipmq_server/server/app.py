@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -26,7 +27,10 @@ from blipmq_server.broker.queue import Overflow
 from blipmq_server.config import Config
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
+from blipmq_server.server.flusher import Flusher
 from blipmq_server.server.session import CloseReason, Session, now_ms, release_waiter
+from blipmq_server.wal import policy
+from blipmq_server.wal.log import Log, LogOptions, Recovery
 
 log = logging.getLogger("blipmq")
 
@@ -50,13 +54,25 @@ class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
         q = config.queues
+        w = config.wal
+        self.wal: Log | None = None
+        self.flusher: Flusher | None = None
+        self.recovery: Recovery | None = None
+        if w.enabled:
+            options = LogOptions(w.segment_bytes, w.retention_bytes, w.retention_ms)
+            self.wal = Log(os.path.join(config.storage.data_dir, "wal"), options)
+            fsync = policy.parse(w.fsync)
+            assert not isinstance(fsync, str)  # the config loader validated it
+            self.flusher = Flusher(self.wal, fsync)
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,
                 overflow=Overflow(q.overflow),
                 default_ttl_ms=q.default_ttl_ms,
                 max_message_bytes=config.server.max_message_bytes,
-            )
+                log_qos0=w.include_qos0,
+            ),
+            log=self.wal,
         )
         self.counters = ServerCounters()
         self.sessions: set[Session] = set()
@@ -68,11 +84,16 @@ class Server:
         self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
     ) -> None:
         cfg = self.config
+        if self.wal is not None:
+            self._open_log()
         listeners = await trio.open_tcp_listeners(cfg.server.port, host=cfg.server.host)
         port = listeners[0].socket.getsockname()[1]
         self.started_at = trio.current_time()
         async with trio.open_nursery() as root:
             root.start_soon(self._expiry_loop)
+            if self.flusher is not None:
+                root.start_soon(self.flusher.run)
+                root.start_soon(self._retention_loop)
             metrics_port = None
             if cfg.metrics.enabled:
                 from blipmq_server.server.http import serve_http
@@ -92,8 +113,31 @@ class Server:
                 task_status.started(Bound(port, metrics_port))
                 await self.shutdown.wait()
                 await self._drain(accept_scope, listeners, conns)
+            if self.flusher is not None:
+                with trio.CancelScope(shield=True):
+                    await self.flusher.close()
             root.cancel_scope.cancel()
         log.info("stopped")
+
+    def _open_log(self) -> None:
+        assert self.wal is not None and self.flusher is not None
+        started = time.monotonic()
+        found = self.recovery = self.wal.open()
+        for note in found.notes:
+            log.warning("wal recovery: %s", note)
+        log.info(
+            "wal: %d record(s) in %d segment(s) at %s, recovered in %.2f s; fsync %s",
+            found.records, found.segments, self.wal.directory, time.monotonic() - started,
+            self.flusher.policy,
+        )
+
+    async def _retention_loop(self) -> None:
+        assert self.wal is not None
+        while True:
+            await trio.sleep(5)
+            result = self.wal.retain(int(time.time() * 1000))
+            if result.removed:
+                log.info("wal retention removed %s", ", ".join(result.removed))
 
     async def _drain(
         self,

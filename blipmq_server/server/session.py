@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import time
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -254,37 +255,63 @@ class Session:
         return None
 
     async def _publish(self, frame: codec.Publish) -> None:
+        """Route a PUBLISH. A frame with QoS 1 messages gets exactly one PUB_ACK, counting
+        those that became durable (possibly after an ERROR about the rest)."""
         broker = self.broker
+        flusher = self.server.flusher
         messages = frame.messages
         total = len(messages)
-        while True:
-            result = broker.publish(messages, now_ms())
-            wake_consumers(result.woken)
-            if result.refusal is not None:
-                done = total - len(messages) + result.accepted
-                text = result.refusal.text
-                if total > 1:
-                    text += f" (message {done + 1} of the batch; {done} before it were accepted)"
-                self.error(result.refusal.code, text, frame.request_id)
-                return
-            if result.blocked is None:
-                return
-            messages = messages[result.accepted:]
-            queue = result.blocked
-            if queue.waiter is None:
-                queue.waiter = trio.Event()
-            with trio.move_on_after(self.server.config.queues.block_timeout_ms / 1000) as cs:
-                await queue.waiter.wait()
-            if cs.cancelled_caught:
-                broker.count_block_timeout(len(messages))
-                self.error(
-                    ErrorCode.QUEUE_FULL,
-                    f"queue of subscription {queue.filter!r} stayed full for "
-                    f"{self.server.config.queues.block_timeout_ms} ms; {len(messages)} of "
-                    f"{total} messages of the batch were not accepted",
-                    frame.request_id,
-                )
-                return
+        wants_ack = any(m.qos for m in messages)
+        confirms = last_offset = 0
+        try:
+            while True:
+                result = broker.publish(messages, now_ms(), int(time.time() * 1000))
+                wake_consumers(result.woken)
+                confirms += result.confirms
+                last_offset = result.last_offset or last_offset
+                if result.refusal is not None:
+                    done = total - len(messages) + result.accepted
+                    text = result.refusal.text
+                    if total > 1:
+                        text += (
+                            f" (message {done + 1} of the batch; {done} before it were accepted)"
+                        )
+                    self.error(result.refusal.code, text, frame.request_id)
+                    return
+                if result.blocked is None:
+                    return
+                messages = messages[result.accepted:]
+                if not await self._wait_for_room(frame, result.blocked, len(messages), total):
+                    return
+        finally:
+            if last_offset and flusher is not None:
+                flusher.appended()
+            if wants_ack:
+                if confirms and flusher is not None:
+                    flusher.confirm_later(last_offset, self, frame.request_id, confirms)
+                else:
+                    self.send(codec.PubAck(0, frame.request_id))
+
+    async def _wait_for_room(
+        self, frame: codec.Publish, queue: Queue, remaining: int, total: int
+    ) -> bool:
+        """A full queue with the block policy: wait for room, or give up after the timeout."""
+        broker = self.broker
+        if queue.waiter is None:
+            queue.waiter = trio.Event()
+        timeout_ms = self.server.config.queues.block_timeout_ms
+        with trio.move_on_after(timeout_ms / 1000) as cs:
+            await queue.waiter.wait()
+        if not cs.cancelled_caught:
+            return True
+        broker.count_block_timeout(remaining)
+        self.error(
+            ErrorCode.QUEUE_FULL,
+            f"queue of subscription {queue.filter!r} stayed full for {timeout_ms} ms; "
+            f"{remaining} of {total} messages of the batch were not accepted",
+            frame.request_id,
+        )
+        return False
 
     def _subscribe(self, frame: codec.Subscribe) -> None:
         result = self.broker.subscribe(
