@@ -9,10 +9,12 @@ from blipmq_server import config as config_module
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode, Message
 from blipmq_server.server.app import Bound, Server
+from blipmq_server.wal.disk import FaultyDisk
+from blipmq_server.wal.log import Log
 
 
 def make_config(**sections: dict) -> config_module.Config:
-    overrides = {"server.port": 0, "metrics.enabled": False}
+    overrides = {"server.port": 0, "metrics.enabled": False, "wal.enabled": False}
     for section, values in sections.items():
         overrides.update({f"{section}.{k}": v for k, v in values.items()})
     return config_module.load(None, env={}, overrides=overrides)
@@ -258,4 +260,64 @@ async def test_bad_frame_behind_good_ones_is_answered_at_once(nursery: trio.Nurs
     assert (await conn.expect(codec.Pong)).data == b"a"
     assert (await conn.expect(codec.Error)).code == ErrorCode.PROTOCOL
     assert await conn.closed()  # without the client sending anything more
+    server.shutdown.set()
+
+
+def publish_qos1(*msgs: tuple[str, bytes], rid: int) -> bytes:
+    return codec.encode_publish([codec.message_record(Message(t, p, 1)) for t, p in msgs], rid)
+
+
+async def test_disk_fault_gives_an_error_instead_of_a_confirm_then_resumes(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)})
+    server = Server(cfg)
+    disk = FaultyDisk()
+    assert server.wal is not None
+    server.wal.disk = disk
+    bound: Bound = await nursery.start(server.serve)
+    conn = await connect(bound.port)
+    await conn.send(publish_qos1(("t", b"stored"), rid=4))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 4)
+    disk.fail_writes, disk.partial = True, 7  # a torn write, then ENOSPC
+    await conn.send(publish_qos1(("t", b"lost-1"), ("t", b"lost-2"), rid=5))
+    err = await conn.expect(codec.Error)
+    assert err.code == ErrorCode.STORAGE and err.request_id == 5 and "No space" in err.text
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(0, 5)
+    disk.fail_writes = False
+    await conn.send(publish_qos1(("t", b"after"), rid=6))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 6)
+    disk.fail_fsync = True
+    await conn.send(publish_qos1(("t", b"unsynced"), rid=7))
+    assert (await conn.expect(codec.Error)).code == ErrorCode.STORAGE
+    assert (await conn.expect(codec.PubAck)).count == 0
+    disk.fail_fsync = False
+    assert server.flusher is not None and server.flusher.counters.failures == 2
+    server.shutdown.set()
+    await trio.sleep(0.2)
+    reread = Log(str(tmp_path / "wal"))
+    found = reread.open()
+    assert found.torn_bytes == 0 and not found.quarantined
+    payloads = [codec.decode_one(codec.encode_publish([r.body])).decoded()[0].payload
+                for r in reread.read(0)]
+    assert payloads == [b"stored", b"after"]
+
+
+async def test_qos1_confirms_come_in_order_and_share_fsyncs(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)})
+    server = Server(cfg)
+    bound: Bound = await nursery.start(server.serve)
+    conns = [await connect(bound.port) for _ in range(4)]
+    for c in conns:
+        await c.send(*[publish_qos1(("t", b"m"), ("t", b"n"), rid=r) for r in range(1, 51)])
+    for c in conns:
+        acks = [await c.expect(codec.PubAck) for _ in range(50)]
+        assert [a.request_id for a in acks] == list(range(1, 51))
+        assert all(a.count == 2 for a in acks)
+    assert server.flusher is not None
+    counters = server.flusher.counters
+    assert counters.records == 400
+    assert counters.fsyncs < 200  # group commit: far fewer fsyncs than publishes
     server.shutdown.set()
