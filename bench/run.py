@@ -40,19 +40,23 @@ def free_port() -> int:
 
 
 class Blipmq:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, wal: str = "", data: str = "data") -> None:
+        """A broker for benchmarks; ``wal`` is extra TOML for the [wal] section."""
         self.port = free_port()
         cfg = workdir / "bench.toml"
         cfg.write_text(
             f"[server]\nport = {self.port}\n[metrics]\nenabled = false\n"
             "[queues]\ncapacity = 65536\noverflow = \"block\"\nblock_timeout_ms = 30000\n"
+            f"[wal]\n{wal}\n"
         )
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [BLIPMQ, "start", "--config", str(cfg), "--data-dir", str(workdir / "data"),
+            [BLIPMQ, "start", "--config", str(cfg), "--data-dir", str(workdir / data),
              "--log-format", "plain", "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_port(self.port)
+        self.ready_after = time.monotonic() - self.started
         self.addr = f"127.0.0.1:{self.port}"
 
     def rss_mb(self) -> float:

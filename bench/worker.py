@@ -2,6 +2,7 @@
 
     worker.py sub ADDR TOPIC N            receive N messages, check order, report timings
     worker.py pub ADDR TOPIC N SIZE       publish N messages of SIZE bytes in batches
+    worker.py pub1 ADDR TOPIC N BATCH     QoS 1: pipeline frames of BATCH, wait for confirms
     worker.py lat-sub ADDR TOPIC N        receive N timestamped messages, report latencies
     worker.py lat-pub ADDR TOPIC RATE N   publish N timestamped messages open-loop at RATE/s
 
@@ -17,6 +18,7 @@ import sys
 import time
 
 from blipmq_cli.client import Client
+from blipmq_server.protocol.codec import Message
 
 SEQ = struct.Struct(">Q")
 
@@ -61,6 +63,23 @@ def pub(addr: str, topic: str, n: int, size: int) -> dict:
     return {"start": start, "end": end}
 
 
+def pub1(addr: str, topic: str, n: int, batch: int) -> dict:
+    """QoS 1: pipeline PUBLISH frames of ``batch`` messages, then wait for every confirm."""
+    client = Client(addr)
+    filler = b"x" * (100 - SEQ.size)
+    start = time.monotonic()
+    for base in range(0, n, batch):
+        client.publish_many(
+            [Message(topic, SEQ.pack(i) + filler, qos=1) for i in range(base, min(base + batch, n))]
+        )
+        client.check()
+    client.wait_confirms(timeout=300)
+    end = time.monotonic()
+    confirmed = client.confirmed
+    client.close()
+    return {"start": start, "end": end, "confirmed": confirmed}
+
+
 def lat_sub(addr: str, topic: str, n: int) -> dict:
     client = Client(addr)
     subscription = client.subscribe(topic)
@@ -98,7 +117,8 @@ def lat_pub(addr: str, topic: str, rate: int, n: int) -> dict:
 def main() -> None:
     mode, addr, topic, *rest = sys.argv[1:]
     nums = [int(x) for x in rest]
-    result = {"sub": sub, "pub": pub, "lat-sub": lat_sub, "lat-pub": lat_pub}[mode](
+    modes = {"sub": sub, "pub": pub, "pub1": pub1, "lat-sub": lat_sub, "lat-pub": lat_pub}
+    result = modes[mode](
         addr, topic, *nums
     )
     print(json.dumps(result), flush=True)

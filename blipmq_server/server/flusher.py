@@ -102,7 +102,7 @@ class Flusher:
         c = self.counters
         c.batches += 1
         c.records += batch.records
-        c.bytes += sum(len(data) for _, data, _ in batch.parts)
+        c.bytes += sum(len(part.data) for part in batch.parts)
         if sync:
             c.fsyncs += 1
             self._unsynced = 0

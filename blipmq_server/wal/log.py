@@ -14,6 +14,7 @@ import bisect
 import logging
 import os
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from blipmq_server.errors import WalError
 from blipmq_server.wal import record as rec
@@ -41,7 +42,7 @@ class Segment:
     """One segment file. ``size`` counts committed bytes (header included) on disk."""
 
     __slots__ = ("base", "count", "created", "first", "index", "last", "last_ts", "path",
-                 "pending", "pending_bytes", "size")
+                 "pending", "pending_bytes", "pending_first", "pending_ts", "projected", "size")
 
     def __init__(self, path: str, base: int) -> None:
         self.path = path
@@ -53,12 +54,13 @@ class Segment:
         self.last_ts = 0
         self.count = 0
         self.index: list[tuple[int, int]] = []  # sparse (offset, position)
-        self.pending: list[tuple[bytes, int, int]] = []  # (encoded record, offset, timestamp)
+        # Appended, not yet written. Their offsets are contiguous from pending_first, so only
+        # the encoded bytes are kept per record (the hot path appends one bytes object).
+        self.pending: list[bytes] = []
+        self.pending_first = 0
+        self.pending_ts = 0  # timestamp of the newest pending record
         self.pending_bytes = 0
-
-    @property
-    def projected(self) -> int:
-        return (self.size if self.created else rec.HEADER_SIZE) + self.pending_bytes
+        self.projected = rec.HEADER_SIZE  # file size once everything pending is written
 
     def __repr__(self) -> str:
         return f"Segment({os.path.basename(self.path)}, {self.first}..{self.last})"
@@ -76,10 +78,21 @@ class Recovery:
 
 
 @dataclass(slots=True)
+class Part:
+    """One segment's share of a batch: its bytes, where each record starts, and offsets."""
+
+    segment: Segment
+    data: bytes
+    starts: list[int]  # file position of each record
+    first_offset: int
+    last_ts: int
+
+
+@dataclass(slots=True)
 class Batch:
     """Records appended since the previous batch, grouped by segment, ready to write."""
 
-    parts: list[tuple[Segment, bytes, list[tuple[int, int, int]]]]  # data, (offset, pos, ts)
+    parts: list[Part]
     first_offset: int
     last_offset: int
     records: int
@@ -89,7 +102,8 @@ class Batch:
         """Blocking: write (and fsync if ``sync``). On failure, undo partial writes, re-raise."""
         done: list[tuple[Segment, int]] = []
         try:
-            for seg, data, _ in self.parts:
+            for part in self.parts:
+                seg, data = part.segment, part.data
                 start = seg.size if seg.created else 0
                 done.append((seg, start))
                 if not seg.created:
@@ -115,8 +129,8 @@ class Batch:
 
     def sync(self, disk: Disk) -> None:
         """Blocking: fsync the files this (already written) batch touched."""
-        for seg, _, _ in self.parts:
-            disk.fsync(seg.path)
+        for part in self.parts:
+            disk.fsync(part.segment.path)
 
 
 @dataclass(slots=True)
@@ -136,6 +150,8 @@ class Log:
         self.next_offset = 1
         self.written_offset = 0  # highest offset committed to the files
         self._in_flight: Batch | None = None
+        self._tail: Segment | None = None  # the segment appends go to
+        self._pending = 0  # records appended and not yet taken into a batch
 
     # ---------------------------------------------------------------------------- recovery
 
@@ -157,6 +173,7 @@ class Log:
             if seg.count:
                 last_offset = seg.last
         found.segments = len(self.segments)
+        self._tail = self.segments[-1] if self.segments else None
         self.next_offset = max(last_offset + 1, self.segments[-1].base if self.segments else 1)
         self.written_offset = last_offset
         return found
@@ -190,7 +207,7 @@ class Log:
                 self._quarantine(path, data, scan.good_end, found, scan.problem)
         seg = Segment(path, base)
         seg.created = True
-        seg.size = scan.good_end
+        seg.size = seg.projected = scan.good_end
         seg.count = len(scan.records)
         if scan.records:
             seg.first = scan.records[0][0]
@@ -224,70 +241,76 @@ class Log:
         offset = self.next_offset
         self.next_offset = offset + 1
         data = rec.encode(kind, offset, timestamp_ms, body)
-        seg = self.segments[-1] if self.segments else None
+        seg = self._tail
+        size = len(data)
         if seg is None or (
-            seg.projected + len(data) > self.options.segment_bytes
-            and seg.projected > rec.HEADER_SIZE
+            seg.projected + size > self.options.segment_bytes and seg.projected > rec.HEADER_SIZE
         ):
             seg = Segment(os.path.join(self.directory, segment_name(offset)), offset)
             self.segments.append(seg)
-        seg.pending.append((data, offset, timestamp_ms))
-        seg.pending_bytes += len(data)
+            self._tail = seg
+        if not seg.pending:
+            seg.pending_first = offset
+        seg.pending.append(data)
+        seg.pending_ts = timestamp_ms
+        seg.pending_bytes += size
+        seg.projected += size
+        self._pending += 1
         return offset
 
     @property
     def pending_records(self) -> int:
-        return sum(len(s.pending) for s in self.segments)
+        return self._pending
 
     def take_batch(self) -> Batch | None:
         """Everything appended since the last batch, or None. Call ``commit`` or ``abort``."""
         if self._in_flight is not None:
             raise WalError("a log batch is already being written")
+        if not self._pending:
+            return None
         parts = []
-        records = 0
-        first = last = 0
         for seg in self.segments:
             if not seg.pending:
                 continue
-            pos = seg.size if seg.created else rec.HEADER_SIZE
-            where = []
-            for data, offset, ts in seg.pending:
-                where.append((offset, pos, ts))
-                pos += len(data)
-            parts.append((seg, b"".join(d for d, _, _ in seg.pending), where))
-            records += len(where)
-            first = first or where[0][0]
-            last = where[-1][0]
+            base = seg.size if seg.created else rec.HEADER_SIZE
+            starts = list(accumulate(map(len, seg.pending[:-1]), initial=base))
+            parts.append(Part(seg, b"".join(seg.pending), starts, seg.pending_first,
+                              seg.pending_ts))
             seg.pending = []
             seg.pending_bytes = 0
-        if not parts:
-            return None
-        self._in_flight = Batch(parts, first, last, records, self.directory)
+        last = parts[-1]
+        self._in_flight = Batch(parts, parts[0].first_offset,
+                                last.first_offset + len(last.starts) - 1, self._pending,
+                                self.directory)
+        self._pending = 0
         return self._in_flight
 
     def commit(self, batch: Batch) -> None:
         """The batch is on disk: make its records readable."""
         every = self.options.index_every
-        for seg, data, where in batch.parts:
+        for part in batch.parts:
+            seg = part.segment
             if not seg.created:
                 seg.created = True
                 seg.size = rec.HEADER_SIZE
-            seg.size += len(data)
-            for offset, pos, ts in where:
-                if seg.count % every == 0:
-                    seg.index.append((offset, pos))
-                if seg.first < 0:
-                    seg.first = offset
-                seg.last = offset
-                seg.last_ts = ts
-                seg.count += 1
+            seg.size += len(part.data)
+            n = len(part.starts)
+            for i in range(-seg.count % every, n, every):  # records numbered 0, every, 2*every..
+                seg.index.append((part.first_offset + i, part.starts[i]))
+            if seg.first < 0:
+                seg.first = part.first_offset
+            seg.last = part.first_offset + n - 1
+            seg.last_ts = part.last_ts
+            seg.count += n
         self.written_offset = batch.last_offset
         self._in_flight = None
 
     def abort(self, batch: Batch) -> None:
         """The batch could not be written: its records are gone (their offsets stay unused)."""
-        for seg, _, _ in batch.parts:
-            if not seg.created and not seg.pending and seg is not self.segments[-1]:
+        for part in batch.parts:
+            seg = part.segment
+            seg.projected -= len(part.data)
+            if not seg.created and not seg.pending and seg is not self._tail:
                 self.segments.remove(seg)
         self._in_flight = None
 
@@ -356,7 +379,10 @@ class Log:
         total = self.total_bytes
         while len(self.segments) > 1:
             seg = self.segments[0]
-            if seg.pending or (self._in_flight and any(p[0] is seg for p in self._in_flight.parts)):
+            in_flight = self._in_flight is not None and any(
+                p.segment is seg for p in self._in_flight.parts
+            )
+            if seg.pending or in_flight:
                 break
             too_big = bool(opts.retention_bytes) and total > opts.retention_bytes
             too_old = bool(opts.retention_ms) and seg.count > 0 and (

@@ -41,9 +41,12 @@ class Record(NamedTuple):
 
 
 def encode(kind: int, offset: int, timestamp_ms: int, body: bytes) -> bytes:
-    fixed = FIXED.pack(kind, offset, timestamp_ms)
-    crc = crc32c(body, crc32c(fixed))
-    return PREFIX.pack(len(fixed) + 4 + len(body), crc) + fixed + body
+    covered = _pack_fixed(kind, offset, timestamp_ms) + body  # what the CRC covers
+    return _pack_prefix(len(covered) + 4, crc32c(covered)) + covered
+
+
+_pack_fixed = FIXED.pack
+_pack_prefix = PREFIX.pack
 
 
 def header(base_offset: int) -> bytes:
