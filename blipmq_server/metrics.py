@@ -68,12 +68,42 @@ class BrokerCollector:
         yield GaugeMetricFamily(
             "blipmq_connections_open", "Open client connections", value=len(self.server.sessions)
         )
+        yield from self._wal()
         queues = broker.queues
         yield GaugeMetricFamily("blipmq_queues", "Subscription and group queues", value=len(queues))
         yield GaugeMetricFamily(
             "blipmq_queue_depth", "Messages waiting in all queues",
             value=sum(len(q.items) for q in queues),
         )
+
+
+    def _wal(self) -> Iterator[Metric]:
+        flusher, wal, found = self.server.flusher, self.server.wal, self.server.recovery
+        if flusher is None or wal is None:
+            return
+        w = flusher.counters
+        for name, doc, value in (
+            ("records", "Records written to the log", w.records),
+            ("bytes", "Bytes written to the log", w.bytes),
+            ("batches", "Group-commit batches written", w.batches),
+            ("fsyncs", "fsync calls on log segments", w.fsyncs),
+            ("write_failures", "Log writes or fsyncs that failed", w.failures),
+            ("records_lost", "Appended records never stored because the disk failed",
+             w.records_lost),
+        ):
+            yield CounterMetricFamily(f"blipmq_wal_{name}", doc, value=value)
+        yield GaugeMetricFamily("blipmq_wal_segments", "Segment files", value=len(wal.segments))
+        yield GaugeMetricFamily("blipmq_wal_size_bytes", "Bytes in segment files",
+                                value=wal.total_bytes)
+        yield GaugeMetricFamily("blipmq_wal_pending_records", "Appended, not yet written",
+                                value=wal.pending_records)
+        if found is not None:
+            yield GaugeMetricFamily("blipmq_wal_recovery_torn_bytes",
+                                    "Bytes cut off a torn tail at the last start",
+                                    value=found.torn_bytes)
+            yield GaugeMetricFamily("blipmq_wal_recovery_quarantined",
+                                    "Damaged segment parts set aside at the last start",
+                                    value=len(found.quarantined))
 
 
 def registry_for(server: Server) -> CollectorRegistry:
@@ -84,3 +114,4 @@ def registry_for(server: Server) -> CollectorRegistry:
 
 def render(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
+

@@ -197,6 +197,8 @@ class Server:
         self.sessions.add(session)
         try:
             await session.run()
+        except Exception:  # a bug in one connection must not end the others
+            log.exception("connection %d from %s failed", session.conn_id, session.peer)
         finally:
             self.sessions.discard(session)
 

@@ -36,7 +36,11 @@ async def _handle(server: Server, registry: CollectorRegistry, stream: trio.Sock
                 if not chunk:
                     break
                 request += chunk
-            status, ctype, body = _respond(server, registry, request)
+            try:
+                status, ctype, body = _respond(server, registry, request)
+            except Exception:  # a bug here must not take the broker down
+                log.exception("error while answering an HTTP request")
+                status, ctype, body = "500 Internal Server Error", "text/plain", b"error\n"
             head = (
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
