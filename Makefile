@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test test-fast lint bench clean
+.PHONY: run test test-fast lint bench bench-durability clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,10 @@ lint: $(STAMP)
 ## bench: the issue-2 benchmark (starts its own brokers, prints figures)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
+
+## bench-durability: fsync rate, QoS 1 group commit, log on/off, restart time
+bench-durability: $(STAMP)
+	$(BIN)/python bench/durability.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

@@ -246,3 +246,14 @@ def test_retention_keeps_what_a_group_needs_until_the_size_cap(tmp_path: Path) -
     result = capped.retain(now_ms=0, keep_from=5)
     assert result.forced_below is not None and result.forced_below > 5
     assert capped.first_offset == result.forced_below
+
+
+def test_the_documented_example_record() -> None:
+    """docs/WAL.md shows this record byte for byte."""
+    from blipmq_server.protocol.codec import Message, message_record
+
+    body = message_record(Message("t", b"hi", 1))
+    assert rec.encode(MSG, 1, 1795363200000, body).hex(" ") == (
+        "00 00 00 25 40 99 53 89 01 00 00 00 00 00 00 00 01 00 00 01 a2 03 fc 5c 00 "
+        "01 00 00 00 00 00 01 00 00 00 00 00 02 74 68 69"
+    )

@@ -2,13 +2,14 @@
 
 Nursery tree (docs/ARCHITECTURE.md)::
 
-    serve
-    +-- root nursery: expiry ticker, metrics HTTP listener
+    serve (recovers the write-ahead log before listening)
+    +-- root nursery: expiry ticker, log flusher, retention, metrics HTTP listener
         +-- connections nursery: one task per connection (reader + writer inside)
             +-- accept loop(s)
 
 Shutdown follows hypercorn's order: stop accepting, tell every session to stop intake and
-drain its queued deliveries, wait at most ``shutdown_grace_ms``, then cancel what is left.
+drain its queued deliveries, wait at most ``shutdown_grace_ms``, cancel what is left, then
+write and fsync what the log still buffers.
 """
 
 from __future__ import annotations
