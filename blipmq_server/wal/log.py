@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -152,11 +153,17 @@ class Log:
         self._in_flight: Batch | None = None
         self._tail: Segment | None = None  # the segment appends go to
         self._pending = 0  # records appended and not yet taken into a batch
+        self._on_record: Callable[[rec.Record], None] | None = None
 
     # ---------------------------------------------------------------------------- recovery
 
-    def open(self) -> Recovery:
-        """Scan every segment, cut a torn tail, set damaged bytes aside, index the rest."""
+    def open(self, on_record: Callable[[rec.Record], None] | None = None) -> Recovery:
+        """Scan every segment, cut a torn tail, set damaged bytes aside, index the rest.
+
+        ``on_record`` is called, in log order, with every valid record that is not a MESSAGE
+        (group and ack records), so their owner can rebuild its state in the same pass.
+        """
+        self._on_record = on_record
         os.makedirs(self.directory, exist_ok=True)
         found = Recovery()
         names = [n for n in self.disk.listdir(self.directory) if n.endswith(SUFFIX)]
@@ -216,6 +223,9 @@ class Log:
             seg.index = scan.records[::every]
             last, _ = rec.decode_at(data, scan.records[-1][1])
             seg.last_ts = last.timestamp_ms
+        if self._on_record is not None:
+            for pos in scan.others:
+                self._on_record(rec.decode_at(data, pos)[0])
         return seg
 
     def _quarantine(

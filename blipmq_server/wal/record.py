@@ -31,6 +31,8 @@ MIN_LENGTH = 4 + FIXED.size  # crc + fixed fields: 21
 
 class Kind(IntEnum):
     MESSAGE = 1
+    GROUP = 2  # a durable group was created or deleted (body: see broker.durable)
+    ACK = 3  # a durable group's consumer acknowledged offsets (body: see broker.durable)
 
 
 class Record(NamedTuple):
@@ -65,6 +67,7 @@ class Scan(NamedTuple):
     good_end: int
     problem: str | None
     torn: bool
+    others: list[int]  # positions of the records that are not MESSAGE
 
 
 def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = -1) -> Scan:
@@ -72,28 +75,33 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
     size = len(data)
     pos = start
     out: list[tuple[int, int]] = []
+    others: list[int] = []
     unpack_prefix = PREFIX.unpack_from
     unpack_fixed = FIXED.unpack_from
     while pos < size:
         if size - pos < PREFIX.size + FIXED.size:
-            return Scan(out, pos, f"{size - pos} trailing bytes, less than a record header", True)
+            problem = f"{size - pos} trailing bytes, less than a record header"
+            return Scan(out, pos, problem, True, others)
         length, crc = unpack_prefix(data, pos)
         end = pos + 4 + length
         if length < MIN_LENGTH:
-            return Scan(out, pos, f"record length {length} is below the minimum", False)
+            return Scan(out, pos, f"record length {length} is below the minimum", False, others)
         if end > size:
-            return Scan(out, pos, f"record of {length} bytes is cut off after {size - pos}", True)
+            problem = f"record of {length} bytes is cut off after {size - pos}"
+            return Scan(out, pos, problem, True, others)
         if crc32c(data[pos + 8 : end]) != crc:
-            return Scan(out, pos, "CRC mismatch", end == size)
+            return Scan(out, pos, "CRC mismatch", end == size, others)
         kind, offset, _ = unpack_fixed(data, pos + 8)
         if kind not in _KINDS:
-            return Scan(out, pos, f"unknown record kind {kind}", False)
+            return Scan(out, pos, f"unknown record kind {kind}", False, others)
         if offset <= last_offset:
-            return Scan(out, pos, f"offset {offset} does not follow {last_offset}", False)
+            return Scan(out, pos, f"offset {offset} does not follow {last_offset}", False, others)
         out.append((offset, pos))
+        if kind != 1:  # Kind.MESSAGE
+            others.append(pos)
         last_offset = offset
         pos = end
-    return Scan(out, pos, None, False)
+    return Scan(out, pos, None, False, others)
 
 
 _KINDS = frozenset(int(k) for k in Kind)
