@@ -204,6 +204,8 @@ def sub(
             received += len(batch)
             out.write(write_batch(batch))
             out.flush()
+            if qos:  # acked only once written: a crash before this means redelivery, not loss
+                subscription.ack(*batch)
     return Exit.OK
 
 

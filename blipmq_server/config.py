@@ -51,6 +51,10 @@ class DeliveryOptions:
     max_batch: int = 256
     max_batch_bytes: int = 262144
     flush_interval_ms: int = 0
+    default_credit: int = 256
+    retry_backoff_ms: int = 5000
+    retry_backoff_max_ms: int = 60000
+    max_retries: int = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +167,13 @@ SCHEMA: tuple[Key, ...] = (
         1024, 64 * MiB),
     Key("delivery", "flush_interval_ms", int, "Linger before sending a delivery batch "
         "(0 = send as soon as the writer is free)", 0, 10_000),
+    Key("delivery", "default_credit", int, "Unacked QoS 1 deliveries a consumer may hold when "
+        "it asks for no window", 1, 65535),
+    Key("delivery", "retry_backoff_ms", int, "An unacked QoS 1 delivery is redelivered after "
+        "this, doubling each time", 1, _U32),
+    Key("delivery", "retry_backoff_max_ms", int, "Cap of the redelivery delay", 1, _U32),
+    Key("delivery", "max_retries", int, "Deliveries before a message moves to $dlq/<topic>",
+        1, 1000),
     Key("wal", "enabled", bool, "Keep the write-ahead log (needed for QoS 1)"),
     Key("wal", "fsync", str, "When appends are forced to disk: always, every_n:N, "
         "interval_ms:M or none (docs/OPERATIONS.md says what each can lose)",

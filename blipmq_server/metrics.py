@@ -46,6 +46,14 @@ class BrokerCollector:
             "blipmq_messages_refused", "Publish batches answered with an error frame",
             value=c.refused,
         )
+        for name, doc, value in (
+            ("acked", "QoS 1 deliveries acknowledged", c.acked),
+            ("redelivered", "QoS 1 deliveries sent again (unacked in time, or consumer left)",
+             c.redelivered),
+            ("dead_lettered", "Messages moved to $dlq/<topic> after max_retries deliveries",
+             c.dead_lettered),
+        ):
+            yield CounterMetricFamily(f"blipmq_messages_{name}", doc, value=value)
         dropped = CounterMetricFamily(
             "blipmq_messages_dropped", "Message copies dropped, by reason", labels=["reason"]
         )

@@ -496,3 +496,36 @@ def test_corrupt_record_is_quarantined_and_the_broker_starts(start_broker) -> No
     assert bodies[-1] == b"still works"
     assert 40 < len(bodies) < 60  # everything before the damage, nothing from inside it
     assert list((b.data_dir / "wal").glob("*.corrupt"))
+
+
+def test_durable_group_survives_sigkill_and_restart(start_broker) -> None:
+    b = start_broker()
+    first = b.cli("sub", "jobs", "--group", "g", "--qos", "1", "--timeout", "0.3")
+    assert first.returncode == Exit.TIMEOUT  # creates the durable group
+    assert b.shell("seq 1 10 | blipmq pub jobs --qos 1 --lines -").returncode == 0
+    got = b.cli("sub", "jobs", "--group", "g", "--qos", "1", "--count", "4", "--format", "lines")
+    assert lines_of(got.stdout) == ["1", "2", "3", "4"]
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    b2 = start_broker(data_dir=b.data_dir)
+    rest = b2.cli("sub", "jobs", "--group", "g", "--qos", "1", "--count", "6", "--timeout", "10",
+                  "--format", "lines")
+    assert rest.returncode == 0, rest.stderr
+    assert lines_of(rest.stdout) == [str(i) for i in range(5, 11)]
+    assert b2.cli("unsub", "jobs", "--group", "g").returncode == 0
+    assert b2.stop() == 0
+    b3 = start_broker(data_dir=b.data_dir)
+    assert b3.cli("unsub", "jobs", "--group", "g").returncode == Exit.NOT_FOUND
+
+
+def test_unacked_deliveries_go_to_the_next_consumer(start_broker) -> None:
+    b = start_broker()
+    assert b.cli("sub", "q", "--group", "w", "--qos", "1", "--timeout", "0.3").returncode == 4
+    assert b.shell("seq 1 5 | blipmq pub q --qos 1 --lines -").returncode == 0
+    # takes all five into its window, writes and acks two, then leaves
+    one = b.cli("sub", "q", "--group", "w", "--qos", "1", "--count", "2", "--format", "json")
+    assert [json.loads(x)["payload"] for x in lines_of(one.stdout)] == ["1", "2"]
+    two = b.cli("sub", "q", "--group", "w", "--qos", "1", "--count", "3", "--format", "json")
+    msgs = [json.loads(x) for x in lines_of(two.stdout)]
+    assert [m["payload"] for m in msgs] == ["3", "4", "5"]
+    assert all(m["delivery_count"] == 2 for m in msgs)
+    assert b.metric("blipmq_messages_redelivered_total") == 3

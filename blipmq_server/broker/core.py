@@ -12,20 +12,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from blipmq_server.broker import durable
+from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow, Queue
 from blipmq_server.broker.topics import matches
-from blipmq_server.protocol.codec import DELIVERY_PREFIX, ErrorCode, RawMessage
+from blipmq_server.protocol.codec import DELIVERY_PREFIX, MSG_HEAD, ErrorCode, RawMessage
 from blipmq_server.protocol.names import filter_problem, group_problem, topic_problem
 
 _ROUTE_CACHE_LIMIT = 8192
 _pack_prefix = DELIVERY_PREFIX.pack
-MESSAGE_RECORD = 1  # wal.record.Kind.MESSAGE (the core does not import the log package)
+# wal.record.Kind values (the core does not import the log package)
+MESSAGE_RECORD, GROUP_RECORD, ACK_RECORD = 1, 2, 3
 
 
 class MessageLog(Protocol):
     """What the core needs of the write-ahead log (tests can pass an in-memory one)."""
 
+    written_offset: int
+    next_offset: int
+
     def append(self, kind: int, body: bytes, timestamp_ms: int) -> int: ...
+
+    def read(self, from_offset: int, max_records: int = ..., max_bytes: int = ...) -> list[Any]:
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +46,10 @@ class Limits:
     default_ttl_ms: int = 0
     max_message_bytes: int = 8 * 1024 * 1024
     log_qos0: bool = True  # with a log: append QoS 0 messages too
+    retry_backoff_ms: int = 5000  # first redelivery deadline of an unacked QoS 1 delivery
+    retry_backoff_max_ms: int = 60000  # the deadline doubles per delivery up to this
+    max_retries: int = 5  # deliveries before a message goes to $dlq/<topic>
+    default_credit: int = 256  # in-flight window of a QoS 1 consumer that asks for 0
 
 
 @dataclass(slots=True)
@@ -52,6 +65,9 @@ class Counters:
     dropped_ttl: int = 0
     dropped_block_timeout: int = 0
     refused: int = 0  # messages answered with an error frame (bad topic, too large, ...)
+    acked: int = 0
+    redelivered: int = 0
+    dead_lettered: int = 0
 
 
 class Consumer:
@@ -130,11 +146,17 @@ class Broker:
         self._by_owner: dict[Any, list[Consumer]] = {}
         self._routes: dict[bytes, _Route | Refusal] = {}
         self._next_sub_id = 1
+        self._durable: dict[tuple[str, str], DurableGroup] = {}
+        self._durable_ids: dict[int, DurableGroup] = {}
 
     # ----------------------------------------------------------------------------- publish
 
     def publish(
-        self, messages: Sequence[RawMessage], now_ms: int, timestamp_ms: int = 0
+        self,
+        messages: Sequence[RawMessage],
+        now_ms: int,
+        timestamp_ms: int = 0,
+        internal: bool = False,
     ) -> PublishResult:
         """Route a batch. Stops at the first message refused or blocked by a full queue.
 
@@ -157,9 +179,9 @@ class Broker:
         accepted = 0
         result = None
         for m in messages:
-            route = routes.get(m.topic)
+            route = None if internal else routes.get(m.topic)
             if route is None:
-                route = self._resolve(m.topic)
+                route = self._resolve(m.topic, internal)
             if route.__class__ is Refusal:
                 result = PublishResult(accepted, woken, refusal=route)  # type: ignore[arg-type]
                 break
@@ -223,7 +245,7 @@ class Broker:
         result.last_offset = last_logged
         return result
 
-    def _resolve(self, topic: bytes) -> _Route | Refusal:
+    def _resolve(self, topic: bytes, internal: bool = False) -> _Route | Refusal:
         """Which queues a topic goes to (cached until the subscriptions change)."""
         if len(self._routes) >= _ROUTE_CACHE_LIMIT:
             self._routes.clear()
@@ -232,7 +254,7 @@ class Broker:
         except UnicodeDecodeError:
             route: _Route | Refusal = Refusal(ErrorCode.INVALID_TOPIC, "topic is not valid UTF-8")
         else:
-            problem = topic_problem(name)
+            problem = None if internal else topic_problem(name)
             if problem:
                 route = Refusal(ErrorCode.INVALID_TOPIC, problem)
             else:
@@ -240,7 +262,8 @@ class Broker:
                 targets = tuple(q for q in self._queues if matches(q.levels, levels))
                 blockers = tuple(q for q in targets if q.overflow is Overflow.BLOCK)
                 route = _Route(targets, blockers)
-        self._routes[topic] = route
+        if not internal:  # broker-made topics ($dlq/...) must not open the cache to clients
+            self._routes[topic] = route
         return route
 
     def count_block_timeout(self, dropped: int) -> None:
@@ -264,12 +287,7 @@ class Broker:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return SubscribeResult(None, Refusal(code, problem))
         if qos:
-            return SubscribeResult(
-                None,
-                Refusal(ErrorCode.UNSUPPORTED,
-                        "QoS 1 subscriptions (acks, redelivery) are not available yet; "
-                        "subscribe with QoS 0"),
-            )
+            return self._subscribe_durable(owner, topic_filter, group, credit, request_id)
         queue = self._groups.get((topic_filter, group)) if group else None
         if queue is None:
             queue = Queue(topic_filter, group or None, self.limits.capacity, self.limits.overflow)
@@ -284,6 +302,143 @@ class Broker:
         self._by_owner.setdefault(owner, []).append(consumer)
         return SubscribeResult(consumer)
 
+    def _subscribe_durable(
+        self, owner: Any, topic_filter: str, group: str, credit: int, request_id: int
+    ) -> SubscribeResult:
+        if self.log is None:
+            return SubscribeResult(None, Refusal(
+                ErrorCode.UNSUPPORTED, "QoS 1 needs the write-ahead log (wal.enabled = false)"))
+        if not group:
+            return SubscribeResult(None, Refusal(
+                ErrorCode.UNSUPPORTED,
+                "a QoS 1 subscription needs a group name (a durable group): use --group"))
+        if (topic_filter, group) in self._groups:
+            return SubscribeResult(None, Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"group {group!r} on {topic_filter!r} already exists as a QoS 0 group"))
+        target = self._durable.get((topic_filter, group))
+        if target is None:
+            start = self.log.next_offset
+            gid = self.log.append(
+                GROUP_RECORD, durable.group_body(durable.CREATE, start, topic_filter, group), 0
+            )
+            target = self._add_durable(gid, topic_filter, group, start)
+        consumer = Consumer(self._next_sub_id, target, owner, 1,  # type: ignore[arg-type]
+                            credit or self.limits.default_credit, request_id)
+        self._next_sub_id += 1
+        target.consumers.append(consumer)
+        self._consumers[consumer.sub_id] = consumer
+        self._by_owner.setdefault(owner, []).append(consumer)
+        return SubscribeResult(consumer)
+
+    def _add_durable(self, gid: int, topic_filter: str, group: str, start: int) -> DurableGroup:
+        target = DurableGroup(gid, topic_filter, group, start)
+        self._durable[(topic_filter, group)] = target
+        self._durable_ids[gid] = target
+        return target
+
+    def recover(self, record: Any) -> None:
+        """Rebuild durable groups from a GROUP or ACK record met while the log is opened."""
+        if record.kind == GROUP_RECORD:
+            g = durable.parse_group(record.body)
+            if g.op == durable.CREATE:
+                self._add_durable(record.offset, g.topic_filter, g.group, g.start)
+            else:
+                gone = self._durable.pop((g.topic_filter, g.group), None)
+                if gone is not None:
+                    self._durable_ids.pop(gone.id, None)
+        elif record.kind == ACK_RECORD:
+            gid, floor, offsets = durable.parse_ack(record.body)
+            target = self._durable_ids.get(gid)
+            if target is not None:
+                target.recover_ack(floor, offsets)
+
+    @property
+    def durable_groups(self) -> tuple[DurableGroup, ...]:
+        return tuple(self._durable.values())
+
+    def durable_floor(self) -> int | None:
+        """The lowest offset a durable group still needs (for log retention)."""
+        return min((g.floor for g in self._durable.values()), default=None)
+
+    def ack(self, owner: Any, sub_id: int, offsets: tuple[int, ...], timestamp_ms: int) -> bool:
+        """A QoS 1 consumer acked deliveries; True when that freed room in its window."""
+        consumer = self._consumers.get(sub_id)
+        if consumer is None or consumer.owner is not owner:
+            return False
+        target = consumer.queue
+        if not isinstance(target, DurableGroup) or self.log is None:
+            return False  # QoS 0 deliveries need no ack
+        done = target.ack(sub_id, offsets)
+        if done:
+            self.counters.acked += len(done)
+            self.log.append(ACK_RECORD, durable.ack_body(target.id, target.floor, done),
+                            timestamp_ms)
+        return bool(done)
+
+    def _backoff(self, count: int) -> int:
+        base = self.limits.retry_backoff_ms
+        return min(base << min(count - 1, 20), self.limits.retry_backoff_max_ms)
+
+    def has_work(self, consumer: Consumer) -> bool:
+        """Whether ``take`` would hand this consumer something now."""
+        target = consumer.queue
+        if not isinstance(target, DurableGroup):
+            return bool(target.items)
+        if target.in_flight_for(consumer.sub_id) >= consumer.credit:
+            return False
+        log = self.log
+        return bool(target.ready) or (log is not None and target.next <= log.written_offset)
+
+    def _take_durable(
+        self, consumer: Consumer, target: DurableGroup, limit: int, now_ms: int, wall_ms: int
+    ) -> list[bytes]:
+        log = self.log
+        assert log is not None
+        room = min(limit, consumer.credit - target.in_flight_for(consumer.sub_id))
+        if room <= 0:
+            return []
+        out = target.take_ready(consumer.sub_id, room, now_ms, self._backoff)
+        self.counters.redelivered += len(out)
+        scanned = 0
+        while len(out) < room and target.next <= log.written_offset and scanned < 20_000:
+            records = log.read(target.next, max_records=1000)
+            if not records:
+                target.next = log.written_offset + 1
+                break
+            scanned += len(records)
+            new, expired = target.take_new(consumer.sub_id, room - len(out), records, now_ms,
+                                           wall_ms, self._backoff)
+            out += new
+            self.counters.dropped_ttl += expired
+        self.counters.delivered += len(out)
+        return out
+
+    def redeliver(self, now_ms: int, timestamp_ms: int) -> list[DurableGroup]:
+        """Maintenance: unacked deliveries past their deadline go back to their group (or to
+        ``$dlq/<topic>`` after ``max_retries`` deliveries). Returns the groups to wake."""
+        woken = []
+        for target in self._durable.values():
+            late = target.expire(now_ms)
+            if not late:
+                continue
+            for offset in late:
+                flight = target.inflight[offset]
+                if flight.count >= self.limits.max_retries:
+                    del target.inflight[offset]
+                    self._dead_letter(flight.body, now_ms, timestamp_ms)
+            woken.append(target)
+        return woken
+
+    def _dead_letter(self, body: bytes, now_ms: int, timestamp_ms: int) -> None:
+        """Publish a message that exhausted its retries to ``$dlq/<its topic>``."""
+        flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(body)
+        topic = b"$dlq/" + body[13 : 13 + tlen]
+        record = MSG_HEAD.pack(flags, ttl, len(topic), klen, plen) + topic + body[13 + tlen :]
+        self.counters.dead_lettered += 1
+        self.publish([RawMessage(topic, flags & 1, ttl, plen, record)], now_ms, timestamp_ms,
+                     internal=True)
+
     def unsubscribe(
         self, owner: Any, sub_id: int = 0, topic_filter: str = "", group: str = ""
     ) -> UnsubscribeResult:
@@ -295,6 +450,17 @@ class Broker:
                     0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}")
                 )
             return UnsubscribeResult(1, removed=self._detach(consumer))
+        if group and (topic_filter, group) in self._durable:
+            target = self._durable.pop((topic_filter, group))
+            self._durable_ids.pop(target.id, None)
+            if self.log is not None:
+                self.log.append(GROUP_RECORD, durable.group_body(
+                    durable.DELETE, 0, topic_filter, group), 0)
+            ended = tuple(c for c in target.consumers if c.owner is not owner)
+            for consumer in list(target.consumers):
+                self._forget(consumer)
+            target.consumers.clear()
+            return UnsubscribeResult(1, ended=ended)
         if group:
             queue = self._groups.pop((topic_filter, group), None)
             if queue is None:
@@ -333,6 +499,11 @@ class Broker:
     def _detach(self, consumer: Consumer) -> tuple[Queue, ...]:
         self._forget(consumer)
         queue = consumer.queue
+        if isinstance(queue, DurableGroup):
+            if consumer in queue.consumers:
+                queue.consumers.remove(consumer)
+            queue.requeue(consumer.sub_id)
+            return ()
         if consumer in queue.consumers:
             queue.consumers.remove(consumer)
         if queue.group is None:
@@ -353,13 +524,17 @@ class Broker:
 
     # ---------------------------------------------------------------------------- delivery
 
-    def take(self, consumer: Consumer, limit: int, max_bytes: int, now_ms: int) -> list[bytes]:
+    def take(
+        self, consumer: Consumer, limit: int, max_bytes: int, now_ms: int, wall_ms: int = 0
+    ) -> list[bytes]:
         """Up to ``limit`` delivery records (and about ``max_bytes``) for one consumer.
 
         Expired items met on the way are dropped and counted, so an expired message is never
         handed out. A group's consumers each take a fair share of what is waiting.
         """
         queue = consumer.queue
+        if isinstance(queue, DurableGroup):
+            return self._take_durable(consumer, queue, limit, now_ms, wall_ms)
         items = queue.items
         if not items:
             return []

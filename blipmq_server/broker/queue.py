@@ -24,6 +24,8 @@ class Overflow(StrEnum):
 class Queue:
     """Messages waiting for one subscription (or one group), in publish order."""
 
+    durable = False  # see broker.durable.DurableGroup for the log-backed kind
+
     __slots__ = (
         "capacity",
         "consumers",

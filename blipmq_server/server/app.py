@@ -64,7 +64,7 @@ class Server:
             self.wal = Log(os.path.join(config.storage.data_dir, "wal"), options)
             fsync = policy.parse(w.fsync)
             assert not isinstance(fsync, str)  # the config loader validated it
-            self.flusher = Flusher(self.wal, fsync)
+            self.flusher = Flusher(self.wal, fsync, self._wake_durable)
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,
@@ -72,6 +72,10 @@ class Server:
                 default_ttl_ms=q.default_ttl_ms,
                 max_message_bytes=config.server.max_message_bytes,
                 log_qos0=w.include_qos0,
+                retry_backoff_ms=config.delivery.retry_backoff_ms,
+                retry_backoff_max_ms=config.delivery.retry_backoff_max_ms,
+                max_retries=config.delivery.max_retries,
+                default_credit=config.delivery.default_credit,
             ),
             log=self.wal,
         )
@@ -95,6 +99,7 @@ class Server:
             if self.flusher is not None:
                 root.start_soon(self.flusher.run)
                 root.start_soon(self._retention_loop)
+                root.start_soon(self._redelivery_loop)
             metrics_port = None
             if cfg.metrics.enabled:
                 from blipmq_server.server.http import serve_http
@@ -123,7 +128,7 @@ class Server:
     def _open_log(self) -> None:
         assert self.wal is not None and self.flusher is not None
         started = time.monotonic()
-        found = self.recovery = self.wal.open()
+        found = self.recovery = self.wal.open(on_record=self.broker.recover)
         for note in found.notes:
             log.warning("wal recovery: %s", note)
         log.info(
@@ -136,9 +141,28 @@ class Server:
         assert self.wal is not None
         while True:
             await trio.sleep(5)
-            result = self.wal.retain(int(time.time() * 1000))
+            result = self.wal.retain(int(time.time() * 1000), self.broker.durable_floor())
             if result.removed:
                 log.info("wal retention removed %s", ", ".join(result.removed))
+            if result.forced_below is not None:
+                log.warning("wal retention: the size cap removed records below offset %d that "
+                            "a durable group had not consumed", result.forced_below)
+
+    def _wake_durable(self) -> None:
+        for group in self.broker.durable_groups:
+            for consumer in group.consumers:
+                consumer.owner.wake()
+
+    async def _redelivery_loop(self) -> None:
+        """Unacked QoS 1 deliveries past their deadline go back to their group."""
+        assert self.flusher is not None and self.wal is not None
+        while True:
+            await trio.sleep(0.1)
+            for group in self.broker.redeliver(now_ms(), int(time.time() * 1000)):
+                for consumer in group.consumers:
+                    consumer.owner.wake()
+            if self.wal.pending_records:  # dead letters are new messages
+                self.flusher.appended()
 
     async def _drain(
         self,

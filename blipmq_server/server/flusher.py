@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,9 +41,12 @@ class WalCounters:
 
 
 class Flusher:
-    def __init__(self, wal: Log, policy: FsyncPolicy) -> None:
+    def __init__(
+        self, wal: Log, policy: FsyncPolicy, on_commit: Callable[[], None] | None = None
+    ) -> None:
         self.wal = wal
         self.policy = policy
+        self.on_commit = on_commit  # new records are readable (durable groups may deliver)
         self.counters = WalCounters()
         self._wake = trio.Event()
         self._waiters: deque[tuple[int, Session, int, int]] = deque()
@@ -110,6 +114,8 @@ class Flusher:
         else:
             self._unsynced += batch.records
         self._settle(batch.last_offset, None)
+        if self.on_commit is not None:
+            self.on_commit()
 
     async def _sync_written(self) -> None:
         seg = self.wal.segments[-1] if self.wal.segments else None

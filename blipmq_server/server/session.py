@@ -103,9 +103,11 @@ class Session:
                 self.closing = True
                 self._wakeup.set()
         finally:
+            durable_before = [c.queue for c in self.broker.consumers_of(self) if c.queue.durable]
             removed = self.broker.disconnect(self)
             for q in removed:
                 release_waiter(q)
+            wake_consumers(tuple(durable_before))  # our unacked deliveries go to the others
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self.stream)
             log.debug("connection %d from %s closed: %s", self.conn_id, self.peer,
@@ -114,7 +116,8 @@ class Session:
     # ----------------------------------------------------------------------------- writer
 
     def _has_deliveries(self) -> bool:
-        return any(c.queue.items for c in self.broker.consumers_of(self))
+        has_work = self.broker.has_work
+        return any(has_work(c) for c in self.broker.consumers_of(self))
 
     async def _write_loop(self, session_scope: trio.CancelScope) -> None:
         opts = self.server.config.delivery
@@ -148,16 +151,16 @@ class Session:
     def _collect(self, max_batch: int, max_batch_bytes: int) -> bytes:
         parts = self.outbox
         self.outbox = []
-        now = now_ms()
-        take = self.broker.take
-        for consumer in self.broker.consumers_of(self):
-            queue = consumer.queue
-            if not queue.items:
+        now, wall = now_ms(), int(time.time() * 1000)
+        broker = self.broker
+        for consumer in broker.consumers_of(self):
+            if not broker.has_work(consumer):
                 continue
-            records = take(consumer, max_batch, max_batch_bytes, now)
+            records = broker.take(consumer, max_batch, max_batch_bytes, now, wall)
             if records:
                 parts.append(codec.encode_deliver(consumer.sub_id, records))
-            release_waiter(queue)
+            if not consumer.queue.durable:
+                release_waiter(consumer.queue)
         return b"".join(parts)
 
     # ----------------------------------------------------------------------------- reader
@@ -213,7 +216,10 @@ class Session:
             case codec.Unsubscribe():
                 self._unsubscribe(frame)
             case codec.Ack():
-                pass  # QoS 0 deliveries need no ack; acks for them are accepted and ignored
+                # acks of QoS 0 deliveries are accepted and ignored
+                if self.broker.ack(self, frame.sub_id, frame.offsets, int(time.time() * 1000)):
+                    self.wake()  # the consumer's window has room again
+                    self._log_touched()
             case codec.Goodbye():
                 return CloseReason.GOODBYE
             case _:
@@ -323,7 +329,8 @@ class Session:
         consumer = result.consumer
         assert consumer is not None
         self.send(codec.Subscribed(consumer.sub_id, frame.request_id))
-        if consumer.queue.items:
+        self._log_touched()  # a new durable group is a log record
+        if self.broker.has_work(consumer):
             self.wake()  # a group's backlog waits for its new consumer
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:
@@ -335,7 +342,13 @@ class Session:
             release_waiter(q)
         for consumer in result.ended:
             _notify_ended(consumer)
+        self._log_touched()
         self.send(codec.Unsubscribed(result.count, frame.request_id))
+
+    def _log_touched(self) -> None:
+        wal, flusher = self.server.wal, self.server.flusher
+        if wal is not None and flusher is not None and wal.pending_records:
+            flusher.appended()
 
 
 def _notify_ended(consumer: Consumer) -> None:
