@@ -39,9 +39,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
-## bench-durability: fsync rate, QoS 1 group commit, log on/off, restart time
+## bench-durability: fsync rate, QoS 1 group commit, log on/off, restart, backlog RSS
 bench-durability: $(STAMP)
 	$(BIN)/python bench/durability.py
+	$(BIN)/python bench/backlog.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
