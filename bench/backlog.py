@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import BLIPMQ, Blipmq, result, worker  # noqa: E402
+from run import BLIPMQ, Blipmq, result, worker
 
-from blipmq_cli.client import Client  # noqa: E402
+from blipmq_cli.client import Client
 
 
 def main() -> None:
