@@ -269,15 +269,7 @@ class Client:
     def wait_confirms(self, timeout: float | None = None) -> None:
         """Wait for the PUB_ACK of every QoS 1 publish sent; raise the first refusal."""
         self._send_pending()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._awaiting:
-            self._raise_errors()
-            if self._eof:
-                raise self._closed_by_broker or ConnectError(
-                    f"the broker at {self.addr} closed the connection"
-                )
-            self._pump(block=True, deadline=deadline)
-        self._raise_errors()
+        self._wait_until(lambda: not self._awaiting, timeout)
 
     # ----------------------------------------------------------------------- subscribing
 
@@ -327,8 +319,13 @@ class Client:
             raise ConnectError(f"connection to {self.addr} lost: {exc.strerror or exc}") from None
 
     def _await_reply(self, rid: int, timeout: float | None = None) -> codec.Frame:
+        self._wait_until(lambda: rid in self._replies, timeout)
+        return self._replies.pop(rid)
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
+        """Receive and dispatch frames until ``done()``; raise refusals and a closed link."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while rid not in self._replies:
+        while not done():
             self._raise_errors()
             if self._eof:
                 raise self._closed_by_broker or ConnectError(
@@ -336,7 +333,6 @@ class Client:
                 )
             self._pump(block=True, deadline=deadline)
         self._raise_errors()
-        return self._replies.pop(rid)
 
     def _next_batch(self, sub_id: int, timeout: float | None) -> tuple[Delivery, ...] | None:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -27,26 +27,12 @@ class BrokerCollector:
         broker = self.server.broker
         c = broker.counters
         s = self.server.counters
-        yield CounterMetricFamily(
-            "blipmq_messages_published", "Messages accepted from publishers", value=c.published
-        )
-        yield CounterMetricFamily(
-            "blipmq_messages_unrouted", "Accepted messages no subscription matched",
-            value=c.unrouted,
-        )
-        yield CounterMetricFamily(
-            "blipmq_messages_enqueued", "Message copies put on subscription queues",
-            value=c.enqueued,
-        )
-        yield CounterMetricFamily(
-            "blipmq_messages_delivered", "Message copies handed to subscriber connections",
-            value=c.delivered,
-        )
-        yield CounterMetricFamily(
-            "blipmq_messages_refused", "Publish batches answered with an error frame",
-            value=c.refused,
-        )
         for name, doc, value in (
+            ("published", "Messages accepted from publishers", c.published),
+            ("unrouted", "Accepted messages no subscription matched", c.unrouted),
+            ("enqueued", "Message copies put on subscription queues", c.enqueued),
+            ("delivered", "Message copies handed to subscriber connections", c.delivered),
+            ("refused", "Publish batches answered with an error frame", c.refused),
             ("acked", "QoS 1 deliveries acknowledged", c.acked),
             ("redelivered", "QoS 1 deliveries sent again (unacked in time, or consumer left)",
              c.redelivered),
