@@ -55,6 +55,7 @@ class DeliveryOptions:
     retry_backoff_ms: int = 5000
     retry_backoff_max_ms: int = 60000
     max_retries: int = 5
+    group_expiry_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,8 @@ class WalOptions:
     segment_bytes: int = 64 * MiB
     retention_bytes: int = 1024 * MiB
     retention_ms: int = 0
+    cache_bytes: int = 4 * MiB
+    maintenance_interval_ms: int = 5000
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +177,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("delivery", "retry_backoff_max_ms", int, "Cap of the redelivery delay", 1, _U32),
     Key("delivery", "max_retries", int, "Deliveries before a message moves to $dlq/<topic>",
         1, 1000),
+    Key("delivery", "group_expiry_ms", int, "Drop a durable group that has had no consumer "
+        "this long (0 = never)", 0, 2**50),
     Key("wal", "enabled", bool, "Keep the write-ahead log (needed for QoS 1)"),
     Key("wal", "fsync", str, "When appends are forced to disk: always, every_n:N, "
         "interval_ms:M or none (docs/OPERATIONS.md says what each can lose)",
@@ -185,6 +190,10 @@ SCHEMA: tuple[Key, ...] = (
         "(0 = no cap)", 0, 2**50),
     Key("wal", "retention_ms", int, "Delete segments whose newest record is older "
         "(0 = keep)", 0, 2**50),
+    Key("wal", "cache_bytes", int, "Recently written records kept in memory for durable "
+        "consumers (0 = read the segment files)", 0, 1024 * MiB),
+    Key("wal", "maintenance_interval_ms", int, "How often retention and group expiry run",
+        100, 3_600_000),
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
     Key("metrics", "host", str, "Address of the metrics listener"),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),

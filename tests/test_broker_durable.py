@@ -6,20 +6,23 @@ from pathlib import Path
 
 from blipmq_server.broker.core import Broker, Limits
 from blipmq_server.protocol.codec import (
+    DeadLetter,
     ErrorCode,
     Message,
+    Start,
     decode_one,
     encode_deliver,
     encode_publish,
     message_record,
 )
-from blipmq_server.wal.log import Log
+from blipmq_server.wal.log import Log, LogOptions
 
 
 class Setup:
-    def __init__(self, path: Path, **limits: int) -> None:
+    def __init__(self, path: Path, options: LogOptions | None = None, **limits: int) -> None:
         self.path = path
-        self.log = Log(str(path))
+        self.options = options
+        self.log = Log(str(path), options) if options else Log(str(path))
         self.broker = Broker(Limits(**limits), log=self.log)
         self.found = self.log.open(on_record=self.broker.recover)
 
@@ -44,7 +47,7 @@ class Setup:
     def reopen(self, **limits: int) -> Setup:
         self.commit()
         self.log.close()
-        return Setup(self.path, **limits)
+        return Setup(self.path, self.options, **limits)
 
 
 def test_group_reads_from_the_log_and_survives_a_restart(tmp_path: Path) -> None:
@@ -127,11 +130,141 @@ def test_unsub_deletes_a_durable_group_durably(tmp_path: Path) -> None:
     assert s2.broker.durable_groups == ()
 
 
-def test_qos1_needs_a_group_and_the_log(tmp_path: Path) -> None:
-    s = Setup(tmp_path)
-    assert s.broker.subscribe("c", "t", qos=1).refusal.code == ErrorCode.UNSUPPORTED
+def test_qos1_and_replay_need_the_log() -> None:
     no_log = Broker()
     assert no_log.subscribe("c", "t", "g", qos=1).refusal.code == ErrorCode.UNSUPPORTED
+    assert no_log.subscribe("c", "t", qos=1).refusal.code == ErrorCode.UNSUPPORTED
+    assert no_log.subscribe("c", "t", start=Start.EARLIEST).refusal.code == ErrorCode.UNSUPPORTED
+
+
+def test_qos1_without_a_group_is_acked_but_leaves_no_trace(tmp_path: Path) -> None:
+    s = Setup(tmp_path, retry_backoff_ms=100)
+    c = s.broker.subscribe("conn", "t", qos=1, credit=2).consumer
+    s.publish("t", b"1", b"2", b"3")
+    s.commit()
+    got = s.take(c, now=0)
+    assert [(p, n) for _, n, p in got] == [(b"1", 1), (b"2", 1)]  # the window is 2
+    assert s.broker.ack("conn", c.sub_id, (got[0][0],), 0)
+    s.broker.redeliver(100, 0)  # "2" was not acked in time
+    assert [(p, n) for _, n, p in s.take(c, now=100)] == [(b"2", 2), (b"3", 1)]
+    s.broker.disconnect("conn")
+    assert s.broker.cursors == () and s.broker.durable_groups == ()
+    s2 = s.reopen()
+    kinds = [r.kind for r in s2.log.read(0)]
+    assert kinds == [1, 1, 1]  # messages only: no GROUP or ACK records
+
+
+def test_replay_from_earliest_offset_or_latest(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    s.publish("t", b"a", b"b", b"c")
+    s.commit()
+    first = s.log.first_offset
+    replay = s.broker.subscribe("c1", "t", start=Start.EARLIEST).consumer
+    assert [p for _, _, p in s.take(replay)] == [b"a", b"b", b"c"]
+    assert s.broker.ack("c1", replay.sub_id, (first,), 0) is False  # QoS 0: nothing to ack
+    from_b = s.broker.subscribe("c2", "t", "g", qos=1, start=Start.OFFSET,
+                                start_offset=first + 1).consumer
+    assert [p for _, _, p in s.take(from_b)] == [b"b", b"c"]
+    latest = s.broker.subscribe("c3", "t", "h", qos=1, start=Start.LATEST).consumer
+    assert s.take(latest) == []
+    past = s.broker.subscribe("c4", "t", "i", qos=1, start=Start.OFFSET,
+                              start_offset=s.log.next_offset + 1)
+    assert past.refusal.code == ErrorCode.INVALID_REQUEST and "past the end" in past.refusal.text
+    s.publish("t", b"d")
+    s.commit()
+    assert [p for _, _, p in s.take(replay)] == [b"d"]  # then it follows the live log
+    # an existing group keeps its cursor whatever the new consumer asks for
+    again = s.broker.subscribe("c5", "t", "h", qos=1, start=Start.EARLIEST).consumer
+    assert [p for _, _, p in s.take(again)] == [b"d"]
+    zero_group = s.broker.subscribe("c6", "t", "q0", start=Start.EARLIEST)
+    assert zero_group.refusal.code == ErrorCode.UNSUPPORTED
+
+
+def test_a_replayed_group_survives_a_restart_from_its_start(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    s.publish("t", b"a", b"b")
+    s.commit()
+    s.broker.subscribe("c", "t", "g", qos=1, start=Start.EARLIEST)
+    s2 = s.reopen()
+    c = s2.broker.subscribe("c", "t", "g", qos=1).consumer
+    assert [p for _, _, p in s2.take(c)] == [b"a", b"b"]
+
+
+def test_nack_now_and_with_a_delay(tmp_path: Path) -> None:
+    s = Setup(tmp_path, retry_backoff_ms=10_000)
+    c = s.broker.subscribe("conn", "t", "g", qos=1, credit=1).consumer
+    s.publish("t", b"x", b"y")
+    s.commit()
+    [(x, _, _)] = s.take(c, now=0)
+    assert s.broker.nack("other", c.sub_id, (x,), 0, 0, 0) is None  # not its delivery
+    assert s.broker.nack("conn", c.sub_id, (x,), 0, 0, 0) is not None
+    assert [(p, n) for _, n, p in s.take(c, now=1)] == [(b"x", 2)]  # at once, before "y"
+    assert s.broker.nack("conn", c.sub_id, (x,), 500, 1, 0) is not None
+    assert [p for _, _, p in s.take(c, now=2)] == [b"y"]  # the window was freed
+    assert s.broker.ack("conn", c.sub_id, (x + 1,), 0)
+    assert s.broker.redeliver(500, 0) == [] and s.take(c, now=500) == []
+    assert s.broker.redeliver(501, 0)
+    assert [(p, n) for _, n, p in s.take(c, now=501)] == [(b"x", 3)]
+    assert s.broker.counters.nacked == 2
+
+
+def dead_letters(s: Setup, consumer) -> list:
+    records = s.broker.take(consumer, 100, 1 << 30, 0, 0)
+    return list(decode_one(encode_deliver(consumer.sub_id, records)).messages) if records else []
+
+
+def test_dead_letters_carry_the_count_and_the_reason(tmp_path: Path) -> None:
+    s = Setup(tmp_path, max_retries=2)
+    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    dlq = s.broker.subscribe("ops", "$dlq/#").consumer
+    s.publish("t", b"poison", b"fine")
+    s.commit()
+    got = s.take(c)
+    poison = got[0][0]
+    s.broker.nack("conn", c.sub_id, (poison,), 0, 0, 0)
+    assert [(p, n) for _, n, p in s.take(c)] == [(b"poison", 2)]
+    s.broker.nack("conn", c.sub_id, (poison,), 0, 0, 0)  # second delivery: max_retries
+    assert s.take(c) == []
+    [dead] = dead_letters(s, dlq)
+    assert (dead.topic, dead.payload, tuple(dead.dead)) == ("$dlq/t", b"poison", (2, "nacked"))
+    # a dead letter that dies again keeps one trailer, the newest
+    s.commit()
+    s.broker._dead_letter(s.log.read(dead.offset)[0].body, DeadLetter(7, "again"), 0, 0)
+    [twice] = dead_letters(s, dlq)
+    assert (twice.topic, twice.payload, tuple(twice.dead)) == ("$dlq/$dlq/t", b"poison",
+                                                               (7, "again"))
+    # the dead-lettered offset is done for the group, also after a restart
+    s2 = s.reopen()
+    c2 = s2.broker.subscribe("conn", "t", "g", qos=1).consumer
+    assert [p for _, _, p in s2.take(c2)] == [b"fine"]
+
+
+def test_idle_durable_groups_expire(tmp_path: Path) -> None:
+    s = Setup(tmp_path, group_expiry_ms=1000)
+    kept = s.broker.subscribe("c1", "t", "kept", qos=1, timestamp_ms=0).consumer
+    s.broker.subscribe("c2", "t", "idle", qos=1, timestamp_ms=0)
+    s.broker.disconnect("c2", timestamp_ms=5000)
+    assert s.broker.expire_groups(5999) == []
+    assert [g.group for g in s.broker.expire_groups(6000)] == ["idle"]
+    assert kept.queue.idle_since is None and s.broker.expire_groups(10**9) == []
+    s.broker.subscribe("c3", "t", "later", qos=1, timestamp_ms=0)
+    s.broker.disconnect("c3", timestamp_ms=7000)
+    s2 = s.reopen(group_expiry_ms=1000)
+    s2.broker.recovered(20_000)
+    groups = {g.group: g.idle_since for g in s2.broker.durable_groups}
+    # "later" detached at 7000 (an IDLE record); "kept" had a consumer: idle from the restart
+    assert groups == {"kept": 20_000, "later": 7000}
+    assert [g.group for g in s2.broker.expire_groups(20_999)] == ["later"]
+    assert s2.broker.counters.groups_expired == 1
+    s3 = s2.reopen()
+    assert [g.group for g in s3.broker.durable_groups] == ["kept"]
+
+
+def test_groups_never_expire_by_default(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    s.broker.subscribe("c", "t", "g", qos=1)
+    s.broker.disconnect("c", timestamp_ms=0)
+    assert s.broker.expire_groups(10**12) == []
 
 
 def test_floor_bounds_retention(tmp_path: Path) -> None:
@@ -143,3 +276,56 @@ def test_floor_bounds_retention(tmp_path: Path) -> None:
     assert s.broker.durable_floor() == got[0][0]
     s.broker.ack("conn", c.sub_id, tuple(o for o, _, _ in got), 0)
     assert s.broker.durable_floor() == got[-1][0] + 1
+
+
+def test_checkpoints_let_retention_delete_a_groups_create_record(tmp_path: Path) -> None:
+    s = Setup(tmp_path, LogOptions(segment_bytes=4096, retention_bytes=8192))
+    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    group = c.queue
+    payloads = [b"m%03d" % i + b"." * 96 for i in range(300)]
+    for p in payloads:
+        s.publish("t", p)
+    s.publish("other", b"x" * 100)
+    s.commit()
+    got: list = []
+    while batch := s.take(c):
+        got += batch
+        s.broker.ack("conn", c.sub_id, tuple(o for o, _, _ in batch), 0)
+    assert [p for _, _, p in got] == payloads
+    assert s.broker.checkpoint(1000, s.log.segments[-1].base) > 0
+    assert s.broker.checkpoint(1000, s.log.segments[-1].base) == 0  # all anchors are new
+    s.commit()
+    removed = s.log.retain(2000, s.broker.durable_floor()).removed
+    assert removed and s.log.first_offset > group.id  # the create record is gone
+    s.publish("t", b"after")
+    s2 = s.reopen()
+    [g2] = s2.broker.durable_groups
+    assert (g2.id, g2.filter, g2.group) == (group.id, "t", "g")
+    c2 = s2.broker.subscribe("conn", "t", "g", qos=1).consumer
+    assert [p for _, _, p in s2.take(c2)] == [b"after"]
+
+
+def test_a_checkpoint_keeps_unacked_deliveries_and_later_acks(tmp_path: Path) -> None:
+    s = Setup(tmp_path, LogOptions(segment_bytes=4096, retention_bytes=8192))
+    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    for i in range(100):
+        s.publish("t", b"%03d" % i + b"." * 96)
+    s.commit()
+    got: list = []
+    while batch := s.take(c):
+        got += batch
+        s.broker.ack("conn", c.sub_id, tuple(o for o, _, p in batch
+                                             if p[:3] not in (b"097", b"098")), 0)
+    s.broker.checkpoint(1000, s.log.segments[-1].base)
+    s.broker.ack("conn", c.sub_id, (got[97][0],), 0)  # after the checkpoint: an ACK record
+    s.commit()
+    assert s.log.retain(2000, s.broker.durable_floor()).removed
+    s2 = s.reopen()
+    c2 = s2.broker.subscribe("conn", "t", "g", qos=1).consumer
+    again = s2.take(c2)
+    assert [(p[:3], n) for _, n, p in again] == [(b"098", 2)]  # delivered before: count 2
+    assert s2.broker.durable_floor() == got[98][0]
+    # a size cap that removes what the group still needs: it skips, counted
+    s2.broker.ack("conn", c2.sub_id, (got[98][0],), 0)
+    skipped = s2.broker.skip_to(c2.queue.next + 5)
+    assert skipped == [(c2.queue, 5)] and c2.queue.skipped == 5

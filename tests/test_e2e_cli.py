@@ -354,7 +354,7 @@ def test_second_signal_exits_at_once(start_broker) -> None:
     b = start_broker({"server": {"shutdown_grace_ms": 30000},
                       "queues": {"capacity": 100000, "overflow": "drop_new"}})
     stuck = _handshake(b.port)  # subscribes, then never reads: the drain cannot finish
-    stuck.sendall(codec.encode(codec.Subscribe("big", "", 0, 0, 3)))
+    stuck.sendall(codec.encode(codec.Subscribe("big", "", 0, 0, request_id=3)))
     b.wait_subscribers(1)
     payload = os.urandom(4096)
     with Client(b.addr) as c:

@@ -16,6 +16,7 @@ from blipmq_server.protocol.codec import (
     Ack,
     Auth,
     AuthOk,
+    DeadLetter,
     Decoder,
     Deliver,
     Delivery,
@@ -26,11 +27,13 @@ from blipmq_server.protocol.codec import (
     Goodbye,
     Hello,
     Message,
+    Nack,
     Ping,
     Pong,
     PubAck,
     Publish,
     RawMessage,
+    Start,
     Subscribe,
     Subscribed,
     Unsubscribe,
@@ -101,10 +104,13 @@ def decode_error(data: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> RemoteProto
     return info.value
 
 
+SUB0 = struct.pack(">BIBQ", 2, 0, 0, 0)  # a SUBSCRIBE head with qos 2
 DELIVERIES = (
     Delivery(1, 1, "a/b", b"payload", 0, 0, None),
     Delivery(2**64 - 1, 65535, "ünï/код/🚀", b"", 1, 2**32 - 1, b"key"),
     Delivery(7, 2, "k/empty", b"\x00\xff", 0, 5, b""),
+    Delivery(8, 1, "$dlq/a", b"p", 1, 0, b"k", DeadLetter(5, "not acked in time — ✗")),
+    Delivery(9, 1, "$dlq/b", b"", 0, 0, None, DeadLetter(65535, "")),
 )
 
 SAMPLE_FRAMES: list[Frame] = [
@@ -118,7 +124,9 @@ SAMPLE_FRAMES: list[Frame] = [
     PubAck(0),
     PubAck(2**32 - 1, 9),
     Subscribe("a/+/c"),
-    Subscribe("a/#", "workers", 1, 100, 4),
+    Subscribe("a/#", "workers", 1, 100, request_id=4),
+    Subscribe("a/#", "", 0, 0, Start.EARLIEST, 0, 5),
+    Subscribe("a/#", "g", 1, 2**32 - 1, Start.OFFSET, 2**64 - 1, 6),
     Subscribed(1, 4),
     Unsubscribe(3, request_id=5),
     Unsubscribe(0, "a/#", "workers", 6),
@@ -130,6 +138,8 @@ SAMPLE_FRAMES: list[Frame] = [
     Ack(1, ()),
     Ack(9, tuple(range(0, 2**64, 2**60)), 3),
     Ack(9, (0, 2**64 - 1)),
+    Nack(1, ()),
+    Nack(9, (3, 2**64 - 1), 2**32 - 1, 7),
     Ping(),
     Ping(b"\x00\x01\xff" * 10, 8),
     Pong(b"hi", 8),
@@ -225,11 +235,12 @@ def test_encode_deliver_matches_dataclass_encoding() -> None:
     records = [
         delivery_record(d.offset, d.delivery_count,
                         message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key)))
-        for d in DELIVERIES
+        for d in DELIVERIES if d.dead is None
     ]
     data = encode_deliver(42, records, 3)
-    assert data == encode(Deliver(42, DELIVERIES, 3))
-    assert decode_one(data) == Deliver(42, DELIVERIES, 3)
+    plain = tuple(d for d in DELIVERIES if d.dead is None)
+    assert data == encode(Deliver(42, plain, 3))
+    assert decode_one(data) == Deliver(42, plain, 3)
 
 
 def test_broker_forwarding_publish_record_into_deliver() -> None:
@@ -291,8 +302,11 @@ def test_layout_deliver_one_message() -> None:
 def test_layout_small_frames() -> None:
     assert encode(Hello(1, "c", 3)) == bytes.fromhex("0000000a" "01" "00000003" "0001" "0001" "63")
     assert encode(AuthOk(9)) == bytes.fromhex("00000005" "04" "00000009")
-    assert encode(Subscribe("a", "g", 1, 16, 2)) == bytes.fromhex(
-        "00000010" "20" "00000002" "01" "00000010" "0001" "61" "0001" "67"
+    assert encode(Subscribe("a", "g", 1, 16, Start.OFFSET, 5, 2)) == bytes.fromhex(
+        "00000019" "20" "00000002" "01" "00000010" "02" "0000000000000005" "0001" "61" "0001" "67"
+    )
+    assert encode(Nack(1, (2,), 300)) == bytes.fromhex(
+        "00000017" "32" "00000000" "00000001" "0000012c" "0001" "0000000000000002"
     )
     assert encode(Ack(1, (2,))) == bytes.fromhex(
         "00000013" "31" "00000000" "00000001" "0001" "0000000000000002"
@@ -315,7 +329,8 @@ def test_frame_type_values_are_pinned() -> None:
     assert {t.name: t.value for t in FrameType} == {
         "HELLO": 0x01, "WELCOME": 0x02, "AUTH": 0x03, "AUTH_OK": 0x04, "PUBLISH": 0x10,
         "PUB_ACK": 0x11, "SUBSCRIBE": 0x20, "SUBSCRIBED": 0x21, "UNSUBSCRIBE": 0x22,
-        "UNSUBSCRIBED": 0x23, "DELIVER": 0x30, "ACK": 0x31, "PING": 0x40, "PONG": 0x41,
+        "UNSUBSCRIBED": 0x23, "DELIVER": 0x30, "ACK": 0x31, "NACK": 0x32, "PING": 0x40,
+        "PONG": 0x41,
         "GOODBYE": 0x42, "ERROR": 0x7F,
     }
 
@@ -479,11 +494,29 @@ MALFORMED: dict[str, bytes] = {
     "publish-2nd-message-bad-flags": raw(
         FrameType.PUBLISH, b"\x00\x02" + msg_bytes(b"t") + msg_bytes(b"t", flags=0x08)
     ),
-    "subscribe-qos-2": raw(FrameType.SUBSCRIBE, struct.pack(">BI", 2, 0) + s16(b"a") + s16(b"")),
+    "subscribe-qos-2": raw(FrameType.SUBSCRIBE, SUB0 + s16(b"a") + s16(b"")),
     "subscribe-qos-255": raw(
-        FrameType.SUBSCRIBE, struct.pack(">BI", 255, 0) + s16(b"a") + s16(b"")
+        FrameType.SUBSCRIBE, struct.pack(">BIBQ", 255, 0, 0, 0) + s16(b"a") + s16(b"")
     ),
-    "subscribe-group-missing": raw(FrameType.SUBSCRIBE, struct.pack(">BI", 0, 0) + s16(b"a")),
+    "subscribe-start-3": raw(
+        FrameType.SUBSCRIBE, struct.pack(">BIBQ", 0, 0, 3, 0) + s16(b"a") + s16(b"")
+    ),
+    "subscribe-old-layout": raw(FrameType.SUBSCRIBE, struct.pack(">BI", 0, 0) + s16(b"a")
+                                + s16(b"")),
+    "nack-offsets-cut": raw(FrameType.NACK, struct.pack(">IIHQ", 1, 0, 2, 1)),
+    "deliver-dead-trailer-missing": raw(
+        FrameType.DELIVER, struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"p", flags=0x04)
+    ),
+    "deliver-dead-reason-cut": raw(
+        FrameType.DELIVER,
+        struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x09ab",
+    ),
+    "utf8-dead-reason": raw(
+        FrameType.DELIVER,
+        struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x01\xff",
+    ),
+    "subscribe-group-missing": raw(FrameType.SUBSCRIBE, struct.pack(">BIBQ", 0, 0, 0, 0)
+                                     + s16(b"a")),
     "deliver-header-cut": raw(FrameType.DELIVER, struct.pack(">IH", 1, 1) + b"\x00" * 22),
     "deliver-payload-cut": raw(
         FrameType.DELIVER,
@@ -496,9 +529,9 @@ MALFORMED: dict[str, bytes] = {
     "utf8-welcome": raw(FrameType.WELCOME, struct.pack(">HII", 1, 2, 3) + s16(b"\xc3")),
     "utf8-auth": raw(FrameType.AUTH, s16(b"key\x80")),
     "utf8-subscribe-filter": raw(
-        FrameType.SUBSCRIBE, b"\x00" * 5 + s16(b"\xed\xa0\x80") + s16(b"")
+        FrameType.SUBSCRIBE, b"\x00" * 14 + s16(b"\xed\xa0\x80") + s16(b"")
     ),
-    "utf8-subscribe-group": raw(FrameType.SUBSCRIBE, b"\x00" * 5 + s16(b"a") + s16(b"\xfe")),
+    "utf8-subscribe-group": raw(FrameType.SUBSCRIBE, b"\x00" * 14 + s16(b"a") + s16(b"\xfe")),
     "utf8-unsubscribe": raw(FrameType.UNSUBSCRIBE, b"\x00" * 4 + s16(b"\xc0\xaf") + s16(b"")),
     "utf8-goodbye": raw(FrameType.GOODBYE, b"\x00\x10" + s16(b"\xff\xfe")),
     "utf8-error": raw(FrameType.ERROR, b"\x00\x01" + s16(b"bad \xe2\x82")),
@@ -523,7 +556,7 @@ def test_malformed_frame_is_protocol_error(data: bytes) -> None:
         raw(FrameType.ACK, struct.pack(">IHQQ", 1, 2, 1, 2)),
         raw(FrameType.PUBLISH, b"\x00\x01" + msg_bytes(b"t", flags=0x03, key=b"k")),
         raw(FrameType.PUBLISH, b"\x00\x02" + msg_bytes(b"t") + msg_bytes(b"u", b"p")),
-        raw(FrameType.SUBSCRIBE, struct.pack(">BI", 1, 0) + s16(b"a") + s16(b"")),
+        raw(FrameType.SUBSCRIBE, struct.pack(">BIBQ", 1, 0, 0, 0) + s16(b"a") + s16(b"")),
         raw(FrameType.DELIVER, struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"abc")),
         raw(FrameType.ERROR, b"\x00\x01" + s16("bad €".encode())),
     ],
@@ -541,7 +574,7 @@ def test_malformed_publish_messages_are_named() -> None:
     with pytest.raises(RemoteProtocolError, match="invalid flags 0x00"):
         decode_one(raw(FrameType.PUBLISH, b"\x00\x01" + msg_bytes(b"t", key=b"k")))
     with pytest.raises(RemoteProtocolError, match="qos must be 0 or 1"):
-        decode_one(raw(FrameType.SUBSCRIBE, struct.pack(">BI", 2, 0) + s16(b"a") + s16(b"")))
+        decode_one(raw(FrameType.SUBSCRIBE, SUB0 + s16(b"a") + s16(b"")))
     with pytest.raises(RemoteProtocolError, match="UTF-8"):
         decode_one(raw(FrameType.AUTH, s16(b"\xff")))
 
@@ -644,6 +677,7 @@ deliveries_st = st.builds(
     qos=st.sampled_from([0, 1]),
     ttl_ms=u32,
     key=st.none() | st.binary(max_size=30),
+    dead=st.none() | st.builds(DeadLetter, st.integers(0, 2**16 - 1), st.text(max_size=20)),
 )
 deliver_st = st.builds(
     Deliver,
@@ -658,12 +692,14 @@ frames_st = st.one_of(
     st.builds(Auth, text_st, u32),
     st.builds(AuthOk, u32),
     st.builds(PubAck, u32, u32),
-    st.builds(Subscribe, text_st, text_st, st.sampled_from([0, 1]), u32, u32),
+    st.builds(Subscribe, text_st, text_st, st.sampled_from([0, 1]), u32,
+              st.sampled_from(list(Start)), st.integers(0, 2**64 - 1), u32),
     st.builds(Subscribed, u32, u32),
     st.builds(Unsubscribe, u32, text_st, text_st, u32),
     st.builds(Unsubscribed, u32, u32),
     deliver_st,
     st.builds(Ack, u32, st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple), u32),
+    st.builds(Nack, u32, st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple), u32, u32),
     st.builds(Ping, st.binary(max_size=50), u32),
     st.builds(Pong, st.binary(max_size=50), u32),
     st.builds(Goodbye, u16, text_st, u32),

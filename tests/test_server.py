@@ -74,7 +74,7 @@ async def test_pipelined_session(nursery: trio.Nursery) -> None:
     server, port = await start(nursery, make_config())
     conn = await connect(port, handshake=False)
     await conn.send(
-        codec.Hello(1, "t", 1), codec.Auth("", 2), codec.Subscribe("a/#", "", 0, 0, 3),
+        codec.Hello(1, "t", 1), codec.Auth("", 2), codec.Subscribe("a/#", "", 0, 0, request_id=3),
         publish(("a/b", b"one"), ("a/c", b"two"), rid=4), codec.Ping(b"xy", 5),
     )
     got: list[codec.Frame] = []
@@ -150,7 +150,7 @@ async def test_block_policy_times_out_with_an_error_frame(
     cfg = make_config(queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 2000})
     server, port = await start(nursery, cfg)
     pub = await connect(port)
-    await pub.send(codec.Subscribe("t", "g", 0, 0, 1))
+    await pub.send(codec.Subscribe("t", "g", 0, 0, request_id=1))
     await pub.expect(codec.Subscribed)
     await pub.send(codec.Unsubscribe(1))  # leave the group with nobody consuming
     await pub.expect(codec.Unsubscribed)
@@ -169,7 +169,7 @@ async def test_blocked_publisher_resumes_when_consumer_takes(nursery: trio.Nurse
     cfg = make_config(queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 10000})
     server, port = await start(nursery, cfg)
     sub = await connect(port)
-    await sub.send(codec.Subscribe("t", "", 0, 0, 1))
+    await sub.send(codec.Subscribe("t", "", 0, 0, request_id=1))
     await sub.expect(codec.Subscribed)
     pub = await connect(port)
     await pub.send(publish(*[("t", str(i).encode()) for i in range(50)]), codec.Ping(b"", 2))
@@ -207,7 +207,7 @@ async def test_client_frames_only(nursery: trio.Nursery) -> None:
 async def test_group_deletion_notifies_its_consumers(nursery: trio.Nursery) -> None:
     server, port = await start(nursery, make_config())
     member = await connect(port)
-    await member.send(codec.Subscribe("jobs", "g", 0, 0, 11))
+    await member.send(codec.Subscribe("jobs", "g", 0, 0, request_id=11))
     await member.expect(codec.Subscribed)
     admin = await connect(port)
     await admin.send(codec.Unsubscribe(0, "jobs", "g", 5))
@@ -222,7 +222,7 @@ async def test_group_deletion_notifies_its_consumers(nursery: trio.Nursery) -> N
 async def test_shutdown_drains_queued_deliveries_then_says_goodbye(nursery: trio.Nursery) -> None:
     server, port = await start(nursery, make_config())
     sub = await connect(port)
-    await sub.send(codec.Subscribe("t", "", 0, 0, 1))
+    await sub.send(codec.Subscribe("t", "", 0, 0, request_id=1))
     await sub.expect(codec.Subscribed)
     pub = await connect(port)
     await pub.send(publish(*[("t", b"m%d" % i) for i in range(1000)]), codec.Ping(b"", 2))

@@ -4,13 +4,14 @@ injected disk faults. Pure: no event loop, no broker."""
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
 
 from blipmq_server.wal import record as rec
-from blipmq_server.wal.disk import FaultyDisk
-from blipmq_server.wal.log import Log, LogOptions, Recovery
+from blipmq_server.wal.disk import Disk, FaultyDisk
+from blipmq_server.wal.log import Log, LogOptions, MiB, Recovery
 
 MSG = rec.Kind.MESSAGE
 
@@ -202,6 +203,29 @@ def test_failed_write_leaves_no_trace_and_the_log_resumes(tmp_path: Path, partia
     assert [r.body for r in again.read(0)] == [b"before", b"after"]
 
 
+def test_bytes_a_failed_undo_left_are_cut_by_the_next_write(tmp_path: Path) -> None:
+    disk = FaultyDisk()
+    log = Log(str(tmp_path), disk=disk)
+    log.open()
+    log.append(MSG, b"before", 0)
+    flush(log)
+    log.append(MSG, b"doomed", 0)
+    batch = log.take_batch()
+    disk.fail_fsync = disk.fail_truncate = True  # written, not synced, and cannot be cut
+    with pytest.raises(OSError):
+        batch.write(disk, True)
+    log.abort(batch)
+    disk.fail_fsync = disk.fail_truncate = False
+    log.append(MSG, b"after", 0)
+    flush(log)
+    expected = [(1, b"before"), (3, b"after")]
+    assert [(r.offset, r.body) for r in log.read(0)] == expected
+    log.close()
+    again, found = reopen(tmp_path)
+    assert found.torn_bytes == 0 and not found.quarantined
+    assert [(r.offset, r.body) for r in again.read(0)] == expected
+
+
 def test_failed_fsync_is_a_failed_batch(tmp_path: Path) -> None:
     disk = FaultyDisk()
     log = Log(str(tmp_path), disk=disk)
@@ -257,3 +281,158 @@ def test_the_documented_example_record() -> None:
         "00 00 00 25 40 99 53 89 01 00 00 00 00 00 00 00 01 00 00 01 a2 03 fc 5c 00 "
         "01 00 00 00 00 00 01 00 00 00 00 00 02 74 68 69"
     )
+
+
+# ------------------------------------------------------------------ recent-records cache
+
+
+class CountingDisk(Disk):
+    """A real Disk that counts the reads of segment bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.preads = 0
+
+    def pread(self, path: str, pos: int, size: int) -> bytes:
+        self.preads += 1
+        return super().pread(path, pos, size)
+
+
+class CountingFaultyDisk(FaultyDisk, CountingDisk):
+    pass
+
+
+LIMITS = [(1, MiB), (3, MiB), (1000, 1 << 40), (1000, 100), (7, 250), (0, MiB), (5, 0)]
+
+
+def fill(log: Log, n: int, seed: int = 7, max_size: int = 400) -> None:
+    """``n`` records of varying sizes (some bigger than small segments), in varying batches."""
+    rng = random.Random(seed)
+    i = 0
+    while i < n:
+        for _ in range(min(n - i, rng.choice([1, 2, 5, 17, 40]))):
+            size = 1500 if rng.random() < 0.02 else rng.randrange(0, max_size)
+            log.append(rng.choice([MSG, rec.Kind.ACK]), body(i, size), 1000 + i)
+            i += 1
+        flush(log)
+
+
+def assert_reads_match_disk(log: Log, path: Path, opts: LogOptions, offsets: range) -> None:
+    """Every read of ``log`` equals the same read of a fresh Log on the files (no cache)."""
+    fresh, _ = reopen(path, opts)
+    for o in offsets:
+        for max_records, max_bytes in LIMITS:
+            assert log.read(o, max_records, max_bytes) == fresh.read(o, max_records, max_bytes), (
+                o, max_records, max_bytes)
+    assert fresh.cache_hits == 0  # opening starts with an empty cache
+    fresh.close()
+
+
+@pytest.mark.parametrize("index_every", [1, 4, 64])
+def test_cached_reads_equal_disk_reads_and_skip_the_disk(tmp_path: Path, index_every: int) -> None:
+    opts = LogOptions(segment_bytes=1000, index_every=index_every)
+    disk = CountingDisk()
+    log = Log(str(tmp_path), opts, disk)
+    log.open()
+    fill(log, 300)
+    assert len(segments(tmp_path)) > 20  # rotation, and records larger than a segment
+    assert_reads_match_disk(log, tmp_path, opts, range(1, 305))
+    assert disk.preads == 0 and log.cache_misses == 0
+    assert log.cache_hits == 304 * len(LIMITS)
+    assert [r.offset for r in log.read(1, 10**9, 1 << 40)] == list(range(1, 301))
+    assert log.read(0, 2) == log.read(1, 2)  # below the cache: from the files, same answer
+    assert disk.preads > 0 and log.cache_misses == 1
+
+
+def test_cache_is_bounded_and_older_offsets_come_from_disk(tmp_path: Path) -> None:
+    opts = LogOptions(segment_bytes=1000, cache_bytes=2000)
+    disk = CountingDisk()
+    log = Log(str(tmp_path), opts, disk)
+    log.open()
+    fill(log, 300)
+    cached_from = log._cache[0].first
+    assert 1 < cached_from and log._cache_size <= 2000
+    assert sum(len(c.data) for c in log._cache) == log._cache_size
+    assert log.read(cached_from, 10**9, 1 << 40)[-1].offset == 300 and disk.preads == 0
+    log.read(cached_from - 1, 1)
+    assert disk.preads > 0 and (log.cache_hits, log.cache_misses) == (1, 1)
+    assert_reads_match_disk(log, tmp_path, opts, range(0, 303))
+    # One batch bigger than the whole cache: it is still kept, alone.
+    log.append(MSG, os.urandom(5000), 9)
+    flush(log)
+    assert len(log._cache) == 1 and log._cache[0].first == 301
+    before = disk.preads
+    assert log.read(301)[0].offset == 301 and disk.preads == before
+    assert_reads_match_disk(log, tmp_path, opts, range(290, 303))
+    log.close()
+    assert not log._cache and log._cache_size == 0
+
+
+@pytest.mark.parametrize("fault", ["write", "torn write", "fsync"])
+def test_an_aborted_batch_is_neither_cached_nor_readable(tmp_path: Path, fault: str) -> None:
+    disk = CountingFaultyDisk()
+    log = Log(str(tmp_path), disk=disk)
+    log.open()
+    log.append(MSG, b"before", 0)
+    flush(log)
+    log.append(MSG, b"doomed", 0)
+    log.append(MSG, b"doomed too", 0)
+    batch = log.take_batch()
+    assert batch is not None
+    disk.fail_writes = fault != "fsync"
+    disk.partial = 30 if fault == "torn write" else 0
+    disk.fail_fsync = fault == "fsync"
+    with pytest.raises(OSError):
+        batch.write(disk, True)
+    log.abort(batch)
+    disk.fail_writes = disk.fail_fsync = False
+    assert [c.first for c in log._cache] == [1]
+    assert log.read(2) == [] and log.read(3) == []
+    assert [r.body for r in log.read(1)] == [b"before"]
+    log.append(MSG, b"after", 0)
+    flush(log)
+    assert [(r.offset, r.body) for r in log.read(1)] == [(1, b"before"), (4, b"after")]
+    assert [r.offset for r in log.read(2)] == [4]
+    assert disk.preads == 0
+    assert_reads_match_disk(log, tmp_path, LogOptions(), range(0, 6))
+
+
+def test_retention_drops_cached_records_of_deleted_segments(tmp_path: Path) -> None:
+    opts = LogOptions(segment_bytes=1000, retention_bytes=3000)
+    disk = CountingDisk()
+    log = Log(str(tmp_path), opts, disk)
+    log.open()
+    fill(log, 200, max_size=100)
+    assert log._cache[0].first == 1
+    assert log.retain(now_ms=0).removed
+    first = log.first_offset
+    assert first > 1 and log._cache[0].first == first
+    assert log._cache_size == sum(len(c.data) for c in log._cache)
+    assert log.read(1, 1)[0].offset == first  # deleted records are not served from memory
+    assert_reads_match_disk(log, tmp_path, opts, range(0, 204))
+    before = disk.preads
+    assert log.read(first, 10**9, 1 << 40)[-1].offset == 200 and disk.preads == before
+
+
+def test_cache_disabled(tmp_path: Path) -> None:
+    opts = LogOptions(segment_bytes=1000, cache_bytes=0)
+    disk = CountingDisk()
+    log = Log(str(tmp_path), opts, disk)
+    log.open()
+    fill(log, 100)
+    assert not log._cache
+    assert_reads_match_disk(log, tmp_path, opts, range(0, 103))
+    assert log.cache_hits == 0 and log.cache_misses == 103 * len(LIMITS) and disk.preads > 0
+
+
+def test_after_recovery_the_cache_holds_only_new_commits(tmp_path: Path) -> None:
+    write_log(tmp_path, 20).close()
+    disk = CountingDisk()
+    log = Log(str(tmp_path), disk=disk)
+    log.open()
+    assert not log._cache
+    assert [r.offset for r in log.read(20)] == [20] and disk.preads == 1
+    log.append(MSG, b"new", 0)
+    flush(log)
+    assert [r.body for r in log.read(21)] == [b"new"] and disk.preads == 1
+    assert [r.offset for r in log.read(19)] == [19, 20, 21] and disk.preads == 2

@@ -16,7 +16,16 @@ from blipmq_server.broker import durable
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow, Queue
 from blipmq_server.broker.topics import matches
-from blipmq_server.protocol.codec import DELIVERY_PREFIX, MSG_HEAD, ErrorCode, RawMessage
+from blipmq_server.protocol.codec import (
+    DELIVERY_PREFIX,
+    FLAG_DEAD,
+    MSG_HEAD,
+    DeadLetter,
+    ErrorCode,
+    RawMessage,
+    Start,
+    dead_trailer,
+)
 from blipmq_server.protocol.names import filter_problem, group_problem, topic_problem
 
 _ROUTE_CACHE_LIMIT = 8192
@@ -50,6 +59,7 @@ class Limits:
     retry_backoff_max_ms: int = 60000  # the deadline doubles per delivery up to this
     max_retries: int = 5  # deliveries before a message goes to $dlq/<topic>
     default_credit: int = 256  # in-flight window of a QoS 1 consumer that asks for 0
+    group_expiry_ms: int = 0  # a durable group with no consumer this long is dropped; 0 never
 
 
 @dataclass(slots=True)
@@ -67,7 +77,9 @@ class Counters:
     refused: int = 0  # messages answered with an error frame (bad topic, too large, ...)
     acked: int = 0
     redelivered: int = 0
+    nacked: int = 0
     dead_lettered: int = 0
+    groups_expired: int = 0
 
 
 class Consumer:
@@ -126,6 +138,10 @@ class UnsubscribeResult:
     refusal: Refusal | None = None
 
 
+def _refused(code: ErrorCode, text: str) -> SubscribeResult:
+    return SubscribeResult(None, Refusal(code, text))
+
+
 @dataclass(slots=True)
 class _Route:
     targets: tuple[Queue, ...]
@@ -148,6 +164,7 @@ class Broker:
         self._next_sub_id = 1
         self._durable: dict[tuple[str, str], DurableGroup] = {}
         self._durable_ids: dict[int, DurableGroup] = {}
+        self._cursors: list[DurableGroup] = []  # log cursors of subscriptions without a group
 
     # ----------------------------------------------------------------------------- publish
 
@@ -280,14 +297,23 @@ class Broker:
         qos: int = 0,
         credit: int = 0,
         request_id: int = 0,
+        start: int = Start.LATEST,
+        start_offset: int = 0,
+        timestamp_ms: int = 0,
     ) -> SubscribeResult:
-        """Attach ``owner`` (a connection) to a new subscription or to a group's queue."""
+        """Attach ``owner`` (a connection) to a new subscription or to a group.
+
+        QoS 0 without ``start``: an in-memory queue (shared by a group's consumers). QoS 1, or
+        a ``start`` other than LATEST: a cursor into the log, which is a durable group when
+        named (``start`` then only matters when the group is new).
+        """
         problem = filter_problem(topic_filter) or (group_problem(group) if group else None)
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return SubscribeResult(None, Refusal(code, problem))
-        if qos:
-            return self._subscribe_durable(owner, topic_filter, group, credit, request_id)
+        if qos or start != Start.LATEST:
+            return self._subscribe_cursor(owner, topic_filter, group, qos, credit, request_id,
+                                          start, start_offset, timestamp_ms)
         queue = self._groups.get((topic_filter, group)) if group else None
         if queue is None:
             queue = Queue(topic_filter, group or None, self.limits.capacity, self.limits.overflow)
@@ -302,60 +328,135 @@ class Broker:
         self._by_owner.setdefault(owner, []).append(consumer)
         return SubscribeResult(consumer)
 
-    def _subscribe_durable(
-        self, owner: Any, topic_filter: str, group: str, credit: int, request_id: int
+    def _subscribe_cursor(
+        self, owner: Any, topic_filter: str, group: str, qos: int, credit: int,
+        request_id: int, start: int, start_offset: int, timestamp_ms: int,
     ) -> SubscribeResult:
-        if self.log is None:
-            return SubscribeResult(None, Refusal(
-                ErrorCode.UNSUPPORTED, "QoS 1 needs the write-ahead log (wal.enabled = false)"))
-        if not group:
-            return SubscribeResult(None, Refusal(
-                ErrorCode.UNSUPPORTED,
-                "a QoS 1 subscription needs a group name (a durable group): use --group"))
+        log = self.log
+        if log is None:
+            what = "QoS 1" if qos else "--from (replay)"
+            return _refused(ErrorCode.UNSUPPORTED, f"{what} needs the write-ahead log "
+                            "(wal.enabled = false)")
+        if group and not qos:
+            return _refused(ErrorCode.UNSUPPORTED, "a QoS 0 group lives in memory and cannot "
+                            "replay the log: use QoS 1 for a durable group")
         if (topic_filter, group) in self._groups:
-            return SubscribeResult(None, Refusal(
-                ErrorCode.INVALID_REQUEST,
-                f"group {group!r} on {topic_filter!r} already exists as a QoS 0 group"))
-        target = self._durable.get((topic_filter, group))
+            return _refused(ErrorCode.INVALID_REQUEST,
+                            f"group {group!r} on {topic_filter!r} already exists as a QoS 0 group")
+        target = self._durable.get((topic_filter, group)) if group else None
         if target is None:
-            start = self.log.next_offset
-            gid = self.log.append(
-                GROUP_RECORD, durable.group_body(durable.CREATE, start, topic_filter, group), 0
-            )
-            target = self._add_durable(gid, topic_filter, group, start)
-        consumer = Consumer(self._next_sub_id, target, owner, 1,  # type: ignore[arg-type]
-                            credit or self.limits.default_credit, request_id)
+            if start == Start.EARLIEST:
+                first = log.first_offset
+            elif start == Start.OFFSET:
+                if start_offset > log.next_offset:
+                    return _refused(ErrorCode.INVALID_REQUEST,
+                                    f"offset {start_offset} is past the end of the log "
+                                    f"(the next message gets offset {log.next_offset})")
+                first = max(start_offset, log.first_offset)
+            else:
+                first = log.next_offset
+            if group:
+                gid = log.append(GROUP_RECORD, durable.group_body(
+                    durable.CREATE, first, topic_filter, group), timestamp_ms)
+                target = self._add_durable(gid, topic_filter, group, first)
+            else:
+                target = DurableGroup(0, topic_filter, "", first, persistent=False, acks=bool(qos))
+                self._cursors.append(target)
+        target.idle_since = None
+        credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
+        consumer = Consumer(self._next_sub_id, target, owner, qos, credit,  # type: ignore[arg-type]
+                            request_id)
         self._next_sub_id += 1
         target.consumers.append(consumer)
         self._consumers[consumer.sub_id] = consumer
         self._by_owner.setdefault(owner, []).append(consumer)
         return SubscribeResult(consumer)
 
-    def _add_durable(self, gid: int, topic_filter: str, group: str, start: int) -> DurableGroup:
-        target = DurableGroup(gid, topic_filter, group, start)
+    def _add_durable(
+        self, gid: int, topic_filter: str, group: str, start: int, idle_since: int | None = None
+    ) -> DurableGroup:
+        target = DurableGroup(gid, topic_filter, group, start, idle_since=idle_since)
         self._durable[(topic_filter, group)] = target
         self._durable_ids[gid] = target
         return target
 
     def recover(self, record: Any) -> None:
-        """Rebuild durable groups from a GROUP or ACK record met while the log is opened."""
+        """Rebuild durable groups from a GROUP or ACK record met while the log is opened.
+
+        A group whose last record is IDLE has been without a consumer since then; any other
+        group is taken as idle from the restart (``idle_since`` None until ``recovered``).
+        """
         if record.kind == GROUP_RECORD:
             g = durable.parse_group(record.body)
+            target = self._durable.get((g.topic_filter, g.group))
             if g.op == durable.CREATE:
                 self._add_durable(record.offset, g.topic_filter, g.group, g.start)
-            else:
-                gone = self._durable.pop((g.topic_filter, g.group), None)
-                if gone is not None:
-                    self._durable_ids.pop(gone.id, None)
+            elif g.op == durable.CHECKPOINT:
+                if target is None:
+                    target = self._add_durable(g.group_id, g.topic_filter, g.group, g.start)
+                target.restore(g)
+                target.anchor = record.offset
+                target.idle_since = None
+            elif g.op == durable.IDLE:
+                if target is not None:
+                    target.idle_since = record.timestamp_ms
+            elif target is not None:
+                del self._durable[(g.topic_filter, g.group)]
+                self._durable_ids.pop(target.id, None)
         elif record.kind == ACK_RECORD:
             gid, floor, offsets = durable.parse_ack(record.body)
             target = self._durable_ids.get(gid)
             if target is not None:
                 target.recover_ack(floor, offsets)
+                target.idle_since = None
+
+    def checkpoint(self, timestamp_ms: int, below: int) -> int:
+        """Restate every durable group whose anchor (create or checkpoint record) is below
+        offset ``below`` in a new checkpoint record, so that retention may delete the old
+        segments. Returns the offset of the last record appended (0: none)."""
+        log = self.log
+        last = 0
+        if log is None:
+            return 0
+        for target in self._durable.values():
+            if target.anchor >= below:
+                continue
+            last = target.anchor = log.append(GROUP_RECORD, durable.checkpoint_body(target),
+                                              timestamp_ms)
+            if target.idle_since is not None and not target.consumers:
+                last = log.append(GROUP_RECORD, durable.group_body(
+                    durable.IDLE, 0, target.filter, target.group), target.idle_since)
+        return last
+
+    def skip_to(self, first: int) -> list[tuple[DurableGroup, int]]:
+        """Retention removed the log below ``first``: durable groups whose cursor was lower
+        skip what they had not read (counted in ``group.skipped``). Deliveries already in
+        flight are kept (they are in memory); unacked ones not yet reloaded are lost."""
+        out = []
+        for target in self._durable.values():
+            skipped = max(0, first - target.next) + sum(1 for o in target.pending if o < first)
+            if not skipped:
+                continue
+            target.next = max(target.next, first)
+            target.pending = {o for o in target.pending if o >= first}
+            target.skipped += skipped
+            out.append((target, skipped))
+        return out
+
+    def recovered(self, wall_ms: int) -> None:
+        """The log is open: groups not known to be idle count as idle from now."""
+        for target in self._durable.values():
+            if target.idle_since is None and not target.consumers:
+                target.idle_since = wall_ms
 
     @property
     def durable_groups(self) -> tuple[DurableGroup, ...]:
         return tuple(self._durable.values())
+
+    @property
+    def cursors(self) -> tuple[DurableGroup, ...]:
+        """Every log cursor: durable groups and subscriptions without a group."""
+        return (*self._durable.values(), *self._cursors)
 
     def durable_floor(self) -> int | None:
         """The lowest offset a durable group still needs (for log retention)."""
@@ -372,9 +473,33 @@ class Broker:
         done = target.ack(sub_id, offsets)
         if done:
             self.counters.acked += len(done)
-            self.log.append(ACK_RECORD, durable.ack_body(target.id, target.floor, done),
-                            timestamp_ms)
+            if target.persistent:
+                self.log.append(ACK_RECORD, durable.ack_body(target.id, target.floor, done),
+                                timestamp_ms)
         return bool(done)
+
+    def nack(
+        self, owner: Any, sub_id: int, offsets: tuple[int, ...], delay_ms: int, now_ms: int,
+        timestamp_ms: int,
+    ) -> DurableGroup | None:
+        """A QoS 1 consumer gives deliveries back, to be redelivered now or after
+        ``delay_ms``; one delivered ``max_retries`` times goes to ``$dlq/<topic>`` instead.
+        Returns the cursor whose consumers to wake, if anything was given back."""
+        consumer = self._consumers.get(sub_id)
+        if consumer is None or consumer.owner is not owner:
+            return None
+        target = consumer.queue
+        if not isinstance(target, DurableGroup):
+            return None
+        mine = target.held_by(sub_id, offsets)
+        self.counters.nacked += len(mine)
+        reason = f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked"
+        for offset in mine:
+            if target.inflight[offset].count >= self.limits.max_retries:
+                self._give_up(target, offset, reason, now_ms, timestamp_ms)
+            else:
+                target.back(offset, now_ms, delay_ms)
+        return target if mine else None
 
     def _backoff(self, count: int) -> int:
         base = self.limits.retry_backoff_ms
@@ -388,7 +513,9 @@ class Broker:
         if target.in_flight_for(consumer.sub_id) >= consumer.credit:
             return False
         log = self.log
-        return bool(target.ready) or (log is not None and target.next <= log.written_offset)
+        return bool(target.ready or target.pending) or (
+            log is not None and target.next <= log.written_offset
+        )
 
     def _take_durable(
         self, consumer: Consumer, target: DurableGroup, limit: int, now_ms: int, wall_ms: int
@@ -398,6 +525,9 @@ class Broker:
         room = min(limit, consumer.credit - target.in_flight_for(consumer.sub_id))
         if room <= 0:
             return []
+        if target.pending:  # unacked before a restart, named by a checkpoint
+            target.load_pending([r for o in sorted(target.pending)
+                                 for r in log.read(o, max_records=1)])
         out = target.take_ready(consumer.sub_id, room, now_ms, self._backoff)
         self.counters.redelivered += len(out)
         scanned = 0
@@ -415,32 +545,71 @@ class Broker:
         return out
 
     def redeliver(self, now_ms: int, timestamp_ms: int) -> list[DurableGroup]:
-        """Maintenance: unacked deliveries past their deadline go back to their group (or to
-        ``$dlq/<topic>`` after ``max_retries`` deliveries). Returns the groups to wake."""
+        """Maintenance: unacked deliveries past their deadline go back to their cursor (or to
+        ``$dlq/<topic>`` after ``max_retries`` deliveries), and delayed nacks come due.
+        Returns the cursors to wake."""
         woken = []
-        for target in self._durable.values():
-            late = target.expire(now_ms)
-            if not late:
-                continue
+        for target in (*self._durable.values(), *self._cursors):
+            late, due = target.expire(now_ms)
             for offset in late:
-                flight = target.inflight[offset]
-                if flight.count >= self.limits.max_retries:
-                    del target.inflight[offset]
-                    self._dead_letter(flight.body, now_ms, timestamp_ms)
-            woken.append(target)
+                count = target.inflight[offset].count
+                if count >= self.limits.max_retries:
+                    self._give_up(target, offset, f"not acked in time ({count} deliveries)",
+                                  now_ms, timestamp_ms)
+                else:
+                    target.back(offset)
+            if late or due:
+                woken.append(target)
         return woken
 
-    def _dead_letter(self, body: bytes, now_ms: int, timestamp_ms: int) -> None:
-        """Publish a message that exhausted its retries to ``$dlq/<its topic>``."""
+    def _give_up(
+        self, target: DurableGroup, offset: int, reason: str, now_ms: int, timestamp_ms: int
+    ) -> None:
+        """Move a delivery that exhausted its retries to ``$dlq/<its topic>``. A durable group
+        records it as done after the dead letter, so a restart does not deliver it again."""
+        flight = target.drop(offset)
+        self._dead_letter(flight.body, DeadLetter(flight.count, reason), now_ms, timestamp_ms)
+        if target.persistent and self.log is not None:
+            self.log.append(ACK_RECORD, durable.ack_body(target.id, target.floor, [offset]),
+                            timestamp_ms)
+
+    def _dead_letter(self, body: bytes, dead: DeadLetter, now_ms: int, timestamp_ms: int) -> None:
+        """Publish a message that exhausted its retries to ``$dlq/<its topic>``, with its
+        delivery count and the reason in the dead-letter trailer."""
         flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(body)
         topic = b"$dlq/" + body[13 : 13 + tlen]
-        record = MSG_HEAD.pack(flags, ttl, len(topic), klen, plen) + topic + body[13 + tlen :]
+        rest = body[13 + tlen : 13 + tlen + klen + plen]  # an older trailer is replaced
+        record = b"".join((
+            MSG_HEAD.pack(flags | FLAG_DEAD, ttl, len(topic), klen, plen), topic, rest,
+            dead_trailer(dead),
+        ))
         self.counters.dead_lettered += 1
         self.publish([RawMessage(topic, flags & 1, ttl, plen, record)], now_ms, timestamp_ms,
                      internal=True)
 
+    def expire_groups(self, wall_ms: int) -> list[DurableGroup]:
+        """Maintenance: drop durable groups without a consumer for ``group_expiry_ms``."""
+        expiry = self.limits.group_expiry_ms
+        if not expiry:
+            return []
+        gone = [t for t in self._durable.values()
+                if not t.consumers and t.idle_since is not None
+                and wall_ms - t.idle_since >= expiry]
+        for target in gone:
+            self._delete_durable(target, wall_ms)
+        self.counters.groups_expired += len(gone)
+        return gone
+
+    def _delete_durable(self, target: DurableGroup, timestamp_ms: int) -> None:
+        del self._durable[(target.filter, target.group)]
+        self._durable_ids.pop(target.id, None)
+        if self.log is not None:
+            self.log.append(GROUP_RECORD, durable.group_body(
+                durable.DELETE, 0, target.filter, target.group), timestamp_ms)
+
     def unsubscribe(
-        self, owner: Any, sub_id: int = 0, topic_filter: str = "", group: str = ""
+        self, owner: Any, sub_id: int = 0, topic_filter: str = "", group: str = "",
+        timestamp_ms: int = 0,
     ) -> UnsubscribeResult:
         """End one subscription (by id), this owner's subscriptions on a filter, or a group."""
         if sub_id:
@@ -449,13 +618,10 @@ class Broker:
                 return UnsubscribeResult(
                     0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}")
                 )
-            return UnsubscribeResult(1, removed=self._detach(consumer))
+            return UnsubscribeResult(1, removed=self._detach(consumer, timestamp_ms))
         if group and (topic_filter, group) in self._durable:
-            target = self._durable.pop((topic_filter, group))
-            self._durable_ids.pop(target.id, None)
-            if self.log is not None:
-                self.log.append(GROUP_RECORD, durable.group_body(
-                    durable.DELETE, 0, topic_filter, group), 0)
+            target = self._durable[(topic_filter, group)]
+            self._delete_durable(target, timestamp_ms)
             ended = tuple(c for c in target.consumers if c.owner is not owner)
             for consumer in list(target.consumers):
                 self._forget(consumer)
@@ -482,26 +648,34 @@ class Broker:
         ]
         removed: list[Queue] = []
         for consumer in mine:
-            removed.extend(self._detach(consumer))
+            removed.extend(self._detach(consumer, timestamp_ms))
         return UnsubscribeResult(len(mine), removed=tuple(removed))
 
-    def disconnect(self, owner: Any) -> tuple[Queue, ...]:
+    def disconnect(self, owner: Any, timestamp_ms: int = 0) -> tuple[Queue, ...]:
         """A connection is gone: end its subscriptions. Groups keep their queues."""
         removed: list[Queue] = []
         for consumer in list(self._by_owner.get(owner, ())):
-            removed.extend(self._detach(consumer))
+            removed.extend(self._detach(consumer, timestamp_ms))
         self._by_owner.pop(owner, None)
         return tuple(removed)
 
     def consumers_of(self, owner: Any) -> list[Consumer]:
         return self._by_owner.get(owner, [])
 
-    def _detach(self, consumer: Consumer) -> tuple[Queue, ...]:
+    def _detach(self, consumer: Consumer, timestamp_ms: int = 0) -> tuple[Queue, ...]:
         self._forget(consumer)
         queue = consumer.queue
         if isinstance(queue, DurableGroup):
             if consumer in queue.consumers:
                 queue.consumers.remove(consumer)
+            if not queue.persistent:
+                if queue in self._cursors:
+                    self._cursors.remove(queue)
+            elif not queue.consumers and self._durable.get((queue.filter, queue.group)) is queue:
+                queue.idle_since = timestamp_ms
+                if self.log is not None:
+                    self.log.append(GROUP_RECORD, durable.group_body(
+                        durable.IDLE, 0, queue.filter, queue.group), timestamp_ms)
             queue.requeue(consumer.sub_id)
             return ()
         if consumer in queue.consumers:

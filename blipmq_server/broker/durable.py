@@ -1,18 +1,27 @@
-"""Durable consumer groups: a cursor into the write-ahead log plus an in-flight set.
+"""Log cursors: durable consumer groups, and replaying or QoS 1 subscribers without a group.
 
-A durable group (a QoS 1 subscription with a group name) never holds its backlog in
-memory: it reads matching messages from the log at its cursor, hands each to one of its
-consumers and keeps it in flight until acked. An unacked delivery is redelivered when its
-deadline passes (exponential backoff from ``retry_backoff_ms``) or when its consumer goes
-away. The group's creation, deletion and acks are log records, so a restart rebuilds it:
-everything from its floor (lowest unacked offset) that was not acked is delivered again.
+A cursor never holds its backlog in memory: it reads matching messages from the log at
+``next``, hands each to one of its consumers and, when it takes acks (QoS 1), keeps it in
+flight until acked. An unacked delivery comes back when its deadline passes (exponential
+backoff from ``retry_backoff_ms``), when its consumer nacks it (now, or after a delay) or
+goes away. A *durable group* (QoS 1 with a group name) is persistent: its creation, acks,
+last detach and deletion are log records, so a restart rebuilds it, and everything from its
+floor (lowest unacked offset) that was not acked is delivered again. A cursor without a
+group lives as long as its one subscription and writes nothing to the log.
 
 Record bodies (big-endian, inside the wal record of that kind):
 
-    GROUP:  | op u8 (1 create, 2 delete) | start u64 | filter str16 | group str16 |
+    GROUP:  | op u8 | start u64 | filter str16 | group str16 |
+            op 1 create (reading from ``start``), 2 delete, 3 idle (last consumer left),
+            4 checkpoint, which goes on with:
+            | group_id u64 | count u32 | unacked u64 * count | count u32 | acked u64 * count |
     ACK:    | group_id u64 | floor u64 | count u16 | offsets u64 * count |
 
-A group's id is the log offset of its GROUP create record. Pure: no trio, no clock.
+A group's id is the log offset of its GROUP create record. A checkpoint restates a group
+whole (cursor ``start``, the unacked deliveries below it, the acks above it), so retention
+may delete the segment holding its create record: the broker checkpoints every group whose
+latest create or checkpoint (its ``anchor``) is not in the newest segment before retention
+runs. Pure: no trio, no clock.
 """
 
 from __future__ import annotations
@@ -27,7 +36,10 @@ from blipmq_server.protocol.codec import DELIVERY_PREFIX, MSG_HEAD
 _GROUP_HEAD = struct.Struct(">BQ")
 _ACK_HEAD = struct.Struct(">QQH")
 _U16 = struct.Struct(">H")
-CREATE, DELETE = 1, 2
+CREATE, DELETE, IDLE, CHECKPOINT = 1, 2, 3, 4  # IDLE: its last consumer detached
+_CHECKPOINT_HEAD = struct.Struct(">QI")
+_U32 = struct.Struct(">I")
+DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
 
 
 class GroupRecord(NamedTuple):
@@ -35,11 +47,24 @@ class GroupRecord(NamedTuple):
     start: int
     topic_filter: str
     group: str
+    group_id: int = 0  # checkpoint only, like the two below
+    unacked: tuple[int, ...] = ()
+    acked: tuple[int, ...] = ()
 
 
 def group_body(op: int, start: int, topic_filter: str, group: str) -> bytes:
     f, g = topic_filter.encode(), group.encode()
     return _GROUP_HEAD.pack(op, start) + _U16.pack(len(f)) + f + _U16.pack(len(g)) + g
+
+
+def checkpoint_body(target: DurableGroup) -> bytes:
+    unacked = sorted({*target.inflight, *target.pending})
+    acked = sorted(target.acked)
+    return b"".join((
+        group_body(CHECKPOINT, target.next, target.filter, target.group),
+        _CHECKPOINT_HEAD.pack(target.id, len(unacked)), struct.pack(f">{len(unacked)}Q", *unacked),
+        _U32.pack(len(acked)), struct.pack(f">{len(acked)}Q", *acked),
+    ))
 
 
 def parse_group(body: bytes) -> GroupRecord:
@@ -49,7 +74,17 @@ def parse_group(body: bytes) -> GroupRecord:
     topic_filter = body[pos + 2 : pos + 2 + n].decode()
     pos += 2 + n
     (m,) = _U16.unpack_from(body, pos)
-    return GroupRecord(op, start, topic_filter, body[pos + 2 : pos + 2 + m].decode())
+    group = body[pos + 2 : pos + 2 + m].decode()
+    if op != CHECKPOINT:
+        return GroupRecord(op, start, topic_filter, group)
+    pos += 2 + m
+    group_id, n = _CHECKPOINT_HEAD.unpack_from(body, pos)
+    pos += _CHECKPOINT_HEAD.size
+    unacked = struct.unpack_from(f">{n}Q", body, pos)
+    pos += 8 * n
+    (m,) = _U32.unpack_from(body, pos)
+    acked = struct.unpack_from(f">{m}Q", body, pos + 4)
+    return GroupRecord(op, start, topic_filter, group, group_id, unacked, acked)
 
 
 def ack_body(group_id: int, floor: int, offsets: list[int]) -> bytes:
@@ -64,7 +99,8 @@ def parse_ack(body: bytes) -> tuple[int, int, tuple[int, ...]]:
 
 
 class Flight:
-    """One delivered, not yet acked message."""
+    """One delivered, not yet acked message. ``sub_id`` is the consumer holding it, 0 when it
+    waits in ``ready``, ``DELAYED`` until ``due`` after a delayed nack."""
 
     __slots__ = ("body", "count", "due", "sub_id")
 
@@ -79,28 +115,43 @@ class DurableGroup:
     __slots__ = (
         "_matches",
         "acked",
+        "acks",
+        "anchor",
         "consumers",
         "filter",
         "group",
         "id",
+        "idle_since",
         "inflight",
         "levels",
         "next",
+        "pending",
+        "persistent",
         "ready",
+        "skipped",
     )
 
-    durable = True
+    durable = True  # reads from the log (a Queue holds its messages instead)
 
-    def __init__(self, group_id: int, topic_filter: str, group: str, start: int) -> None:
+    def __init__(
+        self, group_id: int, topic_filter: str, group: str, start: int,
+        persistent: bool = True, acks: bool = True, idle_since: int | None = None,
+    ) -> None:
         self.id = group_id
         self.filter = topic_filter
         self.levels = tuple(topic_filter.split("/"))
         self.group = group
+        self.persistent = persistent  # a durable group: its state is in the log
+        self.acks = acks  # QoS 1: deliveries stay in flight until acked
         self.next = start  # next log offset to read
         self.inflight: dict[int, Flight] = {}
         self.ready: deque[int] = deque()  # in-flight offsets to deliver again now
         self.acked: set[int] = set()  # acked at or above the cursor (known from a restart)
+        self.pending: set[int] = set()  # unacked below the cursor, from a checkpoint: to load
+        self.anchor = group_id  # offset of the latest create or checkpoint record
+        self.skipped = 0  # log records removed by the retention size cap before it read them
         self.consumers: list[Any] = []
+        self.idle_since = idle_since  # wall ms since when no consumer is attached
         self._matches: dict[bytes, bool] = {}
 
     def __repr__(self) -> str:
@@ -109,12 +160,33 @@ class DurableGroup:
     @property
     def floor(self) -> int:
         """Every offset below this is acked or not for this group."""
-        return min(self.inflight, default=self.next) if self.inflight else self.next
+        if not self.inflight and not self.pending:
+            return self.next
+        return min(min(self.inflight, default=self.next), min(self.pending, default=self.next))
 
     def recover_ack(self, floor: int, offsets: tuple[int, ...]) -> None:
         self.next = max(self.next, floor)
+        done = set(offsets)
+        self.pending = {o for o in self.pending if o >= floor and o not in done}
         self.acked = {o for o in self.acked if o >= self.next}
         self.acked.update(o for o in offsets if o >= self.next)
+
+    def restore(self, g: GroupRecord) -> None:
+        """State from a checkpoint record."""
+        self.next = g.start
+        self.pending = set(g.unacked)
+        self.acked = set(g.acked)
+        self.inflight.clear()
+        self.ready.clear()
+
+    def load_pending(self, records: list[Any]) -> None:
+        """Unacked deliveries named by a checkpoint, read back from the log: ready again."""
+        for record in records:
+            if record.offset in self.pending and record.kind == 1:
+                flight = Flight(record.body, 0, 0)
+                self.inflight[record.offset] = flight
+                self.ready.append(record.offset)
+        self.pending.clear()
 
     def wants(self, topic: bytes) -> bool:
         hit = self._matches.get(topic)
@@ -135,12 +207,12 @@ class DurableGroup:
         while self.ready and len(out) < room:
             offset = self.ready.popleft()
             flight = self.inflight.get(offset)
-            if flight is None:
-                continue  # acked meanwhile
+            if flight is None or flight.sub_id:
+                continue  # acked, or taken again, meanwhile
             flight.count += 1
             flight.sub_id = sub_id
             flight.due = now_ms + backoff(flight.count)
-            out.append(DELIVERY_PREFIX.pack(offset, flight.count) + flight.body)
+            out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF)) + flight.body)
         return out
 
     def take_new(
@@ -151,6 +223,7 @@ class DurableGroup:
         out: list[bytes] = []
         expired = 0
         due = now_ms + backoff(1)
+        acks = self.acks
         for record in records:
             offset = record.offset
             if offset < self.next:
@@ -170,7 +243,8 @@ class DurableGroup:
             if ttl and record.timestamp_ms + ttl <= wall_ms:
                 expired += 1
                 continue
-            self.inflight[offset] = Flight(body, sub_id, due)
+            if acks:
+                self.inflight[offset] = Flight(body, sub_id, due)
             out.append(DELIVERY_PREFIX.pack(offset, 1) + body)
         return out, expired
 
@@ -184,6 +258,25 @@ class DurableGroup:
                 done.append(offset)
         return done
 
+    def held_by(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
+        """Those of ``offsets`` that this consumer holds in flight."""
+        inflight = self.inflight
+        return [o for o in offsets if o in inflight and inflight[o].sub_id == sub_id]
+
+    def back(self, offset: int, now_ms: int = 0, delay_ms: int = 0) -> None:
+        """A delivery comes back: to the front of ``ready``, or after ``delay_ms``."""
+        flight = self.inflight[offset]
+        if delay_ms:
+            flight.sub_id = DELAYED
+            flight.due = now_ms + delay_ms
+        else:
+            flight.sub_id = 0
+            self.ready.appendleft(offset)
+
+    def drop(self, offset: int) -> Flight:
+        """Take a delivery out of flight for good (it goes to the dead-letter topic)."""
+        return self.inflight.pop(offset)
+
     def requeue(self, sub_id: int) -> int:
         """A consumer left: its deliveries go to the others (or wait for the next one)."""
         n = 0
@@ -194,13 +287,20 @@ class DurableGroup:
                 n += 1
         return n
 
-    def expire(self, now_ms: int) -> list[int]:
-        """In-flight deliveries whose deadline passed, moved to ``ready``."""
-        late = [o for o, f in self.inflight.items() if f.sub_id and f.due <= now_ms]
-        for offset in late:
-            self.inflight[offset].sub_id = 0
-            self.ready.append(offset)
-        return late
+    def expire(self, now_ms: int) -> tuple[list[int], int]:
+        """Deliveries whose consumer did not ack them in time (still in flight, to be decided
+        by the caller), and how many delayed nacks became ready."""
+        late = []
+        woke = 0
+        for offset, f in self.inflight.items():
+            if f.sub_id and f.due <= now_ms:
+                if f.sub_id == DELAYED:
+                    f.sub_id = 0
+                    self.ready.append(offset)
+                    woke += 1
+                else:
+                    late.append(offset)
+        return late, woke
 
     def in_flight_for(self, sub_id: int) -> int:
         return sum(1 for f in self.inflight.values() if f.sub_id == sub_id)

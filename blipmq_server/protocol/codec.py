@@ -14,7 +14,10 @@ A message inside PUBLISH (and, behind an offset and a delivery count, inside DEL
     | flags u8 | ttl_ms u32 | topic_len u16 | key_len u16 | payload_len u32 |
     | topic (UTF-8) | key | payload |
 
-flags: bit 0 = QoS 1, bit 1 = the message has a key; other bits must be zero.
+flags: bit 0 = QoS 1, bit 1 = the message has a key, bit 2 = a dead letter (only the broker
+sets it); other bits must be zero. A dead letter's payload is followed by a trailer::
+
+    | deliveries u16 | reason_len u8 | reason (UTF-8) |
 
 The broker forwards the message bytes of a PUBLISH unchanged into DELIVER frames, prefixed
 with ``offset u64, delivery_count u16``: that is why ``RawMessage.record`` exists.
@@ -39,12 +42,15 @@ DEFAULT_MAX_FRAME = 1 << 20
 MAX_BATCH = 0xFFFF
 FLAG_QOS1 = 0x01
 FLAG_KEY = 0x02
-_FLAGS_KNOWN = FLAG_QOS1 | FLAG_KEY
+FLAG_DEAD = 0x04
+_FLAGS_KNOWN = FLAG_QOS1 | FLAG_KEY  # what a client may publish
+_DEAD = struct.Struct(">HB")  # dead-letter trailer head: deliveries, reason_len
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
-_SUB = struct.Struct(">BI")  # qos, credit
+_SUB = struct.Struct(">BIBQ")  # qos, credit, start, start_offset
 _ACK_HEAD = struct.Struct(">IH")  # sub_id, count
+_NACK_HEAD = struct.Struct(">IIH")  # sub_id, delay_ms, count
 _HELLO = struct.Struct(">H")
 _WELCOME = struct.Struct(">HII")
 _ERROR = struct.Struct(">H")
@@ -85,10 +91,26 @@ class FrameType(IntEnum):
     UNSUBSCRIBED = 0x23
     DELIVER = 0x30
     ACK = 0x31
+    NACK = 0x32
     PING = 0x40
     PONG = 0x41
     GOODBYE = 0x42
     ERROR = 0x7F
+
+
+class Start(IntEnum):
+    """Where a SUBSCRIBE starts reading: a new durable group, or a replaying subscriber."""
+
+    LATEST = 0  # only what is published from now on (the default)
+    EARLIEST = 1  # the oldest record still in the log
+    OFFSET = 2  # the given log offset
+
+
+class DeadLetter(NamedTuple):
+    """What a dead letter carries about its original: deliveries made and why it gave up."""
+
+    deliveries: int
+    reason: str
 
 
 class Message(NamedTuple):
@@ -121,6 +143,7 @@ class Delivery(NamedTuple):
     qos: int
     ttl_ms: int
     key: bytes | None
+    dead: DeadLetter | None = None
 
 
 # ---------------------------------------------------------------------------------- frames
@@ -177,7 +200,9 @@ class Subscribe(NamedTuple):
     topic_filter: str
     group: str = ""
     qos: int = 0
-    credit: int = 0  # 0 = no window
+    credit: int = 0  # 0 = the broker's default window (QoS 1)
+    start: int = Start.LATEST
+    start_offset: int = 0  # with Start.OFFSET
     request_id: int = 0
 
 
@@ -215,6 +240,16 @@ class Ack(NamedTuple):
     request_id: int = 0
 
 
+class Nack(NamedTuple):
+    """Give deliveries back: redelivered now (``delay_ms`` 0) or after ``delay_ms``."""
+
+    TYPE = FrameType.NACK
+    sub_id: int
+    offsets: tuple[int, ...]
+    delay_ms: int = 0
+    request_id: int = 0
+
+
 class Ping(NamedTuple):
     TYPE = FrameType.PING
     data: bytes = b""
@@ -243,7 +278,7 @@ class Error(NamedTuple):
 
 Frame = (
     Hello | Welcome | Auth | AuthOk | Publish | PubAck | Subscribe | Subscribed | Unsubscribe
-    | Unsubscribed | Deliver | Ack | Ping | Pong | Goodbye | Error
+    | Unsubscribed | Deliver | Ack | Nack | Ping | Pong | Goodbye | Error
 )
 
 # -------------------------------------------------------------------------------- encoding
@@ -276,6 +311,12 @@ def message_record(msg: Message, topic_bytes: bytes | None = None) -> bytes:
     return b"".join((head, topic, key or b"", msg.payload))
 
 
+def dead_trailer(dead: DeadLetter) -> bytes:
+    """The bytes behind a dead letter's payload (the reason is cut to 255 bytes)."""
+    reason = dead.reason.encode("utf-8")[:255].decode("utf-8", "ignore").encode("utf-8")
+    return _DEAD.pack(min(dead.deliveries, 0xFFFF), len(reason)) + reason
+
+
 def encode_publish(records: list[bytes], request_id: int = 0) -> bytes:
     """A PUBLISH frame from message records made by :func:`message_record`."""
     if not 1 <= len(records) <= MAX_BATCH:
@@ -293,6 +334,13 @@ def encode_deliver(sub_id: int, records: list[bytes], request_id: int = 0) -> by
         + _ACK_HEAD.pack(_u(sub_id, 32, "sub_id"), _u(len(records), 16, "DELIVER count"))
         + body
     )
+
+
+def _delivery_message(d: Delivery) -> bytes:
+    record = message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key))
+    if d.dead is None:
+        return record
+    return bytes((record[0] | FLAG_DEAD,)) + record[1:] + dead_trailer(d.dead)
 
 
 def delivery_record(offset: int, delivery_count: int, record: bytes) -> bytes:
@@ -323,8 +371,11 @@ def _body(frame: Frame) -> bytes:
         case Subscribe():
             if frame.qos not in (0, 1):
                 raise LocalProtocolError(f"qos must be 0 or 1, not {frame.qos}")
+            if frame.start not in tuple(Start):
+                raise LocalProtocolError(f"unknown SUBSCRIBE start {frame.start}")
             return (
-                _SUB.pack(frame.qos, _u(frame.credit, 32, "credit"))
+                _SUB.pack(frame.qos, _u(frame.credit, 32, "credit"), frame.start,
+                          _u(frame.start_offset, 64, "start_offset"))
                 + _str16(frame.topic_filter) + _str16(frame.group)
             )
         case Subscribed():
@@ -338,10 +389,7 @@ def _body(frame: Frame) -> bytes:
             return _U32.pack(_u(frame.count, 32, "count"))
         case Deliver():
             records = [
-                delivery_record(
-                    d.offset, d.delivery_count,
-                    message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key)),
-                )
+                delivery_record(d.offset, d.delivery_count, _delivery_message(d))
                 for d in frame.messages
             ]
             return _ACK_HEAD.pack(frame.sub_id, len(records)) + b"".join(records)
@@ -350,6 +398,11 @@ def _body(frame: Frame) -> bytes:
             return _ACK_HEAD.pack(frame.sub_id, _u(n, 16, "ack count")) + struct.pack(
                 f">{n}Q", *frame.offsets
             )
+        case Nack():
+            n = len(frame.offsets)
+            return _NACK_HEAD.pack(
+                frame.sub_id, _u(frame.delay_ms, 32, "delay_ms"), _u(n, 16, "nack count")
+            ) + struct.pack(f">{n}Q", *frame.offsets)
         case Ping() | Pong():
             return frame.data
         case Goodbye() | Error():
@@ -446,6 +499,30 @@ def _message_from_record(record: bytes, pos: int = 0) -> Message:
     return Message(topic, record[p : p + plen], flags & FLAG_QOS1, ttl, key)
 
 
+def _dead_at(data: bytes, pos: int, end: int) -> tuple[DeadLetter, int]:
+    """The dead-letter trailer at ``pos``, and where it ends."""
+    if pos + _DEAD.size > end:
+        raise RemoteProtocolError("dead-letter trailer ends early")
+    deliveries, n = _DEAD.unpack_from(data, pos)
+    stop = pos + _DEAD.size + n
+    if stop > end:
+        raise RemoteProtocolError("dead-letter reason ends early")
+    try:
+        reason = data[pos + _DEAD.size : stop].decode("utf-8")
+    except UnicodeDecodeError:
+        raise RemoteProtocolError("dead-letter reason is not valid UTF-8") from None
+    return DeadLetter(deliveries, reason), stop
+
+
+def record_size(record: bytes, pos: int = 0) -> int:
+    """Bytes of the message record at ``pos`` (trailer included)."""
+    flags, _, tlen, klen, plen = MSG_HEAD.unpack_from(record, pos)
+    size = MSG_HEAD.size + tlen + klen + plen
+    if flags & FLAG_DEAD:
+        size += _DEAD.size + record[pos + size + 2]
+    return size
+
+
 def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
     sub_id, count = r.unpack(_ACK_HEAD)
     data, pos, end = r.data, r.pos, r.end
@@ -472,7 +549,13 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
         p += tlen
         key = data[p : p + klen] if flags & FLAG_KEY else None
         p += klen
-        out.append(Delivery(offset, dcount, topic, data[p:pos], flags & FLAG_QOS1, ttl, key))
+        dead = None
+        if flags & FLAG_DEAD:
+            dead, stop = _dead_at(data, pos, end)
+            payload, pos = data[p:pos], stop
+        else:
+            payload = data[p:pos]
+        out.append(Delivery(offset, dcount, topic, payload, flags & FLAG_QOS1, ttl, key, dead))
     r.pos = pos
     return sub_id, tuple(out)
 
@@ -488,6 +571,9 @@ def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame
     elif ftype == FrameType.ACK:
         sub_id, n = r.unpack(_ACK_HEAD)
         frame = Ack(sub_id, r.unpack(struct.Struct(f">{n}Q")), rid)
+    elif ftype == FrameType.NACK:
+        sub_id, delay_ms, n = r.unpack(_NACK_HEAD)
+        frame = Nack(sub_id, r.unpack(struct.Struct(f">{n}Q")), delay_ms, rid)
     elif ftype == FrameType.HELLO:
         (version,) = r.unpack(_HELLO)
         frame = Hello(version, r.str16(), rid)
@@ -501,10 +587,12 @@ def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame
     elif ftype == FrameType.PUB_ACK:
         frame = PubAck(r.unpack(_U32)[0], rid)
     elif ftype == FrameType.SUBSCRIBE:
-        qos, credit = r.unpack(_SUB)
+        qos, credit, start, start_offset = r.unpack(_SUB)
         if qos not in (0, 1):
             raise RemoteProtocolError(f"SUBSCRIBE qos must be 0 or 1, not {qos}")
-        frame = Subscribe(r.str16(), r.str16(), qos, credit, rid)
+        if start > Start.OFFSET:
+            raise RemoteProtocolError(f"SUBSCRIBE start must be 0, 1 or 2, not {start}")
+        frame = Subscribe(r.str16(), r.str16(), qos, credit, start, start_offset, rid)
     elif ftype == FrameType.SUBSCRIBED:
         frame = Subscribed(r.unpack(_U32)[0], rid)
     elif ftype == FrameType.UNSUBSCRIBE:

@@ -60,7 +60,8 @@ class Server:
         self.flusher: Flusher | None = None
         self.recovery: Recovery | None = None
         if w.enabled:
-            options = LogOptions(w.segment_bytes, w.retention_bytes, w.retention_ms)
+            options = LogOptions(w.segment_bytes, w.retention_bytes, w.retention_ms,
+                                 cache_bytes=w.cache_bytes)
             self.wal = Log(os.path.join(config.storage.data_dir, "wal"), options)
             fsync = policy.parse(w.fsync)
             assert not isinstance(fsync, str)  # the config loader validated it
@@ -76,6 +77,7 @@ class Server:
                 retry_backoff_max_ms=config.delivery.retry_backoff_max_ms,
                 max_retries=config.delivery.max_retries,
                 default_credit=config.delivery.default_credit,
+                group_expiry_ms=config.delivery.group_expiry_ms,
             ),
             log=self.wal,
         )
@@ -129,6 +131,7 @@ class Server:
         assert self.wal is not None and self.flusher is not None
         started = time.monotonic()
         found = self.recovery = self.wal.open(on_record=self.broker.recover)
+        self.broker.recovered(int(time.time() * 1000))
         for note in found.notes:
             log.warning("wal recovery: %s", note)
         log.info(
@@ -138,18 +141,33 @@ class Server:
         )
 
     async def _retention_loop(self) -> None:
-        assert self.wal is not None
+        """Drop expired durable groups, checkpoint groups, then delete segments past the
+        retention limits (only once every group's checkpoint is on disk)."""
+        assert self.wal is not None and self.flusher is not None
+        wal, broker = self.wal, self.broker
         while True:
-            await trio.sleep(5)
-            result = self.wal.retain(int(time.time() * 1000), self.broker.durable_floor())
+            await trio.sleep(self.config.wal.maintenance_interval_ms / 1000)
+            wall = int(time.time() * 1000)
+            for group in broker.expire_groups(wall):
+                log.warning("durable group %r on %r dropped: no consumer for %d ms "
+                            "(delivery.group_expiry_ms)", group.group, group.filter,
+                            self.config.delivery.group_expiry_ms)
+            broker.checkpoint(wall, wal.segments[-1].base if wal.segments else 0)
+            if wal.pending_records:
+                self.flusher.appended()
+            if any(g.anchor > wal.written_offset for g in broker.durable_groups):
+                continue  # a checkpoint is not on disk yet: retain next time
+            result = wal.retain(wall, broker.durable_floor())
             if result.removed:
                 log.info("wal retention removed %s", ", ".join(result.removed))
             if result.forced_below is not None:
-                log.warning("wal retention: the size cap removed records below offset %d that "
-                            "a durable group had not consumed", result.forced_below)
+                for group, skipped in broker.skip_to(wal.first_offset):
+                    log.warning("wal retention: the size cap (wal.retention_bytes) removed %d "
+                                "record(s) durable group %r on %r had not consumed",
+                                skipped, group.group, group.filter)
 
     def _wake_durable(self) -> None:
-        for group in self.broker.durable_groups:
+        for group in self.broker.cursors:
             for consumer in group.consumers:
                 consumer.owner.wake()
 

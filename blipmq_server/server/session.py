@@ -104,7 +104,7 @@ class Session:
                 self._wakeup.set()
         finally:
             durable_before = [c.queue for c in self.broker.consumers_of(self) if c.queue.durable]
-            removed = self.broker.disconnect(self)
+            removed = self.broker.disconnect(self, int(time.time() * 1000))
             for q in removed:
                 release_waiter(q)
             wake_consumers(tuple(durable_before))  # our unacked deliveries go to the others
@@ -220,6 +220,12 @@ class Session:
                 if self.broker.ack(self, frame.sub_id, frame.offsets, int(time.time() * 1000)):
                     self.wake()  # the consumer's window has room again
                     self._log_touched()
+            case codec.Nack():
+                back = self.broker.nack(self, frame.sub_id, frame.offsets, frame.delay_ms,
+                                        now_ms(), int(time.time() * 1000))
+                if back is not None:
+                    wake_consumers((back,))  # type: ignore[arg-type]
+                    self._log_touched()  # a dead letter is a new message
             case codec.Goodbye():
                 return CloseReason.GOODBYE
             case _:
@@ -321,7 +327,8 @@ class Session:
 
     def _subscribe(self, frame: codec.Subscribe) -> None:
         result = self.broker.subscribe(
-            self, frame.topic_filter, frame.group, frame.qos, frame.credit, frame.request_id
+            self, frame.topic_filter, frame.group, frame.qos, frame.credit, frame.request_id,
+            frame.start, frame.start_offset, int(time.time() * 1000),
         )
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
@@ -334,7 +341,8 @@ class Session:
             self.wake()  # a group's backlog waits for its new consumer
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:
-        result = self.broker.unsubscribe(self, frame.sub_id, frame.topic_filter, frame.group)
+        result = self.broker.unsubscribe(self, frame.sub_id, frame.topic_filter, frame.group,
+                                         int(time.time() * 1000))
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
             return

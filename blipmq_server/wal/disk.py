@@ -79,12 +79,14 @@ class Disk:
 
 
 class FaultyDisk(Disk):
-    """A Disk whose writes and fsyncs fail while ``fail_writes`` / ``fail_fsync`` are set."""
+    """A Disk whose writes, fsyncs and truncates fail while ``fail_writes`` / ``fail_fsync`` /
+    ``fail_truncate`` are set."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fail_writes = False
         self.fail_fsync = False
+        self.fail_truncate = False
         self.partial = 0  # bytes a failing write still puts on disk (a torn write)
 
     def append(self, path: str, data: bytes) -> None:
@@ -93,6 +95,11 @@ class FaultyDisk(Disk):
                 super().append(path, data[: self.partial])
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         super().append(path, data)
+
+    def truncate(self, path: str, size: int) -> None:
+        if self.fail_truncate:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        super().truncate(path, size)
 
     def fsync(self, path: str) -> None:
         if self.fail_fsync:

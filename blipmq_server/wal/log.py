@@ -6,6 +6,13 @@ the caller as one ``Batch``; ``Batch.write`` does the blocking work (create segm
 one write per segment, fsync) and is meant to run in a worker thread while appends go on;
 then the owner calls ``commit`` or ``abort``. One batch is in flight at a time.
 No trio, no clock: timestamps and ``now_ms`` come from the caller.
+
+Recent-records cache: ``commit`` keeps a reference to each batch part's bytes (whole records
+with contiguous offsets, exactly what was written) in a deque bounded by
+``LogOptions.cache_bytes``, so ``read`` at recent offsets decodes from memory and does not call
+``Disk.pread``. Only committed bytes are cached; an aborted batch never is. Retention drops the
+chunks of deleted segments, and ``open`` and ``close`` empty the cache. ``cache_bytes`` counts
+record bytes only, not the small per-chunk Python overhead.
 """
 
 from __future__ import annotations
@@ -13,9 +20,12 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
+from operator import itemgetter
+from typing import NamedTuple
 
 from blipmq_server.errors import WalError
 from blipmq_server.wal import record as rec
@@ -37,13 +47,15 @@ class LogOptions:
     retention_bytes: int = 0  # 0: no size cap
     retention_ms: int = 0  # 0: keep forever
     index_every: int = 64  # one sparse index entry per this many records
+    cache_bytes: int = 4 * MiB  # recent committed records kept in memory for reads; 0: off
 
 
 class Segment:
     """One segment file. ``size`` counts committed bytes (header included) on disk."""
 
     __slots__ = ("base", "count", "created", "first", "index", "last", "last_ts", "path",
-                 "pending", "pending_bytes", "pending_first", "pending_ts", "projected", "size")
+                 "pending", "pending_bytes", "pending_first", "pending_ts", "projected", "size",
+                 "stale")
 
     def __init__(self, path: str, base: int) -> None:
         self.path = path
@@ -62,6 +74,7 @@ class Segment:
         self.pending_ts = 0  # timestamp of the newest pending record
         self.pending_bytes = 0
         self.projected = rec.HEADER_SIZE  # file size once everything pending is written
+        self.stale = False  # a failed batch left bytes after ``size`` that could not be cut
 
     def __repr__(self) -> str:
         return f"Segment({os.path.basename(self.path)}, {self.first}..{self.last})"
@@ -107,6 +120,10 @@ class Batch:
                 seg, data = part.segment, part.data
                 start = seg.size if seg.created else 0
                 done.append((seg, start))
+                if seg.stale:  # cut what an earlier failed batch left (the fault may be gone)
+                    if start or os.path.exists(seg.path):
+                        disk.truncate(seg.path, start)
+                    seg.stale = False
                 if not seg.created:
                     disk.append(seg.path, rec.header(seg.base) + data)
                     if sync:
@@ -125,13 +142,28 @@ class Batch:
                     elif os.path.exists(seg.path):
                         disk.remove(seg.path)
                 except OSError:
-                    pass  # the next open's recovery cuts whatever is left
+                    # The next write cuts it first. Should the broker stop before that, the
+                    # next start keeps these records: never confirmed, at worst duplicates.
+                    seg.stale = True
             raise
 
     def sync(self, disk: Disk) -> None:
         """Blocking: fsync the files this (already written) batch touched."""
         for part in self.parts:
             disk.fsync(part.segment.path)
+
+
+class _Chunk(NamedTuple):
+    """One committed ``Part`` kept for reads: its records' bytes, shared, not copied."""
+
+    first: int
+    last: int
+    data: bytes
+    segment: Segment
+    start: int  # file position of data[0] in the segment, to seek through its sparse index
+
+
+_first = itemgetter(0)
 
 
 @dataclass(slots=True)
@@ -154,6 +186,10 @@ class Log:
         self._tail: Segment | None = None  # the segment appends go to
         self._pending = 0  # records appended and not yet taken into a batch
         self._on_record: Callable[[rec.Record], None] | None = None
+        self._cache: deque[_Chunk] = deque()
+        self._cache_size = 0  # bytes of record data in _cache
+        self.cache_hits = 0  # reads served wholly from the cache
+        self.cache_misses = 0  # reads that went to the segment files
 
     # ---------------------------------------------------------------------------- recovery
 
@@ -164,6 +200,7 @@ class Log:
         (group and ack records), so their owner can rebuild its state in the same pass.
         """
         self._on_record = on_record
+        self._drop_cache()
         os.makedirs(self.directory, exist_ok=True)
         found = Recovery()
         names = [n for n in self.disk.listdir(self.directory) if n.endswith(SUFFIX)]
@@ -314,6 +351,23 @@ class Log:
             seg.count += n
         self.written_offset = batch.last_offset
         self._in_flight = None
+        limit = self.options.cache_bytes
+        if limit <= 0:
+            return
+        cache = self._cache
+        for part in batch.parts:
+            first = part.first_offset
+            cache.append(_Chunk(first, first + len(part.starts) - 1, part.data, part.segment,
+                                part.starts[0]))
+            self._cache_size += len(part.data)
+        while self._cache_size > limit and len(cache) > 1:
+            self._cache_size -= len(cache.popleft().data)
+
+    def _drop_cache(self, below: int | None = None) -> None:
+        """Forget cached chunks holding offsets below ``below`` (all of them if None)."""
+        cache = self._cache
+        while cache and (below is None or cache[0].first < below):
+            self._cache_size -= len(cache.popleft().data)
 
     def abort(self, batch: Batch) -> None:
         """The batch could not be written: its records are gone (their offsets stay unused)."""
@@ -340,7 +394,16 @@ class Log:
     def read(
         self, from_offset: int, max_records: int = 1000, max_bytes: int = MiB
     ) -> list[rec.Record]:
-        """Committed records with offset >= ``from_offset``, in order, within the limits."""
+        """Committed records with offset >= ``from_offset``, in order, within the limits.
+
+        Served from the recent-records cache when ``from_offset`` is at or past its oldest
+        offset (``cache_hits``); otherwise from the segment files (``cache_misses``), which
+        then also serve the rest of that read.
+        """
+        if self._cache and from_offset >= self._cache[0].first:
+            self.cache_hits += 1
+            return self._read_cache(from_offset, max_records, max_bytes)
+        self.cache_misses += 1
         out: list[rec.Record] = []
         size = 0
         bases = [s.first if s.count else s.base for s in self.segments]
@@ -374,6 +437,32 @@ class Log:
                 pos += at
             if len(out) >= max_records or size >= max_bytes:
                 break
+        return out
+
+    def _read_cache(self, from_offset: int, max_records: int, max_bytes: int) -> list[rec.Record]:
+        out: list[rec.Record] = []
+        if max_records <= 0 or max_bytes <= 0:  # as the file path: nothing asked, nothing read
+            return out
+        size = 0
+        cache = self._cache
+        for k in range(bisect.bisect_right(cache, from_offset, key=_first) - 1, len(cache)):
+            first, last, data, seg, start = cache[k]
+            if last < from_offset:
+                continue
+            pos = 0
+            if from_offset > first:  # seek: nearest index entry, then skip < index_every
+                j = bisect.bisect_right(seg.index, from_offset, key=_first) - 1
+                offset, at = seg.index[j]
+                if offset > first:
+                    first, pos = offset, at - start
+                for _ in range(from_offset - first):
+                    pos += 4 + rec.PREFIX.unpack_from(data, pos)[0]
+            while pos < len(data):
+                record, pos = rec.decode_at(data, pos)
+                out.append(record)
+                size += len(record.body)
+                if len(out) >= max_records or size >= max_bytes:
+                    return out
         return out
 
     # --------------------------------------------------------------------------- retention
@@ -410,7 +499,10 @@ class Log:
             if seg.created:
                 self.disk.remove(seg.path)
             result.removed.append(os.path.basename(seg.path))
+        if result.removed:
+            self._drop_cache(self.first_offset)
         return result
 
     def close(self) -> None:
+        self._drop_cache()
         self.disk.close()
