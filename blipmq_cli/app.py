@@ -86,6 +86,14 @@ def sub(
     ] = None,
     group: Annotated[str, typer.Option("--group", help="Consumer group to share work in")] = "",
     qos: Qos = 0,
+    start: Annotated[
+        str,
+        typer.Option(
+            "--from",
+            help="Where a new group or plain subscriber starts: latest | earliest | OFFSET "
+            "(replays the log; an existing group resumes where it was)",
+        ),
+    ] = "latest",
     fmt: Annotated[
         str, typer.Option("--format", help="raw | lines | hex | base64 | json")
     ] = "raw",
@@ -95,7 +103,7 @@ def sub(
     """Subscribe and write messages to stdout (raw bytes by default)."""
     _exit(commands.guarded(lambda: commands.sub(
         topic, addr=addr, api_key=api_key, count=count, timeout=timeout, group=group, qos=qos,
-        fmt=fmt,
+        start=start, fmt=fmt,
     )))
 
 

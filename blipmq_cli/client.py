@@ -75,6 +75,17 @@ class Subscription:
         """Acknowledge deliveries of this subscription."""
         self.client.ack(self.sub_id, *deliveries)
 
+    def ack_at_close(self, *deliveries: Delivery) -> None:
+        """Acknowledge the last deliveries this connection will take: the ACK goes out with
+        the GOODBYE of ``close()``, so the broker does not refill the window meanwhile
+        (deliveries it sent then would go back to the group counted once more)."""
+        frame = codec.Ack(self.sub_id, tuple(d.offset for d in deliveries))
+        self.client._close_frames.append(codec.encode(frame))
+
+    def nack(self, *deliveries: Delivery, delay_ms: int = 0) -> None:
+        """Give deliveries back: redelivered at once, or after ``delay_ms``."""
+        self.client.nack(self.sub_id, *deliveries, delay_ms=delay_ms)
+
     def unsubscribe(self) -> None:
         self.client._request(codec.Unsubscribe(self.sub_id))
         self.ended = True
@@ -112,6 +123,7 @@ class Client:
         self._frames_size = 0
         self._out_qos1 = 0  # QoS 1 records among self._out
         self._awaiting: dict[int, int] = {}  # PUBLISH request id -> QoS 1 messages in it
+        self._close_frames: list[bytes] = []  # sent just before GOODBYE (ack_at_close)
         self.qos1_sent = 0
         self.confirmed = 0  # QoS 1 messages the broker confirmed as durable
         hello, auth = self._next_rid(), self._next_rid()
@@ -146,7 +158,7 @@ class Client:
                 self._raise_errors()  # the broker ended the connection: nothing to flush
             else:
                 self.flush()
-                self._send_now(codec.encode(codec.Goodbye()))
+                self._send_now(b"".join(self._close_frames) + codec.encode(codec.Goodbye()))
         finally:
             self.abort()
 
@@ -274,9 +286,22 @@ class Client:
     # ----------------------------------------------------------------------- subscribing
 
     def subscribe(
-        self, topic_filter: str, *, group: str = "", qos: int = 0, credit: int = 0
+        self,
+        topic_filter: str,
+        *,
+        group: str = "",
+        qos: int = 0,
+        credit: int = 0,
+        start: codec.Start = codec.Start.LATEST,
+        start_offset: int = 0,
     ) -> Subscription:
-        reply = self._request(codec.Subscribe(topic_filter, group, qos, credit))
+        """Subscribe; ``start`` (EARLIEST, or OFFSET with ``start_offset``) replays the log.
+
+        ``start`` applies to an ephemeral subscription and to a group's first subscriber;
+        a group that already exists resumes where it was.
+        """
+        frame = codec.Subscribe(topic_filter, group, qos, credit, start, start_offset)
+        reply = self._request(frame)
         assert isinstance(reply, codec.Subscribed)
         self._batches.setdefault(reply.sub_id, deque())  # deliveries may already be here
         return Subscription(self, reply.sub_id, topic_filter, group)
@@ -290,6 +315,11 @@ class Client:
     def ack(self, sub_id: int, *deliveries: Delivery) -> None:
         """Acknowledge deliveries (QoS 1; accepted and ignored for QoS 0)."""
         frame = codec.Ack(sub_id, tuple(d.offset for d in deliveries))
+        self._send_now(codec.encode(frame))
+
+    def nack(self, sub_id: int, *deliveries: Delivery, delay_ms: int = 0) -> None:
+        """Negative ack: redeliver now (``delay_ms=0``) or once ``delay_ms`` has passed."""
+        frame = codec.Nack(sub_id, tuple(d.offset for d in deliveries), delay_ms)
         self._send_now(codec.encode(frame))
 
     def ping(self) -> float:

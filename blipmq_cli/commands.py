@@ -17,9 +17,10 @@ from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit, for_error
 from blipmq_cli.output import WRITERS
 from blipmq_server.errors import BlipError, BrokerError, ConnectError
-from blipmq_server.protocol.codec import ErrorCode, Message
+from blipmq_server.protocol.codec import ErrorCode, Message, Start
 
 _READ = 1 << 16
+_MAX_CREDIT = 1 << 16
 
 
 def say(text: str) -> None:
@@ -171,10 +172,15 @@ def sub(
     timeout: float | None = None,
     group: str = "",
     qos: int = 0,
+    start: str = "latest",
     fmt: str = "raw",
 ) -> int:
     if count is not None and count < 1:
         say("--count must be at least 1")
+        return Exit.USAGE
+    where = _start(start)
+    if where is None:
+        say(f"--from {start!r}: give latest, earliest or a log offset (a whole number >= 0)")
         return Exit.USAGE
     if timeout is not None and timeout <= 0:
         say("--timeout must be a positive number of seconds")
@@ -184,7 +190,11 @@ def sub(
     deadline = None if timeout is None else time.monotonic() + timeout
     received = 0
     with connect_from_env(addr, api_key) as client:
-        subscription = client.subscribe(topic, group=group, qos=qos)
+        # with --count, ask for no more unacked deliveries than we will take
+        credit = min(count, _MAX_CREDIT) if qos and count is not None else 0
+        subscription = client.subscribe(
+            topic, group=group, qos=qos, credit=credit, start=where[0], start_offset=where[1]
+        )
         while count is None or received < count:
             remaining = None if deadline is None else deadline - time.monotonic()
             try:
@@ -204,9 +214,26 @@ def sub(
             received += len(batch)
             out.write(write_batch(batch))
             out.flush()
-            if qos:  # acked only once written: a crash before this means redelivery, not loss
+            if not qos:
+                continue
+            # acked only once written: a crash before this means redelivery, not loss
+            if received == count:
+                subscription.ack_at_close(*batch)
+            else:
                 subscription.ack(*batch)
     return Exit.OK
+
+
+def _start(text: str) -> tuple[Start, int] | None:
+    """``--from`` value -> (Start, offset); None when it is none of the accepted forms."""
+    word = text.strip().lower()
+    if word == "latest":
+        return Start.LATEST, 0
+    if word == "earliest":
+        return Start.EARLIEST, 0
+    if word.isascii() and word.isdigit() and int(word) < 1 << 64:
+        return Start.OFFSET, int(word)
+    return None
 
 
 def unsub(topic: str, *, addr: str | None, api_key: str | None, group: str) -> int:

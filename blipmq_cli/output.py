@@ -39,19 +39,19 @@ def _json_one(d: Delivery) -> str:
         payload, encoding = d.payload.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:
         payload, encoding = base64.b64encode(d.payload).decode(), "base64"
-    return json.dumps(
-        {
-            "topic": d.topic,
-            "offset": d.offset,
-            "delivery_count": d.delivery_count,
-            "qos": d.qos,
-            "ttl_ms": d.ttl_ms,
-            "key": base64.b64encode(d.key).decode() if d.key is not None else None,
-            "payload": payload,
-            "encoding": encoding,
-        },
-        ensure_ascii=False,
-    )
+    record: dict[str, object] = {
+        "topic": d.topic,
+        "offset": d.offset,
+        "delivery_count": d.delivery_count,
+        "qos": d.qos,
+        "ttl_ms": d.ttl_ms,
+        "key": base64.b64encode(d.key).decode() if d.key is not None else None,
+        "payload": payload,
+        "encoding": encoding,
+    }
+    if d.dead is not None:
+        record["dead_letter"] = {"deliveries": d.dead.deliveries, "reason": d.dead.reason}
+    return json.dumps(record, ensure_ascii=False)
 
 
 def _json(batch: Sequence[Delivery]) -> bytes:

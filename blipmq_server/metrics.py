@@ -38,6 +38,7 @@ class BrokerCollector:
              c.redelivered),
             ("dead_lettered", "Messages moved to $dlq/<topic> after max_retries deliveries",
              c.dead_lettered),
+            ("nacked", "QoS 1 deliveries given back with a negative ack", c.nacked),
         ):
             yield CounterMetricFamily(f"blipmq_messages_{name}", doc, value=value)
         dropped = CounterMetricFamily(
@@ -69,6 +70,38 @@ class BrokerCollector:
             "blipmq_queue_depth", "Messages waiting in all queues",
             value=sum(len(q.items) for q in queues),
         )
+        yield from self._groups()
+
+    def _groups(self) -> Iterator[Metric]:
+        broker = self.server.broker
+        groups = broker.durable_groups
+        yield GaugeMetricFamily("blipmq_durable_groups", "Durable (QoS 1) consumer groups",
+                                value=len(groups))
+        yield CounterMetricFamily(
+            "blipmq_durable_groups_expired",
+            "Durable groups dropped after delivery.group_expiry_ms without a consumer",
+            value=broker.counters.groups_expired,
+        )
+        labels = ["filter", "group"]
+        behind = GaugeMetricFamily(
+            "blipmq_group_log_behind",
+            "Log records from the group's read position to the newest message (all topics, "
+            "and group/ack records: an upper bound on its backlog; 0 when caught up)",
+            labels=labels)
+        flying = GaugeMetricFamily("blipmq_group_in_flight", "Deliveries waiting for an ack",
+                                   labels=labels)
+        skipped = CounterMetricFamily(
+            "blipmq_group_skipped",
+            "Records the retention size cap removed before the group read them", labels=labels)
+        last = broker.offset
+        for g in groups:
+            key = [g.filter, g.group]
+            behind.add_metric(key, max(0, last + 1 - g.next))
+            flying.add_metric(key, len(g.inflight))
+            skipped.add_metric(key, g.skipped)
+        yield behind
+        yield flying
+        yield skipped
 
 
     def _wal(self) -> Iterator[Metric]:
@@ -86,6 +119,12 @@ class BrokerCollector:
              w.records_lost),
         ):
             yield CounterMetricFamily(f"blipmq_wal_{name}", doc, value=value)
+        yield CounterMetricFamily("blipmq_wal_cache_hits",
+                                  "Log reads served from the recent-records cache",
+                                  value=wal.cache_hits)
+        yield CounterMetricFamily("blipmq_wal_cache_misses",
+                                  "Log reads that went to the segment files",
+                                  value=wal.cache_misses)
         yield GaugeMetricFamily("blipmq_wal_segments", "Segment files", value=len(wal.segments))
         yield GaugeMetricFamily("blipmq_wal_size_bytes", "Bytes in segment files",
                                 value=wal.total_bytes)

@@ -517,15 +517,3 @@ def test_durable_group_survives_sigkill_and_restart(start_broker) -> None:
     assert b3.cli("unsub", "jobs", "--group", "g").returncode == Exit.NOT_FOUND
 
 
-def test_unacked_deliveries_go_to_the_next_consumer(start_broker) -> None:
-    b = start_broker()
-    assert b.cli("sub", "q", "--group", "w", "--qos", "1", "--timeout", "0.3").returncode == 4
-    assert b.shell("seq 1 5 | blipmq pub q --qos 1 --lines -").returncode == 0
-    # takes all five into its window, writes and acks two, then leaves
-    one = b.cli("sub", "q", "--group", "w", "--qos", "1", "--count", "2", "--format", "json")
-    assert [json.loads(x)["payload"] for x in lines_of(one.stdout)] == ["1", "2"]
-    two = b.cli("sub", "q", "--group", "w", "--qos", "1", "--count", "3", "--format", "json")
-    msgs = [json.loads(x) for x in lines_of(two.stdout)]
-    assert [m["payload"] for m in msgs] == ["3", "4", "5"]
-    assert all(m["delivery_count"] == 2 for m in msgs)
-    assert b.metric("blipmq_messages_redelivered_total") == 3

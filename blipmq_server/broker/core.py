@@ -155,7 +155,10 @@ class Broker:
 
     def __post_init__(self) -> None:
         self.counters = Counters()
-        self.offset = 0  # offset of the last accepted message when there is no log
+        # offset of the last message: the last accepted one without a log, else the last
+        # MESSAGE record logged (group and ack records come after it)
+        self.offset = 0
+        self._bookkeeping = (0, -1)  # the latest run of GROUP/ACK records seen in recovery
         self._queues: list[Queue] = []
         self._groups: dict[tuple[str, str], Queue] = {}
         self._consumers: dict[int, Consumer] = {}
@@ -253,6 +256,8 @@ class Broker:
                 add(q)
         if append is None:
             self.offset = offset
+        elif last_logged:
+            self.offset = last_logged
         c.published += accepted
         if result is None:
             return PublishResult(accepted, woken, confirms=confirms, last_offset=last_logged)
@@ -386,6 +391,8 @@ class Broker:
         A group whose last record is IDLE has been without a consumer since then; any other
         group is taken as idle from the restart (``idle_since`` None until ``recovered``).
         """
+        first, last = self._bookkeeping
+        self._bookkeeping = (first if record.offset == last + 1 else record.offset, record.offset)
         if record.kind == GROUP_RECORD:
             g = durable.parse_group(record.body)
             target = self._durable.get((g.topic_filter, g.group))
@@ -445,6 +452,10 @@ class Broker:
 
     def recovered(self, wall_ms: int) -> None:
         """The log is open: groups not known to be idle count as idle from now."""
+        if self.log is not None:
+            first, last = self._bookkeeping
+            end = self.log.next_offset - 1  # offsets run on without gaps within the log
+            self.offset = first - 1 if last == end else end
         for target in self._durable.values():
             if target.idle_since is None and not target.consumers:
                 target.idle_since = wall_ms

@@ -117,7 +117,15 @@ class Session:
 
     def _has_deliveries(self) -> bool:
         has_work = self.broker.has_work
-        return any(has_work(c) for c in self.broker.consumers_of(self))
+        return any(has_work(c) for c in self._sending())
+
+    def _sending(self) -> list[Consumer]:
+        """Consumers to send to. Once closing, QoS 1 ones are left out: what they took now
+        would only go back to the group, one delivery count higher."""
+        consumers = self.broker.consumers_of(self)
+        if self.closing:
+            return [c for c in consumers if not c.qos]
+        return consumers
 
     async def _write_loop(self, session_scope: trio.CancelScope) -> None:
         opts = self.server.config.delivery
@@ -153,7 +161,7 @@ class Session:
         self.outbox = []
         now, wall = now_ms(), int(time.time() * 1000)
         broker = self.broker
-        for consumer in broker.consumers_of(self):
+        for consumer in self._sending():
             if not broker.has_work(consumer):
                 continue
             records = broker.take(consumer, max_batch, max_batch_bytes, now, wall)

@@ -1,0 +1,260 @@
+"""Log cursors end to end: `sub --from`, QoS 1 without a group, NACK, dead letters, group
+expiry and retention with checkpoints, all against a real broker process on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+from blipmq_cli.client import Client
+from blipmq_cli.exits import Exit
+from blipmq_server.protocol.codec import Message
+
+
+def lines_of(out: bytes) -> list[str]:
+    return out.decode().splitlines()
+
+
+def test_sub_from_earliest_replays_history_through_a_pipe(start_broker) -> None:
+    b = start_broker()
+    assert b.shell("seq 1 20 | blipmq pub t --lines -").returncode == 0  # QoS 0 is logged too
+    res = b.shell("blipmq sub t --from earliest --count 20 --format lines"
+                  " | awk '{s += $1} END {print s}'")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == b"210\n"
+    # a second replay sees the same history: a plain subscriber leaves no trace
+    again = b.cli("sub", "t", "--from", "earliest", "--count", "3", "--format", "lines")
+    assert lines_of(again.stdout) == ["1", "2", "3"]
+    assert b.metric("blipmq_queues") == 0
+
+
+def test_sub_from_an_offset_and_past_the_end(start_broker) -> None:
+    b = start_broker()
+    assert b.shell("seq 1 20 | blipmq pub t --qos 1 --lines -").returncode == 0
+    res = b.cli("sub", "t", "--from", "15", "--count", "6", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    msgs = [json.loads(x) for x in lines_of(res.stdout)]
+    assert [m["offset"] for m in msgs] == [15, 16, 17, 18, 19, 20]
+    assert [m["payload"] for m in msgs] == [str(i) for i in range(15, 21)]
+    past = b.cli("sub", "t", "--from", "500", "--timeout", "1")
+    assert past.returncode == Exit.BAD_NAME
+    err = past.stderr.decode()
+    assert err.count("\n") == 1 and "past the end of the log" in err
+
+
+def test_sub_from_bad_value_is_a_usage_error(start_broker) -> None:
+    b = start_broker()
+    for bad in ("yesterday", "-3", "1.5", ""):
+        res = b.cli("sub", "t", "--from", bad, "--timeout", "1")
+        assert res.returncode == Exit.USAGE, bad
+        err = res.stderr.decode()
+        assert err.count("\n") == 1 and "--from" in err and "Traceback" not in err
+
+
+def test_from_needs_the_log(start_broker) -> None:
+    b = start_broker({"wal": {"enabled": False}})
+    res = b.cli("sub", "t", "--from", "earliest", "--timeout", "1")
+    assert res.returncode == Exit.REFUSED and b"needs the write-ahead log" in res.stderr
+
+
+def test_new_group_starts_from_earliest_existing_group_resumes(start_broker) -> None:
+    b = start_broker()
+    assert b.shell("seq 1 5 | blipmq pub jobs --qos 1 --lines -").returncode == 0
+    first = b.cli("sub", "jobs", "--group", "g", "--qos", "1", "--from", "earliest",
+                  "--count", "3", "--format", "lines")
+    assert lines_of(first.stdout) == ["1", "2", "3"]
+    # the group exists now: --from is ignored, it carries on after what it acked
+    rest = b.cli("sub", "jobs", "--group", "g", "--qos", "1", "--from", "earliest",
+                 "--count", "2", "--format", "lines")
+    assert lines_of(rest.stdout) == ["4", "5"]
+    # a QoS 0 group cannot replay
+    res = b.cli("sub", "jobs", "--group", "h", "--from", "earliest", "--timeout", "1")
+    assert res.returncode == Exit.REFUSED and b"use QoS 1" in res.stderr
+
+
+def test_qos1_without_a_group_acks_and_leaves_nothing_behind(start_broker) -> None:
+    b = start_broker()
+    sub = b.spawn("sub", "t", "--qos", "1", "--count", "3", "--format", "json")
+    b.wait_metric("blipmq_connections_open", 1)
+    time.sleep(0.2)  # the SUBSCRIBE follows the connection's handshake
+    assert b.shell("seq 1 3 | blipmq pub t --qos 1 --lines -").returncode == 0
+    out, err = sub.communicate(timeout=10)
+    assert sub.returncode == 0, err
+    msgs = [json.loads(x) for x in lines_of(out)]
+    assert [m["payload"] for m in msgs] == ["1", "2", "3"]
+    assert all(m["qos"] == 1 and m["delivery_count"] == 1 for m in msgs)
+    b.wait_metric("blipmq_messages_acked_total", 3)
+    assert b.metric("blipmq_durable_groups") == 0  # no group was created
+
+
+def test_nack_redelivers_now_or_after_a_delay(start_broker) -> None:
+    b = start_broker()
+    with Client(b.addr) as c:
+        sub = c.subscribe("work", group="w", qos=1)
+        c.publish("work", b"job", qos=1)
+        (d,) = sub.next_batch(5)
+        assert d.delivery_count == 1
+        sub.nack(d)
+        (again,) = sub.next_batch(5)
+        assert again.offset == d.offset and again.delivery_count == 2
+        sub.nack(again, delay_ms=600)
+        started = time.monotonic()
+        (late,) = sub.next_batch(5)
+        assert time.monotonic() - started >= 0.5
+        assert late.offset == d.offset and late.delivery_count == 3
+        sub.ack(late)
+        c.flush()
+    assert b.metric("blipmq_messages_nacked_total") == 2
+    b.wait_metric("blipmq_messages_acked_total", 1)
+
+
+def test_unacked_deliveries_go_to_the_next_consumer(start_broker) -> None:
+    b = start_broker()
+    with Client(b.addr) as c:
+        sub = c.subscribe("q", group="w", qos=1, credit=10)
+        c.publish_many(Message("q", str(i).encode(), 1) for i in range(1, 6))
+        c.wait_confirms()
+        got: list = []
+        while len(got) < 5:
+            got.extend(sub.next_batch(5))
+        sub.ack(*got[:2])  # takes all five, acks two, then leaves
+        c.flush()
+    two = b.cli("sub", "q", "--group", "w", "--qos", "1", "--count", "3", "--format", "json")
+    msgs = [json.loads(x) for x in lines_of(two.stdout)]
+    assert [m["payload"] for m in msgs] == ["3", "4", "5"]
+    assert all(m["delivery_count"] == 2 for m in msgs)
+    assert b.metric("blipmq_messages_redelivered_total") == 3
+
+
+def test_sub_count_takes_no_more_than_it_asks_for(start_broker) -> None:
+    b = start_broker()
+    assert b.cli("sub", "q", "--group", "w", "--qos", "1", "--timeout", "0.3").returncode == 4
+    assert b.shell("seq 1 5 | blipmq pub q --qos 1 --lines -").returncode == 0
+    one = b.cli("sub", "q", "--group", "w", "--qos", "1", "--count", "2", "--format", "lines")
+    assert lines_of(one.stdout) == ["1", "2"]
+    two = b.cli("sub", "q", "--group", "w", "--qos", "1", "--count", "3", "--format", "json")
+    assert [json.loads(x)["delivery_count"] for x in lines_of(two.stdout)] == [1, 1, 1]
+    assert b.metric("blipmq_messages_redelivered_total") == 0
+
+
+def test_dead_letter_carries_count_and_reason(start_broker) -> None:
+    b = start_broker({"delivery": {"max_retries": 2, "retry_backoff_ms": 50,
+                                   "retry_backoff_max_ms": 50}})
+    with Client(b.addr) as c:
+        sub = c.subscribe("orders", group="billing", qos=1)
+        c.publish("orders", b"bad order", qos=1)
+        (d,) = sub.next_batch(5)
+        sub.nack(d)
+        (d2,) = sub.next_batch(5)
+        assert d2.delivery_count == 2
+        sub.nack(d2)  # the second delivery was the last one allowed
+        c.flush()
+    b.wait_metric("blipmq_messages_dead_lettered_total", 1)
+    res = b.cli("sub", "$dlq/orders", "--from", "earliest", "--count", "1", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    msg = json.loads(res.stdout)
+    assert msg["topic"] == "$dlq/orders" and msg["payload"] == "bad order"
+    assert msg["dead_letter"] == {"deliveries": 2, "reason": "nacked"}
+    # and the group does not get it again, even after a restart
+    assert b.stop() == 0
+    b2 = start_broker(data_dir=b.data_dir)
+    res = b2.cli("sub", "orders", "--group", "billing", "--qos", "1", "--timeout", "0.5")
+    assert res.returncode == Exit.TIMEOUT and res.stdout == b""
+
+
+def test_unacked_messages_are_dead_lettered_after_max_retries(start_broker) -> None:
+    b = start_broker({"delivery": {"max_retries": 2, "retry_backoff_ms": 100,
+                                   "retry_backoff_max_ms": 100}})
+    with Client(b.addr) as c:
+        sub = c.subscribe("orders", group="billing", qos=1)
+        c.publish("orders", b"slow", qos=1)
+        counts = [d.delivery_count for _ in range(2) for d in sub.next_batch(5)]
+        assert counts == [1, 2]
+        b.wait_metric("blipmq_messages_dead_lettered_total", 1)
+    res = b.cli("sub", "$dlq/#", "--from", "earliest", "--count", "1", "--format", "json")
+    assert json.loads(res.stdout)["dead_letter"] == {
+        "deliveries": 2, "reason": "not acked in time (2 deliveries)"}
+
+
+def test_idle_group_expires_and_is_gone_after_restart(start_broker) -> None:
+    b = start_broker({"delivery": {"group_expiry_ms": 300},
+                      "wal": {"maintenance_interval_ms": 100}})
+    assert b.cli("sub", "t", "--group", "old", "--qos", "1", "--timeout", "0.2").returncode == 4
+    live = b.spawn("sub", "t", "--group", "busy", "--qos", "1", "--timeout", "5")
+    b.wait_metric("blipmq_durable_groups", 2)
+    b.wait_metric("blipmq_durable_groups_expired_total", 1, timeout=5)
+    assert b.metric("blipmq_durable_groups") == 1  # the group with a consumer stays
+    assert any("durable group 'old' on 't' dropped" in line for line in b.log)
+    live.kill()
+    live.wait()
+    assert b.stop() == 0
+    b2 = start_broker({"delivery": {"group_expiry_ms": 0}}, data_dir=b.data_dir)
+    assert b2.metric("blipmq_durable_groups") == 1
+    assert b2.cli("unsub", "t", "--group", "old").returncode == Exit.NOT_FOUND
+    assert b2.cli("unsub", "t", "--group", "busy").returncode == 0
+
+
+_SMALL_LOG = {"segment_bytes": 4096, "retention_bytes": 16384, "maintenance_interval_ms": 100}
+
+
+def test_retention_keeps_a_lagging_group_through_checkpoints_and_restart(start_broker) -> None:
+    b = start_broker({"wal": _SMALL_LOG})
+    with Client(b.addr) as c:
+        sub = c.subscribe("t", group="g", qos=1, credit=1000)
+        c.publish_many(Message("t", b"%03d" % i + b"." * 60, 1) for i in range(300))
+        c.wait_confirms()
+        got: list = []
+        while len(got) < 300:
+            got.extend(sub.next_batch(5))
+        sub.ack(*got[:295])  # five stay unacked
+        c.flush()
+    # more traffic on another topic pushes the log past the cap many times over
+    assert b.shell("seq 1 2000 | blipmq pub other --lines -").returncode == 0
+    deadline = time.monotonic() + 10
+    while b.metric("blipmq_wal_size_bytes") > 16384 + 4096 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert b.metric("blipmq_wal_size_bytes") <= 16384 + 4096
+    assert b.metric("blipmq_group_skipped_total", filter="t", group="g") > 0  # cap forced it
+    assert any("wal retention: the size cap" in line for line in b.log)
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    b2 = start_broker({"wal": _SMALL_LOG}, data_dir=b.data_dir)
+    assert b2.metric("blipmq_durable_groups") == 1  # its creation record is long gone
+    b2.shell("blipmq pub t after --qos 1")
+    res = b2.cli("sub", "t", "--group", "g", "--qos", "1", "--count", "1", "--timeout", "5",
+                 "--format", "lines")
+    assert res.returncode == 0, res.stderr
+    assert lines_of(res.stdout) == ["after"]
+
+
+def test_retention_waits_for_a_group_under_the_cap(start_broker) -> None:
+    b = start_broker({"wal": {**_SMALL_LOG, "retention_bytes": 0, "retention_ms": 1}})
+    assert b.cli("sub", "t", "--group", "g", "--qos", "1", "--timeout", "0.2").returncode == 4
+    assert b.shell("seq 1 500 | blipmq pub t --qos 1 --lines -").returncode == 0
+    assert b.shell("seq 1 500 | blipmq pub other --lines -").returncode == 0
+    time.sleep(0.5)  # several maintenance rounds: age retention wants every old segment
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    b2 = start_broker({"wal": {**_SMALL_LOG, "retention_bytes": 0}}, data_dir=b.data_dir)
+    res = b2.cli("sub", "t", "--group", "g", "--qos", "1", "--count", "500", "--timeout", "10",
+                 "--format", "lines")
+    assert res.returncode == 0, res.stderr
+    assert lines_of(res.stdout) == [str(i) for i in range(1, 501)]
+    assert b2.metric("blipmq_group_skipped_total", filter="t", group="g") == 0
+
+
+def test_live_consumers_read_from_the_cache(start_broker) -> None:
+    b = start_broker()
+    sub = b.spawn("sub", "t", "--group", "g", "--qos", "1", "--count", "200")
+    b.wait_metric("blipmq_durable_groups", 1)
+    assert b.shell("seq 1 200 | blipmq pub t --qos 1 --lines -").returncode == 0
+    sub.communicate(timeout=10)
+    assert sub.returncode == 0
+    assert b.metric("blipmq_wal_cache_hits_total") > 0
+    assert b.metric("blipmq_group_log_behind", filter="t", group="g") == 0
+    assert b.metric("blipmq_group_in_flight", filter="t", group="g") == 0
+    assert b.stop() == 0  # the group's ack records are the last ones in the log
+    b2 = start_broker(data_dir=b.data_dir)
+    assert b2.metric("blipmq_group_log_behind", filter="t", group="g") == 0
+    assert b2.shell("seq 1 7 | blipmq pub t --lines -").returncode == 0
+    # seven messages, plus the ack records it had not read past
+    assert 7 <= b2.metric("blipmq_group_log_behind", filter="t", group="g") <= 9
