@@ -42,6 +42,8 @@ class MessageLog(Protocol):
 
     def append(self, kind: int, body: bytes, timestamp_ms: int) -> int: ...
 
+    def append_many(self, kind: int, bodies: Sequence[bytes], timestamp_ms: int) -> int: ...
+
     def read(self, from_offset: int, max_records: int = ..., max_bytes: int = ...) -> list[Any]:
         ...
 
@@ -191,10 +193,11 @@ class Broker:
         max_bytes = self.limits.max_message_bytes
         default_ttl = self.limits.default_ttl_ms
         log = self.log
-        append = log.append if log is not None else None
         log_qos0 = self.limits.log_qos0
         offset = self.offset
-        last_logged = 0
+        # records to log, appended in one call after the loop: offsets are assigned in order
+        logged: list[bytes] | None = None if log is None else []
+        next_logged = 0 if log is None else log.next_offset
         confirms = 0
         accepted = 0
         result = None
@@ -212,7 +215,7 @@ class Broker:
                 )
                 result = PublishResult(accepted, woken, refusal=refusal)
                 break
-            if m.qos and append is None:
+            if m.qos and logged is None:
                 refusal = Refusal(
                     ErrorCode.UNSUPPORTED, "QoS 1 needs the write-ahead log (wal.enabled = false)"
                 )
@@ -222,10 +225,12 @@ class Broker:
             if blocked is not None:
                 result = PublishResult(accepted, woken, blocked=blocked)
                 break
-            if append is None:
+            if logged is None:
                 offset += 1
             elif m.qos or log_qos0:
-                offset = last_logged = append(MESSAGE_RECORD, m.record, timestamp_ms)
+                logged.append(m.record)
+                offset = next_logged
+                next_logged += 1
                 if m.qos:
                     confirms += 1
             else:
@@ -254,10 +259,12 @@ class Broker:
                     q.expiring = True
                 c.enqueued += 1
                 add(q)
-        if append is None:
+        last_logged = 0
+        if logged is None:
             self.offset = offset
-        elif last_logged:
-            self.offset = last_logged
+        elif logged:
+            log.append_many(MESSAGE_RECORD, logged, timestamp_ms)  # type: ignore[union-attr]
+            self.offset = last_logged = next_logged - 1
         c.published += accepted
         if result is None:
             return PublishResult(accepted, woken, confirms=confirms, last_offset=last_logged)

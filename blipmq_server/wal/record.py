@@ -14,6 +14,7 @@ Integers are big-endian. Standard library and ``crc32c`` only; no trio.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -45,6 +46,17 @@ class Record(NamedTuple):
 def encode(kind: int, offset: int, timestamp_ms: int, body: bytes) -> bytes:
     covered = _pack_fixed(kind, offset, timestamp_ms) + body  # what the CRC covers
     return _pack_prefix(len(covered) + 4, crc32c(covered)) + covered
+
+
+def encode_many(kind: int, first_offset: int, timestamp_ms: int, bodies: Iterable[bytes]
+                ) -> list[bytes]:
+    """``encode`` for records with consecutive offsets (one call per broker batch)."""
+    fixed, prefix = _pack_fixed, _pack_prefix
+    out = []
+    for offset, body in enumerate(bodies, first_offset):
+        covered = fixed(kind, offset, timestamp_ms) + body
+        out.append(prefix(len(covered) + 4, crc32c(covered)) + covered)
+    return out
 
 
 _pack_fixed = FIXED.pack
