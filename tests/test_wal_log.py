@@ -51,6 +51,28 @@ def segments(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.suffix == ".seg")
 
 
+def test_append_many_spreads_over_segments(tmp_path: Path) -> None:
+    opts = LogOptions(segment_bytes=4096)
+    log = Log(str(tmp_path), opts)
+    log.open()
+    assert log.append_many(MSG, [body(i, 100) for i in range(5)], 7) == 1  # fits the tail
+    assert log.append_many(MSG, [body(i, 100) for i in range(5, 200)], 8) == 6
+    assert log.next_offset == 201 and log.pending_records == 200
+    flush(log)
+    files = segments(tmp_path)
+    assert len(files) > 5 and all(f.stat().st_size <= 4096 for f in files)
+    log.close()
+    again, found = reopen(tmp_path, opts)
+    assert found.records == 200 and not found.quarantined
+    records = again.read(0, max_records=1000, max_bytes=1 << 30)
+    assert [r.offset for r in records] == list(range(1, 201))
+    assert [r.body for r in records] == [body(i, 100) for i in range(200)]
+    assert [r.timestamp_ms for r in records[4:6]] == [7, 8]
+    # each file is named after its first record's offset
+    firsts = [int(f.stem) for f in files]
+    assert firsts == sorted(firsts) and firsts[0] == 1
+
+
 def test_append_commit_reopen(tmp_path: Path) -> None:
     log = write_log(tmp_path, 50)
     assert log.written_offset == 50 and log.next_offset == 51
