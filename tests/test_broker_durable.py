@@ -239,6 +239,31 @@ def test_dead_letters_carry_the_count_and_the_reason(tmp_path: Path) -> None:
     assert [p for _, _, p in s2.take(c2)] == [b"fine"]
 
 
+def test_a_full_blocking_dlq_queue_does_not_lose_the_dead_letter(tmp_path: Path) -> None:
+    s = Setup(tmp_path, max_retries=1, capacity=1)  # in-memory queues block by default
+    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    s.broker.subscribe("ops", "$dlq/#")  # nobody takes from it: full after one
+    s.publish("t", b"a", b"b")
+    s.commit()
+    a, b = (o for o, _, _ in s.take(c))
+    s.broker.nack("conn", c.sub_id, (a,), 0, 0, 0)
+    s.broker.nack("conn", c.sub_id, (b,), 0, 0, 0)  # its dead letter meets a full queue
+    assert s.broker.counters.dead_lettered == 2 and s.broker.counters.dropped_new == 1
+    s.commit()
+    dead = [r for r in s.log.read(0) if b"$dlq/t" in r.body]
+    assert len(dead) == 2  # both are in the log, readable with --from
+
+
+def test_unsubscribe_by_filter_ends_cursors_without_a_group(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    s.broker.subscribe("conn", "t", qos=1)
+    s.broker.subscribe("conn", "t", start=Start.EARLIEST)
+    s.broker.subscribe("conn", "t", "g", qos=1)  # a group: not ended by a filter
+    assert len(s.broker.cursors) == 3
+    assert s.broker.unsubscribe("conn", topic_filter="t").count == 2
+    assert [c.group for c in s.broker.cursors] == ["g"]
+
+
 def test_idle_durable_groups_expire(tmp_path: Path) -> None:
     s = Setup(tmp_path, group_expiry_ms=1000)
     kept = s.broker.subscribe("c1", "t", "kept", qos=1, timestamp_ms=0).consumer

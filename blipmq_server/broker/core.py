@@ -221,7 +221,10 @@ class Broker:
                 )
                 result = PublishResult(accepted, woken, refusal=refusal)
                 break
-            blocked = next((q for q in route.blockers if len(q.items) >= q.capacity), None)  # type: ignore[union-attr]
+            # a broker-made message (dead letter) never waits: a full ``block`` queue drops
+            # its copy (counted as drop_new); the log keeps it either way
+            blocked = None if internal else next(
+                (q for q in route.blockers if len(q.items) >= q.capacity), None)  # type: ignore[union-attr]
             if blocked is not None:
                 result = PublishResult(accepted, woken, blocked=blocked)
                 break
@@ -251,7 +254,7 @@ class Broker:
                     items.append(item)
                     q.dropped_oldest += 1
                     c.dropped_oldest += 1
-                else:  # DROP_NEW (BLOCK never gets here: checked above)
+                else:  # DROP_NEW, or BLOCK for a dead letter (client messages wait above)
                     q.dropped_new += 1
                     c.dropped_new += 1
                     continue
@@ -662,7 +665,7 @@ class Broker:
             return UnsubscribeResult(1, ended=ended, removed=(queue,))
         mine = [
             c for c in self._by_owner.get(owner, ())
-            if c.queue.filter == topic_filter and c.queue.group is None
+            if c.queue.filter == topic_filter and not c.queue.group  # no group, any kind
         ]
         removed: list[Queue] = []
         for consumer in mine:
