@@ -76,11 +76,16 @@ class Subscription:
         self.client.ack(self.sub_id, *deliveries)
 
     def ack_at_close(self, *deliveries: Delivery) -> None:
-        """Acknowledge the last deliveries this connection will take: the ACK goes out with
-        the GOODBYE of ``close()``, so the broker does not refill the window meanwhile
+        """Acknowledge the last deliveries this connection will take: CREDIT 0 and the ACK
+        go out with the GOODBYE of ``close()``, so the broker does not refill the window
         (deliveries it sent then would go back to the group counted once more)."""
-        frame = codec.Ack(self.sub_id, tuple(d.offset for d in deliveries))
-        self.client._close_frames.append(codec.encode(frame))
+        frames = (codec.Credit(self.sub_id, 0),
+                  codec.Ack(self.sub_id, tuple(d.offset for d in deliveries)))
+        self.client._close_frames.extend(codec.encode(f) for f in frames)
+
+    def set_credit(self, credit: int) -> None:
+        """Change this QoS 1 subscription's window of unacked deliveries (0: pause)."""
+        self.client._send_now(codec.encode(codec.Credit(self.sub_id, credit)))
 
     def nack(self, *deliveries: Delivery, delay_ms: int = 0) -> None:
         """Give deliveries back: redelivered at once, or after ``delay_ms``."""

@@ -219,8 +219,11 @@ def sub(
             # acked only once written: a crash before this means redelivery, not loss
             if received == count:
                 subscription.ack_at_close(*batch)
-            else:
-                subscription.ack(*batch)
+                continue
+            if count is not None and count - received < _MAX_CREDIT:
+                # shrink the window before the ack frees it: no more than we will write
+                subscription.set_credit(count - received)
+            subscription.ack(*batch)
     return Exit.OK
 
 

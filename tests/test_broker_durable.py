@@ -90,6 +90,26 @@ def test_credit_window_and_ack(tmp_path: Path) -> None:
     assert [p for _, _, p in s.take(c)] == [b"3"]
 
 
+def test_credit_frame_shrinks_and_grows_the_window(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    c = s.broker.subscribe("conn", "t", "g", qos=1, credit=3).consumer
+    q0 = s.broker.subscribe("conn", "t").consumer
+    s.publish("t", *[b"%d" % i for i in range(6)])
+    s.commit()
+    first = s.take(c)
+    assert len(first) == 3
+    assert not s.broker.set_credit("conn", c.sub_id, 1)  # smaller: nothing new to send
+    s.broker.ack("conn", c.sub_id, tuple(o for o, _, _ in first), 0)
+    assert [p for _, _, p in s.take(c)] == [b"3"]  # one, not three
+    assert not s.broker.set_credit("other", c.sub_id, 5)  # not its subscription
+    assert not s.broker.set_credit("conn", q0.sub_id, 5)  # QoS 0: no window
+    assert s.broker.set_credit("conn", c.sub_id, 2)
+    assert [p for _, _, p in s.take(c)] == [b"4"]
+    assert s.broker.set_credit("conn", c.sub_id, 0) is False
+    s.broker.ack("conn", c.sub_id, (first[0][0] + 3, first[0][0] + 4), 0)
+    assert s.take(c) == []  # paused
+
+
 def test_unacked_deliveries_come_back_with_backoff_then_dead_letter(tmp_path: Path) -> None:
     s = Setup(tmp_path, retry_backoff_ms=100, retry_backoff_max_ms=1000, max_retries=3)
     c = s.broker.subscribe("conn", "t", "g", qos=1).consumer

@@ -138,6 +138,25 @@ def test_sub_count_takes_no_more_than_it_asks_for(start_broker) -> None:
     assert b.metric("blipmq_messages_redelivered_total") == 0
 
 
+def test_sub_count_shrinks_its_window_as_it_goes(start_broker) -> None:
+    b = start_broker()
+    assert b.cli("sub", "q", "--group", "w", "--qos", "1", "--timeout", "0.3").returncode == 4
+    sub = b.spawn("sub", "q", "--group", "w", "--qos", "1", "--count", "6", "--format", "lines")
+    b.wait_metric("blipmq_connections_open", 1)
+    time.sleep(0.2)
+    assert b.shell("seq 1 3 | blipmq pub q --qos 1 --lines -").returncode == 0
+    b.wait_metric("blipmq_messages_acked_total", 3)  # written and acked; 3 to go
+    assert b.shell("seq 4 10 | blipmq pub q --qos 1 --lines -").returncode == 0
+    out, err = sub.communicate(timeout=10)
+    assert sub.returncode == 0, err
+    assert lines_of(out) == [str(i) for i in range(1, 7)]
+    rest = b.cli("sub", "q", "--group", "w", "--qos", "1", "--count", "4", "--format", "json")
+    msgs = [json.loads(x) for x in lines_of(rest.stdout)]
+    assert [(m["payload"], m["delivery_count"]) for m in msgs] == [
+        (str(i), 1) for i in range(7, 11)]
+    assert b.metric("blipmq_messages_redelivered_total") == 0
+
+
 def test_dead_letter_carries_count_and_reason(start_broker) -> None:
     b = start_broker({"delivery": {"max_retries": 2, "retry_backoff_ms": 50,
                                    "retry_backoff_max_ms": 50}})

@@ -16,6 +16,7 @@ from blipmq_server.protocol.codec import (
     Ack,
     Auth,
     AuthOk,
+    Credit,
     DeadLetter,
     Decoder,
     Deliver,
@@ -140,6 +141,8 @@ SAMPLE_FRAMES: list[Frame] = [
     Ack(9, (0, 2**64 - 1)),
     Nack(1, ()),
     Nack(9, (3, 2**64 - 1), 2**32 - 1, 7),
+    Credit(1, 0),
+    Credit(2**32 - 1, 2**32 - 1, 5),
     Ping(),
     Ping(b"\x00\x01\xff" * 10, 8),
     Pong(b"hi", 8),
@@ -308,6 +311,7 @@ def test_layout_small_frames() -> None:
     assert encode(Nack(1, (2,), 300)) == bytes.fromhex(
         "00000017" "32" "00000000" "00000001" "0000012c" "0001" "0000000000000002"
     )
+    assert encode(Credit(3, 10)) == bytes.fromhex("0000000d" "33" "00000000" "00000003" "0000000a")
     assert encode(Ack(1, (2,))) == bytes.fromhex(
         "00000013" "31" "00000000" "00000001" "0001" "0000000000000002"
     )
@@ -329,8 +333,8 @@ def test_frame_type_values_are_pinned() -> None:
     assert {t.name: t.value for t in FrameType} == {
         "HELLO": 0x01, "WELCOME": 0x02, "AUTH": 0x03, "AUTH_OK": 0x04, "PUBLISH": 0x10,
         "PUB_ACK": 0x11, "SUBSCRIBE": 0x20, "SUBSCRIBED": 0x21, "UNSUBSCRIBE": 0x22,
-        "UNSUBSCRIBED": 0x23, "DELIVER": 0x30, "ACK": 0x31, "NACK": 0x32, "PING": 0x40,
-        "PONG": 0x41,
+        "UNSUBSCRIBED": 0x23, "DELIVER": 0x30, "ACK": 0x31, "NACK": 0x32, "CREDIT": 0x33,
+        "PING": 0x40, "PONG": 0x41,
         "GOODBYE": 0x42, "ERROR": 0x7F,
     }
 
@@ -504,6 +508,8 @@ MALFORMED: dict[str, bytes] = {
     "subscribe-old-layout": raw(FrameType.SUBSCRIBE, struct.pack(">BI", 0, 0) + s16(b"a")
                                 + s16(b"")),
     "nack-offsets-cut": raw(FrameType.NACK, struct.pack(">IIHQ", 1, 0, 2, 1)),
+    "credit-cut": raw(FrameType.CREDIT, struct.pack(">IH", 1, 0)),
+    "credit-trailing": raw(FrameType.CREDIT, struct.pack(">III", 1, 2, 3)),
     "deliver-dead-trailer-missing": raw(
         FrameType.DELIVER, struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"p", flags=0x04)
     ),
@@ -700,6 +706,7 @@ frames_st = st.one_of(
     deliver_st,
     st.builds(Ack, u32, st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple), u32),
     st.builds(Nack, u32, st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple), u32, u32),
+    st.builds(Credit, u32, u32, u32),
     st.builds(Ping, st.binary(max_size=50), u32),
     st.builds(Pong, st.binary(max_size=50), u32),
     st.builds(Goodbye, u16, text_st, u32),

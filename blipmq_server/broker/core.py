@@ -499,6 +499,17 @@ class Broker:
                                 timestamp_ms)
         return bool(done)
 
+    def set_credit(self, owner: Any, sub_id: int, credit: int) -> bool:
+        """A QoS 1 consumer changes its window; True when it now has room for more.
+
+        Ignored (False) for QoS 0 subscriptions and for ids this owner does not hold."""
+        consumer = self._consumers.get(sub_id)
+        if consumer is None or consumer.owner is not owner or not consumer.qos:
+            return False
+        grew = credit > consumer.credit
+        consumer.credit = credit
+        return grew
+
     def nack(
         self, owner: Any, sub_id: int, offsets: tuple[int, ...], delay_ms: int, now_ms: int,
         timestamp_ms: int,

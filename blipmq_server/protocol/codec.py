@@ -51,6 +51,7 @@ _U32 = struct.Struct(">I")
 _SUB = struct.Struct(">BIBQ")  # qos, credit, start, start_offset
 _ACK_HEAD = struct.Struct(">IH")  # sub_id, count
 _NACK_HEAD = struct.Struct(">IIH")  # sub_id, delay_ms, count
+_CREDIT = struct.Struct(">II")  # sub_id, credit
 _HELLO = struct.Struct(">H")
 _WELCOME = struct.Struct(">HII")
 _ERROR = struct.Struct(">H")
@@ -92,6 +93,7 @@ class FrameType(IntEnum):
     DELIVER = 0x30
     ACK = 0x31
     NACK = 0x32
+    CREDIT = 0x33
     PING = 0x40
     PONG = 0x41
     GOODBYE = 0x42
@@ -250,6 +252,15 @@ class Nack(NamedTuple):
     request_id: int = 0
 
 
+class Credit(NamedTuple):
+    """Set a QoS 1 subscription's window of unacked deliveries (0: send nothing new)."""
+
+    TYPE = FrameType.CREDIT
+    sub_id: int
+    credit: int
+    request_id: int = 0
+
+
 class Ping(NamedTuple):
     TYPE = FrameType.PING
     data: bytes = b""
@@ -278,7 +289,7 @@ class Error(NamedTuple):
 
 Frame = (
     Hello | Welcome | Auth | AuthOk | Publish | PubAck | Subscribe | Subscribed | Unsubscribe
-    | Unsubscribed | Deliver | Ack | Nack | Ping | Pong | Goodbye | Error
+    | Unsubscribed | Deliver | Ack | Nack | Credit | Ping | Pong | Goodbye | Error
 )
 
 # -------------------------------------------------------------------------------- encoding
@@ -403,6 +414,8 @@ def _body(frame: Frame) -> bytes:
             return _NACK_HEAD.pack(
                 frame.sub_id, _u(frame.delay_ms, 32, "delay_ms"), _u(n, 16, "nack count")
             ) + struct.pack(f">{n}Q", *frame.offsets)
+        case Credit():
+            return _CREDIT.pack(_u(frame.sub_id, 32, "sub_id"), _u(frame.credit, 32, "credit"))
         case Ping() | Pong():
             return frame.data
         case Goodbye() | Error():
@@ -574,6 +587,9 @@ def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame
     elif ftype == FrameType.NACK:
         sub_id, delay_ms, n = r.unpack(_NACK_HEAD)
         frame = Nack(sub_id, r.unpack(struct.Struct(f">{n}Q")), delay_ms, rid)
+    elif ftype == FrameType.CREDIT:
+        sub_id, credit = r.unpack(_CREDIT)
+        frame = Credit(sub_id, credit, rid)
     elif ftype == FrameType.HELLO:
         (version,) = r.unpack(_HELLO)
         frame = Hello(version, r.str16(), rid)

@@ -234,6 +234,9 @@ class Session:
                 if back is not None:
                     wake_consumers((back,))  # type: ignore[arg-type]
                     self._log_touched()  # a dead letter is a new message
+            case codec.Credit():
+                if self.broker.set_credit(self, frame.sub_id, frame.credit):
+                    self.wake()
             case codec.Goodbye():
                 return CloseReason.GOODBYE
             case _:
