@@ -157,9 +157,14 @@ def test_sub_count_shrinks_its_window_as_it_goes(start_broker) -> None:
     assert b.metric("blipmq_messages_redelivered_total") == 0
 
 
+def two_tries(backoff_ms: int) -> dict:
+    """Broker config: two deliveries at most, a fixed redelivery delay."""
+    return {"delivery": {"max_retries": 2, "retry_backoff_ms": backoff_ms,
+                         "retry_backoff_max_ms": backoff_ms}}
+
+
 def test_dead_letter_carries_count_and_reason(start_broker) -> None:
-    b = start_broker({"delivery": {"max_retries": 2, "retry_backoff_ms": 50,
-                                   "retry_backoff_max_ms": 50}})
+    b = start_broker(two_tries(50))
     with Client(b.addr) as c:
         sub = c.subscribe("orders", group="billing", qos=1)
         c.publish("orders", b"bad order", qos=1)
@@ -183,8 +188,7 @@ def test_dead_letter_carries_count_and_reason(start_broker) -> None:
 
 
 def test_unacked_messages_are_dead_lettered_after_max_retries(start_broker) -> None:
-    b = start_broker({"delivery": {"max_retries": 2, "retry_backoff_ms": 100,
-                                   "retry_backoff_max_ms": 100}})
+    b = start_broker(two_tries(100))
     with Client(b.addr) as c:
         sub = c.subscribe("orders", group="billing", qos=1)
         c.publish("orders", b"slow", qos=1)
