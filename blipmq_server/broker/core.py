@@ -485,8 +485,8 @@ class Broker:
 
     def ack(self, owner: Any, sub_id: int, offsets: tuple[int, ...], timestamp_ms: int) -> bool:
         """A QoS 1 consumer acked deliveries; True when that freed room in its window."""
-        consumer = self._consumers.get(sub_id)
-        if consumer is None or consumer.owner is not owner:
+        consumer = self._owned(owner, sub_id)
+        if consumer is None:
             return False
         target = consumer.queue
         if not isinstance(target, DurableGroup) or self.log is None:
@@ -503,8 +503,8 @@ class Broker:
         """A QoS 1 consumer changes its window; True when it now has room for more.
 
         Ignored (False) for QoS 0 subscriptions and for ids this owner does not hold."""
-        consumer = self._consumers.get(sub_id)
-        if consumer is None or consumer.owner is not owner or not consumer.qos:
+        consumer = self._owned(owner, sub_id)
+        if consumer is None or not consumer.qos:
             return False
         grew = credit > consumer.credit
         consumer.credit = credit
@@ -517,8 +517,8 @@ class Broker:
         """A QoS 1 consumer gives deliveries back, to be redelivered now or after
         ``delay_ms``; one delivered ``max_retries`` times goes to ``$dlq/<topic>`` instead.
         Returns the cursor whose consumers to wake, if anything was given back."""
-        consumer = self._consumers.get(sub_id)
-        if consumer is None or consumer.owner is not owner:
+        consumer = self._owned(owner, sub_id)
+        if consumer is None:
             return None
         target = consumer.queue
         if not isinstance(target, DurableGroup):
@@ -559,7 +559,8 @@ class Broker:
             return []
         if target.pending:  # unacked before a restart, named by a checkpoint
             target.load_pending([r for o in sorted(target.pending)
-                                 for r in log.read(o, max_records=1)])
+                                 for r in log.read(o, max_records=1)
+                                 if r.kind == MESSAGE_RECORD])
         out = target.take_ready(consumer.sub_id, room, now_ms, self._backoff)
         self.counters.redelivered += len(out)
         scanned = 0
@@ -581,7 +582,7 @@ class Broker:
         ``$dlq/<topic>`` after ``max_retries`` deliveries), and delayed nacks come due.
         Returns the cursors to wake."""
         woken = []
-        for target in (*self._durable.values(), *self._cursors):
+        for target in self.cursors:
             late, due = target.expire(now_ms)
             for offset in late:
                 count = target.inflight[offset].count
@@ -645,8 +646,8 @@ class Broker:
     ) -> UnsubscribeResult:
         """End one subscription (by id), this owner's subscriptions on a filter, or a group."""
         if sub_id:
-            consumer = self._consumers.get(sub_id)
-            if consumer is None or consumer.owner is not owner:
+            consumer = self._owned(owner, sub_id)
+            if consumer is None:
                 return UnsubscribeResult(
                     0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}")
                 )
@@ -690,6 +691,11 @@ class Broker:
             removed.extend(self._detach(consumer, timestamp_ms))
         self._by_owner.pop(owner, None)
         return tuple(removed)
+
+    def _owned(self, owner: Any, sub_id: int) -> Consumer | None:
+        """The subscription ``sub_id`` if ``owner`` holds it (else None: ignored or refused)."""
+        consumer = self._consumers.get(sub_id)
+        return consumer if consumer is not None and consumer.owner is owner else None
 
     def consumers_of(self, owner: Any) -> list[Consumer]:
         return self._by_owner.get(owner, [])

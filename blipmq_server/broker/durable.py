@@ -180,9 +180,10 @@ class DurableGroup:
         self.ready.clear()
 
     def load_pending(self, records: list[Any]) -> None:
-        """Unacked deliveries named by a checkpoint, read back from the log: ready again."""
+        """Unacked deliveries named by a checkpoint, read back from the log (MESSAGE
+        records): ready again."""
         for record in records:
-            if record.offset in self.pending and record.kind == 1:
+            if record.offset in self.pending:
                 flight = Flight(record.body, 0, 0)
                 self.inflight[record.offset] = flight
                 self.ready.append(record.offset)

@@ -29,7 +29,7 @@ from blipmq_server.config import Config
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
-from blipmq_server.server.session import CloseReason, Session, now_ms, release_waiter
+from blipmq_server.server.session import CloseReason, Session, now_ms, release_waiter, wall_ms
 from blipmq_server.wal import policy
 from blipmq_server.wal.log import Log, LogOptions, Recovery
 
@@ -131,7 +131,7 @@ class Server:
         assert self.wal is not None and self.flusher is not None
         started = time.monotonic()
         found = self.recovery = self.wal.open(on_record=self.broker.recover)
-        self.broker.recovered(int(time.time() * 1000))
+        self.broker.recovered(wall_ms())
         for note in found.notes:
             log.warning("wal recovery: %s", note)
         log.info(
@@ -147,7 +147,7 @@ class Server:
         wal, broker = self.wal, self.broker
         while True:
             await trio.sleep(self.config.wal.maintenance_interval_ms / 1000)
-            wall = int(time.time() * 1000)
+            wall = wall_ms()
             for group in broker.expire_groups(wall):
                 log.warning("durable group %r on %r dropped: no consumer for %d ms "
                             "(delivery.group_expiry_ms)", group.group, group.filter,
@@ -176,7 +176,7 @@ class Server:
         assert self.flusher is not None and self.wal is not None
         while True:
             await trio.sleep(0.1)
-            for group in self.broker.redeliver(now_ms(), int(time.time() * 1000)):
+            for group in self.broker.redeliver(now_ms(), wall_ms()):
                 for consumer in group.consumers:
                     consumer.owner.wake()
             if self.wal.pending_records:  # dead letters are new messages

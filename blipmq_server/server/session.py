@@ -43,6 +43,11 @@ def now_ms() -> int:
     return int(trio.current_time() * 1000)
 
 
+def wall_ms() -> int:
+    """Wall-clock milliseconds: log record timestamps, idle times of durable groups."""
+    return int(time.time() * 1000)
+
+
 def wake_consumers(queues: set[Queue] | tuple[Queue, ...]) -> None:
     """Tell the writers of every consumer of these queues that there is work."""
     for q in queues:
@@ -104,7 +109,7 @@ class Session:
                 self._wakeup.set()
         finally:
             durable_before = [c.queue for c in self.broker.consumers_of(self) if c.queue.durable]
-            removed = self.broker.disconnect(self, int(time.time() * 1000))
+            removed = self.broker.disconnect(self, wall_ms())
             for q in removed:
                 release_waiter(q)
             wake_consumers(tuple(durable_before))  # our unacked deliveries go to the others
@@ -159,7 +164,7 @@ class Session:
     def _collect(self, max_batch: int, max_batch_bytes: int) -> bytes:
         parts = self.outbox
         self.outbox = []
-        now, wall = now_ms(), int(time.time() * 1000)
+        now, wall = now_ms(), wall_ms()
         broker = self.broker
         for consumer in self._sending():
             if not broker.has_work(consumer):
@@ -225,12 +230,12 @@ class Session:
                 self._unsubscribe(frame)
             case codec.Ack():
                 # acks of QoS 0 deliveries are accepted and ignored
-                if self.broker.ack(self, frame.sub_id, frame.offsets, int(time.time() * 1000)):
+                if self.broker.ack(self, frame.sub_id, frame.offsets, wall_ms()):
                     self.wake()  # the consumer's window has room again
                     self._log_touched()
             case codec.Nack():
                 back = self.broker.nack(self, frame.sub_id, frame.offsets, frame.delay_ms,
-                                        now_ms(), int(time.time() * 1000))
+                                        now_ms(), wall_ms())
                 if back is not None:
                     wake_consumers((back,))  # type: ignore[arg-type]
                     self._log_touched()  # a dead letter is a new message
@@ -288,7 +293,7 @@ class Session:
         confirms = last_offset = 0
         try:
             while True:
-                result = broker.publish(messages, now_ms(), int(time.time() * 1000))
+                result = broker.publish(messages, now_ms(), wall_ms())
                 wake_consumers(result.woken)
                 confirms += result.confirms
                 last_offset = result.last_offset or last_offset
@@ -339,7 +344,7 @@ class Session:
     def _subscribe(self, frame: codec.Subscribe) -> None:
         result = self.broker.subscribe(
             self, frame.topic_filter, frame.group, frame.qos, frame.credit, frame.request_id,
-            frame.start, frame.start_offset, int(time.time() * 1000),
+            frame.start, frame.start_offset, wall_ms(),
         )
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
@@ -353,7 +358,7 @@ class Session:
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:
         result = self.broker.unsubscribe(self, frame.sub_id, frame.topic_filter, frame.group,
-                                         int(time.time() * 1000))
+                                         wall_ms())
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
             return
