@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -202,8 +203,9 @@ def test_bad_magic_in_an_older_segment(tmp_path: Path) -> None:
     assert all_bodies(log)[-1] == body(39)
 
 
-@pytest.mark.parametrize("partial", [0, 5, 60])
-def test_failed_write_leaves_no_trace_and_the_log_resumes(tmp_path: Path, partial: int) -> None:
+def before_doomed_after(tmp_path: Path, faults: Callable[[FaultyDisk, bool], None]) -> Log:
+    """Write "before"; fail the batch holding "doomed" with ``faults`` switched on, then
+    switch them off and write "after" (offsets 1, then 3: 2 was lost)."""
     disk = FaultyDisk()
     log = Log(str(tmp_path), disk=disk)
     log.open()
@@ -211,13 +213,23 @@ def test_failed_write_leaves_no_trace_and_the_log_resumes(tmp_path: Path, partia
     flush(log)
     log.append(MSG, b"doomed", 0)
     batch = log.take_batch()
-    disk.fail_writes, disk.partial = True, partial
+    assert batch is not None
+    faults(disk, True)
     with pytest.raises(OSError):
         batch.write(disk, True)
     log.abort(batch)
-    disk.fail_writes = False
+    faults(disk, False)
     log.append(MSG, b"after", 0)
     flush(log)
+    return log
+
+
+@pytest.mark.parametrize("partial", [0, 5, 60])
+def test_failed_write_leaves_no_trace_and_the_log_resumes(tmp_path: Path, partial: int) -> None:
+    def faults(disk: FaultyDisk, on: bool) -> None:
+        disk.fail_writes, disk.partial = on, partial
+
+    log = before_doomed_after(tmp_path, faults)
     assert [(r.offset, r.body) for r in log.read(0)] == [(1, b"before"), (3, b"after")]
     log.close()
     again, found = reopen(tmp_path)
@@ -226,20 +238,10 @@ def test_failed_write_leaves_no_trace_and_the_log_resumes(tmp_path: Path, partia
 
 
 def test_bytes_a_failed_undo_left_are_cut_by_the_next_write(tmp_path: Path) -> None:
-    disk = FaultyDisk()
-    log = Log(str(tmp_path), disk=disk)
-    log.open()
-    log.append(MSG, b"before", 0)
-    flush(log)
-    log.append(MSG, b"doomed", 0)
-    batch = log.take_batch()
-    disk.fail_fsync = disk.fail_truncate = True  # written, not synced, and cannot be cut
-    with pytest.raises(OSError):
-        batch.write(disk, True)
-    log.abort(batch)
-    disk.fail_fsync = disk.fail_truncate = False
-    log.append(MSG, b"after", 0)
-    flush(log)
+    def faults(disk: FaultyDisk, on: bool) -> None:
+        disk.fail_fsync = disk.fail_truncate = on  # written, not synced, and cannot be cut
+
+    log = before_doomed_after(tmp_path, faults)
     expected = [(1, b"before"), (3, b"after")]
     assert [(r.offset, r.body) for r in log.read(0)] == expected
     log.close()
