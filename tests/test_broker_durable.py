@@ -37,8 +37,9 @@ class Setup:
             batch.write(self.log.disk, True)
             self.log.commit(batch)
 
-    def take(self, consumer, now: int = 0, limit: int = 1000) -> list[tuple[int, int, bytes]]:
-        records = self.broker.take(consumer, limit, 1 << 30, now, 1000)
+    def take(self, consumer, now: int = 0, limit: int = 1000, max_bytes: int = 1 << 30
+             ) -> list[tuple[int, int, bytes]]:
+        records = self.broker.take(consumer, limit, max_bytes, now, 1000)
         if not records:
             return []
         frame = decode_one(encode_deliver(consumer.sub_id, records))
@@ -374,3 +375,21 @@ def test_a_checkpoint_keeps_unacked_deliveries_and_later_acks(tmp_path: Path) ->
     s2.broker.ack("conn", c2.sub_id, (got[98][0],), 0)
     skipped = s2.broker.skip_to(c2.queue.next + 5)
     assert skipped == [(c2.queue, 5)] and c2.queue.skipped == 5
+
+
+def test_cursor_batches_stay_within_max_bytes(tmp_path: Path) -> None:
+    s = Setup(tmp_path, retry_backoff_ms=100)
+    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    replay = s.broker.subscribe("conn2", "t", start=Start.EARLIEST).consumer
+    s.publish("t", *(bytes([65 + i]) * 1000 for i in range(10)))
+    s.publish("t", b"z" * 5000)
+    s.commit()
+    for consumer in (c, replay):
+        sizes = []
+        while got := s.take(consumer, max_bytes=3500):
+            sizes.append([len(p) for _, _, p in got])
+        # ~1040-byte delivery records: three fit in 3500 bytes; the 5000-byte one goes alone
+        assert sizes == [[1000] * 3, [1000] * 3, [1000] * 3, [1000], [5000]]
+    assert s.broker.redeliver(100, 0) == [c.queue]
+    again = s.take(c, now=100, max_bytes=2500)  # redeliveries are bounded the same way
+    assert [(n, len(p)) for _, n, p in again] == [(2, 1000), (2, 1000)]

@@ -8,7 +8,7 @@ small result value; the Trio shell decides whom to wake and what to send. Time c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -138,6 +138,10 @@ class UnsubscribeResult:
     ended: tuple[Consumer, ...] = ()  # other connections' consumers detached (group deleted)
     removed: tuple[Queue, ...] = ()  # queues that no longer exist
     refusal: Refusal | None = None
+
+
+def _late_reason(count: int) -> str:
+    return f"not acked in time ({count} deliveries)"
 
 
 def _refused(code: ErrorCode, text: str) -> SubscribeResult:
@@ -526,12 +530,24 @@ class Broker:
         mine = target.held_by(sub_id, offsets)
         self.counters.nacked += len(mine)
         reason = f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked"
-        for offset in mine:
-            if target.inflight[offset].count >= self.limits.max_retries:
-                self._give_up(target, offset, reason, now_ms, timestamp_ms)
-            else:
-                target.back(offset, now_ms, delay_ms)
+        target.back(self._spend(target, mine, lambda _: reason, now_ms, timestamp_ms),
+                    now_ms, delay_ms)
         return target if mine else None
+
+    def _spend(
+        self, target: DurableGroup, offsets: list[int], reason: Callable[[int], str],
+        now_ms: int, timestamp_ms: int,
+    ) -> list[int]:
+        """Dead-letter those of ``offsets`` delivered ``max_retries`` times (``reason`` of
+        their delivery count); returns the others, in order, to be given back."""
+        back = []
+        for offset in offsets:
+            count = target.inflight[offset].count
+            if count >= self.limits.max_retries:
+                self._give_up(target, offset, reason(count), now_ms, timestamp_ms)
+            else:
+                back.append(offset)
+        return back
 
     def _backoff(self, count: int) -> int:
         base = self.limits.retry_backoff_ms
@@ -550,7 +566,8 @@ class Broker:
         )
 
     def _take_durable(
-        self, consumer: Consumer, target: DurableGroup, limit: int, now_ms: int, wall_ms: int
+        self, consumer: Consumer, target: DurableGroup, limit: int, max_bytes: int,
+        now_ms: int, wall_ms: int,
     ) -> list[bytes]:
         log = self.log
         assert log is not None
@@ -561,19 +578,23 @@ class Broker:
             target.load_pending([r for o in sorted(target.pending)
                                  for r in log.read(o, max_records=1)
                                  if r.kind == MESSAGE_RECORD])
-        out = target.take_ready(consumer.sub_id, room, now_ms, self._backoff)
+        out, size = target.take_ready(consumer.sub_id, room, max_bytes, now_ms, self._backoff)
         self.counters.redelivered += len(out)
         scanned = 0
-        while len(out) < room and target.next <= log.written_offset and scanned < 20_000:
-            records = log.read(target.next, max_records=1000)
+        while (len(out) < room and size < max_bytes and target.next <= log.written_offset
+               and scanned < 20_000):
+            records = log.read(target.next, max_records=1000, max_bytes=max_bytes - size)
             if not records:
                 target.next = log.written_offset + 1
                 break
             scanned += len(records)
-            new, expired = target.take_new(consumer.sub_id, room - len(out), records, now_ms,
-                                           wall_ms, self._backoff)
-            out += new
+            new, size, expired, full = target.take_new(
+                consumer.sub_id, room - len(out), max_bytes, size, records, now_ms, wall_ms,
+                self._backoff)
             self.counters.dropped_ttl += expired
+            out += new
+            if full:
+                break
         self.counters.delivered += len(out)
         return out
 
@@ -584,13 +605,7 @@ class Broker:
         woken = []
         for target in self.cursors:
             late, due = target.expire(now_ms)
-            for offset in late:
-                count = target.inflight[offset].count
-                if count >= self.limits.max_retries:
-                    self._give_up(target, offset, f"not acked in time ({count} deliveries)",
-                                  now_ms, timestamp_ms)
-                else:
-                    target.back(offset)
+            target.back(self._spend(target, late, _late_reason, now_ms, timestamp_ms))
             if late or due:
                 woken.append(target)
         return woken
@@ -746,7 +761,7 @@ class Broker:
         """
         queue = consumer.queue
         if isinstance(queue, DurableGroup):
-            return self._take_durable(consumer, queue, limit, now_ms, wall_ms)
+            return self._take_durable(consumer, queue, limit, max_bytes, now_ms, wall_ms)
         items = queue.items
         if not items:
             return []

@@ -40,6 +40,7 @@ CREATE, DELETE, IDLE, CHECKPOINT = 1, 2, 3, 4  # IDLE: its last consumer detache
 _CHECKPOINT_HEAD = struct.Struct(">QI")
 _U32 = struct.Struct(">I")
 DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
+_PREFIX_SIZE = DELIVERY_PREFIX.size
 
 
 class GroupRecord(NamedTuple):
@@ -202,27 +203,42 @@ class DurableGroup:
         return hit
 
     def take_ready(
-        self, sub_id: int, room: int, now_ms: int, backoff: Any
-    ) -> list[bytes]:
+        self, sub_id: int, room: int, max_bytes: int, now_ms: int, backoff: Any
+    ) -> tuple[list[bytes], int]:
+        """Deliveries to send again, within ``room`` records and ``max_bytes`` (the first one
+        goes whatever its size); returns them and their size in bytes."""
         out: list[bytes] = []
-        while self.ready and len(out) < room:
-            offset = self.ready.popleft()
+        size = 0
+        ready = self.ready
+        while ready and len(out) < room:
+            offset = ready[0]
             flight = self.inflight.get(offset)
             if flight is None or flight.sub_id:
+                ready.popleft()
                 continue  # acked, or taken again, meanwhile
+            record_size = _PREFIX_SIZE + len(flight.body)
+            if out and size + record_size > max_bytes:
+                break
+            ready.popleft()
             flight.count += 1
             flight.sub_id = sub_id
             flight.due = now_ms + backoff(flight.count)
             out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF)) + flight.body)
-        return out
+            size += record_size
+        return out, size
 
     def take_new(
-        self, sub_id: int, room: int, records: list[Any], now_ms: int, wall_ms: int,
-        backoff: Any,
-    ) -> tuple[list[bytes], int]:
-        """Deliver matching MESSAGE records read at the cursor; returns (records, expired)."""
+        self, sub_id: int, room: int, max_bytes: int, used: int, records: list[Any],
+        now_ms: int, wall_ms: int, backoff: Any,
+    ) -> tuple[list[bytes], int, int, bool]:
+        """Deliver matching MESSAGE records read at the cursor, within ``room`` records and
+        ``max_bytes`` for the whole batch, ``used`` of which are taken already (a batch's
+        first record goes whatever its size). Returns (records, the batch's size now,
+        expired, full); the cursor stops before the first record left out."""
         out: list[bytes] = []
+        size = used
         expired = 0
+        full = False
         due = now_ms + backoff(1)
         acks = self.acks
         for record in records:
@@ -230,11 +246,15 @@ class DurableGroup:
             if offset < self.next:
                 continue
             if len(out) >= room:
+                full = True
+                break
+            body = record.body
+            if size and size + _PREFIX_SIZE + len(body) > max_bytes and record.kind == 1:
+                full = True
                 break
             self.next = offset + 1
             if record.kind != 1:
                 continue
-            body = record.body
             _, ttl, tlen, _, _ = MSG_HEAD.unpack_from(body)
             if not self.wants(body[13 : 13 + tlen]):
                 continue
@@ -247,7 +267,8 @@ class DurableGroup:
             if acks:
                 self.inflight[offset] = Flight(body, sub_id, due)
             out.append(DELIVERY_PREFIX.pack(offset, 1) + body)
-        return out, expired
+            size += _PREFIX_SIZE + len(body)
+        return out, size, expired, full
 
     def ack(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
         """Offsets that were in flight for this consumer and are now done."""
@@ -264,15 +285,15 @@ class DurableGroup:
         inflight = self.inflight
         return [o for o in offsets if o in inflight and inflight[o].sub_id == sub_id]
 
-    def back(self, offset: int, now_ms: int = 0, delay_ms: int = 0) -> None:
-        """A delivery comes back: to the front of ``ready``, or after ``delay_ms``."""
-        flight = self.inflight[offset]
-        if delay_ms:
-            flight.sub_id = DELAYED
+    def back(self, offsets: list[int], now_ms: int = 0, delay_ms: int = 0) -> None:
+        """Deliveries come back: to the front of ``ready`` in their order, or after
+        ``delay_ms``."""
+        for offset in offsets:
+            flight = self.inflight[offset]
+            flight.sub_id = DELAYED if delay_ms else 0
             flight.due = now_ms + delay_ms
-        else:
-            flight.sub_id = 0
-            self.ready.appendleft(offset)
+        if not delay_ms:
+            self.ready.extendleft(reversed(offsets))
 
     def drop(self, offset: int) -> Flight:
         """Take a delivery out of flight for good (it goes to the dead-letter topic)."""

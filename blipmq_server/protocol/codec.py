@@ -31,6 +31,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
+from blipmq_server.protocol.names import MAX_TOPIC_BYTES
 
 VERSION = 1
 HEADER = struct.Struct(">IBI")  # length, type, request id
@@ -48,6 +49,8 @@ _DEAD = struct.Struct(">HB")  # dead-letter trailer head: deliveries, reason_len
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
+# the most a message record adds to its payload: head, topic, key, dead-letter trailer
+MESSAGE_OVERHEAD = MSG_HEAD.size + MAX_TOPIC_BYTES + 0xFFFF + _DEAD.size + 0xFF
 _SUB = struct.Struct(">BIBQ")  # qos, credit, start, start_offset
 _ACK_HEAD = struct.Struct(">IH")  # sub_id, count
 _NACK_HEAD = struct.Struct(">IIH")  # sub_id, delay_ms, count
@@ -146,6 +149,20 @@ class Delivery(NamedTuple):
     ttl_ms: int
     key: bytes | None
     dead: DeadLetter | None = None
+
+
+
+
+def frame_limit(max_message_bytes: int, max_batch_bytes: int = 0) -> int:
+    """The largest frame ``length`` a broker with these limits sends or accepts.
+
+    A DELIVER frame holds up to ``max_batch_bytes`` of delivery records, or one record alone
+    when it is larger; a PUBLISH frame holds at least one message. Both sides decode with this
+    limit (the broker announces it in WELCOME), so any message the broker accepts can reach
+    every subscriber.
+    """
+    one = DELIVERY_PREFIX.size + MESSAGE_OVERHEAD + max_message_bytes
+    return MIN_LENGTH + _ACK_HEAD.size + max(one, max_batch_bytes)
 
 
 # ---------------------------------------------------------------------------------- frames

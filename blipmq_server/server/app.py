@@ -82,6 +82,9 @@ class Server:
             log=self.wal,
         )
         self.counters = ServerCounters()
+        # the frame limit of both directions (announced in WELCOME)
+        self.max_frame = codec.frame_limit(config.server.max_message_bytes,
+                                           config.delivery.max_batch_bytes)
         self.sessions: set[Session] = set()
         self.shutdown = trio.Event()
         self.started_at = 0.0

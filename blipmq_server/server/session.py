@@ -180,7 +180,7 @@ class Session:
 
     async def _read_loop(self) -> CloseReason:
         cfg = self.server.config
-        decoder = codec.Decoder(cfg.server.max_message_bytes + 65536)
+        decoder = codec.Decoder(self.server.max_frame)
         stream = self.stream
         with trio.CancelScope() as scope:
             self._read_scope = scope
@@ -263,8 +263,8 @@ class Session:
             return CloseReason.PROTOCOL_ERROR
         self._greeted = True
         cfg = self.server.config.server
-        self.send(codec.Welcome(codec.VERSION, cfg.max_message_bytes + 65536,
-                                cfg.max_message_bytes, "blipmq", frame.request_id))
+        self.send(codec.Welcome(codec.VERSION, self.server.max_frame, cfg.max_message_bytes,
+                                "blipmq", frame.request_id))
         return None
 
     def _auth(self, frame: codec.Frame) -> CloseReason | None:
