@@ -29,6 +29,9 @@ class ServerOptions:
     max_connections: int = 1024
     max_message_bytes: int = 8 * MiB
     handshake_timeout_ms: int = 5000
+    keepalive_ms: int = 60000
+    write_timeout_ms: int = 10000
+    max_pending_bytes: int = 4 * MiB
     shutdown_grace_ms: int = 5000
 
 
@@ -40,6 +43,7 @@ class AuthOptions:
 @dataclass(frozen=True, slots=True)
 class QueueOptions:
     capacity: int = 8192
+    capacity_bytes: int = 64 * MiB
     overflow: str = "block"
     block_timeout_ms: int = 5000
     default_ttl_ms: int = 0
@@ -152,14 +156,23 @@ SCHEMA: tuple[Key, ...] = (
     Key("server", "max_message_bytes", int, "Largest payload accepted", 1, 256 * MiB),
     Key("server", "handshake_timeout_ms", int, "Time to complete HELLO+AUTH (0 = no limit)",
         0, _U32),
+    Key("server", "keepalive_ms", int, "A connection silent this long gets a PING; silent "
+        "as long again, it is closed. Also the TCP keepalive idle time (0 = off)", 0, _U32),
+    Key("server", "write_timeout_ms", int, "A connection that takes none of what is sent to "
+        "it for this long is closed as a slow consumer (0 = never)", 0, _U32),
+    Key("server", "max_pending_bytes", int, "Output a connection may owe before the broker "
+        "stops reading from it until it catches up", 64 * 1024, 1024 * MiB),
     Key("server", "shutdown_grace_ms", int, "How long shutdown waits to drain deliveries",
         0, _U32),
     Key("auth", "api_keys", tuple, "Accepted API keys; empty = authentication disabled"),
     Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
         10_000_000),
+    Key("queues", "capacity_bytes", int, "Bytes of messages each subscription or group may "
+        "hold (at least server.max_message_bytes)", 1024, 2**50),
     Key("queues", "overflow", str, "What a full queue does with a new message",
         choices=("drop_oldest", "drop_new", "block")),
-    Key("queues", "block_timeout_ms", int, "With overflow = block: longest wait for room",
+    Key("queues", "block_timeout_ms", int, "With overflow = block: a queue full this long "
+        "while publishers wait has its consumers disconnected as slow consumers (0 = never)",
         0, _U32),
     Key("queues", "default_ttl_ms", int, "TTL of messages published without one (0 = never)",
         0, _U32),
@@ -323,7 +336,18 @@ def load(
             raise ConfigError("unknown key", dotted)
         value = _parse_text(key, raw, dotted) if isinstance(raw, str) else raw
         values.setdefault(key.section, {})[key.name] = _check(key, value, dotted)
-    return Config(**{s: factory(**values.get(s, {})) for s, factory in _SECTIONS.items()})
+    config = Config(**{s: factory(**values.get(s, {})) for s, factory in _SECTIONS.items()})
+    _check_together(config)
+    return config
+
+
+def _check_together(config: Config) -> None:
+    """Refuse combinations of values that cannot work together."""
+    largest = config.server.max_message_bytes
+    if config.queues.capacity_bytes < largest:
+        raise ConfigError(
+            f"{config.queues.capacity_bytes} is less than server.max_message_bytes ({largest}): "
+            "a queue could never hold the largest message", "queues.capacity_bytes")
 
 
 # ----------------------------------------------------------------------------- default file

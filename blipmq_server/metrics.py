@@ -47,7 +47,7 @@ class BrokerCollector:
         dropped.add_metric(["drop_oldest"], c.dropped_oldest)
         dropped.add_metric(["drop_new"], c.dropped_new)
         dropped.add_metric(["ttl"], c.dropped_ttl)
-        dropped.add_metric(["block_timeout"], c.dropped_block_timeout)
+        dropped.add_metric(["no_consumer"], c.dropped_no_consumer)
         yield dropped
         yield CounterMetricFamily(
             "blipmq_connections", "Connections accepted", value=s.connections_total
@@ -60,6 +60,12 @@ class BrokerCollector:
             "blipmq_auth_failures", "Connections that offered a refused API key",
             value=s.auth_failures,
         )
+        closed = CounterMetricFamily(
+            "blipmq_connections_closed", "Connections closed, by reason (slow_consumer, "
+            "keepalive_timeout, eof, goodbye, ...)", labels=["reason"])
+        for reason, n in sorted(s.closed.items()):
+            closed.add_metric([reason], n)
+        yield closed
         yield GaugeMetricFamily(
             "blipmq_connections_open", "Open client connections", value=len(self.server.sessions)
         )

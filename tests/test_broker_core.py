@@ -2,7 +2,7 @@
 
 import pytest
 
-from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.core import Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.protocol.codec import (
     DELIVERY_PREFIX,
@@ -77,12 +77,45 @@ def test_block_stops_the_batch_at_the_full_queue() -> None:
     c = b.subscribe("c", "t").consumer
     msgs = [raw("t", bytes([i])) for i in range(5)]
     res = b.publish(msgs, 0)
-    assert res.accepted == 2 and res.blocked is c.queue
+    assert res.accepted == 2 and res.blocked == Blocked(c.queue.id, "subscription on 't'", ("c",))
+    assert res.wake == {"c"}
     assert take_all(b, c) == [b"\x00", b"\x01"]
     res = b.publish(msgs[2:], 0)
-    assert res.accepted == 2 and res.blocked is c.queue
-    b.count_block_timeout(1)
-    assert b.counters.dropped_block_timeout == 1
+    assert res.accepted == 2 and res.blocked is not None and res.blocked.queue == c.queue.id
+
+
+def test_block_without_a_consumer_keeps_the_newest() -> None:
+    # a QoS 0 group whose consumer left must not stop the topic for everyone
+    b = Broker(Limits(capacity=3, overflow=Overflow.BLOCK))
+    gone = b.subscribe(1, "t", group="dash").consumer
+    b.disconnect(1)
+    live = b.subscribe(2, "t").consumer
+    res = b.publish([raw("t", bytes([i])) for i in range(5)], 0)
+    assert res.accepted == 3 and res.blocked == Blocked(live.queue.id, "subscription on 't'", (2,))
+    assert take_all(b, live) == [b"\x00", b"\x01", b"\x02"]
+    assert b.publish([raw("t", bytes([i])) for i in range(3, 5)], 0).blocked is None
+    assert b.counters.dropped_no_consumer == 2 and gone.queue.dropped_no_consumer == 2
+    again = b.subscribe(3, "t", group="dash").consumer
+    assert take_all(b, again) == [b"\x02", b"\x03", b"\x04"]  # its newest, in order
+    b.disconnect(2)
+    b.publish([raw("t", bytes([i])) for i in range(10)], 0)
+    res = b.publish([raw("t", b"more")], 0)
+    assert res.blocked is not None and res.blocked.name == "group 'dash' on 't'"
+
+
+@pytest.mark.parametrize("policy", list(Overflow))
+def test_queue_bytes_are_bounded(policy: Overflow) -> None:
+    b = Broker(Limits(capacity=1000, capacity_bytes=1000, overflow=policy))
+    c = b.subscribe(1, "t").consumer
+    for i in range(20):
+        b.publish([raw("t", bytes([i]) * 300)], 0)
+        assert c.queue.size == sum(len(r) for r, _ in c.queue.items) <= 1000
+    assert len(c.queue.items) == 3  # 3 x ~324 bytes
+    b.publish([raw("t", b"x" * 5000)], 0)  # larger than the bound: only into an empty queue
+    take_all(b, c)
+    assert c.queue.size == 0
+    b.publish([raw("t", b"x" * 5000)], 0)
+    assert len(c.queue.items) == 1
 
 
 def test_refusals_stop_the_batch_and_say_why() -> None:
@@ -156,7 +189,8 @@ def test_group_outlives_its_consumers_until_unsub() -> None:
     again = b.subscribe("conn2", "jobs", group="g").consumer
     assert take_all(b, again) == [b"queued while away"]
     res = b.unsubscribe("conn3", topic_filter="jobs", group="g")
-    assert res.count == 1 and res.ended == (again,)
+    assert res.count == 1 and res.ended == (Ended("conn2", 0, "group 'g' on 'jobs'"),)
+    assert res.detached.released == (again.queue.id,)
     assert b.group("jobs", "g") is None
     gone = b.unsubscribe("conn3", topic_filter="jobs", group="g")
     assert gone.refusal.code == ErrorCode.NOT_FOUND
@@ -165,9 +199,9 @@ def test_group_outlives_its_consumers_until_unsub() -> None:
 def test_ephemeral_subscription_ends_with_its_connection() -> None:
     b = Broker()
     c = b.subscribe("conn", "t").consumer
-    assert b.disconnect("conn") == (c.queue,)
+    assert b.disconnect("conn") == Detached(released=(c.queue.id,))
     assert b.queues == ()
-    assert b.publish([raw("t")], 0).woken == set()
+    assert b.publish([raw("t")], 0).wake == set()
 
 
 def test_unsubscribe_by_id_checks_the_owner() -> None:

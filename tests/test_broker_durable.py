@@ -118,10 +118,10 @@ def test_unacked_deliveries_come_back_with_backoff_then_dead_letter(tmp_path: Pa
     s.publish("t", b"poison")
     s.commit()
     assert [n for _, n, _ in s.take(c, now=0)] == [1]
-    assert s.broker.redeliver(99, 0) == [] and s.take(c, now=99) == []
+    assert not s.broker.redeliver(99, 0) and s.take(c, now=99) == []
     assert s.broker.redeliver(100, 0)  # deadline 100 ms after the first delivery
     assert [n for _, n, _ in s.take(c, now=100)] == [2]
-    assert s.broker.redeliver(299, 0) == []  # the second deadline is 200 ms later
+    assert not s.broker.redeliver(299, 0)  # the second deadline is 200 ms later
     s.broker.redeliver(300, 0)
     assert [n for _, n, _ in s.take(c, now=300)] == [3]
     s.broker.redeliver(700, 0)  # third delivery unacked: max_retries reached
@@ -217,13 +217,13 @@ def test_nack_now_and_with_a_delay(tmp_path: Path) -> None:
     s.publish("t", b"x", b"y")
     s.commit()
     [(x, _, _)] = s.take(c, now=0)
-    assert s.broker.nack("other", c.sub_id, (x,), 0, 0, 0) is None  # not its delivery
+    assert not s.broker.nack("other", c.sub_id, (x,), 0, 0, 0)  # not its delivery
     assert s.broker.nack("conn", c.sub_id, (x,), 0, 0, 0) is not None
     assert [(p, n) for _, n, p in s.take(c, now=1)] == [(b"x", 2)]  # at once, before "y"
     assert s.broker.nack("conn", c.sub_id, (x,), 500, 1, 0) is not None
     assert [p for _, _, p in s.take(c, now=2)] == [b"y"]  # the window was freed
     assert s.broker.ack("conn", c.sub_id, (x + 1,), 0)
-    assert s.broker.redeliver(500, 0) == [] and s.take(c, now=500) == []
+    assert not s.broker.redeliver(500, 0) and s.take(c, now=500) == []
     assert s.broker.redeliver(501, 0)
     assert [(p, n) for _, n, p in s.take(c, now=501)] == [(b"x", 3)]
     assert s.broker.counters.nacked == 2
@@ -390,6 +390,6 @@ def test_cursor_batches_stay_within_max_bytes(tmp_path: Path) -> None:
             sizes.append([len(p) for _, _, p in got])
         # ~1040-byte delivery records: three fit in 3500 bytes; the 5000-byte one goes alone
         assert sizes == [[1000] * 3, [1000] * 3, [1000] * 3, [1000], [5000]]
-    assert s.broker.redeliver(100, 0) == [c.queue]
+    assert s.broker.redeliver(100, 0) == {"conn"}
     again = s.take(c, now=100, max_bytes=2500)  # redeliveries are bounded the same way
     assert [(n, len(p)) for _, n, p in again] == [(2, 1000), (2, 1000)]

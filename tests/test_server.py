@@ -144,7 +144,7 @@ async def test_handshake_timeout(
     server.shutdown.set()
 
 
-async def test_block_policy_times_out_with_an_error_frame(
+async def test_block_policy_keeps_no_publisher_waiting_for_a_group_without_consumers(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     cfg = make_config(queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 2000})
@@ -156,12 +156,78 @@ async def test_block_policy_times_out_with_an_error_frame(
     await pub.expect(codec.Unsubscribed)
     before = trio.current_time()
     await pub.send(publish(("t", b"1"), ("t", b"2"), ("t", b"3"), rid=7), codec.Ping(b"", 8))
-    err = await pub.expect(codec.Error)
-    assert err.code == ErrorCode.QUEUE_FULL and err.request_id == 7
-    assert "1 of 3" in err.text
+    await pub.expect(codec.Pong)  # no error, no wait
+    assert trio.current_time() - before < 0.1
+    assert server.broker.counters.dropped_no_consumer == 1
+    assert [i[0][-1:] for i in server.broker.group("t", "g").items] == [b"2", b"3"]
+    server.shutdown.set()
+
+
+async def test_a_consumer_that_takes_nothing_is_disconnected_not_the_publishers(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = make_config(queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 2000},
+                      server={"write_timeout_ms": 0})
+    server, port = await start(nursery, cfg)
+    stuck = await connect(port)  # subscribes, then never reads its socket again
+    await stuck.send(codec.Subscribe("t", "", 0, 0, request_id=1))
+    await stuck.expect(codec.Subscribed)
+    pub = await connect(port)
+    big = b"x" * 200_000
+    before = trio.current_time()
+    # far more than the socket buffers hold: the subscriber's writer stops, its queue fills
+    await pub.send(*[publish(("t", big))] * 100, codec.Ping(b"", 8))
+    await pub.expect(codec.Pong)  # the publisher got through, without an error
     assert trio.current_time() - before >= 2
-    await pub.expect(codec.Pong)  # the connection keeps serving
-    assert server.broker.counters.dropped_block_timeout == 1
+    assert server.counters.closed["slow_consumer"] == 1
+    assert server.broker.queues == ()  # the stuck subscription ended with its connection
+    while await stuck.recv() is not None:  # what it had in its socket, then the end
+        pass
+    server.shutdown.set()
+
+
+async def test_a_peer_that_does_not_read_its_replies_is_paused_then_closed(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = make_config(server={"max_pending_bytes": 65536, "write_timeout_ms": 3000})
+    server, port = await start(nursery, cfg)
+    flood = await connect(port)
+    ping = codec.encode(codec.Ping(b"p" * 60_000))
+    sent = 0
+    with trio.move_on_after(30):
+        try:
+            while sent < 50_000:  # far more than the budget and every socket buffer
+                await flood.send(ping)
+                sent += 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    assert sent < 50_000  # the broker stopped reading, then closed the connection
+    while server.sessions:
+        await trio.sleep(0.01)
+    assert server.counters.closed["slow_consumer"] == 1
+    server.shutdown.set()
+
+
+async def test_keepalive_pings_a_silent_connection_then_closes_it(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    server, port = await start(nursery, make_config(server={"keepalive_ms": 1000}))
+    silent = await connect(port)
+    alive = await connect(port)
+    before = trio.current_time()
+    assert await silent.expect(codec.Ping)
+    assert 1 <= trio.current_time() - before < 1.5
+    assert await alive.expect(codec.Ping)
+    await alive.send(codec.Pong(b"keepalive"))
+    bye = await silent.expect(codec.Goodbye)
+    assert bye.code == ErrorCode.TIMEOUT and "server.keepalive_ms" in bye.text
+    assert await silent.closed()
+    assert 2 <= trio.current_time() - before < 2.5
+    while len(server.sessions) > 1:
+        await trio.sleep(0.01)
+    assert server.counters.closed["keepalive_timeout"] == 1
+    assert await alive.expect(codec.Ping)  # answered: pinged again after the next quiet second
+    assert len(server.sessions) == 1
     server.shutdown.set()
 
 

@@ -460,3 +460,14 @@ def test_after_recovery_the_cache_holds_only_new_commits(tmp_path: Path) -> None
     flush(log)
     assert [r.body for r in log.read(21)] == [b"new"] and disk.preads == 1
     assert [r.offset for r in log.read(19)] == [19, 20, 21] and disk.preads == 2
+
+
+def test_first_offset_counts_records_not_yet_written(tmp_path) -> None:
+    # a replay from "earliest" right after a publish must not skip what the flusher has not
+    # written yet
+    log = Log(str(tmp_path))
+    log.open()
+    assert log.first_offset == 1
+    log.append(1, b"a", 0)
+    log.append(1, b"b", 0)
+    assert log.first_offset == 1 and log.next_offset == 3

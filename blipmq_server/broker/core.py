@@ -30,6 +30,7 @@ from blipmq_server.protocol.names import filter_problem, group_problem, topic_pr
 
 _ROUTE_CACHE_LIMIT = 8192
 _pack_prefix = DELIVERY_PREFIX.pack
+_PREFIX_SIZE = DELIVERY_PREFIX.size
 # wal.record.Kind values (the core does not import the log package)
 MESSAGE_RECORD, GROUP_RECORD, ACK_RECORD = 1, 2, 3
 
@@ -53,6 +54,7 @@ class Limits:
     """The broker options the core needs (built from the config by the shell)."""
 
     capacity: int = 8192
+    capacity_bytes: int = 64 * 1024 * 1024
     overflow: Overflow = Overflow.BLOCK
     default_ttl_ms: int = 0
     max_message_bytes: int = 8 * 1024 * 1024
@@ -75,7 +77,7 @@ class Counters:
     dropped_oldest: int = 0
     dropped_new: int = 0
     dropped_ttl: int = 0
-    dropped_block_timeout: int = 0
+    dropped_no_consumer: int = 0  # a ``block`` queue without consumers made room
     refused: int = 0  # messages answered with an error frame (bad topic, too large, ...)
     acked: int = 0
     redelivered: int = 0
@@ -87,14 +89,14 @@ class Counters:
 class Consumer:
     """One subscriber attachment: a connection's subscription id on a queue."""
 
-    __slots__ = ("credit", "owner", "qos", "queue", "request_id", "sub_id")
+    __slots__ = ("conn", "credit", "qos", "queue", "request_id", "sub_id")
 
     def __init__(
-        self, sub_id: int, queue: Queue, owner: Any, qos: int, credit: int, request_id: int
+        self, sub_id: int, queue: Queue, conn: int, qos: int, credit: int, request_id: int
     ) -> None:
         self.sub_id = sub_id
         self.queue = queue
-        self.owner = owner
+        self.conn = conn
         self.qos = qos
         self.credit = credit
         self.request_id = request_id
@@ -109,18 +111,29 @@ class Refusal:
     text: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """A full queue with the ``block`` policy, and the connections consuming from it."""
+
+    queue: int  # Queue.id
+    name: str  # for errors and logs: "group 'g' on 't'" or "subscription on 't'"
+    conns: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PublishResult:
     """``accepted`` messages of the batch were taken; the rest were not looked at.
 
-    ``blocked`` is a full queue with the ``block`` policy that stopped the batch (retry the
-    rest when it has room); ``refusal`` says why a message was refused. ``confirms`` QoS 1
-    messages were accepted; confirm them once the log holds ``last_offset``.
+    ``wake`` are the connections with new deliveries. ``blocked`` is a full queue with the
+    ``block`` policy and a consumer that stopped the batch (retry the rest when it has room);
+    ``refusal`` says why a message was refused. ``last_offset`` is the last log record
+    appended (0: none); ``confirms`` QoS 1 messages were accepted: confirm them once the log
+    holds ``last_offset``.
     """
 
     accepted: int
-    woken: set[Queue]
-    blocked: Queue | None = None
+    wake: set[int]
+    blocked: Blocked | None = None
     refusal: Refusal | None = None
     confirms: int = 0
     last_offset: int = 0
@@ -133,10 +146,29 @@ class SubscribeResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Ended:
+    """Another connection's subscription that ended because its group was deleted."""
+
+    conn: int
+    request_id: int  # of its SUBSCRIBE
+    name: str  # "group 'g' on 't'"
+
+
+@dataclass(frozen=True, slots=True)
+class Detached:
+    """What ending subscriptions changed: ``released`` queues (by id) no longer hold
+    publishers back the way they did (gone, or one consumer fewer); ``wake`` connections
+    have deliveries again (the unacked ones of a consumer that left)."""
+
+    released: tuple[int, ...] = ()
+    wake: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
 class UnsubscribeResult:
     count: int
-    ended: tuple[Consumer, ...] = ()  # other connections' consumers detached (group deleted)
-    removed: tuple[Queue, ...] = ()  # queues that no longer exist
+    detached: Detached = Detached()
+    ended: tuple[Ended, ...] = ()  # other connections' subscriptions ended (group deleted)
     refusal: Refusal | None = None
 
 
@@ -168,9 +200,10 @@ class Broker:
         self._queues: list[Queue] = []
         self._groups: dict[tuple[str, str], Queue] = {}
         self._consumers: dict[int, Consumer] = {}
-        self._by_owner: dict[Any, list[Consumer]] = {}
+        self._by_conn: dict[int, list[Consumer]] = {}
         self._routes: dict[bytes, _Route | Refusal] = {}
         self._next_sub_id = 1
+        self._next_queue_id = 1
         self._durable: dict[tuple[str, str], DurableGroup] = {}
         self._durable_ids: dict[int, DurableGroup] = {}
         self._cursors: list[DurableGroup] = []  # log cursors of subscriptions without a group
@@ -204,34 +237,40 @@ class Broker:
         next_logged = 0 if log is None else log.next_offset
         confirms = 0
         accepted = 0
-        result = None
+        refusal: Refusal | None = None
+        blocked: Queue | None = None
+        block, drop_oldest = Overflow.BLOCK, Overflow.DROP_OLDEST
         for m in messages:
             route = None if internal else routes.get(m.topic)
             if route is None:
                 route = self._resolve(m.topic, internal)
             if route.__class__ is Refusal:
-                result = PublishResult(accepted, woken, refusal=route)  # type: ignore[arg-type]
+                refusal = route  # type: ignore[assignment]
                 break
             if m.payload_len > max_bytes:
                 refusal = Refusal(
                     ErrorCode.MESSAGE_TOO_LARGE,
                     f"message of {m.payload_len} bytes exceeds max_message_bytes ({max_bytes})",
                 )
-                result = PublishResult(accepted, woken, refusal=refusal)
                 break
             if m.qos and logged is None:
                 refusal = Refusal(
                     ErrorCode.UNSUPPORTED, "QoS 1 needs the write-ahead log (wal.enabled = false)"
                 )
-                result = PublishResult(accepted, woken, refusal=refusal)
                 break
-            # a broker-made message (dead letter) never waits: a full ``block`` queue drops
-            # its copy (counted as drop_new); the log keeps it either way
-            blocked = None if internal else next(
-                (q for q in route.blockers if len(q.items) >= q.capacity), None)  # type: ignore[union-attr]
-            if blocked is not None:
-                result = PublishResult(accepted, woken, blocked=blocked)
-                break
+            size = len(m.record) + _PREFIX_SIZE
+            # Only a queue somebody consumes from holds publishers back. A broker-made
+            # message (dead letter) never waits: a full ``block`` queue drops its copy
+            # (counted as drop_new); the log keeps it either way.
+            if not internal:
+                for q in route.blockers:  # type: ignore[union-attr]
+                    items = q.items
+                    if q.consumers and (len(items) >= q.capacity or (
+                            items and q.size + size > q.capacity_bytes)):
+                        blocked = q
+                        break
+                if blocked is not None:
+                    break
             if logged is None:
                 offset += 1
             elif m.qos or log_qos0:
@@ -251,17 +290,22 @@ class Broker:
             item = (_pack_prefix(offset, 1) + m.record, now_ms + ttl if ttl else 0)
             for q in targets:
                 items = q.items
-                if len(items) < q.capacity:
-                    items.append(item)
-                elif q.overflow is Overflow.DROP_OLDEST:
-                    items.popleft()
-                    items.append(item)
-                    q.dropped_oldest += 1
-                    c.dropped_oldest += 1
-                else:  # DROP_NEW, or BLOCK for a dead letter (client messages wait above)
-                    q.dropped_new += 1
-                    c.dropped_new += 1
-                    continue
+                if len(items) >= q.capacity or (items and q.size + size > q.capacity_bytes):
+                    overflow = q.overflow
+                    if overflow is drop_oldest:
+                        n = q.make_room(size)
+                        q.dropped_oldest += n
+                        c.dropped_oldest += n
+                    elif overflow is block and not q.consumers:
+                        n = q.make_room(size)
+                        q.dropped_no_consumer += n
+                        c.dropped_no_consumer += n
+                    else:  # DROP_NEW, or BLOCK for a dead letter (client messages wait above)
+                        q.dropped_new += 1
+                        c.dropped_new += 1
+                        continue
+                items.append(item)
+                q.size += size
                 if ttl:
                     q.expiring = True
                 c.enqueued += 1
@@ -273,13 +317,14 @@ class Broker:
             log.append_many(MESSAGE_RECORD, logged, timestamp_ms)  # type: ignore[union-attr]
             self.offset = last_logged = next_logged - 1
         c.published += accepted
-        if result is None:
-            return PublishResult(accepted, woken, confirms=confirms, last_offset=last_logged)
-        if result.refusal is not None:
+        if refusal is not None:
             c.refused += 1
-        result.confirms = confirms
-        result.last_offset = last_logged
-        return result
+        wake = {consumer.conn for q in woken for consumer in q.consumers}
+        return PublishResult(
+            accepted, wake,
+            None if blocked is None else Blocked(
+                blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
+            refusal, confirms, last_logged)
 
     def _resolve(self, topic: bytes, internal: bool = False) -> _Route | Refusal:
         """Which queues a topic goes to (cached until the subscriptions change)."""
@@ -302,15 +347,11 @@ class Broker:
             self._routes[topic] = route
         return route
 
-    def count_block_timeout(self, dropped: int) -> None:
-        """A blocked publisher gave up: its ``dropped`` remaining messages are lost."""
-        self.counters.dropped_block_timeout += dropped
-
     # ------------------------------------------------------------------------ subscriptions
 
     def subscribe(
         self,
-        owner: Any,
+        conn: int,
         topic_filter: str,
         group: str = "",
         qos: int = 0,
@@ -320,7 +361,7 @@ class Broker:
         start_offset: int = 0,
         timestamp_ms: int = 0,
     ) -> SubscribeResult:
-        """Attach ``owner`` (a connection) to a new subscription or to a group.
+        """Attach ``conn`` (a connection) to a new subscription or to a group.
 
         QoS 0 without ``start``: an in-memory queue (shared by a group's consumers). QoS 1, or
         a ``start`` other than LATEST: a cursor into the log, which is a durable group when
@@ -331,24 +372,27 @@ class Broker:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return SubscribeResult(None, Refusal(code, problem))
         if qos or start != Start.LATEST:
-            return self._subscribe_cursor(owner, topic_filter, group, qos, credit, request_id,
+            return self._subscribe_cursor(conn, topic_filter, group, qos, credit, request_id,
                                           start, start_offset, timestamp_ms)
         queue = self._groups.get((topic_filter, group)) if group else None
         if queue is None:
-            queue = Queue(topic_filter, group or None, self.limits.capacity, self.limits.overflow)
+            limits = self.limits
+            queue = Queue(self._next_queue_id, topic_filter, group or None, limits.capacity,
+                          limits.overflow, limits.capacity_bytes)
+            self._next_queue_id += 1
             self._queues.append(queue)
             if group:
                 self._groups[(topic_filter, group)] = queue
             self._routes.clear()
-        consumer = Consumer(self._next_sub_id, queue, owner, qos, credit, request_id)
+        consumer = Consumer(self._next_sub_id, queue, conn, qos, credit, request_id)
         self._next_sub_id += 1
         queue.consumers.append(consumer)
         self._consumers[consumer.sub_id] = consumer
-        self._by_owner.setdefault(owner, []).append(consumer)
+        self._by_conn.setdefault(conn, []).append(consumer)
         return SubscribeResult(consumer)
 
     def _subscribe_cursor(
-        self, owner: Any, topic_filter: str, group: str, qos: int, credit: int,
+        self, conn: int, topic_filter: str, group: str, qos: int, credit: int,
         request_id: int, start: int, start_offset: int, timestamp_ms: int,
     ) -> SubscribeResult:
         log = self.log
@@ -383,12 +427,12 @@ class Broker:
                 self._cursors.append(target)
         target.idle_since = None
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
-        consumer = Consumer(self._next_sub_id, target, owner, qos, credit,  # type: ignore[arg-type]
+        consumer = Consumer(self._next_sub_id, target, conn, qos, credit,  # type: ignore[arg-type]
                             request_id)
         self._next_sub_id += 1
         target.consumers.append(consumer)
         self._consumers[consumer.sub_id] = consumer
-        self._by_owner.setdefault(owner, []).append(consumer)
+        self._by_conn.setdefault(conn, []).append(consumer)
         return SubscribeResult(consumer)
 
     def _add_durable(
@@ -478,6 +522,10 @@ class Broker:
     def durable_groups(self) -> tuple[DurableGroup, ...]:
         return tuple(self._durable.values())
 
+    def cursor_conns(self) -> set[int]:
+        """Connections consuming from a log cursor (they may deliver once the log grows)."""
+        return {c.conn for target in self.cursors for c in target.consumers}
+
     @property
     def cursors(self) -> tuple[DurableGroup, ...]:
         """Every log cursor: durable groups and subscriptions without a group."""
@@ -487,9 +535,9 @@ class Broker:
         """The lowest offset a durable group still needs (for log retention)."""
         return min((g.floor for g in self._durable.values()), default=None)
 
-    def ack(self, owner: Any, sub_id: int, offsets: tuple[int, ...], timestamp_ms: int) -> bool:
+    def ack(self, conn: int, sub_id: int, offsets: tuple[int, ...], timestamp_ms: int) -> bool:
         """A QoS 1 consumer acked deliveries; True when that freed room in its window."""
-        consumer = self._owned(owner, sub_id)
+        consumer = self._owned(conn, sub_id)
         if consumer is None:
             return False
         target = consumer.queue
@@ -503,11 +551,11 @@ class Broker:
                                 timestamp_ms)
         return bool(done)
 
-    def set_credit(self, owner: Any, sub_id: int, credit: int) -> bool:
+    def set_credit(self, conn: int, sub_id: int, credit: int) -> bool:
         """A QoS 1 consumer changes its window; True when it now has room for more.
 
-        Ignored (False) for QoS 0 subscriptions and for ids this owner does not hold."""
-        consumer = self._owned(owner, sub_id)
+        Ignored (False) for QoS 0 subscriptions and for ids this conn does not hold."""
+        consumer = self._owned(conn, sub_id)
         if consumer is None or not consumer.qos:
             return False
         grew = credit > consumer.credit
@@ -515,24 +563,24 @@ class Broker:
         return grew
 
     def nack(
-        self, owner: Any, sub_id: int, offsets: tuple[int, ...], delay_ms: int, now_ms: int,
+        self, conn: int, sub_id: int, offsets: tuple[int, ...], delay_ms: int, now_ms: int,
         timestamp_ms: int,
-    ) -> DurableGroup | None:
+    ) -> frozenset[int]:
         """A QoS 1 consumer gives deliveries back, to be redelivered now or after
         ``delay_ms``; one delivered ``max_retries`` times goes to ``$dlq/<topic>`` instead.
-        Returns the cursor whose consumers to wake, if anything was given back."""
-        consumer = self._owned(owner, sub_id)
+        Returns the connections to wake (the cursor's consumers, when anything came back)."""
+        consumer = self._owned(conn, sub_id)
         if consumer is None:
-            return None
+            return frozenset()
         target = consumer.queue
         if not isinstance(target, DurableGroup):
-            return None
+            return frozenset()
         mine = target.held_by(sub_id, offsets)
         self.counters.nacked += len(mine)
         reason = f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked"
         target.back(self._spend(target, mine, lambda _: reason, now_ms, timestamp_ms),
                     now_ms, delay_ms)
-        return target if mine else None
+        return frozenset(c.conn for c in target.consumers) if mine else frozenset()
 
     def _spend(
         self, target: DurableGroup, offsets: list[int], reason: Callable[[int], str],
@@ -598,17 +646,17 @@ class Broker:
         self.counters.delivered += len(out)
         return out
 
-    def redeliver(self, now_ms: int, timestamp_ms: int) -> list[DurableGroup]:
+    def redeliver(self, now_ms: int, timestamp_ms: int) -> frozenset[int]:
         """Maintenance: unacked deliveries past their deadline go back to their cursor (or to
         ``$dlq/<topic>`` after ``max_retries`` deliveries), and delayed nacks come due.
-        Returns the cursors to wake."""
-        woken = []
+        Returns the connections to wake."""
+        woken: set[int] = set()
         for target in self.cursors:
             late, due = target.expire(now_ms)
             target.back(self._spend(target, late, _late_reason, now_ms, timestamp_ms))
             if late or due:
-                woken.append(target)
-        return woken
+                woken.update(c.conn for c in target.consumers)
+        return frozenset(woken)
 
     def _give_up(
         self, target: DurableGroup, offset: int, reason: str, now_ms: int, timestamp_ms: int
@@ -656,71 +704,72 @@ class Broker:
                 durable.DELETE, 0, target.filter, target.group), timestamp_ms)
 
     def unsubscribe(
-        self, owner: Any, sub_id: int = 0, topic_filter: str = "", group: str = "",
+        self, conn: int, sub_id: int = 0, topic_filter: str = "", group: str = "",
         timestamp_ms: int = 0,
     ) -> UnsubscribeResult:
-        """End one subscription (by id), this owner's subscriptions on a filter, or a group."""
+        """End one subscription (by id), this conn's subscriptions on a filter, or a group."""
         if sub_id:
-            consumer = self._owned(owner, sub_id)
+            consumer = self._owned(conn, sub_id)
             if consumer is None:
                 return UnsubscribeResult(
                     0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}")
                 )
-            return UnsubscribeResult(1, removed=self._detach(consumer, timestamp_ms))
-        if group and (topic_filter, group) in self._durable:
-            target = self._durable[(topic_filter, group)]
-            self._delete_durable(target, timestamp_ms)
-            ended = tuple(c for c in target.consumers if c.owner is not owner)
-            for consumer in list(target.consumers):
+            return UnsubscribeResult(1, self._detach_all([consumer], timestamp_ms))
+        if group:
+            target: Queue | DurableGroup | None = self._durable.get((topic_filter, group))
+            if target is not None:
+                self._delete_durable(target, timestamp_ms)  # type: ignore[arg-type]
+                released: tuple[int, ...] = ()
+            else:
+                target = self._groups.pop((topic_filter, group), None)
+                if target is None:
+                    return UnsubscribeResult(0, refusal=Refusal(
+                        ErrorCode.NOT_FOUND,
+                        f"no group {group!r} on topic filter {topic_filter!r}"))
+                self._drop_queue(target)
+                released = (target.id,)
+            name = f"group {group!r} on {topic_filter!r}"
+            ended = tuple(Ended(c.conn, c.request_id, name)
+                          for c in target.consumers if c.conn != conn)
+            for consumer in target.consumers:
                 self._forget(consumer)
             target.consumers.clear()
-            return UnsubscribeResult(1, ended=ended)
-        if group:
-            queue = self._groups.pop((topic_filter, group), None)
-            if queue is None:
-                return UnsubscribeResult(
-                    0,
-                    refusal=Refusal(
-                        ErrorCode.NOT_FOUND, f"no group {group!r} on topic filter {topic_filter!r}"
-                    ),
-                )
-            ended = tuple(c for c in queue.consumers if c.owner is not owner)
-            for consumer in list(queue.consumers):
-                self._forget(consumer)
-            queue.consumers.clear()
-            self._drop_queue(queue)
-            return UnsubscribeResult(1, ended=ended, removed=(queue,))
+            return UnsubscribeResult(1, Detached(released), ended)
         mine = [
-            c for c in self._by_owner.get(owner, ())
+            c for c in self._by_conn.get(conn, ())
             if c.queue.filter == topic_filter and not c.queue.group  # no group, any kind
         ]
-        removed: list[Queue] = []
-        for consumer in mine:
-            removed.extend(self._detach(consumer, timestamp_ms))
-        return UnsubscribeResult(len(mine), removed=tuple(removed))
+        return UnsubscribeResult(len(mine), self._detach_all(mine, timestamp_ms))
 
-    def disconnect(self, owner: Any, timestamp_ms: int = 0) -> tuple[Queue, ...]:
+    def disconnect(self, conn: int, timestamp_ms: int = 0) -> Detached:
         """A connection is gone: end its subscriptions. Groups keep their queues."""
-        removed: list[Queue] = []
-        for consumer in list(self._by_owner.get(owner, ())):
-            removed.extend(self._detach(consumer, timestamp_ms))
-        self._by_owner.pop(owner, None)
-        return tuple(removed)
+        detached = self._detach_all(list(self._by_conn.get(conn, ())), timestamp_ms)
+        self._by_conn.pop(conn, None)
+        return detached
 
-    def _owned(self, owner: Any, sub_id: int) -> Consumer | None:
-        """The subscription ``sub_id`` if ``owner`` holds it (else None: ignored or refused)."""
+    def _owned(self, conn: int, sub_id: int) -> Consumer | None:
+        """The subscription ``sub_id`` if ``conn`` holds it (else None: ignored or refused)."""
         consumer = self._consumers.get(sub_id)
-        return consumer if consumer is not None and consumer.owner is owner else None
+        return consumer if consumer is not None and consumer.conn == conn else None
 
-    def consumers_of(self, owner: Any) -> list[Consumer]:
-        return self._by_owner.get(owner, [])
+    def consumers_of(self, conn: int) -> list[Consumer]:
+        return self._by_conn.get(conn, [])
 
-    def _detach(self, consumer: Consumer, timestamp_ms: int = 0) -> tuple[Queue, ...]:
+    def _detach_all(self, consumers: list[Consumer], timestamp_ms: int) -> Detached:
+        released: list[int] = []
+        wake: set[int] = set()
+        for consumer in consumers:
+            self._detach(consumer, timestamp_ms, released, wake)
+        return Detached(tuple(released), frozenset(wake))
+
+    def _detach(
+        self, consumer: Consumer, timestamp_ms: int, released: list[int], wake: set[int]
+    ) -> None:
         self._forget(consumer)
         queue = consumer.queue
+        if consumer in queue.consumers:
+            queue.consumers.remove(consumer)
         if isinstance(queue, DurableGroup):
-            if consumer in queue.consumers:
-                queue.consumers.remove(consumer)
             if not queue.persistent:
                 if queue in self._cursors:
                     self._cursors.remove(queue)
@@ -729,18 +778,16 @@ class Broker:
                 if self.log is not None:
                     self.log.append(GROUP_RECORD, durable.group_body(
                         durable.IDLE, 0, queue.filter, queue.group), timestamp_ms)
-            queue.requeue(consumer.sub_id)
-            return ()
-        if consumer in queue.consumers:
-            queue.consumers.remove(consumer)
+            if queue.requeue(consumer.sub_id):
+                wake.update(c.conn for c in queue.consumers)
+            return
+        released.append(queue.id)
         if queue.group is None:
             self._drop_queue(queue)
-            return (queue,)
-        return ()
 
     def _forget(self, consumer: Consumer) -> None:
         self._consumers.pop(consumer.sub_id, None)
-        mine = self._by_owner.get(consumer.owner)
+        mine = self._by_conn.get(consumer.conn)
         if mine and consumer in mine:
             mine.remove(consumer)
 
@@ -769,7 +816,7 @@ class Broker:
         if sharers > 1:
             limit = min(limit, -(-len(items) // sharers))
         out: list[bytes] = []
-        size = 0
+        size = expired_size = 0
         expired = 0
         popleft = items.popleft
         while items and len(out) < limit:
@@ -777,12 +824,14 @@ class Broker:
             if expires and expires <= now_ms:
                 popleft()
                 expired += 1
+                expired_size += len(record)
                 continue
             if out and size + len(record) > max_bytes:
                 break
             popleft()
             out.append(record)
             size += len(record)
+        queue.size -= size + expired_size
         if expired:
             queue.dropped_ttl += expired
             self.counters.dropped_ttl += expired

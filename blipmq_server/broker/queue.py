@@ -2,7 +2,13 @@
 
 One ``Queue`` exists per ephemeral subscription and per consumer group. Items are
 ``(delivery_record, expires_at_ms)`` pairs: the record is encoded once at publish and shared
-by every queue it lands in, so fan-out costs one append per subscriber.
+by every queue it lands in, so fan-out costs one append per subscriber. A queue is bounded
+twice: ``capacity`` messages and ``capacity_bytes`` of records (an empty queue still takes
+one message of any accepted size).
+
+``block`` means backpressure from a consumer that is there: a queue without consumers (a
+group whose members all left) keeps its newest messages up to its bounds and drops the
+oldest, counted apart as ``dropped_no_consumer``.
 Pure and synchronous; no trio.
 """
 
@@ -28,42 +34,65 @@ class Queue:
 
     __slots__ = (
         "capacity",
+        "capacity_bytes",
         "consumers",
         "dropped_new",
+        "dropped_no_consumer",
         "dropped_oldest",
         "dropped_ttl",
         "expiring",
         "filter",
         "group",
+        "id",
         "items",
         "levels",
         "overflow",
-        "waiter",
+        "size",
     )
 
     def __init__(
-        self, topic_filter: str, group: str | None, capacity: int, overflow: Overflow
+        self, queue_id: int, topic_filter: str, group: str | None, capacity: int,
+        overflow: Overflow, capacity_bytes: int = 1 << 62,
     ) -> None:
+        self.id = queue_id
         self.filter = topic_filter
         self.levels = tuple(topic_filter.split("/"))
         self.group = group
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
         self.overflow = overflow
         self.items: deque[Item] = deque()
+        self.size = 0  # bytes of the records in ``items``
         self.consumers: list[Any] = []  # Consumer objects (see broker.core)
         self.expiring = False  # some item may carry an expiry: the ticker scans this queue
         self.dropped_oldest = 0
         self.dropped_new = 0
+        self.dropped_no_consumer = 0
         self.dropped_ttl = 0
-        # Set by the shell while a blocked publisher waits for room; the broker never reads it.
-        self.waiter: Any = None
 
     def __repr__(self) -> str:
         return f"Queue({self.filter!r}, group={self.group!r}, depth={len(self.items)})"
 
     @property
-    def full(self) -> bool:
-        return len(self.items) >= self.capacity
+    def name(self) -> str:
+        """How errors and logs name it: by group when it has one."""
+        if self.group:
+            return f"group {self.group!r} on {self.filter!r}"
+        return f"subscription on {self.filter!r}"
+
+    def fits(self, size: int) -> bool:
+        """Whether a record of ``size`` bytes can be added without dropping anything."""
+        items = self.items
+        return len(items) < self.capacity and (not items or self.size + size <= self.capacity_bytes)
+
+    def make_room(self, size: int) -> int:
+        """Drop the oldest items until a record of ``size`` bytes fits; returns how many."""
+        items = self.items
+        n = 0
+        while items and not self.fits(size):
+            self.size -= len(items.popleft()[0])
+            n += 1
+        return n
 
     def purge_expired(self, now_ms: int) -> int:
         """Remove every expired item; returns how many. Clears ``expiring`` when none are left."""
@@ -74,6 +103,7 @@ class Queue:
         removed = before - len(kept)
         if removed:
             self.items = deque(kept)
+            self.size = sum(len(it[0]) for it in kept)
             self.dropped_ttl += removed
         self.expiring = any(it[1] for it in kept)
         return removed

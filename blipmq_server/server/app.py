@@ -14,22 +14,25 @@ write and fsync what the log still buffers.
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
-from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.core import Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.config import Config
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
-from blipmq_server.server.session import CloseReason, Session, now_ms, release_waiter, wall_ms
+from blipmq_server.server.session import CloseReason, Session, now_ms, wall_ms
 from blipmq_server.wal import policy
 from blipmq_server.wal.log import Log, LogOptions, Recovery
 
@@ -41,6 +44,7 @@ class ServerCounters:
     connections_total: int = 0
     connections_refused: int = 0
     auth_failures: int = 0
+    closed: dict[str, int] = field(default_factory=dict)  # connections closed, by reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,7 @@ class Server:
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,
+                capacity_bytes=q.capacity_bytes,
                 overflow=Overflow(q.overflow),
                 default_ttl_ms=q.default_ttl_ms,
                 max_message_bytes=config.server.max_message_bytes,
@@ -81,11 +86,12 @@ class Server:
             ),
             log=self.wal,
         )
-        self.counters = ServerCounters()
+        self.counters = ServerCounters(closed={r.value: 0 for r in CloseReason})
         # the frame limit of both directions (announced in WELCOME)
         self.max_frame = codec.frame_limit(config.server.max_message_bytes,
                                            config.delivery.max_batch_bytes)
-        self.sessions: set[Session] = set()
+        self.sessions: dict[int, Session] = {}  # by connection id, the core's name for them
+        self.room: dict[int, trio.Event] = {}  # queue id -> set when a blocked queue has room
         self.shutdown = trio.Event()
         self.started_at = 0.0
         self._next_conn_id = 1
@@ -170,20 +176,75 @@ class Server:
                                 skipped, group.group, group.filter)
 
     def _wake_durable(self) -> None:
-        for group in self.broker.cursors:
-            for consumer in group.consumers:
-                consumer.owner.wake()
+        self.wake(self.broker.cursor_conns())
+
+    # ------------------------------------------------------- wake-ups the core asks for
+
+    def wake(self, conns: set[int] | frozenset[int]) -> None:
+        """These connections have deliveries to take."""
+        sessions = self.sessions
+        for conn in conns:
+            session = sessions.get(conn)
+            if session is not None:
+                session.wake()
+
+    def release(self, queues: tuple[int, ...]) -> None:
+        """Publishers blocked on these queues may try again (room, or a consumer fewer)."""
+        room = self.room
+        for queue in queues:
+            event = room.pop(queue, None)
+            if event is not None:
+                event.set()
+
+    def detached(self, detached: Detached) -> None:
+        self.release(detached.released)
+        self.wake(detached.wake)
+
+    def notify_ended(self, ended: Ended) -> None:
+        session = self.sessions.get(ended.conn)
+        if session is not None:
+            session.error(ErrorCode.GROUP_DELETED, f"{ended.name} was deleted", ended.request_id)
+
+    def log_touched(self) -> None:
+        """Something may have appended to the log: let the flusher look."""
+        if self.flusher is not None and self.wal is not None and self.wal.pending_records:
+            self.flusher.appended()
+
+    async def wait_for_room(self, blocked: Blocked) -> None:
+        """A publisher waits for a full ``block`` queue. Its consumers are slow consumers
+        if it stays full for ``queues.block_timeout_ms``: they are disconnected, and the
+        queue stops holding publishers back (it goes, or drops its oldest without them)."""
+        event = self.room.get(blocked.queue)
+        if event is None:
+            event = self.room[blocked.queue] = trio.Event()
+        timeout_ms = self.config.queues.block_timeout_ms
+        with trio.move_on_after(timeout_ms / 1000 if timeout_ms else math.inf) as waited:
+            await event.wait()
+        if waited.cancelled_caught:
+            why = (f"{blocked.name} stayed full for {timeout_ms} ms while publishers waited "
+                   "(queues.block_timeout_ms)")
+            for conn in blocked.conns:
+                session = self.sessions.get(conn)
+                if session is not None:
+                    self.slow_consumer(session, why)
+
+    def slow_consumer(self, session: Session, why: str) -> None:
+        """Disconnect a consumer that does not keep up: its subscriptions end now."""
+        if session.close_reason is CloseReason.SLOW_CONSUMER:
+            return
+        log.warning("connection %d from %s closed as a slow consumer: %s",
+                    session.conn_id, session.peer, why)
+        session.abort(CloseReason.SLOW_CONSUMER)
+        self.detached(self.broker.disconnect(session.conn_id, wall_ms()))
+        self.log_touched()
 
     async def _redelivery_loop(self) -> None:
         """Unacked QoS 1 deliveries past their deadline go back to their group."""
         assert self.flusher is not None and self.wal is not None
         while True:
             await trio.sleep(0.1)
-            for group in self.broker.redeliver(now_ms(), wall_ms()):
-                for consumer in group.consumers:
-                    consumer.owner.wake()
-            if self.wal.pending_records:  # dead letters are new messages
-                self.flusher.appended()
+            self.wake(self.broker.redeliver(now_ms(), wall_ms()))
+            self.log_touched()  # dead letters are new messages
 
     async def _drain(
         self,
@@ -197,10 +258,9 @@ class Server:
         accept_scope.cancel()
         for listener in listeners:
             await listener.aclose()
-        for session in list(self.sessions):
+        for session in list(self.sessions.values()):
             session.stop_reading(CloseReason.SHUTDOWN)
-        for queue in self.broker.queues:
-            release_waiter(queue)  # blocked publishers: their readers are cancelled anyway
+        self.release(tuple(self.room))  # blocked publishers: their readers are cancelled anyway
         conns.cancel_scope.deadline = trio.current_time() + grace
 
     async def _accept_all(
@@ -215,13 +275,22 @@ class Server:
                     nursery.start_soon(self._accept, listener, conns)
 
     async def _accept(self, listener: trio.SocketListener, conns: trio.Nursery) -> None:
+        failing = False
         while True:
             try:
                 stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: back off, keep serving
-                log.warning("accept failed: %s", exc)
+            except OSError as exc:
+                if exc.errno not in _OVERLOADED:
+                    raise
+                if not failing:  # out of descriptors or memory: back off, keep serving
+                    log.warning("accept failed: %s; retrying every 0.1 s", exc.strerror or exc)
+                failing = True
                 await trio.sleep(0.1)
                 continue
+            if failing:
+                log.info("accepting connections again")
+                failing = False
+            _keepalive(stream, self.config.server.keepalive_ms)
             conns.start_soon(self._connection, stream)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
@@ -240,13 +309,16 @@ class Server:
             return
         session = Session(self, stream, self._next_conn_id)
         self._next_conn_id += 1
-        self.sessions.add(session)
+        self.sessions[session.conn_id] = session
         try:
             await session.run()
         except Exception:  # a bug in one connection must not end the others
             log.exception("connection %d from %s failed", session.conn_id, session.peer)
         finally:
-            self.sessions.discard(session)
+            del self.sessions[session.conn_id]
+            reason = session.close_reason.value if session.close_reason else "cancelled"
+            closed = self.counters.closed
+            closed[reason] = closed.get(reason, 0) + 1
 
     async def _expiry_loop(self) -> None:
         interval = self.config.queues.expiry_interval_ms / 1000
@@ -257,6 +329,25 @@ class Server:
             removed = self.broker.tick(now_ms())
             if removed:
                 log.debug("expired %d message(s)", removed)
+
+
+# accept errors that mean "overloaded for now" (trio's serve_listeners retries the same)
+_OVERLOADED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def _keepalive(stream: trio.SocketStream, keepalive_ms: int) -> None:
+    """TCP keepalive, so a peer that vanished without a FIN is noticed by the kernel too."""
+    if not keepalive_ms:
+        return
+    idle = max(1, keepalive_ms // 1000)
+    try:
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 3))
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    except OSError:
+        pass  # the connection is already gone; its session notices
 
 
 async def run(config: Config) -> None:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from blipmq_server.broker.core import Consumer
-from blipmq_server.broker.queue import Queue
 from blipmq_server.errors import RemoteProtocolError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
@@ -35,6 +34,8 @@ class CloseReason(Enum):
     PROTOCOL_ERROR = "protocol_error"
     AUTH_FAILED = "auth_failed"
     HANDSHAKE_TIMEOUT = "handshake_timeout"
+    KEEPALIVE_TIMEOUT = "keepalive_timeout"
+    SLOW_CONSUMER = "slow_consumer"
     SHUTDOWN = "shutdown"
     WRITE_FAILED = "write_failed"
 
@@ -48,19 +49,7 @@ def wall_ms() -> int:
     return int(time.time() * 1000)
 
 
-def wake_consumers(queues: set[Queue] | tuple[Queue, ...]) -> None:
-    """Tell the writers of every consumer of these queues that there is work."""
-    for q in queues:
-        for consumer in q.consumers:
-            consumer.owner.wake()
-
-
-def release_waiter(queue: Queue) -> None:
-    """A blocked publisher waits on this queue: there is room now (or the queue is gone)."""
-    waiter = queue.waiter
-    if waiter is not None:
-        queue.waiter = None
-        waiter.set()
+_SEND_CHUNK = 64 * 1024  # the write timeout applies to each chunk: "no progress for N ms"
 
 
 class Session:
@@ -71,13 +60,18 @@ class Session:
         self.conn_id = conn_id
         self.peer = _peer(stream)
         self.outbox: list[bytes] = []
+        # bytes this connection owes its peer: the outbox plus the send in progress; past
+        # server.max_pending_bytes the reader stops until the writer has caught up
+        self.pending_bytes = 0
         self.authenticated = False
         self.closing = False  # no more frames will be read; the writer drains and exits
         self.close_reason: CloseReason | None = None
         self._greeted = False
         self._said_goodbye = False
         self._wakeup = trio.Event()
+        self._drained = trio.Event()
         self._read_scope: trio.CancelScope | None = None
+        self._scope: trio.CancelScope | None = None
 
     # --------------------------------------------------------------------------- plumbing
 
@@ -85,7 +79,9 @@ class Session:
         self._wakeup.set()
 
     def send(self, frame: codec.Frame) -> None:
-        self.outbox.append(codec.encode(frame))
+        data = codec.encode(frame)
+        self.outbox.append(data)
+        self.pending_bytes += len(data)
         self._wakeup.set()
 
     def error(self, code: ErrorCode, text: str, request_id: int = 0) -> None:
@@ -98,21 +94,26 @@ class Session:
         if self._read_scope is not None:
             self._read_scope.cancel()
 
+    def abort(self, reason: CloseReason) -> None:
+        """End the connection now, reader and writer, without draining anything."""
+        if self.close_reason is None:
+            self.close_reason = reason
+        if self._scope is not None:
+            self._scope.cancel()
+
     async def run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._write_loop, nursery.cancel_scope)
+                self._scope = nursery.cancel_scope
+                nursery.start_soon(self._write_loop)
                 reason = await self._read_loop()
                 if self.close_reason is None:
                     self.close_reason = reason
                 self.closing = True
                 self._wakeup.set()
         finally:
-            durable_before = [c.queue for c in self.broker.consumers_of(self) if c.queue.durable]
-            removed = self.broker.disconnect(self, wall_ms())
-            for q in removed:
-                release_waiter(q)
-            wake_consumers(tuple(durable_before))  # our unacked deliveries go to the others
+            self.server.detached(self.broker.disconnect(self.conn_id, wall_ms()))
+            self.server.log_touched()  # a group's idle record
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self.stream)
             log.debug("connection %d from %s closed: %s", self.conn_id, self.peer,
@@ -127,14 +128,15 @@ class Session:
     def _sending(self) -> list[Consumer]:
         """Consumers to send to. Once closing, QoS 1 ones are left out: what they took now
         would only go back to the group, one delivery count higher."""
-        consumers = self.broker.consumers_of(self)
+        consumers = self.broker.consumers_of(self.conn_id)
         if self.closing:
             return [c for c in consumers if not c.qos]
         return consumers
 
-    async def _write_loop(self, session_scope: trio.CancelScope) -> None:
+    async def _write_loop(self) -> None:
         opts = self.server.config.delivery
         linger = opts.flush_interval_ms / 1000
+        timeout = self.server.config.server.write_timeout_ms / 1000 or math.inf
         stream = self.stream
         try:
             while True:
@@ -154,63 +156,101 @@ class Session:
                     await trio.sleep(linger)  # let a batch fill (delivery.flush_interval_ms)
                 data = self._collect(opts.max_batch, opts.max_batch_bytes)
                 if data:
-                    await stream.send_all(data)
+                    view = memoryview(data)
+                    for at in range(0, len(data), _SEND_CHUNK):
+                        with trio.move_on_after(timeout) as cs:
+                            await stream.send_all(view[at : at + _SEND_CHUNK])
+                        if cs.cancelled_caught:
+                            self.server.slow_consumer(
+                                self, f"its socket took nothing for {timeout:g} s "
+                                      "(server.write_timeout_ms)")
+                            return
+                    self.pending_bytes -= len(data)
+                    self._drained.set()
                 else:
                     await trio.lowlevel.checkpoint()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.close_reason = self.close_reason or CloseReason.WRITE_FAILED
-            session_scope.cancel()
+            self.abort(CloseReason.WRITE_FAILED)
 
     def _collect(self, max_batch: int, max_batch_bytes: int) -> bytes:
         parts = self.outbox
         self.outbox = []
         now, wall = now_ms(), wall_ms()
         broker = self.broker
+        delivered = 0
         for consumer in self._sending():
             if not broker.has_work(consumer):
                 continue
             records = broker.take(consumer, max_batch, max_batch_bytes, now, wall)
             if records:
-                parts.append(codec.encode_deliver(consumer.sub_id, records))
+                frame = codec.encode_deliver(consumer.sub_id, records)
+                parts.append(frame)
+                delivered += len(frame)
             if not consumer.queue.durable:
-                release_waiter(consumer.queue)
+                self.server.release((consumer.queue.id,))
+        self.pending_bytes += delivered
         return b"".join(parts)
 
     # ----------------------------------------------------------------------------- reader
 
     async def _read_loop(self) -> CloseReason:
-        cfg = self.server.config
+        cfg = self.server.config.server
         decoder = codec.Decoder(self.server.max_frame)
         stream = self.stream
+        budget = cfg.max_pending_bytes
+        handshake = cfg.handshake_timeout_ms / 1000 or math.inf
+        idle = cfg.keepalive_ms / 1000 or math.inf
         with trio.CancelScope() as scope:
             self._read_scope = scope
-            timeout = cfg.server.handshake_timeout_ms / 1000
-            scope.deadline = trio.current_time() + timeout if timeout else math.inf
+            deadline = trio.current_time() + handshake
+            pinged = False
             while True:
-                try:
-                    data = await stream.receive_some(65536)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return CloseReason.RESET
+                if self.pending_bytes > budget:
+                    # the peer does not read what it asks for: read no more from it until the
+                    # writer caught up (the write timeout ends a connection that never does)
+                    self._drained = trio.Event()
+                    await self._drained.wait()
+                    continue
+                with trio.move_on_at(deadline) as waited:
+                    try:
+                        data = await stream.receive_some(65536)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return CloseReason.RESET
+                if waited.cancelled_caught:
+                    if not self.authenticated:
+                        self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
+                        return CloseReason.HANDSHAKE_TIMEOUT
+                    if pinged:
+                        self.send(codec.Goodbye(ErrorCode.TIMEOUT, f"nothing received for "
+                                                f"{2 * idle:g} s (server.keepalive_ms)"))
+                        return CloseReason.KEEPALIVE_TIMEOUT
+                    pinged = True  # idle: ask for a sign of life
+                    self.send(codec.Ping(b"keepalive"))
+                    deadline = trio.current_time() + idle
+                    continue
                 if not data:
                     return CloseReason.EOF
                 decoder.feed(data)
-                while True:  # again after the good frames: a bad one behind them raises now
-                    try:
-                        frames = decoder.frames()
-                    except RemoteProtocolError as exc:
-                        self.error(ErrorCode(exc.code), str(exc))
-                        return CloseReason.PROTOCOL_ERROR
-                    if not frames:
-                        break
-                    for frame in frames:
-                        reason = await self._handle(frame)
-                        if reason is not None:
-                            return reason
-                    if self.authenticated and scope.deadline != math.inf:
-                        scope.deadline = math.inf
-        if self.close_reason is None and not self.authenticated:
-            self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
-            return CloseReason.HANDSHAKE_TIMEOUT
+                try:
+                    while True:  # again after the good frames: a bad one behind them raises now
+                        try:
+                            frames = decoder.frames()
+                        except RemoteProtocolError as exc:
+                            self.error(ErrorCode(exc.code), str(exc))
+                            return CloseReason.PROTOCOL_ERROR
+                        if not frames:
+                            break
+                        for frame in frames:
+                            reason = await self._handle(frame)
+                            if reason is not None:
+                                return reason
+                finally:
+                    # one look per chunk read: whatever its frames appended (messages, acks,
+                    # group records, dead letters) goes to the flusher together
+                    self.server.log_touched()
+                if self.authenticated:
+                    pinged = False
+                    deadline = trio.current_time() + idle
         return self.close_reason or CloseReason.SHUTDOWN
 
     async def _handle(self, frame: codec.Frame) -> CloseReason | None:
@@ -224,23 +264,21 @@ class Session:
                 await self._publish(frame)
             case codec.Ping():
                 self.send(codec.Pong(frame.data, rid))
+            case codec.Pong():
+                pass  # the answer to our keepalive PING: receiving it was the point
             case codec.Subscribe():
                 self._subscribe(frame)
             case codec.Unsubscribe():
                 self._unsubscribe(frame)
             case codec.Ack():
                 # acks of QoS 0 deliveries are accepted and ignored
-                if self.broker.ack(self, frame.sub_id, frame.offsets, wall_ms()):
+                if self.broker.ack(self.conn_id, frame.sub_id, frame.offsets, wall_ms()):
                     self.wake()  # the consumer's window has room again
-                    self._log_touched()
             case codec.Nack():
-                back = self.broker.nack(self, frame.sub_id, frame.offsets, frame.delay_ms,
-                                        now_ms(), wall_ms())
-                if back is not None:
-                    wake_consumers((back,))  # type: ignore[arg-type]
-                    self._log_touched()  # a dead letter is a new message
+                self.server.wake(self.broker.nack(self.conn_id, frame.sub_id, frame.offsets,
+                                                  frame.delay_ms, now_ms(), wall_ms()))
             case codec.Credit():
-                if self.broker.set_credit(self, frame.sub_id, frame.credit):
+                if self.broker.set_credit(self.conn_id, frame.sub_id, frame.credit):
                     self.wake()
             case codec.Goodbye():
                 return CloseReason.GOODBYE
@@ -286,7 +324,8 @@ class Session:
         """Route a PUBLISH. A frame with QoS 1 messages gets exactly one PUB_ACK, counting
         those that became durable (possibly after an ERROR about the rest)."""
         broker = self.broker
-        flusher = self.server.flusher
+        server = self.server
+        flusher = server.flusher
         messages = frame.messages
         total = len(messages)
         wants_ack = any(m.qos for m in messages)
@@ -294,7 +333,7 @@ class Session:
         try:
             while True:
                 result = broker.publish(messages, now_ms(), wall_ms())
-                wake_consumers(result.woken)
+                server.wake(result.wake)
                 confirms += result.confirms
                 last_offset = result.last_offset or last_offset
                 if result.refusal is not None:
@@ -309,42 +348,19 @@ class Session:
                 if result.blocked is None:
                     return
                 messages = messages[result.accepted:]
-                if not await self._wait_for_room(frame, result.blocked, len(messages), total):
-                    return
+                server.log_touched()  # what was accepted need not wait with us
+                await server.wait_for_room(result.blocked)
         finally:
-            if last_offset and flusher is not None:
-                flusher.appended()
             if wants_ack:
                 if confirms and flusher is not None:
                     flusher.confirm_later(last_offset, self, frame.request_id, confirms)
                 else:
                     self.send(codec.PubAck(0, frame.request_id))
 
-    async def _wait_for_room(
-        self, frame: codec.Publish, queue: Queue, remaining: int, total: int
-    ) -> bool:
-        """A full queue with the block policy: wait for room, or give up after the timeout."""
-        broker = self.broker
-        if queue.waiter is None:
-            queue.waiter = trio.Event()
-        timeout_ms = self.server.config.queues.block_timeout_ms
-        with trio.move_on_after(timeout_ms / 1000) as cs:
-            await queue.waiter.wait()
-        if not cs.cancelled_caught:
-            return True
-        broker.count_block_timeout(remaining)
-        self.error(
-            ErrorCode.QUEUE_FULL,
-            f"queue of subscription {queue.filter!r} stayed full for {timeout_ms} ms; "
-            f"{remaining} of {total} messages of the batch were not accepted",
-            frame.request_id,
-        )
-        return False
-
     def _subscribe(self, frame: codec.Subscribe) -> None:
         result = self.broker.subscribe(
-            self, frame.topic_filter, frame.group, frame.qos, frame.credit, frame.request_id,
-            frame.start, frame.start_offset, wall_ms(),
+            self.conn_id, frame.topic_filter, frame.group, frame.qos, frame.credit,
+            frame.request_id, frame.start, frame.start_offset, wall_ms(),
         )
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
@@ -352,36 +368,19 @@ class Session:
         consumer = result.consumer
         assert consumer is not None
         self.send(codec.Subscribed(consumer.sub_id, frame.request_id))
-        self._log_touched()  # a new durable group is a log record
         if self.broker.has_work(consumer):
             self.wake()  # a group's backlog waits for its new consumer
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:
-        result = self.broker.unsubscribe(self, frame.sub_id, frame.topic_filter, frame.group,
-                                         wall_ms())
+        result = self.broker.unsubscribe(self.conn_id, frame.sub_id, frame.topic_filter,
+                                         frame.group, wall_ms())
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
             return
-        for q in result.removed:
-            release_waiter(q)
-        for consumer in result.ended:
-            _notify_ended(consumer)
-        self._log_touched()
+        self.server.detached(result.detached)
+        for ended in result.ended:
+            self.server.notify_ended(ended)
         self.send(codec.Unsubscribed(result.count, frame.request_id))
-
-    def _log_touched(self) -> None:
-        wal, flusher = self.server.wal, self.server.flusher
-        if wal is not None and flusher is not None and wal.pending_records:
-            flusher.appended()
-
-
-def _notify_ended(consumer: Consumer) -> None:
-    owner: Session = consumer.owner
-    owner.error(
-        ErrorCode.GROUP_DELETED,
-        f"group {consumer.queue.group!r} on {consumer.queue.filter!r} was deleted",
-        consumer.request_id,
-    )
 
 
 def _peer(stream: trio.SocketStream) -> str:

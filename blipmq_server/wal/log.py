@@ -405,9 +405,12 @@ class Log:
 
     @property
     def first_offset(self) -> int:
+        """The oldest offset the log holds, written or still pending."""
         for seg in self.segments:
             if seg.count:
                 return seg.first
+            if seg.pending:
+                return seg.pending_first
         return self.next_offset
 
     @property
