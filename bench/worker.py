@@ -5,6 +5,7 @@
     worker.py pub1 ADDR TOPIC N BATCH     QoS 1: pipeline frames of BATCH, wait for confirms
     worker.py lat-sub ADDR TOPIC N        receive N timestamped messages, report latencies
     worker.py lat-pub ADDR TOPIC RATE N   publish N timestamped messages open-loop at RATE/s
+    worker.py drain ADDR TOPIC N          consume N messages of durable group "g" with acks
 
 Each prints one JSON line on stdout when done (sub workers print "ready" first).
 Payloads start with an 8-byte sequence number (or send time), so losses are counted.
@@ -114,10 +115,28 @@ def lat_pub(addr: str, topic: str, rate: int, n: int) -> dict:
     return {"sent": n}
 
 
+def drain(addr: str, topic: str, n: int) -> dict:
+    client = Client(addr)
+    subscription = client.subscribe(topic, group="g", qos=1, credit=4096)
+    print("ready", flush=True)
+    received = 0
+    start = time.monotonic()
+    while received < n:
+        batch = subscription.next_batch(60)
+        if batch is None:
+            break
+        subscription.ack(*batch)
+        received += len(batch)
+    end = time.monotonic()
+    client.close()
+    return {"received": received, "start": start, "end": end}
+
+
 def main() -> None:
     mode, addr, topic, *rest = sys.argv[1:]
     nums = [int(x) for x in rest]
-    modes = {"sub": sub, "pub": pub, "pub1": pub1, "lat-sub": lat_sub, "lat-pub": lat_pub}
+    modes = {"sub": sub, "pub": pub, "pub1": pub1, "lat-sub": lat_sub, "lat-pub": lat_pub,
+             "drain": drain}
     result = modes[mode](
         addr, topic, *nums
     )

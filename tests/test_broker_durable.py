@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.core import READ_AHEAD_BYTES, READ_AHEAD_RECORDS, Broker, Limits
 from blipmq_server.protocol.codec import (
     DeadLetter,
     ErrorCode,
@@ -40,6 +40,11 @@ class Setup:
     def take(self, consumer, now: int = 0, limit: int = 1000, max_bytes: int = 1 << 30
              ) -> list[tuple[int, int, bytes]]:
         records = self.broker.take(consumer, limit, max_bytes, now, 1000)
+        while not records and (fetches := self.broker.take_fetches()):
+            for f in fetches:  # what the shell does off the event loop
+                self.broker.fill(f.key, self.log.read_files(f.offset, READ_AHEAD_RECORDS,
+                                                            READ_AHEAD_BYTES))
+            records = self.broker.take(consumer, limit, max_bytes, now, 1000)
         if not records:
             return []
         frame = decode_one(encode_deliver(consumer.sub_id, records))
@@ -393,3 +398,58 @@ def test_cursor_batches_stay_within_max_bytes(tmp_path: Path) -> None:
     assert s.broker.redeliver(100, 0) == {"conn"}
     again = s.take(c, now=100, max_bytes=2500)  # redeliveries are bounded the same way
     assert [(n, len(p)) for _, n, p in again] == [(2, 1000), (2, 1000)]
+
+
+def test_a_cursor_behind_the_cache_asks_for_a_disk_read_and_waits_for_it(tmp_path: Path) -> None:
+    s = Setup(tmp_path, LogOptions(cache_bytes=0))  # every read would go to the files
+    c = s.broker.subscribe(7, "t", "g", qos=1).consumer
+    s.publish("t", b"a", b"b")
+    s.commit()
+    assert s.broker.has_work(c)
+    assert s.broker.take(c, 100, 1 << 20, 0, 0) == []  # nothing read on the caller's thread
+    [fetch] = s.broker.take_fetches()
+    assert not s.broker.has_work(c)  # waits for the read, no busy loop
+    assert s.broker.take_fetches() == []  # asked once
+    assert s.broker.fill(fetch.key, s.log.read_files(fetch.offset, 100, 1 << 20)) == {7}
+    assert s.broker.has_work(c)
+    assert len(s.broker.take(c, 100, 1 << 20, 0, 0)) == 2
+    s.broker.unsubscribe(8, topic_filter="t", group="g")
+    assert s.broker.fill(fetch.key, []) == frozenset()  # the cursor is gone: ignored
+
+
+def test_in_flight_counts_per_consumer_stay_exact(tmp_path: Path) -> None:
+    # the window check reads a running count; it must equal what is really held, whatever
+    # happens (takes, acks, nacks with and without delay, redeliveries, dead letters, leaving)
+    import random
+    from collections import Counter
+
+    rng = random.Random(7)
+    s = Setup(tmp_path, retry_backoff_ms=50, max_retries=3)
+    consumers = [s.broker.subscribe(conn, "t", "g", qos=1, credit=8).consumer
+                 for conn in (1, 2, 3)]
+    group = consumers[0].queue
+    now = 0
+    for step in range(600):
+        now += rng.choice((0, 10, 60))
+        c = rng.choice(consumers)
+        op = rng.random()
+        if op < 0.2:
+            s.publish("t", *(b"m%d" % step for _ in range(rng.randint(1, 5))))
+            s.commit()
+        elif op < 0.5:
+            s.take(c, now=now)
+        elif op < 0.7:
+            held = [o for o, f in group.inflight.items() if f.sub_id == c.sub_id]
+            s.broker.ack(c.conn, c.sub_id, tuple(rng.sample(held, min(len(held), 3))), 0)
+        elif op < 0.8:
+            held = [o for o, f in group.inflight.items() if f.sub_id == c.sub_id]
+            s.broker.nack(c.conn, c.sub_id, tuple(held[:2]), rng.choice((0, 30)), now, 0)
+        elif op < 0.95:
+            s.broker.redeliver(now, 0)
+        else:
+            s.broker.disconnect(c.conn)
+            consumers.remove(c)
+            consumers.append(s.broker.subscribe(c.conn, "t", "g", qos=1, credit=8).consumer)
+        really = Counter(f.sub_id for f in group.inflight.values() if f.sub_id > 0)
+        assert group.held == dict(really), step
+        assert all(n <= 8 for n in really.values())

@@ -471,3 +471,19 @@ def test_first_offset_counts_records_not_yet_written(tmp_path) -> None:
     log.append(1, b"a", 0)
     log.append(1, b"b", 0)
     assert log.first_offset == 1 and log.next_offset == 3
+
+
+def test_read_files_from_any_offset_across_read_chunks(tmp_path) -> None:
+    # records of 40 KiB: one 256 KiB read chunk holds six; reads start between index entries
+    log = Log(str(tmp_path), LogOptions(index_every=4))
+    log.open()
+    bodies = [bytes([i]) * 40_960 for i in range(40)]
+    log.append_many(1, bodies, 0)
+    batch = log.take_batch()
+    batch.write(log.disk, False)
+    log.commit(batch)
+    for start in (1, 2, 8, 13, 40):
+        got = log.read_files(start, 1000, 100 * MiB)
+        assert [r.offset for r in got] == list(range(start, 41))
+        assert [r.body for r in got] == bodies[start - 1 :]
+    assert len(log.read_files(3, 1000, 100_000)) == 3  # stops once past max_bytes

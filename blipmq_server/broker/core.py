@@ -41,12 +41,34 @@ class MessageLog(Protocol):
     written_offset: int
     next_offset: int
 
+    @property
+    def first_offset(self) -> int: ...
+
     def append(self, kind: int, body: bytes, timestamp_ms: int) -> int: ...
 
     def append_many(self, kind: int, bodies: Sequence[bytes], timestamp_ms: int) -> int: ...
 
+    def cached(self, offset: int) -> bool:
+        """Whether ``read`` at ``offset`` is served from memory (no disk read)."""
+        ...
+
     def read(self, from_offset: int, max_records: int = ..., max_bytes: int = ...) -> list[Any]:
         ...
+
+
+READ_AHEAD_RECORDS = 4096  # one read for a log cursor: at most this many records
+READ_AHEAD_BYTES = 512 * 1024  # ... and about this many bytes (at least one record)
+_CACHE_READ_RECORDS = 512  # records a cursor decodes from the log's cache in one go
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """A log cursor needs records the log holds only on disk: read them off the event loop
+    (``MessageLog.read`` from ``offset``, up to the READ_AHEAD limits) and hand them to
+    ``Broker.fill(key, records)``."""
+
+    key: int
+    offset: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +229,9 @@ class Broker:
         self._durable: dict[tuple[str, str], DurableGroup] = {}
         self._durable_ids: dict[int, DurableGroup] = {}
         self._cursors: list[DurableGroup] = []  # log cursors of subscriptions without a group
+        self._by_key: dict[int, DurableGroup] = {}  # every log cursor by its key
+        self._next_key = 1
+        self._fetches: list[Fetch] = []  # disk reads cursors wait for, not yet handed out
 
     # ----------------------------------------------------------------------------- publish
 
@@ -425,6 +450,7 @@ class Broker:
             else:
                 target = DurableGroup(0, topic_filter, "", first, persistent=False, acks=bool(qos))
                 self._cursors.append(target)
+                self._keep(target)
         target.idle_since = None
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
         consumer = Consumer(self._next_sub_id, target, conn, qos, credit,  # type: ignore[arg-type]
@@ -441,7 +467,13 @@ class Broker:
         target = DurableGroup(gid, topic_filter, group, start, idle_since=idle_since)
         self._durable[(topic_filter, group)] = target
         self._durable_ids[gid] = target
+        self._keep(target)
         return target
+
+    def _keep(self, target: DurableGroup) -> None:
+        target.key = self._next_key
+        self._next_key += 1
+        self._by_key[target.key] = target
 
     def recover(self, record: Any) -> None:
         """Rebuild durable groups from a GROUP or ACK record met while the log is opened.
@@ -468,6 +500,7 @@ class Broker:
             elif target is not None:
                 del self._durable[(g.topic_filter, g.group)]
                 self._durable_ids.pop(target.id, None)
+                self._by_key.pop(target.key, None)
         elif record.kind == ACK_RECORD:
             gid, floor, offsets = durable.parse_ack(record.body)
             target = self._durable_ids.get(gid)
@@ -502,7 +535,7 @@ class Broker:
             skipped = max(0, first - target.next) + sum(1 for o in target.pending if o < first)
             if not skipped:
                 continue
-            target.next = max(target.next, first)
+            target.move_to(first)
             target.pending = {o for o in target.pending if o >= first}
             target.skipped += skipped
             out.append((target, skipped))
@@ -609,8 +642,8 @@ class Broker:
         if target.in_flight_for(consumer.sub_id) >= consumer.credit:
             return False
         log = self.log
-        return bool(target.ready or target.pending) or (
-            log is not None and target.next <= log.written_offset
+        return bool(target.ready or target.pending or target.ahead) or (
+            not target.fetching and log is not None and target.next <= log.written_offset
         )
 
     def _take_durable(
@@ -628,16 +661,23 @@ class Broker:
                                  if r.kind == MESSAGE_RECORD])
         out, size = target.take_ready(consumer.sub_id, room, max_bytes, now_ms, self._backoff)
         self.counters.redelivered += len(out)
-        scanned = 0
-        while (len(out) < room and size < max_bytes and target.next <= log.written_offset
-               and scanned < 20_000):
-            records = log.read(target.next, max_records=1000, max_bytes=max_bytes - size)
-            if not records:
-                target.next = log.written_offset + 1
+        for _ in range(8):  # each round looks at one read-ahead's worth of records
+            if len(out) >= room or size >= max_bytes or target.next > log.written_offset:
                 break
-            scanned += len(records)
+            if not target.ahead:
+                if target.fetching:
+                    break
+                if not log.cached(target.next):  # on disk: read off the event loop
+                    target.fetching = True
+                    self._fetches.append(Fetch(target.key, target.next))
+                    break
+                # from memory, on the caller's thread: a batch's worth at a time
+                target.fill(log.read(target.next, _CACHE_READ_RECORDS, max_bytes))
+                if not target.ahead:
+                    target.move_to(log.written_offset + 1)
+                    break
             new, size, expired, full = target.take_new(
-                consumer.sub_id, room - len(out), max_bytes, size, records, now_ms, wall_ms,
+                consumer.sub_id, room - len(out), max_bytes, size, now_ms, wall_ms,
                 self._backoff)
             self.counters.dropped_ttl += expired
             out += new
@@ -645,6 +685,23 @@ class Broker:
                 break
         self.counters.delivered += len(out)
         return out
+
+    def take_fetches(self) -> list[Fetch]:
+        """The disk reads log cursors are waiting for (each handed out once)."""
+        fetches, self._fetches = self._fetches, []
+        return fetches
+
+    def fill(self, key: int, records: list[Any]) -> frozenset[int]:
+        """Records read for ``Fetch(key, ...)``; returns the connections to wake. An empty
+        read below the oldest record still in the log moves the cursor there."""
+        target = self._by_key.get(key)
+        if target is None:  # the cursor is gone meanwhile
+            return frozenset()
+        target.fetching = False
+        target.fill(records)
+        if not target.ahead and self.log is not None:
+            target.move_to(self.log.first_offset)
+        return frozenset(c.conn for c in target.consumers)
 
     def redeliver(self, now_ms: int, timestamp_ms: int) -> frozenset[int]:
         """Maintenance: unacked deliveries past their deadline go back to their cursor (or to
@@ -699,6 +756,7 @@ class Broker:
     def _delete_durable(self, target: DurableGroup, timestamp_ms: int) -> None:
         del self._durable[(target.filter, target.group)]
         self._durable_ids.pop(target.id, None)
+        self._by_key.pop(target.key, None)
         if self.log is not None:
             self.log.append(GROUP_RECORD, durable.group_body(
                 durable.DELETE, 0, target.filter, target.group), timestamp_ms)
@@ -773,6 +831,7 @@ class Broker:
             if not queue.persistent:
                 if queue in self._cursors:
                     self._cursors.remove(queue)
+                    self._by_key.pop(queue.key, None)
             elif not queue.consumers and self._durable.get((queue.filter, queue.group)) is queue:
                 queue.idle_since = timestamp_ms
                 if self.log is not None:

@@ -41,6 +41,7 @@ _CHECKPOINT_HEAD = struct.Struct(">QI")
 _U32 = struct.Struct(">I")
 DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
 _PREFIX_SIZE = DELIVERY_PREFIX.size
+_unpack_head = MSG_HEAD.unpack_from
 
 
 class GroupRecord(NamedTuple):
@@ -117,13 +118,17 @@ class DurableGroup:
         "_matches",
         "acked",
         "acks",
+        "ahead",
         "anchor",
         "consumers",
+        "fetching",
         "filter",
         "group",
+        "held",
         "id",
         "idle_since",
         "inflight",
+        "key",
         "levels",
         "next",
         "pending",
@@ -146,6 +151,7 @@ class DurableGroup:
         self.acks = acks  # QoS 1: deliveries stay in flight until acked
         self.next = start  # next log offset to read
         self.inflight: dict[int, Flight] = {}
+        self.held: dict[int, int] = {}  # sub_id -> deliveries that consumer holds in flight
         self.ready: deque[int] = deque()  # in-flight offsets to deliver again now
         self.acked: set[int] = set()  # acked at or above the cursor (known from a restart)
         self.pending: set[int] = set()  # unacked below the cursor, from a checkpoint: to load
@@ -153,6 +159,12 @@ class DurableGroup:
         self.skipped = 0  # log records removed by the retention size cap before it read them
         self.consumers: list[Any] = []
         self.idle_since = idle_since  # wall ms since when no consumer is attached
+        # Read-ahead: log records from ``next`` on, read but not yet looked at. Filled from the
+        # log's in-memory cache by the core, or by the shell reading the segment files off
+        # the event loop (``fetching`` while such a read is under way).
+        self.ahead: deque[Any] = deque()
+        self.fetching = False
+        self.key = 0  # the broker's handle for this cursor (durable or not)
         self._matches: dict[bytes, bool] = {}
 
     def __repr__(self) -> str:
@@ -172,12 +184,26 @@ class DurableGroup:
         self.acked = {o for o in self.acked if o >= self.next}
         self.acked.update(o for o in offsets if o >= self.next)
 
+    def move_to(self, offset: int) -> None:
+        """Read on from ``offset`` (records below it were removed): forget the read-ahead."""
+        if offset > self.next:
+            self.next = offset
+            self.ahead.clear()
+
+    def fill(self, records: list[Any]) -> None:
+        """Records read from the log at ``next``: the read-ahead (what ``next`` passed
+        meanwhile is dropped)."""
+        nxt = self.next
+        self.ahead.extend(r for r in records if r.offset >= nxt)
+
     def restore(self, g: GroupRecord) -> None:
         """State from a checkpoint record."""
+        self.ahead.clear()
         self.next = g.start
         self.pending = set(g.unacked)
         self.acked = set(g.acked)
         self.inflight.clear()
+        self.held.clear()
         self.ready.clear()
 
     def load_pending(self, records: list[Any]) -> None:
@@ -222,16 +248,17 @@ class DurableGroup:
             ready.popleft()
             flight.count += 1
             flight.sub_id = sub_id
+            self.held[sub_id] = self.held.get(sub_id, 0) + 1
             flight.due = now_ms + backoff(flight.count)
             out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF)) + flight.body)
             size += record_size
         return out, size
 
     def take_new(
-        self, sub_id: int, room: int, max_bytes: int, used: int, records: list[Any],
-        now_ms: int, wall_ms: int, backoff: Any,
+        self, sub_id: int, room: int, max_bytes: int, used: int, now_ms: int, wall_ms: int,
+        backoff: Any,
     ) -> tuple[list[bytes], int, int, bool]:
-        """Deliver matching MESSAGE records read at the cursor, within ``room`` records and
+        """Deliver matching MESSAGE records from the read-ahead, within ``room`` records and
         ``max_bytes`` for the whole batch, ``used`` of which are taken already (a batch's
         first record goes whatever its size). Returns (records, the batch's size now,
         expired, full); the cursor stops before the first record left out."""
@@ -241,9 +268,16 @@ class DurableGroup:
         full = False
         due = now_ms + backoff(1)
         acks = self.acks
-        for record in records:
+        ahead = self.ahead
+        inflight = self.inflight
+        acked = self.acked
+        wants = self.wants
+        pack = DELIVERY_PREFIX.pack
+        while ahead:
+            record = ahead[0]
             offset = record.offset
             if offset < self.next:
+                ahead.popleft()
                 continue
             if len(out) >= room:
                 full = True
@@ -252,22 +286,25 @@ class DurableGroup:
             if size and size + _PREFIX_SIZE + len(body) > max_bytes and record.kind == 1:
                 full = True
                 break
+            ahead.popleft()
             self.next = offset + 1
             if record.kind != 1:
                 continue
-            _, ttl, tlen, _, _ = MSG_HEAD.unpack_from(body)
-            if not self.wants(body[13 : 13 + tlen]):
+            _, ttl, tlen, _, _ = _unpack_head(body)
+            if not wants(body[13 : 13 + tlen]):
                 continue
-            if offset in self.acked:
-                self.acked.discard(offset)
+            if acked and offset in acked:
+                acked.discard(offset)
                 continue
             if ttl and record.timestamp_ms + ttl <= wall_ms:
                 expired += 1
                 continue
             if acks:
-                self.inflight[offset] = Flight(body, sub_id, due)
-            out.append(DELIVERY_PREFIX.pack(offset, 1) + body)
+                inflight[offset] = Flight(body, sub_id, due)
+            out.append(pack(offset, 1) + body)
             size += _PREFIX_SIZE + len(body)
+        if acks and out:
+            self.held[sub_id] = self.held.get(sub_id, 0) + len(out)
         return out, size, expired, full
 
     def ack(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
@@ -278,7 +315,16 @@ class DurableGroup:
             if flight is not None and flight.sub_id == sub_id:
                 del self.inflight[offset]
                 done.append(offset)
+        if done:
+            self._unhold(sub_id, len(done))
         return done
+
+    def _unhold(self, sub_id: int, n: int) -> None:
+        left = self.held.get(sub_id, 0) - n
+        if left > 0:
+            self.held[sub_id] = left
+        else:
+            self.held.pop(sub_id, None)
 
     def held_by(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
         """Those of ``offsets`` that this consumer holds in flight."""
@@ -290,6 +336,8 @@ class DurableGroup:
         ``delay_ms``."""
         for offset in offsets:
             flight = self.inflight[offset]
+            if flight.sub_id > 0:
+                self._unhold(flight.sub_id, 1)
             flight.sub_id = DELAYED if delay_ms else 0
             flight.due = now_ms + delay_ms
         if not delay_ms:
@@ -297,7 +345,10 @@ class DurableGroup:
 
     def drop(self, offset: int) -> Flight:
         """Take a delivery out of flight for good (it goes to the dead-letter topic)."""
-        return self.inflight.pop(offset)
+        flight = self.inflight.pop(offset)
+        if flight.sub_id > 0:
+            self._unhold(flight.sub_id, 1)
+        return flight
 
     def requeue(self, sub_id: int) -> int:
         """A consumer left: its deliveries go to the others (or wait for the next one)."""
@@ -307,6 +358,7 @@ class DurableGroup:
                 flight.sub_id = 0
                 self.ready.append(offset)
                 n += 1
+        self.held.pop(sub_id, None)
         return n
 
     def expire(self, now_ms: int) -> tuple[list[int], int]:
@@ -325,4 +377,4 @@ class DurableGroup:
         return late, woke
 
     def in_flight_for(self, sub_id: int) -> int:
-        return sum(1 for f in self.inflight.values() if f.sub_id == sub_id)
+        return self.held.get(sub_id, 0)

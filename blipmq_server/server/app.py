@@ -15,11 +15,13 @@ write and fsync what the log still buffers.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import math
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from blipmq_server.config import Config
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
+from blipmq_server.server.prefetch import Prefetcher
 from blipmq_server.server.session import CloseReason, Session, now_ms, wall_ms
 from blipmq_server.wal import policy
 from blipmq_server.wal.log import Log, LogOptions, Recovery
@@ -86,6 +89,8 @@ class Server:
             ),
             log=self.wal,
         )
+        self.prefetcher = (None if self.wal is None
+                           else Prefetcher(self.wal, self.broker, self.wake))
         self.counters = ServerCounters(closed={r.value: 0 for r in CloseReason})
         # the frame limit of both directions (announced in WELCOME)
         self.max_frame = codec.frame_limit(config.server.max_message_bytes,
@@ -102,6 +107,10 @@ class Server:
         cfg = self.config
         if self.wal is not None:
             self._open_log()
+        # What start-up made (modules, recovered state) lives as long as the process: keep it
+        # out of every later full collection, whose pauses stall every connection.
+        gc.collect()
+        gc.freeze()
         listeners = await trio.open_tcp_listeners(cfg.server.port, host=cfg.server.host)
         port = listeners[0].socket.getsockname()[1]
         self.started_at = trio.current_time()
@@ -109,6 +118,7 @@ class Server:
             root.start_soon(self._expiry_loop)
             if self.flusher is not None:
                 root.start_soon(self.flusher.run)
+                root.start_soon(self.prefetcher.run)  # type: ignore[union-attr]
                 root.start_soon(self._retention_loop)
                 root.start_soon(self._redelivery_loop)
             metrics_port = None
@@ -331,6 +341,8 @@ class Server:
                 log.debug("expired %d message(s)", removed)
 
 
+_SWITCH_INTERVAL_S = 0.0005
+
 # accept errors that mean "overloaded for now" (trio's serve_listeners retries the same)
 _OVERLOADED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
@@ -352,6 +364,9 @@ def _keepalive(stream: trio.SocketStream, keepalive_ms: int) -> None:
 
 async def run(config: Config) -> None:
     """Serve until SIGINT/SIGTERM; a second signal ends the process at once."""
+    # Worker threads (log writes, log reads for consumers) decode and copy with the GIL
+    # held; the event loop gets it back within this long instead of the default 5 ms.
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     server = Server(config)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:

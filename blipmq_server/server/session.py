@@ -50,6 +50,7 @@ def wall_ms() -> int:
 
 
 _SEND_CHUNK = 64 * 1024  # the write timeout applies to each chunk: "no progress for N ms"
+_TURN_S = 0.001  # a connection with many frames waiting yields to the others after this
 
 
 class Session:
@@ -188,6 +189,9 @@ class Session:
                 delivered += len(frame)
             if not consumer.queue.durable:
                 self.server.release((consumer.queue.id,))
+        prefetcher = self.server.prefetcher
+        if prefetcher is not None:
+            prefetcher.request(broker.take_fetches())
         self.pending_bytes += delivered
         return b"".join(parts)
 
@@ -240,10 +244,15 @@ class Session:
                             return CloseReason.PROTOCOL_ERROR
                         if not frames:
                             break
+                        turn = trio.current_time() + _TURN_S
                         for frame in frames:
                             reason = await self._handle(frame)
                             if reason is not None:
                                 return reason
+                            if trio.current_time() > turn:  # let the other connections in
+                                self.server.log_touched()
+                                await trio.lowlevel.checkpoint()
+                                turn = trio.current_time() + _TURN_S
                 finally:
                     # one look per chunk read: whatever its frames appended (messages, acks,
                     # group records, dead letters) goes to the flusher together

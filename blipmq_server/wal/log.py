@@ -426,22 +426,36 @@ class Log:
         offset (``cache_hits``); otherwise from the segment files (``cache_misses``), which
         then also serve the rest of that read.
         """
-        if self._cache and from_offset >= self._cache[0].first:
+        if self.cached(from_offset):
             self.cache_hits += 1
             return self._read_cache(from_offset, max_records, max_bytes)
+        return self.read_files(from_offset, max_records, max_bytes)
+
+    def cached(self, offset: int) -> bool:
+        """Whether ``read`` at ``offset`` is served from the recent-records cache."""
+        cache = self._cache
+        return bool(cache) and offset >= cache[0].first
+
+    def read_files(
+        self, from_offset: int, max_records: int = 1000, max_bytes: int = MiB
+    ) -> list[rec.Record]:
+        """``read`` from the segment files only. Safe in a worker thread while the event loop
+        appends, commits and retains: it works on a snapshot of the segment list and reads
+        committed bytes only; a segment deleted meanwhile raises OSError."""
         self.cache_misses += 1
         out: list[rec.Record] = []
         size = 0
-        bases = [s.first if s.count else s.base for s in self.segments]
+        segments = list(self.segments)
+        bases = [s.first if s.count else s.base for s in segments]
         i = max(0, bisect.bisect_right(bases, from_offset) - 1)
-        for seg in self.segments[i:]:
+        for seg in segments[i:]:
             if not seg.count or seg.last < from_offset:
                 continue
-            keys = [o for o, _ in seg.index]
-            j = bisect.bisect_right(keys, from_offset) - 1
+            j = bisect.bisect_right(seg.index, from_offset, key=_first) - 1
             pos = seg.index[j][1] if j >= 0 else rec.HEADER_SIZE
-            while pos < seg.size and len(out) < max_records and size < max_bytes:
-                chunk = self.disk.pread(seg.path, pos, min(seg.size - pos, _READ_CHUNK))
+            stop = seg.size  # committed bytes now (a commit on the event loop may add more)
+            while pos < stop and len(out) < max_records and size < max_bytes:
+                chunk = self.disk.pread(seg.path, pos, min(stop - pos, _READ_CHUNK))
                 at = 0
                 while at + rec.RECORD_OVERHEAD <= len(chunk):
                     length, _ = rec.PREFIX.unpack_from(chunk, at)

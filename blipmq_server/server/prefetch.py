@@ -1,0 +1,63 @@
+"""Disk reads for log cursors, off the event loop.
+
+A cursor (durable group, QoS 1 subscription, replay) whose next records are no longer in the
+log's recent-records cache gets nothing from ``Broker.take``; the core queues a ``Fetch``
+instead. The session that asked hands the fetches here; one task reads them in a worker
+thread, one at a time (``Log.read_files`` is safe there), and gives the records back to the
+core with ``Broker.fill``, which names the connections to wake. Each cursor has at most one
+read under way and one read-ahead in memory (``READ_AHEAD_BYTES``), so memory stays bounded
+however far behind a consumer is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import trio
+
+from blipmq_server.broker.core import READ_AHEAD_BYTES, READ_AHEAD_RECORDS, Broker, Fetch
+from blipmq_server.errors import WalError
+from blipmq_server.wal.log import Log
+
+log = logging.getLogger("blipmq.wal")
+_RETRY_S = 0.5  # after a failed read, before the cursor asks again
+
+
+class Prefetcher:
+    def __init__(self, wal: Log, broker: Broker, wake: Callable[[frozenset[int]], None]) -> None:
+        self.wal = wal
+        self.broker = broker
+        self.wake = wake
+        # unbounded in type only: a cursor asks again only after its last read was filled
+        self._send, self._receive = trio.open_memory_channel[Fetch](math.inf)
+        self.reads = 0
+        self.failures = 0
+        self._failing = False
+
+    def request(self, fetches: list[Fetch]) -> None:
+        for fetch in fetches:
+            self._send.send_nowait(fetch)
+
+    async def run(self) -> None:
+        async for fetch in self._receive:
+            try:
+                records = await trio.to_thread.run_sync(
+                    self.wal.read_files, fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES)
+            except (OSError, WalError) as exc:
+                # a segment retention deleted meanwhile, or a disk fault: an empty read moves
+                # a cursor that fell below the log's start; otherwise it asks again later
+                self.failures += 1
+                if self.wal.first_offset <= fetch.offset:  # a fault, not a removed segment
+                    if not self._failing:
+                        log.error("log read for a consumer failed: %s; retrying", exc)
+                        self._failing = True
+                    await trio.sleep(_RETRY_S)
+                records = []
+            else:
+                self.reads += 1
+                if self._failing:
+                    log.info("log reads for consumers succeed again")
+                    self._failing = False
+            self.wake(self.broker.fill(fetch.key, records))
