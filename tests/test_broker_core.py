@@ -4,6 +4,7 @@ import pytest
 
 from blipmq_server.broker.core import Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
+from blipmq_server.broker.registry import Consumer
 from blipmq_server.protocol.codec import (
     DELIVERY_PREFIX,
     ErrorCode,
@@ -26,16 +27,23 @@ def payloads(records: list[bytes]) -> list[bytes]:
     return [d.payload for d in frame.messages]  # type: ignore[union-attr]
 
 
+def sub(b: Broker, *args, **kwargs) -> Consumer:
+    """Subscribe and return the core's consumer object."""
+    consumer = b.consumer(b.subscribe(*args, **kwargs).sub_id)
+    assert consumer is not None
+    return consumer
+
+
 def take_all(b: Broker, consumer, now: int = 0) -> list[bytes]:
     return payloads(b.take(consumer, 10_000, 1 << 30, now))
 
 
 def test_publish_routes_to_matching_subscriptions_only() -> None:
     b = Broker()
-    exact = b.subscribe("c1", "sensors/kitchen/temp").consumer
-    plus = b.subscribe("c2", "sensors/+/temp").consumer
-    hash_ = b.subscribe("c3", "sensors/#").consumer
-    other = b.subscribe("c4", "alerts").consumer
+    exact = sub(b, "c1", "sensors/kitchen/temp")
+    plus = sub(b, "c2", "sensors/+/temp")
+    hash_ = sub(b, "c3", "sensors/#")
+    other = sub(b, "c4", "alerts")
     res = b.publish([raw("sensors/kitchen/temp", b"21"), raw("sensors/hall/temp", b"19")], 0)
     assert res.accepted == 2 and res.refusal is None
     assert take_all(b, exact) == [b"21"]
@@ -47,7 +55,7 @@ def test_publish_routes_to_matching_subscriptions_only() -> None:
 
 def test_offsets_increase_and_records_carry_them() -> None:
     b = Broker()
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     b.publish([raw("t"), raw("nobody/listens"), raw("t")], 0)
     records = b.take(c, 10, 1 << 20, 0)
     offsets = [DELIVERY_PREFIX.unpack_from(r)[0] for r in records]
@@ -57,7 +65,7 @@ def test_offsets_increase_and_records_carry_them() -> None:
 
 def test_drop_oldest_keeps_the_newest() -> None:
     b = Broker(Limits(capacity=3, overflow=Overflow.DROP_OLDEST))
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     b.publish([raw("t", bytes([i])) for i in range(5)], 0)
     assert take_all(b, c) == [b"\x02", b"\x03", b"\x04"]
     assert b.counters.dropped_oldest == 2
@@ -65,7 +73,7 @@ def test_drop_oldest_keeps_the_newest() -> None:
 
 def test_drop_new_keeps_the_oldest() -> None:
     b = Broker(Limits(capacity=3, overflow=Overflow.DROP_NEW))
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     res = b.publish([raw("t", bytes([i])) for i in range(5)], 0)
     assert res.accepted == 5
     assert take_all(b, c) == [b"\x00", b"\x01", b"\x02"]
@@ -74,7 +82,7 @@ def test_drop_new_keeps_the_oldest() -> None:
 
 def test_block_stops_the_batch_at_the_full_queue() -> None:
     b = Broker(Limits(capacity=2, overflow=Overflow.BLOCK))
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     msgs = [raw("t", bytes([i])) for i in range(5)]
     res = b.publish(msgs, 0)
     assert res.accepted == 2 and res.blocked == Blocked(c.queue.id, "subscription on 't'", ("c",))
@@ -87,15 +95,15 @@ def test_block_stops_the_batch_at_the_full_queue() -> None:
 def test_block_without_a_consumer_keeps_the_newest() -> None:
     # a QoS 0 group whose consumer left must not stop the topic for everyone
     b = Broker(Limits(capacity=3, overflow=Overflow.BLOCK))
-    gone = b.subscribe(1, "t", group="dash").consumer
+    gone = sub(b, 1, "t", group="dash")
     b.disconnect(1)
-    live = b.subscribe(2, "t").consumer
+    live = sub(b, 2, "t")
     res = b.publish([raw("t", bytes([i])) for i in range(5)], 0)
     assert res.accepted == 3 and res.blocked == Blocked(live.queue.id, "subscription on 't'", (2,))
     assert take_all(b, live) == [b"\x00", b"\x01", b"\x02"]
     assert b.publish([raw("t", bytes([i])) for i in range(3, 5)], 0).blocked is None
     assert b.counters.dropped_no_consumer == 2 and gone.queue.dropped_no_consumer == 2
-    again = b.subscribe(3, "t", group="dash").consumer
+    again = sub(b, 3, "t", group="dash")
     assert take_all(b, again) == [b"\x02", b"\x03", b"\x04"]  # its newest, in order
     b.disconnect(2)
     b.publish([raw("t", bytes([i])) for i in range(10)], 0)
@@ -106,7 +114,7 @@ def test_block_without_a_consumer_keeps_the_newest() -> None:
 @pytest.mark.parametrize("policy", list(Overflow))
 def test_queue_bytes_are_bounded(policy: Overflow) -> None:
     b = Broker(Limits(capacity=1000, capacity_bytes=1000, overflow=policy))
-    c = b.subscribe(1, "t").consumer
+    c = sub(b, 1, "t")
     for i in range(20):
         b.publish([raw("t", bytes([i]) * 300)], 0)
         assert c.queue.size == sum(len(r) for r, _ in c.queue.items) <= 1000
@@ -139,7 +147,7 @@ def test_invalid_utf8_topic_is_refused() -> None:
 
 def test_ttl_expired_messages_are_never_taken() -> None:
     b = Broker()
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     b.publish([raw("t", b"short", ttl=100), raw("t", b"forever"), raw("t", b"long", ttl=5000)], 0)
     assert take_all(b, c, now=1000) == [b"forever", b"long"]
     assert b.counters.dropped_ttl == 1
@@ -147,7 +155,7 @@ def test_ttl_expired_messages_are_never_taken() -> None:
 
 def test_default_ttl_applies_when_message_has_none() -> None:
     b = Broker(Limits(default_ttl_ms=50))
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     b.publish([raw("t", b"a"), raw("t", b"b", ttl=500)], 0)
     assert b.tick(100) == 1
     assert take_all(b, c, now=100) == [b"b"]
@@ -155,7 +163,7 @@ def test_default_ttl_applies_when_message_has_none() -> None:
 
 def test_tick_frees_capacity_taken_by_expired_messages() -> None:
     b = Broker(Limits(capacity=2, overflow=Overflow.DROP_NEW))
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     b.publish([raw("t", b"1", ttl=10), raw("t", b"2", ttl=10)], 0)
     assert b.tick(5) == 0
     assert b.tick(20) == 2
@@ -166,9 +174,9 @@ def test_tick_frees_capacity_taken_by_expired_messages() -> None:
 
 def test_group_members_share_and_groups_each_get_everything() -> None:
     b = Broker()
-    a1 = b.subscribe("conn1", "jobs", group="workers").consumer
-    a2 = b.subscribe("conn2", "jobs", group="workers").consumer
-    other = b.subscribe("conn3", "jobs", group="audit").consumer
+    a1 = sub(b, "conn1", "jobs", group="workers")
+    a2 = sub(b, "conn2", "jobs", group="workers")
+    other = sub(b, "conn3", "jobs", group="audit")
     assert a1.queue is a2.queue and other.queue is not a1.queue
     b.publish([raw("jobs", str(i).encode()) for i in range(10)], 0)
     first: list[bytes] = []
@@ -186,7 +194,7 @@ def test_group_outlives_its_consumers_until_unsub() -> None:
     b.subscribe("conn1", "jobs", group="g")
     b.disconnect("conn1")
     b.publish([raw("jobs", b"queued while away")], 0)
-    again = b.subscribe("conn2", "jobs", group="g").consumer
+    again = sub(b, "conn2", "jobs", group="g")
     assert take_all(b, again) == [b"queued while away"]
     res = b.unsubscribe("conn3", topic_filter="jobs", group="g")
     assert res.count == 1 and res.ended == (Ended("conn2", 0, "group 'g' on 'jobs'"),)
@@ -198,7 +206,7 @@ def test_group_outlives_its_consumers_until_unsub() -> None:
 
 def test_ephemeral_subscription_ends_with_its_connection() -> None:
     b = Broker()
-    c = b.subscribe("conn", "t").consumer
+    c = sub(b, "conn", "t")
     assert b.disconnect("conn") == Detached(released=(c.queue.id,))
     assert b.queues == ()
     assert b.publish([raw("t")], 0).wake == set()
@@ -206,7 +214,7 @@ def test_ephemeral_subscription_ends_with_its_connection() -> None:
 
 def test_unsubscribe_by_id_checks_the_owner() -> None:
     b = Broker()
-    c = b.subscribe("conn", "t").consumer
+    c = sub(b, "conn", "t")
     assert b.unsubscribe("intruder", sub_id=c.sub_id).refusal.code == ErrorCode.NOT_FOUND
     assert b.unsubscribe("conn", sub_id=c.sub_id).count == 1
     assert b.queues == ()
@@ -221,7 +229,7 @@ def test_subscribe_validates_filter_group_and_qos() -> None:
 
 def test_take_respects_batch_limits() -> None:
     b = Broker()
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     b.publish([raw("t", b"x" * 100) for _ in range(10)], 0)
     assert len(b.take(c, 3, 1 << 20, 0)) == 3
     assert len(b.take(c, 100, 250, 0)) == 2  # two ~123-byte records fit in 250 bytes
@@ -232,7 +240,7 @@ def test_take_respects_batch_limits() -> None:
 @pytest.mark.parametrize("policy", list(Overflow))
 def test_queue_never_exceeds_capacity(policy: Overflow) -> None:
     b = Broker(Limits(capacity=7, overflow=policy))
-    c = b.subscribe("c", "t").consumer
+    c = sub(b, "c", "t")
     for i in range(50):
         b.publish([raw("t", bytes([i]))], 0)
         assert len(c.queue.items) <= 7

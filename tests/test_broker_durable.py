@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blipmq_server.broker.core import READ_AHEAD_BYTES, READ_AHEAD_RECORDS, Broker, Limits
+from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.registry import Consumer
+from blipmq_server.broker.storage import READ_AHEAD_BYTES, READ_AHEAD_RECORDS
 from blipmq_server.protocol.codec import (
     DeadLetter,
     ErrorCode,
     Message,
     Start,
+    dead_letter,
     decode_one,
     encode_deliver,
     encode_publish,
@@ -25,6 +28,12 @@ class Setup:
         self.log = Log(str(path), options) if options else Log(str(path))
         self.broker = Broker(Limits(**limits), log=self.log)
         self.found = self.log.open(on_record=self.broker.recover)
+
+    def sub(self, *args, **kwargs) -> Consumer:
+        """Subscribe and return the core's consumer object."""
+        consumer = self.broker.consumer(self.broker.subscribe(*args, **kwargs).sub_id)
+        assert consumer is not None
+        return consumer
 
     def publish(self, topic: str, *payloads: bytes, qos: int = 1, ttl: int = 0) -> None:
         recs = [message_record(Message(topic, p, qos, ttl)) for p in payloads]
@@ -58,7 +67,7 @@ class Setup:
 
 def test_group_reads_from_the_log_and_survives_a_restart(tmp_path: Path) -> None:
     s = Setup(tmp_path)
-    c = s.broker.subscribe("conn", "jobs", "g", qos=1).consumer
+    c = s.sub("conn", "jobs", "g", qos=1)
     s.publish("jobs", b"a", b"b", b"c")
     s.publish("other", b"x")
     assert s.take(c) == []  # nothing is delivered before it is in the log
@@ -68,7 +77,7 @@ def test_group_reads_from_the_log_and_survives_a_restart(tmp_path: Path) -> None
     assert s.broker.ack("conn", c.sub_id, (got[0][0],), 0)
     s2 = s.reopen()
     assert [g.group for g in s2.broker.durable_groups] == ["g"]
-    c2 = s2.broker.subscribe("conn2", "jobs", "g", qos=1).consumer
+    c2 = s2.sub("conn2", "jobs", "g", qos=1)
     again = s2.take(c2)
     assert [p for _, _, p in again] == [b"b", b"c"]  # acked "a" is not delivered again
 
@@ -77,7 +86,7 @@ def test_group_created_after_messages_starts_at_the_end(tmp_path: Path) -> None:
     s = Setup(tmp_path)
     s.publish("jobs", b"old")
     s.commit()
-    c = s.broker.subscribe("conn", "jobs", "g", qos=1).consumer
+    c = s.sub("conn", "jobs", "g", qos=1)
     s.publish("jobs", b"new")
     s.commit()
     assert [p for _, _, p in s.take(c)] == [b"new"]
@@ -85,7 +94,7 @@ def test_group_created_after_messages_starts_at_the_end(tmp_path: Path) -> None:
 
 def test_credit_window_and_ack(tmp_path: Path) -> None:
     s = Setup(tmp_path)
-    c = s.broker.subscribe("conn", "t", "g", qos=1, credit=2).consumer
+    c = s.sub("conn", "t", "g", qos=1, credit=2)
     s.publish("t", b"1", b"2", b"3", b"4")
     s.commit()
     first = s.take(c)
@@ -98,8 +107,8 @@ def test_credit_window_and_ack(tmp_path: Path) -> None:
 
 def test_credit_frame_shrinks_and_grows_the_window(tmp_path: Path) -> None:
     s = Setup(tmp_path)
-    c = s.broker.subscribe("conn", "t", "g", qos=1, credit=3).consumer
-    q0 = s.broker.subscribe("conn", "t").consumer
+    c = s.sub("conn", "t", "g", qos=1, credit=3)
+    q0 = s.sub("conn", "t")
     s.publish("t", *[b"%d" % i for i in range(6)])
     s.commit()
     first = s.take(c)
@@ -118,8 +127,8 @@ def test_credit_frame_shrinks_and_grows_the_window(tmp_path: Path) -> None:
 
 def test_unacked_deliveries_come_back_with_backoff_then_dead_letter(tmp_path: Path) -> None:
     s = Setup(tmp_path, retry_backoff_ms=100, retry_backoff_max_ms=1000, max_retries=3)
-    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
-    dlq = s.broker.subscribe("ops", "$dlq/t").consumer
+    c = s.sub("conn", "t", "g", qos=1)
+    dlq = s.sub("ops", "$dlq/t")
     s.publish("t", b"poison")
     s.commit()
     assert [n for _, n, _ in s.take(c, now=0)] == [1]
@@ -137,8 +146,8 @@ def test_unacked_deliveries_come_back_with_backoff_then_dead_letter(tmp_path: Pa
 
 def test_disconnect_returns_deliveries_to_the_group(tmp_path: Path) -> None:
     s = Setup(tmp_path)
-    first = s.broker.subscribe("c1", "t", "g", qos=1).consumer
-    second = s.broker.subscribe("c2", "t", "g", qos=1).consumer
+    first = s.sub("c1", "t", "g", qos=1)
+    second = s.sub("c2", "t", "g", qos=1)
     s.publish("t", b"x", b"y")
     s.commit()
     assert len(s.take(first)) == 2
@@ -165,7 +174,7 @@ def test_qos1_and_replay_need_the_log() -> None:
 
 def test_qos1_without_a_group_is_acked_but_leaves_no_trace(tmp_path: Path) -> None:
     s = Setup(tmp_path, retry_backoff_ms=100)
-    c = s.broker.subscribe("conn", "t", qos=1, credit=2).consumer
+    c = s.sub("conn", "t", qos=1, credit=2)
     s.publish("t", b"1", b"2", b"3")
     s.commit()
     got = s.take(c, now=0)
@@ -174,7 +183,7 @@ def test_qos1_without_a_group_is_acked_but_leaves_no_trace(tmp_path: Path) -> No
     s.broker.redeliver(100, 0)  # "2" was not acked in time
     assert [(p, n) for _, n, p in s.take(c, now=100)] == [(b"2", 2), (b"3", 1)]
     s.broker.disconnect("conn")
-    assert s.broker.cursors == () and s.broker.durable_groups == ()
+    assert s.broker.all_cursors == () and s.broker.durable_groups == ()
     s2 = s.reopen()
     kinds = [r.kind for r in s2.log.read(0)]
     assert kinds == [1, 1, 1]  # messages only: no GROUP or ACK records
@@ -185,13 +194,13 @@ def test_replay_from_earliest_offset_or_latest(tmp_path: Path) -> None:
     s.publish("t", b"a", b"b", b"c")
     s.commit()
     first = s.log.first_offset
-    replay = s.broker.subscribe("c1", "t", start=Start.EARLIEST).consumer
+    replay = s.sub("c1", "t", start=Start.EARLIEST)
     assert [p for _, _, p in s.take(replay)] == [b"a", b"b", b"c"]
     assert s.broker.ack("c1", replay.sub_id, (first,), 0) is False  # QoS 0: nothing to ack
-    from_b = s.broker.subscribe("c2", "t", "g", qos=1, start=Start.OFFSET,
-                                start_offset=first + 1).consumer
+    from_b = s.sub("c2", "t", "g", qos=1, start=Start.OFFSET,
+                                start_offset=first + 1)
     assert [p for _, _, p in s.take(from_b)] == [b"b", b"c"]
-    latest = s.broker.subscribe("c3", "t", "h", qos=1, start=Start.LATEST).consumer
+    latest = s.sub("c3", "t", "h", qos=1, start=Start.LATEST)
     assert s.take(latest) == []
     past = s.broker.subscribe("c4", "t", "i", qos=1, start=Start.OFFSET,
                               start_offset=s.log.next_offset + 1)
@@ -200,7 +209,7 @@ def test_replay_from_earliest_offset_or_latest(tmp_path: Path) -> None:
     s.commit()
     assert [p for _, _, p in s.take(replay)] == [b"d"]  # then it follows the live log
     # an existing group keeps its cursor whatever the new consumer asks for
-    again = s.broker.subscribe("c5", "t", "h", qos=1, start=Start.EARLIEST).consumer
+    again = s.sub("c5", "t", "h", qos=1, start=Start.EARLIEST)
     assert [p for _, _, p in s.take(again)] == [b"d"]
     zero_group = s.broker.subscribe("c6", "t", "q0", start=Start.EARLIEST)
     assert zero_group.refusal.code == ErrorCode.UNSUPPORTED
@@ -212,13 +221,13 @@ def test_a_replayed_group_survives_a_restart_from_its_start(tmp_path: Path) -> N
     s.commit()
     s.broker.subscribe("c", "t", "g", qos=1, start=Start.EARLIEST)
     s2 = s.reopen()
-    c = s2.broker.subscribe("c", "t", "g", qos=1).consumer
+    c = s2.sub("c", "t", "g", qos=1)
     assert [p for _, _, p in s2.take(c)] == [b"a", b"b"]
 
 
 def test_nack_now_and_with_a_delay(tmp_path: Path) -> None:
     s = Setup(tmp_path, retry_backoff_ms=10_000)
-    c = s.broker.subscribe("conn", "t", "g", qos=1, credit=1).consumer
+    c = s.sub("conn", "t", "g", qos=1, credit=1)
     s.publish("t", b"x", b"y")
     s.commit()
     [(x, _, _)] = s.take(c, now=0)
@@ -241,8 +250,8 @@ def dead_letters(s: Setup, consumer) -> list:
 
 def test_dead_letters_carry_the_count_and_the_reason(tmp_path: Path) -> None:
     s = Setup(tmp_path, max_retries=2)
-    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
-    dlq = s.broker.subscribe("ops", "$dlq/#").consumer
+    c = s.sub("conn", "t", "g", qos=1)
+    dlq = s.sub("ops", "$dlq/#")
     s.publish("t", b"poison", b"fine")
     s.commit()
     got = s.take(c)
@@ -255,19 +264,20 @@ def test_dead_letters_carry_the_count_and_the_reason(tmp_path: Path) -> None:
     assert (dead.topic, dead.payload, tuple(dead.dead)) == ("$dlq/t", b"poison", (2, "nacked"))
     # a dead letter that dies again keeps one trailer, the newest
     s.commit()
-    s.broker._dead_letter(s.log.read(dead.offset)[0].body, DeadLetter(7, "again"), 0, 0)
+    again = dead_letter(s.log.read(dead.offset)[0].body, DeadLetter(7, "again"))
+    s.broker.publish([again], 0, 0, internal=True)
     [twice] = dead_letters(s, dlq)
     assert (twice.topic, twice.payload, tuple(twice.dead)) == ("$dlq/$dlq/t", b"poison",
                                                                (7, "again"))
     # the dead-lettered offset is done for the group, also after a restart
     s2 = s.reopen()
-    c2 = s2.broker.subscribe("conn", "t", "g", qos=1).consumer
+    c2 = s2.sub("conn", "t", "g", qos=1)
     assert [p for _, _, p in s2.take(c2)] == [b"fine"]
 
 
 def test_a_full_blocking_dlq_queue_does_not_lose_the_dead_letter(tmp_path: Path) -> None:
     s = Setup(tmp_path, max_retries=1, capacity=1)  # in-memory queues block by default
-    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    c = s.sub("conn", "t", "g", qos=1)
     s.broker.subscribe("ops", "$dlq/#")  # nobody takes from it: full after one
     s.publish("t", b"a", b"b")
     s.commit()
@@ -285,14 +295,14 @@ def test_unsubscribe_by_filter_ends_cursors_without_a_group(tmp_path: Path) -> N
     s.broker.subscribe("conn", "t", qos=1)
     s.broker.subscribe("conn", "t", start=Start.EARLIEST)
     s.broker.subscribe("conn", "t", "g", qos=1)  # a group: not ended by a filter
-    assert len(s.broker.cursors) == 3
+    assert len(s.broker.all_cursors) == 3
     assert s.broker.unsubscribe("conn", topic_filter="t").count == 2
-    assert [c.group for c in s.broker.cursors] == ["g"]
+    assert [c.group for c in s.broker.all_cursors] == ["g"]
 
 
 def test_idle_durable_groups_expire(tmp_path: Path) -> None:
     s = Setup(tmp_path, group_expiry_ms=1000)
-    kept = s.broker.subscribe("c1", "t", "kept", qos=1, timestamp_ms=0).consumer
+    kept = s.sub("c1", "t", "kept", qos=1, timestamp_ms=0)
     s.broker.subscribe("c2", "t", "idle", qos=1, timestamp_ms=0)
     s.broker.disconnect("c2", timestamp_ms=5000)
     assert s.broker.expire_groups(5999) == []
@@ -320,7 +330,7 @@ def test_groups_never_expire_by_default(tmp_path: Path) -> None:
 
 def test_floor_bounds_retention(tmp_path: Path) -> None:
     s = Setup(tmp_path)
-    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    c = s.sub("conn", "t", "g", qos=1)
     s.publish("t", b"1", b"2")
     s.commit()
     got = s.take(c)
@@ -331,7 +341,7 @@ def test_floor_bounds_retention(tmp_path: Path) -> None:
 
 def test_checkpoints_let_retention_delete_a_groups_create_record(tmp_path: Path) -> None:
     s = Setup(tmp_path, LogOptions(segment_bytes=4096, retention_bytes=8192))
-    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    c = s.sub("conn", "t", "g", qos=1)
     group = c.queue
     payloads = [b"m%03d" % i + b"." * 96 for i in range(300)]
     for p in payloads:
@@ -352,13 +362,13 @@ def test_checkpoints_let_retention_delete_a_groups_create_record(tmp_path: Path)
     s2 = s.reopen()
     [g2] = s2.broker.durable_groups
     assert (g2.id, g2.filter, g2.group) == (group.id, "t", "g")
-    c2 = s2.broker.subscribe("conn", "t", "g", qos=1).consumer
+    c2 = s2.sub("conn", "t", "g", qos=1)
     assert [p for _, _, p in s2.take(c2)] == [b"after"]
 
 
 def test_a_checkpoint_keeps_unacked_deliveries_and_later_acks(tmp_path: Path) -> None:
     s = Setup(tmp_path, LogOptions(segment_bytes=4096, retention_bytes=8192))
-    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
+    c = s.sub("conn", "t", "g", qos=1)
     for i in range(100):
         s.publish("t", b"%03d" % i + b"." * 96)
     s.commit()
@@ -372,7 +382,7 @@ def test_a_checkpoint_keeps_unacked_deliveries_and_later_acks(tmp_path: Path) ->
     s.commit()
     assert s.log.retain(2000, s.broker.durable_floor()).removed
     s2 = s.reopen()
-    c2 = s2.broker.subscribe("conn", "t", "g", qos=1).consumer
+    c2 = s2.sub("conn", "t", "g", qos=1)
     again = s2.take(c2)
     assert [(p[:3], n) for _, n, p in again] == [(b"098", 2)]  # delivered before: count 2
     assert s2.broker.durable_floor() == got[98][0]
@@ -384,8 +394,8 @@ def test_a_checkpoint_keeps_unacked_deliveries_and_later_acks(tmp_path: Path) ->
 
 def test_cursor_batches_stay_within_max_bytes(tmp_path: Path) -> None:
     s = Setup(tmp_path, retry_backoff_ms=100)
-    c = s.broker.subscribe("conn", "t", "g", qos=1).consumer
-    replay = s.broker.subscribe("conn2", "t", start=Start.EARLIEST).consumer
+    c = s.sub("conn", "t", "g", qos=1)
+    replay = s.sub("conn2", "t", start=Start.EARLIEST)
     s.publish("t", *(bytes([65 + i]) * 1000 for i in range(10)))
     s.publish("t", b"z" * 5000)
     s.commit()
@@ -402,7 +412,7 @@ def test_cursor_batches_stay_within_max_bytes(tmp_path: Path) -> None:
 
 def test_a_cursor_behind_the_cache_asks_for_a_disk_read_and_waits_for_it(tmp_path: Path) -> None:
     s = Setup(tmp_path, LogOptions(cache_bytes=0))  # every read would go to the files
-    c = s.broker.subscribe(7, "t", "g", qos=1).consumer
+    c = s.sub(7, "t", "g", qos=1)
     s.publish("t", b"a", b"b")
     s.commit()
     assert s.broker.has_work(c)
@@ -425,7 +435,7 @@ def test_in_flight_counts_per_consumer_stay_exact(tmp_path: Path) -> None:
 
     rng = random.Random(7)
     s = Setup(tmp_path, retry_backoff_ms=50, max_retries=3)
-    consumers = [s.broker.subscribe(conn, "t", "g", qos=1, credit=8).consumer
+    consumers = [s.sub(conn, "t", "g", qos=1, credit=8)
                  for conn in (1, 2, 3)]
     group = consumers[0].queue
     now = 0
@@ -449,7 +459,7 @@ def test_in_flight_counts_per_consumer_stay_exact(tmp_path: Path) -> None:
         else:
             s.broker.disconnect(c.conn)
             consumers.remove(c)
-            consumers.append(s.broker.subscribe(c.conn, "t", "g", qos=1, credit=8).consumer)
+            consumers.append(s.sub(c.conn, "t", "g", qos=1, credit=8))
         really = Counter(f.sub_id for f in group.inflight.values() if f.sub_id > 0)
         assert group.held == dict(really), step
         assert all(n <= 8 for n in really.values())

@@ -31,6 +31,7 @@ from collections import deque
 from typing import Any, NamedTuple
 
 from blipmq_server.broker.topics import matches
+from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import DELIVERY_PREFIX, MSG_HEAD
 
 _GROUP_HEAD = struct.Struct(">BQ")
@@ -42,6 +43,8 @@ _U32 = struct.Struct(">I")
 DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
 _PREFIX_SIZE = DELIVERY_PREFIX.size
 _unpack_head = MSG_HEAD.unpack_from
+_HEAD = MSG_HEAD.size
+_MESSAGE = Kind.MESSAGE
 
 
 class GroupRecord(NamedTuple):
@@ -283,15 +286,15 @@ class DurableGroup:
                 full = True
                 break
             body = record.body
-            if size and size + _PREFIX_SIZE + len(body) > max_bytes and record.kind == 1:
+            if size and size + _PREFIX_SIZE + len(body) > max_bytes and record.kind == _MESSAGE:
                 full = True
                 break
             ahead.popleft()
             self.next = offset + 1
-            if record.kind != 1:
+            if record.kind != _MESSAGE:
                 continue
             _, ttl, tlen, _, _ = _unpack_head(body)
-            if not wants(body[13 : 13 + tlen]):
+            if not wants(body[_HEAD : _HEAD + tlen]):
                 continue
             if acked and offset in acked:
                 acked.discard(offset)

@@ -345,6 +345,18 @@ def dead_trailer(dead: DeadLetter) -> bytes:
     return _DEAD.pack(min(dead.deliveries, 0xFFFF), len(reason)) + reason
 
 
+def dead_letter(record: bytes, dead: DeadLetter) -> RawMessage:
+    """The dead letter of a message record: topic ``$dlq/<topic>``, the dead flag, and a
+    trailer with ``dead`` (one an earlier dead letter carried is replaced)."""
+    flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(record)
+    head = MSG_HEAD.size
+    topic = b"$dlq/" + record[head : head + tlen]
+    rest = record[head + tlen : head + tlen + klen + plen]
+    out = b"".join((MSG_HEAD.pack(flags | FLAG_DEAD, ttl, len(topic), klen, plen), topic, rest,
+                    dead_trailer(dead)))
+    return RawMessage(topic, flags & FLAG_QOS1, ttl, plen, out)
+
+
 def encode_publish(records: list[bytes], request_id: int = 0) -> bytes:
     """A PUBLISH frame from message records made by :func:`message_record`."""
     if not 1 <= len(records) <= MAX_BATCH:

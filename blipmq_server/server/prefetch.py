@@ -17,7 +17,9 @@ from collections.abc import Callable
 
 import trio
 
-from blipmq_server.broker.core import READ_AHEAD_BYTES, READ_AHEAD_RECORDS, Broker, Fetch
+from blipmq_server.broker.core import Broker
+from blipmq_server.broker.results import Fetch
+from blipmq_server.broker.storage import READ_AHEAD_BYTES, READ_AHEAD_RECORDS
 from blipmq_server.errors import WalError
 from blipmq_server.wal.log import Log
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from blipmq_server.broker.core import Consumer
 from blipmq_server.errors import RemoteProtocolError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
@@ -122,18 +121,6 @@ class Session:
 
     # ----------------------------------------------------------------------------- writer
 
-    def _has_deliveries(self) -> bool:
-        has_work = self.broker.has_work
-        return any(has_work(c) for c in self._sending())
-
-    def _sending(self) -> list[Consumer]:
-        """Consumers to send to. Once closing, QoS 1 ones are left out: what they took now
-        would only go back to the group, one delivery count higher."""
-        consumers = self.broker.consumers_of(self.conn_id)
-        if self.closing:
-            return [c for c in consumers if not c.qos]
-        return consumers
-
     async def _write_loop(self) -> None:
         opts = self.server.config.delivery
         linger = opts.flush_interval_ms / 1000
@@ -141,7 +128,7 @@ class Session:
         stream = self.stream
         try:
             while True:
-                if not self.outbox and not self._has_deliveries():
+                if not self.outbox and not self.broker.pending(self.conn_id, self.closing):
                     if self.closing:
                         if self.close_reason is CloseReason.SHUTDOWN and not self._said_goodbye:
                             # only now: every delivery queued for us went out before it
@@ -174,24 +161,21 @@ class Session:
             self.abort(CloseReason.WRITE_FAILED)
 
     def _collect(self, max_batch: int, max_batch_bytes: int) -> bytes:
+        """The outbox and a DELIVER batch per subscription with something to take. Once
+        closing, QoS 1 subscriptions take nothing more: what they took would only go back
+        to their cursor, one delivery count higher."""
         parts = self.outbox
         self.outbox = []
-        now, wall = now_ms(), wall_ms()
-        broker = self.broker
+        taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, now_ms(),
+                                    wall_ms(), qos0_only=self.closing)
         delivered = 0
-        for consumer in self._sending():
-            if not broker.has_work(consumer):
-                continue
-            records = broker.take(consumer, max_batch, max_batch_bytes, now, wall)
-            if records:
-                frame = codec.encode_deliver(consumer.sub_id, records)
-                parts.append(frame)
-                delivered += len(frame)
-            if not consumer.queue.durable:
-                self.server.release((consumer.queue.id,))
-        prefetcher = self.server.prefetcher
-        if prefetcher is not None:
-            prefetcher.request(broker.take_fetches())
+        for sub_id, records in taken.batches:
+            frame = codec.encode_deliver(sub_id, records)
+            parts.append(frame)
+            delivered += len(frame)
+        self.server.release(taken.released)
+        if taken.fetches:
+            self.server.prefetcher.request(taken.fetches)  # type: ignore[union-attr]
         self.pending_bytes += delivered
         return b"".join(parts)
 
@@ -374,10 +358,8 @@ class Session:
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
             return
-        consumer = result.consumer
-        assert consumer is not None
-        self.send(codec.Subscribed(consumer.sub_id, frame.request_id))
-        if self.broker.has_work(consumer):
+        self.send(codec.Subscribed(result.sub_id, frame.request_id))
+        if result.ready:
             self.wake()  # a group's backlog waits for its new consumer
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from enum import IntEnum
 from typing import NamedTuple
 
 from crc32c import crc32c
+
+from blipmq_server.kinds import Kind
 
 MAGIC = b"BLPWAL"
 FORMAT_VERSION = 1
@@ -28,12 +29,6 @@ PREFIX = struct.Struct(">II")  # length, crc32c
 FIXED = struct.Struct(">BQQ")  # kind, offset, timestamp_ms
 RECORD_OVERHEAD = PREFIX.size + FIXED.size  # 25
 MIN_LENGTH = 4 + FIXED.size  # crc + fixed fields: 21
-
-
-class Kind(IntEnum):
-    MESSAGE = 1
-    GROUP = 2  # a durable group was created or deleted (body: see broker.durable)
-    ACK = 3  # a durable group's consumer acknowledged offsets (body: see broker.durable)
 
 
 class Record(NamedTuple):
@@ -109,7 +104,7 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
         if offset <= last_offset:
             return Scan(out, pos, f"offset {offset} does not follow {last_offset}", False, others)
         out.append((offset, pos))
-        if kind != 1:  # Kind.MESSAGE
+        if kind != Kind.MESSAGE:
             others.append(pos)
         last_offset = offset
         pos = end

@@ -1,0 +1,341 @@
+"""Log cursors: durable QoS 1 groups, QoS 1 subscriptions without a group, and replays.
+
+A cursor (``broker.durable.DurableGroup``) reads the log from its position; QoS 1 ones keep
+what they delivered in flight until it is acked, redeliver it with backoff, and after
+``max_retries`` deliveries hand it back as a dead letter for ``$dlq/<topic>``. Durable
+groups write their changes to the log as GROUP and ACK records and are rebuilt from them
+on start. Records the log holds only on disk are never read here: the cursor asks for a
+``Fetch`` and the shell reads it off the event loop (``fill``).
+Pure and synchronous; no trio, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from blipmq_server.broker import durable
+from blipmq_server.broker.durable import DurableGroup
+from blipmq_server.broker.results import Counters, Fetch, Limits, Refusal
+from blipmq_server.broker.storage import MessageLog, StoredRecord
+from blipmq_server.kinds import Kind
+from blipmq_server.protocol.codec import DeadLetter, ErrorCode, RawMessage, Start, dead_letter
+
+if TYPE_CHECKING:
+    from blipmq_server.broker.registry import Consumer
+
+_CACHE_READ_RECORDS = 512  # records a cursor decodes from the log's cache in one go
+_ROUNDS = 8  # read-aheads one take may look through (a filter that matches little)
+
+
+def _late(count: int) -> str:
+    return f"not acked in time ({count} deliveries)"
+
+
+class Cursors:
+    def __init__(self, limits: Limits, log: MessageLog, counters: Counters) -> None:
+        self.limits = limits
+        self.log = log
+        self.counters = counters
+        self.durable: dict[tuple[str, str], DurableGroup] = {}
+        self._ids: dict[int, DurableGroup] = {}  # durable groups by id (their create offset)
+        self._plain: list[DurableGroup] = []  # cursors of subscriptions without a group
+        self._by_key: dict[int, DurableGroup] = {}  # every cursor by its key
+        self._next_key = 1
+        self._fetches: list[Fetch] = []  # disk reads cursors wait for, not yet handed out
+        self._buried: list[tuple[DurableGroup, int]] = []  # dead-lettered, ACK not yet logged
+
+    @property
+    def all(self) -> tuple[DurableGroup, ...]:
+        return (*self.durable.values(), *self._plain)
+
+    # -------------------------------------------------------------------------- open
+
+    def open(
+        self, topic_filter: str, group: str, qos: int, start: int, start_offset: int,
+        timestamp_ms: int,
+    ) -> DurableGroup | Refusal:
+        """The cursor a new subscription reads from: an existing durable group (which goes
+        on where it was), a new one, or a cursor of its own."""
+        target = self.durable.get((topic_filter, group)) if group else None
+        if target is None:
+            log = self.log
+            if start == Start.EARLIEST:
+                first = log.first_offset
+            elif start == Start.OFFSET:
+                if start_offset > log.next_offset:
+                    return Refusal(ErrorCode.INVALID_REQUEST,
+                                   f"offset {start_offset} is past the end of the log "
+                                   f"(the next message gets offset {log.next_offset})")
+                first = max(start_offset, log.first_offset)
+            else:
+                first = log.next_offset
+            if group:
+                gid = log.append(Kind.GROUP, durable.group_body(
+                    durable.CREATE, first, topic_filter, group), timestamp_ms)
+                target = self._add_durable(gid, topic_filter, group, first)
+            else:
+                target = DurableGroup(0, topic_filter, "", first, persistent=False,
+                                      acks=bool(qos))
+                self._plain.append(target)
+                self._keep(target)
+        target.idle_since = None
+        return target
+
+    def _add_durable(self, gid: int, topic_filter: str, group: str, start: int) -> DurableGroup:
+        target = DurableGroup(gid, topic_filter, group, start)
+        self.durable[(topic_filter, group)] = target
+        self._ids[gid] = target
+        self._keep(target)
+        return target
+
+    def _keep(self, target: DurableGroup) -> None:
+        target.key = self._next_key
+        self._next_key += 1
+        self._by_key[target.key] = target
+
+    def _forget(self, target: DurableGroup) -> None:
+        if target.persistent:
+            self.durable.pop((target.filter, target.group), None)
+            self._ids.pop(target.id, None)
+        elif target in self._plain:
+            self._plain.remove(target)
+        self._by_key.pop(target.key, None)
+
+    def delete(self, target: DurableGroup, timestamp_ms: int) -> None:
+        """Delete a durable group (unsubscribe, expiry): a GROUP delete record says so."""
+        self._forget(target)
+        self.log.append(Kind.GROUP, durable.group_body(
+            durable.DELETE, 0, target.filter, target.group), timestamp_ms)
+
+    def detach(self, consumer: Consumer, timestamp_ms: int, wake: set[int]) -> None:
+        """A consumer leaves its cursor: its unacked deliveries go to the others (``wake``);
+        a cursor of its own ends; a durable group left alone logs that it is idle."""
+        target = consumer.queue
+        assert isinstance(target, DurableGroup)
+        if consumer in target.consumers:
+            target.consumers.remove(consumer)
+        if not target.persistent:
+            self._forget(target)
+        elif not target.consumers and self.durable.get((target.filter, target.group)) is target:
+            target.idle_since = timestamp_ms
+            self.log.append(Kind.GROUP, durable.group_body(
+                durable.IDLE, 0, target.filter, target.group), timestamp_ms)
+        if target.requeue(consumer.sub_id):
+            wake.update(c.conn for c in target.consumers)
+
+    # ------------------------------------------------------------------------ delivery
+
+    def has_work(self, consumer: Consumer, target: DurableGroup) -> bool:
+        if target.in_flight_for(consumer.sub_id) >= consumer.credit:
+            return False
+        return bool(target.ready or target.pending or target.ahead) or (
+            not target.fetching and target.next <= self.log.written_offset)
+
+    def take(
+        self, consumer: Consumer, target: DurableGroup, limit: int, max_bytes: int,
+        now_ms: int, wall_ms: int,
+    ) -> list[bytes]:
+        """Up to ``limit`` delivery records and ``max_bytes`` of them (a first larger one
+        alone): redeliveries first, then new records from the cursor's position."""
+        log = self.log
+        room = min(limit, consumer.credit - target.in_flight_for(consumer.sub_id))
+        if room <= 0:
+            return []
+        if target.pending:  # unacked before a restart, named by a checkpoint
+            target.load_pending([r for o in sorted(target.pending)
+                                 for r in log.read(o, max_records=1)
+                                 if r.kind == Kind.MESSAGE])
+        out, size = target.take_ready(consumer.sub_id, room, max_bytes, now_ms, self._backoff)
+        self.counters.redelivered += len(out)
+        for _ in range(_ROUNDS):
+            if len(out) >= room or size >= max_bytes or target.next > log.written_offset:
+                break
+            if not target.ahead:
+                if target.fetching:
+                    break
+                if not log.cached(target.next):  # on disk: read off the event loop
+                    target.fetching = True
+                    self._fetches.append(Fetch(target.key, target.next))
+                    break
+                # from memory, on the caller's thread: a batch's worth at a time
+                target.fill(log.read(target.next, _CACHE_READ_RECORDS, max_bytes))
+                if not target.ahead:
+                    target.move_to(log.written_offset + 1)
+                    break
+            new, size, expired, full = target.take_new(
+                consumer.sub_id, room - len(out), max_bytes, size, now_ms, wall_ms,
+                self._backoff)
+            self.counters.dropped_ttl += expired
+            out += new
+            if full:
+                break
+        self.counters.delivered += len(out)
+        return out
+
+    def take_fetches(self) -> list[Fetch]:
+        fetches, self._fetches = self._fetches, []
+        return fetches
+
+    def fill(self, key: int, records: Sequence[StoredRecord]) -> frozenset[int]:
+        target = self._by_key.get(key)
+        if target is None:  # the cursor is gone meanwhile
+            return frozenset()
+        target.fetching = False
+        target.fill(records)
+        if not target.ahead:  # nothing there: the segment went (retention), read on after it
+            target.move_to(self.log.first_offset)
+        return frozenset(c.conn for c in target.consumers)
+
+    def _backoff(self, count: int) -> int:
+        base = self.limits.retry_backoff_ms
+        return min(base << min(count - 1, 20), self.limits.retry_backoff_max_ms)
+
+    # ---------------------------------------------------------------- acks and retries
+
+    def ack(self, consumer: Consumer, target: DurableGroup, offsets: tuple[int, ...],
+            timestamp_ms: int) -> bool:
+        done = target.ack(consumer.sub_id, offsets)
+        if done:
+            self.counters.acked += len(done)
+            if target.persistent:
+                self.log.append(Kind.ACK, durable.ack_body(target.id, target.floor, done),
+                                timestamp_ms)
+        return bool(done)
+
+    def nack(
+        self, consumer: Consumer, target: DurableGroup, offsets: tuple[int, ...], delay_ms: int,
+        now_ms: int, timestamp_ms: int, dead: list[RawMessage],
+    ) -> frozenset[int]:
+        mine = target.held_by(consumer.sub_id, offsets)
+        self.counters.nacked += len(mine)
+        reason = f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked"
+        target.back(self._spend(target, mine, lambda _: reason, timestamp_ms, dead),
+                    now_ms, delay_ms)
+        return frozenset(c.conn for c in target.consumers) if mine else frozenset()
+
+    def redeliver(self, now_ms: int, timestamp_ms: int, dead: list[RawMessage]
+                  ) -> frozenset[int]:
+        woken: set[int] = set()
+        for target in self.all:
+            late, due = target.expire(now_ms)
+            target.back(self._spend(target, late, _late, timestamp_ms, dead))
+            if late or due:
+                woken.update(c.conn for c in target.consumers)
+        return frozenset(woken)
+
+    def _spend(
+        self, target: DurableGroup, offsets: list[int], reason: Callable[[int], str],
+        timestamp_ms: int, dead: list[RawMessage],
+    ) -> list[int]:
+        """Those of ``offsets`` delivered ``max_retries`` times become dead letters (added to
+        ``dead``; a durable group logs them as done, so a restart does not deliver them
+        again); returns the others, in order, to be given back."""
+        back = []
+        for offset in offsets:
+            count = target.inflight[offset].count
+            if count < self.limits.max_retries:
+                back.append(offset)
+                continue
+            flight = target.drop(offset)
+            dead.append(dead_letter(flight.body, DeadLetter(flight.count, reason(count))))
+            self.counters.dead_lettered += 1
+            if target.persistent:
+                self._buried.append((target, offset))
+        return back
+
+    def bury(self, timestamp_ms: int) -> None:
+        """The dead letters made by ``nack`` or ``redeliver`` are in the log now: log their
+        originals as done for their durable groups (in this order, so a crash in between
+        leaves a message delivered twice, never one lost)."""
+        for target, offset in self._buried:
+            self.log.append(Kind.ACK, durable.ack_body(target.id, target.floor, [offset]),
+                            timestamp_ms)
+        self._buried.clear()
+
+    # ---------------------------------------------------------------------- maintenance
+
+    def expire(self, wall_ms: int) -> list[DurableGroup]:
+        """Durable groups without a consumer for ``group_expiry_ms``: deleted."""
+        expiry = self.limits.group_expiry_ms
+        if not expiry:
+            return []
+        gone = [t for t in self.durable.values()
+                if not t.consumers and t.idle_since is not None
+                and wall_ms - t.idle_since >= expiry]
+        for target in gone:
+            self.delete(target, wall_ms)
+        self.counters.groups_expired += len(gone)
+        return gone
+
+    def checkpoint(self, timestamp_ms: int, below: int) -> int:
+        """Restate every durable group whose anchor (create or checkpoint record) is below
+        offset ``below`` in a new checkpoint record, so that retention may delete the old
+        segments. Returns the offset of the last record appended (0: none)."""
+        log = self.log
+        last = 0
+        for target in self.durable.values():
+            if target.anchor >= below:
+                continue
+            last = target.anchor = log.append(Kind.GROUP, durable.checkpoint_body(target),
+                                              timestamp_ms)
+            if target.idle_since is not None and not target.consumers:
+                last = log.append(Kind.GROUP, durable.group_body(
+                    durable.IDLE, 0, target.filter, target.group), target.idle_since)
+        return last
+
+    def skip_to(self, first: int) -> list[tuple[DurableGroup, int]]:
+        """Retention removed the log below ``first``: durable groups whose cursor was lower
+        skip what they had not read (counted in ``group.skipped``). Deliveries already in
+        flight are kept (they are in memory); unacked ones not yet reloaded are lost."""
+        out = []
+        for target in self.durable.values():
+            skipped = max(0, first - target.next) + sum(1 for o in target.pending if o < first)
+            if not skipped:
+                continue
+            target.move_to(first)
+            target.pending = {o for o in target.pending if o >= first}
+            target.skipped += skipped
+            out.append((target, skipped))
+        return out
+
+    def floor(self) -> int | None:
+        """The lowest offset a durable group still needs (for log retention)."""
+        return min((g.floor for g in self.durable.values()), default=None)
+
+    # ------------------------------------------------------------------------- recovery
+
+    def recover(self, record: StoredRecord) -> None:
+        """Rebuild durable groups from a GROUP or ACK record met while the log is opened.
+
+        A group whose last record is IDLE has been without a consumer since then; any other
+        group is taken as idle from the restart (``idle_since`` None until ``recovered``).
+        """
+        if record.kind == Kind.GROUP:
+            g = durable.parse_group(record.body)
+            target = self.durable.get((g.topic_filter, g.group))
+            if g.op == durable.CREATE:
+                self._add_durable(record.offset, g.topic_filter, g.group, g.start)
+            elif g.op == durable.CHECKPOINT:
+                if target is None:
+                    target = self._add_durable(g.group_id, g.topic_filter, g.group, g.start)
+                target.restore(g)
+                target.anchor = record.offset
+                target.idle_since = None
+            elif g.op == durable.IDLE:
+                if target is not None:
+                    target.idle_since = record.timestamp_ms
+            elif target is not None:
+                self._forget(target)
+        elif record.kind == Kind.ACK:
+            gid, floor, offsets = durable.parse_ack(record.body)
+            target = self._ids.get(gid)
+            if target is not None:
+                target.recover_ack(floor, offsets)
+                target.idle_since = None
+
+    def recovered(self, wall_ms: int) -> None:
+        """The log is open: groups not known to be idle count as idle from now."""
+        for target in self.durable.values():
+            if target.idle_since is None and not target.consumers:
+                target.idle_since = wall_ms

@@ -1,0 +1,141 @@
+"""Who consumes what: consumers by id and by connection, the in-memory queues (one per
+subscription without a group, one per QoS 0 group) and the routing cache from a topic to
+the queues it goes to.
+
+A ``Consumer`` attaches a connection (an int the shell chose) to a queue or to a log cursor
+(``broker.durable.DurableGroup``); the registry keeps the books and never decides delivery.
+Pure and synchronous; no trio.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from blipmq_server.broker.queue import Overflow, Queue
+from blipmq_server.broker.results import Limits, Refusal
+from blipmq_server.broker.topics import matches
+from blipmq_server.protocol.codec import ErrorCode
+from blipmq_server.protocol.names import topic_problem
+
+if TYPE_CHECKING:
+    from blipmq_server.broker.durable import DurableGroup
+
+_ROUTE_CACHE_LIMIT = 8192
+
+
+class Consumer:
+    """One subscriber attachment: a connection's subscription id on a queue or a cursor."""
+
+    __slots__ = ("conn", "credit", "qos", "queue", "request_id", "sub_id")
+
+    def __init__(
+        self, sub_id: int, queue: Queue | DurableGroup, conn: int, qos: int, credit: int,
+        request_id: int,
+    ) -> None:
+        self.sub_id = sub_id
+        self.queue = queue
+        self.conn = conn
+        self.qos = qos
+        self.credit = credit
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"Consumer({self.sub_id}, {self.queue!r})"
+
+
+class Route(NamedTuple):
+    targets: tuple[Queue, ...]
+    blockers: tuple[Queue, ...]  # the targets with the block policy
+
+
+class Registry:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.queues: list[Queue] = []
+        self.groups: dict[tuple[str, str], Queue] = {}  # QoS 0 groups
+        self.consumers: dict[int, Consumer] = {}
+        self.by_conn: dict[int, list[Consumer]] = {}
+        self.routes: dict[bytes, Route | Refusal] = {}
+        self._next_sub_id = 1
+        self._next_queue_id = 1
+
+    # ------------------------------------------------------------------------- routing
+
+    def resolve(self, topic: bytes, internal: bool = False) -> Route | Refusal:
+        """Which queues a topic goes to (cached until the subscriptions change)."""
+        if len(self.routes) >= _ROUTE_CACHE_LIMIT:
+            self.routes.clear()
+        try:
+            name = topic.decode("utf-8")
+        except UnicodeDecodeError:
+            route: Route | Refusal = Refusal(ErrorCode.INVALID_TOPIC, "topic is not valid UTF-8")
+        else:
+            problem = None if internal else topic_problem(name)
+            if problem:
+                route = Refusal(ErrorCode.INVALID_TOPIC, problem)
+            else:
+                levels = tuple(name.split("/"))
+                targets = tuple(q for q in self.queues if matches(q.levels, levels))
+                blockers = tuple(q for q in targets if q.overflow is Overflow.BLOCK)
+                route = Route(targets, blockers)
+        if not internal:  # broker-made topics ($dlq/...) must not open the cache to clients
+            self.routes[topic] = route
+        return route
+
+    # ---------------------------------------------------------------------------- books
+
+    def queue_for(self, topic_filter: str, group: str) -> Queue:
+        """The QoS 0 group's queue (made on first use), or a new subscription's queue."""
+        queue = self.groups.get((topic_filter, group)) if group else None
+        if queue is None:
+            limits = self.limits
+            queue = Queue(self._next_queue_id, topic_filter, group or None, limits.capacity,
+                          limits.overflow, limits.capacity_bytes)
+            self._next_queue_id += 1
+            self.queues.append(queue)
+            if group:
+                self.groups[(topic_filter, group)] = queue
+            self.routes.clear()
+        return queue
+
+    def add(
+        self, conn: int, target: Queue | DurableGroup, qos: int, credit: int, request_id: int
+    ) -> Consumer:
+        consumer = Consumer(self._next_sub_id, target, conn, qos, credit, request_id)
+        self._next_sub_id += 1
+        target.consumers.append(consumer)
+        self.consumers[consumer.sub_id] = consumer
+        self.by_conn.setdefault(conn, []).append(consumer)
+        return consumer
+
+    def owned(self, conn: int, sub_id: int) -> Consumer | None:
+        """The subscription ``sub_id`` if ``conn`` holds it (else None: ignored or refused)."""
+        consumer = self.consumers.get(sub_id)
+        return consumer if consumer is not None and consumer.conn == conn else None
+
+    def of(self, conn: int) -> list[Consumer]:
+        return self.by_conn.get(conn, [])
+
+    def forget(self, consumer: Consumer) -> None:
+        """Take a consumer out of the books (not out of its queue or cursor)."""
+        self.consumers.pop(consumer.sub_id, None)
+        mine = self.by_conn.get(consumer.conn)
+        if mine and consumer in mine:
+            mine.remove(consumer)
+            if not mine:
+                del self.by_conn[consumer.conn]
+
+    def leave(self, consumer: Consumer, released: list[int]) -> None:
+        """A consumer leaves its in-memory queue; a subscription's own queue goes with it."""
+        queue = consumer.queue
+        assert isinstance(queue, Queue)
+        if consumer in queue.consumers:
+            queue.consumers.remove(consumer)
+        released.append(queue.id)
+        if queue.group is None:
+            self.drop(queue)
+
+    def drop(self, queue: Queue) -> None:
+        if queue in self.queues:
+            self.queues.remove(queue)
+            self.routes.clear()

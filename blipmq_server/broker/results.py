@@ -1,0 +1,146 @@
+"""The small frozen values the broker core answers with, and its options and counters.
+
+The core names connections and queues by id (ints the shell chose or the core handed out)
+and never holds a shell object: a result says whom to wake, what was appended to the log,
+who is blocked and on what, and the shell turns that into wake-ups and frames.
+Pure: no trio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blipmq_server.broker.queue import Overflow
+from blipmq_server.protocol.codec import ErrorCode
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The broker options the core needs (built from the config by the shell)."""
+
+    capacity: int = 8192
+    capacity_bytes: int = 64 * 1024 * 1024
+    overflow: Overflow = Overflow.BLOCK
+    default_ttl_ms: int = 0
+    max_message_bytes: int = 8 * 1024 * 1024
+    log_qos0: bool = True  # with a log: append QoS 0 messages too
+    retry_backoff_ms: int = 5000  # first redelivery deadline of an unacked QoS 1 delivery
+    retry_backoff_max_ms: int = 60000  # the deadline doubles per delivery up to this
+    max_retries: int = 5  # deliveries before a message goes to $dlq/<topic>
+    default_credit: int = 256  # in-flight window of a QoS 1 consumer that asks for 0
+    group_expiry_ms: int = 0  # a durable group with no consumer this long is dropped; 0 never
+
+
+@dataclass(slots=True)
+class Counters:
+    """Plain counters, read by metrics at scrape time."""
+
+    published: int = 0
+    unrouted: int = 0  # accepted, but no subscription matched
+    enqueued: int = 0
+    delivered: int = 0
+    dropped_oldest: int = 0
+    dropped_new: int = 0
+    dropped_ttl: int = 0
+    dropped_no_consumer: int = 0  # a ``block`` queue without consumers made room
+    refused: int = 0  # messages answered with an error frame (bad topic, too large, ...)
+    acked: int = 0
+    redelivered: int = 0
+    nacked: int = 0
+    dead_lettered: int = 0
+    groups_expired: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    code: ErrorCode
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """A full queue with the ``block`` policy, and the connections consuming from it."""
+
+    queue: int  # Queue.id
+    name: str  # for errors and logs: "group 'g' on 't'" or "subscription on 't'"
+    conns: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """``accepted`` messages of the batch were taken; the rest were not looked at.
+
+    ``wake`` are the connections with new deliveries. ``blocked`` is a full queue with the
+    ``block`` policy and a consumer that stopped the batch (retry the rest when it has room);
+    ``refusal`` says why a message was refused. ``last_offset`` is the last log record
+    appended (0: none); ``confirms`` QoS 1 messages were accepted: confirm them once the log
+    holds ``last_offset``.
+    """
+
+    accepted: int
+    wake: set[int]
+    blocked: Blocked | None = None
+    refusal: Refusal | None = None
+    confirms: int = 0
+    last_offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeResult:
+    """A new subscription's id and whether it has something to take already (a group's
+    backlog), or why there is none (``sub_id`` 0)."""
+
+    sub_id: int
+    ready: bool = False
+    refusal: Refusal | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """Another connection's subscription that ended because its group was deleted."""
+
+    conn: int
+    request_id: int  # of its SUBSCRIBE
+    name: str  # "group 'g' on 't'"
+
+
+@dataclass(frozen=True, slots=True)
+class Detached:
+    """What ending subscriptions changed: ``released`` queues (by id) no longer hold
+    publishers back the way they did (gone, or one consumer fewer); ``wake`` connections
+    have deliveries again (the unacked ones of a consumer that left)."""
+
+    released: tuple[int, ...] = ()
+    wake: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class UnsubscribeResult:
+    count: int
+    detached: Detached = Detached()
+    ended: tuple[Ended, ...] = ()  # other connections' subscriptions ended (group deleted)
+    refusal: Refusal | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """A log cursor needs records the log holds only on disk: read them off the event loop
+    (from ``offset``, up to the ``storage.READ_AHEAD`` limits) and hand them to
+    ``Broker.fill(key, records)``."""
+
+    key: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deliveries:
+    """What one connection takes in one go: DELIVER batches by subscription id, the queues
+    it took from (blocked publishers may go on), and the disk reads cursors now wait for."""
+
+    batches: list[tuple[int, list[bytes]]]
+    released: tuple[int, ...]
+    fetches: list[Fetch]
+
+
+def refused(code: ErrorCode, text: str) -> SubscribeResult:
+    return SubscribeResult(0, refusal=Refusal(code, text))

@@ -1,0 +1,130 @@
+"""What the broker core needs of a log, and an in-memory log that provides it.
+
+``MessageLog`` is the whole of it: the write-ahead log (``wal.log.Log``) implements it on
+disk, ``MemoryLog`` in a list (the core's tests use it; nothing is ever durable there). A
+record read back is a ``StoredRecord``. Record kinds come from ``blipmq_server.kinds``.
+Pure: no trio, no clock, no files.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+READ_AHEAD_RECORDS = 4096  # one disk read for a log cursor: at most this many records
+READ_AHEAD_BYTES = 512 * 1024  # ... and about this many bytes (at least one record)
+
+
+class StoredRecord(Protocol):
+    @property
+    def kind(self) -> int: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def timestamp_ms(self) -> int: ...
+
+    @property
+    def body(self) -> bytes: ...
+
+
+class MessageLog(Protocol):
+    """Appends are buffered (offsets are assigned at once); ``written_offset`` is the last
+    one readable; reads come back in offset order."""
+
+    @property
+    def next_offset(self) -> int:
+        """The offset the next append gets."""
+        ...
+
+    @property
+    def written_offset(self) -> int:
+        """The highest offset stored (readable); below ``next_offset`` while appends wait."""
+        ...
+
+    @property
+    def first_offset(self) -> int:
+        """The oldest offset the log still holds, written or waiting."""
+        ...
+
+    def append(self, kind: int, body: bytes, timestamp_ms: int) -> int:
+        """Buffer one record; returns its offset."""
+        ...
+
+    def append_many(self, kind: int, bodies: Sequence[bytes], timestamp_ms: int) -> int:
+        """Buffer records with consecutive offsets; returns the first one's."""
+        ...
+
+    def cached(self, offset: int) -> bool:
+        """Whether ``read`` at ``offset`` is served from memory (no disk read)."""
+        ...
+
+    def read(
+        self, from_offset: int, max_records: int = ..., max_bytes: int = ...
+    ) -> Sequence[StoredRecord]:
+        """Stored records with offset >= ``from_offset``, within the limits (at least one
+        when there is one)."""
+        ...
+
+
+class MemoryRecord(NamedTuple):
+    kind: int
+    offset: int
+    timestamp_ms: int
+    body: bytes
+
+
+class MemoryLog:
+    """A ``MessageLog`` in memory. Appends wait until ``store()`` (what the flusher's batch
+    does for the write-ahead log); ``cached`` is True from ``cached_from`` on, so tests can
+    make a cursor ask for disk reads."""
+
+    def __init__(self, cached_from: int = 0) -> None:
+        self.records: list[MemoryRecord] = []
+        self.next_offset = 1
+        self.written_offset = 0
+        self.cached_from = cached_from
+
+    @property
+    def first_offset(self) -> int:
+        return self.records[0].offset if self.records else self.next_offset
+
+    def append(self, kind: int, body: bytes, timestamp_ms: int) -> int:
+        return self.append_many(kind, (body,), timestamp_ms)
+
+    def append_many(self, kind: int, bodies: Sequence[bytes], timestamp_ms: int) -> int:
+        first = self.next_offset
+        self.records += (MemoryRecord(kind, first + i, timestamp_ms, b)
+                         for i, b in enumerate(bodies))
+        self.next_offset += len(bodies)
+        return first
+
+    def store(self) -> None:
+        self.written_offset = self.next_offset - 1
+
+    def cached(self, offset: int) -> bool:
+        return offset >= self.cached_from
+
+    def read(
+        self, from_offset: int, max_records: int = 1000, max_bytes: int = 1 << 20
+    ) -> list[MemoryRecord]:
+        records = self.records
+        i = bisect.bisect_left(records, from_offset, key=_offset)
+        out: list[MemoryRecord] = []
+        size = 0
+        for r in records[i:]:
+            if r.offset > self.written_offset or len(out) >= max_records or size >= max_bytes:
+                break
+            out.append(r)
+            size += len(r.body)
+        return out
+
+    def drop_below(self, offset: int) -> None:
+        """Retention: forget records below ``offset``."""
+        self.records = [r for r in self.records if r.offset >= offset]
+
+
+def _offset(record: MemoryRecord) -> int:
+    return record.offset

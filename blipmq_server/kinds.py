@@ -1,0 +1,16 @@
+"""The kinds of write-ahead-log records, declared once.
+
+The log validates them and hands non-MESSAGE records to their owner at recovery, the broker
+writes them (``broker/durable.py`` owns the GROUP and ACK bodies), and readers (``blipmq``,
+the Spark source) name them. Imports nothing, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Kind(IntEnum):
+    MESSAGE = 1  # a published message: its body is the message's wire record
+    GROUP = 2  # a durable group was created, deleted, went idle or was checkpointed
+    ACK = 3  # a durable group's consumer acknowledged offsets

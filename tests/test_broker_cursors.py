@@ -1,0 +1,104 @@
+"""Log cursors in the pure core over the in-memory log (broker.storage.MemoryLog): the disk
+reads they ask for, what the results say to wake, and dead letters. No files, no loop."""
+
+from __future__ import annotations
+
+from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.results import Fetch
+from blipmq_server.broker.storage import READ_AHEAD_BYTES, READ_AHEAD_RECORDS, MemoryLog
+from blipmq_server.kinds import Kind
+from blipmq_server.protocol.codec import (
+    Message,
+    Start,
+    decode_one,
+    encode_deliver,
+    encode_publish,
+    message_record,
+)
+
+
+def publish(b: Broker, topic: str, *payloads: bytes, qos: int = 1) -> None:
+    recs = [message_record(Message(topic, p, qos)) for p in payloads]
+    assert b.publish(decode_one(encode_publish(recs)).messages, 0, 1000).refusal is None
+
+
+def payloads(records: list[bytes]) -> list[bytes]:
+    return [d.payload for d in decode_one(encode_deliver(1, records)).messages]  # type: ignore
+
+
+def test_a_cursor_on_records_only_on_disk_asks_once_and_waits() -> None:
+    log = MemoryLog(cached_from=10**9)  # nothing is in memory: every read is a disk read
+    b = Broker(Limits(), log=log)
+    sub = b.subscribe(7, "t", "g", qos=1)
+    publish(b, "t", b"a", b"b")
+    log.store()
+    assert b.pending(7)
+    got = b.deliver(7, 100, 1 << 20, 0, 0)
+    assert got.batches == [] and got.fetches == [Fetch(got.fetches[0].key, 1)]
+    assert not b.pending(7)  # waits for the read: the writer sleeps, no busy loop
+    assert b.deliver(7, 100, 1 << 20, 0, 0).fetches == []  # asked once
+    [fetch] = got.fetches
+    records = log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES)
+    assert b.fill(fetch.key, records) == {7}
+    [(sub_id, batch)] = b.deliver(7, 100, 1 << 20, 0, 0).batches
+    assert sub_id == sub.sub_id and payloads(batch) == [b"a", b"b"]
+
+
+def test_records_in_memory_are_read_at_once() -> None:
+    log = MemoryLog()  # everything cached
+    b = Broker(Limits(), log=log)
+    b.subscribe(1, "t", start=Start.EARLIEST)
+    publish(b, "t", b"x", qos=0)
+    assert not b.pending(1)  # appended, not yet stored: nothing to read
+    log.store()
+    got = b.deliver(1, 100, 1 << 20, 0, 0)
+    assert got.fetches == [] and [payloads(r) for _, r in got.batches] == [[b"x"]]
+
+
+def test_an_empty_read_below_the_log_moves_the_replay_on() -> None:
+    log = MemoryLog(cached_from=10**9)
+    b = Broker(Limits(), log=log)
+    publish(b, "t", b"old", b"older", qos=0)
+    log.store()
+    b.subscribe(1, "t", start=Start.EARLIEST)
+    [fetch] = b.deliver(1, 100, 1 << 20, 0, 0).fetches
+    publish(b, "t", b"new", qos=0)
+    log.store()
+    log.drop_below(3)  # retention took the first two while the read was under way
+    assert b.fill(fetch.key, []) == {1}  # the segment was gone: nothing read
+    [fetch] = b.deliver(1, 100, 1 << 20, 0, 0).fetches
+    assert fetch.offset == 3
+    b.fill(fetch.key, log.read(3))
+    [(_, batch)] = b.deliver(1, 100, 1 << 20, 0, 0).batches
+    assert payloads(batch) == [b"new"]
+
+
+def test_dead_letters_wake_their_subscribers() -> None:
+    log = MemoryLog()
+    b = Broker(Limits(max_retries=1), log=log)
+    sub = b.subscribe(1, "t", "g", qos=1)
+    b.subscribe(2, "$dlq/t")  # an in-memory subscriber of the dead letters
+    publish(b, "t", b"poison")
+    log.store()
+    [(_, batch)] = b.deliver(1, 100, 1 << 20, 0, 0).batches
+    offset = decode_one(encode_deliver(1, batch)).messages[0].offset  # type: ignore
+    assert b.nack(1, sub.sub_id, (offset,), 0, 0, 0) == {1, 2}
+    [(_, dead)] = b.deliver(2, 100, 1 << 20, 0, 0).batches
+    [letter] = decode_one(encode_deliver(1, dead)).messages  # type: ignore
+    assert (letter.topic, letter.payload, letter.dead) == ("$dlq/t", b"poison", (1, "nacked"))
+    # the dead letter is logged before the ACK that ends its original for the group
+    assert [r.kind for r in log.records] == [Kind.GROUP, Kind.MESSAGE, Kind.MESSAGE, Kind.ACK]
+
+
+def test_a_closing_connection_takes_no_qos1_deliveries() -> None:
+    log = MemoryLog()
+    b = Broker(Limits(), log=log)
+    b.subscribe(1, "q0")
+    b.subscribe(1, "q1", qos=1)
+    publish(b, "q0", b"a", qos=0)
+    publish(b, "q1", b"b")
+    log.store()
+    assert b.pending(1) and b.pending(1, qos0_only=True)
+    got = b.deliver(1, 100, 1 << 20, 0, 0, qos0_only=True)
+    assert [payloads(r) for _, r in got.batches] == [[b"a"]]
+    assert not b.pending(1, qos0_only=True) and b.pending(1)
