@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 from blipmq_server.broker.topics import matches
 from blipmq_server.kinds import Kind
-from blipmq_server.protocol.codec import DELIVERY_PREFIX, MSG_HEAD
+from blipmq_server.protocol.message import DELIVERY_PREFIX, MSG_HEAD
 
 _GROUP_HEAD = struct.Struct(">BQ")
 _ACK_HEAD = struct.Struct(">QQH")

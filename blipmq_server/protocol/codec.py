@@ -1,156 +1,91 @@
-"""Frames of the BlipMQ wire protocol and their byte encoding (docs/PROTOCOL.md).
+"""Bytes to frames and frames to bytes: the sans-IO codec of the wire protocol.
 
-Every frame is::
-
-    +-----------+---------+----------------+------------------+
-    | length u32| type u8 | request_id u32 | body (length-5)  |
-    +-----------+---------+----------------+------------------+
-
-All integers are big-endian. ``length`` counts the bytes after itself, so a frame occupies
-``4 + length`` bytes; it is checked against the maximum frame size before the body is read.
-
-A message inside PUBLISH (and, behind an offset and a delivery count, inside DELIVER) is::
-
-    | flags u8 | ttl_ms u32 | topic_len u16 | key_len u16 | payload_len u32 |
-    | topic (UTF-8) | key | payload |
-
-flags: bit 0 = QoS 1, bit 1 = the message has a key, bit 2 = a dead letter (only the broker
-sets it); other bits must be zero. A dead letter's payload is followed by a trailer::
-
-    | deliveries u16 | reason_len u8 | reason (UTF-8) |
-
-The broker forwards the message bytes of a PUBLISH unchanged into DELIVER frames, prefixed
-with ``offset u64, delivery_count u16``: that is why ``RawMessage.record`` exists.
-No I/O here, and nothing outside the standard library.
+Frames and their codes are declared in ``frames``; the message record inside PUBLISH and
+DELIVER in ``message``. Both are re-exported here, so ``codec`` is the one import a peer
+needs. Every integer is big-endian; a frame's length is checked against the maximum frame
+size before its body is read. No I/O here, and nothing outside the standard library.
 """
 
 from __future__ import annotations
 
 import struct
-from enum import IntEnum
-from typing import NamedTuple
 
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
-from blipmq_server.protocol.names import MAX_TOPIC_BYTES
+from blipmq_server.protocol.frames import (
+    DEFAULT_MAX_FRAME,
+    HEADER,
+    HEADER_SIZE,
+    MAX_BATCH,
+    MIN_LENGTH,
+    VERSION,
+    Ack,
+    Auth,
+    AuthOk,
+    Credit,
+    Deliver,
+    Error,
+    ErrorCode,
+    Frame,
+    FrameType,
+    Goodbye,
+    Hello,
+    Nack,
+    Ping,
+    Pong,
+    PubAck,
+    Publish,
+    Start,
+    Subscribe,
+    Subscribed,
+    Unsubscribe,
+    Unsubscribed,
+    Welcome,
+)
+from blipmq_server.protocol.message import (
+    DELIVERY_PREFIX,
+    FLAG_DEAD,
+    FLAG_KEY,
+    FLAG_QOS1,
+    FLAGS_PUBLISHABLE,
+    HEAD_SIZE,
+    MESSAGE_OVERHEAD,
+    MSG_HEAD,
+    DeadLetter,
+    Delivery,
+    Message,
+    RawMessage,
+    dead_at,
+    dead_letter,
+    dead_trailer,
+    delivery_message,
+    delivery_record,
+    message_record,
+    record_size,
+    topic_of,
+)
 
-VERSION = 1
-HEADER = struct.Struct(">IBI")  # length, type, request id
-HEADER_SIZE = HEADER.size  # 9
-MIN_LENGTH = 5  # type + request id
-MSG_HEAD = struct.Struct(">BIHHI")  # flags, ttl_ms, topic_len, key_len, payload_len
-DELIVERY_PREFIX = struct.Struct(">QH")  # offset, delivery_count
-DEFAULT_MAX_FRAME = 1 << 20
-MAX_BATCH = 0xFFFF
-FLAG_QOS1 = 0x01
-FLAG_KEY = 0x02
-FLAG_DEAD = 0x04
-_FLAGS_KNOWN = FLAG_QOS1 | FLAG_KEY  # what a client may publish
-_DEAD = struct.Struct(">HB")  # dead-letter trailer head: deliveries, reason_len
+__all__ = [
+    "DEFAULT_MAX_FRAME", "DELIVERY_PREFIX", "FLAG_DEAD", "FLAG_KEY", "FLAG_QOS1", "HEADER",
+    "HEADER_SIZE", "MAX_BATCH", "MESSAGE_OVERHEAD", "MIN_LENGTH", "MSG_HEAD", "VERSION", "Ack",
+    "Auth", "AuthOk", "Credit", "DeadLetter", "Decoder", "Deliver", "Delivery", "Error",
+    "ErrorCode", "Frame", "FrameType", "Goodbye", "Hello", "Message", "Nack", "Ping", "Pong",
+    "PubAck", "Publish", "RawMessage", "Start", "Subscribe", "Subscribed", "Unsubscribe",
+    "Unsubscribed", "Welcome", "dead_letter", "dead_trailer", "decode_one", "delivery_record",
+    "encode", "encode_deliver", "encode_publish", "frame_limit", "message_record",
+    "record_size", "topic_of",
+]
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
-# the most a message record adds to its payload: head, topic, key, dead-letter trailer
-MESSAGE_OVERHEAD = MSG_HEAD.size + MAX_TOPIC_BYTES + 0xFFFF + _DEAD.size + 0xFF
 _SUB = struct.Struct(">BIBQ")  # qos, credit, start, start_offset
-_ACK_HEAD = struct.Struct(">IH")  # sub_id, count
+_ACK_HEAD = struct.Struct(">IH")  # sub_id, count (ACK, and DELIVER's head)
 _NACK_HEAD = struct.Struct(">IIH")  # sub_id, delay_ms, count
 _CREDIT = struct.Struct(">II")  # sub_id, credit
 _HELLO = struct.Struct(">H")
 _WELCOME = struct.Struct(">HII")
 _ERROR = struct.Struct(">H")
-
-
-class ErrorCode(IntEnum):
-    """Numeric codes carried by ERROR and GOODBYE frames."""
-
-    PROTOCOL = 1
-    FRAME_TOO_LARGE = 2
-    UNSUPPORTED_VERSION = 3
-    NOT_AUTHENTICATED = 4
-    AUTH_FAILED = 5
-    MESSAGE_TOO_LARGE = 6
-    INVALID_TOPIC = 7
-    INVALID_REQUEST = 8
-    NOT_FOUND = 9
-    QUEUE_FULL = 10
-    TOO_MANY_CONNECTIONS = 11
-    SHUTTING_DOWN = 12
-    UNSUPPORTED = 13
-    GROUP_DELETED = 14
-    TIMEOUT = 15
-    NORMAL = 16  # GOODBYE only: a plain, intended close
-    STORAGE = 17  # the write-ahead log could not store a message; it was not confirmed
-
-
-class FrameType(IntEnum):
-    HELLO = 0x01
-    WELCOME = 0x02
-    AUTH = 0x03
-    AUTH_OK = 0x04
-    PUBLISH = 0x10
-    PUB_ACK = 0x11
-    SUBSCRIBE = 0x20
-    SUBSCRIBED = 0x21
-    UNSUBSCRIBE = 0x22
-    UNSUBSCRIBED = 0x23
-    DELIVER = 0x30
-    ACK = 0x31
-    NACK = 0x32
-    CREDIT = 0x33
-    PING = 0x40
-    PONG = 0x41
-    GOODBYE = 0x42
-    ERROR = 0x7F
-
-
-class Start(IntEnum):
-    """Where a SUBSCRIBE starts reading: a new durable group, or a replaying subscriber."""
-
-    LATEST = 0  # only what is published from now on (the default)
-    EARLIEST = 1  # the oldest record still in the log
-    OFFSET = 2  # the given log offset
-
-
-class DeadLetter(NamedTuple):
-    """What a dead letter carries about its original: deliveries made and why it gave up."""
-
-    deliveries: int
-    reason: str
-
-
-class Message(NamedTuple):
-    """A message as a publisher states it."""
-
-    topic: str
-    payload: bytes
-    qos: int = 0
-    ttl_ms: int = 0
-    key: bytes | None = None
-
-
-class RawMessage(NamedTuple):
-    """A decoded PUBLISH message, as the broker needs it: routing fields plus its raw bytes."""
-
-    topic: bytes  # UTF-8 bytes, not yet validated as a name
-    qos: int
-    ttl_ms: int
-    payload_len: int
-    record: bytes  # the message's wire bytes, flags through payload
-
-
-class Delivery(NamedTuple):
-    """A decoded DELIVER message, as a subscriber sees it."""
-
-    offset: int
-    delivery_count: int
-    topic: str
-    payload: bytes
-    qos: int
-    ttl_ms: int
-    key: bytes | None
-    dead: DeadLetter | None = None
-
-
+_PREFIX = DELIVERY_PREFIX.size  # 10
+_DELIVERY_HEAD = _PREFIX + HEAD_SIZE  # 23: a delivery record before its topic
 
 
 def frame_limit(max_message_bytes: int, max_batch_bytes: int = 0) -> int:
@@ -161,153 +96,9 @@ def frame_limit(max_message_bytes: int, max_batch_bytes: int = 0) -> int:
     limit (the broker announces it in WELCOME), so any message the broker accepts can reach
     every subscriber.
     """
-    one = DELIVERY_PREFIX.size + MESSAGE_OVERHEAD + max_message_bytes
+    one = _PREFIX + MESSAGE_OVERHEAD + max_message_bytes
     return MIN_LENGTH + _ACK_HEAD.size + max(one, max_batch_bytes)
 
-
-# ---------------------------------------------------------------------------------- frames
-# Frames are NamedTuples, not dataclasses: defining sixteen frozen slotted dataclasses costs
-# about 15 ms at import, a sixth of the budget of a one-shot `blipmq pub`. Compare frames with
-# their type as well (a NamedTuple equals any tuple with the same fields).
-
-
-class Hello(NamedTuple):
-    TYPE = FrameType.HELLO
-    version: int = VERSION
-    client: str = ""
-    request_id: int = 0
-
-
-class Welcome(NamedTuple):
-    TYPE = FrameType.WELCOME
-    version: int
-    max_frame: int
-    max_message: int
-    server: str = ""
-    request_id: int = 0
-
-
-class Auth(NamedTuple):
-    TYPE = FrameType.AUTH
-    api_key: str = ""
-    request_id: int = 0
-
-
-class AuthOk(NamedTuple):
-    TYPE = FrameType.AUTH_OK
-    request_id: int = 0
-
-
-class Publish(NamedTuple):
-    TYPE = FrameType.PUBLISH
-    messages: tuple[RawMessage, ...]
-    request_id: int = 0
-
-    def decoded(self) -> list[Message]:
-        """The batch as full Message values (tests and tools; the broker uses ``messages``)."""
-        return [_message_from_record(m.record) for m in self.messages]
-
-
-class PubAck(NamedTuple):
-    TYPE = FrameType.PUB_ACK
-    count: int
-    request_id: int = 0
-
-
-class Subscribe(NamedTuple):
-    TYPE = FrameType.SUBSCRIBE
-    topic_filter: str
-    group: str = ""
-    qos: int = 0
-    credit: int = 0  # 0 = the broker's default window (QoS 1)
-    start: int = Start.LATEST
-    start_offset: int = 0  # with Start.OFFSET
-    request_id: int = 0
-
-
-class Subscribed(NamedTuple):
-    TYPE = FrameType.SUBSCRIBED
-    sub_id: int
-    request_id: int = 0
-
-
-class Unsubscribe(NamedTuple):
-    TYPE = FrameType.UNSUBSCRIBE
-    sub_id: int = 0  # non-zero: end that subscription of this connection
-    topic_filter: str = ""
-    group: str = ""
-    request_id: int = 0
-
-
-class Unsubscribed(NamedTuple):
-    TYPE = FrameType.UNSUBSCRIBED
-    count: int
-    request_id: int = 0
-
-
-class Deliver(NamedTuple):
-    TYPE = FrameType.DELIVER
-    sub_id: int
-    messages: tuple[Delivery, ...]
-    request_id: int = 0
-
-
-class Ack(NamedTuple):
-    TYPE = FrameType.ACK
-    sub_id: int
-    offsets: tuple[int, ...]
-    request_id: int = 0
-
-
-class Nack(NamedTuple):
-    """Give deliveries back: redelivered now (``delay_ms`` 0) or after ``delay_ms``."""
-
-    TYPE = FrameType.NACK
-    sub_id: int
-    offsets: tuple[int, ...]
-    delay_ms: int = 0
-    request_id: int = 0
-
-
-class Credit(NamedTuple):
-    """Set a QoS 1 subscription's window of unacked deliveries (0: send nothing new)."""
-
-    TYPE = FrameType.CREDIT
-    sub_id: int
-    credit: int
-    request_id: int = 0
-
-
-class Ping(NamedTuple):
-    TYPE = FrameType.PING
-    data: bytes = b""
-    request_id: int = 0
-
-
-class Pong(NamedTuple):
-    TYPE = FrameType.PONG
-    data: bytes = b""
-    request_id: int = 0
-
-
-class Goodbye(NamedTuple):
-    TYPE = FrameType.GOODBYE
-    code: int = ErrorCode.NORMAL
-    text: str = ""
-    request_id: int = 0
-
-
-class Error(NamedTuple):
-    TYPE = FrameType.ERROR
-    code: int
-    text: str
-    request_id: int = 0
-
-
-Frame = (
-    Hello | Welcome | Auth | AuthOk | Publish | PubAck | Subscribe | Subscribed | Unsubscribe
-    | Unsubscribed | Deliver | Ack | Nack | Credit | Ping | Pong | Goodbye | Error
-)
 
 # -------------------------------------------------------------------------------- encoding
 
@@ -323,38 +114,6 @@ def _u(value: int, bits: int, what: str) -> int:
     if not 0 <= value < (1 << bits):
         raise LocalProtocolError(f"{what} {value} is out of range for u{bits}")
     return value
-
-
-def message_record(msg: Message, topic_bytes: bytes | None = None) -> bytes:
-    """The wire bytes of one message (the unit PUBLISH batches)."""
-    topic = topic_bytes if topic_bytes is not None else msg.topic.encode("utf-8")
-    key = msg.key
-    flags = (FLAG_QOS1 if msg.qos else 0) | (FLAG_KEY if key is not None else 0)
-    if msg.qos not in (0, 1):
-        raise LocalProtocolError(f"qos must be 0 or 1, not {msg.qos}")
-    if len(topic) > 0xFFFF or (key is not None and len(key) > 0xFFFF):
-        raise LocalProtocolError("topic or key longer than 65535 bytes")
-    _u(msg.ttl_ms, 32, "ttl_ms")
-    head = MSG_HEAD.pack(flags, msg.ttl_ms, len(topic), len(key or b""), len(msg.payload))
-    return b"".join((head, topic, key or b"", msg.payload))
-
-
-def dead_trailer(dead: DeadLetter) -> bytes:
-    """The bytes behind a dead letter's payload (the reason is cut to 255 bytes)."""
-    reason = dead.reason.encode("utf-8")[:255].decode("utf-8", "ignore").encode("utf-8")
-    return _DEAD.pack(min(dead.deliveries, 0xFFFF), len(reason)) + reason
-
-
-def dead_letter(record: bytes, dead: DeadLetter) -> RawMessage:
-    """The dead letter of a message record: topic ``$dlq/<topic>``, the dead flag, and a
-    trailer with ``dead`` (one an earlier dead letter carried is replaced)."""
-    flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(record)
-    head = MSG_HEAD.size
-    topic = b"$dlq/" + record[head : head + tlen]
-    rest = record[head + tlen : head + tlen + klen + plen]
-    out = b"".join((MSG_HEAD.pack(flags | FLAG_DEAD, ttl, len(topic), klen, plen), topic, rest,
-                    dead_trailer(dead)))
-    return RawMessage(topic, flags & FLAG_QOS1, ttl, plen, out)
 
 
 def encode_publish(records: list[bytes], request_id: int = 0) -> bytes:
@@ -374,17 +133,6 @@ def encode_deliver(sub_id: int, records: list[bytes], request_id: int = 0) -> by
         + _ACK_HEAD.pack(_u(sub_id, 32, "sub_id"), _u(len(records), 16, "DELIVER count"))
         + body
     )
-
-
-def _delivery_message(d: Delivery) -> bytes:
-    record = message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key))
-    if d.dead is None:
-        return record
-    return bytes((record[0] | FLAG_DEAD,)) + record[1:] + dead_trailer(d.dead)
-
-
-def delivery_record(offset: int, delivery_count: int, record: bytes) -> bytes:
-    return DELIVERY_PREFIX.pack(offset, delivery_count) + record
 
 
 def _body(frame: Frame) -> bytes:
@@ -429,7 +177,7 @@ def _body(frame: Frame) -> bytes:
             return _U32.pack(_u(frame.count, 32, "count"))
         case Deliver():
             records = [
-                delivery_record(d.offset, d.delivery_count, _delivery_message(d))
+                delivery_record(d.offset, d.delivery_count, delivery_message(d))
                 for d in frame.messages
             ]
             return _ACK_HEAD.pack(frame.sub_id, len(records)) + b"".join(records)
@@ -519,7 +267,7 @@ def _publish_messages(data: bytes, pos: int, end: int) -> tuple[RawMessage, ...]
         stop = pos + head_size + tlen + klen + plen
         if stop > end:
             raise RemoteProtocolError("PUBLISH message ends early")
-        if flags & ~_FLAGS_KNOWN or (klen and not flags & FLAG_KEY):
+        if flags & ~FLAGS_PUBLISHABLE or (klen and not flags & FLAG_KEY):
             raise RemoteProtocolError(f"PUBLISH message has invalid flags {flags:#04x}")
         tstart = pos + head_size
         out.append(
@@ -531,40 +279,6 @@ def _publish_messages(data: bytes, pos: int, end: int) -> tuple[RawMessage, ...]
     return tuple(out)
 
 
-def _message_from_record(record: bytes, pos: int = 0) -> Message:
-    flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(record, pos)
-    p = pos + MSG_HEAD.size
-    topic = record[p : p + tlen].decode("utf-8", "replace")
-    p += tlen
-    key = record[p : p + klen] if flags & FLAG_KEY else None
-    p += klen
-    return Message(topic, record[p : p + plen], flags & FLAG_QOS1, ttl, key)
-
-
-def _dead_at(data: bytes, pos: int, end: int) -> tuple[DeadLetter, int]:
-    """The dead-letter trailer at ``pos``, and where it ends."""
-    if pos + _DEAD.size > end:
-        raise RemoteProtocolError("dead-letter trailer ends early")
-    deliveries, n = _DEAD.unpack_from(data, pos)
-    stop = pos + _DEAD.size + n
-    if stop > end:
-        raise RemoteProtocolError("dead-letter reason ends early")
-    try:
-        reason = data[pos + _DEAD.size : stop].decode("utf-8")
-    except UnicodeDecodeError:
-        raise RemoteProtocolError("dead-letter reason is not valid UTF-8") from None
-    return DeadLetter(deliveries, reason), stop
-
-
-def record_size(record: bytes, pos: int = 0) -> int:
-    """Bytes of the message record at ``pos`` (trailer included)."""
-    flags, _, tlen, klen, plen = MSG_HEAD.unpack_from(record, pos)
-    size = MSG_HEAD.size + tlen + klen + plen
-    if flags & FLAG_DEAD:
-        size += _DEAD.size + record[pos + size + 2]
-    return size
-
-
 def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
     sub_id, count = r.unpack(_ACK_HEAD)
     data, pos, end = r.data, r.pos, r.end
@@ -573,11 +287,11 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
     head = MSG_HEAD.unpack_from
     topics: dict[bytes, str] = {}
     for _ in range(count):
-        if pos + 23 > end:
+        if pos + _DELIVERY_HEAD > end:
             raise RemoteProtocolError("DELIVER message header ends early")
         offset, dcount = prefix(data, pos)
-        flags, ttl, tlen, klen, plen = head(data, pos + 10)
-        p = pos + 23
+        flags, ttl, tlen, klen, plen = head(data, pos + _PREFIX)
+        p = pos + _DELIVERY_HEAD
         pos = p + tlen + klen + plen
         if pos > end:
             raise RemoteProtocolError("DELIVER message ends early")
@@ -593,7 +307,7 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
         p += klen
         dead = None
         if flags & FLAG_DEAD:
-            dead, stop = _dead_at(data, pos, end)
+            dead, stop = dead_at(data, pos, end)
             payload, pos = data[p:pos], stop
         else:
             payload = data[p:pos]

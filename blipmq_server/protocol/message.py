@@ -1,0 +1,164 @@
+"""The message record: one message on the wire and in the log, and the delivery prefix.
+
+This module alone knows the layout. A message record is what PUBLISH batches, what the log
+stores as a MESSAGE body, and what DELIVER forwards behind a delivery prefix::
+
+    | flags u8 | ttl_ms u32 | topic_len u16 | key_len u16 | payload_len u32 |   (13 bytes)
+    | topic (UTF-8) | key | payload | [dead-letter trailer] |
+
+    flags: bit 0 QoS 1, bit 1 the message has a key, bit 2 a dead letter (broker-made:
+    the payload is followed by | deliveries u16 | reason_len u8 | reason (UTF-8) |)
+
+    delivery record: | offset u64 | delivery_count u16 | message record |   (prefix: 10 bytes)
+
+Integers are big-endian. Standard library only; no I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
+from blipmq_server.protocol.names import MAX_TOPIC_BYTES
+
+MSG_HEAD = struct.Struct(">BIHHI")  # flags, ttl_ms, topic_len, key_len, payload_len
+HEAD_SIZE = MSG_HEAD.size  # 13: the topic starts here
+DELIVERY_PREFIX = struct.Struct(">QH")  # offset, delivery_count
+FLAG_QOS1 = 0x01
+FLAG_KEY = 0x02
+FLAG_DEAD = 0x04
+FLAGS_PUBLISHABLE = FLAG_QOS1 | FLAG_KEY  # what a client may set
+DEAD_HEAD = struct.Struct(">HB")  # dead-letter trailer head: deliveries, reason_len
+# the most a record adds to its payload: head, longest topic and key, dead-letter trailer
+MESSAGE_OVERHEAD = HEAD_SIZE + MAX_TOPIC_BYTES + 0xFFFF + DEAD_HEAD.size + 0xFF
+
+
+class DeadLetter(NamedTuple):
+    """What a dead letter carries about its original: deliveries made and why it gave up."""
+
+    deliveries: int
+    reason: str
+
+
+class Message(NamedTuple):
+    """A message as a publisher states it."""
+
+    topic: str
+    payload: bytes
+    qos: int = 0
+    ttl_ms: int = 0
+    key: bytes | None = None
+
+
+class RawMessage(NamedTuple):
+    """A decoded PUBLISH message, as the broker needs it: routing fields plus its raw bytes."""
+
+    topic: bytes  # UTF-8 bytes, not yet validated as a name
+    qos: int
+    ttl_ms: int
+    payload_len: int
+    record: bytes  # the message's wire bytes, flags through payload
+
+
+class Delivery(NamedTuple):
+    """A decoded DELIVER message, as a subscriber sees it."""
+
+    offset: int
+    delivery_count: int
+    topic: str
+    payload: bytes
+    qos: int
+    ttl_ms: int
+    key: bytes | None
+    dead: DeadLetter | None = None
+
+
+# ---------------------------------------------------------------------------------- making
+
+
+def message_record(msg: Message, topic_bytes: bytes | None = None) -> bytes:
+    """The wire bytes of one message (the unit PUBLISH batches)."""
+    topic = topic_bytes if topic_bytes is not None else msg.topic.encode("utf-8")
+    key = msg.key
+    flags = (FLAG_QOS1 if msg.qos else 0) | (FLAG_KEY if key is not None else 0)
+    if msg.qos not in (0, 1):
+        raise LocalProtocolError(f"qos must be 0 or 1, not {msg.qos}")
+    if len(topic) > 0xFFFF or (key is not None and len(key) > 0xFFFF):
+        raise LocalProtocolError("topic or key longer than 65535 bytes")
+    if not 0 <= msg.ttl_ms <= 0xFFFFFFFF:
+        raise LocalProtocolError(f"ttl_ms {msg.ttl_ms} is out of range for u32")
+    head = MSG_HEAD.pack(flags, msg.ttl_ms, len(topic), len(key or b""), len(msg.payload))
+    return b"".join((head, topic, key or b"", msg.payload))
+
+
+def dead_trailer(dead: DeadLetter) -> bytes:
+    """The bytes behind a dead letter's payload (the reason is cut to 255 bytes)."""
+    reason = dead.reason.encode("utf-8")[:255].decode("utf-8", "ignore").encode("utf-8")
+    return DEAD_HEAD.pack(min(dead.deliveries, 0xFFFF), len(reason)) + reason
+
+
+def dead_letter(record: bytes, dead: DeadLetter) -> RawMessage:
+    """The dead letter of a message record: topic ``$dlq/<topic>``, the dead flag, and a
+    trailer with ``dead`` (one an earlier dead letter carried is replaced)."""
+    flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(record)
+    topic = b"$dlq/" + record[HEAD_SIZE : HEAD_SIZE + tlen]
+    rest = record[HEAD_SIZE + tlen : HEAD_SIZE + tlen + klen + plen]
+    out = b"".join((MSG_HEAD.pack(flags | FLAG_DEAD, ttl, len(topic), klen, plen), topic, rest,
+                    dead_trailer(dead)))
+    return RawMessage(topic, flags & FLAG_QOS1, ttl, plen, out)
+
+
+def delivery_record(offset: int, delivery_count: int, record: bytes) -> bytes:
+    return DELIVERY_PREFIX.pack(offset, delivery_count) + record
+
+
+def delivery_message(d: Delivery) -> bytes:
+    """The message record a Delivery was decoded from (trailer included)."""
+    record = message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key))
+    if d.dead is None:
+        return record
+    return bytes((record[0] | FLAG_DEAD,)) + record[1:] + dead_trailer(d.dead)
+
+
+# --------------------------------------------------------------------------------- reading
+
+
+def topic_of(record: bytes) -> bytes:
+    """The topic bytes of a message record."""
+    tlen = MSG_HEAD.unpack_from(record)[2]
+    return record[HEAD_SIZE : HEAD_SIZE + tlen]
+
+
+def message_from_record(record: bytes, pos: int = 0) -> Message:
+    flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(record, pos)
+    p = pos + HEAD_SIZE
+    topic = record[p : p + tlen].decode("utf-8", "replace")
+    p += tlen
+    key = record[p : p + klen] if flags & FLAG_KEY else None
+    p += klen
+    return Message(topic, record[p : p + plen], flags & FLAG_QOS1, ttl, key)
+
+
+def dead_at(data: bytes, pos: int, end: int) -> tuple[DeadLetter, int]:
+    """The dead-letter trailer at ``pos``, and where it ends."""
+    if pos + DEAD_HEAD.size > end:
+        raise RemoteProtocolError("dead-letter trailer ends early")
+    deliveries, n = DEAD_HEAD.unpack_from(data, pos)
+    stop = pos + DEAD_HEAD.size + n
+    if stop > end:
+        raise RemoteProtocolError("dead-letter reason ends early")
+    try:
+        reason = data[pos + DEAD_HEAD.size : stop].decode("utf-8")
+    except UnicodeDecodeError:
+        raise RemoteProtocolError("dead-letter reason is not valid UTF-8") from None
+    return DeadLetter(deliveries, reason), stop
+
+
+def record_size(record: bytes, pos: int = 0) -> int:
+    """Bytes of the message record at ``pos`` (trailer included)."""
+    flags, _, tlen, klen, plen = MSG_HEAD.unpack_from(record, pos)
+    size = HEAD_SIZE + tlen + klen + plen
+    if flags & FLAG_DEAD:
+        size += DEAD_HEAD.size + record[pos + size + 2]
+    return size
