@@ -71,6 +71,8 @@ class BrokerCollector:
         )
         yield from self._wal()
         queues = broker.queues
+        yield GaugeMetricFamily("blipmq_subscriptions", "Subscriptions of connected clients "
+                                "(each member of a group counts)", value=broker.subscriptions)
         yield GaugeMetricFamily("blipmq_queues", "Subscription and group queues", value=len(queues))
         yield GaugeMetricFamily(
             "blipmq_queue_depth", "Messages waiting in all queues",
