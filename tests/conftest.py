@@ -29,6 +29,7 @@ class BrokerProcess:
     port: int = 0
     metrics_port: int | None = None
     log: list[str] = field(default_factory=list)
+    log_ended: threading.Event = field(default_factory=threading.Event)  # stderr closed
 
     @property
     def addr(self) -> str:
@@ -98,6 +99,17 @@ class BrokerProcess:
         """Wait until n subscriptions/groups exist (so a publish cannot race a subscribe)."""
         self.wait_metric("blipmq_queues", n)
 
+    def wait_log(self, text: str, timeout: float = 10) -> str:
+        """The first log line containing ``text``, once the broker has written it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in list(self.log):
+                if text in line:
+                    return line
+            if self.log_ended.is_set() or time.monotonic() > deadline:
+                raise AssertionError(f"no log line with {text!r}:\n" + "\n".join(self.log))
+            time.sleep(0.01)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -115,6 +127,7 @@ def _drain(proc: subprocess.Popen[bytes], sink: list[str], ready: threading.Even
             bp.port = int(m.group(1))
             bp.metrics_port = int(m.group(2)) if m.group(2) else None
             ready.set()
+    bp.log_ended.set()
     ready.set()
 
 

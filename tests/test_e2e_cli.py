@@ -317,7 +317,7 @@ def test_lines_stream_as_they_come(start_broker) -> None:
 def test_bad_config_refuses_to_start(start_broker) -> None:
     b = start_broker({"queues": {"overflow": "sometimes"}}, expect_ready=False)
     assert b.proc.wait(20) == 2
-    time.sleep(0.1)
+    assert b.log_ended.wait(10)
     lines = [line for line in b.log if line.strip()]
     assert len(lines) == 1 and "queues.overflow" in lines[0]
 
@@ -357,7 +357,7 @@ def test_second_signal_exits_at_once(start_broker) -> None:
     with Client(b.addr) as c:
         c.publish_many(("big", payload) for _ in range(5000))
     b.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    b.wait_log("shutting down: draining")
     assert b.proc.poll() is None, "still draining towards the stuck subscriber"
     started = time.monotonic()
     assert b.stop(signal.SIGTERM, timeout=5) == 128 + signal.SIGTERM
