@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BLIPMQ
+from peer import Peer, silent_after_subscribe
 
 from blipmq_cli.client import Client
 from blipmq_cli.exits import Exit
@@ -517,3 +518,51 @@ def test_durable_group_survives_sigkill_and_restart(start_broker) -> None:
     assert b3.cli("unsub", "jobs", "--group", "g").returncode == Exit.NOT_FOUND
 
 
+
+
+# ------------------------------------------------- a silent broker (tests/peer.py stands in)
+
+
+def _run(*args: str, **env: str) -> tuple[subprocess.CompletedProcess[bytes], float]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")}
+    started = time.monotonic()
+    res = subprocess.run([BLIPMQ, *args], capture_output=True, timeout=30,
+                         env={**clean, **env})
+    return res, time.monotonic() - started
+
+
+def test_sub_against_a_silent_listener_exits_unreachable() -> None:
+    with Peer(None) as peer:
+        res, elapsed = _run("sub", "t", "--addr", peer.addr, BLIPMQ_TIMEOUT="0.5")
+    assert res.returncode == Exit.UNREACHABLE, res.stderr
+    assert res.stderr.decode() == (
+        f"blipmq: cannot connect to {peer.addr}: the broker did not finish the handshake "
+        "within 0.5 s\n"
+    )
+    assert elapsed < 5
+
+
+def test_sub_on_a_broker_gone_silent_gives_up_after_twice_the_timeout() -> None:
+    with Peer(silent_after_subscribe) as peer:
+        res, elapsed = _run("sub", "t", "--addr", peer.addr, BLIPMQ_TIMEOUT="0.5")
+    assert res.returncode == Exit.UNREACHABLE, res.stderr
+    assert res.stderr.decode() == f"blipmq: no answer from the broker at {peer.addr} for 1 s\n"
+    assert res.stdout == b""
+    assert 1 <= elapsed < 6
+    assert sum(isinstance(f, codec.Ping) for f in peer.frames()) == 1
+
+
+def test_a_quiet_sub_keeps_its_link_to_a_real_broker_alive(start_broker) -> None:
+    b = start_broker()
+    res = b.cli("sub", "quiet", "--timeout", "1.5", BLIPMQ_TIMEOUT="0.2")
+    assert res.returncode == Exit.TIMEOUT, res.stderr  # probes answered: no false alarm
+    assert "timed out after 1.5 s" in res.stderr.decode()
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan"])
+def test_a_bad_timeout_setting_is_a_usage_error(value: str) -> None:
+    res, _ = _run("pub", "t", "x", BLIPMQ_TIMEOUT=value)  # refused before connecting
+    assert res.returncode == Exit.USAGE
+    assert res.stderr.decode() == (
+        f"blipmq: BLIPMQ_TIMEOUT: {value!r} is not a positive number of seconds\n"
+    )

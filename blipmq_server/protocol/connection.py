@@ -104,6 +104,7 @@ class ClientConnection:
         self._refusals: deque[codec.Error] = deque()
         self._handshake = (0, 0)  # request ids of HELLO and AUTH
         self._handshake_error: codec.Error | None = None
+        self._authenticated = False  # AUTH_OK came (the connection may have closed since)
         self._subs: dict[int, _Sub] = {}
         self._awaiting: dict[int, int] = {}  # PUBLISH request id -> QoS 1 messages in it
         self._out: list[bytes] = []  # encoded frames, in order
@@ -161,14 +162,14 @@ class ClientConnection:
         AUTH, or None while it is still under way."""
         if self._handshake_error is not None:
             return self._handshake_error
-        return self.welcome if self.state is State.READY else None
+        return self.welcome if self._authenticated else None
 
     # --------------------------------------------------------------------------- requests
 
     def _request(self, frame: codec.Frame, expect: type) -> int:
         if self.state is not State.READY:
             raise LocalProtocolError(
-                f"cannot send {type(frame).__name__}: the connection is {self.state.value}"
+                f"cannot send {FrameType(frame.TYPE).name}: the connection is {self.state.value}"
             )
         rid = self._next_rid()
         frame = frame._replace(request_id=rid)
@@ -405,6 +406,7 @@ class ClientConnection:
             if self.state is not State.AUTHENTICATING:
                 raise RemoteProtocolError("AUTH_OK before WELCOME")
             self.state = State.READY
+            self._authenticated = True
         elif kind is codec.Subscribed:
             sub = request.frame
             if request.keep and isinstance(sub, codec.Subscribe):
