@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BLIPMQ
-from peer import Peer, silent_after_subscribe
+from peer import Link, Peer, greet, silent_after_subscribe
 
 from blipmq_cli.client import Client
 from blipmq_cli.exits import Exit
@@ -566,3 +566,33 @@ def test_a_bad_timeout_setting_is_a_usage_error(value: str) -> None:
     assert res.stderr.decode() == (
         f"blipmq: BLIPMQ_TIMEOUT: {value!r} is not a positive number of seconds\n"
     )
+
+
+def test_pub_lines_answers_pings_while_stdin_is_quiet() -> None:
+    def pinger(frame: codec.Frame, link: Link) -> None:
+        greet(frame, link)
+        if isinstance(frame, codec.Auth):
+            link.send(codec.Ping(b"still there?", 4242))
+        elif isinstance(frame, codec.Ping):  # the final flush
+            link.send(codec.Pong(frame.data, frame.request_id))
+
+    with Peer(pinger) as peer:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")}
+        pub = subprocess.Popen([BLIPMQ, "pub", "t", "--lines", "-", "--addr", peer.addr],
+                               stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=clean)
+        assert pub.stdin is not None
+        try:
+            # not a byte on stdin yet: the PONG must come from the select on the socket
+            peer.wait_for(lambda frames: any(isinstance(f, codec.Pong) for f in frames))
+            pub.stdin.write(b"one\ntwo\n")
+            pub.stdin.close()
+            assert pub.wait(20) == 0, pub.communicate()[1]
+        finally:
+            if pub.poll() is None:
+                pub.kill()
+                pub.wait()
+    pongs = [(type(f), f) for f in peer.frames() if isinstance(f, codec.Pong)]
+    assert pongs == [(codec.Pong, codec.Pong(b"still there?", 4242))]
+    published = [m.payload for f in peer.frames() if isinstance(f, codec.Publish)
+                 for m in f.decoded()]
+    assert published == [b"one", b"two"]
