@@ -70,19 +70,31 @@ class Closed(NamedTuple):
         )
 
 
-class _Request(NamedTuple):
+# The two private records below are plain slotted classes: a NamedTuple costs ten times as
+# much to define, and this module is imported by every one-shot `blipmq pub`.
+
+
+class _Request:
     """A request waiting for its reply."""
 
-    expect: type  # the reply frame's class
-    frame: codec.Frame | None = None  # SUBSCRIBE / UNSUBSCRIBE: what the reply refers to
-    keep: bool = True  # False: nobody waits any more (keepalive PING, a request given up)
+    __slots__ = ("expect", "frame", "keep")
+
+    def __init__(self, expect: type, frame: codec.Frame | None = None, keep: bool = True) -> None:
+        self.expect = expect  # the reply frame's class
+        self.frame = frame  # SUBSCRIBE / UNSUBSCRIBE: what the reply refers to
+        self.keep = keep  # False: nobody waits any more (keepalive PING, a request given up)
 
 
-class _Sub(NamedTuple):
-    topic_filter: str
-    group: str
-    request_id: int  # of its SUBSCRIBE: a GROUP_DELETED error carries it
-    batches: deque[tuple[Delivery, ...]]
+class _Sub:
+    """A live subscription and its queued DELIVER batches."""
+
+    __slots__ = ("batches", "group", "request_id", "topic_filter")
+
+    def __init__(self, topic_filter: str, group: str, request_id: int) -> None:
+        self.topic_filter = topic_filter
+        self.group = group
+        self.request_id = request_id  # of its SUBSCRIBE: a GROUP_DELETED error carries it
+        self.batches: deque[tuple[Delivery, ...]] = deque()
 
 
 class ClientConnection:
@@ -206,7 +218,7 @@ class ClientConnection:
         """Stop waiting for a request: its reply, when it comes, is dropped."""
         request = self._pending.get(request_id)
         if request is not None:
-            self._pending[request_id] = request._replace(keep=False)
+            request.keep = False
         self._replies.pop(request_id, None)
 
     def refusal(self) -> codec.Error | None:
@@ -410,7 +422,7 @@ class ClientConnection:
         elif kind is codec.Subscribed:
             sub = request.frame
             if request.keep and isinstance(sub, codec.Subscribe):
-                self._subs[frame.sub_id] = _Sub(sub.topic_filter, sub.group, rid, deque())
+                self._subs[frame.sub_id] = _Sub(sub.topic_filter, sub.group, rid)
         elif kind is codec.Unsubscribed and isinstance(request.frame, codec.Unsubscribe):
             self._ended(request.frame)
         if request.keep and kind is not codec.Welcome and kind is not codec.AuthOk:
