@@ -33,6 +33,8 @@ _BY_CODE = {
     ErrorCode.INVALID_TOPIC: Exit.BAD_NAME,
     ErrorCode.INVALID_REQUEST: Exit.BAD_NAME,
     ErrorCode.NOT_FOUND: Exit.NOT_FOUND,
+    # the handshake ran out of time, or GOODBYE TIMEOUT after an unanswered keepalive PING
+    ErrorCode.TIMEOUT: Exit.UNREACHABLE,
 }
 
 

@@ -596,3 +596,16 @@ def test_pub_lines_answers_pings_while_stdin_is_quiet() -> None:
     published = [m.payload for f in peer.frames() if isinstance(f, codec.Publish)
                  for m in f.decoded()]
     assert published == [b"one", b"two"]
+
+
+def test_sub_closed_by_the_broker_for_silence_exits_unreachable() -> None:
+    def timed_out(frame: codec.Frame, link: Link) -> None:
+        silent_after_subscribe(frame, link)
+        if isinstance(frame, codec.Subscribe):  # as a broker whose keepalive PING went unread
+            link.send(codec.Goodbye(codec.ErrorCode.TIMEOUT, "no answer to keepalive PING"))
+            link.hang_up()
+
+    with Peer(timed_out) as peer:
+        res, _ = _run("sub", "t", "--addr", peer.addr)
+    assert res.returncode == Exit.UNREACHABLE
+    assert res.stderr.decode() == "blipmq: no answer to keepalive PING\n"
