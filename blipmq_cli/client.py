@@ -161,7 +161,7 @@ class Client:
             self.sock = socket.create_connection((host, port), timeout=timeout)
         except TimeoutError:
             raise ConnectError(
-                f"cannot connect to {addr}: no answer within {timeout:g} s"
+                f"cannot connect to {addr}: the TCP connect timed out after {timeout:g} s"
             ) from None
         except OSError as exc:
             raise ConnectError(f"cannot connect to {addr}: {exc.strerror or exc}") from None
