@@ -70,7 +70,7 @@ class Closed(NamedTuple):
         )
 
 
-# The two private records below are plain slotted classes: a NamedTuple costs ten times as
+# The two private records below are plain slotted classes: a NamedTuple costs several times as
 # much to define, and this module is imported by every one-shot `blipmq pub`.
 
 
