@@ -283,14 +283,12 @@ class Client:
         return n
 
     def check(self) -> None:
-        """Read whatever the broker sent without waiting; raise the first refusal, or why
-        the connection closed."""
-        self._poll()
+        """Read whatever the broker sent without waiting and answer its PINGs; raise why the
+        connection closed, or the first refusal."""
+        self._send_out()
         refusal = self._conn.refusal()
         if refusal is not None:
             raise BrokerError(refusal.code, refusal.text)
-        if self._conn.closed is not None:
-            self._raise_closed()
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything, wait until the broker processed it (PING/PONG) and confirmed every
