@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -569,30 +570,35 @@ def test_a_bad_timeout_setting_is_a_usage_error(value: str) -> None:
 
 
 def test_pub_lines_answers_pings_while_stdin_is_quiet() -> None:
-    def pinger(frame: codec.Frame, link: Link) -> None:
+    def pongs(frame: codec.Frame, link: Link) -> None:
         greet(frame, link)
-        if isinstance(frame, codec.Auth):
-            link.send(codec.Ping(b"still there?", 4242))
-        elif isinstance(frame, codec.Ping):  # the final flush
+        if isinstance(frame, codec.Ping):  # the client's own: its final flush
             link.send(codec.Pong(frame.data, frame.request_id))
 
-    with Peer(pinger) as peer:
+    def has(kind: type, rid: int | None = None) -> Callable[[list[codec.Frame]], bool]:
+        return lambda frames: any(isinstance(f, kind) and rid in (None, f.request_id)
+                                  for f in frames)
+
+    with Peer(pongs) as peer:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")}
         pub = subprocess.Popen([BLIPMQ, "pub", "t", "--lines", "-", "--addr", peer.addr],
                                stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=clean)
         assert pub.stdin is not None
         try:
-            # not a byte on stdin yet: the PONG must come from the select on the socket
-            peer.wait_for(lambda frames: any(isinstance(f, codec.Pong) for f in frames))
-            pub.stdin.write(b"one\ntwo\n")
+            pub.stdin.write(b"one\n")
+            pub.stdin.flush()
+            peer.wait_for(has(codec.Publish))  # past the handshake, back to waiting on stdin
+            peer.links[0].send(codec.Ping(b"still there?", 4242))
+            peer.wait_for(has(codec.Pong, 4242))  # answered with no new line on stdin
+            pub.stdin.write(b"two\n")
             pub.stdin.close()
             assert pub.wait(20) == 0, pub.communicate()[1]
         finally:
             if pub.poll() is None:
                 pub.kill()
                 pub.wait()
-    pongs = [(type(f), f) for f in peer.frames() if isinstance(f, codec.Pong)]
-    assert pongs == [(codec.Pong, codec.Pong(b"still there?", 4242))]
+    pongs_seen = [(type(f), f) for f in peer.frames() if isinstance(f, codec.Pong)]
+    assert pongs_seen == [(codec.Pong, codec.Pong(b"still there?", 4242))]
     published = [m.payload for f in peer.frames() if isinstance(f, codec.Publish)
                  for m in f.decoded()]
     assert published == [b"one", b"two"]
