@@ -1,4 +1,4 @@
-"""The synchronous Python client: plain sockets plus the shared codec.
+"""The synchronous Python client: a thin socket shell over the sans-IO ``ClientConnection``.
 
     with Client("127.0.0.1:7878", api_key="k") as c:
         c.publish("sensors/temp", b"21.5")
@@ -7,10 +7,23 @@
         for msg in c.subscribe("alerts/#", group="pager"):
             ...
 
+The protocol logic (handshake, request ids, replies, PUBLISH batching and confirms,
+deliveries, refusals, answering the broker's PINGs, the keepalive decision) lives in
+``blipmq_server.protocol.connection``; this module moves bytes and reads the clock.
+
 QoS 0 publishes are written without waiting for a reply; a refusal (bad topic, too large)
-comes back as an ERROR frame and is raised by the next ``flush()``, ``check()`` or
-``close()``. ``flush()`` sends a PING and waits for its PONG: the broker handles a
-connection's frames in order, so the PONG proves every earlier publish was processed.
+comes back as an ERROR frame and is raised by the next ``flush()``, ``check()``,
+``wait_confirms()``, ``next_batch()`` or ``close()``. ``flush()`` sends a PING and waits for
+its PONG: the broker handles a connection's frames in order, so the PONG proves every earlier
+publish was processed.
+
+Nothing waits forever. ``timeout`` (10 s by default) bounds connecting plus the handshake
+(ConnectError), every wait for a reply unless the call passes its own timeout (TimeoutError),
+and a send the broker takes nothing of (ConnectError). While waiting for deliveries the client
+keeps the link alive itself: after ``timeout`` seconds with nothing from the broker it sends a
+PING, and if nothing at all arrives for another ``timeout`` it gives up (ConnectError). TCP
+keepalive is on too. Before writing, the client reads whatever already arrived without
+waiting, so a long-idle publisher answers the broker's PINGs and notices a closed connection.
 
 Imports only the standard library and ``blipmq_server.protocol`` (no trio, typer or rich), so
 a one-shot ``blipmq pub`` starts fast.
@@ -21,19 +34,31 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
+from typing import NoReturn, TypeVar
 
-from blipmq_server.errors import BrokerError, ConfigError, ConnectError
+from blipmq_server.errors import (
+    BrokerError,
+    ConfigError,
+    ConnectError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 from blipmq_server.protocol import codec
-from blipmq_server.protocol.codec import MSG_HEAD, Delivery, ErrorCode, Message
-from blipmq_server.protocol.names import topic_problem
+from blipmq_server.protocol.codec import Delivery, Message
+from blipmq_server.protocol.connection import ClientConnection, Closed, CloseReason
 
 DEFAULT_ADDR = "127.0.0.1:7878"
+DEFAULT_TIMEOUT = 10.0
 _RECV = 1 << 18
 _SEND_CHUNK = 1 << 20
 _PROGRESS_CHUNK = 1 << 18
+_POLL_READS = 4  # reads of what already arrived before a write; more waits for the next wait
+_KEEPCNT = 3
+_END: tuple[Delivery, ...] = ()  # a subscription's stream ended (the connection never queues ())
+
+_T = TypeVar("_T")
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -45,6 +70,26 @@ def parse_addr(addr: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"address {addr!r}: port must be 1-65535")
     return host, int(port)
+
+
+def _tune(sock: socket.socket, timeout: float) -> None:
+    """No Nagle delay; TCP keepalive probing after ``timeout`` idle seconds where offered."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    seconds = min(max(1, round(timeout)), 32767)
+    idle = getattr(socket, "TCP_KEEPIDLE", None) or getattr(socket, "TCP_KEEPALIVE", None)
+    for option, value in ((idle, seconds), (getattr(socket, "TCP_KEEPINTVL", None), seconds),
+                          (getattr(socket, "TCP_KEEPCNT", None), _KEEPCNT)):
+        if option is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            except OSError:  # refused by this platform: the defaults stay
+                pass
+
+
+def _refused(exc: LocalProtocolError) -> BrokerError:
+    """A message checked here and refused as the broker would refuse it."""
+    return BrokerError(exc.code, str(exc))
 
 
 class Subscription:
@@ -65,9 +110,11 @@ class Subscription:
             yield from batch
 
     def next_batch(self, timeout: float | None = None) -> tuple[Delivery, ...] | None:
-        """The next DELIVER batch; None once the broker ended the stream (GOODBYE).
+        """The next DELIVER batch; None once the stream ended (the broker shut down, or the
+        subscription was unsubscribed or its group deleted).
 
-        Raises TimeoutError when ``timeout`` seconds pass with nothing delivered.
+        Raises TimeoutError when ``timeout`` seconds pass with nothing delivered, and
+        ConnectError when the broker stays silent through a keepalive PING.
         """
         return self.client._next_batch(self.sub_id, timeout)
 
@@ -79,20 +126,20 @@ class Subscription:
         """Acknowledge the last deliveries this connection will take: CREDIT 0 and the ACK
         go out with the GOODBYE of ``close()``, so the broker does not refill the window
         (deliveries it sent then would go back to the group counted once more)."""
-        frames = (codec.Credit(self.sub_id, 0),
-                  codec.Ack(self.sub_id, tuple(d.offset for d in deliveries)))
-        self.client._close_frames.extend(codec.encode(f) for f in frames)
+        self.client._conn.ack_at_close(self.sub_id, tuple(d.offset for d in deliveries))
 
     def set_credit(self, credit: int) -> None:
         """Change this QoS 1 subscription's window of unacked deliveries (0: pause)."""
-        self.client._send_now(codec.encode(codec.Credit(self.sub_id, credit)))
+        self.client._conn.credit(self.sub_id, credit)
+        self.client._send_control()
 
     def nack(self, *deliveries: Delivery, delay_ms: int = 0) -> None:
         """Give deliveries back: redelivered at once, or after ``delay_ms``."""
         self.client.nack(self.sub_id, *deliveries, delay_ms=delay_ms)
 
     def unsubscribe(self) -> None:
-        self.client._request(codec.Unsubscribe(self.sub_id))
+        conn = self.client._conn
+        self.client._request(lambda: conn.unsubscribe(self.sub_id), "UNSUBSCRIBED")
         self.ended = True
 
 
@@ -102,46 +149,59 @@ class Client:
         addr: str = DEFAULT_ADDR,
         api_key: str = "",
         *,
-        timeout: float = 10.0,
+        timeout: float = DEFAULT_TIMEOUT,
         name: str = "blipmq-py",
     ) -> None:
         host, port = parse_addr(addr)
         self.addr = addr
+        self.timeout = timeout
+        self._conn = ClientConnection()
+        deadline = time.monotonic() + timeout
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
+        except TimeoutError:
+            raise ConnectError(
+                f"cannot connect to {addr}: the TCP connect timed out after {timeout:g} s"
+            ) from None
         except OSError as exc:
             raise ConnectError(f"cannot connect to {addr}: {exc.strerror or exc}") from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.timeout = timeout
-        self._decoder = codec.Decoder(1 << 20)
-        self._rid = 0
-        self._errors: deque[BrokerError] = deque()
-        self._replies: dict[int, codec.Frame] = {}
-        self._batches: dict[int, deque[tuple[Delivery, ...]]] = {}
-        self._ended: set[int] = set()
-        self._closed_by_broker: BrokerError | None = None
-        self._eof = False
-        self._topics: dict[str, bytes] = {}
-        self._out: list[bytes] = []  # message records not yet sealed into a frame
-        self._out_size = 0
-        self._frames: list[bytes] = []  # sealed PUBLISH frames not yet written
-        self._frames_size = 0
-        self._out_qos1 = 0  # QoS 1 records among self._out
-        self._awaiting: dict[int, int] = {}  # PUBLISH request id -> QoS 1 messages in it
-        self._close_frames: list[bytes] = []  # sent just before GOODBYE (ack_at_close)
-        self.qos1_sent = 0
-        self.confirmed = 0  # QoS 1 messages the broker confirmed as durable
-        hello, auth = self._next_rid(), self._next_rid()
-        self._send_now(
-            codec.encode(codec.Hello(codec.VERSION, name, hello))
-            + codec.encode(codec.Auth(api_key, auth))
-        )
-        welcome = self._await_reply(hello)
-        assert isinstance(welcome, codec.Welcome)
-        self.max_message = welcome.max_message
-        self.max_frame = welcome.max_frame
-        self._decoder.max_frame = welcome.max_frame + 65536
-        self._await_reply(auth)
+        try:
+            _tune(self.sock, timeout)
+            self._conn.hello(name, api_key)
+            self._send_out()
+            try:
+                outcome = self._wait(self._conn.handshake, deadline - time.monotonic(),
+                                     "the handshake")
+            except TimeoutError:
+                raise ConnectError(
+                    f"cannot connect to {addr}: the broker did not finish the handshake "
+                    f"within {timeout:g} s"
+                ) from None
+            if isinstance(outcome, codec.Error):
+                raise BrokerError(outcome.code, outcome.text)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def max_message(self) -> int:
+        """The largest payload the broker accepts (from WELCOME)."""
+        return self._conn.max_message
+
+    @property
+    def max_frame(self) -> int:
+        """The largest frame the broker sends or accepts (from WELCOME)."""
+        return self._conn.max_frame
+
+    @property
+    def confirmed(self) -> int:
+        """QoS 1 messages the broker confirmed as durable."""
+        return self._conn.confirmed
+
+    @property
+    def qos1_sent(self) -> int:
+        """QoS 1 messages sent (or sealed for sending)."""
+        return self._conn.qos1_sent
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -158,12 +218,17 @@ class Client:
 
     def close(self) -> None:
         """Flush, say GOODBYE and close; raises the first refusal not yet reported."""
+        conn = self._conn
         try:
-            if self._eof or self._closed_by_broker is not None:
-                self._raise_errors()  # the broker ended the connection: nothing to flush
+            if conn.closed is not None:
+                # the broker ended the connection: nothing to flush, but say why it refused
+                refusal = conn.refusal()
+                if refusal is not None:
+                    raise BrokerError(refusal.code, refusal.text)
             else:
                 self.flush()
-                self._send_now(b"".join(self._close_frames) + codec.encode(codec.Goodbye()))
+                conn.goodbye()
+                self._write(conn.data_to_send())
         finally:
             self.abort()
 
@@ -189,104 +254,64 @@ class Client:
 
         ``progress(bytes_sent)`` is called as a large message goes out.
         """
-        self._add(Message(topic, payload, qos, ttl_ms, key))
-        self._seal()
+        try:
+            self._conn.publish(Message(topic, payload, qos, ttl_ms, key))
+        except LocalProtocolError as exc:
+            raise _refused(exc) from None
         if progress is None:
-            self._send_frames()
-            if qos:
-                self.wait_confirms()
-            return
-        data = b"".join(self._frames)
-        self._frames, self._frames_size = [], 0
-        view = memoryview(data)
-        for start in range(0, len(data), _PROGRESS_CHUNK):
-            self._send_now(view[start : start + _PROGRESS_CHUNK])
-            progress(min(start + _PROGRESS_CHUNK, len(payload)))
+            self._send_out()
+        else:
+            size = len(payload)
+            self._send_out(lambda sent: progress(min(sent, size)), _PROGRESS_CHUNK)
+        if qos:
+            self.wait_confirms()
 
     def publish_many(self, messages: Iterable[Message | tuple[str, bytes]]) -> int:
         """Send many messages in PUBLISH batches; returns how many were sent."""
+        conn = self._conn
+        add = conn.publish
         n = 0
-        for m in messages:
-            self._add(m if isinstance(m, Message) else Message(m[0], m[1]))
-            n += 1
-        self._send_pending()
+        try:
+            for m in messages:
+                add(m if isinstance(m, Message) else Message(m[0], m[1]))
+                n += 1
+                if conn.outgoing >= _SEND_CHUNK:
+                    self._send_out()
+        except LocalProtocolError as exc:
+            raise _refused(exc) from None
+        self._send_out()
         return n
 
-    def _topic_bytes(self, topic: str) -> bytes:
-        tb = self._topics.get(topic)
-        if tb is None:
-            problem = topic_problem(topic)
-            if problem:
-                raise BrokerError(ErrorCode.INVALID_TOPIC, problem)
-            if len(self._topics) > 4096:
-                self._topics.clear()
-            tb = self._topics[topic] = topic.encode("utf-8")
-        return tb
-
-    def _add(self, m: Message) -> None:
-        payload = m.payload
-        if len(payload) > self.max_message:
-            raise BrokerError(
-                ErrorCode.MESSAGE_TOO_LARGE,
-                f"message of {len(payload)} bytes exceeds the broker's limit of "
-                f"{self.max_message} bytes",
-            )
-        tb = self._topic_bytes(m.topic)
-        if m.key is None and m.qos == 0 and m.ttl_ms == 0:
-            record = MSG_HEAD.pack(0, 0, len(tb), 0, len(payload)) + tb + payload
-        else:
-            record = codec.message_record(m, tb)
-        if self._out and (
-            self._out_size + len(record) > self.max_frame - 64 or len(self._out) >= codec.MAX_BATCH
-        ):
-            self._seal()
-        self._out.append(record)
-        self._out_size += len(record)
-        if m.qos:
-            self._out_qos1 += 1
-
-    def _seal(self) -> None:
-        """Turn the records gathered so far into one PUBLISH frame, queued for sending."""
-        if self._out:
-            rid = self._next_rid()
-            self._frames.append(codec.encode_publish(self._out, rid))
-            if self._out_qos1:
-                self._awaiting[rid] = self._out_qos1
-                self.qos1_sent += self._out_qos1
-                self._out_qos1 = 0
-            self._frames_size += self._out_size
-            self._out, self._out_size = [], 0
-            if self._frames_size >= _SEND_CHUNK:
-                self._send_frames()
-
-    def _send_pending(self) -> None:
-        self._seal()
-        self._send_frames()
-
-    def _send_frames(self) -> None:
-        if self._frames:
-            data = b"".join(self._frames)
-            self._frames, self._frames_size = [], 0
-            self._send_now(data)
-
     def check(self) -> None:
-        """Read whatever the broker sent without waiting; raise the first refusal."""
-        self._pump(block=False)
-        self._raise_errors()
+        """Read whatever the broker sent without waiting and answer its PINGs; raise why the
+        connection closed, or the first refusal."""
+        self._send_out()
+        refusal = self._conn.refusal()
+        if refusal is not None:
+            raise BrokerError(refusal.code, refusal.text)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything, wait until the broker processed it (PING/PONG) and confirmed every
-        QoS 1 message sent so far; raise the first refusal."""
-        self._send_pending()
-        rid = self._next_rid()
-        self._send_now(codec.encode(codec.Ping(b"", rid)))
-        self._await_reply(rid, timeout)
-        self.wait_confirms(timeout)
+        QoS 1 message sent so far; raise the first refusal. ``timeout`` (default: the
+        client's) bounds the whole wait."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        conn = self._conn
+        self._request(conn.ping, "PONG", limit)
+        self.wait_confirms(max(0.0, deadline - time.monotonic()))
 
     def wait_confirms(self, timeout: float | None = None) -> None:
         """Wait for the PUB_ACK of every QoS 1 publish sent; raise the first refusal."""
-        self._send_pending()
-        self._wait_until(lambda: not self._awaiting, timeout)
+        conn = self._conn
+        self._send_out()
+
+        def confirmed() -> bool | None:
+            refusal = conn.refusal()
+            if refusal is not None:
+                raise BrokerError(refusal.code, refusal.text)
+            return True if not conn.unconfirmed else None
+
+        self._wait(confirmed, self.timeout if timeout is None else timeout, "PUB_ACK")
 
     # ----------------------------------------------------------------------- subscribing
 
@@ -305,158 +330,260 @@ class Client:
         ``start`` applies to an ephemeral subscription and to a group's first subscriber;
         a group that already exists resumes where it was.
         """
-        frame = codec.Subscribe(topic_filter, group, qos, credit, start, start_offset)
-        reply = self._request(frame)
+        conn = self._conn
+        reply = self._request(
+            lambda: conn.subscribe(topic_filter, group, qos, credit, start, start_offset),
+            "SUBSCRIBED",
+        )
         assert isinstance(reply, codec.Subscribed)
-        self._batches.setdefault(reply.sub_id, deque())  # deliveries may already be here
         return Subscription(self, reply.sub_id, topic_filter, group)
 
     def unsubscribe(self, topic_filter: str, *, group: str = "") -> int:
         """End this connection's subscriptions on a filter, or delete a consumer group."""
-        reply = self._request(codec.Unsubscribe(0, topic_filter, group))
+        conn = self._conn
+        reply = self._request(lambda: conn.unsubscribe(0, topic_filter, group), "UNSUBSCRIBED")
         assert isinstance(reply, codec.Unsubscribed)
         return reply.count
 
     def ack(self, sub_id: int, *deliveries: Delivery) -> None:
         """Acknowledge deliveries (QoS 1; accepted and ignored for QoS 0)."""
-        frame = codec.Ack(sub_id, tuple(d.offset for d in deliveries))
-        self._send_now(codec.encode(frame))
+        self._conn.ack(sub_id, tuple(d.offset for d in deliveries))
+        self._send_control()
 
     def nack(self, sub_id: int, *deliveries: Delivery, delay_ms: int = 0) -> None:
         """Negative ack: redeliver now (``delay_ms=0``) or once ``delay_ms`` has passed."""
-        frame = codec.Nack(sub_id, tuple(d.offset for d in deliveries), delay_ms)
-        self._send_now(codec.encode(frame))
+        self._conn.nack(sub_id, tuple(d.offset for d in deliveries), delay_ms)
+        self._send_control()
 
-    def ping(self) -> float:
+    def ping(self, timeout: float | None = None) -> float:
         """Round-trip time to the broker, in seconds."""
         start = time.perf_counter()
-        self.flush()
+        self.flush(timeout)
         return time.perf_counter() - start
 
     # --------------------------------------------------------------------------- plumbing
 
-    def _next_rid(self) -> int:
-        self._rid = (self._rid + 1) & 0xFFFFFFFF or 1
-        return self._rid
-
-    def _request(self, frame: codec.Frame) -> codec.Frame:
-        rid = self._next_rid()
-        frame = frame._replace(request_id=rid)
-        self._send_pending()
-        self._send_now(codec.encode(frame))
-        return self._await_reply(rid)
-
-    def _send_now(self, data: bytes | memoryview) -> None:
-        try:
-            self.sock.sendall(data)
-        except OSError as exc:
+    def _request(
+        self, make: Callable[[], int], what: str, timeout: float | None = None
+    ) -> codec.Frame:
+        """Queue a request with ``make``, send it and wait for its reply."""
+        if self._conn.closed is not None:
             self._raise_closed()
-            raise ConnectError(f"connection to {self.addr} lost: {exc.strerror or exc}") from None
-
-    def _await_reply(self, rid: int, timeout: float | None = None) -> codec.Frame:
-        self._wait_until(lambda: rid in self._replies, timeout)
-        return self._replies.pop(rid)
-
-    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
-        """Receive and dispatch frames until ``done()``; raise refusals and a closed link."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not done():
-            self._raise_errors()
-            if self._eof:
-                raise self._closed_by_broker or ConnectError(
-                    f"the broker at {self.addr} closed the connection"
-                )
-            self._pump(block=True, deadline=deadline)
-        self._raise_errors()
+        rid = make()
+        self._send_out()
+        try:
+            reply = self._wait(lambda: self._conn.reply(rid),
+                               self.timeout if timeout is None else timeout, what)
+        except TimeoutError:
+            self._conn.forget(rid)
+            raise
+        if isinstance(reply, codec.Error):
+            raise BrokerError(reply.code, reply.text)
+        return reply
 
     def _next_batch(self, sub_id: int, timeout: float | None) -> tuple[Delivery, ...] | None:
+        conn = self._conn
+
+        def batch() -> tuple[Delivery, ...] | None:
+            got = conn.next_batch(sub_id)
+            if got is not None:
+                return got
+            refusal = conn.refusal()
+            if refusal is not None:
+                raise BrokerError(refusal.code, refusal.text)
+            closed = conn.closed
+            if not conn.subscribed(sub_id) or (closed is not None and closed.ends_streams):
+                return _END
+            return None
+
+        got = self._wait(batch, timeout, "a delivery", keepalive=True)
+        return None if got is _END else got
+
+    def _wait(
+        self,
+        ready: Callable[[], _T | None],
+        timeout: float | None,
+        what: str,
+        keepalive: bool = False,
+    ) -> _T:
+        """Receive until ``ready()`` returns a value; raise why the connection closed.
+
+        ``timeout`` None means no deadline, only with ``keepalive``: the connection's
+        keepalive then decides when the broker has been silent for too long.
+        """
+        conn = self._conn
         deadline = None if timeout is None else time.monotonic() + timeout
-        queue = self._batches.setdefault(sub_id, deque())
-        while not queue:
-            self._raise_errors()
-            if sub_id in self._ended:
-                return None
-            if self._closed_by_broker is not None:
-                if self._closed_by_broker.code == ErrorCode.SHUTTING_DOWN:
-                    return None
-                raise self._closed_by_broker
-            self._pump(block=True, deadline=deadline)
-        return queue.popleft()
+        while True:  # each pass receives, or moves towards the deadline or the keepalive
+            result = ready()
+            if result is not None:
+                return result
+            if conn.closed is not None:
+                self._raise_closed()
+            now = time.monotonic()
+            wait = self.timeout
+            if keepalive:
+                wait = conn.tick(now, self.timeout)
+                if conn.closed is not None:
+                    self._raise_closed()
+                if conn.outgoing:
+                    self._write(conn.data_to_send())  # the keepalive PING
+            if deadline is not None:
+                left = deadline - now
+                if left <= 0:
+                    raise TimeoutError(
+                        f"timed out after {timeout:g} s waiting for {what} from the broker "
+                        f"at {self.addr}"
+                    )
+                wait = min(wait, left)
+            self._receive(wait)
 
-    def _raise_errors(self) -> None:
-        if self._errors:
-            raise self._errors.popleft()
-
-    def _raise_closed(self) -> None:
-        self._pump(block=False)
-        self._raise_errors()
-        if self._closed_by_broker is not None:
-            raise self._closed_by_broker
-
-    def _pump(self, block: bool, deadline: float | None = None) -> None:
-        """Receive once (waiting if ``block``) and dispatch every whole frame."""
+    def _receive(self, wait: float) -> None:
+        """Receive once, waiting at most ``wait`` seconds, and hand the bytes over."""
         sock = self.sock
         try:
-            if block:
-                if deadline is None:
-                    sock.settimeout(None)
-                else:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError("timed out waiting for the broker")
-                    sock.settimeout(remaining)
-                data = sock.recv(_RECV)
-            else:
-                sock.setblocking(False)
-                try:
-                    data = sock.recv(_RECV)
-                except BlockingIOError:
-                    return
-                finally:
-                    sock.setblocking(True)
-        except TimeoutError:
-            raise TimeoutError("timed out waiting for the broker") from None
+            sock.settimeout(max(wait, 0.001))
+            data = sock.recv(_RECV)
+        except (TimeoutError, BlockingIOError):
+            return
         except OSError as exc:
-            raise ConnectError(f"connection to {self.addr} lost: {exc.strerror or exc}") from None
-        if not data:
-            self._eof = True
-            if self._closed_by_broker is not None:
-                if self._closed_by_broker.code == ErrorCode.SHUTTING_DOWN:
-                    self._ended.update(self._batches)
-                    return
-                raise self._closed_by_broker
-            self._raise_errors()  # e.g. the ERROR that explains why the broker closed
-            raise ConnectError(f"the broker at {self.addr} closed the connection")
-        self._decoder.feed(data)
+            self._lost(exc)
+        self._feed(data)
+        conn = self._conn
+        if conn.outgoing and conn.closed is None:
+            self._write(conn.data_to_send())  # the PONG that answers the broker's PING
+
+    def _feed(self, data: bytes) -> None:
         try:
-            frames = self._decoder.frames()
-        except codec.RemoteProtocolError as exc:
-            raise ConnectError(f"the broker sent a malformed frame: {exc}") from None
-        for frame in frames:
-            self._dispatch(frame)
+            self._conn.receive_data(data, time.monotonic())
+        except RemoteProtocolError:
+            self._raise_closed()
 
-    def _dispatch(self, frame: codec.Frame) -> None:
-        if isinstance(frame, codec.Deliver):
-            self._batches.setdefault(frame.sub_id, deque()).append(frame.messages)
-        elif isinstance(frame, codec.Error):
-            self._errors.append(BrokerError(frame.code, frame.text))
-        elif isinstance(frame, codec.PubAck):
-            self._awaiting.pop(frame.request_id, None)
-            self.confirmed += frame.count
-        elif isinstance(frame, codec.Goodbye):
-            self._closed_by_broker = BrokerError(frame.code, frame.text or "broker said goodbye")
-        else:
-            self._replies[frame.request_id] = frame
+    def _poll(self) -> None:
+        """Take in what already arrived, without waiting (a read error counts as the end
+        of the stream: the caller reports the closed connection)."""
+        conn = self._conn
+        sock = self.sock
+        for _ in range(_POLL_READS):
+            if conn.closed is not None:
+                return
+            try:
+                sock.settimeout(0.0)
+                data = sock.recv(_RECV)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            self._feed(data)
+            if 0 < len(data) < _RECV:
+                return
+
+    def _send_out(
+        self, progress: Callable[[int], None] | None = None, chunk: int = _SEND_CHUNK
+    ) -> None:
+        """Write everything queued, after a read that does not wait: PINGs that came are
+        answered, and a closed connection is reported before anything is written into it."""
+        self._poll()
+        if self._conn.closed is not None:
+            self._raise_closed()
+        data = self._conn.data_to_send()
+        if data:
+            self._write(data, progress, chunk)
+
+    def _send_control(self) -> None:
+        """Like ``_send_out``, for ACK, NACK and CREDIT: after a shutdown they are dropped
+        quietly, as the subscription's stream has ended (``next_batch`` returns None)."""
+        self._poll()
+        closed = self._conn.closed
+        if closed is not None:
+            if not closed.ends_streams:
+                self._raise_closed()
+            self._conn.data_to_send()
+            return
+        data = self._conn.data_to_send()
+        if data:
+            self._write(data)
+
+    def _write(
+        self, data: bytes, progress: Callable[[int], None] | None = None,
+        chunk: int = _SEND_CHUNK,
+    ) -> None:
+        """Write all of ``data``; ConnectError when the broker takes none of it for
+        ``timeout`` seconds (each send waits for room that long at most)."""
+        sock = self.sock
+        view = memoryview(data)
+        total = len(view)
+        sent = 0
+        sock.settimeout(self.timeout)
+        while sent < total:  # each pass sends at least one byte or raises
+            try:
+                sent += sock.send(view[sent : sent + chunk])
+            except TimeoutError:
+                raise ConnectError(
+                    f"the broker at {self.addr} took no data for {self.timeout:g} s"
+                ) from None
+            except OSError as exc:
+                self._lost(exc)
+            if progress is not None:
+                progress(sent)
+
+    def _lost(self, exc: OSError) -> NoReturn:
+        """A read or write failed: report the refusal or GOODBYE that explains it, if one
+        came, else the failure itself."""
+        self._poll()
+        conn = self._conn
+        conn.receive_data(b"", time.monotonic())
+        closed = conn.closed
+        if conn.unreported or (closed is not None and closed.reason is not CloseReason.EOF):
+            self._raise_closed()
+        raise ConnectError(f"connection to {self.addr} lost: {exc.strerror or exc}") from None
+
+    def _raise_closed(self) -> NoReturn:
+        """Raise why the connection is over: the refusal that explains an end of stream or a
+        GOODBYE, the GOODBYE, a malformed frame, silence."""
+        conn = self._conn
+        closed = conn.closed or Closed(CloseReason.EOF)
+        reason = closed.reason
+        if reason is CloseReason.MALFORMED:
+            raise ConnectError(f"the broker at {self.addr} sent a malformed frame: {closed.text}")
+        if reason is CloseReason.SILENT:
+            raise ConnectError(
+                f"no answer from the broker at {self.addr} for {2 * self.timeout:g} s"
+            )
+        refusal = conn.refusal()
+        if refusal is not None:
+            raise BrokerError(refusal.code, refusal.text)
+        if reason is CloseReason.GOODBYE:
+            raise BrokerError(closed.code, closed.text or "the broker said goodbye")
+        if reason is CloseReason.LOCAL:
+            raise ConnectError(f"the connection to {self.addr} is closed")
+        raise ConnectError(f"the broker at {self.addr} closed the connection")
 
 
-def connect_from_env(addr: str | None = None, api_key: str | None = None) -> Client:
-    """A client configured by arguments, else BLIPMQ_ADDR / BLIPMQ_API_KEY, else defaults."""
+def _env_timeout() -> float:
+    raw = os.environ.get("BLIPMQ_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < 1e9:
+        raise ConfigError(f"{raw!r} is not a positive number of seconds", "BLIPMQ_TIMEOUT")
+    return seconds
+
+
+def connect_from_env(
+    addr: str | None = None, api_key: str | None = None, timeout: float | None = None
+) -> Client:
+    """A client configured by arguments, else BLIPMQ_ADDR / BLIPMQ_API_KEY / BLIPMQ_TIMEOUT,
+    else defaults."""
     where = addr or os.environ.get("BLIPMQ_ADDR") or DEFAULT_ADDR
     try:
         parse_addr(where)
     except ValueError as exc:
         raise ConfigError(str(exc), "--addr") from None
     return Client(
-        where, api_key if api_key is not None else os.environ.get("BLIPMQ_API_KEY", "")
+        where,
+        api_key if api_key is not None else os.environ.get("BLIPMQ_API_KEY", ""),
+        timeout=_env_timeout() if timeout is None else timeout,
     )
-

@@ -8,6 +8,7 @@ module level: ``blipmq pub`` must start fast.
 from __future__ import annotations
 
 import os
+import select
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -82,11 +83,17 @@ def pub(
     return Exit.OK
 
 
-def _stdin_lines(stream: BinaryIO) -> Iterator[list[bytes]]:
-    """Complete lines as they arrive (a read returns what is there, so `tail -f` streams)."""
+def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
+    """Complete lines as they arrive (a read returns what is there, so `tail -f` streams).
+
+    While stdin is quiet the client still reads its socket: it answers the broker's PINGs
+    (a broker closes connections that do not) and reports a refusal or a closed link.
+    """
     fd = stream.fileno()
     rest = b""
     while True:
+        while fd not in select.select([fd, client.sock], [], [])[0]:
+            client.check()  # only the socket is readable: take what came, answer PINGs
         chunk = os.read(fd, _READ)
         if not chunk:
             if rest:
@@ -105,7 +112,7 @@ def _pub_lines(
     try:
         with client:
             plain = ttl == 0 and qos == 0 and key is None
-            for batch in _stdin_lines(sys.stdin.buffer):
+            for batch in _stdin_lines(sys.stdin.buffer, client):
                 if plain:
                     client.publish_many([(topic, line) for line in batch])
                 else:

@@ -15,7 +15,7 @@ class Exit(IntEnum):
     OK = 0
     INTERNAL = 1  # a bug: please report it
     USAGE = 2  # bad arguments, bad config, unreadable input file
-    UNREACHABLE = 3  # broker unreachable, or the connection was lost
+    UNREACHABLE = 3  # broker unreachable or silent, or the connection was lost
     TIMEOUT = 4  # sub --timeout ran out before --count messages (or any) arrived
     AUTH = 5  # API key refused
     TOO_LARGE = 6  # message larger than the broker's max_message_bytes
@@ -33,6 +33,8 @@ _BY_CODE = {
     ErrorCode.INVALID_TOPIC: Exit.BAD_NAME,
     ErrorCode.INVALID_REQUEST: Exit.BAD_NAME,
     ErrorCode.NOT_FOUND: Exit.NOT_FOUND,
+    # the handshake ran out of time, or GOODBYE TIMEOUT after an unanswered keepalive PING
+    ErrorCode.TIMEOUT: Exit.UNREACHABLE,
 }
 
 

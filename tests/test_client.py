@@ -1,11 +1,18 @@
-"""The sync client library against a real broker process."""
+"""The sync client library against a real broker process, and its timeouts and failure
+paths against a scripted peer that plays a silent or misbehaving broker."""
 
 from __future__ import annotations
 
+import select
+import socket
+import time
+
 import pytest
+from peer import Link, Peer, greet, silent_after_subscribe
 
 from blipmq_cli.client import Client, parse_addr
 from blipmq_server.errors import BrokerError, ConnectError
+from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode, Message
 
 
@@ -71,3 +78,169 @@ def test_parse_addr(addr: str, expected: tuple[str, int]) -> None:
 def test_parse_addr_refuses(addr: str) -> None:
     with pytest.raises(ValueError):
         parse_addr(addr)
+
+
+# ------------------------------------------------------------------ timeouts and failures
+# Against a scripted peer on 127.0.0.1 (tests/peer.py): the real broker cannot be made silent.
+
+
+def test_handshake_with_a_silent_listener_times_out() -> None:
+    with Peer(None) as peer:  # accepts nothing: connect succeeds, the handshake never does
+        started = time.monotonic()
+        with pytest.raises(ConnectError) as info:
+            Client(peer.addr, timeout=0.5)
+        elapsed = time.monotonic() - started
+    assert 0.4 < elapsed < 3
+    assert str(info.value) == (
+        f"cannot connect to {peer.addr}: the broker did not finish the handshake within 0.5 s"
+    )
+
+
+def test_handshake_stuck_after_welcome_times_out() -> None:
+    def welcome_only(frame: codec.Frame, link: Link) -> None:
+        if not isinstance(frame, codec.Auth):
+            greet(frame, link)
+
+    with Peer(welcome_only) as peer:
+        started = time.monotonic()
+        with pytest.raises(ConnectError, match="handshake"):
+            Client(peer.addr, timeout=0.5)
+        assert 0.4 < time.monotonic() - started < 3
+
+
+def test_a_subscriber_gives_up_on_a_silent_broker_after_twice_the_timeout() -> None:
+    with Peer(silent_after_subscribe) as peer:
+        c = Client(peer.addr, timeout=0.4)
+        sub = c.subscribe("quiet")
+        started = time.monotonic()
+        with pytest.raises(ConnectError) as info:
+            sub.next_batch()
+        elapsed = time.monotonic() - started
+        c.abort()
+    assert 0.7 < elapsed < 3
+    assert str(info.value) == f"no answer from the broker at {peer.addr} for 0.8 s"
+    pings = [f for f in peer.frames() if isinstance(f, codec.Ping)]
+    assert len(pings) == 1  # one keepalive probe, then it gave up
+
+
+def test_keepalive_pings_keep_a_quiet_subscription_waiting() -> None:
+    answered: list[int] = []
+
+    def pongs_then_deliver(frame: codec.Frame, link: Link) -> None:
+        silent_after_subscribe(frame, link)
+        if isinstance(frame, codec.Ping):
+            link.send(codec.Pong(frame.data, frame.request_id))
+            answered.append(frame.request_id)
+            if len(answered) == 3:
+                msg = codec.Delivery(1, 1, "quiet", b"at last", 0, 0, None)
+                link.send(codec.Deliver(7, (msg,)))
+
+    with Peer(pongs_then_deliver) as peer:
+        c = Client(peer.addr, timeout=0.25)
+        started = time.monotonic()
+        batch = c.subscribe("quiet").next_batch()
+        elapsed = time.monotonic() - started
+        c.abort()
+    assert batch is not None and [d.payload for d in batch] == [b"at last"]
+    assert len(answered) == 3 and elapsed >= 0.7  # a probe after each 0.25 s of silence
+
+
+def test_requests_wait_no_longer_than_the_timeout() -> None:
+    with Peer(greet) as peer:  # the handshake, and nothing else ever again
+        c = Client(peer.addr, timeout=0.3)
+        for call in (lambda: c.subscribe("t"), c.flush, lambda: c.unsubscribe("t", group="g")):
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match=peer.addr):
+                call()
+            assert 0.25 < time.monotonic() - started < 3
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            c.flush(timeout=0.1)  # the caller's own timeout wins
+        assert time.monotonic() - started < 0.3 + 0.5
+        c.abort()
+
+
+def test_qos1_confirms_wait_no_longer_than_the_timeout() -> None:
+    with Peer(greet) as peer:  # takes the PUBLISH, never confirms it
+        c = Client(peer.addr, timeout=0.3)
+        with pytest.raises(TimeoutError, match="PUB_ACK"):
+            c.publish("t", b"x", qos=1)
+        assert (c.qos1_sent, c.confirmed) == (1, 0)
+        c.abort()
+
+
+def test_a_ping_from_the_broker_is_answered_while_waiting_and_before_publishing() -> None:
+    def pinger(frame: codec.Frame, link: Link) -> None:
+        silent_after_subscribe(frame, link)
+        if isinstance(frame, codec.Subscribe):
+            link.send(codec.Ping(b"while you wait", 1001))
+        elif isinstance(frame, codec.Pong) and frame.request_id == 1001:
+            link.send(codec.Deliver(7, (codec.Delivery(1, 1, "t", b"thanks", 0, 0, None),)))
+
+    with Peer(pinger) as peer:
+        c = Client(peer.addr, timeout=5)
+        batch = c.subscribe("t").next_batch(5)  # comes only once the PING was answered
+        assert batch is not None and batch[0].payload == b"thanks"
+        peer.links[0].send(codec.Ping(b"\x00idle\xff", 1002))
+        assert select.select([c.sock], [], [], 5)[0]  # it reached the idle client's socket
+        c.publish("t", b"after a pause")  # reads before it writes: answers the PING first
+        peer.wait_for(lambda frames: isinstance(frames[-1], codec.Publish))
+        c.abort()
+    answers = [(type(f), f) for f in peer.frames() if isinstance(f, (codec.Pong, codec.Publish))]
+    assert answers[:2] == [(codec.Pong, codec.Pong(b"while you wait", 1001)),
+                           (codec.Pong, codec.Pong(b"\x00idle\xff", 1002))]
+    assert answers[2][0] is codec.Publish
+
+
+def test_a_publisher_notices_a_closed_connection_before_writing() -> None:
+    def bye(frame: codec.Frame, link: Link) -> None:
+        greet(frame, link)
+        if isinstance(frame, codec.Auth):
+            link.send(codec.Goodbye(ErrorCode.SHUTTING_DOWN, "broker is shutting down"))
+            link.hang_up()
+
+    with Peer(bye) as peer:
+        c = Client(peer.addr, timeout=5)
+        peer.hung_up.wait(5)
+        with pytest.raises(BrokerError) as info:
+            c.publish("t", b"into the void")
+        assert info.value.code == ErrorCode.SHUTTING_DOWN
+        c.abort()
+    assert not any(isinstance(f, codec.Publish) for f in peer.frames())
+
+
+def test_the_frame_limit_is_exactly_what_welcome_announced() -> None:
+    def small_frames(frame: codec.Frame, link: Link) -> None:
+        greet(frame, link, max_frame=4096)
+        if isinstance(frame, codec.Ping):  # a PONG one byte over the announced limit
+            link.send(codec.Pong(b"x" * (4096 - 4), frame.request_id))
+
+    with Peer(small_frames) as peer:
+        c = Client(peer.addr, timeout=5)
+        assert c.max_frame == 4096
+        c.publish_many(("t", b"%04d" % i * 50) for i in range(100))  # 20 kB in all
+        with pytest.raises(ConnectError, match="exceeds the maximum of 4096"):
+            c.flush()
+        c.abort()
+    publishes = [f for f in peer.frames() if isinstance(f, codec.Publish)]
+    assert sum(len(f.messages) for f in publishes) == 100
+    assert all(len(codec.encode(f)) - 4 <= 4096 for f in publishes)
+
+
+def test_tcp_keepalive_is_on(start_broker) -> None:
+    b = start_broker()
+    with Client(b.addr, timeout=7) as c:
+        assert c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert c.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 7
+            assert c.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 7
+            assert c.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+
+
+def test_a_quiet_subscription_on_a_real_broker_survives_keepalive(start_broker) -> None:
+    b = start_broker()
+    with Client(b.addr, timeout=0.2) as c:
+        sub = c.subscribe("quiet")
+        with pytest.raises(TimeoutError):  # not ConnectError: every probe got its PONG
+            sub.next_batch(1.5)
+        assert c.ping() >= 0

@@ -8,10 +8,12 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import BLIPMQ
+from peer import Link, Peer, greet, silent_after_subscribe
 
 from blipmq_cli.client import Client
 from blipmq_cli.exits import Exit
@@ -514,3 +516,99 @@ def test_durable_group_survives_sigkill_and_restart(start_broker) -> None:
     assert b3.cli("unsub", "jobs", "--group", "g").returncode == Exit.NOT_FOUND
 
 
+
+
+# ------------------------------------------------- a silent broker (tests/peer.py stands in)
+
+
+def _run(*args: str, **env: str) -> tuple[subprocess.CompletedProcess[bytes], float]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")}
+    started = time.monotonic()
+    res = subprocess.run([BLIPMQ, *args], capture_output=True, timeout=30,
+                         env={**clean, **env})
+    return res, time.monotonic() - started
+
+
+def test_sub_against_a_silent_listener_exits_unreachable() -> None:
+    with Peer(None) as peer:
+        res, elapsed = _run("sub", "t", "--addr", peer.addr, BLIPMQ_TIMEOUT="0.5")
+    assert res.returncode == Exit.UNREACHABLE, res.stderr
+    assert res.stderr.decode() == (
+        f"blipmq: cannot connect to {peer.addr}: the broker did not finish the handshake "
+        "within 0.5 s\n"
+    )
+    assert elapsed < 5
+
+
+def test_sub_on_a_broker_gone_silent_gives_up_after_twice_the_timeout() -> None:
+    with Peer(silent_after_subscribe) as peer:
+        res, elapsed = _run("sub", "t", "--addr", peer.addr, BLIPMQ_TIMEOUT="0.5")
+    assert res.returncode == Exit.UNREACHABLE, res.stderr
+    assert res.stderr.decode() == f"blipmq: no answer from the broker at {peer.addr} for 1 s\n"
+    assert res.stdout == b""
+    assert 1 <= elapsed < 6
+    assert sum(isinstance(f, codec.Ping) for f in peer.frames()) == 1
+
+
+def test_a_quiet_sub_keeps_its_link_to_a_real_broker_alive(start_broker) -> None:
+    b = start_broker()
+    res = b.cli("sub", "quiet", "--timeout", "1.5", BLIPMQ_TIMEOUT="0.2")
+    assert res.returncode == Exit.TIMEOUT, res.stderr  # probes answered: no false alarm
+    assert "timed out after 1.5 s" in res.stderr.decode()
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan"])
+def test_a_bad_timeout_setting_is_a_usage_error(value: str) -> None:
+    res, _ = _run("pub", "t", "x", BLIPMQ_TIMEOUT=value)  # refused before connecting
+    assert res.returncode == Exit.USAGE
+    assert res.stderr.decode() == (
+        f"blipmq: BLIPMQ_TIMEOUT: {value!r} is not a positive number of seconds\n"
+    )
+
+
+def test_pub_lines_answers_pings_while_stdin_is_quiet() -> None:
+    def pongs(frame: codec.Frame, link: Link) -> None:
+        greet(frame, link)
+        if isinstance(frame, codec.Ping):  # the client's own: its final flush
+            link.send(codec.Pong(frame.data, frame.request_id))
+
+    def has(kind: type, rid: int | None = None) -> Callable[[list[codec.Frame]], bool]:
+        return lambda frames: any(isinstance(f, kind) and rid in (None, f.request_id)
+                                  for f in frames)
+
+    with Peer(pongs) as peer:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")}
+        pub = subprocess.Popen([BLIPMQ, "pub", "t", "--lines", "-", "--addr", peer.addr],
+                               stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=clean)
+        assert pub.stdin is not None
+        try:
+            pub.stdin.write(b"one\n")
+            pub.stdin.flush()
+            peer.wait_for(has(codec.Publish))  # past the handshake, back to waiting on stdin
+            peer.links[0].send(codec.Ping(b"still there?", 4242))
+            peer.wait_for(has(codec.Pong, 4242))  # answered with no new line on stdin
+            pub.stdin.write(b"two\n")
+            pub.stdin.close()
+            assert pub.wait(20) == 0, pub.communicate()[1]
+        finally:
+            if pub.poll() is None:
+                pub.kill()
+                pub.wait()
+    pongs_seen = [(type(f), f) for f in peer.frames() if isinstance(f, codec.Pong)]
+    assert pongs_seen == [(codec.Pong, codec.Pong(b"still there?", 4242))]
+    published = [m.payload for f in peer.frames() if isinstance(f, codec.Publish)
+                 for m in f.decoded()]
+    assert published == [b"one", b"two"]
+
+
+def test_sub_closed_by_the_broker_for_silence_exits_unreachable() -> None:
+    def timed_out(frame: codec.Frame, link: Link) -> None:
+        silent_after_subscribe(frame, link)
+        if isinstance(frame, codec.Subscribe):  # as a broker whose keepalive PING went unread
+            link.send(codec.Goodbye(codec.ErrorCode.TIMEOUT, "no answer to keepalive PING"))
+            link.hang_up()
+
+    with Peer(timed_out) as peer:
+        res, _ = _run("sub", "t", "--addr", peer.addr)
+    assert res.returncode == Exit.UNREACHABLE
+    assert res.stderr.decode() == "blipmq: no answer to keepalive PING\n"

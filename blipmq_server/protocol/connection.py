@@ -1,0 +1,503 @@
+"""The client's side of one BlipMQ connection, sans-IO (docs/PROTOCOL.md, "The client's side").
+
+``ClientConnection`` owns what a client has to remember about its connection to a broker:
+
+- the handshake (HELLO -> WELCOME -> AUTH -> AUTH_OK) and the limits WELCOME announces;
+- request ids, and which reply (WELCOME, AUTH_OK, SUBSCRIBED, UNSUBSCRIBED, PONG) or ERROR
+  answers which request;
+- PUBLISH batching: message records sealed into frames within ``max_frame`` and
+  ``MAX_BATCH``, the frames still waiting for their PUB_ACK, the QoS 1 messages confirmed;
+- DELIVER batches, queued per subscription;
+- refusals: ERROR frames that answer no waiting request, kept until the caller asks;
+- why the connection closed (GOODBYE, end of stream, malformed bytes, silence);
+- the PONG that answers a PING from the broker, and the keepalive decision.
+
+Bytes come in through ``receive_data`` and go out through ``data_to_send``; time comes in as
+an argument (``now``: seconds on any monotonic clock). Normal conditions are values: a reply,
+a refusal (an ``Error`` frame), a ``Closed`` reason. Exceptions are for input we refuse:
+``RemoteProtocolError`` when the broker's bytes break the protocol (the connection is then
+closed), ``LocalProtocolError`` when the caller asks for something the connection cannot send
+(its ``code`` is the ErrorCode the broker would have answered, where there is one).
+
+No I/O, no clock, no threads. Imports only the standard library and the codec, so the socket
+client (``blipmq_cli/client.py``) is a thin shell and a one-shot ``blipmq pub`` starts fast.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import Enum
+from typing import NamedTuple
+
+from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
+from blipmq_server.protocol import codec
+from blipmq_server.protocol.codec import MSG_HEAD, Delivery, ErrorCode, FrameType, Message
+from blipmq_server.protocol.names import topic_problem
+
+PUBLISH_OVERHEAD = 7  # a PUBLISH frame's length beyond its records: type, request id, count
+_TOPIC_CACHE = 4096  # validated topics remembered (a publisher rarely uses more)
+_REPLIES = (codec.Welcome, codec.AuthOk, codec.Subscribed, codec.Unsubscribed, codec.Pong)
+
+
+class State(Enum):
+    NEW = "new"  # nothing sent yet
+    GREETING = "greeting"  # HELLO and AUTH sent, waiting for WELCOME
+    AUTHENTICATING = "authenticating"  # WELCOME came, waiting for AUTH_OK
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class CloseReason(Enum):
+    GOODBYE = "goodbye"  # the broker sent GOODBYE (its code and text are in Closed)
+    EOF = "eof"  # the broker ended the stream without a GOODBYE
+    MALFORMED = "malformed"  # the broker sent bytes that break the protocol
+    SILENT = "silent"  # nothing from the broker for two keepalive intervals
+    LOCAL = "local"  # we sent GOODBYE
+
+
+class Closed(NamedTuple):
+    """Why the connection is over."""
+
+    reason: CloseReason
+    code: int = 0  # GOODBYE: the broker's code; MALFORMED: the code to blame it on
+    text: str = ""
+
+    @property
+    def ends_streams(self) -> bool:
+        """The broker stopped on purpose: subscriptions end rather than fail."""
+        return self.reason is CloseReason.GOODBYE and self.code in (
+            ErrorCode.SHUTTING_DOWN, ErrorCode.NORMAL
+        )
+
+
+# The two private records below are plain slotted classes: a NamedTuple costs several times as
+# much to define, and this module is imported by every one-shot `blipmq pub`.
+
+
+class _Request:
+    """A request waiting for its reply."""
+
+    __slots__ = ("expect", "frame", "keep")
+
+    def __init__(self, expect: type, frame: codec.Frame | None = None, keep: bool = True) -> None:
+        self.expect = expect  # the reply frame's class
+        self.frame = frame  # SUBSCRIBE / UNSUBSCRIBE: what the reply refers to
+        self.keep = keep  # False: nobody waits any more (keepalive PING, a request given up)
+
+
+class _Sub:
+    """A live subscription and its queued DELIVER batches."""
+
+    __slots__ = ("batches", "group", "request_id", "topic_filter")
+
+    def __init__(self, topic_filter: str, group: str, request_id: int) -> None:
+        self.topic_filter = topic_filter
+        self.group = group
+        self.request_id = request_id  # of its SUBSCRIBE: a GROUP_DELETED error carries it
+        self.batches: deque[tuple[Delivery, ...]] = deque()
+
+
+class ClientConnection:
+    """One client connection's protocol state. See the module docstring."""
+
+    def __init__(self, max_frame: int = codec.DEFAULT_MAX_FRAME) -> None:
+        self.state = State.NEW
+        self.closed: Closed | None = None
+        self.welcome: codec.Welcome | None = None
+        # until WELCOME says otherwise: the codec's default limit
+        self.max_frame = max_frame
+        self.max_message = max_frame - PUBLISH_OVERHEAD - MSG_HEAD.size
+        self.qos1_sent = 0  # QoS 1 messages sealed into PUBLISH frames
+        self.confirmed = 0  # QoS 1 messages the broker confirmed as durable
+        self._decoder = codec.Decoder(max_frame)
+        self._rid = 0
+        self._pending: dict[int, _Request] = {}
+        self._replies: dict[int, codec.Frame] = {}
+        self._refusals: deque[codec.Error] = deque()
+        self._handshake = (0, 0)  # request ids of HELLO and AUTH
+        self._handshake_error: codec.Error | None = None
+        self._authenticated = False  # AUTH_OK came (the connection may have closed since)
+        self._subs: dict[int, _Sub] = {}
+        self._awaiting: dict[int, int] = {}  # PUBLISH request id -> QoS 1 messages in it
+        self._out: list[bytes] = []  # encoded frames, in order
+        self._out_size = 0
+        self._records: list[bytes] = []  # message records not yet sealed into a PUBLISH
+        self._records_size = 0
+        self._records_qos1 = 0
+        self._room = max_frame - PUBLISH_OVERHEAD  # record bytes one PUBLISH can carry
+        self._topics: dict[str, bytes] = {}
+        self._at_close: list[bytes] = []  # frames that go out just before our GOODBYE
+        self._heard: float | None = None  # when bytes last came from the broker
+        self._probe: float | None = None  # when the unanswered keepalive PING went out
+
+    # ----------------------------------------------------------------------------- output
+
+    def data_to_send(self) -> bytes:
+        """Every byte queued for the broker, in order (sealing the open PUBLISH first)."""
+        self.seal()
+        if not self._out:
+            return b""
+        data = b"".join(self._out)
+        self._out, self._out_size = [], 0
+        return data
+
+    @property
+    def outgoing(self) -> int:
+        """Bytes of sealed frames waiting in ``data_to_send``."""
+        return self._out_size
+
+    def _queue(self, data: bytes) -> None:
+        self.seal()  # records gathered before this frame go out before it
+        self._out.append(data)
+        self._out_size += len(data)
+
+    def _next_rid(self) -> int:
+        self._rid = (self._rid + 1) & 0xFFFFFFFF or 1
+        return self._rid
+
+    # -------------------------------------------------------------------------- handshake
+
+    def hello(self, client: str = "", api_key: str = "") -> None:
+        """Queue HELLO and AUTH together (the broker allows pipelining them)."""
+        if self.state is not State.NEW:
+            raise LocalProtocolError(f"HELLO again (the connection is {self.state.value})")
+        hello, auth = self._next_rid(), self._next_rid()
+        self._pending[hello] = _Request(codec.Welcome)
+        self._pending[auth] = _Request(codec.AuthOk)
+        self._handshake = (hello, auth)
+        self._queue(codec.encode(codec.Hello(codec.VERSION, client, hello))
+                    + codec.encode(codec.Auth(api_key, auth)))
+        self.state = State.GREETING
+
+    def handshake(self) -> codec.Welcome | codec.Error | None:
+        """The handshake's outcome: WELCOME once AUTH_OK came, the ERROR that refused HELLO or
+        AUTH, or None while it is still under way."""
+        if self._handshake_error is not None:
+            return self._handshake_error
+        return self.welcome if self._authenticated else None
+
+    # --------------------------------------------------------------------------- requests
+
+    def _request(self, frame: codec.Frame, expect: type) -> int:
+        if self.state is not State.READY:
+            raise LocalProtocolError(
+                f"cannot send {FrameType(frame.TYPE).name}: the connection is {self.state.value}"
+            )
+        rid = self._next_rid()
+        frame = frame._replace(request_id=rid)
+        self._pending[rid] = _Request(expect, frame)
+        self._queue(codec.encode(frame))
+        return rid
+
+    def subscribe(
+        self,
+        topic_filter: str,
+        group: str = "",
+        qos: int = 0,
+        credit: int = 0,
+        start: int = codec.Start.LATEST,
+        start_offset: int = 0,
+    ) -> int:
+        """Queue a SUBSCRIBE; returns its request id (``reply`` gives SUBSCRIBED or ERROR)."""
+        frame = codec.Subscribe(topic_filter, group, qos, credit, start, start_offset)
+        return self._request(frame, codec.Subscribed)
+
+    def unsubscribe(self, sub_id: int = 0, topic_filter: str = "", group: str = "") -> int:
+        """Queue an UNSUBSCRIBE (by ``sub_id``, or by filter and group); returns its id."""
+        return self._request(codec.Unsubscribe(sub_id, topic_filter, group), codec.Unsubscribed)
+
+    def ping(self, data: bytes = b"") -> int:
+        """Queue a PING; its PONG proves the broker processed every frame sent before it."""
+        return self._request(codec.Ping(data), codec.Pong)
+
+    def reply(self, request_id: int) -> codec.Frame | None:
+        """The reply to a request (its ERROR if refused), once; None while none came."""
+        return self._replies.pop(request_id, None)
+
+    def forget(self, request_id: int) -> None:
+        """Stop waiting for a request: its reply, when it comes, is dropped."""
+        request = self._pending.get(request_id)
+        if request is not None:
+            request.keep = False
+        self._replies.pop(request_id, None)
+
+    def refusal(self) -> codec.Error | None:
+        """The oldest ERROR that answered no waiting request (a refused PUBLISH, a deleted
+        group, a broker-wide complaint), once; None when there is none."""
+        return self._refusals.popleft() if self._refusals else None
+
+    @property
+    def unreported(self) -> int:
+        """Refusals that ``refusal`` has not handed out yet."""
+        return len(self._refusals)
+
+    # --------------------------------------------------------------------------- no reply
+
+    def ack(self, sub_id: int, offsets: tuple[int, ...]) -> None:
+        self._queue(codec.encode(codec.Ack(sub_id, offsets)))
+
+    def nack(self, sub_id: int, offsets: tuple[int, ...], delay_ms: int = 0) -> None:
+        self._queue(codec.encode(codec.Nack(sub_id, offsets, delay_ms)))
+
+    def credit(self, sub_id: int, credit: int) -> None:
+        self._queue(codec.encode(codec.Credit(sub_id, credit)))
+
+    def ack_at_close(self, sub_id: int, offsets: tuple[int, ...]) -> None:
+        """Hold CREDIT 0 and this ACK until ``goodbye``: the broker then sends nothing that
+        would go back to the group counted once more."""
+        self._at_close.append(codec.encode(codec.Credit(sub_id, 0)))
+        self._at_close.append(codec.encode(codec.Ack(sub_id, offsets)))
+
+    def goodbye(self, code: int = ErrorCode.NORMAL, text: str = "") -> None:
+        """Queue the held frames and GOODBYE; the connection is closed from here on."""
+        for data in self._at_close:
+            self._queue(data)
+        self._at_close = []
+        self._queue(codec.encode(codec.Goodbye(code, text)))
+        self._close(Closed(CloseReason.LOCAL, code, text))
+
+    # ------------------------------------------------------------------------- publishing
+
+    def publish(self, msg: Message) -> None:
+        """Add one message to the open PUBLISH batch (sealed when the next would not fit).
+
+        Raises LocalProtocolError with MESSAGE_TOO_LARGE, INVALID_TOPIC or FRAME_TOO_LARGE
+        for a message the broker would refuse; nothing is added then.
+        """
+        payload = msg.payload
+        if len(payload) > self.max_message:
+            raise LocalProtocolError(
+                f"message of {len(payload)} bytes exceeds the broker's limit of "
+                f"{self.max_message} bytes",
+                ErrorCode.MESSAGE_TOO_LARGE,
+            )
+        topic = self._topics.get(msg.topic)
+        if topic is None:
+            topic = self._topic_bytes(msg.topic)
+        if msg.key is None and msg.qos == 0 and msg.ttl_ms == 0:
+            record = MSG_HEAD.pack(0, 0, len(topic), 0, len(payload)) + topic + payload
+        else:
+            record = codec.message_record(msg, topic)
+        size = len(record)
+        if size > self._room:
+            raise LocalProtocolError(
+                f"message of {size} bytes with its topic and key does not fit the broker's "
+                f"frame limit of {self.max_frame} bytes",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+        if self._records and (
+            self._records_size + size > self._room or len(self._records) >= codec.MAX_BATCH
+        ):
+            self.seal()
+        self._records.append(record)
+        self._records_size += size
+        if msg.qos:
+            self._records_qos1 += 1
+
+    def _topic_bytes(self, topic: str) -> bytes:
+        problem = topic_problem(topic)
+        if problem:
+            raise LocalProtocolError(problem, ErrorCode.INVALID_TOPIC)
+        if len(self._topics) >= _TOPIC_CACHE:
+            self._topics.clear()
+        data = self._topics[topic] = topic.encode("utf-8")
+        return data
+
+    def seal(self) -> None:
+        """Close the open batch into one PUBLISH frame, queued for sending."""
+        if not self._records:
+            return
+        rid = self._next_rid()
+        frame = codec.encode_publish(self._records, rid)
+        self._out.append(frame)
+        self._out_size += len(frame)
+        if self._records_qos1:
+            self._awaiting[rid] = self._records_qos1
+            self.qos1_sent += self._records_qos1
+            self._records_qos1 = 0
+        self._records, self._records_size = [], 0
+
+    @property
+    def unconfirmed(self) -> int:
+        """PUBLISH frames with QoS 1 messages whose PUB_ACK has not come yet."""
+        return len(self._awaiting)
+
+    # ---------------------------------------------------------------------- subscriptions
+
+    def next_batch(self, sub_id: int) -> tuple[Delivery, ...] | None:
+        """The oldest DELIVER batch queued for a subscription, once; None when none is."""
+        sub = self._subs.get(sub_id)
+        if sub is None or not sub.batches:
+            return None
+        return sub.batches.popleft()
+
+    def subscribed(self, sub_id: int) -> bool:
+        """Whether the subscription is live on this connection (not ended by UNSUBSCRIBE or
+        by its group's deletion)."""
+        return sub_id in self._subs
+
+    # ------------------------------------------------------------------------------ input
+
+    def receive_data(self, data: bytes, now: float) -> None:
+        """Take bytes from the broker; ``b""`` means the broker ended the stream.
+
+        Raises RemoteProtocolError (and closes the connection) on bytes that break the
+        protocol, after handling the whole frames before them. Ignored once closed.
+        """
+        if self.closed is not None:
+            return
+        if not data:
+            self._close(Closed(CloseReason.EOF))
+            return
+        self._heard, self._probe = now, None
+        decoder = self._decoder
+        decoder.feed(data)
+        try:
+            # a second call raises the error the decoder held back behind whole frames
+            for _ in range(2):
+                frames = decoder.frames()
+                if not frames:
+                    break
+                for frame in frames:
+                    self._handle(frame)
+                    if self.closed is not None:
+                        return  # GOODBYE: nothing after it counts
+        except RemoteProtocolError as exc:
+            self._close(Closed(CloseReason.MALFORMED, exc.code, str(exc)))
+            raise
+
+    def _handle(self, frame: codec.Frame) -> None:
+        kind = type(frame)
+        if kind is codec.Deliver:
+            sub = self._subs.get(frame.sub_id)
+            if sub is not None and frame.messages:  # late deliveries of an ended one: dropped
+                sub.batches.append(frame.messages)
+        elif kind is codec.PubAck:
+            self._confirm(frame)
+        elif kind is codec.Ping:
+            # answered at once, ahead of any open batch: a PONG needs no order
+            pong = codec.encode(codec.Pong(frame.data, frame.request_id))
+            self._out.append(pong)
+            self._out_size += len(pong)
+        elif kind is codec.Error:
+            self._error(frame)
+        elif kind is codec.Goodbye:
+            self._close(Closed(CloseReason.GOODBYE, frame.code, frame.text))
+        elif kind in _REPLIES:
+            self._reply(frame)
+        else:
+            raise RemoteProtocolError(
+                f"the broker sent {FrameType(frame.TYPE).name}, a frame only clients send"
+            )
+
+    def _confirm(self, frame: codec.PubAck) -> None:
+        expected = self._awaiting.pop(frame.request_id, None)
+        if expected is None:
+            raise RemoteProtocolError(
+                f"PUB_ACK for request {frame.request_id}, which has no QoS 1 message waiting"
+            )
+        if frame.count > expected:
+            raise RemoteProtocolError(
+                f"PUB_ACK confirms {frame.count} messages of a PUBLISH that had {expected}"
+            )
+        self.confirmed += frame.count
+
+    def _reply(self, frame: codec.Frame) -> None:
+        rid = frame.request_id
+        request = self._pending.pop(rid, None)
+        name = FrameType(frame.TYPE).name
+        if request is None:
+            raise RemoteProtocolError(f"{name} for request {rid}, which waits for no reply")
+        if type(frame) is not request.expect:
+            expected = FrameType(request.expect.TYPE).name
+            raise RemoteProtocolError(f"{name} for request {rid}, which waits for {expected}")
+        kind = type(frame)
+        if kind is codec.Welcome:
+            self._welcomed(frame)
+        elif kind is codec.AuthOk:
+            if self.state is not State.AUTHENTICATING:
+                raise RemoteProtocolError("AUTH_OK before WELCOME")
+            self.state = State.READY
+            self._authenticated = True
+        elif kind is codec.Subscribed:
+            sub = request.frame
+            if request.keep and isinstance(sub, codec.Subscribe):
+                self._subs[frame.sub_id] = _Sub(sub.topic_filter, sub.group, rid)
+        elif kind is codec.Unsubscribed and isinstance(request.frame, codec.Unsubscribe):
+            self._ended(request.frame)
+        if request.keep and kind is not codec.Welcome and kind is not codec.AuthOk:
+            self._replies[rid] = frame
+
+    def _welcomed(self, frame: codec.Welcome) -> None:
+        if frame.version != codec.VERSION:
+            raise RemoteProtocolError(
+                f"the broker speaks protocol version {frame.version}, this client "
+                f"{codec.VERSION}",
+                ErrorCode.UNSUPPORTED_VERSION,
+            )
+        if frame.max_frame < codec.HEADER_SIZE + PUBLISH_OVERHEAD + MSG_HEAD.size:
+            raise RemoteProtocolError(f"WELCOME announces a frame limit of {frame.max_frame}")
+        self.welcome = frame
+        self.max_frame = frame.max_frame
+        self.max_message = frame.max_message
+        self._decoder.max_frame = frame.max_frame  # exactly what the broker sends at most
+        self._room = frame.max_frame - PUBLISH_OVERHEAD
+        self.state = State.AUTHENTICATING
+
+    def _ended(self, request: codec.Unsubscribe) -> None:
+        """Forget the subscriptions an UNSUBSCRIBED reply ended (docs/PROTOCOL.md)."""
+        if request.sub_id:
+            self._subs.pop(request.sub_id, None)
+            return
+        for sub_id, sub in list(self._subs.items()):
+            if sub.topic_filter == request.topic_filter and sub.group == request.group:
+                del self._subs[sub_id]
+
+    def _error(self, frame: codec.Error) -> None:
+        rid = frame.request_id
+        request = self._pending.pop(rid, None) if rid else None
+        if request is not None:
+            if rid in self._handshake:
+                self._handshake_error = frame
+            elif request.keep:
+                self._replies[rid] = frame
+            return
+        if frame.code == ErrorCode.GROUP_DELETED and rid:
+            for sub_id, sub in list(self._subs.items()):
+                if sub.request_id == rid:
+                    del self._subs[sub_id]
+        self._refusals.append(frame)
+
+    def _close(self, closed: Closed) -> None:
+        if self.closed is None:
+            self.closed = closed
+            self.state = State.CLOSED
+
+    # -------------------------------------------------------------------------- keepalive
+
+    def tick(self, now: float, interval: float) -> float:
+        """Keepalive, for a caller waiting on the broker: after ``interval`` seconds with
+        nothing from the broker, queue a PING; if nothing at all comes for another
+        ``interval``, close the connection as SILENT. Any byte from the broker counts.
+
+        Returns how many seconds may pass before the next call is due.
+        """
+        if self.state is not State.READY:
+            return interval
+        if self._heard is None:
+            self._heard = now
+        if self._probe is None:
+            quiet = now - self._heard
+            if quiet < interval:
+                return interval - quiet
+            self._probe = now
+            rid = self._next_rid()
+            self._pending[rid] = _Request(codec.Pong, keep=False)
+            self._queue(codec.encode(codec.Ping(b"", rid)))
+            return interval
+        waited = now - self._probe
+        if waited >= interval:
+            self._close(Closed(CloseReason.SILENT, 0,
+                               f"nothing from the broker for {now - self._heard:g} s"))
+            return 0.0
+        return interval - waited
