@@ -122,7 +122,8 @@ class Flusher:
         if self.policy.kind == "always":
             waiters = self._waiters
             return ((bool(waiters) and waiters[0][0] <= batch.last_offset) or self._sync_wanted
-                    or batch.seals or trio.current_time() >= self._sync_due())
+                    or batch.seals or not self.unconfirmed_sync
+                    or trio.current_time() >= self._sync_due())
         elapsed_ms = int((trio.current_time() - self._last_sync) * 1000)
         return self.policy.sync_now(self.unsynced_records + batch.records, elapsed_ms)
 

@@ -57,7 +57,6 @@ class Part:
     starts: list[int]  # file position of each record
     first_offset: int
     last_ts: int
-    sealed: bool  # the segment is full: no later batch appends to it
     new_file: bool  # this write creates the file
 
 
@@ -98,12 +97,13 @@ class Batch:
     records: int
     directory: str
     plan: Sync  # what a sync with this batch covers: its files and everything unsynced before
+    sealed: list[Segment]  # full since the last batch: no more appends (the log rotated)
     synced: bool = False  # set by ``write``: the batch and ``plan`` were fsynced
 
     @property
     def seals(self) -> bool:
-        """Whether the batch fills a segment (the log rotates to a new one)."""
-        return any(part.sealed for part in self.parts)
+        """Whether the log rotated since the last batch (a segment is full)."""
+        return bool(self.sealed)
 
     def write(self, disk: Disk, sync: bool) -> None:
         """Blocking: write, and fsync everything in ``plan`` if ``sync``; close the append
@@ -135,9 +135,9 @@ class Batch:
                     # next start keeps these records: never confirmed, at worst duplicates.
                     seg.stale = True
             raise
-        for part in self.parts:
-            if part.sealed:
-                disk.seal(part.segment.path)
+        finally:
+            for seg in self.sealed:
+                disk.seal(seg.path)
 
 
 class _Chunk(NamedTuple):
@@ -173,6 +173,7 @@ class Log:
         self._in_flight: Batch | None = None
         self._syncing: Sync | None = None
         self._tail: Segment | None = None  # the segment appends go to
+        self._batch_tail: Segment | None = None  # the tail when the last batch was taken
         self._pending = 0  # records appended and not yet taken into a batch
         # Written and not fsynced: segments (by path, in log order) and the directory
         self._unsynced: dict[str, Segment] = {}
@@ -197,12 +198,12 @@ class Log:
         os.makedirs(self.directory, exist_ok=True)
         done = recover(self.directory, self.disk, self.options.index_every, on_record)
         self.segments = done.segments
-        self._tail = self.segments[-1] if self.segments else None
+        self._tail = self._batch_tail = self.segments[-1] if self.segments else None
         self.next_offset = done.next_offset
         self.written_offset = done.last_offset
         self.synced_offset = 0
         self._unsynced = {seg.path: seg for seg in self.segments}
-        self._dir_unsynced = True
+        self._dir_unsynced = bool(self.segments)
         return done.found
 
     # ----------------------------------------------------------------------------- appends
@@ -273,7 +274,7 @@ class Log:
             base = seg.size if seg.created else rec.HEADER_SIZE
             starts = list(accumulate(map(len, seg.pending[:-1]), initial=base))
             parts.append(Part(seg, b"".join(seg.pending), starts, seg.pending_first,
-                              seg.pending_ts, seg is not tail, not seg.created))
+                              seg.pending_ts, not seg.created))
             creates = creates or not seg.created
             seg.pending = []
         last = parts[-1]
@@ -284,9 +285,14 @@ class Log:
         else:
             covered = [p.segment for p in parts]
         plan = Sync(covered, self.directory if creates or self._dir_unsynced else None)
+        sealed = [p.segment for p in parts if p.segment is not tail]
+        before = self._batch_tail  # its last records may have gone out with an earlier batch
+        if before is not None and before is not tail and before not in sealed:
+            sealed.append(before)
+        self._batch_tail = tail
         self._in_flight = Batch(parts, parts[0].first_offset,
                                 last.first_offset + len(last.starts) - 1, self._pending,
-                                self.directory, plan)
+                                self.directory, plan, sealed)
         self._pending = 0
         return self._in_flight
 
