@@ -176,6 +176,34 @@ def test_sealed_segments_keep_no_descriptor_open(tmp_path: Path) -> None:
     assert len(list(fd_dir.iterdir())) == before
 
 
+class PeakDisk(Disk):
+    """A real Disk that notes the most append descriptors it ever held at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def append(self, path: str, data: bytes) -> None:
+        super().append(path, data)
+        self.peak = max(self.peak, len(self._fds))
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_one_batch_filling_many_segments_holds_one_append_descriptor_at_a_time(
+    tmp_path: Path, sync: bool
+) -> None:
+    disk = PeakDisk()
+    log = Log(str(tmp_path), SMALL, disk)
+    log.open()
+    log.append_many(MSG, [body(i) for i in range(4000)], 0)  # about 300 segments
+    batch = log.take_batch()
+    assert batch is not None and len(batch.sealed) > 290
+    batch.write(disk, sync)
+    log.commit(batch)
+    assert disk.peak == 1 and len(disk._fds) == 1  # only the segment appends go to now
+    assert [r.offset for r in log.read(1, 10**9, 1 << 40)] == list(range(1, 4001))
+
+
 def test_retention_may_delete_a_segment_that_a_sync_covers(tmp_path: Path) -> None:
     log, disk = make_log(tmp_path, LogOptions(segment_bytes=4096, retention_bytes=20_000))
     for i in range(300):

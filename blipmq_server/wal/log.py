@@ -119,6 +119,8 @@ class Batch:
                         disk.truncate(seg.path, start)
                     seg.stale = False
                 disk.append(seg.path, rec.header(seg.base) + data if part.new_file else data)
+                if any(seg is s for s in self.sealed):  # one batch may fill many segments
+                    disk.seal(seg.path)
             if sync:
                 self.plan.run(disk)
                 self.synced = True
