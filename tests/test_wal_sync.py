@@ -225,6 +225,15 @@ def test_retention_may_delete_a_segment_that_a_sync_covers(tmp_path: Path) -> No
 # ------------------------------------------------------------------------------ the flusher
 
 
+def test_always_syncs_what_is_awaited_at_once_and_the_rest_in_time() -> None:
+    always = policy.parse("always")
+    assert not isinstance(always, str)
+    assert always.sync_now(1, 0, awaited=True, unconfirmed_sync_ms=1000)
+    assert not always.sync_now(1, 0, awaited=False, ms_unsynced=999, unconfirmed_sync_ms=1000)
+    assert always.sync_now(1, 0, awaited=False, ms_unsynced=1000, unconfirmed_sync_ms=1000)
+    assert always.sync_now(1, 0, awaited=False, unconfirmed_sync_ms=0)  # every batch
+
+
 async def write_through_flusher(flusher: Flusher, n: int, per_batch: int = 5) -> None:
     for i in range(n):
         flusher.wal.append(MSG, body(i), i)

@@ -119,13 +119,17 @@ class Flusher:
 
     def _sync_batch(self, batch: Batch) -> bool:
         """Should this batch be synced as it is written?"""
-        if self.policy.kind == "always":
-            waiters = self._waiters
-            return ((bool(waiters) and waiters[0][0] <= batch.last_offset) or self._sync_wanted
-                    or batch.seals or not self.unconfirmed_sync
-                    or trio.current_time() >= self._sync_due())
-        elapsed_ms = int((trio.current_time() - self._last_sync) * 1000)
-        return self.policy.sync_now(self.unsynced_records + batch.records, elapsed_ms)
+        now = trio.current_time()
+        waiters = self._waiters
+        since = self._unsynced_since
+        return self.policy.sync_now(
+            self.unsynced_records + batch.records,
+            int((now - self._last_sync) * 1000),
+            awaited=(bool(waiters) and waiters[0][0] <= batch.last_offset) or self._sync_wanted
+            or batch.seals,
+            ms_unsynced=0 if since is None else int((now - since) * 1000),
+            unconfirmed_sync_ms=int(self.unconfirmed_sync * 1000),
+        )
 
     async def run(self) -> None:
         self._last_sync = trio.current_time()

@@ -1,11 +1,16 @@
-"""The segmented write-ahead log: recovery on open, buffered appends, group-commit batches,
-reads by offset and retention (docs/WAL.md).
+"""The segmented write-ahead log: buffered appends, group-commit batches, syncs, reads by
+offset and retention (docs/WAL.md). Recovery on open is in ``recovery.py``.
 
 Appends only touch memory. ``take_batch`` hands everything appended since the last batch to
 the caller as one ``Batch``; ``Batch.write`` does the blocking work (create segment files,
-one write per segment, fsync) and is meant to run in a worker thread while appends go on;
-then the owner calls ``commit`` or ``abort``. One batch is in flight at a time.
-No trio, no clock: timestamps and ``now_ms`` come from the caller.
+one write per segment, and, if asked, the sync in ``Batch.plan``) and is meant to run in a
+worker thread while appends go on; then the owner calls ``commit`` or ``abort``. The log
+knows what it has written and not fsynced (segment files, and the directory after a file
+was created): one ``Sync`` covers all of it, with a batch or alone (``take_sync``, then
+``synced`` or ``sync_failed``). One batch or sync is in flight at a time. A segment is
+sealed when the log rotates past it; its append descriptor is closed then, so descriptors
+stay bounded (``disk.py``). No trio, no clock: timestamps and ``now_ms`` come from the
+caller.
 
 Recent-records cache: ``commit`` keeps a reference to each batch part's bytes (whole records
 with contiguous offsets, exactly what was written) in a deque bounded by
