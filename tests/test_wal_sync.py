@@ -369,7 +369,7 @@ async def test_qos0_records_are_synced_later_and_with_the_next_confirm(
     # written, and not fsynced: QoS 0 does not force an fsync of its own
     assert server.flusher.counters.fsyncs == 0 and disk.count("fsync|fsync_dir") == 0
     with trio.fail_after(10):
-        while disk.not_durable():
+        while disk.not_durable() or not server.flusher.counters.syncs:
             await trio.sleep(0.01)
     synced = next(c[2] for c in disk.calls if c[0] == "fsync")
     assert synced - first_write >= 0.25  # the timer (300 ms), not the write, caused it
@@ -391,7 +391,8 @@ async def test_unconfirmed_sync_ms_zero_syncs_every_batch(
         await conn.expect(codec.Pong)
         assert server.flusher is not None
         with trio.fail_after(10):
-            while server.flusher.counters.records < rid or disk.not_durable():
+            while (server.flusher.counters.records < rid or disk.not_durable()
+                   or server.flusher.counters.syncs < rid):
                 await trio.sleep(0.01)
     assert server.flusher is not None and server.flusher.counters.syncs == 3
     server.shutdown.set()
