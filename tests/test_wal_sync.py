@@ -396,3 +396,31 @@ async def test_unconfirmed_sync_ms_zero_syncs_every_batch(
                 await trio.sleep(0.01)
     assert server.flusher is not None and server.flusher.counters.syncs == 3
     server.shutdown.set()
+
+
+async def test_a_publisher_that_waited_for_room_is_confirmed_after_a_sync(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Its first records were appended (and written, unsynced: nobody waited yet) before it
+    blocked on a full queue; when it gives up, the confirm of those must not wait for the
+    unconfirmed-records timer, nor come before their sync."""
+    cfg = make_config(wal={"enabled": True, "unconfirmed_sync_ms": 60_000},
+                      storage={"data_dir": str(tmp_path)},
+                      queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 300})
+    server = Server(cfg)
+    disk = RecordingDisk()
+    assert server.wal is not None and server.flusher is not None
+    server.wal.disk = disk
+    bound: Bound = await nursery.start(server.serve)
+    pub = await connect(bound.port)
+    await pub.send(codec.Subscribe("t", "g", 0, 0, request_id=1))  # a group nobody reads
+    await pub.expect(codec.Subscribed)
+    await pub.send(codec.Unsubscribe(1))
+    await pub.expect(codec.Unsubscribed)
+    await pub.send(publish_frame(7, 1, b"1", b"2", b"3"))  # room for two, then it blocks
+    with trio.fail_after(5):
+        err = await pub.expect(codec.Error)
+        assert err.code == codec.ErrorCode.QUEUE_FULL
+        assert (await pub.expect(codec.PubAck)) == codec.PubAck(2, 7)
+    assert disk.not_durable() == set()
+    server.shutdown.set()

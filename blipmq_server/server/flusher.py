@@ -185,6 +185,8 @@ class Flusher:
             if self._unsynced_since is None:
                 self._unsynced_since = trio.current_time()
         self._settle(self._confirmable(), None)
+        if self._waiters and self._waiters[0][0] <= self.wal.written_offset:
+            self._sync_wanted = True  # a publisher started waiting once its batch was taken
         if self.on_commit is not None:
             self.on_commit()
 
