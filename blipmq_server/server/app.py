@@ -4,9 +4,9 @@ Nursery tree (docs/ARCHITECTURE.md)::
 
     serve (recovers the write-ahead log before listening)
     +-- root nursery: log flusher, metrics HTTP listener
-        +-- maintenance nursery: expiry ticker, retention, redelivery
-            +-- connections nursery: one task per connection (reader + writer inside)
-                +-- accept loop(s)
+        +-- maintenance: expiry ticker, retention, redelivery (stopped before the log closes)
+        +-- connections nursery: one task per connection (reader + writer inside)
+            +-- accept loop(s)
 
 Shutdown follows hypercorn's order: stop accepting, tell every session to stop intake and
 drain its queued deliveries, wait at most ``shutdown_grace_ms``, cancel what is left, stop
@@ -99,6 +99,8 @@ class Server:
         port = listeners[0].socket.getsockname()[1]
         self.started_at = trio.current_time()
         async with trio.open_nursery() as root:
+            maintained = trio.Event()
+            maintenance: trio.CancelScope = await root.start(self._maintain, maintained)
             if self.flusher is not None:
                 root.start_soon(self.flusher.run)
             metrics_port = None
@@ -106,30 +108,42 @@ class Server:
                 from blipmq_server.server.http import serve_http
 
                 metrics_port = await root.start(serve_http, self)
-            async with trio.open_nursery() as maintenance:
-                maintenance.start_soon(self._expiry_loop)
-                if self.flusher is not None:
-                    maintenance.start_soon(self._retention_loop)
-                    maintenance.start_soon(self._redelivery_loop)
-                async with trio.open_nursery() as conns:
-                    accept_scope = trio.CancelScope()
-                    conns.start_soon(self._accept_all, listeners, conns, accept_scope)
-                    log.info(
-                        "listening on %s:%d%s; queues: capacity %d, overflow %s; auth %s",
-                        cfg.server.host, port,
-                        f", metrics on http://{cfg.metrics.host}:{metrics_port}/metrics"
-                        if metrics_port is not None else "",
-                        cfg.queues.capacity, cfg.queues.overflow,
-                        "enabled" if cfg.auth.api_keys else "disabled (no api_keys configured)",
-                    )
-                    task_status.started(Bound(port, metrics_port))
-                    await self.shutdown.wait()
-                    await self._drain(accept_scope, listeners, conns)
-                maintenance.cancel_scope.cancel()  # no more expiry, retention, redelivery
+            async with trio.open_nursery() as conns:
+                accept_scope = trio.CancelScope()
+                conns.start_soon(self._accept_all, listeners, conns, accept_scope)
+                log.info(
+                    "listening on %s:%d%s; queues: capacity %d, overflow %s; auth %s",
+                    cfg.server.host, port,
+                    f", metrics on http://{cfg.metrics.host}:{metrics_port}/metrics"
+                    if metrics_port is not None else "",
+                    cfg.queues.capacity, cfg.queues.overflow,
+                    "enabled" if cfg.auth.api_keys else "disabled (no api_keys configured)",
+                )
+                task_status.started(Bound(port, metrics_port))
+                await self.shutdown.wait()
+                await self._drain(accept_scope, listeners, conns)
+            maintenance.cancel()  # no more expiry, retention, redelivery: nothing appends
+            await maintained.wait()
             if self.flusher is not None:
                 await self._close_log(self.flusher)
             root.cancel_scope.cancel()
         log.info("stopped")
+
+    async def _maintain(
+        self, stopped: trio.Event, *, task_status: trio.TaskStatus[trio.CancelScope]
+    ) -> None:
+        """Run the maintenance loops until shutdown cancels the scope handed back; then set
+        ``stopped``."""
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as loops:
+                    loops.start_soon(self._expiry_loop)
+                    if self.flusher is not None:
+                        loops.start_soon(self._retention_loop)
+                        loops.start_soon(self._redelivery_loop)
+                    task_status.started(scope)
+        finally:
+            stopped.set()
 
     async def _close_log(self, flusher: Flusher) -> None:
         """Last step of shutdown, once connections and maintenance have stopped (nothing
