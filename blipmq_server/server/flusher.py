@@ -141,13 +141,18 @@ class Flusher:
                 with trio.move_on_after(timeout):
                     await self._wake.wait()
                 self._wake = trio.Event()
-            async with self._lock:
-                if self._closing:
-                    return
+            if self._closing:
+                return
+            # Not ``async with``: acquiring yields, and the batch should be taken now. Only
+            # close() takes the lock otherwise, and it sets _closing first.
+            self._lock.acquire_nowait()
+            try:
                 if self.wal.pending_records:
                     await self.flush_once()
                 elif self._sync_wanted or trio.current_time() >= self._sync_due():
                     await self.sync()
+            finally:
+                self._lock.release()
 
     async def flush_once(self, force_sync: bool = False) -> None:
         """Write one batch (syncing it by policy, or if ``force_sync``); with nothing to
