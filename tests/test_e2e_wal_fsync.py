@@ -76,7 +76,6 @@ def payload_lines(n: int, size: int = 100) -> bytes:
     return b"".join(b"%06d" % i + b"x" * (size - 6) + b"\n" for i in range(n))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fsync", ["every_n:1000", "interval_ms:200", "none"])
 def test_sigterm_fsyncs_every_rotated_segment_and_the_directory(
     start_broker, tmp_path: Path, fsync: str
