@@ -25,6 +25,7 @@ run: $(VENV)/.installed
 ## test: install everything and run the whole suite (lint, unit, server, end-to-end, slow)
 test: $(STAMP)
 	$(BIN)/ruff check .
+	scripts/test-deps
 	$(BIN)/pytest -q
 
 ## test-fast: the suite without the tests marked slow

@@ -72,6 +72,8 @@ class WalOptions:
     retention_ms: int = 0
     cache_bytes: int = 4 * MiB
     maintenance_interval_ms: int = 5000
+    unconfirmed_sync_ms: int = 1000
+    shutdown_timeout_ms: int = 10000
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +209,11 @@ SCHEMA: tuple[Key, ...] = (
         "consumers (0 = read the segment files)", 0, 1024 * MiB),
     Key("wal", "maintenance_interval_ms", int, "How often retention and group expiry run",
         100, 3_600_000),
+    Key("wal", "unconfirmed_sync_ms", int, "With fsync = always: longest a written record "
+        "no publisher waits on (QoS 0, group and ack records) stays unsynced "
+        "(0 = sync every batch)", 0, 3_600_000),
+    Key("wal", "shutdown_timeout_ms", int, "How long shutdown waits for the log's last "
+        "write and fsync", 1, _U32),
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
     Key("metrics", "host", str, "Address of the metrics listener"),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),

@@ -121,7 +121,8 @@ class BrokerCollector:
             ("records", "Records written to the log", w.records),
             ("bytes", "Bytes written to the log", w.bytes),
             ("batches", "Group-commit batches written", w.batches),
-            ("fsyncs", "fsync calls on log segments", w.fsyncs),
+            ("syncs", "Log syncs: each made every record written so far durable", w.syncs),
+            ("fsyncs", "fsync calls on log segment files and the log directory", w.fsyncs),
             ("write_failures", "Log writes or fsyncs that failed", w.failures),
             ("records_lost", "Appended records never stored because the disk failed",
              w.records_lost),
@@ -138,6 +139,8 @@ class BrokerCollector:
                                 value=wal.total_bytes)
         yield GaugeMetricFamily("blipmq_wal_pending_records", "Appended, not yet written",
                                 value=wal.pending_records)
+        yield GaugeMetricFamily("blipmq_wal_unsynced_records", "Written, not yet fsynced",
+                                value=flusher.unsynced_records)
         if found is not None:
             yield GaugeMetricFamily("blipmq_wal_recovery_torn_bytes",
                                     "Bytes cut off a torn tail at the last start",

@@ -159,25 +159,32 @@ def test_torn_segment_header_of_the_last_segment(tmp_path: Path) -> None:
     assert all_bodies(log) == [body(i) for i in range(expected_count)]
 
 
-def test_bit_flip_in_an_older_segment_is_quarantined(tmp_path: Path) -> None:
+def test_bit_flip_in_an_older_segment_sets_the_record_aside_and_keeps_the_rest(
+    tmp_path: Path,
+) -> None:
     opts = LogOptions(segment_bytes=1000)
     write_log(tmp_path, 100, opts).close()
     files = segments(tmp_path)
     target = files[1]
     data = bytearray(target.read_bytes())
     scan = rec.scan(bytes(data))
-    victim = scan.records[2][1] + 30  # inside the third record's body
-    data[victim] ^= 0x10
+    start, end = scan.records[2][1], scan.records[3][1]
+    data[start + 30] ^= 0x10  # inside the third record's body
     target.write_bytes(bytes(data))
     log, found = reopen(tmp_path, opts)
     assert len(found.quarantined) == 1 and "CRC mismatch" in found.notes[0]
     aside = tmp_path / found.quarantined[0]
-    assert aside.read_bytes() == bytes(data[scan.records[2][1]:])
+    assert aside.name == f"{target.name}.{start}.corrupt"
+    assert aside.read_bytes() == bytes(data[start:end])  # the damaged record, nothing more
     bodies = all_bodies(log)
-    first_in_target = scan.records[0][0]
-    lost = set(range(first_in_target + 2, scan.records[-1][0] + 1))  # 1-based offsets lost
-    assert bodies == [body(o - 1) for o in range(1, 101) if o not in lost]
-    assert body(scan.records[2][0] - 1) not in bodies  # the corrupt record is never served
+    lost = scan.records[2][0]
+    assert bodies == [body(o - 1) for o in range(1, 101) if o != lost]
+    assert log.next_offset == 101
+    # the segment was rewritten without the damage: a second start finds nothing wrong
+    log.close()
+    again, found2 = reopen(tmp_path, opts)
+    assert not found2.quarantined and found2.torn_bytes == 0 and not found2.notes
+    assert all_bodies(again) == bodies
 
 
 def test_bit_flip_mid_last_segment_is_quarantined_not_truncated_silently(tmp_path: Path) -> None:
@@ -189,17 +196,32 @@ def test_bit_flip_mid_last_segment_is_quarantined_not_truncated_silently(tmp_pat
     seg.write_bytes(bytes(data))
     log, found = reopen(tmp_path)
     assert len(found.quarantined) == 1 and found.torn_bytes == 0
-    assert all_bodies(log) == [body(i) for i in range(10)]
-    assert log.append(MSG, b"x", 0) == 11
+    assert all_bodies(log) == [body(i) for i in range(30) if i != 10]
+    assert log.append(MSG, b"x", 0) == 31
 
 
 def test_bad_magic_in_an_older_segment(tmp_path: Path) -> None:
     opts = LogOptions(segment_bytes=600)
     write_log(tmp_path, 40, opts).close()
     first = segments(tmp_path)[0]
-    first.write_bytes(b"XXXXXX" + first.read_bytes()[6:])
+    original = first.read_bytes()
+    first.write_bytes(b"XXXXXX" + original[6:])
+    log, found = reopen(tmp_path, opts)
+    assert found.quarantined == [f"{first.name}.0.corrupt"]
+    assert (tmp_path / found.quarantined[0]).read_bytes() == b"XXXXXX" + original[6:16]
+    assert first.read_bytes() == original  # a new header, and every record kept
+    assert all_bodies(log) == [body(i) for i in range(40)]
+
+
+def test_a_segment_with_nothing_valid_is_set_aside_whole(tmp_path: Path) -> None:
+    opts = LogOptions(segment_bytes=600)
+    write_log(tmp_path, 40, opts).close()
+    first = segments(tmp_path)[0]
+    garbage = b"XXXXXX" + bytes(range(256)) * 2
+    first.write_bytes(garbage)
     log, found = reopen(tmp_path, opts)
     assert not first.exists() and found.quarantined == [f"{first.name}.0.corrupt"]
+    assert (tmp_path / found.quarantined[0]).read_bytes() == garbage
     assert all_bodies(log)[-1] == body(39)
 
 

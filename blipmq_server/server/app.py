@@ -3,13 +3,15 @@
 Nursery tree (docs/ARCHITECTURE.md)::
 
     serve (recovers the write-ahead log before listening)
-    +-- root nursery: expiry ticker, log flusher, retention, metrics HTTP listener
+    +-- root nursery: log flusher, metrics HTTP listener
+        +-- maintenance: expiry ticker, retention, redelivery (stopped before the log closes)
         +-- connections nursery: one task per connection (reader + writer inside)
             +-- accept loop(s)
 
 Shutdown follows hypercorn's order: stop accepting, tell every session to stop intake and
-drain its queued deliveries, wait at most ``shutdown_grace_ms``, cancel what is left, then
-write and fsync what the log still buffers.
+drain its queued deliveries, wait at most ``shutdown_grace_ms``, cancel what is left, stop
+maintenance (nothing appends to the log any more), then let the flusher finish the batch it
+is writing and write and sync what is left, within ``wal.shutdown_timeout_ms``.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class Server:
             self.wal = Log(os.path.join(config.storage.data_dir, "wal"), options)
             fsync = policy.parse(w.fsync)
             assert not isinstance(fsync, str)  # the config loader validated it
-            self.flusher = Flusher(self.wal, fsync, self._wake_durable)
+            self.flusher = Flusher(self.wal, fsync, self._wake_durable, w.unconfirmed_sync_ms)
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,
@@ -115,12 +117,10 @@ class Server:
         port = listeners[0].socket.getsockname()[1]
         self.started_at = trio.current_time()
         async with trio.open_nursery() as root:
-            root.start_soon(self._expiry_loop)
+            maintained = trio.Event()
+            maintenance: trio.CancelScope = await root.start(self._maintain, maintained)
             if self.flusher is not None:
                 root.start_soon(self.flusher.run)
-                root.start_soon(self.prefetcher.run)  # type: ignore[union-attr]
-                root.start_soon(self._retention_loop)
-                root.start_soon(self._redelivery_loop)
             metrics_port = None
             if cfg.metrics.enabled:
                 from blipmq_server.server.http import serve_http
@@ -140,11 +140,41 @@ class Server:
                 task_status.started(Bound(port, metrics_port))
                 await self.shutdown.wait()
                 await self._drain(accept_scope, listeners, conns)
+            maintenance.cancel()  # no more expiry, retention, redelivery: nothing appends
+            await maintained.wait()
             if self.flusher is not None:
-                with trio.CancelScope(shield=True):
-                    await self.flusher.close()
+                await self._close_log(self.flusher)
             root.cancel_scope.cancel()
         log.info("stopped")
+
+    async def _maintain(
+        self, stopped: trio.Event, *, task_status: trio.TaskStatus[trio.CancelScope]
+    ) -> None:
+        """Run the maintenance loops until shutdown cancels the scope handed back; then set
+        ``stopped``."""
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as loops:
+                    loops.start_soon(self._expiry_loop)
+                    if self.flusher is not None:
+                        loops.start_soon(self._retention_loop)
+                        loops.start_soon(self._redelivery_loop)
+                        # log reads for consumers stop with the rest: a read under way in its
+                        # thread finishes before the log closes
+                        loops.start_soon(self.prefetcher.run)  # type: ignore[union-attr]
+                    task_status.started(scope)
+        finally:
+            stopped.set()
+
+    async def _close_log(self, flusher: Flusher) -> None:
+        """Last step of shutdown, once connections and maintenance have stopped (nothing
+        appends any more): the flusher finishes its batch, then writes and syncs the rest."""
+        timeout = self.config.wal.shutdown_timeout_ms / 1000
+        with trio.CancelScope(shield=True):
+            if not await flusher.close(timeout):
+                log.error("the write-ahead log is not fully written and synced: the disk "
+                          "failed, or wal.shutdown_timeout_ms (%.1f s) passed; %d record(s) "
+                          "still pending", timeout, flusher.wal.pending_records)
 
     def _open_log(self) -> None:
         assert self.wal is not None and self.flusher is not None

@@ -1,33 +1,50 @@
-"""Group commit: one write, and by policy one fsync, for every append since the last batch.
+"""Group commit: one write, and by policy one sync, for every append since the last batch.
 
 Publishers append to the log in memory (``Broker.publish``) and wake the flusher. The
 flusher takes everything appended so far as one batch and writes it in a worker thread
 (``trio.to_thread``), so the event loop never waits on the disk; appends arriving meanwhile
-form the next batch. After a batch lands, QoS 1 publishers whose records it held get their
-PUB_ACK, in offset order; if the disk fails, they get ERROR STORAGE instead and the broker
-keeps serving (the next batch tries the disk again).
+form the next batch. A sync (``Log.take_sync`` / ``Batch.plan``) fsyncs every segment file
+written since the last one, and the directory after a file was created, in one trip to a
+worker thread.
+
+When a batch is synced (docs/OPERATIONS.md, "Durability"):
+
+- ``always``: when a QoS 1 publisher waits on one of its records (``confirm_later`` is called
+  in the same synchronous step as the append, before the flusher can take the batch), when
+  it fills a segment (a sealed segment is durable), and otherwise at the latest
+  ``unconfirmed_sync_ms`` after the first write nobody waited on (QoS 0 messages, group and
+  ack records);
+- ``every_n:N`` / ``interval_ms:M``: as the policy says; ``none``: only at shutdown.
+
+After a batch lands (and, under ``always``, is synced), QoS 1 publishers whose records it
+held get their PUB_ACK, in offset order; if the disk fails, they get ERROR STORAGE instead
+and the broker keeps serving (the next batch tries the disk again). ``close`` waits for the
+batch in flight, then writes and syncs what is left, whatever the policy.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import trio
 
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
-from blipmq_server.wal.log import Log
+from blipmq_server.wal.log import Batch, Log
 from blipmq_server.wal.policy import FsyncPolicy
 
 if TYPE_CHECKING:
     from blipmq_server.server.session import Session
 
 log = logging.getLogger("blipmq.wal")
+_offset = itemgetter(0)
 
 
 @dataclass(slots=True)
@@ -35,68 +52,127 @@ class WalCounters:
     batches: int = 0
     records: int = 0
     bytes: int = 0
-    fsyncs: int = 0
+    syncs: int = 0  # sync rounds: each made everything written so far durable
+    fsyncs: int = 0  # fsync calls those rounds made (segment files and the directory)
     failures: int = 0
     records_lost: int = 0  # appended but never written because the disk failed
 
 
 class Flusher:
     def __init__(
-        self, wal: Log, policy: FsyncPolicy, on_commit: Callable[[], None] | None = None
+        self,
+        wal: Log,
+        policy: FsyncPolicy,
+        on_commit: Callable[[], None] | None = None,
+        unconfirmed_sync_ms: int = 1000,
     ) -> None:
         self.wal = wal
         self.policy = policy
         self.on_commit = on_commit  # new records are readable (durable groups may deliver)
+        self.unconfirmed_sync = unconfirmed_sync_ms / 1000
         self.counters = WalCounters()
         self._wake = trio.Event()
-        self._waiters: deque[tuple[int, Session, int, int]] = deque()
-        self._unsynced = 0
+        self._waiters: deque[tuple[int, Session, int, int]] = deque()  # by offset
+        self._lock = trio.Lock()  # one batch or sync at a time
+        self._closing = False
+        self.unsynced_records = 0  # written since the last sync
         self._last_sync = 0.0
+        self._unsynced_since: float | None = None  # first write not synced yet
+        self._sync_wanted = False  # a waiter's records are written but not synced yet
         self.failing = False
 
     def appended(self) -> None:
         self._wake.set()
 
     def confirm_later(self, offset: int, session: Session, request_id: int, count: int) -> None:
-        """Send PUB_ACK(count) for ``request_id`` once the log holds ``offset``."""
-        self._waiters.append((offset, session, request_id, count))
+        """Send PUB_ACK(count) for ``request_id`` once the log holds ``offset`` (durably,
+        under ``always``)."""
+        if offset <= self._confirmable():
+            session.send(codec.PubAck(count, request_id))
+            return
+        entry = (offset, session, request_id, count)
+        waiters = self._waiters
+        if waiters and offset < waiters[-1][0]:  # a publisher that waited for room
+            bisect.insort(waiters, entry, key=_offset)
+        else:
+            waiters.append(entry)
+        if offset <= self.wal.written_offset:  # written already, by a batch nobody awaited
+            self._sync_wanted = True
         self._wake.set()
+
+    def _confirmable(self) -> int:
+        """The highest offset a confirm may be sent for."""
+        wal = self.wal
+        return wal.synced_offset if self.policy.confirms_after_fsync else wal.written_offset
+
+    def _sync_due(self) -> float:
+        """When what is written but not synced must be synced (trio time; inf: not by time)."""
+        if not self.wal.unsynced:
+            return math.inf
+        kind = self.policy.kind
+        if kind == "always":
+            since = self._unsynced_since
+            return trio.current_time() if since is None else since + self.unconfirmed_sync
+        if kind == "interval_ms":
+            return self._last_sync + self.policy.value / 1000
+        return math.inf
+
+    def _sync_batch(self, batch: Batch) -> bool:
+        """Should this batch be synced as it is written?"""
+        now = trio.current_time()
+        waiters = self._waiters
+        since = self._unsynced_since
+        return self.policy.sync_now(
+            self.unsynced_records + batch.records,
+            int((now - self._last_sync) * 1000),
+            awaited=(bool(waiters) and waiters[0][0] <= batch.last_offset) or self._sync_wanted
+            or batch.seals,
+            ms_unsynced=0 if since is None else int((now - since) * 1000),
+            unconfirmed_sync_ms=int(self.unconfirmed_sync * 1000),
+        )
 
     async def run(self) -> None:
         self._last_sync = trio.current_time()
+        if self.wal.unsynced:  # what the last run wrote may not be on stable storage
+            self._unsynced_since = self._last_sync
         while True:
-            if not self.wal.pending_records:
-                timeout = math.inf
-                if self._unsynced and self.policy.kind == "interval_ms":
-                    due = self._last_sync + self.policy.value / 1000
-                    timeout = max(0.0, due - trio.current_time())
+            if not self.wal.pending_records and not self._sync_wanted:
+                timeout = max(0.0, self._sync_due() - trio.current_time())
                 with trio.move_on_after(timeout):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                if not self.wal.pending_records:
-                    if self._unsynced and self.policy.kind == "interval_ms":
-                        await self._sync_written()
-                    continue
-            await self.flush_once()
+            if self._closing:
+                return
+            # Not ``async with``: acquiring yields, and the batch should be taken now. Only
+            # close() takes the lock otherwise, and it sets _closing first.
+            self._lock.acquire_nowait()
+            try:
+                if self.wal.pending_records:
+                    await self.flush_once()
+                elif self._sync_wanted or trio.current_time() >= self._sync_due():
+                    await self.sync()
+            finally:
+                self._lock.release()
 
     async def flush_once(self, force_sync: bool = False) -> None:
+        """Write one batch (syncing it by policy, or if ``force_sync``); with nothing to
+        write and ``force_sync``, sync what is written."""
         batch = self.wal.take_batch()
         if batch is None:
-            if force_sync and self._unsynced:
-                await self._sync_written()
+            if force_sync:
+                await self.sync()
             return
-        elapsed_ms = int((trio.current_time() - self._last_sync) * 1000)
-        sync = force_sync or self.policy.sync_now(self._unsynced + batch.records, elapsed_ms)
+        sync = force_sync or self._sync_batch(batch)
         try:
-            await trio.to_thread.run_sync(batch.write, self.wal.disk, sync)
+            # abandon_on_cancel: only shutdown cancels this task, once its deadline passed;
+            # a write still stuck then ends with the process, and recovery handles the rest.
+            await trio.to_thread.run_sync(batch.write, self.wal.disk, sync,
+                                          abandon_on_cancel=True)
         except OSError as exc:
             self.wal.abort(batch)
             self.counters.failures += 1
             self.counters.records_lost += batch.records
-            if not self.failing:
-                log.error("write-ahead log write failed: %s; %d record(s) not stored",
-                          exc.strerror or exc, batch.records)
-            self.failing = True
+            self._failed(exc, f"{batch.records} record(s) not stored")
             self._settle(batch.last_offset, f"the log could not be written: {exc.strerror or exc}")
             return
         if self.failing:
@@ -107,30 +183,53 @@ class Flusher:
         c.batches += 1
         c.records += batch.records
         c.bytes += sum(len(part.data) for part in batch.parts)
-        if sync:
-            c.fsyncs += 1
-            self._unsynced = 0
-            self._last_sync = trio.current_time()
+        if batch.synced:
+            self._synced(batch.plan.calls)
         else:
-            self._unsynced += batch.records
-        self._settle(batch.last_offset, None)
+            self.unsynced_records += batch.records
+            if self._unsynced_since is None:
+                self._unsynced_since = trio.current_time()
+        self._settle(self._confirmable(), None)
+        if self._waiters and self._waiters[0][0] <= self.wal.written_offset:
+            self._sync_wanted = True  # a publisher started waiting once its batch was taken
         if self.on_commit is not None:
             self.on_commit()
 
-    async def _sync_written(self) -> None:
-        seg = self.wal.segments[-1] if self.wal.segments else None
-        if seg is None or not seg.created:
-            self._unsynced = 0
+    async def sync(self) -> None:
+        """fsync everything written and not synced yet (segments, directory), in one go."""
+        plan = self.wal.take_sync()
+        if plan is None:
+            self._synced(0)
             return
         try:
-            await trio.to_thread.run_sync(self.wal.disk.fsync, seg.path)
+            await trio.to_thread.run_sync(plan.run, self.wal.disk, abandon_on_cancel=True)
         except OSError as exc:
+            self.wal.sync_failed(plan)
             self.counters.failures += 1
-            log.error("write-ahead log fsync failed: %s", exc.strerror or exc)
+            self._failed(exc, "written records are not synced")
+            self._sync_wanted = False  # retried by the next batch or the timer, not at once
+            self._unsynced_since = trio.current_time()
+            self._settle(self.wal.written_offset,
+                         f"the log could not be synced: {exc.strerror or exc}")
             return
-        self.counters.fsyncs += 1
-        self._unsynced = 0
+        self.wal.synced(plan)
+        self._synced(plan.calls)
+        self._settle(self._confirmable(), None)
+
+    def _synced(self, calls: int) -> None:
+        c = self.counters
+        if calls:
+            c.syncs += 1
+            c.fsyncs += calls
+        self.unsynced_records = 0
         self._last_sync = trio.current_time()
+        self._unsynced_since = None
+        self._sync_wanted = False
+
+    def _failed(self, exc: OSError, what: str) -> None:
+        if not self.failing:
+            log.error("write-ahead log write failed: %s; %s", exc.strerror or exc, what)
+        self.failing = True
 
     def _settle(self, through: int, failure: str | None) -> None:
         """Answer every waiting publisher whose records are at or below ``through``."""
@@ -143,12 +242,24 @@ class Flusher:
                 session.error(ErrorCode.STORAGE, failure, request_id)
                 session.send(codec.PubAck(0, request_id))
 
-    async def close(self) -> None:
-        """Shutdown: write and fsync whatever is left, whatever the policy."""
-        while self.wal.pending_records:
-            await self.flush_once(force_sync=True)
-            if self.failing:
-                break
-        if self._unsynced:
-            await self._sync_written()
+    async def close(self, timeout: float) -> bool:
+        """Shutdown, once nothing appends any more: wait for the batch in flight, then write
+        and sync whatever is left, whatever the policy, within ``timeout`` seconds.
+
+        Returns whether everything appended is written and synced. The files are closed
+        unless the deadline passed (a write may then still run in its worker thread).
+        """
+        self._closing = True
+        self._wake.set()
+        with trio.move_on_after(timeout) as deadline:
+            async with self._lock:
+                while self.wal.pending_records:
+                    await self.flush_once(force_sync=True)
+                    if self.failing:
+                        break
+                await self.sync()
+        if deadline.cancelled_caught:
+            return False
+        done = not self.wal.pending_records and not self.wal.unsynced
         self.wal.close()
+        return done

@@ -1,7 +1,12 @@
-"""The log's only access to the file system, so that tests can make the disk fail.
+"""The log's only access to the file system, so that tests can record calls or make them fail.
 
 ``Disk`` does plain blocking calls (the Trio shell runs writes and fsyncs in a worker
-thread); ``FaultyDisk`` raises ``OSError(EIO)`` or ``OSError(ENOSPC)`` on demand.
+thread). File descriptors stay bounded however many segments the log holds: one append
+descriptor per file being written (the log seals a segment once it is full, which closes
+its descriptor) and a small least-recently-used set of read descriptors. ``fsync`` of a file
+without an append descriptor opens it for the call: Linux reports a writeback error that
+nobody has seen yet to a descriptor opened after it happened, so nothing is missed.
+``FaultyDisk`` raises ``OSError(EIO)`` or ``OSError(ENOSPC)`` on demand.
 Standard library only; no trio.
 """
 
@@ -9,13 +14,20 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+from collections import OrderedDict
+
+READ_FDS = 8  # read descriptors kept open (least recently used closed first)
 
 
 class Disk:
-    """Blocking file operations on segment files, with one cached append handle per file."""
+    """Blocking file operations on segment files, with bounded descriptor caches."""
 
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
+    def __init__(self, read_fds: int = READ_FDS) -> None:
+        self._fds: dict[str, int] = {}  # append descriptors
+        self._readers: OrderedDict[str, int] = OrderedDict()
+        self._read_fds = max(1, read_fds)
+        self._lock = threading.Lock()  # reads run on the event loop, undo in a worker thread
 
     def listdir(self, directory: str) -> list[str]:
         return sorted(os.listdir(directory))
@@ -25,11 +37,15 @@ class Disk:
             return f.read()
 
     def pread(self, path: str, pos: int, size: int) -> bytes:
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        with self._lock:
+            fd = self._readers.get(path)
+            if fd is None:
+                fd = self._readers[path] = os.open(path, os.O_RDONLY)
+                if len(self._readers) > self._read_fds:
+                    os.close(self._readers.popitem(last=False)[1])
+            else:
+                self._readers.move_to_end(path)
             return os.pread(fd, size, pos)
-        finally:
-            os.close(fd)
 
     def size(self, path: str) -> int:
         return os.path.getsize(path)
@@ -48,11 +64,37 @@ class Disk:
             view = view[written:]
 
     def fsync(self, path: str) -> None:
-        os.fsync(self._fd(path))
+        fd = self._fds.get(path)
+        if fd is not None:
+            os.fsync(fd)
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def fsync_dir(self, directory: str) -> None:
         fd = os.open(directory, os.O_RDONLY)
         try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def seal(self, path: str) -> None:
+        """No more appends to ``path``: close its append descriptor."""
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        """Create (or replace the content of) ``path`` with ``data`` and fsync it."""
+        self.forget(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -62,6 +104,7 @@ class Disk:
 
     def rename(self, src: str, dst: str) -> None:
         self.forget(src)
+        self.forget(dst)
         os.replace(src, dst)
 
     def remove(self, path: str) -> None:
@@ -69,12 +112,19 @@ class Disk:
         os.remove(path)
 
     def forget(self, path: str) -> None:
-        fd = self._fds.pop(path, None)
+        """Close every descriptor held on ``path``."""
+        self.seal(path)
+        with self._lock:
+            fd = self._readers.pop(path, None)
         if fd is not None:
             os.close(fd)
 
+    @property
+    def open_fds(self) -> int:
+        return len(self._fds) + len(self._readers)
+
     def close(self) -> None:
-        for path in list(self._fds):
+        for path in [*self._fds, *self._readers]:
             self.forget(path)
 
 

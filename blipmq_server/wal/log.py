@@ -1,11 +1,16 @@
-"""The segmented write-ahead log: recovery on open, buffered appends, group-commit batches,
-reads by offset and retention (docs/WAL.md).
+"""The segmented write-ahead log: buffered appends, group-commit batches, syncs, reads by
+offset and retention (docs/WAL.md). Recovery on open is in ``recovery.py``.
 
 Appends only touch memory. ``take_batch`` hands everything appended since the last batch to
 the caller as one ``Batch``; ``Batch.write`` does the blocking work (create segment files,
-one write per segment, fsync) and is meant to run in a worker thread while appends go on;
-then the owner calls ``commit`` or ``abort``. One batch is in flight at a time.
-No trio, no clock: timestamps and ``now_ms`` come from the caller.
+one write per segment, and, if asked, the sync in ``Batch.plan``) and is meant to run in a
+worker thread while appends go on; then the owner calls ``commit`` or ``abort``. The log
+knows what it has written and not fsynced (segment files, and the directory after a file
+was created): one ``Sync`` covers all of it, with a batch or alone (``take_sync``, then
+``synced`` or ``sync_failed``). One batch or sync is in flight at a time. A segment is
+sealed when the log rotates past it; its append descriptor is closed then, so descriptors
+stay bounded (``disk.py``). No trio, no clock: timestamps and ``now_ms`` come from the
+caller.
 
 Recent-records cache: ``commit`` keeps a reference to each batch part's bytes (whole records
 with contiguous offsets, exactly what was written) in a deque bounded by
@@ -18,7 +23,6 @@ record bytes only, not the small per-chunk Python overhead.
 from __future__ import annotations
 
 import bisect
-import logging
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,15 +34,14 @@ from typing import NamedTuple
 from blipmq_server.errors import WalError
 from blipmq_server.wal import record as rec
 from blipmq_server.wal.disk import Disk
+from blipmq_server.wal.recovery import Recovery, recover
+from blipmq_server.wal.segment import SUFFIX, Segment, segment_name
 
-log = logging.getLogger("blipmq.wal")
 MiB = 1024 * 1024
-SUFFIX = ".seg"
 _READ_CHUNK = 256 * 1024
 
-
-def segment_name(base_offset: int) -> str:
-    return f"{base_offset:020d}{SUFFIX}"
+__all__ = ["SUFFIX", "Batch", "Log", "LogOptions", "MiB", "Recovery", "Retention", "Segment",
+           "Sync", "segment_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,46 +53,6 @@ class LogOptions:
     cache_bytes: int = 4 * MiB  # recent committed records kept in memory for reads; 0: off
 
 
-class Segment:
-    """One segment file. ``size`` counts committed bytes (header included) on disk."""
-
-    __slots__ = ("base", "count", "created", "first", "index", "last", "last_ts", "path",
-                 "pending", "pending_first", "pending_ts", "projected", "size",
-                 "stale")
-
-    def __init__(self, path: str, base: int) -> None:
-        self.path = path
-        self.base = base
-        self.size = 0
-        self.created = False
-        self.first = -1
-        self.last = -1
-        self.last_ts = 0
-        self.count = 0
-        self.index: list[tuple[int, int]] = []  # sparse (offset, position)
-        # Appended, not yet written. Their offsets are contiguous from pending_first, so only
-        # the encoded bytes are kept per record (the hot path appends one bytes object).
-        self.pending: list[bytes] = []
-        self.pending_first = 0
-        self.pending_ts = 0  # timestamp of the newest pending record
-        self.projected = rec.HEADER_SIZE  # file size once everything pending is written
-        self.stale = False  # a failed batch left bytes after ``size`` that could not be cut
-
-    def __repr__(self) -> str:
-        return f"Segment({os.path.basename(self.path)}, {self.first}..{self.last})"
-
-
-@dataclass(slots=True)
-class Recovery:
-    """What opening the log found; logged by the broker and counted in its metrics."""
-
-    segments: int = 0
-    records: int = 0
-    torn_bytes: int = 0  # bytes cut off a torn tail
-    quarantined: list[str] = field(default_factory=list)  # files set aside
-    notes: list[str] = field(default_factory=list)
-
-
 @dataclass(slots=True)
 class Part:
     """One segment's share of a batch: its bytes, where each record starts, and offsets."""
@@ -99,6 +62,34 @@ class Part:
     starts: list[int]  # file position of each record
     first_offset: int
     last_ts: int
+    new_file: bool  # this write creates the file
+
+
+@dataclass(slots=True)
+class Sync:
+    """Everything written and not yet fsynced when it was taken: the segment files, and the
+    directory when a file was created since the directory's last fsync. One ``run`` makes
+    all of it durable (files first, then the directory that names them)."""
+
+    segments: list[Segment]
+    directory: str | None
+
+    @property
+    def calls(self) -> int:
+        """fsync calls ``run`` makes."""
+        return len(self.segments) + (self.directory is not None)
+
+    def run(self, disk: Disk) -> None:
+        """Blocking: fsync every file, then the directory."""
+        for seg in self.segments:
+            try:
+                disk.fsync(seg.path)
+            except FileNotFoundError:
+                if not seg.removed:
+                    raise
+                # retention deleted it meanwhile: nothing left to sync
+        if self.directory is not None:
+            disk.fsync_dir(self.directory)
 
 
 @dataclass(slots=True)
@@ -110,32 +101,38 @@ class Batch:
     last_offset: int
     records: int
     directory: str
+    plan: Sync  # what a sync with this batch covers: its files and everything unsynced before
+    sealed: list[Segment]  # full since the last batch: no more appends (the log rotated)
+    synced: bool = False  # set by ``write``: the batch and ``plan`` were fsynced
+
+    @property
+    def seals(self) -> bool:
+        """Whether the log rotated since the last batch (a segment is full)."""
+        return bool(self.sealed)
 
     def write(self, disk: Disk, sync: bool) -> None:
-        """Blocking: write (and fsync if ``sync``). On failure, undo partial writes, re-raise."""
+        """Blocking: write, and fsync everything in ``plan`` if ``sync``; close the append
+        descriptors of sealed segments. On failure, undo partial writes and re-raise."""
         done: list[tuple[Segment, int]] = []
         try:
             for part in self.parts:
                 seg, data = part.segment, part.data
-                start = seg.size if seg.created else 0
+                start = 0 if part.new_file else seg.size
                 done.append((seg, start))
                 if seg.stale:  # cut what an earlier failed batch left (the fault may be gone)
                     if start or os.path.exists(seg.path):
                         disk.truncate(seg.path, start)
                     seg.stale = False
-                if not seg.created:
-                    disk.append(seg.path, rec.header(seg.base) + data)
-                    if sync:
-                        disk.fsync(seg.path)
-                        disk.fsync_dir(self.directory)
-                else:
-                    disk.append(seg.path, data)
-                    if sync:
-                        disk.fsync(seg.path)
+                disk.append(seg.path, rec.header(seg.base) + data if part.new_file else data)
+                if any(seg is s for s in self.sealed):  # one batch may fill many segments
+                    disk.seal(seg.path)
+            if sync:
+                self.plan.run(disk)
+                self.synced = True
         except OSError:
             for seg, start in done:
                 try:
-                    disk.forget(seg.path)
+                    disk.seal(seg.path)
                     if start:
                         disk.truncate(seg.path, start)
                     elif os.path.exists(seg.path):
@@ -145,11 +142,9 @@ class Batch:
                     # next start keeps these records: never confirmed, at worst duplicates.
                     seg.stale = True
             raise
-
-    def sync(self, disk: Disk) -> None:
-        """Blocking: fsync the files this (already written) batch touched."""
-        for part in self.parts:
-            disk.fsync(part.segment.path)
+        finally:
+            for seg in self.sealed:
+                disk.seal(seg.path)
 
 
 class _Chunk(NamedTuple):
@@ -181,10 +176,15 @@ class Log:
         self.segments: list[Segment] = []
         self.next_offset = 1
         self.written_offset = 0  # highest offset committed to the files
+        self.synced_offset = 0  # every committed offset up to this one is fsynced
         self._in_flight: Batch | None = None
+        self._syncing: Sync | None = None
         self._tail: Segment | None = None  # the segment appends go to
+        self._batch_tail: Segment | None = None  # the tail when the last batch was taken
         self._pending = 0  # records appended and not yet taken into a batch
-        self._on_record: Callable[[rec.Record], None] | None = None
+        # Written and not fsynced: segments (by path, in log order) and the directory
+        self._unsynced: dict[str, Segment] = {}
+        self._dir_unsynced = False
         self._cache: deque[_Chunk] = deque()
         self._cache_size = 0  # bytes of record data in _cache
         self.cache_hits = 0  # reads served wholly from the cache
@@ -193,92 +193,25 @@ class Log:
     # ---------------------------------------------------------------------------- recovery
 
     def open(self, on_record: Callable[[rec.Record], None] | None = None) -> Recovery:
-        """Scan every segment, cut a torn tail, set damaged bytes aside, index the rest.
+        """Scan every segment, cut a torn tail, set damaged bytes aside, index the rest
+        (``wal/recovery.py``).
 
         ``on_record`` is called, in log order, with every valid record that is not a MESSAGE
         (group and ack records), so their owner can rebuild its state in the same pass.
+        What an earlier run wrote may not have been fsynced: every segment kept, and the
+        directory, count as unsynced until the first sync.
         """
-        self._on_record = on_record
         self._drop_cache()
         os.makedirs(self.directory, exist_ok=True)
-        found = Recovery()
-        names = [n for n in self.disk.listdir(self.directory) if n.endswith(SUFFIX)]
-        last_offset = 0
-        for i, name in enumerate(names):
-            path = os.path.join(self.directory, name)
-            is_last = i == len(names) - 1
-            data = self.disk.read(path)
-            seg = self._recover_segment(path, data, is_last, last_offset, found)
-            if seg is None:
-                continue
-            self.segments.append(seg)
-            found.records += seg.count
-            if seg.count:
-                last_offset = seg.last
-        found.segments = len(self.segments)
-        self._tail = self.segments[-1] if self.segments else None
-        self.next_offset = max(last_offset + 1, self.segments[-1].base if self.segments else 1)
-        self.written_offset = last_offset
-        return found
-
-    def _recover_segment(
-        self, path: str, data: bytes, is_last: bool, last_offset: int, found: Recovery
-    ) -> Segment | None:
-        name = os.path.basename(path)
-        header_ok = len(data) >= rec.HEADER_SIZE
-        if header_ok:
-            magic, version, base = rec.HEADER.unpack_from(data)
-            header_ok = magic == rec.MAGIC and version == rec.FORMAT_VERSION
-        if not header_ok:
-            if is_last and len(data) < rec.HEADER_SIZE:
-                self.disk.remove(path)
-                found.torn_bytes += len(data)
-                found.notes.append(f"{name}: torn segment header ({len(data)} bytes) removed")
-            else:
-                self._quarantine(path, data, 0, found, "unreadable segment header")
-            return None
-        scan = rec.scan(data, rec.HEADER_SIZE, last_offset)
-        if scan.problem is not None:
-            if is_last and scan.torn:
-                self.disk.truncate(path, scan.good_end)
-                found.torn_bytes += len(data) - scan.good_end
-                found.notes.append(
-                    f"{name}: torn tail cut at byte {scan.good_end} "
-                    f"({len(data) - scan.good_end} bytes: {scan.problem})"
-                )
-            else:
-                self._quarantine(path, data, scan.good_end, found, scan.problem)
-        seg = Segment(path, base)
-        seg.created = True
-        seg.size = seg.projected = scan.good_end
-        seg.count = len(scan.records)
-        if scan.records:
-            seg.first = scan.records[0][0]
-            seg.last = scan.records[-1][0]
-            every = self.options.index_every
-            seg.index = scan.records[::every]
-            last, _ = rec.decode_at(data, scan.records[-1][1])
-            seg.last_ts = last.timestamp_ms
-        if self._on_record is not None:
-            for pos in scan.others:
-                self._on_record(rec.decode_at(data, pos)[0])
-        return seg
-
-    def _quarantine(
-        self, path: str, data: bytes, good_end: int, found: Recovery, problem: str
-    ) -> None:
-        aside = f"{path}.{good_end}.corrupt"
-        with open(aside, "wb") as f:  # recovery runs before serving: plain blocking I/O
-            f.write(data[good_end:])
-        if good_end:
-            self.disk.truncate(path, good_end)
-        else:
-            self.disk.remove(path)
-        found.quarantined.append(os.path.basename(aside))
-        found.notes.append(
-            f"{os.path.basename(path)}: {problem} at byte {good_end}; "
-            f"{len(data) - good_end} bytes set aside in {os.path.basename(aside)}"
-        )
+        done = recover(self.directory, self.disk, self.options.index_every, on_record)
+        self.segments = done.segments
+        self._tail = self._batch_tail = self.segments[-1] if self.segments else None
+        self.next_offset = done.next_offset
+        self.written_offset = done.last_offset
+        self.synced_offset = 0
+        self._unsynced = {seg.path: seg for seg in self.segments}
+        self._dir_unsynced = bool(self.segments)
+        return done.found
 
     # ----------------------------------------------------------------------------- appends
 
@@ -335,23 +268,38 @@ class Log:
 
     def take_batch(self) -> Batch | None:
         """Everything appended since the last batch, or None. Call ``commit`` or ``abort``."""
-        if self._in_flight is not None:
-            raise WalError("a log batch is already being written")
+        if self._in_flight is not None or self._syncing is not None:
+            raise WalError("a log batch or sync is already in progress")
         if not self._pending:
             return None
         parts = []
+        tail = self._tail
+        creates = False
         for seg in self.segments:
             if not seg.pending:
                 continue
             base = seg.size if seg.created else rec.HEADER_SIZE
             starts = list(accumulate(map(len, seg.pending[:-1]), initial=base))
             parts.append(Part(seg, b"".join(seg.pending), starts, seg.pending_first,
-                              seg.pending_ts))
+                              seg.pending_ts, not seg.created))
+            creates = creates or not seg.created
             seg.pending = []
         last = parts[-1]
+        unsynced = self._unsynced
+        if unsynced:
+            covered = list(unsynced.values())
+            covered += [p.segment for p in parts if p.segment.path not in unsynced]
+        else:
+            covered = [p.segment for p in parts]
+        plan = Sync(covered, self.directory if creates or self._dir_unsynced else None)
+        sealed = [p.segment for p in parts if p.segment is not tail]
+        before = self._batch_tail  # its last records may have gone out with an earlier batch
+        if before is not None and before is not tail and before not in sealed:
+            sealed.append(before)
+        self._batch_tail = tail
         self._in_flight = Batch(parts, parts[0].first_offset,
                                 last.first_offset + len(last.starts) - 1, self._pending,
-                                self.directory)
+                                self.directory, plan, sealed)
         self._pending = 0
         return self._in_flight
 
@@ -374,6 +322,12 @@ class Log:
             seg.count += n
         self.written_offset = batch.last_offset
         self._in_flight = None
+        if batch.synced:
+            self._mark_synced(batch.plan)
+        else:
+            for part in batch.parts:
+                self._unsynced.setdefault(part.segment.path, part.segment)
+                self._dir_unsynced = self._dir_unsynced or part.new_file
         limit = self.options.cache_bytes
         if limit <= 0:
             return
@@ -400,6 +354,42 @@ class Log:
             if not seg.created and not seg.pending and seg is not self._tail:
                 self.segments.remove(seg)
         self._in_flight = None
+
+    # ------------------------------------------------------------------------------- syncs
+
+    @property
+    def unsynced(self) -> bool:
+        """Whether anything written is not fsynced yet (segment files or the directory)."""
+        return bool(self._unsynced) or self._dir_unsynced
+
+    def take_sync(self) -> Sync | None:
+        """A sync of everything written and not fsynced, or None. Run it (``Sync.run``, in a
+        worker thread), then call ``synced`` or ``sync_failed``."""
+        if self._in_flight is not None or self._syncing is not None:
+            raise WalError("a log batch or sync is already in progress")
+        if not self.unsynced:
+            return None
+        self._syncing = Sync(list(self._unsynced.values()),
+                             self.directory if self._dir_unsynced else None)
+        return self._syncing
+
+    def synced(self, sync: Sync) -> None:
+        """``sync`` ran: what it covered is durable."""
+        self._syncing = None
+        self._mark_synced(sync)
+
+    def sync_failed(self, sync: Sync) -> None:
+        """``sync`` failed: what it covered stays unsynced, for the next sync to retry."""
+        self._syncing = None
+
+    def _mark_synced(self, sync: Sync) -> None:
+        unsynced = self._unsynced
+        for seg in sync.segments:
+            unsynced.pop(seg.path, None)
+        if sync.directory is not None:
+            self._dir_unsynced = False
+        if not unsynced and not self._dir_unsynced:
+            self.synced_offset = self.written_offset
 
     # ------------------------------------------------------------------------------- reads
 
@@ -536,6 +526,8 @@ class Log:
                 result.forced_below = seg.last + 1
             self.segments.pop(0)
             total -= seg.size
+            self._unsynced.pop(seg.path, None)  # deleted: nothing of it to sync
+            seg.removed = True  # a sync running now skips it (``Sync.run``)
             if seg.created:
                 self.disk.remove(seg.path)
             result.removed.append(os.path.basename(seg.path))

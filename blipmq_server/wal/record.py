@@ -13,6 +13,7 @@ Integers are big-endian. Standard library and ``crc32c`` only; no trio.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -112,6 +113,56 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+_KIND_BYTE = re.compile(b"[" + bytes(sorted(_KINDS)) + b"]")
+
+
+def resync(data: bytes, start: int, last_offset: int, below: int | None = None,
+           end: int | None = None) -> int | None:
+    """Where the first whole, valid record at or after ``start`` begins, or None.
+
+    Recovery calls this after damage: a position counts when a record starts there whose
+    length fits before ``end``, whose CRC matches, whose kind is known and whose offset is
+    above ``last_offset`` (and below ``below``, the next segment's base, when known). The
+    candidates are the bytes after a known kind byte, found by a regular expression, so
+    ordinary payload bytes are skipped in C. Never raises on bad bytes.
+    """
+    size = len(data) if end is None else min(end, len(data))
+    view = memoryview(data)
+    unpack_prefix = PREFIX.unpack_from
+    unpack_fixed = FIXED.unpack_from
+    for match in _KIND_BYTE.finditer(data, start + 8, size):
+        pos = match.start() - 8
+        if pos + RECORD_OVERHEAD > size:
+            return None
+        length, crc = unpack_prefix(data, pos)
+        if length < MIN_LENGTH or pos + 4 + length > size:
+            continue
+        _, offset, _ = unpack_fixed(data, pos + 8)
+        if offset <= last_offset or (below is not None and offset >= below):
+            continue
+        if crc32c(view[pos + 8 : pos + 4 + length]) == crc:
+            return pos
+    return None
+
+
+def offset_bound(data: bytes, start: int, end: int, last_offset: int) -> int:
+    """The highest offset the damaged bytes ``data[start:end]`` may hold, as far as can be
+    told: as many records as could fit (RECORD_OVERHEAD bytes each at least) numbered on from
+    ``last_offset``, or a larger offset read from a plausible record header met by walking
+    the damaged bytes' length fields (aborted batches leave gaps in offsets)."""
+    count = (end - start) // RECORD_OVERHEAD
+    best = last_offset + max(count, 1)
+    window = best + (1 << 20)  # a random offset field is far beyond any real one
+    pos = start
+    while pos + RECORD_OVERHEAD <= end:
+        length, _ = PREFIX.unpack_from(data, pos)
+        kind, offset, _ = FIXED.unpack_from(data, pos + 8)
+        if kind in _KINDS and best < offset <= window:
+            best = offset
+        if length < MIN_LENGTH:
+            break
+        pos += 4 + length
+    return best
 
 
 def decode_at(data: bytes | memoryview, pos: int) -> tuple[Record, int]:

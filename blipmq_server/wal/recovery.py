@@ -1,0 +1,198 @@
+"""Recovery on open: check every segment, cut a torn tail, set damage aside, keep the rest.
+
+Only the log's last record can be torn (an interrupted write). Damage followed by a valid
+record is corruption: recovery finds the next valid record (``record.resync``), moves the
+damaged bytes to ``<segment>.<position>.corrupt``, and rewrites the segment without them
+(temporary file, fsync, rename, fsync of the directory), so every valid record after the
+damage is kept, in any segment. The next offset is beyond every offset the files show as
+used, damaged records included; when that is past the last valid record, an empty segment
+named after it keeps it for later restarts. Runs before the broker serves: plain blocking
+calls through the log's ``Disk``. Standard library and ``crc32c``; no trio, no clock.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from blipmq_server.wal import record as rec
+from blipmq_server.wal.disk import Disk
+from blipmq_server.wal.segment import CORRUPT, SUFFIX, TEMP, Segment, base_of, segment_name
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What opening the log found; logged by the broker and counted in its metrics."""
+
+    segments: int = 0
+    records: int = 0
+    torn_bytes: int = 0  # bytes cut off a torn tail
+    quarantined: list[str] = field(default_factory=list)  # files set aside
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Recovered:
+    segments: list[Segment]
+    last_offset: int  # of the newest valid record, 0 if none
+    next_offset: int
+    found: Recovery
+
+
+def recover(
+    directory: str,
+    disk: Disk,
+    index_every: int,
+    on_record: Callable[[rec.Record], None] | None = None,
+) -> Recovered:
+    """Scan and repair every segment of ``directory`` in offset order.
+
+    ``on_record`` gets every valid record that is not a MESSAGE, in log order.
+    """
+    found = Recovery()
+    names = disk.listdir(directory)
+    for name in names:
+        if name.endswith(SUFFIX + TEMP):  # a rewrite that did not finish: the segment is whole
+            disk.remove(os.path.join(directory, name))
+    names = [n for n in names if n.endswith(SUFFIX)]
+    bases = [base_of(n) for n in names]
+    segments: list[Segment] = []
+    last = used = 0  # newest valid offset; highest offset the files show as used
+    for i, name in enumerate(names):
+        below = next((b for b in bases[i + 1:] if b is not None), None)
+        path = os.path.join(directory, name)
+        seg, seen = _segment(path, disk, i == len(names) - 1, last, below, found,
+                             index_every, on_record)
+        used = max(used, seen)
+        if seg is None:
+            continue
+        segments.append(seg)
+        if seg.count:
+            last = seg.last
+    next_offset = max(last + 1, used + 1, segments[-1].base if segments else 1)
+    if next_offset > last + 1 and (not segments or segments[-1].base < next_offset):
+        # Damaged records used offsets past the last valid one; once their bytes are set
+        # aside only a segment named after the next offset says so to a later restart.
+        path = os.path.join(directory, segment_name(next_offset))
+        disk.write_file(path, rec.header(next_offset))
+        disk.fsync_dir(directory)
+        seg = Segment(path, next_offset)
+        seg.created = True
+        seg.size = seg.projected = rec.HEADER_SIZE
+        segments.append(seg)
+        found.notes.append(f"offsets up to {next_offset - 1} were used by damaged records; "
+                           f"new segment {os.path.basename(path)} goes on from {next_offset}")
+    found.segments = len(segments)
+    found.records = sum(s.count for s in segments)
+    return Recovered(segments, last, next_offset, found)
+
+
+def _segment(
+    path: str,
+    disk: Disk,
+    is_last: bool,
+    last: int,
+    below: int | None,
+    found: Recovery,
+    index_every: int,
+    on_record: Callable[[rec.Record], None] | None,
+) -> tuple[Segment | None, int]:
+    """Check and repair one segment file; returns what is kept of it (None: nothing) and the
+    highest offset its bytes show as used."""
+    name = os.path.basename(path)
+    directory = os.path.dirname(path)
+    data = disk.read(path)
+    hint = base_of(name)
+    used = hint - 1 if hint else 0
+    if is_last and len(data) < rec.HEADER_SIZE:  # torn while being created
+        disk.remove(path)
+        found.torn_bytes += len(data)
+        found.notes.append(f"{name}: torn segment header ({len(data)} bytes) removed")
+        return None, used
+    base = hint
+    header_ok = len(data) >= rec.HEADER_SIZE
+    if header_ok:
+        magic, version, base = rec.HEADER.unpack_from(data)
+        header_ok = magic == rec.MAGIC and version == rec.FORMAT_VERSION
+        base = base if header_ok else hint
+    records: list[tuple[int, int]] = []  # (offset, position) of every valid record
+    others: list[int] = []  # positions of the valid records that are not MESSAGE
+    runs: list[tuple[int, int]] = []  # byte ranges of valid records
+    damaged: list[tuple[int, int, str]] = []  # byte ranges to set aside, and why
+    pos: int | None = rec.HEADER_SIZE if header_ok else None
+    damage_at, problem, torn = 0, "unreadable segment header", False
+    for _ in range(len(data)):  # each round moves forward: bounded by the size
+        if pos is not None:
+            scan = rec.scan(data, pos, last)
+            records += scan.records
+            others += scan.others
+            if scan.records:
+                last = scan.records[-1][0]
+            if scan.good_end > pos:
+                runs.append((pos, scan.good_end))
+            if scan.problem is None:
+                break
+            damage_at, problem, torn = scan.good_end, scan.problem, scan.torn
+        pos = rec.resync(data, max(damage_at + 1, rec.HEADER_SIZE), last, below)
+        if pos is None:
+            break
+        damaged.append((damage_at, pos, problem))
+    if not runs and not header_ok:  # nothing valid in the file: set all of it aside
+        aside = f"{path}.0{CORRUPT}"
+        disk.rename(path, aside)
+        disk.fsync_dir(directory)
+        found.quarantined.append(os.path.basename(aside))
+        found.notes.append(f"{name}: {problem} and no valid record; {len(data)} bytes set "
+                           f"aside in {os.path.basename(aside)}")
+        if is_last:
+            used = max(used, _bound(data, 0, max(last, used), below))
+        return None, used
+    rewrite = bool(damaged) or not header_ok
+    if pos is None:  # the damage runs to the end of the file
+        if is_last and torn:
+            cut = len(data) - damage_at
+            found.torn_bytes += cut
+            found.notes.append(f"{name}: torn tail cut at byte {damage_at} ({cut} bytes: "
+                               f"{problem})")
+        else:
+            damaged.append((damage_at, len(data), problem))
+            used = max(used, _bound(data, damage_at, last, below))
+    for start, end, why in damaged:
+        aside = f"{path}.{start}{CORRUPT}"
+        disk.write_file(aside, data[start:end])
+        found.quarantined.append(os.path.basename(aside))
+        kept = "; the valid records after it are kept" if end < len(data) else ""
+        found.notes.append(f"{name}: {why} at byte {start}; {end - start} bytes set aside "
+                           f"in {os.path.basename(aside)}{kept}")
+    if base is None:  # neither header nor name says: the first record does
+        base = records[0][0]
+    if rewrite:  # without the damage: a new file, then renamed over the segment
+        data = rec.header(base) + b"".join(data[a:b] for a, b in runs)
+        disk.write_file(path + TEMP, data)
+        disk.rename(path + TEMP, path)
+        scan = rec.scan(data)
+        records, others = scan.records, scan.others
+    elif pos is None:
+        disk.truncate(path, damage_at)
+        disk.fsync(path)
+        data = data[:damage_at]
+    if rewrite or pos is None:
+        disk.fsync_dir(directory)
+    seg = Segment(path, base)
+    seg.created = True
+    seg.size = seg.projected = len(data)
+    seg.count = len(records)
+    if records:
+        seg.first, seg.last = records[0][0], records[-1][0]
+        seg.index = records[::index_every]
+        seg.last_ts = rec.decode_at(data, records[-1][1])[0].timestamp_ms
+    if on_record is not None:
+        for at in others:
+            on_record(rec.decode_at(data, at)[0])
+    return seg, used
+
+
+def _bound(data: bytes, start: int, last: int, below: int | None) -> int:
+    bound = rec.offset_bound(data, start, len(data), last)
+    return bound if below is None else min(bound, below - 1)
