@@ -1,32 +1,48 @@
 """Prometheus exposition of the broker's plain counters, read at scrape time.
 
-The core keeps ints; this module turns them into metric families when /metrics is
-scraped, so the hot path never touches a metrics object. Must not import trio.
+The core and the shell keep ints (``broker.results.Counters``, ``counters``); this module
+turns them into metric families when /metrics is scraped, so the hot path never touches a
+metrics object. It is handed what to read (``Sources``) and imports nothing of the server:
+no trio, no import circle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-if TYPE_CHECKING:
-    from blipmq_server.server.app import Server
+from blipmq_server.broker.core import Broker
+from blipmq_server.counters import ConnectionCounters, WalCounters
+from blipmq_server.wal.log import Log
+from blipmq_server.wal.recovery import Recovery
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """What /metrics reads: the core (its counters and views), the connections' counters,
+    and, with the log, the log itself, its writer's counters and what recovery found."""
+
+    broker: Broker
+    connections: ConnectionCounters
+    wal: Log | None = None
+    writes: WalCounters | None = None
+    recovery: Recovery | None = None
+
+
 class BrokerCollector:
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    def __init__(self, sources: Sources) -> None:
+        self.sources = sources
 
     def collect(self) -> Iterator[Metric]:
-        broker = self.server.broker
+        broker = self.sources.broker
         c = broker.counters
-        s = self.server.counters
+        s = self.sources.connections
         for name, doc, value in (
             ("published", "Messages accepted from publishers", c.published),
             ("unrouted", "Accepted messages no subscription matched", c.unrouted),
@@ -50,11 +66,11 @@ class BrokerCollector:
         dropped.add_metric(["no_consumer"], c.dropped_no_consumer)
         yield dropped
         yield CounterMetricFamily(
-            "blipmq_connections", "Connections accepted", value=s.connections_total
+            "blipmq_connections", "Connections accepted", value=s.accepted
         )
         yield CounterMetricFamily(
             "blipmq_connections_refused", "Connections refused at max_connections",
-            value=s.connections_refused,
+            value=s.refused,
         )
         yield CounterMetricFamily(
             "blipmq_auth_failures", "Connections that offered a refused API key",
@@ -67,7 +83,7 @@ class BrokerCollector:
             closed.add_metric([reason], n)
         yield closed
         yield GaugeMetricFamily(
-            "blipmq_connections_open", "Open client connections", value=len(self.server.sessions)
+            "blipmq_connections_open", "Open client connections", value=s.open
         )
         yield from self._wal()
         queues = broker.queues
@@ -81,7 +97,7 @@ class BrokerCollector:
         yield from self._groups()
 
     def _groups(self) -> Iterator[Metric]:
-        broker = self.server.broker
+        broker = self.sources.broker
         groups = broker.durable_groups
         yield GaugeMetricFamily("blipmq_durable_groups", "Durable (QoS 1) consumer groups",
                                 value=len(groups))
@@ -113,10 +129,9 @@ class BrokerCollector:
 
 
     def _wal(self) -> Iterator[Metric]:
-        flusher, wal, found = self.server.flusher, self.server.wal, self.server.recovery
-        if flusher is None or wal is None:
+        wal, w, found = self.sources.wal, self.sources.writes, self.sources.recovery
+        if wal is None or w is None:
             return
-        w = flusher.counters
         for name, doc, value in (
             ("records", "Records written to the log", w.records),
             ("bytes", "Bytes written to the log", w.bytes),
@@ -126,6 +141,8 @@ class BrokerCollector:
             ("write_failures", "Log writes or fsyncs that failed", w.failures),
             ("records_lost", "Appended records never stored because the disk failed",
              w.records_lost),
+            ("maintenance_runs", "Rounds of group expiry, checkpoints and retention",
+             w.maintenance_runs),
         ):
             yield CounterMetricFamily(f"blipmq_wal_{name}", doc, value=value)
         yield CounterMetricFamily("blipmq_wal_cache_hits",
@@ -140,7 +157,7 @@ class BrokerCollector:
         yield GaugeMetricFamily("blipmq_wal_pending_records", "Appended, not yet written",
                                 value=wal.pending_records)
         yield GaugeMetricFamily("blipmq_wal_unsynced_records", "Written, not yet fsynced",
-                                value=flusher.unsynced_records)
+                                value=w.unsynced)
         if found is not None:
             yield GaugeMetricFamily("blipmq_wal_recovery_torn_bytes",
                                     "Bytes cut off a torn tail at the last start",
@@ -150,9 +167,9 @@ class BrokerCollector:
                                     value=len(found.quarantined))
 
 
-def registry_for(server: Server) -> CollectorRegistry:
+def registry_for(sources: Sources) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(BrokerCollector(server))  # type: ignore[arg-type]
+    registry.register(BrokerCollector(sources))  # type: ignore[arg-type]
     return registry
 
 

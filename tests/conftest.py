@@ -95,6 +95,13 @@ class BrokerProcess:
                 raise AssertionError(f"{name}{labels} is {current}, waited for {value}")
             time.sleep(0.02)
 
+    def wait_metric_at_least(self, name: str, value: float, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while (current := self.metric(name)) < value:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} is {current}, waited for {value} or more")
+            time.sleep(0.02)
+
     def wait_subscribers(self, n: int) -> None:
         """Wait until n subscriptions/groups exist (so a publish cannot race a subscribe)."""
         self.wait_metric("blipmq_queues", n)

@@ -253,7 +253,9 @@ def test_retention_waits_for_a_group_under_the_cap(start_broker) -> None:
     assert b.cli("sub", "t", "--group", "g", "--qos", "1", "--timeout", "0.2").returncode == 4
     assert b.shell("seq 1 500 | blipmq pub t --qos 1 --lines -").returncode == 0
     assert b.shell("seq 1 500 | blipmq pub other --lines -").returncode == 0
-    time.sleep(0.5)  # several maintenance rounds: age retention wants every old segment
+    # several maintenance rounds: age retention wants every old segment
+    runs = b.metric("blipmq_wal_maintenance_runs_total")
+    b.wait_metric_at_least("blipmq_wal_maintenance_runs_total", runs + 3)
     assert b.stop(signal.SIGKILL) == -signal.SIGKILL
     b2 = start_broker({"wal": {**_SMALL_LOG, "retention_bytes": 0}}, data_dir=b.data_dir)
     res = b2.cli("sub", "t", "--group", "g", "--qos", "1", "--count", "500", "--timeout", "10",

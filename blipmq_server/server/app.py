@@ -26,13 +26,14 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
 from blipmq_server.broker.core import Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.config import Config
+from blipmq_server.counters import ConnectionCounters
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
@@ -42,14 +43,6 @@ from blipmq_server.wal import policy
 from blipmq_server.wal.log import Log, LogOptions, Recovery
 
 log = logging.getLogger("blipmq")
-
-
-@dataclass(slots=True)
-class ServerCounters:
-    connections_total: int = 0
-    connections_refused: int = 0
-    auth_failures: int = 0
-    closed: dict[str, int] = field(default_factory=dict)  # connections closed, by reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +86,14 @@ class Server:
         )
         self.prefetcher = (None if self.wal is None
                            else Prefetcher(self.wal, self.broker, self.wake))
-        self.counters = ServerCounters(closed={r.value: 0 for r in CloseReason})
+        self.counters = ConnectionCounters(closed={r.value: 0 for r in CloseReason})
         # the frame limit of both directions (announced in WELCOME)
         self.max_frame = codec.frame_limit(config.server.max_message_bytes,
                                            config.delivery.max_batch_bytes)
         self.sessions: dict[int, Session] = {}  # by connection id, the core's name for them
         self.room: dict[int, trio.Event] = {}  # queue id -> set when a blocked queue has room
         self.shutdown = trio.Event()
+        self.stopped = trio.Event()  # serve has finished: the log is closed
         self.started_at = 0.0
         self._next_conn_id = 1
 
@@ -146,6 +140,7 @@ class Server:
                 await self._close_log(self.flusher)
             root.cancel_scope.cancel()
         log.info("stopped")
+        self.stopped.set()
 
     async def _maintain(
         self, stopped: trio.Event, *, task_status: trio.TaskStatus[trio.CancelScope]
@@ -202,8 +197,8 @@ class Server:
                             "(delivery.group_expiry_ms)", group.group, group.filter,
                             self.config.delivery.group_expiry_ms)
             broker.checkpoint(wall, wal.segments[-1].base if wal.segments else 0)
-            if wal.pending_records:
-                self.flusher.appended()
+            self.log_touched()
+            self.flusher.counters.maintenance_runs += 1
             if any(g.anchor > wal.written_offset for g in broker.durable_groups):
                 continue  # a checkpoint is not on disk yet: retain next time
             result = wal.retain(wall, broker.durable_floor())
@@ -334,9 +329,9 @@ class Server:
             conns.start_soon(self._connection, stream)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        self.counters.connections_total += 1
+        self.counters.accepted += 1
         if len(self.sessions) >= self.config.server.max_connections:
-            self.counters.connections_refused += 1
+            self.counters.refused += 1
             limit = self.config.server.max_connections
             frame = codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
                                 f"the broker is at max_connections ({limit})")
@@ -350,12 +345,14 @@ class Server:
         session = Session(self, stream, self._next_conn_id)
         self._next_conn_id += 1
         self.sessions[session.conn_id] = session
+        self.counters.open += 1
         try:
             await session.run()
         except Exception:  # a bug in one connection must not end the others
             log.exception("connection %d from %s failed", session.conn_id, session.peer)
         finally:
             del self.sessions[session.conn_id]
+            self.counters.open -= 1
             reason = session.close_reason.value if session.close_reason else "cancelled"
             closed = self.counters.closed
             closed[reason] = closed.get(reason, 0) + 1

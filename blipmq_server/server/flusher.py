@@ -29,12 +29,12 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import trio
 
+from blipmq_server.counters import WalCounters
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.wal.log import Batch, Log
@@ -45,17 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blipmq.wal")
 _offset = itemgetter(0)
-
-
-@dataclass(slots=True)
-class WalCounters:
-    batches: int = 0
-    records: int = 0
-    bytes: int = 0
-    syncs: int = 0  # sync rounds: each made everything written so far durable
-    fsyncs: int = 0  # fsync calls those rounds made (segment files and the directory)
-    failures: int = 0
-    records_lost: int = 0  # appended but never written because the disk failed
 
 
 class Flusher:
@@ -75,7 +64,6 @@ class Flusher:
         self._waiters: deque[tuple[int, Session, int, int]] = deque()  # by offset
         self._lock = trio.Lock()  # one batch or sync at a time
         self._closing = False
-        self.unsynced_records = 0  # written since the last sync
         self._last_sync = 0.0
         self._unsynced_since: float | None = None  # first write not synced yet
         self._sync_wanted = False  # a waiter's records are written but not synced yet
@@ -123,7 +111,7 @@ class Flusher:
         waiters = self._waiters
         since = self._unsynced_since
         return self.policy.sync_now(
-            self.unsynced_records + batch.records,
+            self.counters.unsynced + batch.records,
             int((now - self._last_sync) * 1000),
             awaited=(bool(waiters) and waiters[0][0] <= batch.last_offset) or self._sync_wanted
             or batch.seals,
@@ -186,7 +174,7 @@ class Flusher:
         if batch.synced:
             self._synced(batch.plan.calls)
         else:
-            self.unsynced_records += batch.records
+            self.counters.unsynced += batch.records
             if self._unsynced_since is None:
                 self._unsynced_since = trio.current_time()
         self._settle(self._confirmable(), None)
@@ -221,7 +209,7 @@ class Flusher:
         if calls:
             c.syncs += 1
             c.fsyncs += calls
-        self.unsynced_records = 0
+        self.counters.unsynced = 0
         self._last_sync = trio.current_time()
         self._unsynced_since = None
         self._sync_wanted = False

@@ -22,7 +22,9 @@ _MAX_REQUEST = 8192
 async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> None:
     cfg = server.config.metrics
     listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
-    registry = metrics.registry_for(server)
+    registry = metrics.registry_for(metrics.Sources(
+        server.broker, server.counters, server.wal,
+        None if server.flusher is None else server.flusher.counters, server.recovery))
     task_status.started(listeners[0].socket.getsockname()[1])
     await trio.serve_listeners(partial(_handle, server, registry), listeners)
 

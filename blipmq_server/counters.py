@@ -1,0 +1,32 @@
+"""The shell's plain counters: what the connections and the log writer count.
+
+They live here, not beside the Trio code that updates them, so that ``metrics`` can read
+them without importing the server (the broker core's counters are in ``broker.results``).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ConnectionCounters:
+    accepted: int = 0
+    refused: int = 0  # at max_connections
+    auth_failures: int = 0
+    open: int = 0
+    closed: dict[str, int] = field(default_factory=dict)  # by close reason
+
+
+@dataclass(slots=True)
+class WalCounters:
+    batches: int = 0
+    records: int = 0
+    bytes: int = 0
+    syncs: int = 0  # sync rounds: each made everything written so far durable
+    fsyncs: int = 0  # fsync calls those rounds made (segment files and the directory)
+    failures: int = 0
+    records_lost: int = 0  # appended but never written because the disk failed
+    unsynced: int = 0  # records written since the last sync (a gauge)
+    maintenance_runs: int = 0  # rounds of group expiry, checkpoints and retention
