@@ -396,9 +396,9 @@ def test_cache_is_bounded_and_older_offsets_come_from_disk(tmp_path: Path) -> No
     log = Log(str(tmp_path), opts, disk)
     log.open()
     fill(log, 300)
-    cached_from = log._cache[0].first
-    assert 1 < cached_from and log._cache_size <= 2000
-    assert sum(len(c.data) for c in log._cache) == log._cache_size
+    cached_from = log._cache._chunks[0].first
+    assert 1 < cached_from and log._cache.size <= 2000
+    assert sum(len(c.data) for c in log._cache._chunks) == log._cache.size
     assert log.read(cached_from, 10**9, 1 << 40)[-1].offset == 300 and disk.preads == 0
     log.read(cached_from - 1, 1)
     assert disk.preads > 0 and (log.cache_hits, log.cache_misses) == (1, 1)
@@ -406,12 +406,12 @@ def test_cache_is_bounded_and_older_offsets_come_from_disk(tmp_path: Path) -> No
     # One batch bigger than the whole cache: it is still kept, alone.
     log.append(MSG, os.urandom(5000), 9)
     flush(log)
-    assert len(log._cache) == 1 and log._cache[0].first == 301
+    assert len(log._cache._chunks) == 1 and log._cache._chunks[0].first == 301
     before = disk.preads
     assert log.read(301)[0].offset == 301 and disk.preads == before
     assert_reads_match_disk(log, tmp_path, opts, range(290, 303))
     log.close()
-    assert not log._cache and log._cache_size == 0
+    assert not log._cache._chunks and log._cache.size == 0
 
 
 @pytest.mark.parametrize("fault", ["write", "torn write", "fsync"])
@@ -432,7 +432,7 @@ def test_an_aborted_batch_is_neither_cached_nor_readable(tmp_path: Path, fault: 
         batch.write(disk, True)
     log.abort(batch)
     disk.fail_writes = disk.fail_fsync = False
-    assert [c.first for c in log._cache] == [1]
+    assert [c.first for c in log._cache._chunks] == [1]
     assert log.read(2) == [] and log.read(3) == []
     assert [r.body for r in log.read(1)] == [b"before"]
     log.append(MSG, b"after", 0)
@@ -449,11 +449,11 @@ def test_retention_drops_cached_records_of_deleted_segments(tmp_path: Path) -> N
     log = Log(str(tmp_path), opts, disk)
     log.open()
     fill(log, 200, max_size=100)
-    assert log._cache[0].first == 1
+    assert log._cache._chunks[0].first == 1
     assert log.retain(now_ms=0).removed
     first = log.first_offset
-    assert first > 1 and log._cache[0].first == first
-    assert log._cache_size == sum(len(c.data) for c in log._cache)
+    assert first > 1 and log._cache._chunks[0].first == first
+    assert log._cache.size == sum(len(c.data) for c in log._cache._chunks)
     assert log.read(1, 1)[0].offset == first  # deleted records are not served from memory
     assert_reads_match_disk(log, tmp_path, opts, range(0, 204))
     before = disk.preads
@@ -466,7 +466,7 @@ def test_cache_disabled(tmp_path: Path) -> None:
     log = Log(str(tmp_path), opts, disk)
     log.open()
     fill(log, 100)
-    assert not log._cache
+    assert not log._cache._chunks
     assert_reads_match_disk(log, tmp_path, opts, range(0, 103))
     assert log.cache_hits == 0 and log.cache_misses == 103 * len(LIMITS) and disk.preads > 0
 
@@ -476,7 +476,7 @@ def test_after_recovery_the_cache_holds_only_new_commits(tmp_path: Path) -> None
     disk = CountingDisk()
     log = Log(str(tmp_path), disk=disk)
     log.open()
-    assert not log._cache
+    assert not log._cache._chunks
     assert [r.offset for r in log.read(20)] == [20] and disk.preads == 1
     log.append(MSG, b"new", 0)
     flush(log)

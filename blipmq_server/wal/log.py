@@ -12,27 +12,25 @@ sealed when the log rotates past it; its append descriptor is closed then, so de
 stay bounded (``disk.py``). No trio, no clock: timestamps and ``now_ms`` come from the
 caller.
 
-Recent-records cache: ``commit`` keeps a reference to each batch part's bytes (whole records
-with contiguous offsets, exactly what was written) in a deque bounded by
-``LogOptions.cache_bytes``, so ``read`` at recent offsets decodes from memory and does not call
-``Disk.pread``. Only committed bytes are cached; an aborted batch never is. Retention drops the
-chunks of deleted segments, and ``open`` and ``close`` empty the cache. ``cache_bytes`` counts
-record bytes only, not the small per-chunk Python overhead.
+``commit`` also hands what it made readable to the recent-records cache (``cache.py``), so
+``read`` at recent offsets decodes from memory; ``read_files`` reads the segment files and
+is safe in a worker thread. ``open`` and ``close`` empty the cache, retention trims it.
+``Batch`` and ``Sync`` are in ``batch.py``.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
-from typing import NamedTuple
 
 from blipmq_server.errors import WalError
 from blipmq_server.wal import record as rec
+from blipmq_server.wal.batch import Batch, Part, Sync
+from blipmq_server.wal.cache import RecentCache
 from blipmq_server.wal.disk import Disk
 from blipmq_server.wal.recovery import Recovery, recover
 from blipmq_server.wal.segment import SUFFIX, Segment, segment_name
@@ -51,110 +49,6 @@ class LogOptions:
     retention_ms: int = 0  # 0: keep forever
     index_every: int = 64  # one sparse index entry per this many records
     cache_bytes: int = 4 * MiB  # recent committed records kept in memory for reads; 0: off
-
-
-@dataclass(slots=True)
-class Part:
-    """One segment's share of a batch: its bytes, where each record starts, and offsets."""
-
-    segment: Segment
-    data: bytes
-    starts: list[int]  # file position of each record
-    first_offset: int
-    last_ts: int
-    new_file: bool  # this write creates the file
-
-
-@dataclass(slots=True)
-class Sync:
-    """Everything written and not yet fsynced when it was taken: the segment files, and the
-    directory when a file was created since the directory's last fsync. One ``run`` makes
-    all of it durable (files first, then the directory that names them)."""
-
-    segments: list[Segment]
-    directory: str | None
-
-    @property
-    def calls(self) -> int:
-        """fsync calls ``run`` makes."""
-        return len(self.segments) + (self.directory is not None)
-
-    def run(self, disk: Disk) -> None:
-        """Blocking: fsync every file, then the directory."""
-        for seg in self.segments:
-            try:
-                disk.fsync(seg.path)
-            except FileNotFoundError:
-                if not seg.removed:
-                    raise
-                # retention deleted it meanwhile: nothing left to sync
-        if self.directory is not None:
-            disk.fsync_dir(self.directory)
-
-
-@dataclass(slots=True)
-class Batch:
-    """Records appended since the previous batch, grouped by segment, ready to write."""
-
-    parts: list[Part]
-    first_offset: int
-    last_offset: int
-    records: int
-    directory: str
-    plan: Sync  # what a sync with this batch covers: its files and everything unsynced before
-    sealed: list[Segment]  # full since the last batch: no more appends (the log rotated)
-    synced: bool = False  # set by ``write``: the batch and ``plan`` were fsynced
-
-    @property
-    def seals(self) -> bool:
-        """Whether the log rotated since the last batch (a segment is full)."""
-        return bool(self.sealed)
-
-    def write(self, disk: Disk, sync: bool) -> None:
-        """Blocking: write, and fsync everything in ``plan`` if ``sync``; close the append
-        descriptors of sealed segments. On failure, undo partial writes and re-raise."""
-        done: list[tuple[Segment, int]] = []
-        try:
-            for part in self.parts:
-                seg, data = part.segment, part.data
-                start = 0 if part.new_file else seg.size
-                done.append((seg, start))
-                if seg.stale:  # cut what an earlier failed batch left (the fault may be gone)
-                    if start or os.path.exists(seg.path):
-                        disk.truncate(seg.path, start)
-                    seg.stale = False
-                disk.append(seg.path, rec.header(seg.base) + data if part.new_file else data)
-                if any(seg is s for s in self.sealed):  # one batch may fill many segments
-                    disk.seal(seg.path)
-            if sync:
-                self.plan.run(disk)
-                self.synced = True
-        except OSError:
-            for seg, start in done:
-                try:
-                    disk.seal(seg.path)
-                    if start:
-                        disk.truncate(seg.path, start)
-                    elif os.path.exists(seg.path):
-                        disk.remove(seg.path)
-                except OSError:
-                    # The next write cuts it first. Should the broker stop before that, the
-                    # next start keeps these records: never confirmed, at worst duplicates.
-                    seg.stale = True
-            raise
-        finally:
-            for seg in self.sealed:
-                disk.seal(seg.path)
-
-
-class _Chunk(NamedTuple):
-    """One committed ``Part`` kept for reads: its records' bytes, shared, not copied."""
-
-    first: int
-    last: int
-    data: bytes
-    segment: Segment
-    start: int  # file position of data[0] in the segment, to seek through its sparse index
 
 
 _first = itemgetter(0)
@@ -185,8 +79,7 @@ class Log:
         # Written and not fsynced: segments (by path, in log order) and the directory
         self._unsynced: dict[str, Segment] = {}
         self._dir_unsynced = False
-        self._cache: deque[_Chunk] = deque()
-        self._cache_size = 0  # bytes of record data in _cache
+        self._cache = RecentCache(self.options.cache_bytes)
         self.cache_hits = 0  # reads served wholly from the cache
         self.cache_misses = 0  # reads that went to the segment files
 
@@ -201,7 +94,7 @@ class Log:
         What an earlier run wrote may not have been fsynced: every segment kept, and the
         directory, count as unsynced until the first sync.
         """
-        self._drop_cache()
+        self._cache.drop()
         os.makedirs(self.directory, exist_ok=True)
         done = recover(self.directory, self.disk, self.options.index_every, on_record)
         self.segments = done.segments
@@ -328,23 +221,10 @@ class Log:
             for part in batch.parts:
                 self._unsynced.setdefault(part.segment.path, part.segment)
                 self._dir_unsynced = self._dir_unsynced or part.new_file
-        limit = self.options.cache_bytes
-        if limit <= 0:
-            return
-        cache = self._cache
         for part in batch.parts:
             first = part.first_offset
-            cache.append(_Chunk(first, first + len(part.starts) - 1, part.data, part.segment,
-                                part.starts[0]))
-            self._cache_size += len(part.data)
-        while self._cache_size > limit and len(cache) > 1:
-            self._cache_size -= len(cache.popleft().data)
-
-    def _drop_cache(self, below: int | None = None) -> None:
-        """Forget cached chunks holding offsets below ``below`` (all of them if None)."""
-        cache = self._cache
-        while cache and (below is None or cache[0].first < below):
-            self._cache_size -= len(cache.popleft().data)
+            self._cache.add(first, first + len(part.starts) - 1, part.data, part.segment,
+                            part.starts[0])
 
     def abort(self, batch: Batch) -> None:
         """The batch could not be written: its records are gone (their offsets stay unused)."""
@@ -418,13 +298,12 @@ class Log:
         """
         if self.cached(from_offset):
             self.cache_hits += 1
-            return self._read_cache(from_offset, max_records, max_bytes)
+            return self._cache.read(from_offset, max_records, max_bytes)
         return self.read_files(from_offset, max_records, max_bytes)
 
     def cached(self, offset: int) -> bool:
         """Whether ``read`` at ``offset`` is served from the recent-records cache."""
-        cache = self._cache
-        return bool(cache) and offset >= cache[0].first
+        return self._cache.covers(offset)
 
     def read_files(
         self, from_offset: int, max_records: int = 1000, max_bytes: int = MiB
@@ -469,32 +348,6 @@ class Log:
                 break
         return out
 
-    def _read_cache(self, from_offset: int, max_records: int, max_bytes: int) -> list[rec.Record]:
-        out: list[rec.Record] = []
-        if max_records <= 0 or max_bytes <= 0:  # as the file path: nothing asked, nothing read
-            return out
-        size = 0
-        cache = self._cache
-        for k in range(bisect.bisect_right(cache, from_offset, key=_first) - 1, len(cache)):
-            first, last, data, seg, start = cache[k]
-            if last < from_offset:
-                continue
-            pos = 0
-            if from_offset > first:  # seek: nearest index entry, then skip < index_every
-                j = bisect.bisect_right(seg.index, from_offset, key=_first) - 1
-                offset, at = seg.index[j]
-                if offset > first:
-                    first, pos = offset, at - start
-                for _ in range(from_offset - first):
-                    pos += 4 + rec.PREFIX.unpack_from(data, pos)[0]
-            while pos < len(data):
-                record, pos = rec.decode_at(data, pos)
-                out.append(record)
-                size += len(record.body)
-                if len(out) >= max_records or size >= max_bytes:
-                    return out
-        return out
-
     # --------------------------------------------------------------------------- retention
 
     def retain(self, now_ms: int, keep_from: int | None = None) -> Retention:
@@ -532,9 +385,9 @@ class Log:
                 self.disk.remove(seg.path)
             result.removed.append(os.path.basename(seg.path))
         if result.removed:
-            self._drop_cache(self.first_offset)
+            self._cache.drop(self.first_offset)
         return result
 
     def close(self) -> None:
-        self._drop_cache()
+        self._cache.drop()
         self.disk.close()
