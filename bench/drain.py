@@ -1,8 +1,8 @@
 """Unrelated traffic while a durable group drains a big backlog; prints figures.
 
-    .venv/bin/python bench/drain.py [--backlog 500000] [--rate 1000] [--seconds 5]
+    .venv/bin/python bench/drain.py [--backlog 1000000] [--rate 1000] [--seconds 5]
 
-A durable (QoS 1) group falls 500,000 100-byte messages behind. Then QoS 0 traffic on
+A durable (QoS 1) group falls 1,000,000 100-byte messages behind. Then QoS 0 traffic on
 another topic runs open-loop at 1,000 msg/s twice: once alone (the baseline) and once while
 a consumer drains the group with acks. The drain reads the log from disk (far more than the
 recent-records cache holds); the question is whether those reads stall everyone else.
@@ -26,7 +26,7 @@ from run import BLIPMQ, Blipmq, latency, ready, result, worker
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--backlog", type=int, default=500_000)
+    ap.add_argument("--backlog", type=int, default=1_000_000)
     ap.add_argument("--rate", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=5)
     args = ap.parse_args()

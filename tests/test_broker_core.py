@@ -244,3 +244,34 @@ def test_queue_never_exceeds_capacity(policy: Overflow) -> None:
     for i in range(50):
         b.publish([raw("t", bytes([i]))], 0)
         assert len(c.queue.items) <= 7
+
+
+@pytest.mark.parametrize("policy", list(Overflow))
+def test_random_batches_keep_every_bound_and_account_for_every_copy(policy: Overflow) -> None:
+    # mixed topics with overlapping filters exercise the route-room fast path and its exits
+    import random
+
+    rng = random.Random(11)
+    b = Broker(Limits(capacity=7, capacity_bytes=2000, overflow=policy))
+    subs = [sub(b, i, f) for i, f in enumerate(("a/x", "a/+", "#", "b/x"))]
+    b.disconnect(3)  # "b/x" has no consumer any more
+    queues = [c.queue for c in subs]
+    for _ in range(400):
+        batch = [raw(rng.choice(("a/x", "a/y", "b/x")), b"p" * rng.choice((1, 50, 300, 900)))
+                 for _ in range(rng.randint(1, 12))]
+        res = b.publish(batch, 0)
+        for q in queues:
+            assert len(q.items) <= 7 and (q.size <= 2000 or len(q.items) == 1)
+            assert q.size == sum(len(r) for r, _ in q.items)
+        if res.blocked is not None:  # only a full queue with a consumer blocks
+            q = next(q for q in queues if q.id == res.blocked.queue)
+            assert q.consumers and policy is Overflow.BLOCK
+            nxt = batch[res.accepted]
+            size = len(nxt.record) + 10
+            assert len(q.items) >= 7 or q.size + size > 2000
+        if rng.random() < 0.3:
+            for c in subs[:3]:
+                b.take(c, rng.randint(1, 5), 1 << 20, 0)
+    c = b.counters
+    waiting = sum(len(q.items) for q in queues)
+    assert c.enqueued - (c.dropped_oldest + c.dropped_no_consumer) == c.delivered + waiting

@@ -48,11 +48,13 @@ def test_confirmed_messages_survive_sigkill(start_broker, tmp_path: Path) -> Non
             assert made.returncode == 4
         pub = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(trial), b.addr],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        time.sleep(rng.uniform(0.3, 1.2))
+        assert pub.stdout is not None
+        first = pub.stdout.readline()  # publishing and confirmed: the load is on
+        time.sleep(rng.uniform(0.0, 0.9))  # then a random moment for the crash
         b.proc.send_signal(signal.SIGKILL)
         b.proc.wait(10)
         out, _ = pub.communicate(timeout=20)
-        lines = out.split()
+        lines = (first + out).split()
         done = int(lines[-1]) if lines else 0
         confirmed.update(f"{trial}:{i}".encode() for i in range(done))
     b = start_broker({"delivery": {"default_credit": 5000}}, data_dir=data_dir)
@@ -82,12 +84,14 @@ def test_sigterm_under_qos1_load_keeps_everything_confirmed(start_broker) -> Non
     b = start_broker({"server": {"shutdown_grace_ms": 3000}})
     pub = subprocess.Popen([sys.executable, "-c", PUBLISHER, "term", b.addr],
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    time.sleep(1.0)
+    assert pub.stdout is not None
+    for _ in range(5):  # five confirmed batches: the load is on
+        first = pub.stdout.readline()
     started = time.monotonic()
     assert b.stop(signal.SIGTERM) == 0
     assert time.monotonic() - started < 3.5
     out, _ = pub.communicate(timeout=20)
-    done = int(out.split()[-1])
+    done = int((first + out).split()[-1])
     assert done > 0
     wal = Log(str(b.data_dir / "wal"))
     found = wal.open()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from blipmq_server.broker.cursors import Cursors
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow, Queue
-from blipmq_server.broker.registry import Consumer, Registry
+from blipmq_server.broker.registry import Consumer, Registry, Route
 from blipmq_server.broker.results import (
     Blocked,
     Counters,
@@ -75,7 +75,10 @@ class Broker:
         routes = self.registry.routes
         resolve = self.registry.resolve
         woken: set[Queue] = set()
-        add = woken.add
+        woken_by: tuple[Queue, ...] | None = None
+        room_route: Route | Refusal | None = None
+        room_n = room_b = 0
+        enqueued = 0
         c = self.counters
         max_bytes = self.limits.max_message_bytes
         default_ttl = self.limits.default_ttl_ms
@@ -109,18 +112,32 @@ class Broker:
                 )
                 break
             size = len(m.record) + _PREFIX_SIZE
-            # Only a queue somebody consumes from holds publishers back. A broker-made
-            # message (dead letter) never waits: a full ``block`` queue drops its copy
-            # (counted as drop_new); the log keeps it either way.
-            if not internal:
-                for q in route.blockers:  # type: ignore[union-attr]
-                    items = q.items
-                    if q.consumers and (len(items) >= q.capacity or (
-                            items and q.size + size > q.capacity_bytes)):
-                        blocked = q
+            targets = route.targets  # type: ignore[union-attr]
+            # Room left in every target (messages and bytes) since this route was last
+            # looked at: while both stay positive no target is full, and the checks below
+            # are skipped (the hot path of a batch to one topic). Another route in between
+            # may fill shared queues, so a new route is looked at afresh.
+            if route is not room_route:
+                room_route = route
+                room_n = min((q.capacity - len(q.items) for q in targets), default=1 << 62)
+                room_b = min((q.capacity_bytes - q.size for q in targets), default=1 << 62)
+            room_n -= 1
+            room_b -= size
+            tight = room_n < 0 or room_b < 0
+            if tight:
+                room_route = None  # look again at the next message
+                # Only a queue somebody consumes from holds publishers back. A broker-made
+                # message (dead letter) never waits: a full ``block`` queue drops its copy
+                # (counted as drop_new); the log keeps it either way.
+                if not internal:
+                    for q in route.blockers:  # type: ignore[union-attr]
+                        items = q.items
+                        if q.consumers and (len(items) >= q.capacity or (
+                                items and q.size + size > q.capacity_bytes)):
+                            blocked = q
+                            break
+                    if blocked is not None:
                         break
-                if blocked is not None:
-                    break
             if logged is None:
                 offset += 1
             elif m.qos or log_qos0:
@@ -132,15 +149,18 @@ class Broker:
             else:
                 offset = 0
             accepted += 1
-            targets = route.targets  # type: ignore[union-attr]
             if not targets:
                 c.unrouted += 1
                 continue
+            if targets is not woken_by:  # wake every target (a dropped copy wakes in vain)
+                woken.update(targets)
+                woken_by = targets
             ttl = m.ttl_ms or default_ttl
             item = (_pack_prefix(offset, 1) + m.record, now_ms + ttl if ttl else 0)
             for q in targets:
                 items = q.items
-                if len(items) >= q.capacity or (items and q.size + size > q.capacity_bytes):
+                if tight and (len(items) >= q.capacity or (
+                        items and q.size + size > q.capacity_bytes)):
                     overflow = q.overflow
                     if overflow is drop_oldest:
                         n = q.make_room(size)
@@ -158,8 +178,7 @@ class Broker:
                 q.size += size
                 if ttl:
                     q.expiring = True
-                c.enqueued += 1
-                add(q)
+                enqueued += 1
         last_logged = 0
         if logged is None:
             self.offset = offset
@@ -167,6 +186,7 @@ class Broker:
             log.append_many(Kind.MESSAGE, logged, timestamp_ms)  # type: ignore[union-attr]
             self.offset = last_logged = next_logged - 1
         c.published += accepted
+        c.enqueued += enqueued
         if refusal is not None:
             c.refused += 1
         wake = {consumer.conn for q in woken for consumer in q.consumers}
