@@ -151,6 +151,7 @@ class Server:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as loops:
                     loops.start_soon(self._expiry_loop)
+                    loops.start_soon(self._watchdog_loop)
                     if self.flusher is not None:
                         loops.start_soon(self._retention_loop)
                         loops.start_soon(self._redelivery_loop)
@@ -356,6 +357,40 @@ class Server:
             reason = session.close_reason.value if session.close_reason else "cancelled"
             closed = self.counters.closed
             closed[reason] = closed.get(reason, 0) + 1
+
+    async def _watchdog_loop(self) -> None:
+        """Connections that stopped taking what is sent to them, or went silent.
+
+        One look at every connection each tenth of the shortest timeout (at most every
+        second) costs less than a deadline around every send and every receive: a
+        connection stuck in a send longer than ``server.write_timeout_ms`` is a slow
+        consumer; one that sent nothing for ``server.keepalive_ms`` gets a PING, and if
+        nothing comes for as long again, GOODBYE ``TIMEOUT``.
+        """
+        cfg = self.config.server
+        write_timeout = cfg.write_timeout_ms / 1000
+        idle = cfg.keepalive_ms / 1000
+        limits = [t for t in (write_timeout, idle) if t]
+        if not limits:
+            await trio.sleep_forever()
+        tick = min(1.0, max(0.01, min(limits) / 10))
+        while True:
+            await trio.sleep(tick)
+            now = trio.current_time()
+            for session in list(self.sessions.values()):
+                since = session.sending_since
+                if write_timeout and since is not None and now - since > write_timeout:
+                    self.slow_consumer(session, f"its socket took nothing for "
+                                       f"{write_timeout:g} s (server.write_timeout_ms)")
+                elif idle and session.authenticated and not (session.closing or session.paused):
+                    if session.pinged_at is None:
+                        if now - session.heard_at >= idle:
+                            session.pinged_at = now  # ask for a sign of life
+                            session.send(codec.Ping(b"keepalive"))
+                    elif now - session.pinged_at >= idle:
+                        session.send(codec.Goodbye(ErrorCode.TIMEOUT, f"nothing received for "
+                                                   f"{2 * idle:g} s (server.keepalive_ms)"))
+                        session.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
 
     async def _expiry_loop(self) -> None:
         interval = self.config.queues.expiry_interval_ms / 1000

@@ -71,6 +71,12 @@ class Session:
         self._wakeup = trio.Event()
         self._drained = trio.Event()
         self._read_scope: trio.CancelScope | None = None
+        # for the server's watchdog: when something last came in, when our keepalive PING
+        # went out (None: not waiting for an answer), when the send under way began
+        self.heard_at = trio.current_time()
+        self.pinged_at: float | None = None
+        self.sending_since: float | None = None
+        self.paused = False  # the reader waits for the writer (output budget)
         self._scope: trio.CancelScope | None = None
 
     # --------------------------------------------------------------------------- plumbing
@@ -124,7 +130,6 @@ class Session:
     async def _write_loop(self) -> None:
         opts = self.server.config.delivery
         linger = opts.flush_interval_ms / 1000
-        timeout = self.server.config.server.write_timeout_ms / 1000 or math.inf
         stream = self.stream
         try:
             while True:
@@ -146,13 +151,10 @@ class Session:
                 if data:
                     view = memoryview(data)
                     for at in range(0, len(data), _SEND_CHUNK):
-                        with trio.move_on_after(timeout) as cs:
-                            await stream.send_all(view[at : at + _SEND_CHUNK])
-                        if cs.cancelled_caught:
-                            self.server.slow_consumer(
-                                self, f"its socket took nothing for {timeout:g} s "
-                                      "(server.write_timeout_ms)")
-                            return
+                        # the server's watchdog closes a connection stuck here too long
+                        self.sending_since = trio.current_time()
+                        await stream.send_all(view[at : at + _SEND_CHUNK])
+                    self.sending_since = None
                     self.pending_bytes -= len(data)
                     self._drained.set()
                 else:
@@ -187,35 +189,32 @@ class Session:
         stream = self.stream
         budget = cfg.max_pending_bytes
         handshake = cfg.handshake_timeout_ms / 1000 or math.inf
-        idle = cfg.keepalive_ms / 1000 or math.inf
         with trio.CancelScope() as scope:
             self._read_scope = scope
             deadline = trio.current_time() + handshake
-            pinged = False
             while True:
                 if self.pending_bytes > budget:
                     # the peer does not read what it asks for: read no more from it until the
                     # writer caught up (the write timeout ends a connection that never does)
                     self._drained = trio.Event()
+                    self.paused = True  # its silence now is ours: no keepalive meanwhile
                     await self._drained.wait()
+                    self.paused = False
+                    self.heard_at = trio.current_time()
                     continue
-                with trio.move_on_at(deadline) as waited:
-                    try:
+                try:
+                    if self.authenticated:  # silence is the watchdog's business now
                         data = await stream.receive_some(65536)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        return CloseReason.RESET
-                if waited.cancelled_caught:
-                    if not self.authenticated:
-                        self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
-                        return CloseReason.HANDSHAKE_TIMEOUT
-                    if pinged:
-                        self.send(codec.Goodbye(ErrorCode.TIMEOUT, f"nothing received for "
-                                                f"{2 * idle:g} s (server.keepalive_ms)"))
-                        return CloseReason.KEEPALIVE_TIMEOUT
-                    pinged = True  # idle: ask for a sign of life
-                    self.send(codec.Ping(b"keepalive"))
-                    deadline = trio.current_time() + idle
-                    continue
+                    else:
+                        with trio.move_on_at(deadline) as waited:
+                            data = await stream.receive_some(65536)
+                        if waited.cancelled_caught:
+                            self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
+                            return CloseReason.HANDSHAKE_TIMEOUT
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return CloseReason.RESET
+                self.heard_at = trio.current_time()
+                self.pinged_at = None
                 if not data:
                     return CloseReason.EOF
                 decoder.feed(data)
@@ -241,9 +240,6 @@ class Session:
                     # one look per chunk read: whatever its frames appended (messages, acks,
                     # group records, dead letters) goes to the flusher together
                     self.server.log_touched()
-                if self.authenticated:
-                    pinged = False
-                    deadline = trio.current_time() + idle
         return self.close_reason or CloseReason.SHUTDOWN
 
     async def _handle(self, frame: codec.Frame) -> CloseReason | None:
