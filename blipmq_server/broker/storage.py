@@ -12,8 +12,8 @@ import bisect
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-READ_AHEAD_RECORDS = 4096  # one disk read for a log cursor: at most this many records
-READ_AHEAD_BYTES = 512 * 1024  # ... and about this many bytes (at least one record)
+READ_AHEAD_RECORDS = 1024  # one disk read for a log cursor: at most this many records
+READ_AHEAD_BYTES = 256 * 1024  # ... and about this many bytes (at least one record)
 
 
 class StoredRecord(Protocol):
