@@ -4,7 +4,8 @@ Nursery tree (docs/ARCHITECTURE.md)::
 
     serve (recovers the write-ahead log before listening)
     +-- root nursery: log flusher, metrics HTTP listener
-        +-- maintenance: expiry ticker, retention, redelivery (stopped before the log closes)
+        +-- maintenance: expiry ticker, watchdog (keepalive, write timeouts), retention,
+        |                redelivery, prefetcher (stopped before the log closes)
         +-- connections nursery: one task per connection (reader + writer inside)
             +-- accept loop(s)
 
@@ -12,6 +13,10 @@ Shutdown follows hypercorn's order: stop accepting, tell every session to stop i
 drain its queued deliveries, wait at most ``shutdown_grace_ms``, cancel what is left, stop
 maintenance (nothing appends to the log any more), then let the flusher finish the batch it
 is writing and write and sync what is left, within ``wal.shutdown_timeout_ms``.
+
+The core names connections and queues by id; ``Server`` turns its results into wake-ups
+(``wake``, ``release``, ``detached``), keeps the events of blocked publishers (``room``) and
+disconnects slow consumers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
 """One client connection: a reader task and the socket's only writer task.
 
-The reader decodes frames and calls the broker core; replies and deliveries go through the
-writer, which coalesces everything pending (outbox frames plus a DELIVER batch per
-subscription) into one ``send_all``. Trio lives here and in the rest of ``server/`` only.
+The reader decodes frames and calls the broker core by this connection's id; replies and
+deliveries go through the writer, which coalesces everything pending (outbox frames plus a
+DELIVER batch per subscription, from ``Broker.deliver``) into one ``send_all``. What the
+connection owes its peer is its output budget: past ``server.max_pending_bytes`` the reader
+stops reading until the writer has caught up. The server's watchdog reads ``heard_at``,
+``pinged_at`` and ``sending_since`` for keepalive and write timeouts. Trio lives here and in
+the rest of ``server/`` only.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ class Session:
         self.send(codec.Error(code, text, request_id))
 
     def stop_reading(self, reason: CloseReason) -> None:
-        """Stop intake (shutdown, or a group deletion elsewhere does not need this)."""
+        """Stop intake (shutdown, a keepalive timeout); the writer drains what is queued."""
         if self.close_reason is None:
             self.close_reason = reason
         if self._read_scope is not None:
