@@ -44,7 +44,7 @@ DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
 _PREFIX_SIZE = DELIVERY_PREFIX.size
 _unpack_head = MSG_HEAD.unpack_from
 _HEAD = MSG_HEAD.size
-_MESSAGE = Kind.MESSAGE
+_MESSAGE = int(Kind.MESSAGE)  # a plain int for the per-record test
 
 
 class GroupRecord(NamedTuple):

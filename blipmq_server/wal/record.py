@@ -105,7 +105,7 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
         if offset <= last_offset:
             return Scan(out, pos, f"offset {offset} does not follow {last_offset}", False, others)
         out.append((offset, pos))
-        if kind != Kind.MESSAGE:
+        if kind != _MESSAGE:
             others.append(pos)
         last_offset = offset
         pos = end
@@ -113,6 +113,7 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+_MESSAGE = int(Kind.MESSAGE)  # a plain int: an enum member costs a lookup per record
 _KIND_BYTE = re.compile(b"[" + bytes(sorted(_KINDS)) + b"]")
 
 
