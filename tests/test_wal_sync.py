@@ -23,7 +23,7 @@ from blipmq_server.server.app import Bound, Server
 from blipmq_server.server.flusher import Flusher
 from blipmq_server.wal import policy
 from blipmq_server.wal import record as rec
-from blipmq_server.wal.disk import Disk
+from blipmq_server.wal.disk import Disk, FaultyDisk
 from blipmq_server.wal.log import Log, LogOptions
 
 MSG = rec.Kind.MESSAGE
@@ -427,4 +427,37 @@ async def test_a_publisher_that_waited_for_room_is_confirmed_after_a_sync(
         while not server.counters.closed["slow_consumer"]:  # it did wait for room
             await trio.sleep(0.01)
     assert disk.not_durable() == set()
+    server.shutdown.set()
+
+
+async def test_a_blocked_publisher_is_not_confirmed_for_records_a_failed_write_lost(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Its first records went into a batch the disk refused while it waited for room (it had
+    not asked for its confirm yet); a later batch succeeded. It must get ERROR STORAGE and
+    PUB_ACK 0, not a confirm of everything."""
+    cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)},
+                      server={"write_timeout_ms": 0},
+                      queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 1000})
+    server = Server(cfg)
+    disk = FaultyDisk()
+    assert server.wal is not None and server.flusher is not None
+    server.wal.disk = disk
+    bound: Bound = await nursery.start(server.serve)
+    stuck = await connect(bound.port)  # subscribes, then never reads its socket
+    await stuck.send(codec.Subscribe("t", "", 0, 0, request_id=1))
+    await stuck.expect(codec.Subscribed)
+    pub = await connect(bound.port)
+    disk.fail_writes = True
+    await pub.send(publish_frame(7, 1, *[b"x" * 100_000] * 60))  # fills the buffers, blocks
+    with trio.fail_after(10):
+        while not server.flusher.counters.failures:  # its first records: refused
+            await trio.sleep(0.01)
+        disk.fail_writes = False
+        other = await connect(bound.port)
+        await other.send(publish_frame(1, 1, b"later"))
+        assert (await other.expect(codec.PubAck)) == codec.PubAck(1, 1)  # the log goes on
+        err = await pub.expect(codec.Error)
+        assert err.code == codec.ErrorCode.STORAGE and err.request_id == 7
+        assert (await pub.expect(codec.PubAck)) == codec.PubAck(0, 7)
     server.shutdown.set()

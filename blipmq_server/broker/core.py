@@ -179,11 +179,12 @@ class Broker:
                 if ttl:
                     q.expiring = True
                 enqueued += 1
-        last_logged = 0
+        last_logged = first_logged = 0
         if logged is None:
             self.offset = offset
         elif logged:
-            log.append_many(Kind.MESSAGE, logged, timestamp_ms)  # type: ignore[union-attr]
+            first_logged = log.append_many(  # type: ignore[union-attr]
+                Kind.MESSAGE, logged, timestamp_ms)
             self.offset = last_logged = next_logged - 1
         c.published += accepted
         c.enqueued += enqueued
@@ -194,7 +195,7 @@ class Broker:
             accepted, wake,
             None if blocked is None else Blocked(
                 blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
-            refusal, confirms, last_logged)
+            refusal, confirms, last_logged, first_logged)
 
     def _publish_dead(self, dead: list[RawMessage], now_ms: int, timestamp_ms: int) -> set[int]:
         """Dead letters to ``$dlq/<topic>``, then their originals done; returns the

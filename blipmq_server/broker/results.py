@@ -83,6 +83,7 @@ class PublishResult:
     refusal: Refusal | None = None
     confirms: int = 0
     last_offset: int = 0
+    first_offset: int = 0  # the first log record appended (0: none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,9 +72,18 @@ class Flusher:
     def appended(self) -> None:
         self._wake.set()
 
-    def confirm_later(self, offset: int, session: Session, request_id: int, count: int) -> None:
+    def confirm_later(
+        self, offset: int, session: Session, request_id: int, count: int, first: int = 0
+    ) -> None:
         """Send PUB_ACK(count) for ``request_id`` once the log holds ``offset`` (durably,
-        under ``always``)."""
+        under ``always``). ``first`` is the publisher's first record: one that waited for
+        room may have had some records in a batch the disk refused meanwhile, before it
+        asked; then it gets ERROR STORAGE and PUB_ACK 0 at once."""
+        if first and self.wal.lost_between(first, offset):
+            session.error(ErrorCode.STORAGE, "the log could not store some of these messages "
+                          "(a write failed while the publisher waited for room)", request_id)
+            session.send(codec.PubAck(0, request_id))
+            return
         if offset <= self._confirmable():
             session.send(codec.PubAck(count, request_id))
             return

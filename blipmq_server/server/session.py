@@ -322,13 +322,14 @@ class Session:
         messages = frame.messages
         total = len(messages)
         wants_ack = any(m.qos for m in messages)
-        confirms = last_offset = 0
+        confirms = last_offset = first_offset = 0
         try:
             while True:
                 result = broker.publish(messages, now_ms(), wall_ms())
                 server.wake(result.wake)
                 confirms += result.confirms
                 last_offset = result.last_offset or last_offset
+                first_offset = first_offset or result.first_offset
                 if result.refusal is not None:
                     done = total - len(messages) + result.accepted
                     text = result.refusal.text
@@ -346,7 +347,8 @@ class Session:
         finally:
             if wants_ack:
                 if confirms and flusher is not None:
-                    flusher.confirm_later(last_offset, self, frame.request_id, confirms)
+                    flusher.confirm_later(last_offset, self, frame.request_id, confirms,
+                                          first_offset)
                 else:
                     self.send(codec.PubAck(0, frame.request_id))
 

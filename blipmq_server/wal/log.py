@@ -37,6 +37,7 @@ from blipmq_server.wal.segment import SUFFIX, Segment, segment_name
 
 MiB = 1024 * 1024
 _READ_CHUNK = 256 * 1024
+_LOST_KEPT = 64
 
 __all__ = ["SUFFIX", "Batch", "Log", "LogOptions", "MiB", "Recovery", "Retention", "Segment",
            "Sync", "segment_name"]
@@ -80,6 +81,9 @@ class Log:
         self._unsynced: dict[str, Segment] = {}
         self._dir_unsynced = False
         self._cache = RecentCache(self.options.cache_bytes)
+        # offset ranges of batches the disk refused, newest last (a few are enough: a
+        # publisher asks about its own records, appended moments ago)
+        self.lost: list[tuple[int, int]] = []
         self.cache_hits = 0  # reads served wholly from the cache
         self.cache_misses = 0  # reads that went to the segment files
 
@@ -227,7 +231,10 @@ class Log:
                             part.starts[0])
 
     def abort(self, batch: Batch) -> None:
-        """The batch could not be written: its records are gone (their offsets stay unused)."""
+        """The batch could not be written: its records are gone (their offsets stay unused,
+        and ``lost`` names them)."""
+        self.lost.append((batch.first_offset, batch.last_offset))
+        del self.lost[:-_LOST_KEPT]
         for part in batch.parts:
             seg = part.segment
             seg.projected -= len(part.data)
@@ -300,6 +307,10 @@ class Log:
             self.cache_hits += 1
             return self._cache.read(from_offset, max_records, max_bytes)
         return self.read_files(from_offset, max_records, max_bytes)
+
+    def lost_between(self, first: int, last: int) -> bool:
+        """Whether any record from ``first`` to ``last`` was in a batch the disk refused."""
+        return any(a <= last and first <= b for a, b in self.lost)
 
     def cached(self, offset: int) -> bool:
         """Whether ``read`` at ``offset`` is served from the recent-records cache."""
