@@ -18,6 +18,13 @@ import pytest
 import tomlkit
 
 BLIPMQ = str(Path(sys.executable).with_name("blipmq"))
+
+
+def _default_signals() -> None:
+    """In a child: SIGINT back to its default. A suite started in the background by a shell
+    inherits SIGINT ignored, and Python then never raises KeyboardInterrupt (the Ctrl-C
+    tests would hang)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 _LISTENING = re.compile(r"listening on [\d.]+:(\d+)(?:, metrics on http://[\d.]+:(\d+)/metrics)?")
 
 
@@ -47,14 +54,14 @@ class BrokerProcess:
         """Run `blipmq ARGS` against this broker and wait for it."""
         return subprocess.run(
             [BLIPMQ, *args], input=input, capture_output=True, timeout=timeout,
-            env={**self.env, **env},
+            env={**self.env, **env}, preexec_fn=_default_signals,
         )
 
     def spawn(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
         """Start `blipmq ARGS` in the background with pipes on all three streams."""
         return subprocess.Popen(
             [BLIPMQ, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={**self.env, **env},
+            stderr=subprocess.PIPE, env={**self.env, **env}, preexec_fn=_default_signals,
         )
 
     def shell(self, script: str, timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
@@ -68,7 +75,7 @@ class BrokerProcess:
         env = {**self.env, "PATH": f"{Path(BLIPMQ).parent}:{os.environ['PATH']}"}
         return subprocess.Popen(
             ["bash", "-o", "pipefail", "-c", script], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=env,
+            stderr=subprocess.PIPE, env=env, preexec_fn=_default_signals,
         )
 
     def metrics(self) -> str:
@@ -157,6 +164,7 @@ def start_broker(tmp_path: Path) -> Iterator:
              "--log-format", "plain"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")},
+            preexec_fn=_default_signals,
         )
         bp = BrokerProcess(proc, path, data_dir)
         started.append(bp)
