@@ -272,7 +272,7 @@ class Server:
 
     def slow_consumer(self, session: Session, why: str) -> None:
         """Disconnect a consumer that does not keep up: its subscriptions end now."""
-        if session.close_reason is CloseReason.SLOW_CONSUMER:
+        if session.aborted:  # once: the watchdog may see it again before it is gone
             return
         log.warning("connection %d from %s closed as a slow consumer: %s",
                     session.conn_id, session.peer, why)

@@ -81,6 +81,7 @@ class Session:
         self.pinged_at: float | None = None
         self.sending_since: float | None = None
         self.paused = False  # the reader waits for the writer (output budget)
+        self.aborted = False  # ended without draining (slow consumer, write failure)
         self._scope: trio.CancelScope | None = None
 
     # --------------------------------------------------------------------------- plumbing
@@ -106,6 +107,7 @@ class Session:
 
     def abort(self, reason: CloseReason) -> None:
         """End the connection now, reader and writer, without draining anything."""
+        self.aborted = True
         if self.close_reason is None:
             self.close_reason = reason
         if self._scope is not None:
