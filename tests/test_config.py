@@ -120,3 +120,13 @@ def test_write_default_refuses_to_overwrite(tmp_path: Path) -> None:
     config.write_default(path)
     assert path.read_text() == config.default_text()
     assert "already exists" in str(error_of(lambda: config.write_default(path)))
+
+
+def test_combinations_that_cannot_work_are_refused() -> None:
+    # a queue smaller than the largest message could never hold it
+    err = error_of(lambda: config.load(None, env={}, overrides={
+        "queues.capacity_bytes": 1 << 20, "server.max_message_bytes": 2 << 20}))
+    assert err.key == "queues.capacity_bytes" and "max_message_bytes" in str(err)
+    ok = config.load(None, env={}, overrides={
+        "queues.capacity_bytes": 2 << 20, "server.max_message_bytes": 2 << 20})
+    assert ok.queues.capacity_bytes == ok.server.max_message_bytes
