@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_server import connect, make_config
+from test_server import Conn, connect, make_config
 
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import Message
@@ -398,24 +398,35 @@ async def test_unconfirmed_sync_ms_zero_syncs_every_batch(
     server.shutdown.set()
 
 
+async def serve_with_a_stuck_subscriber(
+    nursery: trio.Nursery, tmp_path: Path, disk: Disk, block_timeout_ms: int, **wal: int
+) -> tuple[Server, Bound, Conn]:
+    """A broker on ``disk`` with queues of 2 and a subscriber to "t" that never reads its
+    socket (hold on to it: dropped, its socket closes): big publishes to "t" fill the queue
+    and block until it is cut off."""
+    cfg = make_config(wal={"enabled": True, **wal}, storage={"data_dir": str(tmp_path)},
+                      server={"write_timeout_ms": 0},
+                      queues={"capacity": 2, "overflow": "block",
+                              "block_timeout_ms": block_timeout_ms})
+    server = Server(cfg)
+    assert server.wal is not None and server.flusher is not None
+    server.wal.disk = disk
+    bound: Bound = await nursery.start(server.serve)
+    stuck = await connect(bound.port)
+    await stuck.send(codec.Subscribe("t", "", 0, 0, request_id=1))
+    await stuck.expect(codec.Subscribed)
+    return server, bound, stuck
+
+
 async def test_a_publisher_that_waited_for_room_is_confirmed_after_a_sync(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     """Its first records were appended (and written, unsynced: nobody waited yet) before it
     blocked on a full queue; when it goes on, the confirm of those must not wait for the
     unconfirmed-records timer, nor come before their sync."""
-    cfg = make_config(wal={"enabled": True, "unconfirmed_sync_ms": 60_000},
-                      storage={"data_dir": str(tmp_path)},
-                      server={"write_timeout_ms": 0},
-                      queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 300})
-    server = Server(cfg)
     disk = RecordingDisk()
-    assert server.wal is not None and server.flusher is not None
-    server.wal.disk = disk
-    bound: Bound = await nursery.start(server.serve)
-    stuck = await connect(bound.port)  # subscribes, then never reads its socket
-    await stuck.send(codec.Subscribe("t", "", 0, 0, request_id=1))
-    await stuck.expect(codec.Subscribed)
+    server, bound, _stuck = await serve_with_a_stuck_subscriber(
+        nursery, tmp_path, disk, 300, unconfirmed_sync_ms=60_000)
     pub = await connect(bound.port)
     # far more than the socket buffers hold: the queue fills and the publisher blocks
     # until the stuck subscriber is disconnected as a slow consumer
@@ -436,17 +447,9 @@ async def test_a_blocked_publisher_is_not_confirmed_for_records_a_failed_write_l
     """Its first records went into a batch the disk refused while it waited for room (it had
     not asked for its confirm yet); a later batch succeeded. It must get ERROR STORAGE and
     PUB_ACK 0, not a confirm of everything."""
-    cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)},
-                      server={"write_timeout_ms": 0},
-                      queues={"capacity": 2, "overflow": "block", "block_timeout_ms": 1000})
-    server = Server(cfg)
     disk = FaultyDisk()
-    assert server.wal is not None and server.flusher is not None
-    server.wal.disk = disk
-    bound: Bound = await nursery.start(server.serve)
-    stuck = await connect(bound.port)  # subscribes, then never reads its socket
-    await stuck.send(codec.Subscribe("t", "", 0, 0, request_id=1))
-    await stuck.expect(codec.Subscribed)
+    server, bound, _stuck = await serve_with_a_stuck_subscriber(nursery, tmp_path, disk, 1000)
+    assert server.flusher is not None
     pub = await connect(bound.port)
     disk.fail_writes = True
     await pub.send(publish_frame(7, 1, *[b"x" * 100_000] * 60))  # fills the buffers, blocks
