@@ -34,11 +34,11 @@ from blipmq_server.broker.results import (
 )
 from blipmq_server.broker.storage import MessageLog, StoredRecord
 from blipmq_server.kinds import Kind
-from blipmq_server.protocol.codec import DELIVERY_PREFIX, ErrorCode, RawMessage, Start
+from blipmq_server.protocol.codec import ErrorCode, RawMessage, Start
+from blipmq_server.protocol.message import DELIVERY_PREFIX, PREFIX_SIZE
 from blipmq_server.protocol.names import filter_problem, group_problem
 
 _pack_prefix = DELIVERY_PREFIX.pack
-_PREFIX_SIZE = DELIVERY_PREFIX.size
 
 
 @dataclass
@@ -111,7 +111,7 @@ class Broker:
                     ErrorCode.UNSUPPORTED, "QoS 1 needs the write-ahead log (wal.enabled = false)"
                 )
                 break
-            size = len(m.record) + _PREFIX_SIZE
+            size = len(m.record) + PREFIX_SIZE
             targets = route.targets  # type: ignore[union-attr]
             # Room left in every target (messages and bytes) since this route was last
             # looked at: while both stay positive no target is full, and the checks below

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 from blipmq_server.broker.topics import matches
 from blipmq_server.kinds import Kind
-from blipmq_server.protocol.message import DELIVERY_PREFIX, MSG_HEAD
+from blipmq_server.protocol.message import DELIVERY_PREFIX, MSG_HEAD, PREFIX_SIZE
 
 _GROUP_HEAD = struct.Struct(">BQ")
 _ACK_HEAD = struct.Struct(">QQH")
@@ -41,7 +41,6 @@ CREATE, DELETE, IDLE, CHECKPOINT = 1, 2, 3, 4  # IDLE: its last consumer detache
 _CHECKPOINT_HEAD = struct.Struct(">QI")
 _U32 = struct.Struct(">I")
 DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
-_PREFIX_SIZE = DELIVERY_PREFIX.size
 _unpack_head = MSG_HEAD.unpack_from
 _HEAD = MSG_HEAD.size
 _MESSAGE = int(Kind.MESSAGE)  # a plain int for the per-record test
@@ -245,7 +244,7 @@ class DurableGroup:
             if flight is None or flight.sub_id:
                 ready.popleft()
                 continue  # acked, or taken again, meanwhile
-            record_size = _PREFIX_SIZE + len(flight.body)
+            record_size = PREFIX_SIZE + len(flight.body)
             if out and size + record_size > max_bytes:
                 break
             ready.popleft()
@@ -286,7 +285,7 @@ class DurableGroup:
                 full = True
                 break
             body = record.body
-            if size and size + _PREFIX_SIZE + len(body) > max_bytes and record.kind == _MESSAGE:
+            if size and size + PREFIX_SIZE + len(body) > max_bytes and record.kind == _MESSAGE:
                 full = True
                 break
             ahead.popleft()
@@ -305,7 +304,7 @@ class DurableGroup:
             if acks:
                 inflight[offset] = Flight(body, sub_id, due)
             out.append(pack(offset, 1) + body)
-            size += _PREFIX_SIZE + len(body)
+            size += PREFIX_SIZE + len(body)
         if acks and out:
             self.held[sub_id] = self.held.get(sub_id, 0) + len(out)
         return out, size, expired, full

@@ -50,6 +50,7 @@ from blipmq_server.protocol.message import (
     HEAD_SIZE,
     MESSAGE_OVERHEAD,
     MSG_HEAD,
+    PREFIX_SIZE,
     DeadLetter,
     Delivery,
     Message,
@@ -61,7 +62,6 @@ from blipmq_server.protocol.message import (
     delivery_record,
     message_record,
     record_size,
-    topic_of,
 )
 
 __all__ = [
@@ -72,7 +72,7 @@ __all__ = [
     "PubAck", "Publish", "RawMessage", "Start", "Subscribe", "Subscribed", "Unsubscribe",
     "Unsubscribed", "Welcome", "dead_letter", "dead_trailer", "decode_one", "delivery_record",
     "encode", "encode_deliver", "encode_publish", "frame_limit", "message_record",
-    "record_size", "topic_of",
+    "record_size",
 ]
 
 _U16 = struct.Struct(">H")
@@ -84,8 +84,7 @@ _CREDIT = struct.Struct(">II")  # sub_id, credit
 _HELLO = struct.Struct(">H")
 _WELCOME = struct.Struct(">HII")
 _ERROR = struct.Struct(">H")
-_PREFIX = DELIVERY_PREFIX.size  # 10
-_DELIVERY_HEAD = _PREFIX + HEAD_SIZE  # 23: a delivery record before its topic
+_DELIVERY_HEAD = PREFIX_SIZE + HEAD_SIZE  # 23: a delivery record before its topic
 
 
 def frame_limit(max_message_bytes: int, max_batch_bytes: int = 0) -> int:
@@ -96,7 +95,7 @@ def frame_limit(max_message_bytes: int, max_batch_bytes: int = 0) -> int:
     limit (the broker announces it in WELCOME), so any message the broker accepts can reach
     every subscriber.
     """
-    one = _PREFIX + MESSAGE_OVERHEAD + max_message_bytes
+    one = PREFIX_SIZE + MESSAGE_OVERHEAD + max_message_bytes
     return MIN_LENGTH + _ACK_HEAD.size + max(one, max_batch_bytes)
 
 
@@ -290,7 +289,7 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
         if pos + _DELIVERY_HEAD > end:
             raise RemoteProtocolError("DELIVER message header ends early")
         offset, dcount = prefix(data, pos)
-        flags, ttl, tlen, klen, plen = head(data, pos + _PREFIX)
+        flags, ttl, tlen, klen, plen = head(data, pos + PREFIX_SIZE)
         p = pos + _DELIVERY_HEAD
         pos = p + tlen + klen + plen
         if pos > end:

@@ -25,6 +25,7 @@ from blipmq_server.protocol.names import MAX_TOPIC_BYTES
 MSG_HEAD = struct.Struct(">BIHHI")  # flags, ttl_ms, topic_len, key_len, payload_len
 HEAD_SIZE = MSG_HEAD.size  # 13: the topic starts here
 DELIVERY_PREFIX = struct.Struct(">QH")  # offset, delivery_count
+PREFIX_SIZE = DELIVERY_PREFIX.size  # 10: a delivery record is this plus its message record
 FLAG_QOS1 = 0x01
 FLAG_KEY = 0x02
 FLAG_DEAD = 0x04
@@ -122,12 +123,6 @@ def delivery_message(d: Delivery) -> bytes:
 
 
 # --------------------------------------------------------------------------------- reading
-
-
-def topic_of(record: bytes) -> bytes:
-    """The topic bytes of a message record."""
-    tlen = MSG_HEAD.unpack_from(record)[2]
-    return record[HEAD_SIZE : HEAD_SIZE + tlen]
 
 
 def message_from_record(record: bytes, pos: int = 0) -> Message:
