@@ -42,6 +42,7 @@ def _json_one(d: Delivery) -> str:
     record: dict[str, object] = {
         "topic": d.topic,
         "offset": d.offset,
+        "timestamp_ms": d.timestamp_ms,
         "delivery_count": d.delivery_count,
         "qos": d.qos,
         "ttl_ms": d.ttl_ms,
@@ -49,6 +50,8 @@ def _json_one(d: Delivery) -> str:
         "payload": payload,
         "encoding": encoding,
     }
+    if d.retained:
+        record["retained"] = True
     if d.dead is not None:
         record["dead_letter"] = {"deliveries": d.dead.deliveries, "reason": d.dead.reason}
     return json.dumps(record, ensure_ascii=False)

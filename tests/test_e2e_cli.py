@@ -218,7 +218,7 @@ def test_unreachable_broker(tmp_path: Path, start_broker) -> None:
 
 def _handshake(port: int) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    s.sendall(codec.encode(codec.Hello(1, "raw", 1)) + codec.encode(codec.Auth("", 2)))
+    s.sendall(codec.encode(codec.Hello(codec.VERSION, "raw", 1)) + codec.encode(codec.Auth("", 2)))
     dec = codec.Decoder()
     frames: list = []
     while len(frames) < 2:

@@ -80,7 +80,8 @@ def publish_frame(messages: list[Message], request_id: int = 0) -> tuple[bytes, 
     records = [message_record(m) for m in messages]
     expected = Publish(
         tuple(
-            RawMessage(m.topic.encode(), m.qos, m.ttl_ms, len(m.payload), rec)
+            RawMessage(m.topic.encode(), m.qos, m.ttl_ms, len(m.payload), rec,
+                       0x08 if m.retain else 0)
             for m, rec in zip(messages, records, strict=True)
         ),
         request_id,
@@ -290,16 +291,43 @@ def test_layout_publish_one_message() -> None:
 
 
 def test_layout_deliver_one_message() -> None:
-    frame = Deliver(2, (Delivery(5, 1, "t", b"z", 1, 0, None),), 0)
+    frame = Deliver(2, (Delivery(5, 1, "t", b"z", 1, 0, None, None, 1795363200000),), 0)
     expected = bytes.fromhex(
-        "00000024"  # length 36 = 5 + 6 + 23 + 2
+        "0000002d"  # length 45 = 5 + 6 + 32 + 2
         "30" "00000000"  # DELIVER, request id 0
         "00000002" "0001"  # sub_id 2, count 1
         "0000000000000005" "0001"  # offset 5, delivery_count 1
+        "000001a203fc5c00" "00"  # timestamp_ms 2026-11-22T16:00:00Z, not a retained value
         "01" "00000000" "0001" "0000" "00000001"  # flags qos1, ttl, topic, key, payload lens
         "74" "7a"  # "t", "z"
     )
     assert encode(frame) == expected
+    assert decode_one(expected) == frame
+
+
+def test_layout_deliver_retained_value() -> None:
+    """dflags bit 0 marks a retained value sent on subscribing; the record keeps bit 3."""
+    frame = Deliver(2, (Delivery(5, 1, "t", b"on", 0, 0, None, None, 7, True),), 0)
+    data = encode(frame)
+    prefix = data[15 : 15 + 19]
+    assert prefix == bytes.fromhex("0000000000000005" "0001" "0000000000000007" "01")
+    assert data[15 + 19] == 0x08  # FLAG_RETAIN
+    assert decode_one(data) == frame
+
+
+def test_deliver_with_unknown_delivery_flags_is_malformed() -> None:
+    data = bytearray(encode(Deliver(2, (Delivery(5, 1, "t", b"on", 0, 0, None),), 0)))
+    data[15 + 18] = 0x02
+    with pytest.raises(RemoteProtocolError, match="delivery flags"):
+        decode_one(bytes(data))
+
+
+def test_publish_retain_flag_round_trips() -> None:
+    record = message_record(Message("status/a", b"up", retain=True))
+    assert record[0] == 0x08
+    pub = decode_one(encode_publish([record]))
+    assert pub.messages[0].retain == 0x08
+    assert pub.decoded() == [Message("status/a", b"up", retain=True)]
 
 
 def test_layout_small_frames() -> None:
@@ -496,14 +524,14 @@ MALFORMED: dict[str, bytes] = {
         FrameType.PUBLISH, b"\x00\x01" + msg_bytes(b"t", b"p", flags=0x00, key=b"k")
     ),
     "publish-2nd-message-bad-flags": raw(
-        FrameType.PUBLISH, b"\x00\x02" + msg_bytes(b"t") + msg_bytes(b"t", flags=0x08)
+        FrameType.PUBLISH, b"\x00\x02" + msg_bytes(b"t") + msg_bytes(b"t", flags=0x10)
     ),
     "subscribe-qos-2": raw(FrameType.SUBSCRIBE, SUB0 + s16(b"a") + s16(b"")),
     "subscribe-qos-255": raw(
         FrameType.SUBSCRIBE, struct.pack(">BIBQ", 255, 0, 0, 0) + s16(b"a") + s16(b"")
     ),
-    "subscribe-start-3": raw(
-        FrameType.SUBSCRIBE, struct.pack(">BIBQ", 0, 0, 3, 0) + s16(b"a") + s16(b"")
+    "subscribe-start-4": raw(
+        FrameType.SUBSCRIBE, struct.pack(">BIBQ", 0, 0, 4, 0) + s16(b"a") + s16(b"")
     ),
     "subscribe-old-layout": raw(FrameType.SUBSCRIBE, struct.pack(">BI", 0, 0) + s16(b"a")
                                 + s16(b"")),
@@ -511,25 +539,25 @@ MALFORMED: dict[str, bytes] = {
     "credit-cut": raw(FrameType.CREDIT, struct.pack(">IH", 1, 0)),
     "credit-trailing": raw(FrameType.CREDIT, struct.pack(">III", 1, 2, 3)),
     "deliver-dead-trailer-missing": raw(
-        FrameType.DELIVER, struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"p", flags=0x04)
+        FrameType.DELIVER, struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"p", flags=0x04)
     ),
     "deliver-dead-reason-cut": raw(
         FrameType.DELIVER,
-        struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x09ab",
+        struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x09ab",
     ),
     "utf8-dead-reason": raw(
         FrameType.DELIVER,
-        struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x01\xff",
+        struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x01\xff",
     ),
     "subscribe-group-missing": raw(FrameType.SUBSCRIBE, struct.pack(">BIBQ", 0, 0, 0, 0)
                                      + s16(b"a")),
-    "deliver-header-cut": raw(FrameType.DELIVER, struct.pack(">IH", 1, 1) + b"\x00" * 22),
+    "deliver-header-cut": raw(FrameType.DELIVER, struct.pack(">IH", 1, 1) + b"\x00" * 31),
     "deliver-payload-cut": raw(
         FrameType.DELIVER,
-        struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"abc")[:-1],
+        struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"abc")[:-1],
     ),
     "deliver-extra": raw(
-        FrameType.DELIVER, struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t") + b"\x00"
+        FrameType.DELIVER, struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t") + b"\x00"
     ),
     "utf8-hello": raw(FrameType.HELLO, b"\x00\x01" + s16(b"\xff")),
     "utf8-welcome": raw(FrameType.WELCOME, struct.pack(">HII", 1, 2, 3) + s16(b"\xc3")),
@@ -542,7 +570,7 @@ MALFORMED: dict[str, bytes] = {
     "utf8-goodbye": raw(FrameType.GOODBYE, b"\x00\x10" + s16(b"\xff\xfe")),
     "utf8-error": raw(FrameType.ERROR, b"\x00\x01" + s16(b"bad \xe2\x82")),
     "utf8-deliver-topic": raw(
-        FrameType.DELIVER, struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"\xff")
+        FrameType.DELIVER, struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"\xff")
     ),
 }
 
@@ -563,7 +591,7 @@ def test_malformed_frame_is_protocol_error(data: bytes) -> None:
         raw(FrameType.PUBLISH, b"\x00\x01" + msg_bytes(b"t", flags=0x03, key=b"k")),
         raw(FrameType.PUBLISH, b"\x00\x02" + msg_bytes(b"t") + msg_bytes(b"u", b"p")),
         raw(FrameType.SUBSCRIBE, struct.pack(">BIBQ", 1, 0, 0, 0) + s16(b"a") + s16(b"")),
-        raw(FrameType.DELIVER, struct.pack(">IHQH", 1, 1, 0, 1) + msg_bytes(b"t", b"abc")),
+        raw(FrameType.DELIVER, struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"abc")),
         raw(FrameType.ERROR, b"\x00\x01" + s16("bad €".encode())),
     ],
 )
@@ -684,6 +712,8 @@ deliveries_st = st.builds(
     ttl_ms=u32,
     key=st.none() | st.binary(max_size=30),
     dead=st.none() | st.builds(DeadLetter, st.integers(0, 2**16 - 1), st.text(max_size=20)),
+    timestamp_ms=st.integers(0, 2**64 - 1),
+    retained=st.booleans(),
 )
 deliver_st = st.builds(
     Deliver,

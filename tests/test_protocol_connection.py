@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import (
+    VERSION,
     MAX_BATCH,
     AuthOk,
     Deliver,
@@ -59,7 +60,7 @@ def ready(max_frame: int = codec.DEFAULT_MAX_FRAME, max_message: int = 1000) -> 
     conn = ClientConnection()
     conn.hello("test", "key")
     hello, auth = sent(conn)
-    conn.receive_data(encode(Welcome(1, max_frame, max_message, "b", hello.request_id))
+    conn.receive_data(encode(Welcome(VERSION, max_frame, max_message, "b", hello.request_id))
                       + encode(AuthOk(auth.request_id)), 0.0)
     assert conn.state is State.READY
     return conn
@@ -82,11 +83,11 @@ def test_handshake_pipelines_hello_and_auth_and_adopts_the_welcome_limits() -> N
     assert conn.state is State.NEW and conn.handshake() is None
     conn.hello("cli", "s3cret")
     hello, auth = sent(conn)
-    assert typed([hello, auth]) == typed([codec.Hello(1, "cli", hello.request_id),
+    assert typed([hello, auth]) == typed([codec.Hello(codec.VERSION, "cli", hello.request_id),
                                           codec.Auth("s3cret", auth.request_id)])
     assert hello.request_id != auth.request_id and 0 not in (hello.request_id, auth.request_id)
     assert conn.state is State.GREETING
-    welcome = Welcome(1, 5000, 4000, "blipmq", hello.request_id)
+    welcome = Welcome(VERSION, 5000, 4000, "blipmq", hello.request_id)
     conn.receive_data(encode(welcome), 0.0)
     assert conn.state is State.AUTHENTICATING and conn.handshake() is None
     conn.receive_data(encode(AuthOk(auth.request_id)), 0.0)
@@ -119,7 +120,7 @@ def test_an_error_for_hello_or_auth_is_the_handshake_outcome(which: int) -> None
     rids = [f.request_id for f in sent(conn)]
     refusal = Error(ErrorCode.AUTH_FAILED, "API key refused", rids[which])
     if which:
-        conn.receive_data(encode(Welcome(1, 1 << 20, 1000, "", rids[0])), 0.0)
+        conn.receive_data(encode(Welcome(VERSION, 1 << 20, 1000, "", rids[0])), 0.0)
     conn.receive_data(encode(refusal), 0.0)
     assert typed([conn.handshake()]) == typed([refusal])
     assert conn.refusal() is None
@@ -143,7 +144,7 @@ def test_a_goodbye_right_after_auth_ok_keeps_the_handshake_outcome() -> None:
     conn = ClientConnection()
     conn.hello()
     hello, auth = sent(conn)
-    welcome = Welcome(1, 1 << 20, 1000, "", hello.request_id)
+    welcome = Welcome(VERSION, 1 << 20, 1000, "", hello.request_id)
     conn.receive_data(encode(welcome) + encode(AuthOk(auth.request_id))
                       + encode(Goodbye(ErrorCode.SHUTTING_DOWN, "bye")), 0.0)
     assert typed([conn.handshake()]) == typed([welcome])
@@ -154,8 +155,8 @@ def test_welcome_of_another_version_is_refused() -> None:
     conn = ClientConnection()
     conn.hello()
     hello, _ = sent(conn)
-    with pytest.raises(RemoteProtocolError, match="version 2"):
-        conn.receive_data(encode(Welcome(2, 1 << 20, 1000, "", hello.request_id)), 0.0)
+    with pytest.raises(RemoteProtocolError, match="version 1,"):
+        conn.receive_data(encode(Welcome(1, 1 << 20, 1000, "", hello.request_id)), 0.0)
     assert conn.closed is not None and conn.closed.reason is CloseReason.MALFORMED
 
 
@@ -236,7 +237,7 @@ def test_a_forgotten_request_drops_its_late_reply() -> None:
 @pytest.mark.parametrize("frame", [
     Pong(b"", 999),  # answers no request
     Subscribed(1, 0),
-    codec.Hello(1, "x", 0),  # a frame only clients send
+    codec.Hello(codec.VERSION, "x", 0),  # a frame only clients send
     codec.Publish((), 0),
 ])
 def test_frames_a_client_cannot_take_are_refused(frame: codec.Frame) -> None:
@@ -505,7 +506,7 @@ def test_bytes_fed_one_at_a_time_give_the_same_result_as_whole() -> None:
     def script(conn: ClientConnection, feed: list[bytes]) -> list[object]:
         conn.hello("c", "k")
         hello, auth = sent(conn)
-        stream = (encode(Welcome(1, 4096, 1000, "b", hello.request_id))
+        stream = (encode(Welcome(VERSION, 4096, 1000, "b", hello.request_id))
                   + encode(AuthOk(auth.request_id)))
         for chunk in split(stream, feed):
             conn.receive_data(chunk, 0.0)

@@ -60,7 +60,7 @@ async def start(nursery: trio.Nursery, cfg: config_module.Config) -> tuple[Serve
 async def connect(port: int, api_key: str = "", handshake: bool = True) -> Conn:
     conn = Conn(await trio.open_tcp_stream("127.0.0.1", port))
     if handshake:
-        await conn.send(codec.Hello(1, "test", 1), codec.Auth(api_key, 2))
+        await conn.send(codec.Hello(codec.VERSION, "test", 1), codec.Auth(api_key, 2))
         await conn.expect(codec.Welcome)
         await conn.expect(codec.AuthOk)
     return conn
@@ -74,7 +74,7 @@ async def test_pipelined_session(nursery: trio.Nursery) -> None:
     server, port = await start(nursery, make_config())
     conn = await connect(port, handshake=False)
     await conn.send(
-        codec.Hello(1, "t", 1), codec.Auth("", 2), codec.Subscribe("a/#", "", 0, 0, request_id=3),
+        codec.Hello(codec.VERSION, "t", 1), codec.Auth("", 2), codec.Subscribe("a/#", "", 0, 0, request_id=3),
         publish(("a/b", b"one"), ("a/c", b"two"), rid=4), codec.Ping(b"xy", 5),
     )
     got: list[codec.Frame] = []
@@ -106,7 +106,7 @@ async def test_first_frame_must_be_hello(nursery: trio.Nursery) -> None:
 async def test_nothing_is_served_before_auth(nursery: trio.Nursery) -> None:
     server, port = await start(nursery, make_config(auth={"api_keys": ["k"]}))
     conn = await connect(port, handshake=False)
-    await conn.send(codec.Hello(1, "t", 1), publish(("t", b"x"), rid=2))
+    await conn.send(codec.Hello(codec.VERSION, "t", 1), publish(("t", b"x"), rid=2))
     await conn.expect(codec.Welcome)
     err = await conn.expect(codec.Error)
     assert err.code == ErrorCode.NOT_AUTHENTICATED
@@ -114,7 +114,7 @@ async def test_nothing_is_served_before_auth(nursery: trio.Nursery) -> None:
     assert server.broker.counters.published == 0
 
     conn = await connect(port, handshake=False)
-    await conn.send(codec.Hello(1, "t", 1), codec.Auth("nope", 2))
+    await conn.send(codec.Hello(codec.VERSION, "t", 1), codec.Auth("nope", 2))
     await conn.expect(codec.Welcome)
     assert (await conn.expect(codec.Error)).code == ErrorCode.AUTH_FAILED
     assert await conn.closed()

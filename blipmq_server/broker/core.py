@@ -156,7 +156,7 @@ class Broker:
                 woken.update(targets)
                 woken_by = targets
             ttl = m.ttl_ms or default_ttl
-            item = (_pack_prefix(offset, 1) + m.record, now_ms + ttl if ttl else 0)
+            item = (_pack_prefix(offset, 1, timestamp_ms, 0) + m.record, now_ms + ttl if ttl else 0)
             for q in targets:
                 items = q.items
                 if tight and (len(items) >= q.capacity or (

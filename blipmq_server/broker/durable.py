@@ -106,13 +106,16 @@ class Flight:
     """One delivered, not yet acked message. ``sub_id`` is the consumer holding it, 0 when it
     waits in ``ready``, ``DELAYED`` until ``due`` after a delayed nack."""
 
-    __slots__ = ("body", "count", "due", "sub_id")
+    __slots__ = ("body", "count", "dflags", "due", "sub_id", "timestamp_ms")
 
-    def __init__(self, body: bytes, sub_id: int, due: int) -> None:
+    def __init__(self, body: bytes, sub_id: int, due: int, timestamp_ms: int,
+                 dflags: int = 0) -> None:
         self.body = body
         self.count = 1
         self.sub_id = sub_id
         self.due = due
+        self.timestamp_ms = timestamp_ms  # of its log record: every delivery carries it
+        self.dflags = dflags  # DELIVERED_RETAINED: a retained value sent on subscribing
 
 
 class DurableGroup:
@@ -213,7 +216,7 @@ class DurableGroup:
         records): ready again."""
         for record in records:
             if record.offset in self.pending:
-                flight = Flight(record.body, 0, 0)
+                flight = Flight(record.body, 0, 0, record.timestamp_ms)
                 self.inflight[record.offset] = flight
                 self.ready.append(record.offset)
         self.pending.clear()
@@ -252,7 +255,8 @@ class DurableGroup:
             flight.sub_id = sub_id
             self.held[sub_id] = self.held.get(sub_id, 0) + 1
             flight.due = now_ms + backoff(flight.count)
-            out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF)) + flight.body)
+            out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF), flight.timestamp_ms,
+                                            flight.dflags) + flight.body)
             size += record_size
         return out, size
 
@@ -301,9 +305,10 @@ class DurableGroup:
             if ttl and record.timestamp_ms + ttl <= wall_ms:
                 expired += 1
                 continue
+            ts = record.timestamp_ms
             if acks:
-                inflight[offset] = Flight(body, sub_id, due)
-            out.append(pack(offset, 1) + body)
+                inflight[offset] = Flight(body, sub_id, due, ts)
+            out.append(pack(offset, 1, ts, 0) + body)
             size += PREFIX_SIZE + len(body)
         if acks and out:
             self.held[sub_id] = self.held.get(sub_id, 0) + len(out)

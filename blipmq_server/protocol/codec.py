@@ -42,10 +42,12 @@ from blipmq_server.protocol.frames import (
     Welcome,
 )
 from blipmq_server.protocol.message import (
+    DELIVERED_RETAINED,
     DELIVERY_PREFIX,
     FLAG_DEAD,
     FLAG_KEY,
     FLAG_QOS1,
+    FLAG_RETAIN,
     FLAGS_PUBLISHABLE,
     HEAD_SIZE,
     MESSAGE_OVERHEAD,
@@ -65,7 +67,8 @@ from blipmq_server.protocol.message import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_FRAME", "DELIVERY_PREFIX", "FLAG_DEAD", "FLAG_KEY", "FLAG_QOS1", "HEADER",
+    "DEFAULT_MAX_FRAME", "DELIVERED_RETAINED", "DELIVERY_PREFIX", "FLAG_DEAD", "FLAG_KEY",
+    "FLAG_QOS1", "FLAG_RETAIN", "HEADER",
     "HEADER_SIZE", "MAX_BATCH", "MESSAGE_OVERHEAD", "MIN_LENGTH", "MSG_HEAD", "VERSION", "Ack",
     "Auth", "AuthOk", "Credit", "DeadLetter", "Decoder", "Deliver", "Delivery", "Error",
     "ErrorCode", "Frame", "FrameType", "Goodbye", "Hello", "Message", "Nack", "Ping", "Pong",
@@ -84,7 +87,7 @@ _CREDIT = struct.Struct(">II")  # sub_id, credit
 _HELLO = struct.Struct(">H")
 _WELCOME = struct.Struct(">HII")
 _ERROR = struct.Struct(">H")
-_DELIVERY_HEAD = PREFIX_SIZE + HEAD_SIZE  # 23: a delivery record before its topic
+_DELIVERY_HEAD = PREFIX_SIZE + HEAD_SIZE  # 32: a delivery record before its topic
 
 
 def frame_limit(max_message_bytes: int, max_batch_bytes: int = 0) -> int:
@@ -176,7 +179,8 @@ def _body(frame: Frame) -> bytes:
             return _U32.pack(_u(frame.count, 32, "count"))
         case Deliver():
             records = [
-                delivery_record(d.offset, d.delivery_count, delivery_message(d))
+                delivery_record(d.offset, d.delivery_count, delivery_message(d), d.timestamp_ms,
+                                DELIVERED_RETAINED if d.retained else 0)
                 for d in frame.messages
             ]
             return _ACK_HEAD.pack(frame.sub_id, len(records)) + b"".join(records)
@@ -270,7 +274,8 @@ def _publish_messages(data: bytes, pos: int, end: int) -> tuple[RawMessage, ...]
             raise RemoteProtocolError(f"PUBLISH message has invalid flags {flags:#04x}")
         tstart = pos + head_size
         out.append(
-            RawMessage(data[tstart : tstart + tlen], flags & FLAG_QOS1, ttl, plen, data[pos:stop])
+            RawMessage(data[tstart : tstart + tlen], flags & FLAG_QOS1, ttl, plen, data[pos:stop],
+                       flags & FLAG_RETAIN)
         )
         pos = stop
     if pos != end:
@@ -288,7 +293,9 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
     for _ in range(count):
         if pos + _DELIVERY_HEAD > end:
             raise RemoteProtocolError("DELIVER message header ends early")
-        offset, dcount = prefix(data, pos)
+        offset, dcount, ts, dflags = prefix(data, pos)
+        if dflags & ~DELIVERED_RETAINED:
+            raise RemoteProtocolError(f"DELIVER record has invalid delivery flags {dflags:#04x}")
         flags, ttl, tlen, klen, plen = head(data, pos + PREFIX_SIZE)
         p = pos + _DELIVERY_HEAD
         pos = p + tlen + klen + plen
@@ -310,7 +317,8 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
             payload, pos = data[p:pos], stop
         else:
             payload = data[p:pos]
-        out.append(Delivery(offset, dcount, topic, payload, flags & FLAG_QOS1, ttl, key, dead))
+        out.append(Delivery(offset, dcount, topic, payload, flags & FLAG_QOS1, ttl, key, dead, ts,
+                            dflags == DELIVERED_RETAINED))
     r.pos = pos
     return sub_id, tuple(out)
 
@@ -348,8 +356,8 @@ def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame
         qos, credit, start, start_offset = r.unpack(_SUB)
         if qos not in (0, 1):
             raise RemoteProtocolError(f"SUBSCRIBE qos must be 0 or 1, not {qos}")
-        if start > Start.OFFSET:
-            raise RemoteProtocolError(f"SUBSCRIBE start must be 0, 1 or 2, not {start}")
+        if start > Start.TIME:
+            raise RemoteProtocolError(f"SUBSCRIBE start must be 0 to 3, not {start}")
         frame = Subscribe(r.str16(), r.str16(), qos, credit, start, start_offset, rid)
     elif ftype == FrameType.SUBSCRIBED:
         frame = Subscribed(r.unpack(_U32)[0], rid)

@@ -274,7 +274,7 @@ class ClientConnection:
         topic = self._topics.get(msg.topic)
         if topic is None:
             topic = self._topic_bytes(msg.topic)
-        if msg.key is None and msg.qos == 0 and msg.ttl_ms == 0:
+        if msg.key is None and msg.qos == 0 and msg.ttl_ms == 0 and not msg.retain:
             record = MSG_HEAD.pack(0, 0, len(topic), 0, len(payload)) + topic + payload
         else:
             record = codec.message_record(msg, topic)

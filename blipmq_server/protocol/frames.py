@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from blipmq_server.protocol.message import Delivery, Message, RawMessage, message_from_record
 
-VERSION = 1
+VERSION = 2  # 2: deliveries carry a timestamp and flags; retain; STATS; Start.TIME
 HEADER = struct.Struct(">IBI")  # length, type, request id
 HEADER_SIZE = HEADER.size  # 9
 MIN_LENGTH = 5  # type + request id
@@ -76,6 +76,7 @@ class Start(IntEnum):
     LATEST = 0  # only what is published from now on (the default)
     EARLIEST = 1  # the oldest record still in the log
     OFFSET = 2  # the given log offset
+    TIME = 3  # the first record at or after a wall-clock time (ms since the epoch)
 
 
 # ---------------------------------------------------------------------------------- frames
@@ -134,7 +135,7 @@ class Subscribe(NamedTuple):
     qos: int = 0
     credit: int = 0  # 0 = the broker's default window (QoS 1)
     start: int = Start.LATEST
-    start_offset: int = 0  # with Start.OFFSET
+    start_offset: int = 0  # with Start.OFFSET; with Start.TIME: ms since the epoch
     request_id: int = 0
 
 

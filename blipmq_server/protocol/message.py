@@ -7,9 +7,14 @@ stores as a MESSAGE body, and what DELIVER forwards behind a delivery prefix::
     | topic (UTF-8) | key | payload | [dead-letter trailer] |
 
     flags: bit 0 QoS 1, bit 1 the message has a key, bit 2 a dead letter (broker-made:
-    the payload is followed by | deliveries u16 | reason_len u8 | reason (UTF-8) |)
+    the payload is followed by | deliveries u16 | reason_len u8 | reason (UTF-8) |),
+    bit 3 retain (the topic's last value: kept and handed to new subscribers)
 
-    delivery record: | offset u64 | delivery_count u16 | message record |   (prefix: 10 bytes)
+    delivery record: | offset u64 | delivery_count u16 | timestamp_ms u64 | dflags u8 |
+                     | message record |                                   (prefix: 19 bytes)
+
+    timestamp_ms: the log record's timestamp (the broker's receive time without the log);
+    dflags: bit 0 a retained value handed to a new subscriber (not a live publish)
 
 Integers are big-endian. Standard library only; no I/O.
 """
@@ -24,12 +29,14 @@ from blipmq_server.protocol.names import MAX_TOPIC_BYTES
 
 MSG_HEAD = struct.Struct(">BIHHI")  # flags, ttl_ms, topic_len, key_len, payload_len
 HEAD_SIZE = MSG_HEAD.size  # 13: the topic starts here
-DELIVERY_PREFIX = struct.Struct(">QH")  # offset, delivery_count
-PREFIX_SIZE = DELIVERY_PREFIX.size  # 10: a delivery record is this plus its message record
+DELIVERY_PREFIX = struct.Struct(">QHQB")  # offset, delivery_count, timestamp_ms, dflags
+PREFIX_SIZE = DELIVERY_PREFIX.size  # 19: a delivery record is this plus its message record
 FLAG_QOS1 = 0x01
 FLAG_KEY = 0x02
 FLAG_DEAD = 0x04
-FLAGS_PUBLISHABLE = FLAG_QOS1 | FLAG_KEY  # what a client may set
+FLAG_RETAIN = 0x08
+FLAGS_PUBLISHABLE = FLAG_QOS1 | FLAG_KEY | FLAG_RETAIN  # what a client may set
+DELIVERED_RETAINED = 0x01  # dflags: the topic's retained value, sent on subscribing
 DEAD_HEAD = struct.Struct(">HB")  # dead-letter trailer head: deliveries, reason_len
 # the most a record adds to its payload: head, longest topic and key, dead-letter trailer
 MESSAGE_OVERHEAD = HEAD_SIZE + MAX_TOPIC_BYTES + 0xFFFF + DEAD_HEAD.size + 0xFF
@@ -50,6 +57,7 @@ class Message(NamedTuple):
     qos: int = 0
     ttl_ms: int = 0
     key: bytes | None = None
+    retain: bool = False  # keep as the topic's last value (an empty payload clears it)
 
 
 class RawMessage(NamedTuple):
@@ -60,6 +68,7 @@ class RawMessage(NamedTuple):
     ttl_ms: int
     payload_len: int
     record: bytes  # the message's wire bytes, flags through payload
+    retain: int = 0  # FLAG_RETAIN when set
 
 
 class Delivery(NamedTuple):
@@ -73,6 +82,8 @@ class Delivery(NamedTuple):
     ttl_ms: int
     key: bytes | None
     dead: DeadLetter | None = None
+    timestamp_ms: int = 0  # the log record's timestamp (receive time without the log)
+    retained: bool = False  # the topic's retained value, sent because we subscribed
 
 
 # ---------------------------------------------------------------------------------- making
@@ -82,7 +93,8 @@ def message_record(msg: Message, topic_bytes: bytes | None = None) -> bytes:
     """The wire bytes of one message (the unit PUBLISH batches)."""
     topic = topic_bytes if topic_bytes is not None else msg.topic.encode("utf-8")
     key = msg.key
-    flags = (FLAG_QOS1 if msg.qos else 0) | (FLAG_KEY if key is not None else 0)
+    flags = ((FLAG_QOS1 if msg.qos else 0) | (FLAG_KEY if key is not None else 0)
+             | (FLAG_RETAIN if msg.retain else 0))
     if msg.qos not in (0, 1):
         raise LocalProtocolError(f"qos must be 0 or 1, not {msg.qos}")
     if len(topic) > 0xFFFF or (key is not None and len(key) > 0xFFFF):
@@ -101,8 +113,10 @@ def dead_trailer(dead: DeadLetter) -> bytes:
 
 def dead_letter(record: bytes, dead: DeadLetter) -> RawMessage:
     """The dead letter of a message record: topic ``$dlq/<topic>``, the dead flag, and a
-    trailer with ``dead`` (one an earlier dead letter carried is replaced)."""
+    trailer with ``dead`` (one an earlier dead letter carried is replaced). The retain flag
+    is dropped: a dead letter is not its topic's last value."""
     flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(record)
+    flags &= ~FLAG_RETAIN
     topic = b"$dlq/" + record[HEAD_SIZE : HEAD_SIZE + tlen]
     rest = record[HEAD_SIZE + tlen : HEAD_SIZE + tlen + klen + plen]
     out = b"".join((MSG_HEAD.pack(flags | FLAG_DEAD, ttl, len(topic), klen, plen), topic, rest,
@@ -110,13 +124,14 @@ def dead_letter(record: bytes, dead: DeadLetter) -> RawMessage:
     return RawMessage(topic, flags & FLAG_QOS1, ttl, plen, out)
 
 
-def delivery_record(offset: int, delivery_count: int, record: bytes) -> bytes:
-    return DELIVERY_PREFIX.pack(offset, delivery_count) + record
+def delivery_record(offset: int, delivery_count: int, record: bytes, timestamp_ms: int = 0,
+                    dflags: int = 0) -> bytes:
+    return DELIVERY_PREFIX.pack(offset, delivery_count, timestamp_ms, dflags) + record
 
 
 def delivery_message(d: Delivery) -> bytes:
     """The message record a Delivery was decoded from (trailer included)."""
-    record = message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key))
+    record = message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key, d.retained))
     if d.dead is None:
         return record
     return bytes((record[0] | FLAG_DEAD,)) + record[1:] + dead_trailer(d.dead)
@@ -132,7 +147,8 @@ def message_from_record(record: bytes, pos: int = 0) -> Message:
     p += tlen
     key = record[p : p + klen] if flags & FLAG_KEY else None
     p += klen
-    return Message(topic, record[p : p + plen], flags & FLAG_QOS1, ttl, key)
+    return Message(topic, record[p : p + plen], flags & FLAG_QOS1, ttl, key,
+                   bool(flags & FLAG_RETAIN))
 
 
 def dead_at(data: bytes, pos: int, end: int) -> tuple[DeadLetter, int]:
