@@ -496,6 +496,8 @@ def test_decode_one_refuses_partial_and_extra() -> None:
 # ---------------------------------------------------------------------------- malformed
 
 
+DELIVER_ONE = struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0)  # sub 1, 1 record: offset 0, count 1
+
 MALFORMED: dict[str, bytes] = {
     "unknown-type": raw(0x55, b""),
     "unknown-type-zero": raw(0x00, b"\x00\x01"),
@@ -539,25 +541,25 @@ MALFORMED: dict[str, bytes] = {
     "credit-cut": raw(FrameType.CREDIT, struct.pack(">IH", 1, 0)),
     "credit-trailing": raw(FrameType.CREDIT, struct.pack(">III", 1, 2, 3)),
     "deliver-dead-trailer-missing": raw(
-        FrameType.DELIVER, struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"p", flags=0x04)
+        FrameType.DELIVER, DELIVER_ONE + msg_bytes(b"t", b"p", flags=0x04)
     ),
     "deliver-dead-reason-cut": raw(
         FrameType.DELIVER,
-        struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x09ab",
+        DELIVER_ONE + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x09ab",
     ),
     "utf8-dead-reason": raw(
         FrameType.DELIVER,
-        struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x01\xff",
+        DELIVER_ONE + msg_bytes(b"t", b"p", flags=0x04) + b"\x00\x05\x01\xff",
     ),
     "subscribe-group-missing": raw(FrameType.SUBSCRIBE, struct.pack(">BIBQ", 0, 0, 0, 0)
                                      + s16(b"a")),
     "deliver-header-cut": raw(FrameType.DELIVER, struct.pack(">IH", 1, 1) + b"\x00" * 31),
     "deliver-payload-cut": raw(
         FrameType.DELIVER,
-        struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"abc")[:-1],
+        DELIVER_ONE + msg_bytes(b"t", b"abc")[:-1],
     ),
     "deliver-extra": raw(
-        FrameType.DELIVER, struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t") + b"\x00"
+        FrameType.DELIVER, DELIVER_ONE + msg_bytes(b"t") + b"\x00"
     ),
     "utf8-hello": raw(FrameType.HELLO, b"\x00\x01" + s16(b"\xff")),
     "utf8-welcome": raw(FrameType.WELCOME, struct.pack(">HII", 1, 2, 3) + s16(b"\xc3")),
@@ -570,7 +572,7 @@ MALFORMED: dict[str, bytes] = {
     "utf8-goodbye": raw(FrameType.GOODBYE, b"\x00\x10" + s16(b"\xff\xfe")),
     "utf8-error": raw(FrameType.ERROR, b"\x00\x01" + s16(b"bad \xe2\x82")),
     "utf8-deliver-topic": raw(
-        FrameType.DELIVER, struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"\xff")
+        FrameType.DELIVER, DELIVER_ONE + msg_bytes(b"\xff")
     ),
 }
 
@@ -591,7 +593,7 @@ def test_malformed_frame_is_protocol_error(data: bytes) -> None:
         raw(FrameType.PUBLISH, b"\x00\x01" + msg_bytes(b"t", flags=0x03, key=b"k")),
         raw(FrameType.PUBLISH, b"\x00\x02" + msg_bytes(b"t") + msg_bytes(b"u", b"p")),
         raw(FrameType.SUBSCRIBE, struct.pack(">BIBQ", 1, 0, 0, 0) + s16(b"a") + s16(b"")),
-        raw(FrameType.DELIVER, struct.pack(">IHQHQB", 1, 1, 0, 1, 0, 0) + msg_bytes(b"t", b"abc")),
+        raw(FrameType.DELIVER, DELIVER_ONE + msg_bytes(b"t", b"abc")),
         raw(FrameType.ERROR, b"\x00\x01" + s16("bad €".encode())),
     ],
 )

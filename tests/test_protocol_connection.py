@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import (
-    VERSION,
     MAX_BATCH,
+    VERSION,
     AuthOk,
     Deliver,
     Delivery,
