@@ -74,7 +74,8 @@ async def test_pipelined_session(nursery: trio.Nursery) -> None:
     server, port = await start(nursery, make_config())
     conn = await connect(port, handshake=False)
     await conn.send(
-        codec.Hello(codec.VERSION, "t", 1), codec.Auth("", 2), codec.Subscribe("a/#", "", 0, 0, request_id=3),
+        codec.Hello(codec.VERSION, "t", 1), codec.Auth("", 2),
+        codec.Subscribe("a/#", "", 0, 0, request_id=3),
         publish(("a/b", b"one"), ("a/c", b"two"), rid=4), codec.Ping(b"xy", 5),
     )
     got: list[codec.Frame] = []
