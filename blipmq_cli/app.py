@@ -49,6 +49,9 @@ def pub(
     lines: Annotated[
         bool, typer.Option("--lines", help="Publish each stdin line as its own message")
     ] = False,
+    retain: Annotated[bool, typer.Option(
+        "-r", "--retain", help="Keep as the topic's last value for new subscribers "
+        "(an empty message clears it)")] = False,
     ttl: Ttl = 0,
     qos: Qos = 0,
     key: Key = None,
@@ -57,7 +60,8 @@ def pub(
 ) -> None:
     """Publish one message (or, with --lines, every line of stdin as it arrives)."""
     _exit(commands.guarded(lambda: commands.pub(
-        topic, message, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, lines=lines
+        topic, message, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, lines=lines,
+        retain=retain,
     )))
 
 

@@ -248,14 +248,17 @@ class Client:
         qos: int = 0,
         ttl_ms: int = 0,
         key: bytes | None = None,
+        retain: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         """Send one message; with ``qos=1``, return once the broker confirmed it durable.
 
-        ``progress(bytes_sent)`` is called as a large message goes out.
+        ``retain=True`` keeps it as the topic's last value, handed to every new subscriber
+        (an empty payload clears it). ``progress(bytes_sent)`` is called as a large message
+        goes out.
         """
         try:
-            self._conn.publish(Message(topic, payload, qos, ttl_ms, key))
+            self._conn.publish(Message(topic, payload, qos, ttl_ms, key, retain))
         except LocalProtocolError as exc:
             raise _refused(exc) from None
         if progress is None:
@@ -324,12 +327,17 @@ class Client:
         credit: int = 0,
         start: codec.Start = codec.Start.LATEST,
         start_offset: int = 0,
+        start_time_ms: int = 0,
     ) -> Subscription:
-        """Subscribe; ``start`` (EARLIEST, or OFFSET with ``start_offset``) replays the log.
+        """Subscribe; ``start`` (EARLIEST, OFFSET with ``start_offset``, or TIME with
+        ``start_time_ms``, ms since the epoch) replays the log.
 
         ``start`` applies to an ephemeral subscription and to a group's first subscriber;
-        a group that already exists resumes where it was.
+        a group that already exists resumes where it was. A subscription without a group
+        starting at LATEST first gets the retained value of every topic it matches.
         """
+        if start == codec.Start.TIME:
+            start_offset = start_time_ms
         conn = self._conn
         reply = self._request(
             lambda: conn.subscribe(topic_filter, group, qos, credit, start, start_offset),

@@ -71,15 +71,16 @@ def pub(
     qos: int = 0,
     key: str | None = None,
     lines: bool = False,
+    retain: bool = False,
 ) -> int:
     if lines:
         if message != "-":
             say("--lines reads standard input: give '-' as the message")
             return Exit.USAGE
-        return _pub_lines(topic, addr, api_key, ttl, qos, _key(key))
+        return _pub_lines(topic, addr, api_key, ttl, qos, _key(key), retain)
     payload = sys.stdin.buffer.read() if message == "-" else os.fsencode(message)
     with connect_from_env(addr, api_key) as client:
-        client.publish(topic, payload, qos=qos, ttl_ms=ttl, key=_key(key))
+        client.publish(topic, payload, qos=qos, ttl_ms=ttl, key=_key(key), retain=retain)
     return Exit.OK
 
 
@@ -106,17 +107,19 @@ def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
 
 
 def _pub_lines(
-    topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None
+    topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None,
+    retain: bool = False,
 ) -> int:
     client = connect_from_env(addr, api_key)
     try:
         with client:
-            plain = ttl == 0 and qos == 0 and key is None
+            plain = ttl == 0 and qos == 0 and key is None and not retain
             for batch in _stdin_lines(sys.stdin.buffer, client):
                 if plain:
                     client.publish_many([(topic, line) for line in batch])
                 else:
-                    client.publish_many([Message(topic, line, qos, ttl, key) for line in batch])
+                    client.publish_many([Message(topic, line, qos, ttl, key, retain)
+                                         for line in batch])
                 client.check()
     except (BrokerError, ConnectError) as exc:
         if not qos:

@@ -43,6 +43,7 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("topic")
         p.add_argument("message")
         p.add_argument("--lines", action="store_true")
+        p.add_argument("-r", "--retain", action="store_true")
         _pub_opts(p)
     elif command == "pubfile":
         p.add_argument("topic")

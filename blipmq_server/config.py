@@ -77,6 +77,12 @@ class WalOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class RetainedOptions:
+    max_topics: int = 10_000
+    max_bytes: int = 16 * MiB
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsOptions:
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -101,6 +107,7 @@ class Config:
     queues: QueueOptions = field(default_factory=QueueOptions)
     delivery: DeliveryOptions = field(default_factory=DeliveryOptions)
     wal: WalOptions = field(default_factory=WalOptions)
+    retained: RetainedOptions = field(default_factory=RetainedOptions)
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
     storage: StorageOptions = field(default_factory=StorageOptions)
     log: LogOptions = field(default_factory=LogOptions)
@@ -214,6 +221,10 @@ SCHEMA: tuple[Key, ...] = (
         "(0 = sync every batch)", 0, 3_600_000),
     Key("wal", "shutdown_timeout_ms", int, "How long shutdown waits for the log's last "
         "write and fsync", 1, _U32),
+    Key("retained", "max_topics", int, "Topics that may hold a retained value; a retained "
+        "publish to one more is refused (0 = retained publishes are refused)", 0, 10_000_000),
+    Key("retained", "max_bytes", int, "Bytes of retained messages kept (also capped at half "
+        "of wal.segment_bytes); a retained publish past it is refused", 0, 2**40),
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
     Key("metrics", "host", str, "Address of the metrics listener"),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),
@@ -229,6 +240,7 @@ _SECTIONS: dict[str, Callable[..., Any]] = {
     "queues": QueueOptions,
     "delivery": DeliveryOptions,
     "wal": WalOptions,
+    "retained": RetainedOptions,
     "metrics": MetricsOptions,
     "storage": StorageOptions,
     "log": LogOptions,

@@ -14,3 +14,4 @@ class Kind(IntEnum):
     MESSAGE = 1  # a published message: its body is the message's wire record
     GROUP = 2  # a durable group was created, deleted, went idle or was checkpointed
     ACK = 3  # a durable group's consumer acknowledged offsets
+    RETAINED = 4  # a topic's retained value carried forward by maintenance (not a message)

@@ -32,10 +32,16 @@ from blipmq_server.broker.results import (
     UnsubscribeResult,
     refused,
 )
+from blipmq_server.broker.retained import Retained, carry_body, parse_carry, topic_of
 from blipmq_server.broker.storage import MessageLog, StoredRecord
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import ErrorCode, RawMessage, Start
-from blipmq_server.protocol.message import DELIVERY_PREFIX, PREFIX_SIZE
+from blipmq_server.protocol.message import (
+    DELIVERED_RETAINED,
+    DELIVERY_PREFIX,
+    FLAG_RETAIN,
+    PREFIX_SIZE,
+)
 from blipmq_server.protocol.names import filter_problem, group_problem
 
 _pack_prefix = DELIVERY_PREFIX.pack
@@ -55,6 +61,7 @@ class Broker:
         self.registry = Registry(self.limits)
         self.cursors = (None if self.log is None
                         else Cursors(self.limits, self.log, self.counters))
+        self.retained = Retained(self.limits.retained_max_topics, self.limits.retained_max_bytes)
 
     # ----------------------------------------------------------------------------- publish
 
@@ -111,6 +118,12 @@ class Broker:
                     ErrorCode.UNSUPPORTED, "QoS 1 needs the write-ahead log (wal.enabled = false)"
                 )
                 break
+            retain = m.retain
+            if retain:
+                problem = self.retained.refusal(m.topic, len(m.record), m.payload_len)
+                if problem is not None:
+                    refusal = Refusal(ErrorCode.LIMIT, problem)
+                    break
             size = len(m.record) + PREFIX_SIZE
             targets = route.targets  # type: ignore[union-attr]
             # Room left in every target (messages and bytes) since this route was last
@@ -140,7 +153,7 @@ class Broker:
                         break
             if logged is None:
                 offset += 1
-            elif m.qos or log_qos0:
+            elif m.qos or log_qos0 or retain:  # a retained value is always logged
                 logged.append(m.record)
                 offset = next_logged
                 next_logged += 1
@@ -149,6 +162,8 @@ class Broker:
             else:
                 offset = 0
             accepted += 1
+            if retain:
+                self.retained.put(m.topic, offset, timestamp_ms, m.record, offset)
             if not targets:
                 c.unrouted += 1
                 continue
@@ -234,6 +249,8 @@ class Broker:
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
             consumer = registry.add(conn, queue, qos, credit, request_id)
+            if not group:
+                self._retained_to_queue(queue, topic_filter, timestamp_ms)
             return SubscribeResult(consumer.sub_id, bool(queue.items))
         cursors = self.cursors
         if cursors is None:
@@ -251,7 +268,30 @@ class Broker:
             return SubscribeResult(0, refusal=target)
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
         consumer = registry.add(conn, target, qos, credit, request_id)
+        if not group and start == Start.LATEST:  # QoS 1 here: LATEST at QoS 0 is a queue
+            values = self.retained.matching(topic_filter, timestamp_ms)
+            target.offer_retained(values, DELIVERED_RETAINED)
+            self.counters.retained_sent += len(values)
         return SubscribeResult(consumer.sub_id, self.has_work(consumer))
+
+    def _retained_to_queue(self, queue: Queue, topic_filter: str, wall_ms: int) -> None:
+        """A new subscription's queue starts with the retained values its filter matches,
+        within the queue's bounds (what does not fit is dropped as drop_new)."""
+        values = self.retained.matching(topic_filter, wall_ms)
+        if not values:
+            return
+        c = self.counters
+        items = queue.items
+        for v in values:
+            record = _pack_prefix(v.offset, 1, v.timestamp_ms, DELIVERED_RETAINED) + v.record
+            if not queue.fits(len(record)):
+                queue.dropped_new += 1
+                c.dropped_new += 1
+                continue
+            items.append((record, 0))
+            queue.size += len(record)
+            c.enqueued += 1
+            c.retained_sent += 1
 
     def unsubscribe(
         self, conn: int, sub_id: int = 0, topic_filter: str = "", group: str = "",
@@ -463,6 +503,20 @@ class Broker:
         """Restate durable groups anchored below offset ``below`` (see Cursors.checkpoint)."""
         return 0 if self.cursors is None else self.cursors.checkpoint(timestamp_ms, below)
 
+    def carry_retained(self, timestamp_ms: int, below: int) -> int:
+        """Carry every retained value whose latest record is below offset ``below`` forward
+        into a RETAINED record, so retention never deletes a topic's current value. Returns
+        the offset of the last record appended (0: none)."""
+        log = self.log
+        if log is None:
+            return 0
+        last = 0
+        retained = self.retained
+        for topic, value in retained.stale(below):
+            last = log.append(Kind.RETAINED, carry_body(value), timestamp_ms)
+            retained.moved(topic, last)
+        return last
+
     def skip_to(self, first: int) -> list[tuple[DurableGroup, int]]:
         """Retention removed the log below ``first`` (see Cursors.skip_to)."""
         return [] if self.cursors is None else self.cursors.skip_to(first)
@@ -474,10 +528,21 @@ class Broker:
     # --------------------------------------------------------------------------- recovery
 
     def recover(self, record: StoredRecord) -> None:
-        """A GROUP or ACK record met while the log is opened (the log's ``on_record``)."""
+        """A record met while the log is opened (the log's ``on_record``): a GROUP, ACK or
+        RETAINED record, or a MESSAGE with the retain flag (the log hands over only those)."""
+        kind = record.kind
+        if kind == Kind.MESSAGE:
+            body = record.body
+            if body[0] & FLAG_RETAIN:
+                self.retained.put(topic_of(body), record.offset, record.timestamp_ms, body,
+                                  record.offset)
+            return
+        if kind == Kind.RETAINED:
+            offset, timestamp_ms, body = parse_carry(record.body)
+            self.retained.put(topic_of(body), offset, timestamp_ms, body, record.offset)
         first, last = self._bookkeeping
         self._bookkeeping = (first if record.offset == last + 1 else record.offset, record.offset)
-        if self.cursors is not None:
+        if self.cursors is not None and kind != Kind.RETAINED:
             self.cursors.recover(record)
 
     def recovered(self, wall_ms: int) -> None:

@@ -221,6 +221,15 @@ class DurableGroup:
                 self.ready.append(record.offset)
         self.pending.clear()
 
+    def offer_retained(self, values: list[Any], dflags: int) -> None:
+        """Retained values (``retained.Value``) for a new QoS 1 subscription: in flight and
+        ready, ahead of the log, each counted as delivered once it is taken."""
+        for value in values:
+            flight = Flight(value.record, 0, 0, value.timestamp_ms, dflags)
+            flight.count = 0
+            self.inflight[value.offset] = flight
+            self.ready.append(value.offset)
+
     def wants(self, topic: bytes) -> bool:
         hit = self._matches.get(topic)
         if hit is None:

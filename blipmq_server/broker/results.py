@@ -29,6 +29,8 @@ class Limits:
     max_retries: int = 5  # deliveries before a message goes to $dlq/<topic>
     default_credit: int = 256  # in-flight window of a QoS 1 consumer that asks for 0
     group_expiry_ms: int = 0  # a durable group with no consumer this long is dropped; 0 never
+    retained_max_topics: int = 10_000  # topics with a retained value
+    retained_max_bytes: int = 16 * 1024 * 1024  # bytes of retained message records
 
 
 @dataclass(slots=True)
@@ -43,7 +45,8 @@ class Counters:
     dropped_new: int = 0
     dropped_ttl: int = 0
     dropped_no_consumer: int = 0  # a ``block`` queue without consumers made room
-    refused: int = 0  # messages answered with an error frame (bad topic, too large, ...)
+    refused: int = 0  # PUBLISH frames answered with an error frame (bad topic, too large, ...)
+    retained_sent: int = 0  # retained values handed to new subscriptions
     acked: int = 0
     redelivered: int = 0
     nacked: int = 0

@@ -47,6 +47,7 @@ class ErrorCode(IntEnum):
     TIMEOUT = 15
     NORMAL = 16  # GOODBYE only: a plain, intended close
     STORAGE = 17  # the write-ahead log could not store a message; it was not confirmed
+    LIMIT = 18  # a configured broker bound refuses it (retained.max_topics, retained.max_bytes)
 
 
 class FrameType(IntEnum):

@@ -86,6 +86,10 @@ class Server:
                 max_retries=config.delivery.max_retries,
                 default_credit=config.delivery.default_credit,
                 group_expiry_ms=config.delivery.group_expiry_ms,
+                retained_max_topics=config.retained.max_topics,
+                # carried forward at once, retained values must fit in half a segment
+                retained_max_bytes=min(config.retained.max_bytes,
+                                       w.segment_bytes // 2 if w.enabled else 1 << 62),
             ),
             log=self.wal,
         )
@@ -181,7 +185,8 @@ class Server:
     def _open_log(self) -> None:
         assert self.wal is not None and self.flusher is not None
         started = time.monotonic()
-        found = self.recovery = self.wal.open(on_record=self.broker.recover)
+        found = self.recovery = self.wal.open(on_record=self.broker.recover,
+                                              message_flags=codec.FLAG_RETAIN)
         self.broker.recovered(wall_ms())
         for note in found.notes:
             log.warning("wal recovery: %s", note)
@@ -203,11 +208,15 @@ class Server:
                 log.warning("durable group %r on %r dropped: no consumer for %d ms "
                             "(delivery.group_expiry_ms)", group.group, group.filter,
                             self.config.delivery.group_expiry_ms)
-            broker.checkpoint(wall, wal.segments[-1].base if wal.segments else 0)
+            newest = wal.segments[-1].base if wal.segments else 0
+            broker.checkpoint(wall, newest)
+            broker.carry_retained(wall, newest)
             self.log_touched()
             self.flusher.counters.maintenance_runs += 1
-            if any(g.anchor > wal.written_offset for g in broker.durable_groups):
-                continue  # a checkpoint is not on disk yet: retain next time
+            written = wal.written_offset
+            if (any(g.anchor > written for g in broker.durable_groups)
+                    or broker.retained.newest_anchor() > written):
+                continue  # a checkpoint or carried value is not on disk yet: retain next time
             result = wal.retain(wall, broker.durable_floor())
             if result.removed:
                 log.info("wal retention removed %s", ", ".join(result.removed))

@@ -89,18 +89,22 @@ class Log:
 
     # ---------------------------------------------------------------------------- recovery
 
-    def open(self, on_record: Callable[[rec.Record], None] | None = None) -> Recovery:
+    def open(self, on_record: Callable[[rec.Record], None] | None = None,
+             message_flags: int = 0) -> Recovery:
         """Scan every segment, cut a torn tail, set damaged bytes aside, index the rest
         (``wal/recovery.py``).
 
         ``on_record`` is called, in log order, with every valid record that is not a MESSAGE
-        (group and ack records), so their owner can rebuild its state in the same pass.
+        (group, ack and retained records), so their owner can rebuild its state in the same
+        pass, and with every MESSAGE whose flags byte has a bit of ``message_flags`` (the
+        broker asks for retained publishes).
         What an earlier run wrote may not have been fsynced: every segment kept, and the
         directory, count as unsynced until the first sync.
         """
         self._cache.drop()
         os.makedirs(self.directory, exist_ok=True)
-        done = recover(self.directory, self.disk, self.options.index_every, on_record)
+        done = recover(self.directory, self.disk, self.options.index_every, on_record,
+                       message_flags)
         self.segments = done.segments
         self._tail = self._batch_tail = self.segments[-1] if self.segments else None
         self.next_offset = done.next_offset

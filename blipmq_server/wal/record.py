@@ -75,11 +75,16 @@ class Scan(NamedTuple):
     good_end: int
     problem: str | None
     torn: bool
-    others: list[int]  # positions of the records that are not MESSAGE
+    others: list[int]  # positions of the records that are not MESSAGE (or flagged, below)
 
 
-def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = -1) -> Scan:
-    """Validate records from ``start``; stops at the first damage. Never raises on bad bytes."""
+def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = -1,
+         message_flags: int = 0) -> Scan:
+    """Validate records from ``start``; stops at the first damage. Never raises on bad bytes.
+
+    ``others`` lists the records that are not MESSAGE, and the MESSAGE records whose body's
+    first byte (the message flags) has any bit of ``message_flags`` set.
+    """
     size = len(data)
     pos = start
     out: list[tuple[int, int]] = []
@@ -106,6 +111,9 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
             return Scan(out, pos, f"offset {offset} does not follow {last_offset}", False, others)
         out.append((offset, pos))
         if kind != _MESSAGE:
+            others.append(pos)
+        elif message_flags and end > pos + RECORD_OVERHEAD and (
+                data[pos + RECORD_OVERHEAD] & message_flags):
             others.append(pos)
         last_offset = offset
         pos = end

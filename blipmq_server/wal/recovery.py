@@ -45,10 +45,12 @@ def recover(
     disk: Disk,
     index_every: int,
     on_record: Callable[[rec.Record], None] | None = None,
+    message_flags: int = 0,
 ) -> Recovered:
     """Scan and repair every segment of ``directory`` in offset order.
 
-    ``on_record`` gets every valid record that is not a MESSAGE, in log order.
+    ``on_record`` gets every valid record that is not a MESSAGE, and every MESSAGE whose
+    flags have a bit of ``message_flags``, in log order.
     """
     found = Recovery()
     names = disk.listdir(directory)
@@ -63,7 +65,7 @@ def recover(
         below = next((b for b in bases[i + 1:] if b is not None), None)
         path = os.path.join(directory, name)
         seg, seen = _segment(path, disk, i == len(names) - 1, last, below, found,
-                             index_every, on_record)
+                             index_every, on_record, message_flags)
         used = max(used, seen)
         if seg is None:
             continue
@@ -97,6 +99,7 @@ def _segment(
     found: Recovery,
     index_every: int,
     on_record: Callable[[rec.Record], None] | None,
+    message_flags: int = 0,
 ) -> tuple[Segment | None, int]:
     """Check and repair one segment file; returns what is kept of it (None: nothing) and the
     highest offset its bytes show as used."""
@@ -124,7 +127,7 @@ def _segment(
     damage_at, problem, torn = 0, "unreadable segment header", False
     for _ in range(len(data)):  # each round moves forward: bounded by the size
         if pos is not None:
-            scan = rec.scan(data, pos, last)
+            scan = rec.scan(data, pos, last, message_flags)
             records += scan.records
             others += scan.others
             if scan.records:
@@ -171,7 +174,7 @@ def _segment(
         data = rec.header(base) + b"".join(data[a:b] for a, b in runs)
         disk.write_file(path + TEMP, data)
         disk.rename(path + TEMP, path)
-        scan = rec.scan(data)
+        scan = rec.scan(data, message_flags=message_flags)
         records, others = scan.records, scan.others
     elif pos is None:
         disk.truncate(path, damage_at)

@@ -1,0 +1,204 @@
+"""Retained values in the pure core: kept, cleared, bounded, handed to new subscribers first,
+and rebuilt from the log (also after retention deleted the segment of the original)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.registry import Consumer
+from blipmq_server.broker.storage import MemoryLog
+from blipmq_server.kinds import Kind
+from blipmq_server.protocol.codec import (
+    FLAG_RETAIN,
+    Delivery,
+    ErrorCode,
+    Message,
+    RawMessage,
+    Start,
+    decode_one,
+    encode_deliver,
+    encode_publish,
+    message_record,
+)
+from blipmq_server.wal.log import Log, LogOptions
+
+
+def raw(topic: str, payload: bytes, *, retain: bool = True, qos: int = 0, ttl: int = 0
+        ) -> RawMessage:
+    record = message_record(Message(topic, payload, qos, ttl, retain=retain))
+    return decode_one(encode_publish([record])).messages[0]  # type: ignore[union-attr]
+
+
+def sub(b: Broker, *args, **kwargs) -> Consumer:
+    consumer = b.consumer(b.subscribe(*args, **kwargs).sub_id)
+    assert consumer is not None
+    return consumer
+
+
+def deliveries(b: Broker, consumer: Consumer) -> list[Delivery]:
+    records = b.take(consumer, 10_000, 1 << 30, 0, 0)
+    if not records:
+        return []
+    return list(decode_one(encode_deliver(1, records)).messages)  # type: ignore[union-attr]
+
+
+def test_a_new_subscriber_gets_the_retained_value_of_every_matching_topic_first() -> None:
+    b = Broker(log=MemoryLog())
+    live = sub(b, 1, "status/#")
+    b.publish([raw("status/a", b"up"), raw("status/b", b"down"), raw("other", b"x")], 0, 1000)
+    b.publish([raw("status/a", b"up again")], 0, 2000)
+    b.publish([raw("status/b", b"plain", retain=False)], 0, 3000)  # not retained: no change
+    got = deliveries(b, live)
+    assert [(d.payload, d.retained) for d in got] == [
+        (b"up", False), (b"down", False), (b"up again", False), (b"plain", False)]
+    newcomer = sub(b, 2, "status/+", timestamp_ms=5000)
+    got = deliveries(b, newcomer)
+    assert [(d.topic, d.payload, d.retained, d.timestamp_ms) for d in got] == [
+        ("status/b", b"down", True, 1000), ("status/a", b"up again", True, 2000)]
+    assert [d.offset for d in got] == [2, 4]  # the original publishes' log offsets
+    b.publish([raw("status/a", b"live", retain=False)], 0, 6000)
+    assert [(d.payload, d.retained) for d in deliveries(b, newcomer)] == [(b"live", False)]
+    assert b.counters.retained_sent == 2
+
+
+def test_an_empty_retained_publish_clears_the_value() -> None:
+    b = Broker(log=MemoryLog())
+    b.publish([raw("cfg/x", b"1"), raw("cfg/y", b"2")], 0, 1)
+    live = sub(b, 1, "cfg/x")
+    b.publish([raw("cfg/x", b"")], 0, 2)
+    # the value, then the clearing publish (delivered like any message, as in MQTT)
+    assert [(d.payload, d.retained) for d in deliveries(b, live)] == [(b"1", True), (b"", False)]
+    assert [d.payload for d in deliveries(b, sub(b, 2, "cfg/#"))] == [b"2"]
+    assert len(b.retained) == 1
+
+
+def test_groups_do_not_get_retained_values() -> None:
+    b = Broker(log=MemoryLog())
+    b.publish([raw("jobs/a", b"r")], 0, 1)
+    assert deliveries(b, sub(b, 1, "jobs/#", "workers")) == []
+    assert deliveries(b, sub(b, 2, "jobs/#", "durable", qos=1)) == []
+    assert [d.payload for d in deliveries(b, sub(b, 3, "jobs/#"))] == [b"r"]
+
+
+def test_a_qos1_subscriber_acks_retained_values_like_any_delivery() -> None:
+    log = MemoryLog()
+    b = Broker(log=log)
+    b.publish([raw("s/a", b"on", qos=1)], 0, 7)
+    log.store()
+    c = sub(b, 1, "s/#", qos=1)
+    got = deliveries(b, c)
+    assert [(d.payload, d.retained, d.delivery_count, d.timestamp_ms) for d in got] == [
+        (b"on", True, 1, 7)]
+    assert b.ack(1, c.sub_id, (got[0].offset,), 8)
+    assert c.queue.inflight == {}
+
+
+def test_replays_do_not_get_retained_values_ahead_of_the_log() -> None:
+    log = MemoryLog()
+    b = Broker(log=log)
+    b.publish([raw("s/a", b"on")], 0, 7)
+    log.store()
+    got = deliveries(b, sub(b, 1, "s/#", start=Start.EARLIEST))
+    assert [(d.payload, d.retained) for d in got] == [(b"on", False)]  # read from the log
+
+
+def test_an_expired_retained_value_is_not_handed_out() -> None:
+    b = Broker(log=MemoryLog())
+    b.publish([raw("s/a", b"short", ttl=100), raw("s/b", b"long")], 0, 1000)
+    assert [d.payload for d in deliveries(b, sub(b, 1, "s/#", timestamp_ms=1050))] == [
+        b"short", b"long"]
+    assert [d.payload for d in deliveries(b, sub(b, 2, "s/#", timestamp_ms=1100))] == [b"long"]
+    assert len(b.retained) == 1
+
+
+def test_retained_values_are_bounded_by_topics_and_bytes() -> None:
+    b = Broker(Limits(retained_max_topics=2, retained_max_bytes=200), log=MemoryLog())
+    assert b.publish([raw("a", b"1"), raw("b", b"2")], 0, 1).refusal is None
+    res = b.publish([raw("a", b"new"), raw("c", b"3"), raw("d", b"4")], 0, 2)
+    assert res.accepted == 1 and res.refusal is not None
+    assert res.refusal.code == ErrorCode.LIMIT and "retained.max_topics" in res.refusal.text
+    assert b.publish([raw("c", b"plain", retain=False)], 0, 3).refusal is None
+    assert b.publish([raw("b", b"")], 0, 4).refusal is None  # clearing makes room
+    assert b.publish([raw("c", b"3")], 0, 5).refusal is None
+    res = b.publish([raw("c", b"x" * 300)], 0, 6)
+    assert res.refusal is not None and "retained.max_bytes" in res.refusal.text
+    assert len(b.retained) == 2 and b.retained.size <= 200
+    assert b.counters.refused == 2
+
+
+def test_a_retained_publish_is_logged_even_when_qos0_is_not() -> None:
+    log = MemoryLog()
+    b = Broker(Limits(log_qos0=False), log=log)
+    b.publish([raw("s", b"kept"), raw("s", b"gone", retain=False)], 0, 1)
+    assert [r.body[0] & FLAG_RETAIN for r in log.records] == [FLAG_RETAIN]
+
+
+def test_without_a_log_retained_values_live_in_memory() -> None:
+    b = Broker()
+    b.publish([raw("s", b"v")], 0, 42)
+    (d,) = deliveries(b, sub(b, 1, "s", timestamp_ms=50))
+    assert (d.payload, d.retained, d.timestamp_ms, d.offset) == (b"v", True, 42, 1)
+
+
+# ------------------------------------------------------------------ durability (real log)
+
+
+def open_broker(path: Path, options: LogOptions) -> tuple[Broker, Log]:
+    log = Log(str(path), options)
+    broker = Broker(log=log)
+    log.open(on_record=broker.recover, message_flags=FLAG_RETAIN)
+    broker.recovered(0)
+    return broker, log
+
+
+def commit(log: Log) -> None:
+    batch = log.take_batch()
+    if batch is not None:
+        batch.write(log.disk, True)
+        log.commit(batch)
+
+
+def test_retained_values_come_back_from_the_log_and_outlive_retention(tmp_path: Path) -> None:
+    options = LogOptions(segment_bytes=4096, retention_bytes=8192)
+    b, log = open_broker(tmp_path, options)
+    b.publish([raw("dev/1", b"online"), raw("dev/2", b"online"), raw("dev/3", b"x")], 0, 10)
+    b.publish([raw("dev/3", b"")], 0, 11)  # cleared
+    for i in range(200):  # enough traffic to fill several segments
+        b.publish([raw("noise", b"n" * 100, retain=False)], 0, 20 + i)
+        commit(log)
+    first = log.segments[0]
+    # what maintenance does: carry values forward, then retention may delete old segments
+    newest = log.segments[-1].base
+    assert b.carry_retained(500, newest) > 0
+    commit(log)
+    assert b.retained.newest_anchor() <= log.written_offset
+    assert log.retain(1000, b.durable_floor()).removed
+    assert log.first_offset > 3 and first not in log.segments  # the originals are gone
+    log.close()
+
+    b2, log2 = open_broker(tmp_path, options)
+    got = deliveries(b2, sub(b2, 1, "dev/#", timestamp_ms=2000))
+    assert [(d.topic, d.payload, d.offset, d.timestamp_ms, d.retained) for d in got] == [
+        ("dev/1", b"online", 1, 10, True), ("dev/2", b"online", 2, 10, True)]
+    # cursors skip the carried copies: a replay sees only messages
+    kinds = {r.kind for r in log2.read(log2.first_offset, 10_000)}
+    assert Kind.RETAINED in kinds
+    replay = sub(b2, 2, "dev/#", start=Start.EARLIEST)
+    assert deliveries(b2, replay) == []
+    log2.close()
+
+
+def test_a_value_set_after_its_carried_copy_wins_on_recovery(tmp_path: Path) -> None:
+    options = LogOptions(segment_bytes=4096)
+    b, log = open_broker(tmp_path, options)
+    b.publish([raw("cfg", b"old")], 0, 1)
+    commit(log)
+    b.carry_retained(2, log.next_offset)  # carried: a RETAINED record after the original
+    b.publish([raw("cfg", b"new")], 0, 3)
+    commit(log)
+    log.close()
+    b2, log2 = open_broker(tmp_path, options)
+    assert [d.payload for d in deliveries(b2, sub(b2, 1, "cfg"))] == [b"new"]
+    assert b2.offset == 3  # the last message; the carried copy is not one
+    log2.close()
