@@ -94,6 +94,16 @@ class BrokerCollector:
             "blipmq_queue_depth", "Messages waiting in all queues",
             value=sum(len(q.items) for q in queues),
         )
+        retained = broker.retained
+        yield GaugeMetricFamily("blipmq_retained_topics", "Topics holding a retained value",
+                                value=len(retained))
+        yield GaugeMetricFamily("blipmq_retained_bytes", "Bytes of retained message records",
+                                value=retained.size)
+        yield CounterMetricFamily("blipmq_retained_sent", "Retained values handed to new "
+                                  "subscriptions", value=c.retained_sent)
+        yield CounterMetricFamily("blipmq_retained_refused", "Retained publishes refused at "
+                                  "retained.max_topics or retained.max_bytes",
+                                  value=retained.refused)
         yield from self._groups()
 
     def _groups(self) -> Iterator[Metric]:
