@@ -363,6 +363,23 @@ class Client:
         self._conn.nack(sub_id, tuple(d.offset for d in deliveries), delay_ms)
         self._send_control()
 
+    def stats(self, timeout: float | None = None) -> dict:
+        """The broker's statistics (docs/PROTOCOL.md, "Statistics"), as a dict."""
+        import json
+
+        conn = self._conn
+        reply = self._request(conn.stats, "STATS_REPORT", timeout)
+        assert isinstance(reply, codec.StatsReport)
+        try:
+            data = json.loads(reply.data)
+        except ValueError:
+            raise ConnectError(f"the broker at {self.addr} sent statistics that are not "
+                               "JSON") from None
+        if not isinstance(data, dict):
+            raise ConnectError(f"the broker at {self.addr} sent statistics that are not "
+                               "a JSON object")
+        return data
+
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time to the broker, in seconds."""
         start = time.perf_counter()

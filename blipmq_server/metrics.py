@@ -118,19 +118,18 @@ class BrokerCollector:
         )
         labels = ["filter", "group"]
         behind = GaugeMetricFamily(
-            "blipmq_group_log_behind",
-            "Log records from the group's read position to the newest message (all topics, "
-            "and group/ack records: an upper bound on its backlog; 0 when caught up)",
+            "blipmq_group_backlog",
+            "Logged messages of the group's own topics it has not delivered yet (counted on "
+            "append; after a restart or a replay's creation, once its count is done)",
             labels=labels)
         flying = GaugeMetricFamily("blipmq_group_in_flight", "Deliveries waiting for an ack",
                                    labels=labels)
         skipped = CounterMetricFamily(
             "blipmq_group_skipped",
             "Records the retention size cap removed before the group read them", labels=labels)
-        last = broker.offset
         for g in groups:
             key = [g.filter, g.group]
-            behind.add_metric(key, max(0, last + 1 - g.next))
+            behind.add_metric(key, max(0, g.backlog))
             flying.add_metric(key, len(g.inflight))
             skipped.add_metric(key, g.skipped)
         yield behind

@@ -20,6 +20,7 @@ from blipmq_server.broker.queue import Overflow, Queue
 from blipmq_server.broker.registry import Consumer, Registry, Route
 from blipmq_server.broker.results import (
     Blocked,
+    Count,
     Counters,
     Deliveries,
     Detached,
@@ -34,6 +35,7 @@ from blipmq_server.broker.results import (
 )
 from blipmq_server.broker.retained import Retained, carry_body, parse_carry, topic_of
 from blipmq_server.broker.storage import MessageLog, StoredRecord
+from blipmq_server.broker.usage import Usage
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import ErrorCode, RawMessage, Start
 from blipmq_server.protocol.message import (
@@ -62,6 +64,8 @@ class Broker:
         self.cursors = (None if self.log is None
                         else Cursors(self.limits, self.log, self.counters))
         self.retained = Retained(self.limits.retained_max_topics, self.limits.retained_max_bytes)
+        self.usage = Usage(self._durable_matching)
+        self._generation = 0  # of the durable groups ``usage`` knows
 
     # ----------------------------------------------------------------------------- publish
 
@@ -100,6 +104,11 @@ class Broker:
         refusal: Refusal | None = None
         blocked: Queue | None = None
         block, drop_oldest = Overflow.BLOCK, Overflow.DROP_OLDEST
+        usage = self.usage
+        entries = usage.entries
+        if self.cursors is not None and self.cursors.generation != self._generation:
+            self._generation = self.cursors.generation
+            usage.regroup()
         for m in messages:
             route = None if internal else routes.get(m.topic)
             if route is None:
@@ -151,6 +160,11 @@ class Broker:
                             break
                     if blocked is not None:
                         break
+            entry = entries.get(m.topic)
+            if entry is None:
+                entry = usage.entry(m.topic, m.payload_len)
+            entry[0] += 1
+            entry[1] += m.payload_len
             if logged is None:
                 offset += 1
             elif m.qos or log_qos0 or retain:  # a retained value is always logged
@@ -159,6 +173,9 @@ class Broker:
                 next_logged += 1
                 if m.qos:
                     confirms += 1
+                if entry[2]:  # durable groups whose backlog this message adds to
+                    for g in entry[2]:
+                        g.backlog += 1
             else:
                 offset = 0
             accepted += 1
@@ -211,6 +228,9 @@ class Broker:
             None if blocked is None else Blocked(
                 blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
             refusal, confirms, last_logged, first_logged)
+
+    def _durable_matching(self, topic: bytes) -> tuple[DurableGroup, ...]:
+        return () if self.cursors is None else self.cursors.matching(topic)
 
     def _publish_dead(self, dead: list[RawMessage], now_ms: int, timestamp_ms: int) -> set[int]:
         """Dead letters to ``$dlq/<topic>``, then their originals done; returns the
@@ -467,6 +487,22 @@ class Broker:
             self.counters.dropped_ttl += expired
         self.counters.delivered += len(out)
         return out
+
+    def take_counts(self) -> list[Count]:
+        """Backlogs of durable groups to count off the event loop (each handed out once)."""
+        return [] if self.cursors is None else self.cursors.take_counts()
+
+    def counted(self, key: int, n: int) -> None:
+        """``n`` messages of the group's topics were found for ``Count(key, ...)``."""
+        if self.cursors is not None:
+            self.cursors.counted(key, n)
+
+    def count_matching(self, key: int, records: Sequence[StoredRecord], last: int) -> int:
+        """Messages of the topics of cursor ``key`` among ``records`` up to ``last`` (pure;
+        safe to call off the event loop on records read there)."""
+        target = None if self.cursors is None else self.cursors._by_key.get(key)
+        return 0 if target is None else self.cursors.count_matching(  # type: ignore[union-attr]
+            target, records, last)
 
     def take_fetches(self) -> list[Fetch]:
         """The disk reads log cursors are waiting for (each handed out once)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from blipmq_server.broker import durable
 from blipmq_server.broker.durable import DurableGroup
-from blipmq_server.broker.results import Counters, Fetch, Limits, Refusal
+from blipmq_server.broker.results import Count, Counters, Fetch, Limits, Refusal
 from blipmq_server.broker.storage import MessageLog, StoredRecord
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import DeadLetter, ErrorCode, RawMessage, Start, dead_letter
@@ -44,6 +44,8 @@ class Cursors:
         self._next_key = 1
         self._fetches: list[Fetch] = []  # disk reads cursors wait for, not yet handed out
         self._buried: list[tuple[DurableGroup, int]] = []  # dead-lettered, ACK not yet logged
+        self.generation = 0  # grows whenever a durable group is added or forgotten
+        self._counts: list[Count] = []  # backlogs to count off the event loop
 
     @property
     def all(self) -> tuple[DurableGroup, ...]:
@@ -71,9 +73,12 @@ class Cursors:
             else:
                 first = log.next_offset
             if group:
+                end = log.next_offset
                 gid = log.append(Kind.GROUP, durable.group_body(
                     durable.CREATE, first, topic_filter, group), timestamp_ms)
                 target = self._add_durable(gid, topic_filter, group, first)
+                if first < end:  # a replay: what it starts behind is counted apart
+                    self._counts.append(Count(target.key, first, end - 1))
             else:
                 target = DurableGroup(0, topic_filter, "", first, persistent=False,
                                       acks=bool(qos))
@@ -84,6 +89,7 @@ class Cursors:
 
     def _add_durable(self, gid: int, topic_filter: str, group: str, start: int) -> DurableGroup:
         target = DurableGroup(gid, topic_filter, group, start)
+        self.generation += 1
         self.durable[(topic_filter, group)] = target
         self._ids[gid] = target
         self._keep(target)
@@ -96,6 +102,7 @@ class Cursors:
 
     def _forget(self, target: DurableGroup) -> None:
         if target.persistent:
+            self.generation += 1
             self.durable.pop((target.filter, target.group), None)
             self._ids.pop(target.id, None)
         elif target in self._plain:
@@ -131,6 +138,10 @@ class Cursors:
             return False
         return bool(target.ready or target.pending or target.ahead) or (
             not target.fetching and target.next <= self.log.written_offset)
+
+    def matching(self, topic: bytes) -> tuple[DurableGroup, ...]:
+        """The durable groups whose filter matches ``topic``."""
+        return tuple(g for g in self.durable.values() if g.wants(topic))
 
     def lag(self, target: DurableGroup) -> int:
         """Log records past the cursor's position (whether they match its filter or not)."""
@@ -176,6 +187,30 @@ class Cursors:
                 break
         self.counters.delivered += len(out)
         return out
+
+    def take_counts(self) -> list[Count]:
+        counts, self._counts = self._counts, []
+        return counts
+
+    def counted(self, key: int, n: int) -> None:
+        target = self._by_key.get(key)
+        if target is not None:
+            target.backlog += n
+
+    @staticmethod
+    def count_matching(target: DurableGroup, records: Sequence[StoredRecord], last: int
+                       ) -> int:
+        """MESSAGE records of ``target``'s topics up to offset ``last`` (not acked yet)."""
+        n = 0
+        head = durable.MSG_HEAD.unpack_from
+        for r in records:
+            if r.offset > last:
+                break
+            if r.kind == Kind.MESSAGE and r.offset not in target.acked:
+                tlen = head(r.body)[2]
+                if target.wants(r.body[durable.HEAD_SIZE : durable.HEAD_SIZE + tlen]):
+                    n += 1
+        return n
 
     def take_fetches(self) -> list[Fetch]:
         fetches, self._fetches = self._fetches, []
@@ -339,7 +374,11 @@ class Cursors:
                 target.idle_since = None
 
     def recovered(self, wall_ms: int) -> None:
-        """The log is open: groups not known to be idle count as idle from now."""
+        """The log is open: groups not known to be idle count as idle from now; every
+        group's backlog is to be counted (from its position to the end of the log)."""
+        end = self.log.written_offset
         for target in self.durable.values():
+            if target.next <= end:
+                self._counts.append(Count(target.key, target.next, end))
             if target.idle_since is None and not target.consumers:
                 target.idle_since = wall_ms

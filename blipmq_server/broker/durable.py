@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 from blipmq_server.broker.topics import matches
 from blipmq_server.kinds import Kind
-from blipmq_server.protocol.message import DELIVERY_PREFIX, MSG_HEAD, PREFIX_SIZE
+from blipmq_server.protocol.message import DELIVERY_PREFIX, HEAD_SIZE, MSG_HEAD, PREFIX_SIZE
 
 _GROUP_HEAD = struct.Struct(">BQ")
 _ACK_HEAD = struct.Struct(">QQH")
@@ -42,7 +42,7 @@ _CHECKPOINT_HEAD = struct.Struct(">QI")
 _U32 = struct.Struct(">I")
 DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
 _unpack_head = MSG_HEAD.unpack_from
-_HEAD = MSG_HEAD.size
+_HEAD = HEAD_SIZE
 _MESSAGE = int(Kind.MESSAGE)  # a plain int for the per-record test
 
 
@@ -125,6 +125,7 @@ class DurableGroup:
         "acks",
         "ahead",
         "anchor",
+        "backlog",
         "consumers",
         "fetching",
         "filter",
@@ -162,6 +163,9 @@ class DurableGroup:
         self.pending: set[int] = set()  # unacked below the cursor, from a checkpoint: to load
         self.anchor = group_id  # offset of the latest create or checkpoint record
         self.skipped = 0  # log records removed by the retention size cap before it read them
+        # logged messages of its own topics not read yet (durable groups only): the core
+        # adds one per matching append, the cursor takes one off per matching record passed
+        self.backlog = 0
         self.consumers: list[Any] = []
         self.idle_since = idle_since  # wall ms since when no consumer is attached
         # Read-ahead: log records from ``next`` on, read but not yet looked at. Filled from the
@@ -308,6 +312,7 @@ class DurableGroup:
             _, ttl, tlen, _, _ = _unpack_head(body)
             if not wants(body[_HEAD : _HEAD + tlen]):
                 continue
+            self.backlog -= 1
             if acked and offset in acked:
                 acked.discard(offset)
                 continue

@@ -137,6 +137,18 @@ class Fetch:
 
 
 @dataclass(frozen=True, slots=True)
+class Count:
+    """A durable group's backlog before it was counted on appends (a group created to
+    replay the log, or every group after a restart): count the MESSAGE records of its topics
+    from ``first`` to ``last`` off the event loop (``Cursors.count_matching`` on records
+    read with ``Log.read_files``) and hand the number to ``Broker.counted(key, n)``."""
+
+    key: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True, slots=True)
 class Deliveries:
     """What one connection takes in one go: DELIVER batches by subscription id, the queues
     it took from (blocked publishers may go on), the disk reads cursors now wait for, and

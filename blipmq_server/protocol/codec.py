@@ -35,6 +35,8 @@ from blipmq_server.protocol.frames import (
     PubAck,
     Publish,
     Start,
+    Stats,
+    StatsReport,
     Subscribe,
     Subscribed,
     Unsubscribe,
@@ -72,7 +74,8 @@ __all__ = [
     "HEADER_SIZE", "MAX_BATCH", "MESSAGE_OVERHEAD", "MIN_LENGTH", "MSG_HEAD", "VERSION", "Ack",
     "Auth", "AuthOk", "Credit", "DeadLetter", "Decoder", "Deliver", "Delivery", "Error",
     "ErrorCode", "Frame", "FrameType", "Goodbye", "Hello", "Message", "Nack", "Ping", "Pong",
-    "PubAck", "Publish", "RawMessage", "Start", "Subscribe", "Subscribed", "Unsubscribe",
+    "PubAck", "Publish", "RawMessage", "Start", "Stats", "StatsReport", "Subscribe",
+    "Subscribed", "Unsubscribe",
     "Unsubscribed", "Welcome", "dead_letter", "dead_trailer", "decode_one", "delivery_record",
     "encode", "encode_deliver", "encode_publish", "frame_limit", "message_record",
     "record_size",
@@ -148,8 +151,10 @@ def _body(frame: Frame) -> bytes:
             ) + _str16(frame.server)
         case Auth():
             return _str16(frame.api_key)
-        case AuthOk():
+        case AuthOk() | Stats():
             return b""
+        case StatsReport():
+            return frame.data
         case Publish():
             if not 1 <= len(frame.messages) <= MAX_BATCH:
                 raise LocalProtocolError(
@@ -370,6 +375,10 @@ def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame
         frame = Ping(r.rest(), rid)
     elif ftype == FrameType.PONG:
         frame = Pong(r.rest(), rid)
+    elif ftype == FrameType.STATS:
+        frame = Stats(rid)
+    elif ftype == FrameType.STATS_REPORT:
+        frame = StatsReport(r.rest(), rid)
     elif ftype in (FrameType.GOODBYE, FrameType.ERROR):
         (code,) = r.unpack(_ERROR)
         cls = Goodbye if ftype == FrameType.GOODBYE else Error

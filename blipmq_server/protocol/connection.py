@@ -3,7 +3,8 @@
 ``ClientConnection`` owns what a client has to remember about its connection to a broker:
 
 - the handshake (HELLO -> WELCOME -> AUTH -> AUTH_OK) and the limits WELCOME announces;
-- request ids, and which reply (WELCOME, AUTH_OK, SUBSCRIBED, UNSUBSCRIBED, PONG) or ERROR
+- request ids, and which reply (WELCOME, AUTH_OK, SUBSCRIBED, UNSUBSCRIBED, PONG,
+  STATS_REPORT) or ERROR
   answers which request;
 - PUBLISH batching: message records sealed into frames within ``max_frame`` and
   ``MAX_BATCH``, the frames still waiting for their PUB_ACK, the QoS 1 messages confirmed;
@@ -36,7 +37,8 @@ from blipmq_server.protocol.names import topic_problem
 
 PUBLISH_OVERHEAD = 7  # a PUBLISH frame's length beyond its records: type, request id, count
 _TOPIC_CACHE = 4096  # validated topics remembered (a publisher rarely uses more)
-_REPLIES = (codec.Welcome, codec.AuthOk, codec.Subscribed, codec.Unsubscribed, codec.Pong)
+_REPLIES = (codec.Welcome, codec.AuthOk, codec.Subscribed, codec.Unsubscribed, codec.Pong,
+            codec.StatsReport)
 
 
 class State(Enum):
@@ -209,6 +211,10 @@ class ClientConnection:
     def ping(self, data: bytes = b"") -> int:
         """Queue a PING; its PONG proves the broker processed every frame sent before it."""
         return self._request(codec.Ping(data), codec.Pong)
+
+    def stats(self) -> int:
+        """Queue a STATS request; its reply is a STATS_REPORT (a JSON object)."""
+        return self._request(codec.Stats(), codec.StatsReport)
 
     def reply(self, request_id: int) -> codec.Frame | None:
         """The reply to a request (its ERROR if refused), once; None while none came."""

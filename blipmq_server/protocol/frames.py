@@ -68,6 +68,8 @@ class FrameType(IntEnum):
     PING = 0x40
     PONG = 0x41
     GOODBYE = 0x42
+    STATS = 0x43
+    STATS_REPORT = 0x44
     ERROR = 0x7F
 
 
@@ -212,6 +214,21 @@ class Goodbye(NamedTuple):
     request_id: int = 0
 
 
+class Stats(NamedTuple):
+    """Ask the broker for its statistics (answered with STATS_REPORT)."""
+
+    TYPE = FrameType.STATS
+    request_id: int = 0
+
+
+class StatsReport(NamedTuple):
+    """The broker's statistics: a UTF-8 JSON object (docs/PROTOCOL.md, "Statistics")."""
+
+    TYPE = FrameType.STATS_REPORT
+    data: bytes = b"{}"
+    request_id: int = 0
+
+
 class Error(NamedTuple):
     TYPE = FrameType.ERROR
     code: int
@@ -221,5 +238,6 @@ class Error(NamedTuple):
 
 Frame = (
     Hello | Welcome | Auth | AuthOk | Publish | PubAck | Subscribe | Subscribed | Unsubscribe
-    | Unsubscribed | Deliver | Ack | Nack | Credit | Ping | Pong | Goodbye | Error
+    | Unsubscribed | Deliver | Ack | Nack | Credit | Ping | Pong | Goodbye | Stats | StatsReport
+    | Error
 )

@@ -188,6 +188,8 @@ class Server:
         found = self.recovery = self.wal.open(on_record=self.broker.recover,
                                               message_flags=codec.FLAG_RETAIN)
         self.broker.recovered(wall_ms())
+        assert self.prefetcher is not None
+        self.prefetcher.request(self.broker.take_counts())  # counted once it runs
         for note in found.notes:
             log.warning("wal recovery: %s", note)
         log.info(

@@ -7,6 +7,10 @@ thread, one at a time (``Log.read_files`` is safe there), and gives the records 
 core with ``Broker.fill``, which names the connections to wake. Each cursor has at most one
 read under way and one read-ahead in memory (``READ_AHEAD_BYTES``), so memory stays bounded
 however far behind a consumer is.
+
+The same task counts the backlog of durable groups that start behind the end of the log
+(``Count``: a group created to replay, every group after a restart), reading the segment
+files from the group's position once, in a worker thread.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 import trio
 
 from blipmq_server.broker.core import Broker
-from blipmq_server.broker.results import Fetch
+from blipmq_server.broker.results import Count, Fetch
 from blipmq_server.broker.storage import READ_AHEAD_BYTES, READ_AHEAD_RECORDS
 from blipmq_server.errors import WalError
 from blipmq_server.wal.log import Log
@@ -33,17 +37,36 @@ class Prefetcher:
         self.broker = broker
         self.wake = wake
         # unbounded in type only: a cursor asks again only after its last read was filled
-        self._send, self._receive = trio.open_memory_channel[Fetch](math.inf)
+        self._send, self._receive = trio.open_memory_channel[Fetch | Count](math.inf)
         self.reads = 0
         self.failures = 0
         self._failing = False
 
-    def request(self, fetches: list[Fetch]) -> None:
+    def request(self, fetches: list[Fetch] | list[Count]) -> None:
         for fetch in fetches:
             self._send.send_nowait(fetch)
 
+    def _count(self, count: Count) -> int:
+        """Blocking: messages of the group's topics from ``count.first`` to ``count.last``."""
+        n = 0
+        offset = count.first
+        while offset <= count.last:
+            try:
+                records = self.wal.read_files(offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES)
+            except (OSError, WalError):
+                break  # retention removed the segment: those records are no backlog
+            if not records:
+                break
+            n += self.broker.count_matching(count.key, records, count.last)
+            offset = records[-1].offset + 1
+        return n
+
     async def run(self) -> None:
         async for fetch in self._receive:
+            if isinstance(fetch, Count):
+                n = await trio.to_thread.run_sync(self._count, fetch)
+                self.broker.counted(fetch.key, n)
+                continue
             try:
                 records = await trio.to_thread.run_sync(
                     self.wal.read_files, fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES)

@@ -370,6 +370,9 @@ class Session:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
             return
         self.send(codec.Subscribed(result.sub_id, frame.request_id))
+        counts = self.broker.take_counts()
+        if counts:  # a durable group created to replay: its backlog is counted apart
+            self.server.prefetcher.request(counts)  # type: ignore[union-attr]
         if result.ready:
             self.wake()  # a group's backlog waits for its new consumer
 
