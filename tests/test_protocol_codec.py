@@ -35,6 +35,8 @@ from blipmq_server.protocol.codec import (
     Publish,
     RawMessage,
     Start,
+    Stats,
+    StatsReport,
     Subscribe,
     Subscribed,
     Unsubscribe,
@@ -118,6 +120,8 @@ DELIVERIES = (
 SAMPLE_FRAMES: list[Frame] = [
     Hello(),
     Hello(1, "blipmq-py/0.1 ✓", 1),
+    Stats(9),
+    StatsReport(b'{"topics": []}', 9),
     Welcome(1, DEFAULT_MAX_FRAME, 65536, "blipmq", 1),
     Welcome(65535, 2**32 - 1, 0, "", 2**32 - 1),
     Auth(""),
@@ -354,6 +358,7 @@ def test_error_code_values_are_pinned() -> None:
         "AUTH_FAILED": 5, "MESSAGE_TOO_LARGE": 6, "INVALID_TOPIC": 7, "INVALID_REQUEST": 8,
         "NOT_FOUND": 9, "QUEUE_FULL": 10, "TOO_MANY_CONNECTIONS": 11, "SHUTTING_DOWN": 12,
         "UNSUPPORTED": 13, "GROUP_DELETED": 14, "TIMEOUT": 15, "NORMAL": 16, "STORAGE": 17,
+        "LIMIT": 18,
     }
 
 
@@ -741,6 +746,8 @@ frames_st = st.one_of(
     st.builds(Credit, u32, u32, u32),
     st.builds(Ping, st.binary(max_size=50), u32),
     st.builds(Pong, st.binary(max_size=50), u32),
+    st.builds(Stats, u32),
+    st.builds(StatsReport, st.binary(max_size=50), u32),
     st.builds(Goodbye, u16, text_st, u32),
     st.builds(Error, u16, text_st, u32),
 )
