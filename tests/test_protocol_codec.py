@@ -368,7 +368,7 @@ def test_frame_type_values_are_pinned() -> None:
         "PUB_ACK": 0x11, "SUBSCRIBE": 0x20, "SUBSCRIBED": 0x21, "UNSUBSCRIBE": 0x22,
         "UNSUBSCRIBED": 0x23, "DELIVER": 0x30, "ACK": 0x31, "NACK": 0x32, "CREDIT": 0x33,
         "PING": 0x40, "PONG": 0x41,
-        "GOODBYE": 0x42, "ERROR": 0x7F,
+        "GOODBYE": 0x42, "STATS": 0x43, "STATS_REPORT": 0x44, "ERROR": 0x7F,
     }
 
 
