@@ -144,6 +144,56 @@ def start(
                        log_level=log_level, log_format=log_format))
 
 
+Json = Annotated[bool, typer.Option("--json", help="One JSON line instead of a table")]
+
+
+@app.command()
+def stats(
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until Ctrl-C")] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between refreshes with --watch")
+    ] = 1.0,
+    as_json: Json = False,
+    addr: Addr = None,
+    api_key: ApiKey = None,
+) -> None:
+    """The broker's statistics: topics, groups with backlog, subscriptions, drops, log."""
+    from blipmq_cli import introspect
+
+    _exit(commands.guarded(lambda: introspect.stats(
+        addr=addr, api_key=api_key, watch=watch, interval=interval, as_json=as_json)))
+
+
+@app.command()
+def groups(as_json: Json = False, addr: Addr = None, api_key: ApiKey = None) -> None:
+    """Consumer groups: backlog (messages of their own topics), in flight, consumers."""
+    from blipmq_cli import introspect
+
+    _exit(commands.guarded(lambda: introspect.groups(addr=addr, api_key=api_key,
+                                                     as_json=as_json)))
+
+
+@app.command()
+def ping(
+    count: Annotated[int, typer.Option("--count", "-c", help="Pings to send, 1 s apart")] = 1,
+    addr: Addr = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Round-trip time to the broker (PING/PONG)."""
+    from blipmq_cli import introspect
+
+    _exit(commands.guarded(lambda: introspect.ping(addr=addr, api_key=api_key, count=count)))
+
+
+@app.command()
+def version(as_json: Json = False, addr: Addr = None, api_key: ApiKey = None) -> None:
+    """The client's version and the broker's."""
+    from blipmq_cli import introspect
+
+    _exit(commands.guarded(lambda: introspect.versions(addr=addr, api_key=api_key,
+                                                       as_json=as_json)))
+
+
 @config_app.command("init")
 def config_init(
     path: Annotated[str, typer.Argument(help="Where to write it")] = "blipmq.toml",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from blipmq_server.broker.cursors import Cursors
 from blipmq_server.broker.durable import DurableGroup
@@ -590,6 +591,45 @@ class Broker:
             self.cursors.recovered(wall_ms)
 
     # ------------------------------------------------------------------------------ views
+
+    def stats(self, max_topics: int = 500) -> dict[str, Any]:
+        """A snapshot for STATS (plain values, ready for JSON; docs/PROTOCOL.md,
+        "Statistics"): topics (the ``max_topics`` with most messages), groups with their
+        backlog, subscriptions, in-flight deliveries, drops by reason, retained values."""
+        c = self.counters
+        usage = self.usage
+        rows = usage.rows()
+        retained = self.retained.values
+        topics = [{"topic": t, "messages": m, "bytes": n,
+                   "retained": t.encode("utf-8") in retained}
+                  for t, m, n in rows[:max_topics]]
+        groups: list[dict[str, Any]] = [
+            {"filter": g.filter, "group": g.group, "durable": True, "backlog": max(0, g.backlog),
+             "in_flight": len(g.inflight), "consumers": len(g.consumers), "skipped": g.skipped}
+            for g in self.durable_groups]
+        groups += [
+            {"filter": f, "group": name, "durable": False, "backlog": len(q.items),
+             "in_flight": 0, "consumers": len(q.consumers),
+             "dropped": q.dropped_oldest + q.dropped_new + q.dropped_ttl + q.dropped_no_consumer}
+            for (f, name), q in self.registry.groups.items()]
+        consumers = self.registry.consumers.values()
+        return {
+            "topics": topics,
+            "topics_omitted": max(0, len(rows) - max_topics),
+            "topics_untracked": {"messages": usage.other[0], "bytes": usage.other[1]},
+            "groups": groups,
+            "subscriptions": len(self.registry.consumers),
+            "subscribers": sum(1 for x in consumers if not x.queue.group),
+            "in_flight": sum(len(t.inflight) for t in self.all_cursors),
+            "messages": {"published": c.published, "delivered": c.delivered,
+                         "unrouted": c.unrouted, "refused": c.refused, "acked": c.acked,
+                         "redelivered": c.redelivered, "nacked": c.nacked,
+                         "dead_lettered": c.dead_lettered},
+            "drops": {"drop_oldest": c.dropped_oldest, "drop_new": c.dropped_new,
+                      "ttl": c.dropped_ttl, "no_consumer": c.dropped_no_consumer},
+            "retained": {"topics": len(self.retained), "bytes": self.retained.size,
+                         "sent": c.retained_sent, "refused": self.retained.refused},
+        }
 
     @property
     def queues(self) -> tuple[Queue, ...]:

@@ -228,6 +228,23 @@ class Server:
                                 "record(s) durable group %r on %r had not consumed",
                                 skipped, group.group, group.filter)
 
+    def stats(self) -> dict:
+        """The STATS report: the core's snapshot plus what the shell knows (docs/PROTOCOL.md,
+        "Statistics")."""
+        from blipmq_server.version import version
+
+        report = self.broker.stats()
+        wal = self.wal
+        report.update(
+            broker="blipmq", version=version(), protocol=codec.VERSION,
+            uptime_s=round(trio.current_time() - self.started_at, 3),
+            connections=self.counters.open,
+            log=None if wal is None else {
+                "bytes": wal.total_bytes, "segments": len(wal.segments),
+                "first_offset": wal.first_offset, "next_offset": wal.next_offset},
+        )
+        return report
+
     def _wake_durable(self) -> None:
         self.wake(self.broker.cursor_conns())
 

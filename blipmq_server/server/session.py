@@ -12,6 +12,7 @@ the rest of ``server/`` only.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import math
 import time
@@ -268,6 +269,8 @@ class Session:
                 self.send(codec.Pong(frame.data, rid))
             case codec.Pong():
                 pass  # the answer to our keepalive PING: receiving it was the point
+            case codec.Stats():
+                self._stats(rid)
             case codec.Subscribe():
                 self._subscribe(frame)
             case codec.Unsubscribe():
@@ -375,6 +378,18 @@ class Session:
             self.server.prefetcher.request(counts)  # type: ignore[union-attr]
         if result.ready:
             self.wake()  # a group's backlog waits for its new consumer
+
+    def _stats(self, request_id: int) -> None:
+        report = self.server.stats()
+        limit = self.server.max_frame - 5
+        while True:  # within the frame limit: fewer topics listed if need be
+            data = json.dumps(report, separators=(",", ":")).encode()
+            topics = report["topics"]
+            if len(data) <= limit or not topics:
+                break
+            report["topics_omitted"] += len(topics) - len(topics) // 2
+            report["topics"] = topics[: len(topics) // 2]
+        self.send(codec.StatsReport(data, request_id))
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:
         result = self.broker.unsubscribe(self.conn_id, frame.sub_id, frame.topic_filter,

@@ -1,0 +1,170 @@
+"""``blipmq stats``, ``groups``, ``ping`` and ``version``: what the broker says about itself.
+
+Statistics come over the protocol (STATS, docs/PROTOCOL.md "Statistics"), so these work
+wherever ``pub`` and ``sub`` do, without the metrics listener. Tables are drawn with rich
+(imported here, never by the fast commands); ``--json`` prints the broker's report as one
+JSON line. Every command returns an exit code (``exits.Exit``); errors are one line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from blipmq_cli.client import Client, connect_from_env
+from blipmq_cli.exits import Exit
+from blipmq_server.protocol.codec import VERSION
+from blipmq_server.version import version
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _uptime(seconds: float) -> str:
+    s = int(seconds)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    return (f"{days}d " if days else "") + f"{hours:02d}:{minutes:02d}:{s:02d}"
+
+
+def _groups_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="groups", title_justify="left")
+    for name in ("filter", "group", "kind", "backlog", "in flight", "consumers"):
+        table.add_column(name, justify="right" if name in ("backlog", "in flight", "consumers")
+                         else "left")
+    for g in report.get("groups", []):
+        table.add_row(g["filter"], g["group"], "durable" if g["durable"] else "memory",
+                      str(g["backlog"]), str(g["in_flight"]), str(g["consumers"]))
+    return table
+
+
+def _render(report: dict[str, Any], addr: str) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    log = report.get("log")
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    rows = [
+        ("broker", f"{report.get('broker', '?')} {report.get('version', '?')} at {addr} "
+                   f"(protocol {report.get('protocol', '?')})"),
+        ("uptime", _uptime(report.get("uptime_s", 0))),
+        ("connections", str(report.get("connections", 0))),
+        ("subscriptions", f"{report.get('subscriptions', 0)} "
+                          f"({report.get('subscribers', 0)} without a group)"),
+        ("in flight", str(report.get("in_flight", 0))),
+        ("log", "off" if log is None else f"{_size(log['bytes'])} in {log['segments']} "
+                                          f"segment(s), offsets {log['first_offset']}-"
+                                          f"{log['next_offset'] - 1}"),
+        ("retained", f"{report['retained']['topics']} topic(s), "
+                     f"{_size(report['retained']['bytes'])}"),
+    ]
+    m = report.get("messages", {})
+    rows.append(("messages", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in m.items())))
+    drops = report.get("drops", {})
+    rows.append(("dropped", ", ".join(f"{k} {v}" for k, v in drops.items())))
+    for name, value in rows:
+        summary.add_row(name, value)
+    topics = Table(title="topics", title_justify="left")
+    topics.add_column("topic")
+    topics.add_column("messages", justify="right")
+    topics.add_column("bytes", justify="right")
+    topics.add_column("retained")
+    for t in report.get("topics", []):
+        topics.add_row(t["topic"], str(t["messages"]), _size(t["bytes"]),
+                       "yes" if t["retained"] else "")
+    omitted = report.get("topics_omitted", 0)
+    if omitted:
+        topics.caption = f"{omitted} more topic(s) not listed"
+    return Group(summary, topics, _groups_table(report))
+
+
+def _json_line(report: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(report, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def stats(*, addr: str | None, api_key: str | None, watch: bool = False,
+          interval: float = 1.0, as_json: bool = False) -> int:
+    if interval <= 0:
+        from blipmq_cli.commands import say
+
+        say("--interval must be a positive number of seconds")
+        return Exit.USAGE
+    with connect_from_env(addr, api_key) as client:
+        if as_json:
+            while True:
+                _json_line(client.stats())
+                if not watch:
+                    return Exit.OK
+                time.sleep(interval)
+        from rich.console import Console
+
+        console = Console()
+        if not watch:
+            console.print(_render(client.stats(), client.addr))
+            return Exit.OK
+        from rich.live import Live
+
+        with Live(_render(client.stats(), client.addr), console=console,
+                  auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(_render(client.stats(), client.addr), refresh=True)
+
+
+def groups(*, addr: str | None, api_key: str | None, as_json: bool = False) -> int:
+    with connect_from_env(addr, api_key) as client:
+        report = client.stats()
+    if as_json:
+        _json_line({"groups": report.get("groups", [])})
+        return Exit.OK
+    from rich.console import Console
+
+    Console().print(_groups_table(report))
+    return Exit.OK
+
+
+def ping(*, addr: str | None, api_key: str | None, count: int = 1) -> int:
+    if count < 1:
+        from blipmq_cli.commands import say
+
+        say("--count must be at least 1")
+        return Exit.USAGE
+    with connect_from_env(addr, api_key) as client:
+        for i in range(count):
+            rtt = client.ping()
+            sys.stdout.write(f"pong from {client.addr}: time={rtt * 1000:.3f} ms\n")
+            sys.stdout.flush()
+            if i + 1 < count:
+                time.sleep(1)
+    return Exit.OK
+
+
+def versions(*, addr: str | None, api_key: str | None, as_json: bool = False) -> int:
+    """The client's version, then the broker's (asked over the protocol)."""
+    client_line = {"client": version(), "protocol": VERSION}
+    if not as_json:
+        sys.stdout.write(f"client {version()} (protocol {VERSION})\n")
+        sys.stdout.flush()
+    client: Client = connect_from_env(addr, api_key)
+    with client:
+        report = client.stats()
+    if as_json:
+        _json_line({**client_line, "broker": report.get("version"),
+                    "broker_protocol": report.get("protocol"), "addr": client.addr})
+    else:
+        sys.stdout.write(f"broker {report.get('version')} (protocol {report.get('protocol')}) "
+                         f"at {client.addr}\n")
+    return Exit.OK

@@ -1,0 +1,100 @@
+"""`blipmq stats`, `groups`, `ping` and `version` against a real broker, over the protocol."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from blipmq_cli.client import Client
+from blipmq_cli.exits import Exit
+from blipmq_server.protocol import codec
+
+
+def test_stats_json_reports_topics_groups_and_the_log(start_broker) -> None:
+    b = start_broker()
+    assert b.shell("seq 1 10 | blipmq pub jobs --qos 1 --lines -").returncode == 0
+    assert b.shell("seq 1 4 | blipmq pub other --lines -").returncode == 0
+    assert b.cli("pub", "-r", "status/x", "up").returncode == 0
+    res = b.cli("sub", "jobs", "--group", "billing", "--qos", "1", "--from", "earliest",
+                "--count", "3")
+    assert res.returncode == 0, res.stderr
+    b.wait_metric("blipmq_group_backlog", 7, filter="jobs", group="billing")
+    res = b.cli("stats", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    topics = {t["topic"]: (t["messages"], t["bytes"], t["retained"]) for t in report["topics"]}
+    assert topics == {"jobs": (10, 11, False), "other": (4, 4, False), "status/x": (1, 2, True)}
+    (group,) = report["groups"]
+    assert (group["filter"], group["group"], group["durable"], group["backlog"]) == (
+        "jobs", "billing", True, 7)
+    assert report["log"]["bytes"] == b.metric("blipmq_wal_size_bytes")
+    assert report["protocol"] == codec.VERSION and report["version"]
+    assert report["uptime_s"] >= 0 and report["connections"] == 1
+    assert set(report["drops"]) == {"drop_oldest", "drop_new", "ttl", "no_consumer"}
+    assert report["retained"]["topics"] == 1
+
+    res = b.cli("groups", "--json")
+    assert json.loads(res.stdout)["groups"] == report["groups"]
+    table = b.cli("stats")
+    assert table.returncode == 0 and b"billing" in table.stdout and b"status/x" in table.stdout
+    assert b"billing" in b.cli("groups").stdout
+
+
+def test_stats_counts_subscribers_and_in_flight(start_broker) -> None:
+    b = start_broker()
+    with Client(b.addr) as c:
+        plain = c.subscribe("a/#")
+        worker = c.subscribe("w", group="g", qos=1, credit=5)
+        c.publish_many(("w", b"%d" % i) for i in range(3))
+        got = worker.next_batch(5)
+        assert got is not None and len(got) == 3
+        report = c.stats()
+        assert report["subscriptions"] == 2 and report["subscribers"] == 1
+        assert report["in_flight"] == 3
+        assert plain.sub_id != worker.sub_id
+
+
+def test_ping_and_version(start_broker) -> None:
+    b = start_broker()
+    res = b.cli("ping", "--count", "2")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.decode().splitlines()
+    assert len(lines) == 2 and all(f"pong from {b.addr}: time=" in line for line in lines)
+    res = b.cli("version")
+    client_line, broker_line = res.stdout.decode().splitlines()
+    assert client_line.startswith("client ") and broker_line.startswith("broker ")
+    assert f"(protocol {codec.VERSION})" in broker_line
+    info = json.loads(b.cli("version", "--json").stdout)
+    assert info["client"] == info["broker"] and info["broker_protocol"] == codec.VERSION
+
+
+def test_introspection_errors_are_one_line_with_the_documented_code(start_broker) -> None:
+    b = start_broker()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    for args in (["stats"], ["groups"], ["ping"], ["stats", "--json", "--watch"]):
+        res = b.cli(*args, "--addr", dead)
+        assert res.returncode == Exit.UNREACHABLE, (args, res.stderr)
+        assert res.stderr.decode().count("\n") == 1 and b"Traceback" not in res.stderr
+    res = b.cli("version", "--addr", dead)
+    assert res.returncode == Exit.UNREACHABLE and res.stdout.startswith(b"client ")
+    res = b.cli("ping", "--count", "0")
+    assert res.returncode == Exit.USAGE and res.stderr.decode().count("\n") == 1
+
+
+def test_stats_watch_json_prints_a_line_per_refresh(start_broker) -> None:
+    b = start_broker()
+    proc = b.spawn("stats", "--watch", "--json", "--interval", "0.1")
+    assert proc.stdout is not None
+    first = json.loads(proc.stdout.readline())
+    assert b.cli("pub", "t", "x").returncode == 0
+    for _ in range(100):  # the broker's counts show up in a later refresh
+        report = json.loads(proc.stdout.readline())
+        if report["messages"]["published"] == 1:
+            break
+    else:
+        raise AssertionError("stats --watch never showed the publish")
+    assert first["messages"]["published"] == 0
+    proc.kill()
+    proc.wait()
