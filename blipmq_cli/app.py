@@ -94,10 +94,16 @@ def sub(
         str,
         typer.Option(
             "--from",
-            help="Where a new group or plain subscriber starts: latest | earliest | OFFSET "
-            "(replays the log; an existing group resumes where it was)",
+            help="Where a new group or plain subscriber starts: latest | earliest | OFFSET | "
+            "TIME (ISO 8601 with Z or an offset; replays the log; an existing group resumes "
+            "where it was)",
         ),
     ] = "latest",
+    since: Annotated[
+        str | None,
+        typer.Option("--since", help="Start at the first message of the last DURATION "
+                     "(90s, 10m, 2h, 1d)"),
+    ] = None,
     fmt: Annotated[
         str, typer.Option("--format", help="raw | lines | hex | base64 | json")
     ] = "raw",
@@ -107,7 +113,7 @@ def sub(
     """Subscribe and write messages to stdout (raw bytes by default)."""
     _exit(commands.guarded(lambda: commands.sub(
         topic, addr=addr, api_key=api_key, count=count, timeout=timeout, group=group, qos=qos,
-        start=start, fmt=fmt,
+        start=start, fmt=fmt, since=since,
     )))
 
 

@@ -336,8 +336,8 @@ class Client:
         a group that already exists resumes where it was. A subscription without a group
         starting at LATEST first gets the retained value of every topic it matches.
         """
-        if start == codec.Start.TIME:
-            start_offset = start_time_ms
+        if start == codec.Start.TIME and start_time_ms:
+            start_offset = start_time_ms  # the wire carries the time in start_offset
         conn = self._conn
         reply = self._request(
             lambda: conn.subscribe(topic_filter, group, qos, credit, start, start_offset),

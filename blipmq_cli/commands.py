@@ -184,13 +184,14 @@ def sub(
     qos: int = 0,
     start: str = "latest",
     fmt: str = "raw",
+    since: str | None = None,
 ) -> int:
     if count is not None and count < 1:
         say("--count must be at least 1")
         return Exit.USAGE
-    where = _start(start)
-    if where is None:
-        say(f"--from {start!r}: give latest, earliest or a log offset (a whole number >= 0)")
+    where = _start(start, since)
+    if isinstance(where, str):
+        say(where)
         return Exit.USAGE
     if timeout is not None and timeout <= 0:
         say("--timeout must be a positive number of seconds")
@@ -237,8 +238,17 @@ def sub(
     return Exit.OK
 
 
-def _start(text: str) -> tuple[Start, int] | None:
-    """``--from`` value -> (Start, offset); None when it is none of the accepted forms."""
+def _start(text: str, since: str | None = None) -> tuple[Start, int] | str:
+    """``--from`` / ``--since`` values -> (Start, offset or time in ms); else the problem."""
+    from blipmq_cli import when
+
+    if since is not None:
+        if text.strip().lower() != "latest":
+            return "give --since or --from, not both"
+        ms = when.since(since, int(time.time() * 1000))
+        if ms is None:
+            return f"--since {since!r}: give a duration such as 90s, 10m, 2h or 1d"
+        return Start.TIME, ms
     word = text.strip().lower()
     if word == "latest":
         return Start.LATEST, 0
@@ -246,7 +256,11 @@ def _start(text: str) -> tuple[Start, int] | None:
         return Start.EARLIEST, 0
     if word.isascii() and word.isdigit() and int(word) < 1 << 64:
         return Start.OFFSET, int(word)
-    return None
+    ms = when.instant(text)
+    if ms is not None:
+        return Start.TIME, ms
+    return (f"--from {text!r}: give latest, earliest, a log offset (a whole number >= 0) or "
+            "a time such as 2026-11-23T10:00:00Z")
 
 
 def unsub(topic: str, *, addr: str | None, api_key: str | None, group: str) -> int:

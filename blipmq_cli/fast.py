@@ -56,6 +56,7 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--group", default="")
         p.add_argument("--qos", type=int, choices=(0, 1), default=0)
         p.add_argument("--from", dest="start", default="latest")
+        p.add_argument("--since", default=None)
         p.add_argument("--format", dest="fmt", choices=FORMATS, default="raw")
         _client_opts(p)
     elif command == "unsub":

@@ -117,3 +117,36 @@ def test_a_cursor_more_than_a_batch_behind_says_so() -> None:
     # 25 records behind, 10 taken: 15 left (more than a batch), then 5, then none
     assert steps == [(10, True), (10, False), (5, False)]
     assert b.deliver(1, 10, 1 << 20, 0, 0).behind is False  # nothing taken
+
+
+def test_a_replay_from_a_time_starts_at_the_first_record_stamped_then() -> None:
+    from blipmq_server.broker.core import Broker
+    from blipmq_server.broker.storage import MemoryLog
+    from blipmq_server.protocol.codec import (
+        Message,
+        Start,
+        decode_one,
+        encode_deliver,
+        encode_publish,
+        message_record,
+    )
+
+    log = MemoryLog()
+    b = Broker(log=log)
+    for ts, payload in ((100, b"a"), (200, b"b"), (200, b"c"), (300, b"d")):
+        record = message_record(Message("t", payload))
+        b.publish(decode_one(encode_publish([record])).messages, 0, ts)
+    log.store()
+
+    def replay(at: int) -> list[tuple[bytes, int]]:
+        c = b.consumer(b.subscribe(1, "t", start=Start.TIME, start_offset=at).sub_id)
+        records = b.take(c, 100, 1 << 20, 0, 0)
+        if not records:
+            return []
+        frame = decode_one(encode_deliver(1, records))
+        return [(d.payload, d.timestamp_ms) for d in frame.messages]
+
+    assert replay(150) == [(b"b", 200), (b"c", 200), (b"d", 300)]
+    assert replay(200) == [(b"b", 200), (b"c", 200), (b"d", 300)]
+    assert replay(0) == [(b"a", 100), (b"b", 200), (b"c", 200), (b"d", 300)]
+    assert replay(301) == []

@@ -509,3 +509,43 @@ def test_read_files_from_any_offset_across_read_chunks(tmp_path) -> None:
         assert [r.offset for r in got] == list(range(start, 41))
         assert [r.body for r in got] == bodies[start - 1 :]
     assert len(log.read_files(3, 1000, 100_000)) == 3  # stops once past max_bytes
+
+
+class CountingDisk(Disk):
+    """A Disk that counts the bytes ``pread`` returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_bytes = 0
+
+    def pread(self, path: str, pos: int, size: int) -> bytes:
+        data = super().pread(path, pos, size)
+        self.read_bytes += len(data)
+        return data
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 4 * MiB])
+def test_offset_at_finds_the_first_record_at_a_time_without_scanning(tmp_path: Path,
+                                                                     cache_bytes: int) -> None:
+    disk = CountingDisk()
+    opts = LogOptions(segment_bytes=16 * 1024, cache_bytes=cache_bytes)
+    log = Log(str(tmp_path), opts, disk)
+    log.open()
+    stamps = []
+    for i in range(3000):  # three records per millisecond, then a gap of a second
+        ts = 1_000_000 + i // 3 + (1000 if i >= 2400 else 0)
+        stamps.append(ts)
+        log.append(1, body(i), ts)
+        if i % 50 == 49:
+            flush(log)
+    flush(log)
+    assert len(log.segments) > 5
+    size = log.total_bytes
+    for wanted in (0, 1_000_000, 1_000_001, 1_000_400, 1_000_799, 1_000_800, 1_001_500,
+                   1_001_799, 1_001_800):
+        disk.read_bytes = 0
+        expected = next((i + 1 for i, ts in enumerate(stamps) if ts >= wanted), 3001)
+        assert log.offset_at(wanted) == expected, wanted
+        assert disk.read_bytes < 2 * opts.segment_bytes < size // 5  # headers, one segment
+    log.append(1, b"pending", 2_000_000)  # not written yet: not found
+    assert log.offset_at(2_000_000) == 3001

@@ -70,6 +70,8 @@ class Cursors:
                                    f"offset {start_offset} is past the end of the log "
                                    f"(the next message gets offset {log.next_offset})")
                 first = max(start_offset, log.first_offset)
+            elif start == Start.TIME:  # start_offset is a wall-clock time in ms
+                first = max(log.offset_at(start_offset), log.first_offset)
             else:
                 first = log.next_offset
             if group:

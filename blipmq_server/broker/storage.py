@@ -61,6 +61,11 @@ class MessageLog(Protocol):
         """Whether ``read`` at ``offset`` is served from memory (no disk read)."""
         ...
 
+    def offset_at(self, timestamp_ms: int) -> int:
+        """The first stored record stamped at or after ``timestamp_ms`` (timestamps taken
+        as non-decreasing), or ``written_offset + 1``."""
+        ...
+
     def read(
         self, from_offset: int, max_records: int = ..., max_bytes: int = ...
     ) -> Sequence[StoredRecord]:
@@ -121,6 +126,11 @@ class MemoryLog:
             size += len(r.body)
         return out
 
+    def offset_at(self, timestamp_ms: int) -> int:
+        stored = [r for r in self.records if r.offset <= self.written_offset]
+        i = bisect.bisect_left(stored, timestamp_ms, key=_timestamp)
+        return stored[i].offset if i < len(stored) else self.written_offset + 1
+
     def drop_below(self, offset: int) -> None:
         """Retention: forget records below ``offset``."""
         self.records = [r for r in self.records if r.offset >= offset]
@@ -128,3 +138,7 @@ class MemoryLog:
 
 def _offset(record: MemoryRecord) -> int:
     return record.offset
+
+
+def _timestamp(record: MemoryRecord) -> int:
+    return record.timestamp_ms

@@ -55,6 +55,10 @@ class LogOptions:
 _first = itemgetter(0)
 
 
+def _last_ts(seg: Segment) -> int:
+    return seg.last_ts
+
+
 @dataclass(slots=True)
 class Retention:
     removed: list[str] = field(default_factory=list)
@@ -311,6 +315,44 @@ class Log:
             self.cache_hits += 1
             return self._cache.read(from_offset, max_records, max_bytes)
         return self.read_files(from_offset, max_records, max_bytes)
+
+    def offset_at(self, timestamp_ms: int) -> int:
+        """The offset of the first committed record stamped at or after ``timestamp_ms``, or
+        ``written_offset + 1`` when there is none yet.
+
+        Timestamps are taken as non-decreasing (a wall clock set back makes this the first
+        such record of the first segment that reaches the time). A binary search over the
+        segments' newest timestamps, then over the segment's sparse index (a few 25-byte
+        reads of record headers), then at most ``index_every`` records read: the log is
+        never scanned from its start.
+        """
+        segments = [s for s in self.segments if s.count]
+        i = bisect.bisect_left(segments, timestamp_ms, key=_last_ts)
+        if i == len(segments):
+            return self.written_offset + 1
+        seg = segments[i]
+        index = seg.index
+        lo, hi = 0, len(index)
+        while lo < hi:  # the first index entry stamped at or after the time
+            mid = (lo + hi) // 2
+            if self._timestamp_at(seg, index[mid][1]) < timestamp_ms:
+                lo = mid + 1
+            else:
+                hi = mid
+        offset = index[lo - 1][0] if lo else seg.first
+        while True:  # the segment's newest record qualifies: this ends within it
+            records = self.read(offset, self.options.index_every + 1, MiB)
+            if not records:
+                return self.written_offset + 1
+            for r in records:
+                if r.timestamp_ms >= timestamp_ms:
+                    return r.offset
+            offset = records[-1].offset + 1
+
+    def _timestamp_at(self, seg: Segment, pos: int) -> int:
+        """The timestamp of the committed record at file position ``pos`` of ``seg``."""
+        head = self.disk.pread(seg.path, pos, rec.RECORD_OVERHEAD)
+        return rec.FIXED.unpack_from(head, rec.PREFIX.size)[2]
 
     def lost_between(self, first: int, last: int) -> bool:
         """Whether any record from ``first`` to ``last`` was in a batch the disk refused."""
