@@ -48,7 +48,9 @@ class BrokerCollector:
             ("unrouted", "Accepted messages no subscription matched", c.unrouted),
             ("enqueued", "Message copies put on subscription queues", c.enqueued),
             ("delivered", "Message copies handed to subscriber connections", c.delivered),
-            ("refused", "Publish batches answered with an error frame", c.refused),
+            ("refused", "Published messages answered with an error frame and not stored: the "
+             "refused one and the rest of its batch, and QoS 1 messages the log could not "
+             "store (STORAGE)", c.refused),
             ("acked", "QoS 1 deliveries acknowledged", c.acked),
             ("redelivered", "QoS 1 deliveries sent again (unacked in time, or consumer left)",
              c.redelivered),

@@ -221,8 +221,8 @@ class Broker:
             self.offset = last_logged = next_logged - 1
         c.published += accepted
         c.enqueued += enqueued
-        if refusal is not None:
-            c.refused += 1
+        if refusal is not None:  # the refused message and the rest of the batch: not stored
+            c.refused += len(messages) - accepted
         wake = {consumer.conn for q in woken for consumer in q.consumers}
         return PublishResult(
             accepted, wake,

@@ -45,7 +45,10 @@ class Counters:
     dropped_new: int = 0
     dropped_ttl: int = 0
     dropped_no_consumer: int = 0  # a ``block`` queue without consumers made room
-    refused: int = 0  # PUBLISH frames answered with an error frame (bad topic, too large, ...)
+    # messages of PUBLISH frames answered with an error frame, not stored: the refused one
+    # and the rest of its batch (bad topic, too large, LIMIT, ...), and the QoS 1 messages
+    # the log could not store (STORAGE, counted by the shell's flusher)
+    refused: int = 0
     retained_sent: int = 0  # retained values handed to new subscriptions
     acked: int = 0
     redelivered: int = 0

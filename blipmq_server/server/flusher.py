@@ -83,6 +83,7 @@ class Flusher:
             session.error(ErrorCode.STORAGE, "the log could not store some of these messages "
                           "(a write failed while the publisher waited for room)", request_id)
             session.send(codec.PubAck(0, request_id))
+            session.broker.counters.refused += count
             return
         if offset <= self._confirmable():
             session.send(codec.PubAck(count, request_id))
@@ -238,6 +239,7 @@ class Flusher:
             else:
                 session.error(ErrorCode.STORAGE, failure, request_id)
                 session.send(codec.PubAck(0, request_id))
+                session.broker.counters.refused += count
 
     async def close(self, timeout: float) -> bool:
         """Shutdown, once nothing appends any more: wait for the batch in flight, then write

@@ -1,0 +1,56 @@
+"""What /metrics and the start-up log say agree with the docs, on a real broker."""
+
+from __future__ import annotations
+
+import socket
+
+from blipmq_server.protocol import codec
+
+
+def raw_session(addr: str, *frames: codec.Frame) -> list[codec.Frame]:
+    """Send frames after the handshake on a plain socket; return the broker's answers up to
+    the PONG of a closing PING."""
+    host, port = addr.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"".join(codec.encode(f) for f in (
+            codec.Hello(codec.VERSION, "raw", 1), codec.Auth("", 2), *frames,
+            codec.Ping(b"end", 99))))
+        dec = codec.Decoder(1 << 24)
+        got: list[codec.Frame] = []
+        while not any(isinstance(f, codec.Pong) for f in got):
+            data = s.recv(65536)
+            assert data, "the broker closed the connection"
+            dec.feed(data)
+            got += dec.frames()
+        return got
+
+
+def publish(rid: int, *topics: str) -> codec.Publish:
+    records = [codec.message_record(codec.Message(t, b"x")) for t in topics]
+    return codec.decode_one(codec.encode_publish(records, rid))  # type: ignore[return-value]
+
+
+def test_refused_messages_are_counted(start_broker) -> None:
+    b = start_broker({"retained": {"max_topics": 0}})
+    # a bad topic second in a batch of three: it and the one after it are not stored
+    bad = codec.Publish((*publish(0, "ok").messages, publish(0, "$bad").messages[0],
+                         *publish(0, "later").messages), 5)
+    retained = codec.message_record(codec.Message("r", b"v", retain=True))
+    answers = raw_session(b.addr, bad, codec.Publish(
+        codec.decode_one(codec.encode_publish([retained])).messages, 6))  # type: ignore[union-attr]
+    errors = [(f.code, f.request_id) for f in answers if isinstance(f, codec.Error)]
+    assert errors == [(codec.ErrorCode.INVALID_TOPIC, 5), (codec.ErrorCode.LIMIT, 6)]
+    assert b.metric("blipmq_messages_refused_total") == 3
+    assert b.metric("blipmq_messages_published_total") == 1
+
+
+def test_the_listening_line_follows_the_log_recovery_line(start_broker) -> None:
+    """docs/OPERATIONS.md: recovery is logged first, then the line that says where the
+    broker listens (the line scripts wait for)."""
+    b = start_broker()
+    listening = b.wait_log("listening on")
+    assert b.log.index(listening) == 1
+    assert " wal: " in b.log[0] and "recovered in" in b.log[0]
+    assert f"listening on {b.addr}" in listening and "/metrics" in listening
+    nolog = start_broker({"wal": {"enabled": False}})
+    assert nolog.wait_log("listening on") == nolog.log[0]  # no log: nothing to recover
