@@ -110,6 +110,11 @@ class Broker:
         if self.cursors is not None and self.cursors.generation != self._generation:
             self._generation = self.cursors.generation
             usage.regroup()
+        # per-topic usage is counted per run of messages with the same route (one topic),
+        # in locals, and added to the topic's entry when the run ends
+        run_route: Route | Refusal | None = None
+        run_entry = None
+        run_n = run_bytes = run_unlogged = 0
         for m in messages:
             route = None if internal else routes.get(m.topic)
             if route is None:
@@ -161,11 +166,15 @@ class Broker:
                             break
                     if blocked is not None:
                         break
-            entry = entries.get(m.topic)
-            if entry is None:
-                entry = usage.entry(m.topic, m.payload_len)
-            entry[0] += 1
-            entry[1] += m.payload_len
+            if route is not run_route:
+                if run_n:
+                    usage.add(run_entry, run_n, run_bytes,  # type: ignore[arg-type]
+                              0 if logged is None else run_n - run_unlogged)
+                run_route = route
+                run_entry = entries.get(m.topic) or usage.entry(m.topic)
+                run_n = run_bytes = run_unlogged = 0
+            run_n += 1
+            run_bytes += m.payload_len
             if logged is None:
                 offset += 1
             elif m.qos or log_qos0 or retain:  # a retained value is always logged
@@ -174,11 +183,9 @@ class Broker:
                 next_logged += 1
                 if m.qos:
                     confirms += 1
-                if entry[2]:  # durable groups whose backlog this message adds to
-                    for g in entry[2]:
-                        g.backlog += 1
             else:
                 offset = 0
+                run_unlogged += 1
             accepted += 1
             if retain:
                 self.retained.put(m.topic, offset, timestamp_ms, m.record, offset)
@@ -212,6 +219,9 @@ class Broker:
                 if ttl:
                     q.expiring = True
                 enqueued += 1
+        if run_n:
+            usage.add(run_entry, run_n, run_bytes,  # type: ignore[arg-type]
+                      0 if logged is None else run_n - run_unlogged)
         last_logged = first_logged = 0
         if logged is None:
             self.offset = offset

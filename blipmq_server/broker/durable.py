@@ -312,10 +312,10 @@ class DurableGroup:
             _, ttl, tlen, _, _ = _unpack_head(body)
             if not wants(body[_HEAD : _HEAD + tlen]):
                 continue
-            self.backlog -= 1
-            if acked and offset in acked:
+            if acked and offset in acked:  # acked before a restart: never counted
                 acked.discard(offset)
                 continue
+            self.backlog -= 1
             if ttl and record.timestamp_ms + ttl <= wall_ms:
                 expired += 1
                 continue

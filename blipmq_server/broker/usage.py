@@ -1,10 +1,11 @@
 """Per-topic usage: messages and payload bytes accepted per topic, and which durable groups
 each topic's logged messages count towards (their backlog).
 
-The publish path looks a topic up once per message (``entries``) and bumps the entry's
-counts; ``backlog`` of every durable group listed in the entry grows by one for each logged
-message, and the group's cursor takes one off for each matching message it passes, so a
-group's backlog counts only its own topics' messages and no scrape scans the log. Memory is
+The publish path counts a run of messages to one topic in local variables and adds them to
+the topic's entry once (``add``); ``backlog`` of every durable group listed in the entry
+grows by the run's logged messages, and the group's cursor takes one off for each matching
+message it passes, so a group's backlog counts only its own topics' messages and no scrape
+scans the log. Memory is
 bounded: past ``limit`` topics, new topics are counted together in ``other``.
 Pure: no trio, no clock.
 """
@@ -16,7 +17,8 @@ from typing import Any
 
 TOPICS_TRACKED = 10_000
 
-Entry = list[Any]  # [messages, payload bytes, durable groups whose filter matches (tuple)]
+# [messages, payload bytes, durable groups whose filter matches (tuple), tracked (bool)]
+Entry = list[Any]
 
 
 class Usage:
@@ -27,18 +29,27 @@ class Usage:
         self.limit = limit
         self._groups_of = groups_of
 
-    def entry(self, topic: bytes, payload_len: int) -> Entry:
-        """The entry of a topic that has none (the slow path). Past the limit, ``other``
-        counts the message and a throwaway entry is returned (the caller's counts on it go
-        nowhere; it is asked again for the topic's next message)."""
+    def entry(self, topic: bytes) -> Entry:
+        """The entry of a topic that has none (the slow path). Past the limit, an untracked
+        entry, not kept: ``add`` counts its messages in ``other``."""
         groups = self._groups_of(topic)
         if len(self.entries) >= self.limit:
-            self.other[0] += 1
-            self.other[1] += payload_len
-            return [0, 0, groups]
-        entry: Entry = [0, 0, groups]
+            return [0, 0, groups, False]
+        entry: Entry = [0, 0, groups, True]
         self.entries[topic] = entry
         return entry
+
+    def add(self, entry: Entry, messages: int, nbytes: int, logged: int) -> None:
+        """A run of ``messages`` (``logged`` of them in the log) to the entry's topic."""
+        if entry[3]:
+            entry[0] += messages
+            entry[1] += nbytes
+        else:
+            self.other[0] += messages
+            self.other[1] += nbytes
+        if logged:
+            for g in entry[2]:
+                g.backlog += logged
 
     def regroup(self) -> None:
         """Durable groups changed: look again which count each topic's messages."""

@@ -299,7 +299,7 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
         if pos + _DELIVERY_HEAD > end:
             raise RemoteProtocolError("DELIVER message header ends early")
         offset, dcount, ts, dflags = prefix(data, pos)
-        if dflags & ~DELIVERED_RETAINED:
+        if dflags and dflags != DELIVERED_RETAINED:
             raise RemoteProtocolError(f"DELIVER record has invalid delivery flags {dflags:#04x}")
         flags, ttl, tlen, klen, plen = head(data, pos + PREFIX_SIZE)
         p = pos + _DELIVERY_HEAD
@@ -323,7 +323,7 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
         else:
             payload = data[p:pos]
         out.append(Delivery(offset, dcount, topic, payload, flags & FLAG_QOS1, ttl, key, dead, ts,
-                            dflags == DELIVERED_RETAINED))
+                            dflags != 0))
     r.pos = pos
     return sub_id, tuple(out)
 
