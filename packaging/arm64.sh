@@ -90,10 +90,9 @@ build_in_root() {
     cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/host-ca.crt"
     enter
     cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
-    env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8 \
+    chroot "$ROOT" /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8 \
         PIP_CERT=/etc/ssl/certs/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1 \
-        PIP_DEFAULT_TIMEOUT=180 \
-        chroot "$ROOT" /bin/sh -c 'cd /src && python3 packaging/build.py'
+        PIP_DEFAULT_TIMEOUT=180 /bin/sh -c 'cd /src && python3 packaging/build.py'
     leave
     trap - EXIT INT TERM
     mkdir -p dist
