@@ -363,6 +363,7 @@ class Broker:
         when ``qos0_only``: a closing connection takes no QoS 1 delivery it could not ack)."""
         batches = []
         released = []
+        behind = False
         for consumer in self.registry.of(conn):
             if qos0_only and consumer.qos:
                 continue
@@ -371,9 +372,12 @@ class Broker:
             records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
             if records:
                 batches.append((consumer.sub_id, records))
-            if not isinstance(consumer.queue, DurableGroup):
+            if isinstance(consumer.queue, DurableGroup):
+                behind = behind or (
+                    records and self.cursors.lag(consumer.queue) > max_batch)  # type: ignore[union-attr]
+            else:
                 released.append(consumer.queue.id)
-        return Deliveries(batches, tuple(released), self.take_fetches())
+        return Deliveries(batches, tuple(released), self.take_fetches(), bool(behind))
 
     def has_work(self, consumer: Consumer) -> bool:
         """Whether ``take`` would hand this consumer something now."""

@@ -132,6 +132,10 @@ class Cursors:
         return bool(target.ready or target.pending or target.ahead) or (
             not target.fetching and target.next <= self.log.written_offset)
 
+    def lag(self, target: DurableGroup) -> int:
+        """Log records past the cursor's position (whether they match its filter or not)."""
+        return self.log.written_offset + 1 - target.next
+
     def take(
         self, consumer: Consumer, target: DurableGroup, limit: int, max_bytes: int,
         now_ms: int, wall_ms: int,
