@@ -183,3 +183,21 @@ def test_no_reconnect_ends_with_the_broker(start_broker) -> None:
     assert b.stop() == 0
     _, err = sub.communicate(timeout=10)
     assert sub.returncode == 0 and b"shutting down" in err
+
+
+def test_help_framework_errors_are_one_line(tmp_path: Path) -> None:
+    import subprocess
+
+    from conftest import BLIPMQ
+
+    def run(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([BLIPMQ, *args], capture_output=True, timeout=30, cwd=tmp_path)
+
+    for args in (("nosuch",), ("config", "init", "--bogus"), ("sub", "--bogus")):
+        res = run(*args)
+        assert res.returncode == Exit.USAGE, args
+        assert res.stderr.count(b"\n") == 1 and b"\xe2\x94" not in res.stderr, res.stderr
+    assert run("sub", "t", "-h").stdout.count(b"Usage: blipmq sub") == 1
+    res = run("config", "init", "-")
+    assert res.returncode == 0 and res.stdout.startswith(b"# BlipMQ broker configuration")
+    assert not list(tmp_path.iterdir())  # nothing written
