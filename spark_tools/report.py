@@ -28,7 +28,7 @@ def _axes(ymax: float, label: str) -> list[str]:
     for i in range(5):
         y = H - PAD - i * (H - PAD - 10) / 4
         out.append(f'<text x="{PAD - 6}" y="{y + 4:.0f}" class="tick" text-anchor="end">'
-                   f'{ymax * i / 4:,.0f}</text>')
+                   f'{ymax * i / 4:,.{0 if ymax >= 8 else 2}f}</text>')
     out.append(f'<text x="12" y="{H / 2:.0f}" class="label" transform="rotate(-90 12 '
                f'{H / 2:.0f})" text-anchor="middle">{_esc(label)}</text>')
     return out
