@@ -34,8 +34,10 @@ Addr = Annotated[
 ApiKey = Annotated[
     str | None, typer.Option("--api-key", envvar="BLIPMQ_API_KEY", help="API key for the broker")
 ]
-Ttl = Annotated[int, typer.Option("--ttl", help="Time to live in ms (0: the broker's default)")]
-Qos = Annotated[int, typer.Option("--qos", min=0, max=1, help="0 at most once, 1 at least once")]
+Ttl = Annotated[str | None, typer.Option(
+    "--ttl", help="Time to live: 5000 (ms), 30s, 5m, 2h [default: the broker's]")]
+Qos = Annotated[int, typer.Option("-q", "--qos", min=0, max=1,
+                                  help="0 at most once, 1 at least once")]
 Key = Annotated[str | None, typer.Option("--key", help="Message key")]
 Topic = Annotated[str, typer.Argument(help="Topic name")]
 
@@ -46,28 +48,39 @@ def _exit(code: int) -> None:
 
 @app.command()
 def pub(
-    topic: Topic,
-    message: Annotated[str, typer.Argument(help="The message, or '-' to read standard input")],
+    topic: Annotated[str | None, typer.Argument(help="Topic name (or -t)")] = None,
+    message: Annotated[
+        str | None, typer.Argument(help="The message (or -m); '-' reads all of stdin")
+    ] = None,
+    topic_opt: Annotated[str | None, typer.Option("-t", "--topic", help="Topic name")] = None,
+    message_opt: Annotated[str | None, typer.Option("-m", "--message", help="The message")
+                           ] = None,
+    stdin: Annotated[bool, typer.Option("-s", "--stdin", help="Send all of stdin as one message")
+                     ] = False,
     lines: Annotated[
-        bool, typer.Option("--lines", help="Publish each stdin line as its own message")
+        bool, typer.Option("-l", "--lines", help="Publish each stdin line as its own message")
     ] = False,
-    ttl: Ttl = 0,
+    path: Annotated[str | None, typer.Option("-f", "--file",
+                                             help="Send a file as one message ('-': stdin)")
+                    ] = None,
+    ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
     addr: Addr = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Publish one message (or, with --lines, every line of stdin as it arrives)."""
+    """Publish one message (or, with -l, every line of stdin as it arrives)."""
     _exit(commands.guarded(lambda: commands.pub(
-        topic, message, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, lines=lines
+        topic, message, addr=addr, api_key=api_key, topic_opt=topic_opt,
+        message_opt=message_opt, stdin=stdin, lines=lines, path=path, ttl=ttl, qos=qos, key=key,
     )))
 
 
 @app.command()
 def pubfile(
     topic: Topic,
-    path: Annotated[str, typer.Argument(help="File to send as one binary message")],
-    ttl: Ttl = 0,
+    path: Annotated[str, typer.Argument(help="File to send as one binary message ('-': stdin)")],
+    ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
     addr: Addr = None,
@@ -81,11 +94,15 @@ def pubfile(
 
 @app.command()
 def sub(
-    topic: Annotated[str, typer.Argument(help="Topic filter ('+' one level, '#' the rest)")],
-    count: Annotated[int | None, typer.Option("--count", help="Exit after N messages")] = None,
-    timeout: Annotated[
-        float | None, typer.Option("--timeout", help="Give up after SECONDS (exit code 4)")
-    ] = None,
+    topics: Annotated[list[str] | None, typer.Argument(
+        help="Topic filters ('+' one level, '#' the rest)", show_default=False)] = None,
+    topic_opt: Annotated[list[str] | None, typer.Option(
+        "-t", "--topic", help="A topic filter (repeatable)", show_default=False)] = None,
+    count: Annotated[int | None, typer.Option("-C", "--count", help="Exit after N messages")
+                     ] = None,
+    timeout: Annotated[str | None, typer.Option(
+        "-W", "--timeout", help="Give up after this long: 30 (s), 500ms, 5m (exit code 4 if "
+        "nothing came)")] = None,
     group: Annotated[str, typer.Option("--group", help="Consumer group to share work in")] = "",
     qos: Qos = 0,
     start: Annotated[
@@ -96,16 +113,34 @@ def sub(
             "(replays the log; an existing group resumes where it was)",
         ),
     ] = "latest",
-    fmt: Annotated[
-        str, typer.Option("--format", help="raw | lines | hex | base64 | json")
-    ] = "raw",
+    fmt: Annotated[str | None, typer.Option(
+        "--format", "-F", help="lines (default) | raw | hex | base64 | json, or a template: "
+        "'{topic} {offset} {payload}', '%t %p'")] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Print 'topic payload' lines")
+                       ] = False,
+    raw: Annotated[bool, typer.Option("-N", "--raw", help="Exact payload bytes, no newline")
+                   ] = False,
+    command: Annotated[str | None, typer.Option(
+        "--exec", help="Run this shell command once per message, the payload on its stdin; "
+        "ack on exit 0, nack otherwise")] = None,
+    jobs: Annotated[int, typer.Option("--jobs", help="--exec commands running at once")] = 1,
+    retry_delay: Annotated[str, typer.Option(
+        "--retry-delay", help="Redelivery delay after a failed --exec command")] = "1s",
+    no_reconnect: Annotated[bool, typer.Option(
+        "--no-reconnect", help="Exit when the connection is lost instead of reconnecting")
+    ] = False,
+    background: Annotated[bool, typer.Option(
+        "-b", "--background", help="Return once subscribed; go on in the background")
+    ] = False,
     addr: Addr = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Subscribe and write messages to stdout (raw bytes by default)."""
+    """Subscribe and write messages to stdout, one per line (or run --exec for each)."""
     _exit(commands.guarded(lambda: commands.sub(
-        topic, addr=addr, api_key=api_key, count=count, timeout=timeout, group=group, qos=qos,
-        start=start, fmt=fmt,
+        topics or [], addr=addr, api_key=api_key, topic_opt=topic_opt, count=count,
+        timeout=timeout, group=group, qos=qos, start=start, fmt=fmt, verbose=verbose, raw=raw,
+        command=command, jobs=jobs, retry_delay=retry_delay, no_reconnect=no_reconnect,
+        background=background,
     )))
 
 

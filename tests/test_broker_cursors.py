@@ -102,3 +102,18 @@ def test_a_closing_connection_takes_no_qos1_deliveries() -> None:
     got = b.deliver(1, 100, 1 << 20, 0, 0, qos0_only=True)
     assert [payloads(r) for _, r in got.batches] == [[b"a"]]
     assert not b.pending(1, qos0_only=True) and b.pending(1)
+
+
+def test_a_cursor_more_than_a_batch_behind_says_so() -> None:
+    log = MemoryLog()
+    b = Broker(Limits(), log=log)
+    b.subscribe(1, "t", start=Start.EARLIEST)  # a replay
+    b.subscribe(2, "t")  # live, from a queue: never "behind"
+    publish(b, "t", *(b"%d" % i for i in range(25)), qos=0)
+    log.store()
+    assert b.deliver(2, 10, 1 << 20, 0, 0).behind is False
+    steps = [(len(got.batches[0][1]), got.behind)
+             for got in (b.deliver(1, 10, 1 << 20, 0, 0) for _ in range(3))]
+    # 25 records behind, 10 taken: 15 left (more than a batch), then 5, then none
+    assert steps == [(10, True), (10, False), (5, False)]
+    assert b.deliver(1, 10, 1 << 20, 0, 0).behind is False  # nothing taken

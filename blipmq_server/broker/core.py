@@ -335,17 +335,17 @@ class Broker:
 
     def nack(
         self, conn: int, sub_id: int, offsets: tuple[int, ...], delay_ms: int, now_ms: int,
-        timestamp_ms: int,
+        timestamp_ms: int, reason: str = "",
     ) -> frozenset[int]:
         """A QoS 1 consumer gives deliveries back, to be redelivered now or after
-        ``delay_ms``; one delivered ``max_retries`` times goes to ``$dlq/<topic>`` instead.
-        Returns the connections to wake."""
+        ``delay_ms``; one delivered ``max_retries`` times goes to ``$dlq/<topic>`` instead,
+        with the consumer's ``reason`` if it gave one. Returns the connections to wake."""
         found = self._cursor_of(conn, sub_id)
         if found is None:
             return frozenset()
         dead: list[RawMessage] = []
         wake = self.cursors.nack(*found, offsets, delay_ms, now_ms,  # type: ignore[union-attr]
-                                 timestamp_ms, dead)
+                                 timestamp_ms, dead, reason)
         return wake | self._publish_dead(dead, now_ms, timestamp_ms)
 
     # ---------------------------------------------------------------------------- delivery
@@ -363,6 +363,7 @@ class Broker:
         when ``qos0_only``: a closing connection takes no QoS 1 delivery it could not ack)."""
         batches = []
         released = []
+        behind = False
         for consumer in self.registry.of(conn):
             if qos0_only and consumer.qos:
                 continue
@@ -371,9 +372,12 @@ class Broker:
             records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
             if records:
                 batches.append((consumer.sub_id, records))
-            if not isinstance(consumer.queue, DurableGroup):
+            if isinstance(consumer.queue, DurableGroup):
+                behind = behind or (
+                    records and self.cursors.lag(consumer.queue) > max_batch)  # type: ignore[union-attr]
+            else:
                 released.append(consumer.queue.id)
-        return Deliveries(batches, tuple(released), self.take_fetches())
+        return Deliveries(batches, tuple(released), self.take_fetches(), bool(behind))
 
     def has_work(self, consumer: Consumer) -> bool:
         """Whether ``take`` would hand this consumer something now."""

@@ -132,6 +132,10 @@ class Cursors:
         return bool(target.ready or target.pending or target.ahead) or (
             not target.fetching and target.next <= self.log.written_offset)
 
+    def lag(self, target: DurableGroup) -> int:
+        """Log records past the cursor's position (whether they match its filter or not)."""
+        return self.log.written_offset + 1 - target.next
+
     def take(
         self, consumer: Consumer, target: DurableGroup, limit: int, max_bytes: int,
         now_ms: int, wall_ms: int,
@@ -205,11 +209,11 @@ class Cursors:
 
     def nack(
         self, consumer: Consumer, target: DurableGroup, offsets: tuple[int, ...], delay_ms: int,
-        now_ms: int, timestamp_ms: int, dead: list[RawMessage],
+        now_ms: int, timestamp_ms: int, dead: list[RawMessage], why: str = "",
     ) -> frozenset[int]:
         mine = target.held_by(consumer.sub_id, offsets)
         self.counters.nacked += len(mine)
-        reason = f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked"
+        reason = why or (f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked")
         target.back(self._spend(target, mine, lambda _: reason, timestamp_ms, dead),
                     now_ms, delay_ms)
         return frozenset(c.conn for c in target.consumers) if mine else frozenset()

@@ -136,11 +136,14 @@ class Fetch:
 @dataclass(frozen=True, slots=True)
 class Deliveries:
     """What one connection takes in one go: DELIVER batches by subscription id, the queues
-    it took from (blocked publishers may go on), and the disk reads cursors now wait for."""
+    it took from (blocked publishers may go on), the disk reads cursors now wait for, and
+    whether a cursor it took from is still more than a batch behind the log's end (a
+    backlog drain, which the shell lets live traffic go ahead of)."""
 
     batches: list[tuple[int, list[bytes]]]
     released: tuple[int, ...]
     fetches: list[Fetch]
+    behind: bool = False
 
 
 def refused(code: ErrorCode, text: str) -> SubscribeResult:

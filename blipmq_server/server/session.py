@@ -19,6 +19,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 from blipmq_server.errors import RemoteProtocolError
 from blipmq_server.protocol import codec
@@ -53,6 +54,9 @@ def wall_ms() -> int:
 
 
 _SEND_CHUNK = 64 * 1024  # the write timeout applies to each chunk: "no progress for N ms"
+# A cursor draining a backlog sends its next batch once nothing else is ready to run, or
+# after this long at the latest: live traffic goes first, and a drain never stops
+_BACKLOG_WAIT_S = 0.01
 _TURN_S = 0.001  # a connection with many frames waiting yields to the others after this
 
 
@@ -153,7 +157,7 @@ class Session:
                     continue
                 if linger and not self.outbox:
                     await trio.sleep(linger)  # let a batch fill (delivery.flush_interval_ms)
-                data = self._collect(opts.max_batch, opts.max_batch_bytes)
+                data, behind = self._collect(opts.max_batch, opts.max_batch_bytes)
                 if data:
                     view = memoryview(data)
                     for at in range(0, len(data), _SEND_CHUNK):
@@ -163,12 +167,15 @@ class Session:
                     self.sending_since = None
                     self.pending_bytes -= len(data)
                     self._drained.set()
+                    if behind:  # a backlog drain: live traffic first, the next batch after
+                        with trio.move_on_after(_BACKLOG_WAIT_S):
+                            await wait_all_tasks_blocked()
                 else:
                     await trio.lowlevel.checkpoint()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.abort(CloseReason.WRITE_FAILED)
 
-    def _collect(self, max_batch: int, max_batch_bytes: int) -> bytes:
+    def _collect(self, max_batch: int, max_batch_bytes: int) -> tuple[bytes, bool]:
         """The outbox and a DELIVER batch per subscription with something to take. Once
         closing, QoS 1 subscriptions take nothing more: what they took would only go back
         to their cursor, one delivery count higher."""
@@ -185,7 +192,7 @@ class Session:
         if taken.fetches:
             self.server.prefetcher.request(taken.fetches)  # type: ignore[union-attr]
         self.pending_bytes += delivered
-        return b"".join(parts)
+        return b"".join(parts), taken.behind
 
     # ----------------------------------------------------------------------------- reader
 
@@ -271,7 +278,8 @@ class Session:
                     self.wake()  # the consumer's window has room again
             case codec.Nack():
                 self.server.wake(self.broker.nack(self.conn_id, frame.sub_id, frame.offsets,
-                                                  frame.delay_ms, now_ms(), wall_ms()))
+                                                  frame.delay_ms, now_ms(), wall_ms(),
+                                                  frame.reason))
             case codec.Credit():
                 if self.broker.set_credit(self.conn_id, frame.sub_id, frame.credit):
                     self.wake()
