@@ -66,8 +66,15 @@ class DumpResult:
 
 
 def blipmq_version() -> str:
+    import sys
     from importlib import metadata
 
+    if getattr(sys, "frozen", False):  # the edge executable: its build facts (version.py)
+        try:
+            with open(os.path.join(getattr(sys, "_MEIPASS", ""), "blipmq_build.json")) as f:
+                return str(json.load(f)["version"])
+        except (OSError, ValueError, KeyError):
+            return "unknown"
     try:
         return metadata.version("blipmq")
     except metadata.PackageNotFoundError:  # a frozen executable without package metadata
