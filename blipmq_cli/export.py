@@ -95,14 +95,15 @@ def run(dumps: list[str], output: str, master: str | None, conf: list[str],
         report: str | None, print_submit: bool) -> int:
     try:
         settings = parse_conf(conf)
-        check_inputs(dumps)
         if print_submit:
+            check_inputs(dumps)
             from spark_tools import submit
 
             sys.stdout.write(submit.line(dumps, output, settings, report) + "\n")
             return Exit.OK
-        check_extra()
+        check_extra()  # first: without Spark nothing else matters (the edge executable)
         check_java()
+        check_inputs(dumps)
         check_master(master)
     except Refused as exc:
         commands.say(str(exc))

@@ -165,3 +165,21 @@ def _props(tmp_path: Path) -> Path:
 def _devices_table(stdout: bytes) -> list[list[str]]:
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in stdout.decode().splitlines()]
     return [r for r in rows if len(r) == 6 and r[0] in ("east", "west")]
+
+
+def test_print_submit_ships_the_packages(dumps, tmp_path) -> None:
+    import shlex
+    import zipfile
+
+    res = subprocess.run([BLIPMQ, "export", str(dumps), "--output", str(tmp_path / "o"),
+                          "--print-submit", "--conf", "spark.executor.memory=2g"],
+                         capture_output=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    args = shlex.split(res.stdout.decode())
+    assert args[:2] == ["spark-submit", "--master"] and "spark.executor.memory=2g" in args
+    archive = args[args.index("--py-files") + 1]
+    names = zipfile.ZipFile(archive).namelist()
+    assert {"blipmq_server/wal/record.py", "spark_tools/source.py",
+            "pyspark_blipmq_wal/__init__.py"} <= set(names)
+    entry = next(a for a in args if a.endswith("entry.py"))
+    assert os.path.isfile(entry) and args[args.index(entry) + 1] == str(dumps)
