@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	$(BIN)/pip install -q -e '.[dev,spark]' --config-settings editable_mode=compat
 	touch $(VENV)/.installed $@
 
 ## run: start the broker on 127.0.0.1:7878 with config/blipmq.toml and ./data

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from blipmq_cli import commands
+from blipmq_cli import commands, export, walcmd
 from blipmq_cli.exits import Exit
 
 app = typer.Typer(
@@ -26,6 +26,8 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Broker configuration files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+app.add_typer(walcmd.app, name="wal")
+app.command("export")(export.command)
 
 Addr = Annotated[
     str | None,
