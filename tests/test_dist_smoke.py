@@ -128,13 +128,13 @@ def test_operator_session(executable: Executable, runner: Runner, tmp_path: Path
     assert list(runner.tmpdir.iterdir()) == []  # every _MEI directory removed
 
 
-def test_commands_that_need_spark_fail_in_one_line(runner: Runner) -> None:
+def test_commands_that_need_spark_fail_in_one_line(runner: Runner, tmp_path: Path) -> None:
     help_text = runner.run("--help").stdout.decode()
     if not re.search(r"^\W*export\b", help_text, re.M):
         pytest.skip("this build has no export command")
     done = runner.run("export", "--help")
     assert done.returncode == 0  # documented like any command
-    done = runner.run("export", str(TOP))
+    done = runner.run("export", str(TOP), "--output", str(tmp_path / "out"))
     assert done.returncode != 0
     assert done.stderr.count(b"\n") == 1 and b"Traceback" not in done.stderr
     assert b"spark" in done.stderr.lower()
