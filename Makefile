@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test test-fast lint bench bench-durability clean
+.PHONY: run test test-fast lint bench bench-durability clean dist dist-arm64
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	$(BIN)/pip install -q -e '.[dev,spark]' --config-settings editable_mode=compat
 	touch $(VENV)/.installed $@
 
 ## run: start the broker on 127.0.0.1:7878 with config/blipmq.toml and ./data
@@ -44,6 +44,14 @@ bench: $(STAMP)
 bench-durability: $(STAMP)
 	$(BIN)/python bench/durability.py
 	$(BIN)/python bench/backlog.py
+
+## dist: the executable for this machine in dist/ (onefile, onedir .tar.gz); see packaging/
+dist:
+	$(PY) packaging/build.py
+
+## dist-arm64: the aarch64 executable, built in an emulated Debian 12 root, smoke-tested under qemu (root, ~20 min)
+dist-arm64: $(STAMP)
+	packaging/arm64.sh all
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

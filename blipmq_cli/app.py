@@ -8,11 +8,12 @@ functions in ``commands`` / ``blipmq_server.daemon``.
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
-from blipmq_cli import commands
+from blipmq_cli import commands, export, walcmd
 from blipmq_cli.exits import Exit
 
 app = typer.Typer(
@@ -21,9 +22,12 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 config_app = typer.Typer(help="Broker configuration files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+app.add_typer(walcmd.app, name="wal")
+app.command("export")(export.command)
 
 Addr = Annotated[
     str | None,
@@ -32,8 +36,10 @@ Addr = Annotated[
 ApiKey = Annotated[
     str | None, typer.Option("--api-key", envvar="BLIPMQ_API_KEY", help="API key for the broker")
 ]
-Ttl = Annotated[int, typer.Option("--ttl", help="Time to live in ms (0: the broker's default)")]
-Qos = Annotated[int, typer.Option("--qos", min=0, max=1, help="0 at most once, 1 at least once")]
+Ttl = Annotated[str | None, typer.Option(
+    "--ttl", help="Time to live: 5000 (ms), 30s, 5m, 2h [default: the broker's]")]
+Qos = Annotated[int, typer.Option("-q", "--qos", min=0, max=1,
+                                  help="0 at most once, 1 at least once")]
 Key = Annotated[str | None, typer.Option("--key", help="Message key")]
 Topic = Annotated[str, typer.Argument(help="Topic name")]
 
@@ -44,23 +50,34 @@ def _exit(code: int) -> None:
 
 @app.command()
 def pub(
-    topic: Topic,
-    message: Annotated[str, typer.Argument(help="The message, or '-' to read standard input")],
+    topic: Annotated[str | None, typer.Argument(help="Topic name (or -t)")] = None,
+    message: Annotated[
+        str | None, typer.Argument(help="The message (or -m); '-' reads all of stdin")
+    ] = None,
+    topic_opt: Annotated[str | None, typer.Option("-t", "--topic", help="Topic name")] = None,
+    message_opt: Annotated[str | None, typer.Option("-m", "--message", help="The message")
+                           ] = None,
+    stdin: Annotated[bool, typer.Option("-s", "--stdin", help="Send all of stdin as one message")
+                     ] = False,
     lines: Annotated[
-        bool, typer.Option("--lines", help="Publish each stdin line as its own message")
+        bool, typer.Option("-l", "--lines", help="Publish each stdin line as its own message")
     ] = False,
+    path: Annotated[str | None, typer.Option("-f", "--file",
+                                             help="Send a file as one message ('-': stdin)")
+                    ] = None,
     retain: Annotated[bool, typer.Option(
         "-r", "--retain", help="Keep as the topic's last value for new subscribers "
         "(an empty message clears it)")] = False,
-    ttl: Ttl = 0,
+    ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
     addr: Addr = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Publish one message (or, with --lines, every line of stdin as it arrives)."""
+    """Publish one message (or, with -l, every line of stdin as it arrives)."""
     _exit(commands.guarded(lambda: commands.pub(
-        topic, message, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, lines=lines,
+        topic, message, addr=addr, api_key=api_key, topic_opt=topic_opt,
+        message_opt=message_opt, stdin=stdin, lines=lines, path=path, ttl=ttl, qos=qos, key=key,
         retain=retain,
     )))
 
@@ -68,8 +85,8 @@ def pub(
 @app.command()
 def pubfile(
     topic: Topic,
-    path: Annotated[str, typer.Argument(help="File to send as one binary message")],
-    ttl: Ttl = 0,
+    path: Annotated[str, typer.Argument(help="File to send as one binary message ('-': stdin)")],
+    ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
     addr: Addr = None,
@@ -83,11 +100,15 @@ def pubfile(
 
 @app.command()
 def sub(
-    topic: Annotated[str, typer.Argument(help="Topic filter ('+' one level, '#' the rest)")],
-    count: Annotated[int | None, typer.Option("--count", help="Exit after N messages")] = None,
-    timeout: Annotated[
-        float | None, typer.Option("--timeout", help="Give up after SECONDS (exit code 4)")
-    ] = None,
+    topics: Annotated[list[str] | None, typer.Argument(
+        help="Topic filters ('+' one level, '#' the rest)", show_default=False)] = None,
+    topic_opt: Annotated[list[str] | None, typer.Option(
+        "-t", "--topic", help="A topic filter (repeatable)", show_default=False)] = None,
+    count: Annotated[int | None, typer.Option("-C", "--count", help="Exit after N messages")
+                     ] = None,
+    timeout: Annotated[str | None, typer.Option(
+        "-W", "--timeout", help="Give up after this long: 30 (s), 500ms, 5m (exit code 4 if "
+        "nothing came)")] = None,
     group: Annotated[str, typer.Option("--group", help="Consumer group to share work in")] = "",
     qos: Qos = 0,
     start: Annotated[
@@ -104,16 +125,34 @@ def sub(
         typer.Option("--since", help="Start at the first message of the last DURATION "
                      "(90s, 10m, 2h, 1d)"),
     ] = None,
-    fmt: Annotated[
-        str, typer.Option("--format", help="raw | lines | hex | base64 | json")
-    ] = "raw",
+    fmt: Annotated[str | None, typer.Option(
+        "--format", "-F", help="lines (default) | raw | hex | base64 | json, or a template: "
+        "'{topic} {offset} {payload}', '%t %p'")] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Print 'topic payload' lines")
+                       ] = False,
+    raw: Annotated[bool, typer.Option("-N", "--raw", help="Exact payload bytes, no newline")
+                   ] = False,
+    command: Annotated[str | None, typer.Option(
+        "--exec", help="Run this shell command once per message, the payload on its stdin; "
+        "ack on exit 0, nack otherwise")] = None,
+    jobs: Annotated[int, typer.Option("--jobs", help="--exec commands running at once")] = 1,
+    retry_delay: Annotated[str, typer.Option(
+        "--retry-delay", help="Redelivery delay after a failed --exec command")] = "1s",
+    no_reconnect: Annotated[bool, typer.Option(
+        "--no-reconnect", help="Exit when the connection is lost instead of reconnecting")
+    ] = False,
+    background: Annotated[bool, typer.Option(
+        "-b", "--background", help="Return once subscribed; go on in the background")
+    ] = False,
     addr: Addr = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Subscribe and write messages to stdout (raw bytes by default)."""
+    """Subscribe and write messages to stdout, one per line (or run --exec for each)."""
     _exit(commands.guarded(lambda: commands.sub(
-        topic, addr=addr, api_key=api_key, count=count, timeout=timeout, group=group, qos=qos,
-        start=start, fmt=fmt, since=since,
+        topics or [], addr=addr, api_key=api_key, topic_opt=topic_opt, count=count,
+        timeout=timeout, group=group, qos=qos, start=start, fmt=fmt, verbose=verbose, raw=raw,
+        command=command, jobs=jobs, retry_delay=retry_delay, no_reconnect=no_reconnect,
+        background=background, since=since,
     )))
 
 
@@ -202,12 +241,15 @@ def version(as_json: Json = False, addr: Addr = None, api_key: ApiKey = None) ->
 
 @config_app.command("init")
 def config_init(
-    path: Annotated[str, typer.Argument(help="Where to write it")] = "blipmq.toml",
+    path: Annotated[str, typer.Argument(help="Where to write it ('-': stdout)")] = "blipmq.toml",
 ) -> None:
     """Write a commented default configuration file."""
     from blipmq_server import config
     from blipmq_server.errors import ConfigError
 
+    if path == "-":
+        sys.stdout.write(config.default_text())
+        return
     try:
         config.write_default(path)
     except (ConfigError, OSError) as exc:
@@ -217,8 +259,25 @@ def config_init(
 
 
 def run_app(argv: list[str]) -> int:
+    """Run the Typer app; a usage error is one line on stderr and exit code 2 (the help
+    framework would draw a box around it)."""
+    try:  # typer 0.29 carries its own copy of click; the frozen build's 0.28 uses click
+        from typer._click.exceptions import UsageError
+    except ImportError:
+        from click.exceptions import UsageError  # type: ignore[no-redef]
+
     try:
-        app(args=argv, prog_name="blipmq", standalone_mode=True)
+        result = app(args=argv, prog_name="blipmq", standalone_mode=False)
+    except UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "blipmq"
+        text = exc.format_message().strip()
+        if text:  # empty: no arguments, and the help was printed instead
+            commands.say(f"{text} (see '{where} --help')")
+        return Exit.USAGE
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        return Exit.INTERRUPTED
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return 0
+    return result if isinstance(result, int) else 0

@@ -32,6 +32,7 @@ a one-shot ``blipmq pub`` starts fast.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -49,7 +50,8 @@ from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import Delivery, Message
 from blipmq_server.protocol.connection import ClientConnection, Closed, CloseReason
 
-DEFAULT_ADDR = "127.0.0.1:7878"
+DEFAULT_PORT = 7878
+DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT = 10.0
 _RECV = 1 << 18
 _SEND_CHUNK = 1 << 20
@@ -57,12 +59,16 @@ _PROGRESS_CHUNK = 1 << 18
 _POLL_READS = 4  # reads of what already arrived before a write; more waits for the next wait
 _KEEPCNT = 3
 _END: tuple[Delivery, ...] = ()  # a subscription's stream ended (the connection never queues ())
+_ENDED, _WOKE = object(), object()  # next_of: every stream ended; a wake fd, no delivery
 
 _T = TypeVar("_T")
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) -> (host, port); raises ValueError with a reason."""
+    """``host:port`` (``[v6]:port`` too), or a host alone for the default port 7878 ->
+    (host, port); raises ValueError with a reason."""
+    if (addr.startswith("[") and addr.endswith("]")) or addr.count(":") == 0:
+        addr = f"{addr}:{DEFAULT_PORT}"  # a host without a port, as mosquitto_pub -h
     host, sep, port = addr.rpartition(":")
     if not sep or not host:
         raise ValueError(f"address {addr!r} is not HOST:PORT")
@@ -133,9 +139,10 @@ class Subscription:
         self.client._conn.credit(self.sub_id, credit)
         self.client._send_control()
 
-    def nack(self, *deliveries: Delivery, delay_ms: int = 0) -> None:
-        """Give deliveries back: redelivered at once, or after ``delay_ms``."""
-        self.client.nack(self.sub_id, *deliveries, delay_ms=delay_ms)
+    def nack(self, *deliveries: Delivery, delay_ms: int = 0, reason: str = "") -> None:
+        """Give deliveries back: redelivered at once, or after ``delay_ms``; ``reason`` is
+        what a dead letter made by this NACK says."""
+        self.client.nack(self.sub_id, *deliveries, delay_ms=delay_ms, reason=reason)
 
     def unsubscribe(self) -> None:
         conn = self.client._conn
@@ -153,18 +160,23 @@ class Client:
         name: str = "blipmq-py",
     ) -> None:
         host, port = parse_addr(addr)
-        self.addr = addr
+        self.addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.timeout = timeout
+        # while waiting for deliveries: wake when one of these fds is readable, and raise
+        # BrokenPipeError when ``hangup_fd`` (stdout) reports that its reader went away
+        self.wake_fds: tuple[int, ...] = ()
+        self.hangup_fd: int | None = None
+        self._woken = False
         self._conn = ClientConnection()
         deadline = time.monotonic() + timeout
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
         except TimeoutError:
             raise ConnectError(
-                f"cannot connect to {addr}: the TCP connect timed out after {timeout:g} s"
+                f"cannot connect to {self.addr}: the TCP connect timed out after {timeout:g} s"
             ) from None
         except OSError as exc:
-            raise ConnectError(f"cannot connect to {addr}: {exc.strerror or exc}") from None
+            raise ConnectError(f"cannot connect to {self.addr}: {exc.strerror or exc}") from None
         try:
             _tune(self.sock, timeout)
             self._conn.hello(name, api_key)
@@ -174,7 +186,7 @@ class Client:
                                      "the handshake")
             except TimeoutError:
                 raise ConnectError(
-                    f"cannot connect to {addr}: the broker did not finish the handshake "
+                    f"cannot connect to {self.addr}: the broker did not finish the handshake "
                     f"within {timeout:g} s"
                 ) from None
             if isinstance(outcome, codec.Error):
@@ -358,9 +370,11 @@ class Client:
         self._conn.ack(sub_id, tuple(d.offset for d in deliveries))
         self._send_control()
 
-    def nack(self, sub_id: int, *deliveries: Delivery, delay_ms: int = 0) -> None:
+    def nack(
+        self, sub_id: int, *deliveries: Delivery, delay_ms: int = 0, reason: str = ""
+    ) -> None:
         """Negative ack: redeliver now (``delay_ms=0``) or once ``delay_ms`` has passed."""
-        self._conn.nack(sub_id, tuple(d.offset for d in deliveries), delay_ms)
+        self._conn.nack(sub_id, tuple(d.offset for d in deliveries), delay_ms, reason)
         self._send_control()
 
     def stats(self, timeout: float | None = None) -> dict:
@@ -405,6 +419,38 @@ class Client:
         if isinstance(reply, codec.Error):
             raise BrokerError(reply.code, reply.text)
         return reply
+
+    def next_of(
+        self, subs: list[Subscription], timeout: float | None = None
+    ) -> tuple[Subscription | None, tuple[Delivery, ...]] | None:
+        """The next DELIVER batch of any of ``subs`` (taken in turn), with its subscription;
+        None once all their streams ended; ``(None, ())`` when a wake fd became readable
+        first. Raises like ``Subscription.next_batch``."""
+        conn = self._conn
+
+        def batch() -> object | None:
+            live = 0
+            for sub in subs:
+                got = conn.next_batch(sub.sub_id)
+                if got is not None:
+                    subs.append(subs.pop(subs.index(sub)))  # the others go first next time
+                    return sub, got
+                live += conn.subscribed(sub.sub_id)
+            refusal = conn.refusal()
+            if refusal is not None:
+                raise BrokerError(refusal.code, refusal.text)
+            closed = conn.closed
+            if not live or (closed is not None and closed.ends_streams):
+                return _ENDED
+            if self._woken:
+                self._woken = False
+                return _WOKE
+            return None
+
+        got = self._wait(batch, timeout, "a delivery", keepalive=True)
+        if got is _ENDED:
+            return None
+        return (None, ()) if got is _WOKE else got  # type: ignore[return-value]
 
     def _next_batch(self, sub_id: int, timeout: float | None) -> tuple[Delivery, ...] | None:
         conn = self._conn
@@ -465,6 +511,8 @@ class Client:
     def _receive(self, wait: float) -> None:
         """Receive once, waiting at most ``wait`` seconds, and hand the bytes over."""
         sock = self.sock
+        if (self.wake_fds or self.hangup_fd is not None) and not self._watch(wait):
+            return
         try:
             sock.settimeout(max(wait, 0.001))
             data = sock.recv(_RECV)
@@ -476,6 +524,23 @@ class Client:
         conn = self._conn
         if conn.outgoing and conn.closed is None:
             self._write(conn.data_to_send())  # the PONG that answers the broker's PING
+
+    def _watch(self, wait: float) -> bool:
+        """Wait for the socket, the wake fds and a hang-up of ``hangup_fd``; whether the
+        socket is readable."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        for fd in self.wake_fds:
+            poller.register(fd, select.POLLIN)
+        if self.hangup_fd is not None:
+            poller.register(self.hangup_fd, 0)  # POLLERR / POLLHUP are always reported
+        readable = False
+        for fd, events in poller.poll(max(wait, 0.001) * 1000):
+            if fd == self.hangup_fd and events & (select.POLLERR | select.POLLHUP):
+                raise BrokenPipeError("stdout was closed")
+            readable = readable or fd == self.sock.fileno()
+            self._woken = self._woken or fd in self.wake_fds
+        return readable
 
     def _feed(self, data: bytes) -> None:
         try:

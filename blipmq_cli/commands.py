@@ -10,18 +10,21 @@ from __future__ import annotations
 import os
 import select
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
+from blipmq_cli import durations
 from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit, for_error
-from blipmq_cli.output import WRITERS
+from blipmq_cli.output import TemplateError, writer
 from blipmq_server.errors import BlipError, BrokerError, ConnectError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
 
 _READ = 1 << 16
-_MAX_CREDIT = 1 << 16
+
+
+class UsageError(Exception):
+    """Arguments that cannot work: one line on stderr, exit code 2."""
 
 
 def say(text: str) -> None:
@@ -33,6 +36,9 @@ def guarded(fn: Callable[[], int]) -> int:
     """Run a command; map every failure to one stderr line and an exit code."""
     try:
         return fn()
+    except UsageError as exc:
+        say(str(exc))
+        return Exit.USAGE
     except KeyboardInterrupt:
         return Exit.INTERRUPTED
     except BrokenPipeError:
@@ -61,26 +67,61 @@ def _key(key: str | None) -> bytes | None:
     return None if key is None else os.fsencode(key)
 
 
+def _ttl_ms(ttl: str | None) -> int:
+    if ttl is None:
+        return 0
+    ms = durations.milliseconds(ttl)
+    if ms is None or ms >= 1 << 32:
+        raise UsageError(f"--ttl {ttl!r}: give a duration such as 5000 (ms), 30s or 5m")
+    return ms
+
+
 def pub(
-    topic: str,
-    message: str,
+    topic: str | None,
+    message: str | None,
     *,
     addr: str | None,
     api_key: str | None,
-    ttl: int = 0,
+    topic_opt: str | None = None,
+    message_opt: str | None = None,
+    stdin: bool = False,
+    lines: bool = False,
+    path: str | None = None,
+    ttl: str | None = None,
     qos: int = 0,
     key: str | None = None,
-    lines: bool = False,
     retain: bool = False,
 ) -> int:
+    """``pub TOPIC MESSAGE``, or mosquitto's spelling ``pub -t TOPIC -m MESSAGE``; the
+    message may instead come from stdin (``-``, ``-s``), stdin's lines (``-l``) or a file
+    (``-f``)."""
+    given = [a for a in (topic, message) if a is not None]
+    if topic_opt is None:
+        if not given:
+            raise UsageError("give a topic: blipmq pub TOPIC MESSAGE (or -t TOPIC)")
+        topic_opt = given.pop(0)
+    if message_opt is None and given:
+        message_opt = given.pop(0)
+    if given:
+        raise UsageError(f"unexpected argument {given[0]!r} (one topic, one message)")
+    sources = [n for n, on in (("a message", message_opt not in (None, "-")),
+                               ("-l/--lines", lines), ("-f/--file", path is not None)) if on]
+    if len(sources) > 1:
+        raise UsageError(f"give one of {' and '.join(sources)}")
+    ttl_ms = _ttl_ms(ttl)
+    if path is not None:
+        return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key)
     if lines:
-        if message != "-":
-            say("--lines reads standard input: give '-' as the message")
-            return Exit.USAGE
-        return _pub_lines(topic, addr, api_key, ttl, qos, _key(key), retain)
-    payload = sys.stdin.buffer.read() if message == "-" else os.fsencode(message)
+        return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain)
+    if message_opt is None and not stdin:
+        raise UsageError("give a message, '-' or -s for stdin, -l for stdin's lines, or "
+                         "-f FILE")
+    if stdin or message_opt == "-":
+        payload = sys.stdin.buffer.read()
+    else:
+        payload = os.fsencode(message_opt)  # type: ignore[arg-type]
     with connect_from_env(addr, api_key) as client:
-        client.publish(topic, payload, qos=qos, ttl_ms=ttl, key=_key(key), retain=retain)
+        client.publish(topic_opt, payload, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)
     return Exit.OK
 
 
@@ -138,23 +179,32 @@ def pubfile(
     *,
     addr: str | None,
     api_key: str | None,
-    ttl: int = 0,
+    ttl: str | None = None,
     qos: int = 0,
     key: str | None = None,
 ) -> int:
-    size = os.path.getsize(path)
+    """A file's bytes (``-``: all of stdin) as one message."""
+    ttl_ms = _ttl_ms(ttl)
     with connect_from_env(addr, api_key) as client:
+        if path == "-":
+            data = sys.stdin.buffer.read()
+            size = len(data)
+        else:
+            size = os.path.getsize(path)
+            data = b""
         if size > client.max_message:
             raise BrokerError(
                 ErrorCode.MESSAGE_TOO_LARGE,
-                f"{path} is {size} bytes, over the broker's limit of {client.max_message}",
+                f"{'stdin' if path == '-' else path} is {size} bytes, over the broker's "
+                f"limit of {client.max_message}",
             )
-        with open(path, "rb") as f:
-            data = f.read()
+        if path != "-":
+            with open(path, "rb") as f:
+                data = f.read()
         if sys.stderr.isatty() and size >= 1 << 20:
-            _send_with_progress(client, topic, data, ttl, qos, _key(key), path)
+            _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path)
         else:
-            client.publish(topic, data, qos=qos, ttl_ms=ttl, key=_key(key))
+            client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key))
     return Exit.OK
 
 
@@ -174,72 +224,62 @@ def _send_with_progress(
 
 
 def sub(
-    topic: str,
+    topics: list[str],
     *,
     addr: str | None,
     api_key: str | None,
+    topic_opt: list[str] | None = None,
     count: int | None = None,
-    timeout: float | None = None,
+    timeout: str | None = None,
     group: str = "",
     qos: int = 0,
     start: str = "latest",
-    fmt: str = "raw",
+    fmt: str | None = None,
+    verbose: bool = False,
+    raw: bool = False,
+    command: str | None = None,
+    jobs: int = 1,
+    retry_delay: str = "1s",
+    no_reconnect: bool = False,
+    background: bool = False,
     since: str | None = None,
 ) -> int:
+    from blipmq_cli import subscriber
+
+    filters = tuple(topics) + tuple(topic_opt or ())
+    if not filters:
+        raise UsageError("give a topic filter: blipmq sub FILTER... (or -t FILTER)")
     if count is not None and count < 1:
-        say("--count must be at least 1")
-        return Exit.USAGE
+        raise UsageError("--count must be at least 1")
     where = _start(start, since)
     if isinstance(where, str):
-        say(where)
-        return Exit.USAGE
-    if timeout is not None and timeout <= 0:
-        say("--timeout must be a positive number of seconds")
-        return Exit.USAGE
-    write_batch = WRITERS[fmt]
-    out = sys.stdout.buffer
-    deadline = None if timeout is None else time.monotonic() + timeout
-    received = 0
-    with connect_from_env(addr, api_key) as client:
-        # with --count, ask for no more unacked deliveries than we will take
-        credit = min(count, _MAX_CREDIT) if qos and count is not None else 0
-        subscription = client.subscribe(
-            topic, group=group, qos=qos, credit=credit, start=where[0], start_offset=where[1]
-        )
-        while count is None or received < count:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            try:
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError
-                batch = subscription.next_batch(remaining)
-            except TimeoutError:
-                if received == 0 or count is not None:
-                    say(f"timed out after {timeout:g} s with {received} message(s) received")
-                    return Exit.TIMEOUT
-                return Exit.OK
-            if batch is None:
-                say("the broker ended the subscription (shutting down)")
-                return Exit.OK if count is None else Exit.REFUSED
-            if count is not None and received + len(batch) > count:
-                batch = batch[: count - received]
-            received += len(batch)
-            out.write(write_batch(batch))
-            out.flush()
-            if not qos:
-                continue
-            # acked only once written: a crash before this means redelivery, not loss
-            if received == count:
-                subscription.ack_at_close(*batch)
-                continue
-            if count is not None and count - received < _MAX_CREDIT:
-                # shrink the window before the ack frees it: no more than we will write
-                subscription.set_credit(count - received)
-            subscription.ack(*batch)
-    return Exit.OK
+        raise UsageError(where)
+    seconds = None
+    if timeout is not None:
+        seconds = durations.seconds(timeout)
+        if not seconds:
+            raise UsageError(f"--timeout {timeout!r}: give a positive duration such as 30 "
+                             "(seconds), 500ms or 5m")
+    retry_ms = durations.milliseconds(retry_delay)
+    if retry_ms is None or retry_ms >= 1 << 32:
+        raise UsageError(f"--retry-delay {retry_delay!r}: give a duration such as 1s or 500ms")
+    if not 1 <= jobs <= 1024:
+        raise UsageError("--jobs must be between 1 and 1024")
+    if command is not None and (fmt is not None or verbose or raw):
+        raise UsageError("--exec hands each message to the command: it takes no output format")
+    try:
+        write = writer(fmt, verbose, raw)
+    except TemplateError as exc:
+        raise UsageError(str(exc)) from None
+    plan = subscriber.Plan(filters, group, qos, where, count, seconds, write, command, jobs,
+                           retry_ms, not no_reconnect, background)
+    return subscriber.run(plan, addr, api_key)
 
 
 def _start(text: str, since: str | None = None) -> tuple[Start, int] | str:
     """``--from`` / ``--since`` values -> (Start, offset or time in ms); else the problem."""
+    import time
+
     from blipmq_cli import when
 
     if since is not None:

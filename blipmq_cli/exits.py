@@ -22,6 +22,8 @@ class Exit(IntEnum):
     BAD_NAME = 7  # invalid topic, filter or group name
     NOT_FOUND = 8  # unsub of a group that does not exist
     REFUSED = 9  # any other refusal by the broker (queue full, connection limit, ...)
+    MISSING = 10  # blipmq export: the spark extra or Java is not installed
+    JOB_FAILED = 11  # blipmq export: the Spark job failed (its first error line is printed)
     INTERRUPTED = 130  # Ctrl-C
 
 

@@ -14,7 +14,6 @@ from typing import NoReturn
 
 from blipmq_cli import commands
 from blipmq_cli.exits import Exit
-from blipmq_cli.output import FORMATS
 
 COMMANDS = ("pub", "pubfile", "sub", "unsub", "start")
 
@@ -31,8 +30,8 @@ def _client_opts(p: argparse.ArgumentParser) -> None:
 
 
 def _pub_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ttl", type=int, default=0)
-    p.add_argument("--qos", type=int, choices=(0, 1), default=0)
+    p.add_argument("--ttl", default=None)
+    p.add_argument("-q", "--qos", type=int, choices=(0, 1), default=0)
     p.add_argument("--key", default=None)
     _client_opts(p)
 
@@ -40,9 +39,13 @@ def _pub_opts(p: argparse.ArgumentParser) -> None:
 def parser(command: str) -> argparse.ArgumentParser:
     p = _Parser(prog=f"blipmq {command}", add_help=False)
     if command == "pub":
-        p.add_argument("topic")
-        p.add_argument("message")
-        p.add_argument("--lines", action="store_true")
+        p.add_argument("topic", nargs="?", default=None)
+        p.add_argument("message", nargs="?", default=None)
+        p.add_argument("-t", "--topic", dest="topic_opt", default=None)
+        p.add_argument("-m", "--message", dest="message_opt", default=None)
+        p.add_argument("-s", "--stdin", action="store_true")
+        p.add_argument("-l", "--lines", action="store_true")
+        p.add_argument("-f", "--file", dest="path", default=None)
         p.add_argument("-r", "--retain", action="store_true")
         _pub_opts(p)
     elif command == "pubfile":
@@ -50,14 +53,22 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("path")
         _pub_opts(p)
     elif command == "sub":
-        p.add_argument("topic")
-        p.add_argument("--count", type=int, default=None)
-        p.add_argument("--timeout", type=float, default=None)
+        p.add_argument("topics", nargs="*")
+        p.add_argument("-t", "--topic", dest="topic_opt", action="append", default=None)
+        p.add_argument("-C", "--count", type=int, default=None)
+        p.add_argument("-W", "--timeout", default=None)
         p.add_argument("--group", default="")
-        p.add_argument("--qos", type=int, choices=(0, 1), default=0)
+        p.add_argument("-q", "--qos", type=int, choices=(0, 1), default=0)
         p.add_argument("--from", dest="start", default="latest")
         p.add_argument("--since", default=None)
-        p.add_argument("--format", dest="fmt", choices=FORMATS, default="raw")
+        p.add_argument("--format", "-F", dest="fmt", default=None)
+        p.add_argument("-v", "--verbose", action="store_true")
+        p.add_argument("-N", "--raw", action="store_true")
+        p.add_argument("--exec", dest="command", default=None)
+        p.add_argument("--jobs", type=int, default=1)
+        p.add_argument("--retry-delay", dest="retry_delay", default="1s")
+        p.add_argument("--no-reconnect", dest="no_reconnect", action="store_true")
+        p.add_argument("-b", "--background", action="store_true")
         _client_opts(p)
     elif command == "unsub":
         p.add_argument("topic")
@@ -75,7 +86,7 @@ def parser(command: str) -> argparse.ArgumentParser:
 
 def run(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
-    args = vars(parser(command).parse_args(rest))
+    args = vars(parser(command).parse_intermixed_args(rest))
     if command == "start":
         from blipmq_server import daemon
 

@@ -1,4 +1,9 @@
-"""How ``blipmq sub`` writes deliveries to stdout (``--format``).
+"""How ``blipmq sub`` writes deliveries to stdout.
+
+A named format (``--format lines|raw|hex|base64|json``), ``-v`` (topic, a space, the
+payload, as ``mosquitto_sub -v``) or a template: ``--format '{topic} {offset} {payload}'``
+or mosquitto's ``-F '%t %p'``. Every form but ``raw`` ends each message with a newline;
+``raw`` writes the exact bytes and nothing else, for binary payloads.
 
 base64 and json are imported by the formats that use them, not at start-up: every client
 command imports this module, and a one-shot ``blipmq pub`` should not pay for them.
@@ -6,11 +11,13 @@ command imports this module, and a one-shot ``blipmq pub`` should not pay for th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 from blipmq_server.protocol.codec import Delivery
 
-FORMATS = ("raw", "lines", "hex", "base64", "json")
+FORMATS = ("lines", "raw", "hex", "base64", "json")
+Writer = Callable[[Sequence[Delivery]], bytes]
 
 
 def _raw(batch: Sequence[Delivery]) -> bytes:
@@ -19,6 +26,10 @@ def _raw(batch: Sequence[Delivery]) -> bytes:
 
 def _lines(batch: Sequence[Delivery]) -> bytes:
     return b"".join([d.payload + b"\n" for d in batch])
+
+
+def _verbose(batch: Sequence[Delivery]) -> bytes:
+    return b"".join([d.topic.encode() + b" " + d.payload + b"\n" for d in batch])
 
 
 def _hex(batch: Sequence[Delivery]) -> bytes:
@@ -31,14 +42,19 @@ def _base64(batch: Sequence[Delivery]) -> bytes:
     return b"".join(base64.b64encode(d.payload) + b"\n" for d in batch)
 
 
-def _json_one(d: Delivery) -> str:
-    import base64
-    import json
-
+def text_or_base64(data: bytes) -> tuple[str, str]:
+    """(text, "utf-8") when ``data`` is UTF-8, else (its base64, "base64")."""
     try:
-        payload, encoding = d.payload.decode("utf-8"), "utf-8"
+        return data.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:
-        payload, encoding = base64.b64encode(d.payload).decode(), "base64"
+        import base64
+
+        return base64.b64encode(data).decode(), "base64"
+
+
+def json_record(d: Delivery) -> dict[str, object]:
+    """One delivery as the JSON object ``--format json`` prints (fields in README.md)."""
+    payload, encoding = text_or_base64(d.payload)
     record: dict[str, object] = {
         "topic": d.topic,
         "offset": d.offset,
@@ -46,25 +62,111 @@ def _json_one(d: Delivery) -> str:
         "delivery_count": d.delivery_count,
         "qos": d.qos,
         "ttl_ms": d.ttl_ms,
-        "key": base64.b64encode(d.key).decode() if d.key is not None else None,
+        "key": None,
         "payload": payload,
         "encoding": encoding,
     }
+    if d.key is not None:
+        record["key"], key_encoding = text_or_base64(d.key)
+        if key_encoding != "utf-8":
+            record["key_encoding"] = key_encoding
     if d.retained:
         record["retained"] = True
     if d.dead is not None:
         record["dead_letter"] = {"deliveries": d.dead.deliveries, "reason": d.dead.reason}
-    return json.dumps(record, ensure_ascii=False)
+    return record
 
 
 def _json(batch: Sequence[Delivery]) -> bytes:
-    return "".join(_json_one(d) + "\n" for d in batch).encode()
+    import json
+
+    return "".join(
+        json.dumps(json_record(d), ensure_ascii=False) + "\n" for d in batch).encode()
 
 
-WRITERS: dict[str, Callable[[Sequence[Delivery]], bytes]] = {
+# ------------------------------------------------------------------------------- templates
+
+# the fields of a template, by both spellings: {name} and mosquitto's %letter
+_FIELDS: dict[str, Callable[[Delivery], bytes]] = {
+    "topic": lambda d: d.topic.encode(),
+    "payload": lambda d: d.payload,
+    "offset": lambda d: b"%d" % d.offset,
+    "qos": lambda d: b"%d" % d.qos,
+    "size": lambda d: b"%d" % len(d.payload),
+    "key": lambda d: d.key or b"",
+    "delivery_count": lambda d: b"%d" % d.delivery_count,
+    "ttl_ms": lambda d: b"%d" % d.ttl_ms,
+    "hex": lambda d: d.payload.hex().encode(),
+}
+_PERCENT = {"t": "topic", "p": "payload", "o": "offset", "q": "qos", "l": "size", "k": "key",
+            "c": "delivery_count", "x": "hex"}
+_PART = re.compile(r"\{(\w+)\}|%(.)|\{\{|\}\}|\\(.)")
+_ESCAPES = {"n": b"\n", "t": b"\t", "\\": b"\\", "0": b"\0"}
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def template(text: str) -> Writer:
+    """A writer for ``{field}`` / ``%x`` templates; each message ends with a newline.
+    Raises TemplateError naming an unknown field."""
+    parts: list[bytes | Callable[[Delivery], bytes]] = []
+    at = 0
+    for m in _PART.finditer(text):
+        parts.append(text[at : m.start()].encode())
+        at = m.end()
+        name, letter, escape = m.group(1), m.group(2), m.group(3)
+        if name is not None:
+            if name not in _FIELDS:
+                raise TemplateError(f"unknown field {{{name}}} in the format (fields: "
+                                    f"{', '.join(_FIELDS)})")
+            parts.append(_FIELDS[name])
+        elif letter is not None:
+            if letter == "%":
+                parts.append(b"%")
+            elif letter in _PERCENT:
+                parts.append(_FIELDS[_PERCENT[letter]])
+            else:
+                raise TemplateError(f"unknown field %{letter} in the format (fields: "
+                                    + ", ".join(f"%{k}" for k in _PERCENT) + ", %%)")
+        elif escape is not None:
+            parts.append(_ESCAPES.get(escape, b"\\" + escape.encode()))
+        else:
+            parts.append(m.group(0)[0].encode())  # {{ or }}
+    parts.append(text[at:].encode())
+    pieces = [p for p in parts if p != b""]
+
+    def write(batch: Sequence[Delivery]) -> bytes:
+        return b"".join([b"".join([p if isinstance(p, bytes) else p(d) for p in pieces]) + b"\n"
+                         for d in batch])
+
+    return write
+
+
+WRITERS: dict[str, Writer] = {
     "raw": _raw,
     "lines": _lines,
     "hex": _hex,
     "base64": _base64,
     "json": _json,
 }
+
+
+def writer(fmt: str | None, verbose: bool = False, raw: bool = False) -> Writer:
+    """The writer for ``--format``/``-F`` (a name or a template), ``-v`` and ``-N``.
+    Raises TemplateError for a bad template or a clash of options."""
+    if sum((fmt is not None, verbose, raw)) > 1:
+        raise TemplateError("give one of --format/-F, -v and -N/--raw")
+    if raw:
+        return _raw
+    if verbose:
+        return _verbose
+    if fmt is None:
+        return _lines
+    if fmt in WRITERS:
+        return WRITERS[fmt]
+    if "{" in fmt or "%" in fmt:
+        return template(fmt)
+    raise TemplateError(f"--format {fmt!r}: give {', '.join(FORMATS)} or a template such as "
+                        "'{topic} {payload}'")

@@ -145,6 +145,42 @@ def _drain(proc: subprocess.Popen[bytes], sink: list[str], ready: threading.Even
     ready.set()
 
 
+def launch_broker(where: Path, started: list[BrokerProcess], config: dict | None = None, *,
+                  expect_ready: bool = True, data_dir: Path | None = None) -> BrokerProcess:
+    """Start a broker subprocess with its config and data under ``where``; ``started``
+    collects it so that the caller kills what is left at the end."""
+    n = len(started)
+    settings: dict = {"server": {"port": 0}, "metrics": {"port": 0}}
+    for section, values in (config or {}).items():
+        settings.setdefault(section, {}).update(values)
+    path = where / f"blipmq-{n}.toml"
+    path.write_text(tomlkit.dumps(settings))
+    data_dir = data_dir or where / f"data-{n}"
+    proc = subprocess.Popen(
+        [BLIPMQ, "start", "--config", str(path), "--data-dir", str(data_dir),
+         "--log-format", "plain"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")},
+        preexec_fn=_default_signals,
+    )
+    bp = BrokerProcess(proc, path, data_dir)
+    started.append(bp)
+    ready = threading.Event()
+    threading.Thread(target=_drain, args=(proc, bp.log, ready, bp), daemon=True).start()
+    if expect_ready:
+        if not ready.wait(20) or not bp.port:
+            proc.kill()
+            raise AssertionError("broker did not start:\n" + "\n".join(bp.log))
+    return bp
+
+
+def kill_brokers(started: list[BrokerProcess]) -> None:
+    for bp in started:
+        if bp.proc.poll() is None:
+            bp.proc.kill()
+            bp.proc.wait()
+
+
 @pytest.fixture
 def start_broker(tmp_path: Path) -> Iterator:
     started: list[BrokerProcess] = []
@@ -152,32 +188,8 @@ def start_broker(tmp_path: Path) -> Iterator:
     def start(
         config: dict | None = None, *, expect_ready: bool = True, data_dir: Path | None = None
     ) -> BrokerProcess:
-        n = len(started)
-        settings: dict = {"server": {"port": 0}, "metrics": {"port": 0}}
-        for section, values in (config or {}).items():
-            settings.setdefault(section, {}).update(values)
-        path = tmp_path / f"blipmq-{n}.toml"
-        path.write_text(tomlkit.dumps(settings))
-        data_dir = data_dir or tmp_path / f"data-{n}"
-        proc = subprocess.Popen(
-            [BLIPMQ, "start", "--config", str(path), "--data-dir", str(data_dir),
-             "--log-format", "plain"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env={k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")},
-            preexec_fn=_default_signals,
-        )
-        bp = BrokerProcess(proc, path, data_dir)
-        started.append(bp)
-        ready = threading.Event()
-        threading.Thread(target=_drain, args=(proc, bp.log, ready, bp), daemon=True).start()
-        if expect_ready:
-            if not ready.wait(20) or not bp.port:
-                proc.kill()
-                raise AssertionError("broker did not start:\n" + "\n".join(bp.log))
-        return bp
+        return launch_broker(tmp_path, started, config, expect_ready=expect_ready,
+                             data_dir=data_dir)
 
     yield start
-    for bp in started:
-        if bp.proc.poll() is None:
-            bp.proc.kill()
-            bp.proc.wait()
+    kill_brokers(started)

@@ -69,12 +69,13 @@ def test_timeout_and_connect_errors(start_broker) -> None:
 
 @pytest.mark.parametrize(("addr", "expected"), [
     ("127.0.0.1:7878", ("127.0.0.1", 7878)), ("[::1]:9", ("::1", 9)), ("h:65535", ("h", 65535)),
+    ("localhost", ("localhost", 7878)), ("[::1]", ("::1", 7878)),
 ])
 def test_parse_addr(addr: str, expected: tuple[str, int]) -> None:
     assert parse_addr(addr) == expected
 
 
-@pytest.mark.parametrize("addr", ["nohost", ":80", "h:0", "h:99999", "h:x"])
+@pytest.mark.parametrize("addr", [":80", "h:0", "h:99999", "h:x", "[::1]:"])
 def test_parse_addr_refuses(addr: str) -> None:
     with pytest.raises(ValueError):
         parse_addr(addr)

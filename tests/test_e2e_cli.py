@@ -38,12 +38,12 @@ def test_text_lines_arrive_in_order_through_pipes(start_broker) -> None:
 
 
 def test_binary_file_round_trips_byte_for_byte(start_broker, tmp_path: Path) -> None:
-    """The README's promise: `blipmq sub fw --count 1 > fw.bin` equals what pubfile sent."""
+    """The README's promise: `blipmq sub fw -N --count 1 > fw.bin` equals what pubfile sent."""
     b = start_broker()
     blob = os.urandom(5 * 1024 * 1024)
     src, dst = tmp_path / "fw.bin", tmp_path / "out.bin"
     src.write_bytes(blob)
-    sub = b.spawn_shell(f"blipmq sub fw --count 1 > {dst}")
+    sub = b.spawn_shell(f"blipmq sub fw -N --count 1 > {dst}")
     b.wait_subscribers(1)
     res = b.cli("pubfile", "fw", str(src))
     assert res.returncode == 0, res.stderr
@@ -55,7 +55,7 @@ def test_binary_file_round_trips_byte_for_byte(start_broker, tmp_path: Path) -> 
 def test_binary_payload_with_every_byte_value(start_broker) -> None:
     b = start_broker()
     blob = bytes(range(256)) * 64 + b"\n\r\x00tail"
-    sub = b.spawn("sub", "bin", "--count", "1")
+    sub = b.spawn("sub", "bin", "-N", "--count", "1")
     b.wait_subscribers(1)
     assert b.cli("pub", "bin", "-", input=blob).returncode == 0
     out, _ = sub.communicate(timeout=15)
@@ -213,7 +213,8 @@ def test_unreachable_broker(tmp_path: Path, start_broker) -> None:
     res = b.cli("pub", "t", "x", "--addr", f"127.0.0.1:{free}")
     assert res.returncode == Exit.UNREACHABLE
     assert b"cannot connect" in res.stderr and b"Traceback" not in res.stderr
-    assert b.cli("pub", "t", "x", "--addr", "nonsense").returncode == Exit.USAGE
+    assert b.cli("pub", "t", "x", "--addr", "h:x").returncode == Exit.USAGE
+    assert b.cli("pub", "t", "x", "--addr", "nonsense.invalid").returncode == Exit.UNREACHABLE
 
 
 def _handshake(port: int) -> socket.socket:
@@ -249,7 +250,7 @@ def test_garbage_on_one_socket_does_not_disturb_others(start_broker) -> None:
     assert frames[-1].code == codec.ErrorCode.FRAME_TOO_LARGE
     assert b.cli("pub", "t", "still here").returncode == 0
     out, _ = sub.communicate(timeout=10)
-    assert out == b"still here"
+    assert out == b"still here\n"
 
 
 def test_max_connections(start_broker) -> None:
@@ -268,7 +269,7 @@ def test_sigterm_drains_and_exits_zero(start_broker, tmp_path: Path) -> None:
     b = start_broker({"server": {"shutdown_grace_ms": 3000}})
     received = tmp_path / "received.txt"
     # to a file, not a pipe nobody reads yet: the drain needs a subscriber that keeps reading
-    sub = b.spawn_shell(f"blipmq sub t --format lines > {received}")
+    sub = b.spawn_shell(f"blipmq sub t --no-reconnect > {received}")
     b.wait_subscribers(1)
     assert b.shell("seq 1 20000 | blipmq pub t --lines -").returncode == 0
     started = time.monotonic()
@@ -430,7 +431,8 @@ def test_key_and_ttl_travel_with_the_message(start_broker) -> None:
     assert b.cli("pub", "t", "v", "--key", "dev-7", "--ttl", "60000").returncode == 0
     out, _ = sub.communicate(timeout=10)
     msg = json.loads(out)
-    assert msg["key"] == "ZGV2LTc=" and msg["ttl_ms"] == 60000 and msg["payload"] == "v"
+    assert msg["key"] == "dev-7" and msg["ttl_ms"] == 60000 and msg["payload"] == "v"
+    assert "key_encoding" not in msg  # only a key that is not UTF-8 comes as base64
     assert msg["offset"] >= 1 and msg["delivery_count"] == 1
 
 
@@ -440,7 +442,7 @@ def test_pubfile_shows_progress_on_a_terminal(start_broker, tmp_path: Path) -> N
     b = start_broker()
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(3 * 1024 * 1024))
-    sub = b.spawn("sub", "fw", "--count", "1")
+    sub = b.spawn("sub", "fw", "-N", "--count", "1")
     b.wait_subscribers(1)
     leader, follower = pty.openpty()
     proc = subprocess.Popen([BLIPMQ, "pubfile", "fw", str(src)], stderr=follower,
@@ -534,7 +536,8 @@ def _run(*args: str, **env: str) -> tuple[subprocess.CompletedProcess[bytes], fl
 
 def test_sub_against_a_silent_listener_exits_unreachable() -> None:
     with Peer(None) as peer:
-        res, elapsed = _run("sub", "t", "--addr", peer.addr, BLIPMQ_TIMEOUT="0.5")
+        res, elapsed = _run("sub", "t", "--no-reconnect", "--addr", peer.addr,
+                            BLIPMQ_TIMEOUT="0.5")
     assert res.returncode == Exit.UNREACHABLE, res.stderr
     assert res.stderr.decode() == (
         f"blipmq: cannot connect to {peer.addr}: the broker did not finish the handshake "
@@ -545,7 +548,7 @@ def test_sub_against_a_silent_listener_exits_unreachable() -> None:
 
 def test_sub_on_a_broker_gone_silent_gives_up_after_twice_the_timeout() -> None:
     with Peer(silent_after_subscribe) as peer:
-        res, elapsed = _run("sub", "t", "--addr", peer.addr, BLIPMQ_TIMEOUT="0.5")
+        res, elapsed = _run("sub", "t", "--no-reconnect", "--addr", peer.addr, BLIPMQ_TIMEOUT="0.5")
     assert res.returncode == Exit.UNREACHABLE, res.stderr
     assert res.stderr.decode() == f"blipmq: no answer from the broker at {peer.addr} for 1 s\n"
     assert res.stdout == b""

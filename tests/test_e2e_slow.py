@@ -46,7 +46,7 @@ def test_a_group_whose_consumer_left_does_not_stop_the_topic(start_broker) -> No
 
 def test_a_stopped_subscriber_is_disconnected_as_a_slow_consumer(start_broker) -> None:
     b = start_broker({"queues": {"capacity": 64, "block_timeout_ms": 1000}})
-    stuck = b.spawn("sub", "t", "--format", "lines")
+    stuck = b.spawn("sub", "t", "--no-reconnect")
     b.wait_subscribers(1)
     stuck.send_signal(signal.SIGSTOP)
     try:

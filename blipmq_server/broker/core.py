@@ -406,17 +406,17 @@ class Broker:
 
     def nack(
         self, conn: int, sub_id: int, offsets: tuple[int, ...], delay_ms: int, now_ms: int,
-        timestamp_ms: int,
+        timestamp_ms: int, reason: str = "",
     ) -> frozenset[int]:
         """A QoS 1 consumer gives deliveries back, to be redelivered now or after
-        ``delay_ms``; one delivered ``max_retries`` times goes to ``$dlq/<topic>`` instead.
-        Returns the connections to wake."""
+        ``delay_ms``; one delivered ``max_retries`` times goes to ``$dlq/<topic>`` instead,
+        with the consumer's ``reason`` if it gave one. Returns the connections to wake."""
         found = self._cursor_of(conn, sub_id)
         if found is None:
             return frozenset()
         dead: list[RawMessage] = []
         wake = self.cursors.nack(*found, offsets, delay_ms, now_ms,  # type: ignore[union-attr]
-                                 timestamp_ms, dead)
+                                 timestamp_ms, dead, reason)
         return wake | self._publish_dead(dead, now_ms, timestamp_ms)
 
     # ---------------------------------------------------------------------------- delivery

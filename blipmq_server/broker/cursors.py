@@ -246,11 +246,11 @@ class Cursors:
 
     def nack(
         self, consumer: Consumer, target: DurableGroup, offsets: tuple[int, ...], delay_ms: int,
-        now_ms: int, timestamp_ms: int, dead: list[RawMessage],
+        now_ms: int, timestamp_ms: int, dead: list[RawMessage], why: str = "",
     ) -> frozenset[int]:
         mine = target.held_by(consumer.sub_id, offsets)
         self.counters.nacked += len(mine)
-        reason = f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked"
+        reason = why or (f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked")
         target.back(self._spend(target, mine, lambda _: reason, timestamp_ms, dead),
                     now_ms, delay_ms)
         return frozenset(c.conn for c in target.consumers) if mine else frozenset()

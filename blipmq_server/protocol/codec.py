@@ -198,7 +198,8 @@ def _body(frame: Frame) -> bytes:
             n = len(frame.offsets)
             return _NACK_HEAD.pack(
                 frame.sub_id, _u(frame.delay_ms, 32, "delay_ms"), _u(n, 16, "nack count")
-            ) + struct.pack(f">{n}Q", *frame.offsets)
+            ) + struct.pack(f">{n}Q", *frame.offsets) + (
+                _str16(frame.reason) if frame.reason else b"")
         case Credit():
             return _CREDIT.pack(_u(frame.sub_id, 32, "sub_id"), _u(frame.credit, 32, "credit"))
         case Ping() | Pong():
@@ -341,7 +342,8 @@ def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame
         frame = Ack(sub_id, r.unpack(struct.Struct(f">{n}Q")), rid)
     elif ftype == FrameType.NACK:
         sub_id, delay_ms, n = r.unpack(_NACK_HEAD)
-        frame = Nack(sub_id, r.unpack(struct.Struct(f">{n}Q")), delay_ms, rid)
+        offsets = r.unpack(struct.Struct(f">{n}Q"))
+        frame = Nack(sub_id, offsets, delay_ms, rid, r.str16() if r.pos < end else "")
     elif ftype == FrameType.CREDIT:
         sub_id, credit = r.unpack(_CREDIT)
         frame = Credit(sub_id, credit, rid)

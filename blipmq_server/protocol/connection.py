@@ -242,8 +242,10 @@ class ClientConnection:
     def ack(self, sub_id: int, offsets: tuple[int, ...]) -> None:
         self._queue(codec.encode(codec.Ack(sub_id, offsets)))
 
-    def nack(self, sub_id: int, offsets: tuple[int, ...], delay_ms: int = 0) -> None:
-        self._queue(codec.encode(codec.Nack(sub_id, offsets, delay_ms)))
+    def nack(
+        self, sub_id: int, offsets: tuple[int, ...], delay_ms: int = 0, reason: str = ""
+    ) -> None:
+        self._queue(codec.encode(codec.Nack(sub_id, offsets, delay_ms, 0, reason)))
 
     def credit(self, sub_id: int, credit: int) -> None:
         self._queue(codec.encode(codec.Credit(sub_id, credit)))

@@ -177,13 +177,15 @@ class Ack(NamedTuple):
 
 
 class Nack(NamedTuple):
-    """Give deliveries back: redelivered now (``delay_ms`` 0) or after ``delay_ms``."""
+    """Give deliveries back: redelivered now (``delay_ms`` 0) or after ``delay_ms``;
+    ``reason`` (optional) is what a dead letter made by this NACK says."""
 
     TYPE = FrameType.NACK
     sub_id: int
     offsets: tuple[int, ...]
     delay_ms: int = 0
     request_id: int = 0
+    reason: str = ""
 
 
 class Credit(NamedTuple):

@@ -173,3 +173,12 @@ def record_size(record: bytes, pos: int = 0) -> int:
     if flags & FLAG_DEAD:
         size += DEAD_HEAD.size + record[pos + size + 2]
     return size
+
+
+def dead_of(record: bytes, pos: int = 0) -> DeadLetter | None:
+    """The dead-letter trailer of the message record at ``pos``, or None if it has none."""
+    flags, _, tlen, klen, plen = MSG_HEAD.unpack_from(record, pos)
+    if not flags & FLAG_DEAD:
+        return None
+    start = pos + HEAD_SIZE + tlen + klen + plen
+    return dead_at(record, start, len(record))[0]

@@ -281,7 +281,8 @@ class Session:
                     self.wake()  # the consumer's window has room again
             case codec.Nack():
                 self.server.wake(self.broker.nack(self.conn_id, frame.sub_id, frame.offsets,
-                                                  frame.delay_ms, now_ms(), wall_ms()))
+                                                  frame.delay_ms, now_ms(), wall_ms(),
+                                                  frame.reason))
             case codec.Credit():
                 if self.broker.set_credit(self.conn_id, frame.sub_id, frame.credit):
                     self.wake()

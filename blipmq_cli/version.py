@@ -1,0 +1,50 @@
+"""What ``blipmq --version`` prints: the version, the architecture and the glibc it needs.
+
+In the frozen executable these are the build's facts, written by packaging/buildinfo.py into
+``blipmq_build.json`` inside the bundle: the glibc floor is the newest glibc symbol version
+any bundled library needs, so a device whose ``ldd --version`` is at least that runs it. From
+a pip install it is the installed distribution's version and the running system's glibc.
+Imports only the standard library, and only when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+
+def _machine() -> str:
+    m = platform.machine()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m.lower(), m)
+
+
+def _frozen_form() -> str:
+    """``onefile`` (unpacked into a temporary directory) or ``onedir`` (an unpacked folder)."""
+    home = os.path.dirname(os.path.realpath(sys.executable))
+    bundle = os.path.realpath(getattr(sys, "_MEIPASS", home))
+    return "onedir" if os.path.commonpath([home, bundle]) == home else "onefile"
+
+
+def describe() -> str:
+    if getattr(sys, "frozen", False):
+        path = os.path.join(getattr(sys, "_MEIPASS", ""), "blipmq_build.json")
+        with open(path) as f:
+            info = json.load(f)
+        return (
+            f"blipmq {info['version']} linux-{info['arch']} ({_frozen_form()} executable); "
+            f"needs glibc >= {info['glibc_floor']} (built on glibc {info['built_on_glibc']})"
+        )
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("blipmq")
+    except PackageNotFoundError:
+        ours = "unknown (not installed)"
+    libc, libc_version = platform.libc_ver()
+    runtime = f"{libc} {libc_version}" if libc else "libc unknown"
+    return (
+        f"blipmq {ours} {sys.platform}-{_machine()} (Python {platform.python_version()}, "
+        f"{runtime})"
+    )

@@ -1,0 +1,160 @@
+"""Reading a log that is not open: for ``blipmq wal``, dumps and the Spark source.
+
+Finds the segment files under a path (a data directory, its ``wal/`` directory, a dump
+made by ``blipmq wal dump``, one segment file, or a directory holding several of those) and
+checks a segment's bytes with the code recovery uses (``record.scan``, ``record.resync``),
+but repairs nothing: damage is a value (where, how many bytes, why) and every valid record
+around it is kept. A segment that a running broker is appending to may end inside a record
+(a write under way): that is a ``partial`` tail, left out and not counted as damage.
+
+Standard library and ``crc32c`` only; no trio, no clock.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from blipmq_server.errors import WalError
+from blipmq_server.kinds import Kind
+from blipmq_server.wal import record as rec
+from blipmq_server.wal.segment import SUFFIX, base_of
+
+MANIFEST = "manifest.json"  # what makes a directory a dump (``blipmq wal dump``)
+WAL_DIR = "wal"  # where segments live, in a data directory and in a dump alike
+
+
+class Damage(NamedTuple):
+    start: int  # byte position in the segment
+    end: int
+    problem: str
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One segment's bytes, checked: its valid records and the damage between them."""
+
+    base: int | None  # the base offset its header (or else its name) states
+    records: list[tuple[int, int]]  # (offset, position) of every valid record, in order
+    damage: tuple[Damage, ...]
+    partial: int  # bytes of a torn tail left out (a write under way, or interrupted)
+    size: int  # bytes looked at
+
+    @property
+    def good_end(self) -> int:
+        """Where the readable part ends: what a copy may take without a cut record."""
+        return self.size - self.partial
+
+    @property
+    def damaged_bytes(self) -> int:
+        return sum(d.end - d.start for d in self.damage)
+
+
+def check(data: bytes, name: str = "", *, open_tail: bool = True, last_offset: int = -1,
+          start: int = rec.HEADER_SIZE) -> Checked:
+    """Check a segment's bytes (``data`` from byte 0, header included).
+
+    ``open_tail``: the segment may still be written (or a write was cut off), so a torn
+    last record is a partial tail rather than damage. ``start`` skips bytes already checked
+    (``last_offset`` is then the offset of the last valid record before it). Never raises
+    on bad bytes.
+    """
+    size = len(data)
+    base = base_of(os.path.basename(name)) if name else None
+    header_ok = size >= rec.HEADER_SIZE
+    if header_ok:
+        magic, version, stated = rec.HEADER.unpack_from(data)
+        header_ok = magic == rec.MAGIC and version == rec.FORMAT_VERSION
+        base = stated if header_ok else base
+    records: list[tuple[int, int]] = []
+    damage: list[Damage] = []
+    last = last_offset
+    pos: int | None = max(start, rec.HEADER_SIZE) if header_ok else None
+    damage_at, problem, torn = 0, "unreadable segment header", size < rec.HEADER_SIZE
+    for _ in range(size + 1):  # each round moves forward: bounded by the size
+        if pos is not None:
+            scan = rec.scan(data, pos, last)
+            records += scan.records
+            if scan.records:
+                last = scan.records[-1][0]
+            if scan.problem is None:
+                return Checked(base, records, tuple(damage), 0, size)
+            damage_at, problem, torn = scan.good_end, scan.problem, scan.torn
+        pos = rec.resync(data, max(damage_at + 1, rec.HEADER_SIZE), last)
+        if pos is None:
+            break
+        damage.append(Damage(damage_at, pos, problem))
+    if torn and open_tail and (damage_at > 0 or size < rec.HEADER_SIZE):
+        return Checked(base, records, tuple(damage), size - damage_at, size)
+    damage.append(Damage(damage_at, size, problem))
+    return Checked(base, records, tuple(damage), 0, size)
+
+
+# ------------------------------------------------------------------------------ finding logs
+
+
+@dataclass(frozen=True, slots=True)
+class LogFiles:
+    """The segment files of one log: a data directory, a dump or a lone segment."""
+
+    root: str  # the path as found
+    segments: tuple[str, ...]  # segment file paths, in offset order
+    dump: bool  # a dump made by ``blipmq wal dump`` (its manifest is in ``root``)
+
+
+def find_log(path: str) -> LogFiles:
+    """The log at ``path``; raises WalError when ``path`` holds none."""
+    if os.path.isfile(path):
+        if not path.endswith(SUFFIX):
+            raise WalError(f"{path}: not a segment file (a BlipMQ segment ends in {SUFFIX})")
+        return LogFiles(path, (path,), False)
+    if not os.path.isdir(path):
+        raise WalError(f"{path}: no such file or directory")
+    found = _log_in(path)
+    if found is None:
+        raise WalError(f"{path}: holds no BlipMQ log (no {WAL_DIR}/ directory, no {SUFFIX} "
+                       "files, no dump manifest)")
+    return found
+
+
+def find_logs(path: str) -> list[LogFiles]:
+    """Every log at ``path``: the log itself, or each log one level below it (a directory of
+    dumps, one per device). Raises WalError when there is none."""
+    if os.path.isfile(path) or not os.path.isdir(path):
+        return [find_log(path)]
+    found = _log_in(path)
+    if found is not None:
+        return [found]
+    logs = [log for name in sorted(os.listdir(path))
+            if os.path.isdir(os.path.join(path, name))
+            and (log := _log_in(os.path.join(path, name))) is not None]
+    if not logs:
+        raise WalError(f"{path}: holds no BlipMQ log or dump (no {WAL_DIR}/ directory, no "
+                       f"{SUFFIX} files, no dump manifest, at its top or one level down)")
+    return logs
+
+
+def _log_in(directory: str) -> LogFiles | None:
+    dump = os.path.isfile(os.path.join(directory, MANIFEST))
+    sub = os.path.join(directory, WAL_DIR)
+    for where in (sub, directory):
+        if not os.path.isdir(where):
+            continue
+        names = sorted(n for n in os.listdir(where) if n.endswith(SUFFIX))
+        if names or where == sub:  # a log with no segment yet is still a log
+            return LogFiles(directory, tuple(os.path.join(where, n) for n in names), dump)
+    return None
+
+
+# -------------------------------------------------------------------------------- records
+
+
+def records(data: bytes, checked: Checked) -> Iterator[rec.Record]:
+    """The valid records of a checked segment, decoded, in order."""
+    for _, pos in checked.records:
+        yield rec.decode_at(data, pos)[0]
+
+
+KIND_NAMES = {int(k): k.name.lower() for k in Kind}

@@ -1,0 +1,240 @@
+"""What ``blipmq export`` runs: a session, the source, the aggregates, the output.
+
+Output under ``--output``::
+
+    records/date=YYYY-MM-DD/device=ID/*.parquet    every message, GROUP and ACK record
+    aggregates/<name>/device=ID/*.parquet         traffic, rates, devices, sizes, groups,
+                                                  dead_letters, damage (analytics.ALL)
+
+Both are written with dynamic partition overwrite: re-exporting one device replaces its
+partitions and leaves the other devices' alone. The summary and the report are made from
+the aggregates read back from ``--output`` (so they show the whole fleet exported there).
+
+The master: ``--master`` if given; under ``spark-submit`` the submitter's; else local
+Spark on every core. Spark's own log goes to a file (named on failure), not the terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from spark_tools import analytics
+from spark_tools.source import read_wal
+
+LOG4J = """\
+rootLogger.level = {level}
+rootLogger.appenderRef.file.ref = file
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {path}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = %d{{HH:mm:ss.SSS}} %p %c{{1}}: %m%n
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportOptions:
+    inputs: tuple[str, ...]
+    output: str
+    master: str | None = None
+    conf: tuple[tuple[str, str], ...] = ()
+    report: str | None = None
+    via: str = "auto"  # the reader: auto | source | binaryFile
+    partition_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    rows: int  # records written (messages, group and ack records)
+    damaged_parts: int
+    damaged_bytes: int
+    devices: int
+    aggregates: dict[str, list[dict]]  # name -> rows, read back from the output (whole fleet)
+
+
+def spark_log() -> str:
+    """A log4j2 configuration sending Spark's log to a file; returns the file's path."""
+    where = tempfile.mkdtemp(prefix="blipmq-export-")
+    path = os.path.join(where, "spark.log")
+    conf = os.path.join(where, "log4j2.properties")
+    with open(conf, "w", encoding="utf-8") as f:
+        f.write(LOG4J.format(level=os.environ.get("BLIPMQ_SPARK_LOG_LEVEL", "warn"), path=path))
+    return conf
+
+
+def session(master: str | None, conf: tuple[tuple[str, str], ...], log_conf: str
+            ) -> SparkSession:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run our Python
+    builder = SparkSession.builder.appName("blipmq-export")
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # under spark-submit: its master
+    if master or not submitted:
+        builder = builder.master(master or "local[*]")
+    java_opts = f"-Dlog4j2.configurationFile=file:{log_conf}"
+    settings = {
+        "spark.sql.sources.partitionOverwriteMode": "dynamic",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.ui.enabled": "false",
+        "spark.driver.extraJavaOptions": java_opts,
+        "spark.executor.extraJavaOptions": java_opts,
+        "spark.sql.parquet.compression.codec": "zstd",
+        "spark.sql.shuffle.partitions": str(max(4, 2 * (os.cpu_count() or 1))),
+    }
+    if (master or "local").startswith("local"):
+        settings["spark.driver.bindAddress"] = "127.0.0.1"
+        settings["spark.driver.host"] = "127.0.0.1"
+    for key, value in {**settings, **dict(conf)}.items():
+        builder = builder.config(key, value)
+    for name in ("py4j", "pyspark", "SQLQueryContextLogger"):  # errors reach us as exceptions
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    log_file = os.path.join(os.path.dirname(log_conf), "spark.log")
+    with _stderr_to(log_file):  # what the JVM prints itself (not through log4j) goes there
+        spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+@contextmanager
+def _stderr_to(path: str) -> Iterator[None]:
+    """Point file descriptor 2 at ``path`` while the JVM starts (it inherits it), then back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
+def export(spark: SparkSession, opts: ExportOptions) -> Exported:
+    records = read_wal(spark, list(opts.inputs), opts.partition_bytes, opts.via).cache()
+    try:
+        counts = {r["kind"]: (r["n"], r["b"]) for r in records.groupBy("kind").agg(
+            F.count("*").alias("n"), F.sum("payload_size").alias("b")).collect()}
+        if not counts:
+            from blipmq_server.errors import WalError
+            raise WalError(f"{', '.join(opts.inputs)}: the logs hold no records")
+        rows = sum(n for kind, (n, _) in counts.items() if kind != "damage")
+        write_records(records, os.path.join(opts.output, "records"))
+        for name, fn in analytics.ALL.items():
+            fn(records).write.mode("overwrite").partitionBy("device").parquet(
+                os.path.join(opts.output, "aggregates", name))
+    finally:
+        records.unpersist()
+    aggregates = read_back(spark, opts.output)
+    parts, damaged = counts.get("damage", (0, 0))
+    devices = len(aggregates["devices"])
+    return Exported(rows, parts, damaged or 0, devices, aggregates)
+
+
+def write_records(records: DataFrame, path: str) -> None:
+    """Parquet by date and device (topic stays a column: one directory per topic would
+    make thousands of small files)."""
+    (records.where(F.col("kind") != "damage").drop("problem")
+     .withColumn("date", F.to_date("timestamp"))
+     .repartition("date", "device")
+     .write.mode("overwrite").partitionBy("date", "device").parquet(path))
+
+
+def read_back(spark: SparkSession, output: str) -> dict[str, list[dict]]:
+    out = {}
+    for name in analytics.ALL:
+        path = os.path.join(output, "aggregates", name)
+        try:
+            out[name] = [r.asDict() for r in spark.read.parquet(path).collect()]
+        except Exception as exc:  # an aggregate with no rows has no files
+            if "UNABLE_TO_INFER_SCHEMA" not in str(exc) and "PATH_NOT_FOUND" not in str(exc):
+                raise
+            out[name] = []
+    return out
+
+
+class _Progress:
+    """Spark's task progress as a rich bar on stderr, polled from the status tracker."""
+
+    def __init__(self, spark: SparkSession) -> None:
+        self.spark = spark
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _Progress:
+        if sys.stderr.isatty():
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(5)
+
+    def _run(self) -> None:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        tracker = self.spark.sparkContext.statusTracker()
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("spark", total=None)
+            while not self.stop.wait(0.2):
+                done = total = 0
+                for stage in tracker.getActiveStageIds():
+                    info = tracker.getStageInfo(stage)
+                    if info is not None:
+                        done += info.numCompletedTasks
+                        total += info.numTasks
+                bar.update(task, completed=done, total=total or None,
+                           description=f"spark: {done}/{total} tasks")
+
+
+def main(opts: ExportOptions, say: Callable[[str], None] | None = None) -> int:
+    """Run the export as a command: one line and an exit code on any failure."""
+    from blipmq_cli.commands import say as cli_say
+    from blipmq_cli.exits import Exit
+    from blipmq_server.errors import BlipError
+    from spark_tools import summary
+
+    say = say or cli_say
+    log_conf = spark_log()
+    log_file = os.path.join(os.path.dirname(log_conf), "spark.log")
+    try:
+        spark = session(opts.master, opts.conf, log_conf)
+    except Exception as exc:
+        say(f"Spark did not start: {first_line(exc)} (Spark's log: {log_file})")
+        return Exit.JOB_FAILED
+    try:
+        with _Progress(spark):
+            done = export(spark, opts)
+        summary.show(done, opts.output)
+        if opts.report:
+            from spark_tools import report
+
+            report.write(opts.report, done)
+            say(f"report written to {opts.report}")
+        return Exit.OK
+    except BlipError as exc:
+        say(str(exc))
+        return Exit.USAGE
+    except KeyboardInterrupt:
+        return Exit.INTERRUPTED
+    except Exception as exc:
+        say(f"the Spark job failed: {first_line(exc)} (Spark's log: {log_file})")
+        return Exit.JOB_FAILED
+    finally:
+        spark.stop()
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

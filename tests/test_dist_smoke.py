@@ -1,0 +1,140 @@
+"""The frozen executable, used as a device operator would, with no Python on the path.
+
+Builds it once per session (tests/frozen.py; ``BLIPMQ_DIST_BINARY`` tests another, e.g. the
+aarch64 one under qemu): ``--version``, ``config init``, ``start`` on free loopback ports,
+text and a binary file from ``pub``/``pubfile`` to ``sub``, a QoS 1 confirm, ``/metrics``
+over HTTP, one-line errors, and SIGTERM to the process group ending everything with exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import signal
+import tomllib
+from pathlib import Path
+
+import pytest
+from frozen import SLOW, TOP, Executable, Runner, executable, group_alive, runner, start_broker
+
+pytestmark = pytest.mark.slow
+__all__ = ["executable", "runner"]  # fixtures, used by name
+
+SIZE_BUDGET = 12_000_000  # bytes, per executable (issue 9)
+
+
+def project_version() -> str:
+    with open(TOP / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["version"]
+
+
+def test_version_names_version_architecture_and_glibc_floor(
+    executable: Executable, runner: Runner
+) -> None:
+    done = runner.run("--version")
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.decode().strip()
+    arch = executable.path.name.rsplit("-", 1)[1]
+    m = re.fullmatch(
+        rf"blipmq {re.escape(project_version())} linux-{arch} \(onefile executable\); "
+        r"needs glibc >= (\d+)\.(\d+) \(built on glibc (\d+)\.(\d+)\)", line)
+    assert m, line
+    floor, built_on = (int(m[1]), int(m[2])), (int(m[3]), int(m[4]))
+    assert (2, 17) <= floor <= built_on
+    if arch == platform.machine():  # the host's own glibc must be enough for its own build
+        here = tuple(int(p) for p in platform.libc_ver()[1].split(".")[:2])
+        assert floor <= here
+
+
+def test_size_within_budget(executable: Executable) -> None:
+    size = executable.path.stat().st_size
+    assert size <= SIZE_BUDGET, f"{executable.path.name} is {size / 1e6:.1f} MB"
+
+
+def test_bundle_holds_every_blipmq_module_and_nothing_of_spark_or_dev_tools(
+    executable: Executable,
+) -> None:
+    if executable.contents is None:
+        pytest.skip("no contents list next to the given executable")
+    modules = {
+        line.split()[1] for line in executable.contents.read_text().splitlines()
+        if line.startswith("PYMODULE ")
+    }
+    for package in ("blipmq_cli", "blipmq_server"):
+        for path in (TOP / package).rglob("*.py"):
+            parts = path.relative_to(TOP).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            assert name in modules, f"{name} is not in the bundle"
+    banned = ("pyspark", "py4j", "pyarrow", "pandas", "numpy", "spark_tools", "pydantic",
+              "pydantic_core", "pytest", "_pytest", "hypothesis", "multiprocessing")
+    leaked = sorted(m for m in modules if m.split(".")[0] in banned)
+    assert not leaked, f"in the bundle: {leaked[:10]}"
+
+
+def test_operator_session(executable: Executable, runner: Runner, tmp_path: Path) -> None:
+    # the Typer side of the CLI (no pydantic in the bundle): help, and a default config
+    assert b"pubfile" in runner.run("--help").stdout
+    config = tmp_path / "blipmq.toml"
+    done = runner.run("config", "init", str(config))
+    assert done.returncode == 0 and config.exists(), done.stderr
+
+    broker = start_broker(runner, config, tmp_path / "data")
+    env = {"BLIPMQ_ADDR": broker.addr}
+
+    # text, one message per line
+    sub = runner.spawn("sub", "sensors/+/temp", "--count", "3", "--format", "lines", env=env)
+    broker.wait_metric("blipmq_subscriptions", 1)
+    for reading in ("21.5", "21.7"):
+        assert runner.run("pub", "sensors/hall/temp", reading, env=env).returncode == 0
+    assert runner.run("pub", "sensors/attic/temp", "-", "--lines",
+                      input=b"30.1\n", env=env).returncode == 0
+    out, err = sub.communicate(timeout=SLOW)
+    assert sub.returncode == 0, err
+    assert out == b"21.5\n21.7\n30.1\n"
+
+    # a binary file, byte for byte
+    firmware = tmp_path / "fw.bin"
+    firmware.write_bytes(os.urandom(200_000) + bytes(range(256)))
+    sub = runner.spawn("sub", "firmware", "-N", "--count", "1", env=env)
+    broker.wait_metric("blipmq_subscriptions", 1)
+    assert runner.run("pubfile", "firmware", str(firmware), env=env).returncode == 0
+    out, err = sub.communicate(timeout=SLOW)
+    assert sub.returncode == 0, err
+    assert out == firmware.read_bytes()
+
+    # QoS 1: exit 0 only once the broker confirmed the record durable; the log has it
+    done = runner.run("pub", "--qos", "1", "orders", "#1234", env=env)
+    assert done.returncode == 0, done.stderr
+    done = runner.run("sub", "orders", "--from", "earliest", "--count", "1", env=env)
+    assert (done.returncode, done.stdout) == (0, b"#1234\n")
+    assert broker.metric("blipmq_wal_syncs_total") >= 1
+
+    # /metrics over HTTP counts what was published
+    assert broker.metric("blipmq_messages_published_total") == 5
+
+    # bad input: one line on stderr, its documented exit code, no traceback
+    for args, code in ((("pub", "bad/#/topic", "x"), 7), (("sub", "t", "--count", "x"), 2)):
+        done = runner.run(*args, env=env)
+        assert done.returncode == code, (args, done.stderr)
+        assert done.stderr.count(b"\n") == 1 and b"Traceback" not in done.stderr
+
+    # SIGTERM to the process group: drains, exits 0, leaves nothing running or unpacked
+    os.killpg(broker.proc.pid, signal.SIGTERM)
+    assert broker.proc.wait(SLOW) == 0, "\n".join(broker.log)
+    assert broker.log_ended.wait(SLOW)
+    assert not group_alive(broker.proc.pid)
+    assert "received SIGTERM" in "\n".join(broker.log)
+    assert list(runner.tmpdir.iterdir()) == []  # every _MEI directory removed
+
+
+def test_commands_that_need_spark_fail_in_one_line(runner: Runner, tmp_path: Path) -> None:
+    help_text = runner.run("--help").stdout.decode()
+    if not re.search(r"^\W*export\b", help_text, re.M):
+        pytest.skip("this build has no export command")
+    done = runner.run("export", "--help")
+    assert done.returncode == 0  # documented like any command
+    done = runner.run("export", str(TOP), "--output", str(tmp_path / "out"))
+    assert done.returncode != 0
+    assert done.stderr.count(b"\n") == 1 and b"Traceback" not in done.stderr
+    assert b"spark" in done.stderr.lower()

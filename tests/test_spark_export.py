@@ -1,0 +1,196 @@
+"""The ``blipmq-wal`` source, the analytics and the export on one shared local Spark session,
+over dumps made by real broker runs (``fleet.drive``, dumped while the broker runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import kill_brokers, launch_broker
+from fleet import CONFIG, Published, drive
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from spark_tools import analytics
+from spark_tools.job import ExportOptions, export, session, spark_log
+from spark_tools.source import DDL, read_wal
+
+DEVICES = ("pi-1", "pi-2", "gw-3")
+
+
+@pytest.fixture(scope="session")
+def spark() -> SparkSession:
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    s = session("local[2]", (("spark.sql.shuffle.partitions", "2"),), spark_log())
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> tuple[Path, dict[str, Published]]:
+    """Dumps of three devices, one directory per device, each taken while its broker ran."""
+    where = tmp_path_factory.mktemp("fleet")
+    dumps = where / "dumps"
+    started: list = []
+    sent = {}
+    try:
+        for i, device in enumerate(DEVICES):
+            b = launch_broker(where, started, CONFIG)
+            sent[device] = drive(b, device, readings=20 + 10 * i, orders=5 + i, alerts=1 + i)
+            res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out",
+                        str(dumps / device), "--device-id", device)
+            assert res.returncode == 0, res.stderr
+            assert b.stop() == 0
+    finally:
+        kill_brokers(started)
+    return dumps, sent
+
+
+def test_filter_matching_follows_the_broker(spark) -> None:
+    cases = [("a/+/c", "a/b/c", True), ("a/+/c", "a/b/d", False), ("a/#", "a", True),
+             ("a/#", "a/b/c", True), ("#", "x/y", True), ("#", "$dlq/x", False),
+             ("+/x", "$dlq/x", False), ("$dlq/#", "$dlq/alerts", True), ("a", "a/b", False),
+             ("a/b", "a/b", True), ("+", "a/b", False)]
+    df = spark.createDataFrame([(f, t) for f, t, _ in cases], "f string, t string")
+    got = df.select(analytics.filter_matches("f", "t").alias("m")).collect()
+    assert [r.m for r in got] == [want for _, _, want in cases]
+
+
+def _records(spark, rows: list[dict]):
+    cols = [c.split(" ")[0] for c in DDL.split(", ")]
+    return spark.createDataFrame([tuple(r.get(c) for c in cols) for r in rows], DDL)
+
+
+def test_analytics_on_a_tiny_frame(spark) -> None:
+    from datetime import UTC, datetime
+
+    t = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    base = {"device": "d", "segment": "s", "position": 0, "timestamp": t}
+    m = {**base, "kind": "message", "qos": 1, "ttl_ms": 0}
+    rows = [
+        {**base, "kind": "group", "offset": 1, "topic": "jobs/#", "group_name": "g",
+         "group_op": "create", "group_start": 1},
+        {**m, "offset": 2, "topic": "jobs/a", "payload": b"x" * 10, "payload_size": 10},
+        {**m, "offset": 3, "topic": "jobs/b", "payload": b"y" * 30, "payload_size": 30},
+        {**m, "offset": 4, "topic": "other", "payload": b"z", "payload_size": 1},
+        {**m, "offset": 5, "topic": "jobs/a", "payload": b"w" * 10, "payload_size": 10},
+        {**base, "kind": "ack", "offset": 6, "group_id": 1, "ack_floor": 3, "acked": [2]},
+        {**m, "offset": 7, "topic": "$dlq/jobs/b", "payload": b"y" * 30, "payload_size": 30,
+         "dead_deliveries": 2, "dead_reason": "nacked"},
+        {**base, "kind": "damage", "position": 99, "payload_size": 40, "problem": "CRC"},
+    ]
+    df = _records(spark, rows)
+    traffic = {(r.topic): r for r in analytics.traffic(df).collect()}
+    assert traffic["jobs/a"].messages == 2 and traffic["jobs/a"].bytes == 20
+    assert traffic["jobs/b"].size_p50 == 30 and traffic["other"].qos1 == 1
+    (g,) = analytics.groups(df).collect()
+    # published to it: offsets 2, 3, 5; acked: 2; floor 3: offsets 3 and 5 are pending
+    assert (g.group_name, g.published, g.acked, g.lag) == ("g", 3, 1, 2)
+    (dead,) = analytics.dead_letters(df).collect()
+    assert (dead.topic, dead.reason, dead.messages) == ("$dlq/jobs/b", "nacked", 1)
+    (dev,) = analytics.devices(df).collect()
+    assert (dev.messages, dev.bytes, dev.topics, dev.last_offset) == (5, 81, 4, 7)
+    (dmg,) = analytics.damage(df).collect()
+    assert (dmg.parts, dmg.bytes) == (1, 40)
+    assert {r.size_up_to: r.messages for r in analytics.sizes(df).collect()} == {
+        16: 2, 32: 2, 1: 1}
+    (rate,) = analytics.rates(df).collect()
+    assert rate.messages == 5
+
+
+@pytest.mark.slow
+def test_export_counts_what_was_published(spark, fleet, tmp_path) -> None:
+    dumps, sent = fleet
+    out = tmp_path / "out"
+    done = export(spark, ExportOptions((str(dumps),), str(out)))
+    assert done.devices == 3 and done.damaged_parts == 0
+    traffic = {(r["device"], r["topic"]): r for r in done.aggregates["traffic"]}
+    want = {(d, t): (n, p.payload_bytes[t]) for d, p in sent.items() for t, n in p.counts.items()}
+    assert {k: (r["messages"], r["bytes"]) for k, r in traffic.items()} == want
+    groups = {(r["device"], r["group_name"]): r for r in done.aggregates["groups"]}
+    for device, p in sent.items():
+        billing = groups[(device, "billing")]
+        assert billing["published"] == billing["acked"] == p.counts["orders"]
+        assert billing["lag"] == 0 and billing["filter"] == "orders"
+        pager = groups[(device, "pager")]
+        assert pager["published"] == p.counts["alerts"] and pager["lag"] == 0
+    dead = {(r["device"], r["topic"], r["reason"]): r["messages"]
+            for r in done.aggregates["dead_letters"]}
+    assert dead == {(d, "$dlq/alerts", "nacked"): p.dead for d, p in sent.items()}
+    # the Parquet round trip: every message, byte for byte, by date and device
+    back = spark.read.parquet(str(out / "records"))
+    assert {f.name for f in back.schema} >= {"date", "device", "topic", "payload", "offset"}
+    got = Counter((r.device, r.topic) for r in back.where("kind = 'message'")
+                  .select("device", "topic").collect())
+    assert got == Counter({k: n for k, (n, _) in want.items()})
+    orders = sorted(bytes(r.payload) for r in back.where(
+        "kind = 'message' AND topic = 'orders' AND device = 'pi-2'").collect())
+    assert orders == sorted(f"order-pi-2-{i:04d}".encode() for i in range(sent["pi-2"]
+                                                                      .counts["orders"]))
+    days = [p.name for p in (out / "records").iterdir() if p.name.startswith("date=")]
+    assert days and all(
+        sorted(q.name for q in (out / "records" / day).iterdir())
+        <= sorted(f"device={d}" for d in DEVICES) for day in days)
+    # re-exporting one device replaces its partitions only: nothing doubles, nothing is lost
+    again = export(spark, ExportOptions((str(dumps / "pi-1"),), str(out)))
+    assert again.devices == 3
+    assert again.aggregates["traffic"] and sorted(
+        (r["device"], r["topic"], r["messages"]) for r in again.aggregates["traffic"]) == sorted(
+        (d, t, n) for (d, t), (n, _) in want.items())
+    back = spark.read.parquet(str(out / "records"))
+    assert back.where("kind = 'message'").count() == sum(n for n, _ in want.values())
+
+
+@pytest.mark.slow
+def test_a_corrupted_segment_exports_every_good_record(spark, fleet, tmp_path) -> None:
+    dumps, _ = fleet
+    bad = tmp_path / "pi-1"
+    shutil.copytree(dumps / "pi-1", bad)
+    seg = sorted((bad / "wal").iterdir())[0]
+    data = bytearray(seg.read_bytes())
+    data[200] ^= 0xFF  # inside an early record
+    seg.write_bytes(bytes(data))
+    whole = spark.read.format("blipmq-wal").load(str(dumps / "pi-1"))
+    hurt = spark.read.format("blipmq-wal").load(str(bad))
+    lost = whole.join(hurt, ["offset"], "left_anti").collect()
+    assert len(lost) == 1  # the one damaged record, and only it
+    done = export(spark, ExportOptions((str(bad),), str(tmp_path / "out")))
+    assert done.damaged_parts == 1 and done.damaged_bytes > 0
+    (dmg,) = done.aggregates["damage"]
+    assert dmg["device"] == "pi-1" and dmg["first_problem"] == "CRC mismatch"
+    assert done.rows == whole.count() - 1
+
+
+def test_sql_view_in_a_new_session_without_register(spark, fleet) -> None:
+    dumps, sent = fleet
+    other = spark.newSession()
+    other.sql(f"CREATE TEMPORARY VIEW w USING `blipmq-wal` OPTIONS (path '{dumps}')")
+    got = {(r.device, r.n) for r in other.sql(
+        "SELECT device, count(*) AS n FROM w WHERE kind = 'message' GROUP BY device").collect()}
+    assert got == {(d, sum(p.counts.values())) for d, p in sent.items()}
+
+
+def test_binary_file_fallback_decodes_the_same(spark, fleet) -> None:
+    dumps, _ = fleet
+    cols = ["device", "offset", "kind", "topic", "payload", "dead_reason", "group_name"]
+    direct = read_wal(spark, [str(dumps)], via="source").select(*cols)
+    fallback = read_wal(spark, [f"file://{dumps}"], via="binaryFile").select(*cols)
+    assert direct.count() == fallback.count() > 0
+    assert direct.exceptAll(fallback).count() == 0
+
+
+def test_one_partition_per_segment_group(spark, fleet) -> None:
+    dumps, _ = fleet
+    segments = sum(len(os.listdir(dumps / d / "wal")) for d in DEVICES)
+    one = spark.read.format("blipmq-wal").option("partitionBytes", "1").load(str(dumps))
+    assert one.rdd.getNumPartitions() == segments
+    grouped = spark.read.format("blipmq-wal").load(str(dumps))
+    assert grouped.rdd.getNumPartitions() == 1
+    assert one.count() == grouped.count()
+    manifests = [json.loads((dumps / d / "manifest.json").read_text()) for d in DEVICES]
+    assert grouped.where(F.col("kind") != "damage").count() == sum(
+        m["records"] for m in manifests)

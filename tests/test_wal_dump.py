@@ -1,0 +1,231 @@
+"""`blipmq wal dump|inspect|cat` against logs written by a real broker, and damaged ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import BLIPMQ
+from crc32c import crc32c
+from fleet import CONFIG, drive
+
+from blipmq_cli.exits import Exit
+from blipmq_server.wal import reader
+from blipmq_server.wal import record as rec
+
+
+def blipmq(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([BLIPMQ, *args], capture_output=True, timeout=60)
+
+
+def cat_json(path: Path | str, *extra: str) -> list[dict]:
+    res = blipmq("wal", "cat", str(path), *extra)
+    assert res.returncode == 0, res.stderr
+    return [json.loads(line) for line in res.stdout.splitlines()]
+
+
+def test_dump_while_the_broker_runs_copies_every_record(start_broker, tmp_path) -> None:
+    b = start_broker(CONFIG)
+    sent = drive(b, "pi-1")
+    out = tmp_path / "dump"
+    res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(out),
+                "--device-id", "pi-1")
+    assert res.returncode == 0, res.stderr
+    assert b"dump of pi-1" in res.stderr and res.stdout == b""
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["device_id"] == "pi-1" and manifest["format_version"] == 1
+    assert manifest["blipmq_version"] == "0.1.0" and manifest["damaged_bytes"] == 0
+    records = cat_json(out)
+    assert manifest["records"] == len(records)
+    assert [r["offset"] for r in records] == sorted(r["offset"] for r in records)
+    assert manifest["first_offset"] == records[0]["offset"]
+    assert manifest["last_offset"] == records[-1]["offset"]
+    messages = [r for r in records if r["kind"] == "message"]
+    assert Counter(r["topic"] for r in messages) == sent.counts
+    got_bytes = Counter()
+    for r in messages:
+        got_bytes[r["topic"]] += len(r["payload"].encode())
+    assert got_bytes == sent.payload_bytes
+    assert sum(r["qos"] for r in messages) == sent.qos1
+    dead = [r for r in messages if "dead_letter" in r]
+    assert len(dead) == sent.dead and all(r["topic"] == "$dlq/alerts" for r in dead)
+    assert {r["dead_letter"]["deliveries"] for r in dead} == {2}
+    groups = {(r["op"], r["group"]) for r in records if r["kind"] == "group"}
+    assert {("create", "billing"), ("create", "pager")} <= groups
+    acks = [r for r in records if r["kind"] == "ack"]
+    assert acks and all(r["offsets"] or r["floor"] for r in acks)
+    # the copy is the source's bytes, and each segment's checksum is in the manifest
+    for seg in manifest["segments"]:
+        copy = (out / "wal" / seg["name"]).read_bytes()
+        assert (b.data_dir / "wal" / seg["name"]).read_bytes().startswith(copy)
+        assert len(copy) == seg["size"] and crc32c(copy) == seg["crc32c"]
+    # the broker went on untouched: a confirmed publish, and a clean restart
+    assert b.cli("pub", "orders", "after", "--qos", "1").returncode == 0
+    assert b.stop() == 0
+    b2 = start_broker(CONFIG, data_dir=b.data_dir)
+    assert b2.metric("blipmq_wal_recovery_quarantined") == 0
+    assert b2.metric("blipmq_wal_recovery_torn_bytes") == 0
+
+
+def test_dump_again_adds_only_what_is_new(start_broker, tmp_path) -> None:
+    b = start_broker({"wal": {"segment_bytes": 4096}})
+    out = tmp_path / "dump"
+    lines = b"".join(b"reading %05d\n" % i for i in range(300))
+    assert b.cli("pub", "t", "--lines", "-", "--qos", "1", input=lines).returncode == 0
+    assert b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(out)).returncode == 0
+    first = json.loads((out / "manifest.json").read_text())
+    assert first["records"] == 300 and len(first["segments"]) > 3
+    assert first["device_id"] == os.uname().nodename
+    sealed = {s["name"]: (out / "wal" / s["name"]).stat().st_mtime_ns
+              for s in first["segments"][:-1]}
+    more = b"".join(b"later %05d\n" % i for i in range(40))
+    assert b.cli("pub", "t", "--lines", "-", "--qos", "1", input=more).returncode == 0
+    res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert b"40 new record(s)" in res.stderr
+    second = json.loads((out / "manifest.json").read_text())
+    assert second["records"] == 340 and second["created_ms"] == first["created_ms"]
+    for name, mtime in sealed.items():  # sealed copies were not written again
+        assert (out / "wal" / name).stat().st_mtime_ns == mtime
+    payloads = blipmq("wal", "cat", str(out), "--format", "lines").stdout
+    assert payloads == lines + more
+    res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(out))
+    assert b"0 new record(s)" in res.stderr
+    # another device's name into the same dump is refused
+    res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(out),
+                "--device-id", "other")
+    assert res.returncode == Exit.USAGE and b"holds the dump of device" in res.stderr
+
+
+def test_dumps_taken_during_a_publish_are_whole_and_catch_up(start_broker, tmp_path) -> None:
+    b = start_broker({"wal": {"segment_bytes": 64 * 1024}})
+    out = tmp_path / "dump"
+    n = 20_000
+    pub = b.spawn_shell(f"seq 1 {n} | blipmq pub load --lines - --qos 1")
+    rounds = 0
+    while pub.poll() is None and rounds < 200:  # bounded: one dump per round
+        res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(out))
+        assert res.returncode == 0, res.stderr
+        assert b"not copied" not in res.stderr
+        rounds += 1
+    assert pub.wait(60) == 0
+    assert b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(out)).returncode == 0
+    assert rounds >= 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["records"] == n and manifest["damaged_bytes"] == 0
+    assert blipmq("wal", "cat", str(out), "--format", "lines").stdout.split() == [
+        str(i).encode() for i in range(1, n + 1)]
+
+
+def test_since_and_until_keep_a_time_window(start_broker, tmp_path) -> None:
+    b = start_broker()
+    assert b.cli("pub", "t", "early").returncode == 0
+    cut = cat_json(b.data_dir)[-1]["timestamp_ms"] + 1
+    while time.time() * 1000 <= cut:  # the next record must be stamped after ``cut``
+        time.sleep(0.001)
+    assert b.cli("pub", "t", "late").returncode == 0
+    res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(tmp_path / "a"),
+                "--since", str(cut))
+    assert res.returncode == 0, res.stderr
+    assert [r["payload"] for r in cat_json(tmp_path / "a")] == ["late"]
+    res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(tmp_path / "b"),
+                "--until", str(cut))
+    assert [r["payload"] for r in cat_json(tmp_path / "b")] == ["early"]
+    res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(tmp_path / "c"),
+                "--since", "yesterday")
+    assert res.returncode == Exit.USAGE and res.stderr.count(b"\n") == 1
+
+
+def damaged_log(tmp_path: Path) -> tuple[Path, list[bytes]]:
+    """A data dir of two segments whose first has a flipped byte in its third record."""
+    from blipmq_server.protocol.message import Message, message_record
+
+    wal = tmp_path / "data" / "wal"
+    wal.mkdir(parents=True)
+    payloads = [b"p%02d" % i for i in range(10)]
+    bodies = [message_record(Message("t", p)) for p in payloads]
+    one = rec.encode_many(1, 1, 1_700_000_000_000, bodies[:5])
+    two = rec.encode_many(1, 6, 1_700_000_000_000, bodies[5:])
+    data = bytearray(rec.header(1) + b"".join(one))
+    hit = rec.HEADER_SIZE + len(one[0]) + len(one[1]) + 30
+    data[hit] ^= 0xFF
+    (wal / "00000000000000000001.seg").write_bytes(bytes(data))
+    (wal / "00000000000000000006.seg").write_bytes(rec.header(6) + b"".join(two))
+    return tmp_path / "data", [p for i, p in enumerate(payloads) if i != 2]
+
+
+def test_damage_is_reported_and_skipped_never_fatal(tmp_path) -> None:
+    data_dir, good = damaged_log(tmp_path)
+    res = blipmq("wal", "cat", str(data_dir), "--format", "lines")
+    assert res.returncode == 0
+    assert res.stdout.split() == good
+    assert res.stderr.count(b"\n") == 1 and b"CRC mismatch" in res.stderr
+    res = blipmq("wal", "inspect", str(data_dir))
+    assert res.returncode == 0, res.stderr
+    assert b"Damage found" in res.stdout and b"CRC mismatch" in res.stdout
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(tmp_path / "d"))
+    assert res.returncode == 0 and b"not copied" in res.stderr
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["records"] == 9 and manifest["damaged_bytes"] > 0
+    assert blipmq("wal", "cat", str(tmp_path / "d"), "--format", "lines").stdout.split() == good
+    # a single segment file, whatever its bytes
+    seg = tmp_path / "junk.seg"
+    seg.write_bytes(os.urandom(5000))
+    res = blipmq("wal", "inspect", str(seg))
+    assert res.returncode == 0 and b"Damage found" in res.stdout
+
+
+def test_inspect_counts_topics_and_kinds(start_broker) -> None:
+    b = start_broker(CONFIG)
+    sent = drive(b, "gw-7", readings=11, orders=4, alerts=2)
+    res = b.cli("wal", "inspect", str(b.data_dir))
+    assert res.returncode == 0, res.stderr
+    text = res.stdout.decode()
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines()]
+    topics = {r[0]: r[1:] for r in rows if len(r) == 3}
+    for topic, n in sent.counts.items():
+        assert topics[topic] == [f"{n:,}", f"{sent.payload_bytes[topic]:,}"]
+    assert "No damage found." in text
+
+
+@pytest.mark.parametrize("args", [
+    ("wal", "cat", "/nonexistent/blipmq"),
+    ("wal", "inspect", "/etc"),
+    ("wal", "inspect", "/etc/hostname"),
+    ("wal", "cat", "/etc", "--format", "xml"),
+    ("wal", "dump", "--data-dir", "/etc", "--out", "/tmp/never"),
+])
+def test_bad_paths_are_one_line_and_exit_2(args) -> None:
+    res = blipmq(*args)
+    assert res.returncode == Exit.USAGE
+    assert res.stderr.count(b"\n") == 1 and b"Traceback" not in res.stderr
+
+
+def test_dump_refuses_a_directory_that_is_not_a_dump(start_broker, tmp_path) -> None:
+    b = start_broker()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(tmp_path / "busy"))
+    assert res.returncode == Exit.USAGE and b"is not a dump" in res.stderr
+
+
+def test_check_cuts_a_partial_tail_at_every_byte() -> None:
+    from blipmq_server.protocol.message import Message, message_record
+
+    records = rec.encode_many(1, 1, 5, [message_record(Message("a/b", b"x" * i))
+                                        for i in range(6)])
+    data = rec.header(1) + b"".join(records)
+    ends = [rec.HEADER_SIZE + sum(map(len, records[:i])) for i in range(len(records) + 1)]
+    for cut in range(len(data) + 1):
+        got = reader.check(data[:cut], "00000000000000000001.seg")
+        whole = sum(1 for e in ends[1:] if e <= cut)
+        assert len(got.records) == whole and not got.damage
+        assert got.good_end == (max(e for e in ends if e <= cut) if cut >= 16 else 0)
+        closed = reader.check(data[:cut], open_tail=False)
+        assert len(closed.records) == whole
+        assert bool(closed.damage) == (cut not in ends)
