@@ -463,3 +463,23 @@ def test_in_flight_counts_per_consumer_stay_exact(tmp_path: Path) -> None:
         really = Counter(f.sub_id for f in group.inflight.values() if f.sub_id > 0)
         assert group.held == dict(really), step
         assert all(n <= 8 for n in really.values())
+
+
+def test_usage_and_backlog_count_runs_of_topics_and_only_logged_messages(tmp_path: Path
+                                                                         ) -> None:
+    """Per-topic counts and a durable group's backlog, over batches that switch topics and
+    mix logged QoS 1 with unlogged QoS 0 messages (wal.include_qos0 = false)."""
+    s = Setup(tmp_path, log_qos0=False)
+    g = s.sub(1, "a/#", "g", qos=1)
+    recs = [message_record(Message(t, p, q)) for t, p, q in (
+        ("a/x", b"1", 1), ("a/x", b"22", 0), ("b", b"333", 1), ("a/y", b"4444", 1),
+        ("a/x", b"5", 1))]
+    res = s.broker.publish(decode_one(encode_publish(recs)).messages, 0, 1000)
+    assert res.accepted == 5
+    stats = {t["topic"]: (t["messages"], t["bytes"]) for t in s.broker.stats()["topics"]}
+    assert stats == {"a/x": (3, 4), "b": (1, 3), "a/y": (1, 4)}
+    group = g.queue
+    assert group.backlog == 3  # a/x twice at QoS 1 and a/y: the QoS 0 one is not logged
+    s.commit()
+    assert [p for _, _, p in s.take(g)] == [b"1", b"4444", b"5"]
+    assert group.backlog == 0

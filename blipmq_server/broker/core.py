@@ -114,7 +114,7 @@ class Broker:
         # in locals, and added to the topic's entry when the run ends
         run_route: Route | Refusal | None = None
         run_entry = None
-        run_n = run_bytes = run_unlogged = 0
+        run_from = run_bytes = run_unlogged = 0
         for m in messages:
             route = None if internal else routes.get(m.topic)
             if route is None:
@@ -133,12 +133,6 @@ class Broker:
                     ErrorCode.UNSUPPORTED, "QoS 1 needs the write-ahead log (wal.enabled = false)"
                 )
                 break
-            retain = m.retain
-            if retain:
-                problem = self.retained.refusal(m.topic, len(m.record), m.payload_len)
-                if problem is not None:
-                    refusal = Refusal(ErrorCode.LIMIT, problem)
-                    break
             size = len(m.record) + PREFIX_SIZE
             targets = route.targets  # type: ignore[union-attr]
             # Room left in every target (messages and bytes) since this route was last
@@ -166,18 +160,33 @@ class Broker:
                             break
                     if blocked is not None:
                         break
-            if route is not run_route:
-                if run_n:
-                    usage.add(run_entry, run_n, run_bytes,  # type: ignore[arg-type]
-                              0 if logged is None else run_n - run_unlogged)
+            if route is not run_route:  # a run of messages to one topic begins
+                if run_route is not None:
+                    usage.add(run_entry, accepted - run_from,  # type: ignore[arg-type]
+                              run_bytes, run_unlogged)
                 run_route = route
                 run_entry = entries.get(m.topic) or usage.entry(m.topic)
-                run_n = run_bytes = run_unlogged = 0
-            run_n += 1
+                run_from = accepted
+                run_bytes = run_unlogged = 0
             run_bytes += m.payload_len
-            if logged is None:
+            if m.retain:  # kept as the topic's value, always logged: the slow path
+                problem = self.retained.refusal(m.topic, len(m.record), m.payload_len)
+                if problem is not None:
+                    run_bytes -= m.payload_len
+                    refusal = Refusal(ErrorCode.LIMIT, problem)
+                    break
+                if logged is None:
+                    offset += 1
+                else:
+                    logged.append(m.record)
+                    offset = next_logged
+                    next_logged += 1
+                    if m.qos:
+                        confirms += 1
+                self.retained.put(m.topic, offset, timestamp_ms, m.record, offset)
+            elif logged is None:
                 offset += 1
-            elif m.qos or log_qos0 or retain:  # a retained value is always logged
+            elif m.qos or log_qos0:
                 logged.append(m.record)
                 offset = next_logged
                 next_logged += 1
@@ -187,8 +196,6 @@ class Broker:
                 offset = 0
                 run_unlogged += 1
             accepted += 1
-            if retain:
-                self.retained.put(m.topic, offset, timestamp_ms, m.record, offset)
             if not targets:
                 c.unrouted += 1
                 continue
@@ -219,9 +226,9 @@ class Broker:
                 if ttl:
                     q.expiring = True
                 enqueued += 1
-        if run_n:
-            usage.add(run_entry, run_n, run_bytes,  # type: ignore[arg-type]
-                      0 if logged is None else run_n - run_unlogged)
+        if run_route is not None:
+            usage.add(run_entry, accepted - run_from, run_bytes,  # type: ignore[arg-type]
+                      run_unlogged)
         last_logged = first_logged = 0
         if logged is None:
             self.offset = offset

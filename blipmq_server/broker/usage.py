@@ -39,14 +39,16 @@ class Usage:
         self.entries[topic] = entry
         return entry
 
-    def add(self, entry: Entry, messages: int, nbytes: int, logged: int) -> None:
-        """A run of ``messages`` (``logged`` of them in the log) to the entry's topic."""
+    def add(self, entry: Entry, messages: int, nbytes: int, unlogged: int) -> None:
+        """A run of ``messages`` to the entry's topic, ``unlogged`` of them kept out of the
+        log (with a log; without one, no durable group exists to count them)."""
         if entry[3]:
             entry[0] += messages
             entry[1] += nbytes
         else:
             self.other[0] += messages
             self.other[1] += nbytes
+        logged = messages - unlogged
         if logged:
             for g in entry[2]:
                 g.backlog += logged
