@@ -285,10 +285,12 @@ class Client:
         """Send many messages in PUBLISH batches; returns how many were sent."""
         conn = self._conn
         add = conn.publish
+        new = tuple.__new__
         n = 0
         try:
             for m in messages:
-                add(m if isinstance(m, Message) else Message(m[0], m[1]))
+                # (topic, payload) pairs become Messages without Message.__new__'s Python call
+                add(m if isinstance(m, Message) else new(Message, (m[0], m[1], 0, 0, None, False)))
                 n += 1
                 if conn.outgoing >= _SEND_CHUNK:
                     self._send_out()

@@ -91,6 +91,9 @@ _HELLO = struct.Struct(">H")
 _WELCOME = struct.Struct(">HII")
 _ERROR = struct.Struct(">H")
 _DELIVERY_HEAD = PREFIX_SIZE + HEAD_SIZE  # 32: a delivery record before its topic
+# NamedTuples made per message on the hot paths skip their generated ``__new__`` (a Python
+# call) and are built as the tuples they are, fields in declaration order
+_tuple_new = tuple.__new__
 
 
 def frame_limit(max_message_bytes: int, max_batch_bytes: int = 0) -> int:
@@ -269,6 +272,7 @@ def _publish_messages(data: bytes, pos: int, end: int) -> tuple[RawMessage, ...]
     out = []
     unpack = MSG_HEAD.unpack_from
     head_size = MSG_HEAD.size
+    new, raw = _tuple_new, RawMessage
     for _ in range(count):
         if pos + head_size > end:
             raise RemoteProtocolError("PUBLISH message header ends early")
@@ -279,10 +283,8 @@ def _publish_messages(data: bytes, pos: int, end: int) -> tuple[RawMessage, ...]
         if flags & ~FLAGS_PUBLISHABLE or (klen and not flags & FLAG_KEY):
             raise RemoteProtocolError(f"PUBLISH message has invalid flags {flags:#04x}")
         tstart = pos + head_size
-        out.append(
-            RawMessage(data[tstart : tstart + tlen], flags & FLAG_QOS1, ttl, plen, data[pos:stop],
-                       flags & FLAG_RETAIN)
-        )
+        out.append(new(raw, (data[tstart : tstart + tlen], flags & FLAG_QOS1, ttl, plen,
+                             data[pos:stop], flags & FLAG_RETAIN)))
         pos = stop
     if pos != end:
         raise RemoteProtocolError(f"{end - pos} unexpected bytes after PUBLISH messages")
@@ -296,6 +298,7 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
     prefix = DELIVERY_PREFIX.unpack_from
     head = MSG_HEAD.unpack_from
     topics: dict[bytes, str] = {}
+    new, delivery = _tuple_new, Delivery
     for _ in range(count):
         if pos + _DELIVERY_HEAD > end:
             raise RemoteProtocolError("DELIVER message header ends early")
@@ -323,8 +326,8 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
             payload, pos = data[p:pos], stop
         else:
             payload = data[p:pos]
-        out.append(Delivery(offset, dcount, topic, payload, flags & FLAG_QOS1, ttl, key, dead, ts,
-                            dflags != 0))
+        out.append(new(delivery, (offset, dcount, topic, payload, flags & FLAG_QOS1, ttl, key,
+                                  dead, ts, dflags != 0)))
     r.pos = pos
     return sub_id, tuple(out)
 
