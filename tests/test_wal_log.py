@@ -511,7 +511,7 @@ def test_read_files_from_any_offset_across_read_chunks(tmp_path) -> None:
     assert len(log.read_files(3, 1000, 100_000)) == 3  # stops once past max_bytes
 
 
-class CountingDisk(Disk):
+class ByteCountingDisk(Disk):
     """A Disk that counts the bytes ``pread`` returns."""
 
     def __init__(self) -> None:
@@ -527,7 +527,7 @@ class CountingDisk(Disk):
 @pytest.mark.parametrize("cache_bytes", [0, 4 * MiB])
 def test_offset_at_finds_the_first_record_at_a_time_without_scanning(tmp_path: Path,
                                                                      cache_bytes: int) -> None:
-    disk = CountingDisk()
+    disk = ByteCountingDisk()
     opts = LogOptions(segment_bytes=16 * 1024, cache_bytes=cache_bytes)
     log = Log(str(tmp_path), opts, disk)
     log.open()
