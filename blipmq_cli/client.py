@@ -58,7 +58,6 @@ _SEND_CHUNK = 1 << 20
 _PROGRESS_CHUNK = 1 << 18
 _POLL_READS = 4  # reads of what already arrived before a write; more waits for the next wait
 _KEEPCNT = 3
-_END: tuple[Delivery, ...] = ()  # a subscription's stream ended (the connection never queues ())
 _ENDED, _WOKE = object(), object()  # next_of: every stream ended; a wake fd, no delivery
 
 _T = TypeVar("_T")
@@ -122,7 +121,14 @@ class Subscription:
         Raises TimeoutError when ``timeout`` seconds pass with nothing delivered, and
         ConnectError when the broker stays silent through a keepalive PING.
         """
-        return self.client._next_batch(self.sub_id, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # again only after a wake fd (``Client.wake_fds``) woke the wait
+            left = None if deadline is None else deadline - time.monotonic()
+            got = self.client.next_of([self], left)
+            if got is None:
+                return None
+            if got[0] is not None:
+                return got[1]
 
     def ack(self, *deliveries: Delivery) -> None:
         """Acknowledge deliveries of this subscription."""
@@ -453,24 +459,6 @@ class Client:
         if got is _ENDED:
             return None
         return (None, ()) if got is _WOKE else got  # type: ignore[return-value]
-
-    def _next_batch(self, sub_id: int, timeout: float | None) -> tuple[Delivery, ...] | None:
-        conn = self._conn
-
-        def batch() -> tuple[Delivery, ...] | None:
-            got = conn.next_batch(sub_id)
-            if got is not None:
-                return got
-            refusal = conn.refusal()
-            if refusal is not None:
-                raise BrokerError(refusal.code, refusal.text)
-            closed = conn.closed
-            if not conn.subscribed(sub_id) or (closed is not None and closed.ends_streams):
-                return _END
-            return None
-
-        got = self._wait(batch, timeout, "a delivery", keepalive=True)
-        return None if got is _END else got
 
     def _wait(
         self,

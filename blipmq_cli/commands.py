@@ -108,9 +108,9 @@ def pub(
                                ("-l/--lines", lines), ("-f/--file", path is not None)) if on]
     if len(sources) > 1:
         raise UsageError(f"give one of {' and '.join(sources)}")
-    ttl_ms = _ttl_ms(ttl)
     if path is not None:
         return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key)
+    ttl_ms = _ttl_ms(ttl)
     if lines:
         return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain)
     if message_opt is None and not stdin:

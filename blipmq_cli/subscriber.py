@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blipmq_cli.client import Client, Subscription, connect_from_env
+from blipmq_cli.commands import say
 from blipmq_cli.exits import Exit
 from blipmq_cli.output import Writer
 from blipmq_server.errors import ConnectError
@@ -59,11 +60,6 @@ class Plan:
     retry_delay_ms: int = 1000
     reconnect: bool = True
     background: bool = False
-
-
-def say(text: str) -> None:
-    sys.stderr.write(f"blipmq: {text}\n")
-    sys.stderr.flush()
 
 
 class _Run:

@@ -120,17 +120,6 @@ def test_a_cursor_more_than_a_batch_behind_says_so() -> None:
 
 
 def test_a_replay_from_a_time_starts_at_the_first_record_stamped_then() -> None:
-    from blipmq_server.broker.core import Broker
-    from blipmq_server.broker.storage import MemoryLog
-    from blipmq_server.protocol.codec import (
-        Message,
-        Start,
-        decode_one,
-        encode_deliver,
-        encode_publish,
-        message_record,
-    )
-
     log = MemoryLog()
     b = Broker(log=log)
     for ts, payload in ((100, b"a"), (200, b"b"), (200, b"c"), (300, b"d")):
