@@ -1,11 +1,15 @@
 """Unrelated traffic while a durable group drains a big backlog; prints figures.
 
-    .venv/bin/python bench/drain.py [--backlog 1000000] [--rate 1000] [--seconds 5]
+    .venv/bin/python bench/drain.py [--backlog 1000000] [--rate 1000] [--seconds 5] [--control]
 
 A durable (QoS 1) group falls 1,000,000 100-byte messages behind. Then QoS 0 traffic on
 another topic runs open-loop at 1,000 msg/s twice: once alone (the baseline) and once while
 a consumer drains the group with acks. The drain reads the log from disk (far more than the
 recent-records cache holds); the question is whether those reads stall everyone else.
+
+The drain keeps the broker's event loop and the draining client busy: on a 2-core machine
+that alone delays the latency clients' own processes. ``--control`` measures how much: the
+same QoS 0 traffic against the idle broker while one busy-loop process per core runs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main() -> None:
     ap.add_argument("--backlog", type=int, default=1_000_000)
     ap.add_argument("--rate", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=5)
+    ap.add_argument("--control", action="store_true",
+                    help="also measure the traffic with every core kept busy, broker idle")
     args = ap.parse_args()
     n = int(args.rate * args.seconds)
     report: dict = {"backlog": args.backlog, "rate": args.rate, "messages": n}
@@ -41,6 +47,8 @@ def main() -> None:
             result(worker("pub", broker.addr, "backlog", args.backlog, 100))
             time.sleep(1)
             report["baseline"] = latency(broker.addr, args.rate, n)
+            if args.control:
+                report["cores_busy_broker_idle"] = busy_cores(broker.addr, args.rate, n)
             drainer = worker("drain", broker.addr, "backlog", args.backlog)
             ready(drainer)
             started = time.monotonic()
@@ -53,9 +61,25 @@ def main() -> None:
                                "covered_the_latency_run": took >= overlap}
             base, busy = report["baseline"], report["while_draining"]
             report["p99_increase_ms"] = round((busy["p99_us"] - base["p99_us"]) / 1000, 2)
+            if args.control:
+                control = report["cores_busy_broker_idle"]
+                report["control_p99_increase_ms"] = round(
+                    (control["p99_us"] - base["p99_us"]) / 1000, 2)
         finally:
             broker.stop()
     print(json.dumps(report, indent=2))
+
+
+def busy_cores(addr: str, rate: int, n: int) -> dict:
+    """The latency run while one bounded busy loop per core spins (ended by PID after)."""
+    spin = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    try:
+        return latency(addr, rate, n)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
 
 
 if __name__ == "__main__":
