@@ -8,6 +8,7 @@ functions in ``commands`` / ``blipmq_server.daemon``.
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -21,6 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 config_app = typer.Typer(help="Broker configuration files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
@@ -179,12 +181,15 @@ def start(
 
 @config_app.command("init")
 def config_init(
-    path: Annotated[str, typer.Argument(help="Where to write it")] = "blipmq.toml",
+    path: Annotated[str, typer.Argument(help="Where to write it ('-': stdout)")] = "blipmq.toml",
 ) -> None:
     """Write a commented default configuration file."""
     from blipmq_server import config
     from blipmq_server.errors import ConfigError
 
+    if path == "-":
+        sys.stdout.write(config.default_text())
+        return
     try:
         config.write_default(path)
     except (ConfigError, OSError) as exc:
@@ -194,8 +199,25 @@ def config_init(
 
 
 def run_app(argv: list[str]) -> int:
+    """Run the Typer app; a usage error is one line on stderr and exit code 2 (the help
+    framework would draw a box around it)."""
+    try:  # typer 0.29 carries its own copy of click; the frozen build's 0.28 uses click
+        from typer._click.exceptions import UsageError
+    except ImportError:
+        from click.exceptions import UsageError  # type: ignore[no-redef]
+
     try:
-        app(args=argv, prog_name="blipmq", standalone_mode=True)
+        result = app(args=argv, prog_name="blipmq", standalone_mode=False)
+    except UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "blipmq"
+        text = exc.format_message().strip()
+        if text:  # empty: no arguments, and the help was printed instead
+            commands.say(f"{text} (see '{where} --help')")
+        return Exit.USAGE
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        return Exit.INTERRUPTED
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return 0
+    return result if isinstance(result, int) else 0

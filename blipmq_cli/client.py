@@ -160,7 +160,7 @@ class Client:
         name: str = "blipmq-py",
     ) -> None:
         host, port = parse_addr(addr)
-        self.addr = addr
+        self.addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.timeout = timeout
         # while waiting for deliveries: wake when one of these fds is readable, and raise
         # BrokenPipeError when ``hangup_fd`` (stdout) reports that its reader went away
@@ -173,10 +173,10 @@ class Client:
             self.sock = socket.create_connection((host, port), timeout=timeout)
         except TimeoutError:
             raise ConnectError(
-                f"cannot connect to {addr}: the TCP connect timed out after {timeout:g} s"
+                f"cannot connect to {self.addr}: the TCP connect timed out after {timeout:g} s"
             ) from None
         except OSError as exc:
-            raise ConnectError(f"cannot connect to {addr}: {exc.strerror or exc}") from None
+            raise ConnectError(f"cannot connect to {self.addr}: {exc.strerror or exc}") from None
         try:
             _tune(self.sock, timeout)
             self._conn.hello(name, api_key)
@@ -186,7 +186,7 @@ class Client:
                                      "the handshake")
             except TimeoutError:
                 raise ConnectError(
-                    f"cannot connect to {addr}: the broker did not finish the handshake "
+                    f"cannot connect to {self.addr}: the broker did not finish the handshake "
                     f"within {timeout:g} s"
                 ) from None
             if isinstance(outcome, codec.Error):

@@ -96,7 +96,7 @@ def test_operator_session(executable: Executable, runner: Runner, tmp_path: Path
     # a binary file, byte for byte
     firmware = tmp_path / "fw.bin"
     firmware.write_bytes(os.urandom(200_000) + bytes(range(256)))
-    sub = runner.spawn("sub", "firmware", "--count", "1", env=env)
+    sub = runner.spawn("sub", "firmware", "-N", "--count", "1", env=env)
     broker.wait_metric("blipmq_subscriptions", 1)
     assert runner.run("pubfile", "firmware", str(firmware), env=env).returncode == 0
     out, err = sub.communicate(timeout=SLOW)
@@ -107,7 +107,7 @@ def test_operator_session(executable: Executable, runner: Runner, tmp_path: Path
     done = runner.run("pub", "--qos", "1", "orders", "#1234", env=env)
     assert done.returncode == 0, done.stderr
     done = runner.run("sub", "orders", "--from", "earliest", "--count", "1", env=env)
-    assert (done.returncode, done.stdout) == (0, b"#1234")
+    assert (done.returncode, done.stdout) == (0, b"#1234\n")
     assert broker.metric("blipmq_wal_syncs_total") >= 1
 
     # /metrics over HTTP counts what was published
