@@ -91,17 +91,20 @@ def parse_conf(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def run(dumps: list[str], output: str, master: str | None, conf: list[str],
+def run(dumps: list[str], output: str | None, master: str | None, conf: list[str],
         report: str | None, print_submit: bool) -> int:
     try:
         settings = parse_conf(conf)
+        if not print_submit:
+            check_extra()  # first: without Spark nothing else matters (the edge executable)
+        if not output:
+            raise Refused("--output DIR is required", Exit.USAGE)
         if print_submit:
             check_inputs(dumps)
             from spark_tools import submit
 
             sys.stdout.write(submit.line(dumps, output, settings, report) + "\n")
             return Exit.OK
-        check_extra()  # first: without Spark nothing else matters (the edge executable)
         check_java()
         check_inputs(dumps)
         check_master(master)
@@ -116,7 +119,8 @@ def run(dumps: list[str], output: str, master: str | None, conf: list[str],
 def command(
     dumps: Annotated[list[str], typer.Argument(
         help="Dumps (blipmq wal dump), directories of dumps (one per device), or data dirs")],
-    output: Annotated[str, typer.Option("--output", help="Output directory (Parquet tables)")],
+    output: Annotated[str | None, typer.Option(
+        "--output", help="Output directory (Parquet tables) [required]")] = None,
     master: Annotated[str | None, typer.Option(
         "--master", help="Spark master URL [default: local Spark, or spark-submit's]")] = None,
     conf: Annotated[list[str] | None, typer.Option(

@@ -71,11 +71,12 @@ def check(data: bytes, name: str = "", *, open_tail: bool = True, last_offset: i
     records: list[tuple[int, int]] = []
     damage: list[Damage] = []
     last = last_offset
+    view = memoryview(data)  # the CRC of each record is taken over a view, not a copy
     pos: int | None = max(start, rec.HEADER_SIZE) if header_ok else None
     damage_at, problem, torn = 0, "unreadable segment header", size < rec.HEADER_SIZE
     for _ in range(size + 1):  # each round moves forward: bounded by the size
         if pos is not None:
-            scan = rec.scan(data, pos, last)
+            scan = rec.scan(view, pos, last)
             records += scan.records
             if scan.records:
                 last = scan.records[-1][0]
