@@ -21,9 +21,10 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -60,6 +61,7 @@ class Exported:
     damaged_bytes: int
     devices: int
     aggregates: dict[str, list[dict]]  # name -> rows, read back from the output (whole fleet)
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds
 
 
 def spark_log() -> str:
@@ -120,32 +122,54 @@ def _stderr_to(path: str) -> Iterator[None]:
 
 
 def export(spark: SparkSession, opts: ExportOptions) -> Exported:
+    """One decode of the inputs, kept in Spark's cache: the kind counts, the records and
+    the seven aggregates are all computed from it (docs/PERFORMANCE.md, the phases)."""
+    timings: dict[str, float] = {}
+    clock = _Clock(timings)
     records = read_wal(spark, list(opts.inputs), opts.partition_bytes, opts.via).cache()
     try:
         counts = {r["kind"]: (r["n"], r["b"]) for r in records.groupBy("kind").agg(
             F.count("*").alias("n"), F.sum("payload_size").alias("b")).collect()}
+        clock.lap("decode and cache")
         if not counts:
             from blipmq_server.errors import WalError
             raise WalError(f"{', '.join(opts.inputs)}: the logs hold no records")
         rows = sum(n for kind, (n, _) in counts.items() if kind != "damage")
         write_records(records, os.path.join(opts.output, "records"))
+        clock.lap("records")
         for name, fn in analytics.ALL.items():
             fn(records).write.mode("overwrite").partitionBy("device").parquet(
                 os.path.join(opts.output, "aggregates", name))
+            clock.lap(name)
     finally:
         records.unpersist()
     aggregates = read_back(spark, opts.output)
+    clock.lap("read back")
     parts, damaged = counts.get("damage", (0, 0))
     devices = len(aggregates["devices"])
-    return Exported(rows, parts, damaged or 0, devices, aggregates)
+    return Exported(rows, parts, damaged or 0, devices, aggregates, timings)
+
+
+class _Clock:
+    """Wall seconds per phase of an export, for bench/analytics.py."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into = into
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = now - self.last
+        self.last = now
 
 
 def write_records(records: DataFrame, path: str) -> None:
     """Parquet by date and device (topic stays a column: one directory per topic would
-    make thousands of small files)."""
+    make thousands of small files). No shuffle: a task holds whole segments, so it writes
+    one file per date and device it holds (a repartition by date and device first cost a
+    third of the export)."""
     (records.where(F.col("kind") != "damage").drop("problem")
      .withColumn("date", F.to_date("timestamp"))
-     .repartition("date", "device")
      .write.mode("overwrite").partitionBy("date", "device").parquet(path))
 
 
