@@ -4,11 +4,16 @@ standalone master and worker started here on 127.0.0.1 and stopped by PID)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
 import re
 import signal
 import socket
+import struct
 import subprocess
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +28,43 @@ def export(*args: str, timeout: float = 300, **env: str) -> subprocess.Completed
     full = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", **env}
     return subprocess.run([BLIPMQ, "export", *args], capture_output=True, timeout=timeout,
                            env=full)
+
+
+def export_on_terminal(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
+    """``blipmq export`` with stderr on a pseudo-terminal (100x30) and stdout on a pipe;
+    ``stderr`` holds what the terminal showed."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    shown = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every copy of the follower is closed
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.Popen([BLIPMQ, "export", *args], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=follower, env=env)
+        os.close(follower)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        reader.join(30)
+    finally:
+        os.close(leader)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, bytes(shown))
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +111,18 @@ def test_refusals_are_one_line_with_their_code(dumps, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_report_renders_in_a_headless_browser(dumps, tmp_path) -> None:
+    """Also: with stderr on a real terminal, Spark's progress is a bar there, without
+    Spark's log lines (stdout, the summary, stays a pipe)."""
     report = tmp_path / "fleet.html"
-    res = export(str(dumps), "--output", str(tmp_path / "out"), "--master", "local[2]",
-                 "--report", str(report))
+    res = export_on_terminal(str(dumps), "--output", str(tmp_path / "out"), "--master",
+                             "local[2]", "--report", str(report))
     assert res.returncode == 0, res.stderr
-    assert b"Traceback" not in res.stderr and b"WARN" not in res.stderr
+    assert re.search(rb"spark: \d+/[1-9]\d* tasks", res.stderr), res.stderr[-2000:]
+    assert b"\x1b[" in res.stderr  # drawn with terminal control sequences
+    shown = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", res.stderr)
+    for noise in (b"Traceback", b"WARN", b"INFO", b"log4j", b"Setting default log level",
+                  b"incubator", b"at org."):
+        assert noise not in shown, shown[-2000:]
     text = res.stdout.decode()
     assert "exported" in text and "east" in text and "west" in text
     html = report.read_text()
