@@ -138,6 +138,8 @@ def export(spark: SparkSession, opts: ExportOptions) -> Exported:
         write_records(records, os.path.join(opts.output, "records"))
         clock.lap("records")
         for name, fn in analytics.ALL.items():
+            if name == "groups" and "group" not in counts:
+                continue  # no GROUP record, no group: nothing to write (its joins cost seconds)
             fn(records).write.mode("overwrite").partitionBy("device").parquet(
                 os.path.join(opts.output, "aggregates", name))
             clock.lap(name)

@@ -97,7 +97,7 @@ def test_refusals_are_one_line_with_their_code(dumps, tmp_path) -> None:
     assert res.returncode == Exit.USAGE and "holds no BlipMQ log" in _one_line(res)
     res = export(str(dumps), "--output", str(tmp_path / "o"), "--conf", "novalue")
     assert res.returncode == Exit.USAGE and "KEY=VALUE" in _one_line(res)
-    bare = {"PATH": "/usr/bin/nonexistent", "JAVA_HOME": ""}
+    bare = {"PATH": "/usr/bin/nonexistent", "JAVA_HOME": str(tmp_path / "no-java")}
     res = export(str(dumps), "--output", str(tmp_path / "o"), **bare)
     assert res.returncode == Exit.MISSING and "Java is not installed" in _one_line(res)
     with socket.socket() as s:  # a port nobody listens on
