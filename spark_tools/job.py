@@ -126,7 +126,8 @@ def export(spark: SparkSession, opts: ExportOptions) -> Exported:
     the seven aggregates are all computed from it (docs/PERFORMANCE.md, the phases)."""
     timings: dict[str, float] = {}
     clock = _Clock(timings)
-    records = read_wal(spark, list(opts.inputs), opts.partition_bytes, opts.via).cache()
+    source = read_wal(spark, list(opts.inputs), opts.partition_bytes, opts.via)
+    records = source.drop("key", "payload").cache()
     try:
         counts = {r["kind"]: (r["n"], r["b"]) for r in records.groupBy("kind").agg(
             F.count("*").alias("n"), F.sum("payload_size").alias("b")).collect()}
@@ -135,7 +136,7 @@ def export(spark: SparkSession, opts: ExportOptions) -> Exported:
             from blipmq_server.errors import WalError
             raise WalError(f"{', '.join(opts.inputs)}: the logs hold no records")
         rows = sum(n for kind, (n, _) in counts.items() if kind != "damage")
-        write_records(records, os.path.join(opts.output, "records"))
+        write_records(source, os.path.join(opts.output, "records"))
         clock.lap("records")
         for name, fn in analytics.ALL.items():
             if name == "groups" and "group" not in counts:
