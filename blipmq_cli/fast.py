@@ -12,7 +12,6 @@ import argparse
 import sys
 from typing import NoReturn
 
-from blipmq_cli import commands
 from blipmq_cli.exits import Exit
 
 COMMANDS = ("pub", "pubfile", "sub", "unsub", "start")
@@ -91,5 +90,7 @@ def run(argv: list[str]) -> int:
         from blipmq_server import daemon
 
         return daemon.start(**args)
+    from blipmq_cli import commands  # the client: not imported by the broker process
+
     fn = getattr(commands, command)
     return commands.guarded(lambda: fn(**args))

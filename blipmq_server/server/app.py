@@ -58,6 +58,18 @@ class Bound:
     metrics_port: int | None
 
 
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system once start-up is over (imports,
+    compiling, recovery leave freed memory that glibc keeps): about 0.7 MB of an idle
+    broker. Not glibc (musl): nothing to do."""
+    try:
+        import ctypes  # loaded by trio already
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -117,6 +129,7 @@ class Server:
         gc.collect()
         gc.freeze()
         gc.set_threshold(*_GC_THRESHOLDS)
+        _trim_heap()
         listeners = await trio.open_tcp_listeners(cfg.server.port, host=cfg.server.host)
         port = listeners[0].socket.getsockname()[1]
         self.started_at = trio.current_time()

@@ -20,7 +20,12 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 import trio
-from trio.testing import wait_all_tasks_blocked
+
+try:  # the function trio.testing re-exports, without trio.testing (which imports pytest
+    # when it is installed: about 8 MB of the broker's memory)
+    from trio._core import wait_all_tasks_blocked
+except ImportError:  # pragma: no cover - a trio that moved it
+    from trio.testing import wait_all_tasks_blocked
 
 from blipmq_server.errors import RemoteProtocolError
 from blipmq_server.protocol import codec
