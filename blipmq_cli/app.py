@@ -144,6 +144,10 @@ def sub(
     background: Annotated[bool, typer.Option(
         "-b", "--background", help="Return once subscribed; go on in the background")
     ] = False,
+    until_end: Annotated[bool, typer.Option(
+        "-e", "--until-end", help="Exit 0 once all the log held when subscribing was "
+        "delivered (and acked with -q 1), as kcat -e; without --from/--since/--group: "
+        "once the retained values are written")] = False,
     addr: Addr = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -152,7 +156,7 @@ def sub(
         topics or [], addr=addr, api_key=api_key, topic_opt=topic_opt, count=count,
         timeout=timeout, group=group, qos=qos, start=start, fmt=fmt, verbose=verbose, raw=raw,
         command=command, jobs=jobs, retry_delay=retry_delay, no_reconnect=no_reconnect,
-        background=background, since=since,
+        background=background, since=since, until_end=until_end,
     )))
 
 

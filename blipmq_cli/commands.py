@@ -243,6 +243,7 @@ def sub(
     no_reconnect: bool = False,
     background: bool = False,
     since: str | None = None,
+    until_end: bool = False,
 ) -> int:
     from blipmq_cli import subscriber
 
@@ -272,7 +273,7 @@ def sub(
     except TemplateError as exc:
         raise UsageError(str(exc)) from None
     plan = subscriber.Plan(filters, group, qos, where, count, seconds, write, command, jobs,
-                           retry_ms, not no_reconnect, background)
+                           retry_ms, not no_reconnect, background, until_end)
     return subscriber.run(plan, addr, api_key)
 
 

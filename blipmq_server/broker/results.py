@@ -100,6 +100,7 @@ class SubscribeResult:
     sub_id: int
     ready: bool = False
     refusal: Refusal | None = None
+    end: int | None = None  # asked for (until_end): the log's next offset, 0 without a log
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,51 @@
+"""The shell toolkit's last pieces on a real broker and the real CLI: `sub --until-end`,
+group names refused alike everywhere, the address `start` could not bind, `pubfile`'s
+progress on a terminal, the timestamp in templates, `pub -f -r`, and a group's backlog
+after retention skipped it."""
+
+from __future__ import annotations
+
+
+def test_until_end_stops_at_the_end_of_the_log(start_broker) -> None:
+    b = start_broker()
+    b.shell("seq 1 5 | blipmq pub n -l -q 1")
+    b.cli("pub", "other", "not n", "-q", "1")  # the log ends with a record n does not match
+    # fewer than --count in the log: ends at its end instead of waiting (README's awk example)
+    res = b.shell("blipmq sub n --from earliest -C 100 --until-end | awk '{ s += $1 } "
+                  "END { print s / NR }'", timeout=30)
+    assert (res.returncode, res.stdout) == (0, b"3\n"), res.stderr
+    # QoS 1 and a durable group: the end comes once the broker has every ack
+    res = b.cli("sub", "n", "--from", "earliest", "-q", "1", "--group", "g", "-e")
+    assert (res.returncode, res.stdout) == (0, b"1\n2\n3\n4\n5\n"), res.stderr
+    b.cli("pub", "n", "6", "-q", "1")
+    res = b.cli("sub", "n", "-q", "1", "--group", "g", "-e")  # the group goes on at 6
+    assert (res.returncode, res.stdout) == (0, b"6\n"), res.stderr
+    res = b.cli("sub", "n", "--from", "3", "-e", "--format", "{offset} {payload}")
+    assert res.returncode == 0 and res.stdout.decode().split()[1::2] == ["3", "4", "5", "6"]
+    # live only: the retained values, then the end
+    b.cli("pub", "-r", "dev/a/status", "on")
+    b.cli("pub", "-r", "dev/b/status", "off")
+    res = b.cli("sub", "dev/+/status", "-v", "-e")
+    assert (res.returncode, sorted(res.stdout.splitlines())) == (
+        0, [b"dev/a/status on", b"dev/b/status off"]), res.stderr
+    res = b.cli("sub", "nothing/here", "-e", "-q", "1")
+    assert (res.returncode, res.stdout) == (0, b"")
+    # several filters: each must reach its end
+    res = b.cli("sub", "n", "dev/a/status", "--from", "earliest", "-e", "-v")
+    assert res.returncode == 0 and res.stdout.count(b"\n") == 7, res.stdout
+    # --exec: every command ran and was acked before the exit
+    res = b.cli("sub", "n", "--from", "earliest", "-q", "1", "-e", "--exec", "cat; echo",
+                "--jobs", "2")
+    assert res.returncode == 0 and sorted(res.stdout.split()) == [b"%d" % i for i in range(1, 7)]
+
+
+def test_until_end_over_the_python_client(start_broker) -> None:
+    from blipmq_cli.client import Client
+    from blipmq_server.protocol.codec import Start
+
+    b = start_broker()
+    with Client(b.addr) as c:
+        c.publish("p", b"x", qos=1)
+        sub = c.subscribe("p", start=Start.EARLIEST, until_end=True)
+        assert sub.end is not None and sub.end >= 1
+        assert [m.payload for m in sub] == [b"x"] and sub.at_end
