@@ -34,7 +34,7 @@ def test_until_end_stops_at_the_end_of_the_log(start_broker) -> None:
     res = b.cli("sub", "n", "dev/a/status", "--from", "earliest", "-e", "-v")
     assert res.returncode == 0 and res.stdout.count(b"\n") == 7, res.stdout
     # --exec: every command ran and was acked before the exit
-    res = b.cli("sub", "n", "--from", "earliest", "-q", "1", "-e", "--exec", "cat; echo",
+    res = b.cli("sub", "n", "--from", "earliest", "-q", "1", "-e", "--exec", 'echo "$(cat)"',
                 "--jobs", "2")
     assert res.returncode == 0 and sorted(res.stdout.split()) == [b"%d" % i for i in range(1, 7)]
 
