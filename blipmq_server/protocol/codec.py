@@ -174,6 +174,8 @@ def _body(frame: Frame) -> bytes:
                 raise LocalProtocolError(f"qos must be 0 or 1, not {frame.qos}")
             if frame.start not in tuple(Start):
                 raise LocalProtocolError(f"unknown SUBSCRIBE start {frame.start}")
+            if frame.flags & ~SUBSCRIBE_UNTIL_END:
+                raise LocalProtocolError(f"unknown SUBSCRIBE flags {frame.flags:#x}")
             return (
                 _SUB.pack(frame.qos, _u(frame.credit, 32, "credit"), frame.start,
                           _u(frame.start_offset, 64, "start_offset"))
