@@ -346,7 +346,7 @@ def test_layout_small_frames() -> None:
     )
     # the optional trailing fields: SUBSCRIBE's flags byte, SUBSCRIBED's end u64
     assert encode(Subscribe("a", "", 0, 0, Start.EARLIEST, 0, 2, SUBSCRIBE_UNTIL_END)
-                  ) == bytes.fromhex("0000001a" "20" "00000002" "00" "00000000" "01"
+                  ) == bytes.fromhex("00000019" "20" "00000002" "00" "00000000" "01"
                                      "0000000000000000" "0001" "61" "0000" "01")
     assert encode(Subscribed(7, 2, 12)) == bytes.fromhex(
         "00000011" "21" "00000002" "00000007" "000000000000000c")
