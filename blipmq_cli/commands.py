@@ -27,6 +27,19 @@ class UsageError(Exception):
     """Arguments that cannot work: one line on stderr, exit code 2."""
 
 
+class BadName(Exception):
+    """An invalid topic, filter or group name, found before asking the broker: exit code 7,
+    as the broker's own refusal of it."""
+
+
+def _check_group(group: str) -> None:
+    from blipmq_server.protocol.names import group_problem
+
+    problem = group_problem(group) if group else None
+    if problem:
+        raise BadName(problem)
+
+
 def say(text: str) -> None:
     sys.stderr.write(f"blipmq: {text}\n")
     sys.stderr.flush()
@@ -39,6 +52,9 @@ def guarded(fn: Callable[[], int]) -> int:
     except UsageError as exc:
         say(str(exc))
         return Exit.USAGE
+    except BadName as exc:
+        say(str(exc))
+        return Exit.BAD_NAME
     except KeyboardInterrupt:
         return Exit.INTERRUPTED
     except BrokenPipeError:
@@ -252,6 +268,7 @@ def sub(
         raise UsageError("give a topic filter: blipmq sub FILTER... (or -t FILTER)")
     if count is not None and count < 1:
         raise UsageError("--count must be at least 1")
+    _check_group(group)
     where = _start(start, since)
     if isinstance(where, str):
         raise UsageError(where)
@@ -308,6 +325,7 @@ def unsub(topic: str, *, addr: str | None, api_key: str | None, group: str) -> i
     if not group:
         say("unsub needs --group NAME (a plain subscription ends with its connection)")
         return Exit.USAGE
+    _check_group(group)
     with connect_from_env(addr, api_key) as client:
         client.unsubscribe(topic, group=group)
     return Exit.OK

@@ -5,6 +5,19 @@ after retention skipped it."""
 
 from __future__ import annotations
 
+import json
+import os
+import pty
+import select
+import subprocess
+import time
+from pathlib import Path
+
+from blipmq_cli.client import Client
+from blipmq_cli.exits import Exit
+from blipmq_server.errors import BrokerError
+from blipmq_server.protocol.codec import ErrorCode, Start
+
 
 def test_until_end_stops_at_the_end_of_the_log(start_broker) -> None:
     b = start_broker()
@@ -40,12 +53,29 @@ def test_until_end_stops_at_the_end_of_the_log(start_broker) -> None:
 
 
 def test_until_end_over_the_python_client(start_broker) -> None:
-    from blipmq_cli.client import Client
-    from blipmq_server.protocol.codec import Start
-
     b = start_broker()
     with Client(b.addr) as c:
         c.publish("p", b"x", qos=1)
         sub = c.subscribe("p", start=Start.EARLIEST, until_end=True)
         assert sub.end is not None and sub.end >= 1
         assert [m.payload for m in sub] == [b"x"] and sub.at_end
+
+
+def test_an_invalid_name_is_exit_7_in_every_command(start_broker) -> None:
+    b = start_broker()
+    for args in (("unsub", "x", "--group", "x y"), ("sub", "x", "--group", "x y", "-W", "1s"),
+                 ("sub", "x", "--group", "g" * 65, "-q", "1", "-W", "1s"),
+                 ("unsub", "a/+b", "--group", "g"), ("sub", "a/+b", "-W", "1s"),
+                 ("pub", "a/+", "x"), ("pub", "$sys/x", "x"), ("pub", "a/#", "-l")):
+        res = b.cli(*args, input=b"x\n")
+        assert res.returncode == Exit.BAD_NAME, (args, res.stderr)
+        assert res.stderr.count(b"\n") == 1 and b"Traceback" not in res.stderr, args
+    assert b.cli("unsub", "x", "--group", "no-such").returncode == Exit.NOT_FOUND
+    # the broker refuses the same names itself, whatever client asks
+    with Client(b.addr) as c:
+        try:
+            c.unsubscribe("x", group="x y")
+        except BrokerError as exc:
+            assert exc.code == ErrorCode.INVALID_REQUEST
+        else:
+            raise AssertionError("an invalid group name was not refused")

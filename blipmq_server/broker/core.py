@@ -357,6 +357,11 @@ class Broker:
                     0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}"))
             return UnsubscribeResult(1, self._detach([consumer], timestamp_ms))
         if group:
+            problem = filter_problem(topic_filter) or group_problem(group)
+            if problem:  # refused as SUBSCRIBE refuses it, not "no such group"
+                code = (ErrorCode.INVALID_TOPIC if "filter" in problem
+                        else ErrorCode.INVALID_REQUEST)
+                return UnsubscribeResult(0, refusal=Refusal(code, problem))
             cursors = self.cursors
             target: Queue | DurableGroup | None = (
                 None if cursors is None else cursors.durable.get((topic_filter, group)))
