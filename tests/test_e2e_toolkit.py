@@ -79,3 +79,28 @@ def test_an_invalid_name_is_exit_7_in_every_command(start_broker) -> None:
             assert exc.code == ErrorCode.INVALID_REQUEST
         else:
             raise AssertionError("an invalid group name was not refused")
+
+
+def test_start_names_the_address_already_in_use(tmp_path: Path) -> None:
+    import socket
+
+    from conftest import BLIPMQ
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for flags, what in ((("--bind", f"127.0.0.1:{port}", "--metrics-bind", "127.0.0.1:0"),
+                             "client listener"),
+                            (("--bind", "127.0.0.1:0", "--metrics-bind", f"127.0.0.1:{port}"),
+                             "metrics listener")):
+            res = subprocess.run([BLIPMQ, "start", "--data-dir", str(tmp_path / what), *flags],
+                                 capture_output=True, timeout=60)
+            lines = res.stderr.decode().splitlines()
+            assert res.returncode == Exit.INTERNAL, res.stderr
+            assert lines[-1] == (f"blipmq: cannot start: Address already in use on "
+                                 f"127.0.0.1:{port} (the {what})"), lines
+            assert "Traceback" not in res.stderr.decode()
+    finally:
+        taken.close()
