@@ -86,6 +86,8 @@ def pub(
 def pubfile(
     topic: Topic,
     path: Annotated[str, typer.Argument(help="File to send as one binary message ('-': stdin)")],
+    retain: Annotated[bool, typer.Option(
+        "-r", "--retain", help="Keep as the topic's last value for new subscribers")] = False,
     ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
@@ -94,7 +96,7 @@ def pubfile(
 ) -> None:
     """Publish a file's bytes as one message (binary-safe)."""
     _exit(commands.guarded(lambda: commands.pubfile(
-        topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key
+        topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, retain=retain
     )))
 
 

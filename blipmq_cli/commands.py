@@ -125,7 +125,8 @@ def pub(
     if len(sources) > 1:
         raise UsageError(f"give one of {' and '.join(sources)}")
     if path is not None:
-        return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key)
+        return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key,
+                       retain=retain)
     ttl_ms = _ttl_ms(ttl)
     if lines:
         return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain)
@@ -198,8 +199,10 @@ def pubfile(
     ttl: str | None = None,
     qos: int = 0,
     key: str | None = None,
+    retain: bool = False,
 ) -> int:
-    """A file's bytes (``-``: all of stdin) as one message."""
+    """A file's bytes (``-``: all of stdin) as one message; ``retain`` keeps it as the
+    topic's retained value."""
     ttl_ms = _ttl_ms(ttl)
     with connect_from_env(addr, api_key) as client:
         if path == "-":
@@ -218,24 +221,36 @@ def pubfile(
             with open(path, "rb") as f:
                 data = f.read()
         if sys.stderr.isatty() and size >= 1 << 20:
-            _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path)
+            _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path, retain)
         else:
-            client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key))
+            client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)
     return Exit.OK
 
 
 def _send_with_progress(
-    client: Client, topic: str, data: bytes, ttl: int, qos: int, key: bytes | None, path: str
+    client: Client, topic: str, data: bytes, ttl: int, qos: int, key: bytes | None, path: str,
+    retain: bool = False,
 ) -> None:
     from rich.console import Console  # only on a terminal: rich costs start-up time
     from rich.progress import Progress
 
+    total = len(data)
+    drawn = -1
+
+    def shown(sent: int) -> None:
+        # drawn at once, not on the bar's timer: over a fast link the whole file is written
+        # between two timer ticks, and the bar went from empty to gone; once per percent
+        nonlocal drawn
+        percent = sent * 100 // total
+        if percent != drawn:
+            drawn = percent
+            progress.update(task, completed=sent, refresh=True)
+
+    name = "stdin" if path == "-" else os.path.basename(path)
     with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task(f"sending {os.path.basename(path)}", total=len(data))
-        client.publish(
-            topic, data, qos=qos, ttl_ms=ttl, key=key,
-            progress=lambda sent: progress.update(task, completed=sent),
-        )
+        task = progress.add_task(f"sending {name}", total=total)
+        client.publish(topic, data, qos=qos, ttl_ms=ttl, key=key, retain=retain,
+                       progress=shown)
         client.flush()
 
 

@@ -51,6 +51,7 @@ def parser(command: str) -> argparse.ArgumentParser:
     elif command == "pubfile":
         p.add_argument("topic")
         p.add_argument("path")
+        p.add_argument("-r", "--retain", action="store_true")
         _pub_opts(p)
     elif command == "sub":
         p.add_argument("topics", nargs="*")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import subprocess
 import time
@@ -104,3 +105,55 @@ def test_start_names_the_address_already_in_use(tmp_path: Path) -> None:
             assert "Traceback" not in res.stderr.decode()
     finally:
         taken.close()
+
+
+def test_pub_file_with_retain_keeps_the_file_as_the_retained_value(start_broker,
+                                                                   tmp_path: Path) -> None:
+    b = start_broker()
+    blob = tmp_path / "fw.bin"
+    blob.write_bytes(bytes(range(256)) * 40)
+    assert b.cli("pub", "fw/latest", "-f", str(blob), "-r").returncode == 0
+    res = b.cli("sub", "fw/latest", "-N", "-C", "1", "-W", "10s")
+    assert res.returncode == 0 and res.stdout == blob.read_bytes(), res.stderr
+    blob.write_bytes(b"\xffsecond")
+    assert b.cli("pubfile", "fw/latest", str(blob), "--retain", "-q", "1").returncode == 0
+    res = b.cli("sub", "fw/latest", "--format", "json", "-e")
+    record = json.loads(res.stdout)
+    assert record["retained"] is True and record["payload"] == "/3NlY29uZA==", record
+
+
+def test_pubfile_progress_is_drawn_on_a_terminal_as_bytes_go_out(start_broker,
+                                                                   tmp_path: Path) -> None:
+    from conftest import BLIPMQ
+
+    b = start_broker()
+    blob = tmp_path / "big.bin"
+    blob.write_bytes(os.urandom(6 << 20))
+    sub = b.spawn("sub", "big", "-N", "-C", "1")
+    b.wait_subscribers(1)
+    master, slave = pty.openpty()  # stderr on a terminal: the bar is drawn there
+    proc = subprocess.Popen([BLIPMQ, "pubfile", "big", str(blob)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=slave,
+                            env={**b.env, "TERM": "xterm", "COLUMNS": "100"})
+    os.close(slave)
+    drawn = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not select.select([master], [], [], 1)[0]:
+            if proc.poll() is not None:
+                break
+            continue
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's last writer is gone
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert proc.wait(timeout=30) == 0
+    assert sub.communicate(timeout=30)[0] == blob.read_bytes()
+    text = drawn.decode(errors="replace")
+    percents = {int(p) for p in re.findall(r"(\d{1,3})%", text)}
+    assert "sending big.bin" in text, text[-500:]
+    assert len(percents & set(range(1, 100))) >= 3, sorted(percents)  # drawn on the way
