@@ -157,3 +157,19 @@ def test_pubfile_progress_is_drawn_on_a_terminal_as_bytes_go_out(start_broker,
     percents = {int(p) for p in re.findall(r"(\d{1,3})%", text)}
     assert "sending big.bin" in text, text[-500:]
     assert len(percents & set(range(1, 100))) >= 3, sorted(percents)  # drawn on the way
+
+
+def test_templates_and_json_carry_the_timestamp(start_broker) -> None:
+    b = start_broker()
+    before = int(time.time() * 1000)
+    b.cli("pub", "ts", "x", "-q", "1")
+    after = int(time.time() * 1000)
+    res = b.cli("sub", "ts", "--from", "earliest", "-e", "--format", "{timestamp_ms} {timestamp}")
+    ms_text, iso = res.stdout.decode().split()
+    assert before - 1000 <= int(ms_text) <= after + 1000, (before, ms_text, after)
+    assert iso == time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(int(ms_text) // 1000)) + (
+        f".{int(ms_text) % 1000:03d}Z")
+    res = b.cli("sub", "ts", "--from", "earliest", "-e", "-F", "%I|%p")
+    assert res.stdout.decode() == f"{iso}|x\n"
+    res = b.cli("sub", "ts", "--from", "earliest", "-e", "--format", "json")
+    assert json.loads(res.stdout)["timestamp_ms"] == int(ms_text)
