@@ -549,10 +549,10 @@ class Broker:
         """Backlogs of durable groups to count off the event loop (each handed out once)."""
         return [] if self.cursors is None else self.cursors.take_counts()
 
-    def counted(self, key: int, n: int) -> None:
+    def counted(self, key: int, n: int, epoch: int = 0) -> None:
         """``n`` messages of the group's topics were found for ``Count(key, ...)``."""
         if self.cursors is not None:
-            self.cursors.counted(key, n)
+            self.cursors.counted(key, n, epoch)
 
     def count_matching(self, key: int, records: Sequence[StoredRecord], last: int) -> int:
         """Messages of the topics of cursor ``key`` among ``records`` up to ``last`` (pure;

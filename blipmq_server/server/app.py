@@ -228,6 +228,8 @@ class Server:
                     log.warning("wal retention: the size cap (wal.retention_bytes) removed %d "
                                 "record(s) durable group %r on %r had not consumed",
                                 skipped, group.group, group.filter)
+                # their backlogs counted what is gone: counted again from the log's start
+                self.prefetcher.request(broker.take_counts())  # type: ignore[union-attr]
 
     def stats(self) -> dict:
         """The STATS report: the core's snapshot plus what the shell knows (docs/PROTOCOL.md,
