@@ -86,6 +86,8 @@ def pub(
 def pubfile(
     topic: Topic,
     path: Annotated[str, typer.Argument(help="File to send as one binary message ('-': stdin)")],
+    retain: Annotated[bool, typer.Option(
+        "-r", "--retain", help="Keep as the topic's last value for new subscribers")] = False,
     ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
@@ -94,7 +96,7 @@ def pubfile(
 ) -> None:
     """Publish a file's bytes as one message (binary-safe)."""
     _exit(commands.guarded(lambda: commands.pubfile(
-        topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key
+        topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, retain=retain
     )))
 
 
@@ -144,6 +146,10 @@ def sub(
     background: Annotated[bool, typer.Option(
         "-b", "--background", help="Return once subscribed; go on in the background")
     ] = False,
+    until_end: Annotated[bool, typer.Option(
+        "-e", "--until-end", help="Exit 0 once all the log held when subscribing was "
+        "delivered (and acked with -q 1), as kcat -e; without --from/--since/--group: "
+        "once the retained values are written")] = False,
     addr: Addr = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -152,7 +158,7 @@ def sub(
         topics or [], addr=addr, api_key=api_key, topic_opt=topic_opt, count=count,
         timeout=timeout, group=group, qos=qos, start=start, fmt=fmt, verbose=verbose, raw=raw,
         command=command, jobs=jobs, retry_delay=retry_delay, no_reconnect=no_reconnect,
-        background=background, since=since,
+        background=background, since=since, until_end=until_end,
     )))
 
 

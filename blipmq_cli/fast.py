@@ -50,6 +50,7 @@ def parser(command: str) -> argparse.ArgumentParser:
     elif command == "pubfile":
         p.add_argument("topic")
         p.add_argument("path")
+        p.add_argument("-r", "--retain", action="store_true")
         _pub_opts(p)
     elif command == "sub":
         p.add_argument("topics", nargs="*")
@@ -68,6 +69,7 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--retry-delay", dest="retry_delay", default="1s")
         p.add_argument("--no-reconnect", dest="no_reconnect", action="store_true")
         p.add_argument("-b", "--background", action="store_true")
+        p.add_argument("-e", "--until-end", dest="until_end", action="store_true")
         _client_opts(p)
     elif command == "unsub":
         p.add_argument("topic")

@@ -208,9 +208,9 @@ class Cursors:
         counts, self._counts = self._counts, []
         return counts
 
-    def counted(self, key: int, n: int) -> None:
+    def counted(self, key: int, n: int, epoch: int = 0) -> None:
         target = self._by_key.get(key)
-        if target is not None:
+        if target is not None and target.epoch == epoch:
             target.backlog += n
 
     @staticmethod
@@ -351,6 +351,13 @@ class Cursors:
             target.move_to(first)
             target.pending = {o for o in target.pending if o >= first}
             target.skipped += skipped
+            # its backlog counted the skipped records, which are gone: count it again from
+            # ``first`` (appends after this add to it as usual, reads from ``first`` take off)
+            target.epoch += 1
+            target.backlog = 0
+            end = self.log.next_offset - 1
+            if first <= end:
+                self._counts.append(Count(target.key, first, end, target.epoch))
             out.append((target, skipped))
         return out
 
@@ -395,6 +402,6 @@ class Cursors:
         end = self.log.written_offset
         for target in self.durable.values():
             if target.next <= end:
-                self._counts.append(Count(target.key, target.next, end))
+                self._counts.append(Count(target.key, target.next, end, target.epoch))
             if target.idle_since is None and not target.consumers:
                 target.idle_since = wall_ms

@@ -31,7 +31,7 @@ def _queue_id(queue: Queue) -> int:
 class Consumer:
     """One subscriber attachment: a connection's subscription id on a queue or a cursor."""
 
-    __slots__ = ("conn", "credit", "qos", "queue", "request_id", "sub_id")
+    __slots__ = ("conn", "credit", "qos", "queue", "request_id", "sub_id", "until")
 
     def __init__(
         self, sub_id: int, queue: Queue | DurableGroup, conn: int, qos: int, credit: int,
@@ -43,6 +43,9 @@ class Consumer:
         self.qos = qos
         self.credit = credit
         self.request_id = request_id
+        # asked to be told when it is at the end (SUBSCRIBE_UNTIL_END), None otherwise or
+        # once told: a log cursor's end offset, or for a queue the retained values left
+        self.until: int | None = None
 
     def __repr__(self) -> str:
         return f"Consumer({self.sub_id}, {self.queue!r})"

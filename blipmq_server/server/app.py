@@ -42,6 +42,7 @@ from blipmq_server.counters import ConnectionCounters
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
+from blipmq_server.server.listeners import open_listeners
 from blipmq_server.server.prefetch import Prefetcher
 from blipmq_server.server.session import CloseReason, Session, now_ms, wall_ms
 from blipmq_server.wal import policy
@@ -130,7 +131,7 @@ class Server:
         gc.freeze()
         gc.set_threshold(*_GC_THRESHOLDS)
         _trim_heap()
-        listeners = await trio.open_tcp_listeners(cfg.server.port, host=cfg.server.host)
+        listeners = await open_listeners(cfg.server.host, cfg.server.port, "client listener")
         port = listeners[0].socket.getsockname()[1]
         self.started_at = trio.current_time()
         async with trio.open_nursery() as root:
@@ -240,6 +241,8 @@ class Server:
                     log.warning("wal retention: the size cap (wal.retention_bytes) removed %d "
                                 "record(s) durable group %r on %r had not consumed",
                                 skipped, group.group, group.filter)
+                # their backlogs counted what is gone: counted again from the log's start
+                self.prefetcher.request(broker.take_counts())  # type: ignore[union-attr]
 
     def stats(self) -> dict:
         """The STATS report: the core's snapshot plus what the shell knows (docs/PROTOCOL.md,
