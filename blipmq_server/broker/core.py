@@ -710,6 +710,11 @@ class Broker:
         """Every log cursor: durable groups and subscriptions without a group."""
         return () if self.cursors is None else self.cursors.all
 
+    def tailing(self) -> bool:
+        """Whether a consumer reads from a log cursor (it delivers once new records are
+        written, so the log should not hold a batch back)."""
+        return any(target.consumers for target in self.all_cursors)
+
     def cursor_conns(self) -> set[int]:
         """Connections consuming from a log cursor (they may deliver once the log grows)."""
         return {c.conn for target in self.all_cursors for c in target.consumers}

@@ -85,7 +85,8 @@ class Server:
             self.wal = Log(os.path.join(config.storage.data_dir, "wal"), options)
             fsync = policy.parse(w.fsync)
             assert not isinstance(fsync, str)  # the config loader validated it
-            self.flusher = Flusher(self.wal, fsync, self._wake_durable, w.unconfirmed_sync_ms)
+            self.flusher = Flusher(self.wal, fsync, self._wake_durable, w.unconfirmed_sync_ms,
+                                   tailing=lambda: self.broker.tailing())
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,
