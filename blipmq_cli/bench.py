@@ -197,7 +197,10 @@ def _subscriber(plan: Plan, index: int, conn: multiprocessing.connection.Connect
         last_delivery = 0.0
         next_progress = 0.0
         while unique < expected:
-            batch = subscription.next_batch(0.1)
+            try:
+                batch = subscription.next_batch(0.1)
+            except TimeoutError:
+                batch = ()
             now_s = time.monotonic()
             if batch:
                 now = clock()

@@ -75,6 +75,9 @@ def test_log_off_open_loop_rate_and_the_table() -> None:
     result = report(bench("--start", "--no-log", "--json", "-n", "400", "--rate", "2000"))
     assert result["log"] is False and result["lost"] == 0
     assert result["publish_seconds"] >= 0.19  # 400 messages at 2,000/s take 0.2 s
+    # subscribers idle between messages (longer than their 0.1 s poll) keep waiting
+    result = report(bench("--start", "--json", "-n", "4", "--rate", "8", "-s", "2"))
+    assert result["delivered"] == 8 and result["lost"] == 0
 
 
 def test_publishers_only_is_not_a_loss() -> None:
