@@ -350,8 +350,8 @@ def durable(kinds: list[str], n: int, work: Path, rows: list[Row],
 def curve(work: Path, quick: bool, rows: list[Row]) -> None:
     """BlipMQ's cost as the work grows: subscriptions, topics, connections, new topics."""
     n = 2_000 if quick else 50_000
-    subs = (1, 100, 1000) if quick else (1, 100, 10_000)
-    topics = (1, 100, 1000) if quick else (1, 1000, 100_000)
+    subs = (1, 1000) if quick else (1, 100, 10_000)
+    topics = (1, 1000) if quick else (1, 1000, 100_000)
     conns = (10, 100) if quick else (10, 100, 1000)
     broker = start_broker("blipmq", work)
 
@@ -497,23 +497,29 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small counts: a smoke run")
     ap.add_argument("--brokers", default="blipmq,mosquitto,nats,redis")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--sizes", default="100,4096,65536",
+                    help="payload sizes of the throughput workloads, bytes")
     ap.add_argument("--out", type=Path, default=HERE.parent / "docs" / "bench")
     ap.add_argument("--no-install", action="store_true", help="never apt-get missing peers")
     args = ap.parse_args()
     kinds = [k for k in args.brokers.split(",") if k]
     workloads = set(args.workloads.split(","))
     bad = [k for k in kinds if k not in CLIENT] + [w for w in workloads if w not in WORKLOADS]
+    bad += [s for s in args.sizes.split(",") if not s.isdigit() or int(s) not in SIZES["full"]]
     if bad:
         raise SystemExit(f"compare.py: unknown broker or workload: {', '.join(bad)}")
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 1,000 connections
     kinds, skipped = ensure_peers(kinds, not args.no_install)
     level = "quick" if args.quick else "full"
+    sizes = {s: n for s, n in SIZES[level].items() if str(s) in args.sizes.split(",")}
     command = "python bench/compare.py" + (" --quick" if args.quick else "")
     if args.brokers != ap.get_default("brokers"):
         command += f" --brokers {args.brokers}"
     if args.workloads != ap.get_default("workloads"):
         command += f" --workloads {args.workloads}"
+    if args.sizes != ap.get_default("sizes"):
+        command += f" --sizes {args.sizes}"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": command, "level": level,
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, "
                        f"{platform.platform(terse=True)}, Python {platform.python_version()}",
@@ -535,7 +541,7 @@ def main() -> None:
                         "idle_rss_mb": broker.memory_mb("VmRSS"),
                         "startup_ms": round(broker.startup_ms, 1)}
                 if "throughput" in workloads:
-                    throughput(kind, broker, SIZES[level], rows)
+                    throughput(kind, broker, sizes, rows)
                 if "latency" in workloads:
                     latency(kind, broker, 1_000 if args.quick else 10_000, rows)
                 if "pipe" in workloads:
