@@ -20,7 +20,7 @@ def _bars(ax, groups: list[str], series: dict[str, list[float | None]], log: boo
         bars = ax.bar(xs, ys, width, label=name, color=COLORS.get(name.split()[0]))
         for bar, v in zip(bars, values, strict=True):
             if v:
-                ax.annotate(f"{v:,.3g}", (bar.get_x() + bar.get_width() / 2, v),
+                ax.annotate(_short(v), (bar.get_x() + bar.get_width() / 2, v),
                             ha="center", va="bottom", fontsize=7, rotation=90,
                             xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(range(len(groups)))
@@ -30,6 +30,12 @@ def _bars(ax, groups: list[str], series: dict[str, list[float | None]], log: boo
         ax.margins(y=0.3)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+
+
+def _short(v: float) -> str:
+    if v >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    return f"{v / 1e3:.3g}k" if v >= 1e4 else f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
 def draw(rows: list[dict], out: Path) -> list[Path]:
@@ -109,7 +115,9 @@ def draw(rows: list[dict], out: Path) -> list[Path]:
             ax.set_title(title)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-            ax.set_ylim(bottom=0)
+        axes[0].set_ylim(bottom=0)
+        axes[1].set_yscale("log")
+        axes[1].set_title("broker CPU us per delivery (log scale)")
         fig.suptitle("BlipMQ cost curve as the work grows")
         fig.tight_layout()
         written.append(_save(fig, out / "curve.png"))
