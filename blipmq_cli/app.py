@@ -245,6 +245,50 @@ def version(as_json: Json = False, addr: Addr = None, api_key: ApiKey = None) ->
                                                        as_json=as_json)))
 
 
+@app.command()
+def bench(
+    start: Annotated[bool, typer.Option(
+        "--start", help="Run against a temporary broker on a free 127.0.0.1 port (stopped "
+        "at the end); needed for --log, --fsync and the broker's CPU and RSS")] = False,
+    publishers: Annotated[int, typer.Option("-p", "--publishers", min=1,
+                                            help="Publisher processes")] = 1,
+    subscribers: Annotated[int, typer.Option("-s", "--subscribers", min=0,
+                                             help="Subscriber processes (each gets all)")] = 1,
+    topics: Annotated[int, typer.Option("--topics", min=1, help="Topics to spread over")] = 1,
+    messages: Annotated[int, typer.Option("-n", "--messages", min=1,
+                                          help="Messages in all (split over publishers)")
+                        ] = 100_000,
+    size: Annotated[int, typer.Option("--size", help="Payload bytes (at least 16)")] = 100,
+    qos: Qos = 0,
+    batch: Annotated[int, typer.Option("--batch", min=1,
+                                       help="Messages per publish call")] = 1000,
+    rate: Annotated[int, typer.Option(
+        "--rate", min=0, help="Open loop: messages/s over all publishers, one at a time "
+        "(0: as fast as they go)")] = 0,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="Seconds the run may take before it stops and counts what came")
+    ] = 120.0,
+    log: Annotated[bool | None, typer.Option(
+        "--log/--no-log", help="With --start: the write-ahead log on or off [default: on]",
+        show_default=False)] = None,
+    fsync: Annotated[str | None, typer.Option(
+        "--fsync", help="With --start: always | none | every_n:N | interval_ms:M "
+        "[default: always]")] = None,
+    as_json: Json = False,
+    addr: Addr = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Load a broker with publisher and subscriber processes; report msg/s, MB/s, latency
+    percentiles and loss."""
+    from blipmq_cli import bench as bench_module
+
+    _exit(bench_module.command(
+        addr, api_key, start=start, publishers=publishers, subscribers=subscribers,
+        topics=topics, messages=messages, size=size, qos=qos, batch=batch, rate=rate,
+        timeout=timeout, log=log, fsync=fsync, as_json=as_json,
+    ))
+
+
 @config_app.command("init")
 def config_init(
     path: Annotated[str, typer.Argument(help="Where to write it ('-': stdout)")] = "blipmq.toml",
