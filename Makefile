@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test test-fast lint bench bench-durability clean dist dist-arm64
+.PHONY: run test test-fast lint bench bench-durability bench-compare clean dist dist-arm64
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench: $(STAMP)
 bench-durability: $(STAMP)
 	$(BIN)/python bench/durability.py
 	$(BIN)/python bench/backlog.py
+
+## bench-compare: BlipMQ vs mosquitto, nats-server, redis-server (docs/bench/, charts)
+bench-compare: $(STAMP)
+	$(BIN)/python bench/compare.py
 
 ## dist: the executable for this machine in dist/ (onefile, onedir .tar.gz); see packaging/
 dist:

@@ -86,6 +86,8 @@ def pub(
 def pubfile(
     topic: Topic,
     path: Annotated[str, typer.Argument(help="File to send as one binary message ('-': stdin)")],
+    retain: Annotated[bool, typer.Option(
+        "-r", "--retain", help="Keep as the topic's last value for new subscribers")] = False,
     ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
@@ -94,7 +96,7 @@ def pubfile(
 ) -> None:
     """Publish a file's bytes as one message (binary-safe)."""
     _exit(commands.guarded(lambda: commands.pubfile(
-        topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key
+        topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, retain=retain
     )))
 
 
@@ -144,6 +146,10 @@ def sub(
     background: Annotated[bool, typer.Option(
         "-b", "--background", help="Return once subscribed; go on in the background")
     ] = False,
+    until_end: Annotated[bool, typer.Option(
+        "-e", "--until-end", help="Exit 0 once all the log held when subscribing was "
+        "delivered (and acked with -q 1), as kcat -e; without --from/--since/--group: "
+        "once the retained values are written")] = False,
     addr: Addr = None,
     api_key: ApiKey = None,
 ) -> None:
@@ -152,7 +158,7 @@ def sub(
         topics or [], addr=addr, api_key=api_key, topic_opt=topic_opt, count=count,
         timeout=timeout, group=group, qos=qos, start=start, fmt=fmt, verbose=verbose, raw=raw,
         command=command, jobs=jobs, retry_delay=retry_delay, no_reconnect=no_reconnect,
-        background=background, since=since,
+        background=background, since=since, until_end=until_end,
     )))
 
 
@@ -237,6 +243,50 @@ def version(as_json: Json = False, addr: Addr = None, api_key: ApiKey = None) ->
 
     _exit(commands.guarded(lambda: introspect.versions(addr=addr, api_key=api_key,
                                                        as_json=as_json)))
+
+
+@app.command()
+def bench(
+    start: Annotated[bool, typer.Option(
+        "--start", help="Run against a temporary broker on a free 127.0.0.1 port (stopped "
+        "at the end); needed for --log, --fsync and the broker's CPU and RSS")] = False,
+    publishers: Annotated[int, typer.Option("-p", "--publishers", min=1,
+                                            help="Publisher processes")] = 1,
+    subscribers: Annotated[int, typer.Option("-s", "--subscribers", min=0,
+                                             help="Subscriber processes (each gets all)")] = 1,
+    topics: Annotated[int, typer.Option("--topics", min=1, help="Topics to spread over")] = 1,
+    messages: Annotated[int, typer.Option("-n", "--messages", min=1,
+                                          help="Messages in all (split over publishers)")
+                        ] = 100_000,
+    size: Annotated[int, typer.Option("--size", help="Payload bytes (at least 16)")] = 100,
+    qos: Qos = 0,
+    batch: Annotated[int, typer.Option("--batch", min=1,
+                                       help="Messages per publish call")] = 1000,
+    rate: Annotated[int, typer.Option(
+        "--rate", min=0, help="Open loop: messages/s over all publishers, one at a time "
+        "(0: as fast as they go)")] = 0,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="Seconds the run may take before it stops and counts what came")
+    ] = 120.0,
+    log: Annotated[bool | None, typer.Option(
+        "--log/--no-log", help="With --start: the write-ahead log on or off [default: on]",
+        show_default=False)] = None,
+    fsync: Annotated[str | None, typer.Option(
+        "--fsync", help="With --start: always | none | every_n:N | interval_ms:M "
+        "[default: always]")] = None,
+    as_json: Json = False,
+    addr: Addr = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Load a broker with publisher and subscriber processes; report msg/s, MB/s, latency
+    percentiles and loss."""
+    from blipmq_cli import bench as bench_module
+
+    _exit(bench_module.command(
+        addr, api_key, start=start, publishers=publishers, subscribers=subscribers,
+        topics=topics, messages=messages, size=size, qos=qos, batch=batch, rate=rate,
+        timeout=timeout, log=log, fsync=fsync, as_json=as_json,
+    ))
 
 
 @config_app.command("init")

@@ -55,7 +55,7 @@ DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT = 10.0
 _RECV = 1 << 18
 _SEND_CHUNK = 1 << 20
-_PROGRESS_CHUNK = 1 << 18
+_PROGRESS_CHUNK = 1 << 16
 _POLL_READS = 4  # reads of what already arrived before a write; more waits for the next wait
 _KEEPCNT = 3
 _ENDED, _WOKE = object(), object()  # next_of: every stream ended; a wake fd, no delivery
@@ -100,17 +100,20 @@ def _refused(exc: LocalProtocolError) -> BrokerError:
 class Subscription:
     """An iterator over the deliveries of one subscription."""
 
-    def __init__(self, client: Client, sub_id: int, topic_filter: str, group: str) -> None:
+    def __init__(self, client: Client, sub_id: int, topic_filter: str, group: str,
+                 end: int | None = None) -> None:
         self.client = client
         self.sub_id = sub_id
         self.topic_filter = topic_filter
         self.group = group
         self.ended = False
+        self.end = end  # asked with until_end: the log's next offset when it subscribed
+        self.at_end = False  # the broker marked it past ``end`` (an empty batch came)
 
     def __iter__(self) -> Iterator[Delivery]:
         while True:
             batch = self.next_batch()
-            if batch is None:
+            if batch is None or self.at_end:
                 return
             yield from batch
 
@@ -348,9 +351,14 @@ class Client:
         start: codec.Start = codec.Start.LATEST,
         start_offset: int = 0,
         start_time_ms: int = 0,
+        until_end: bool = False,
     ) -> Subscription:
         """Subscribe; ``start`` (EARLIEST, OFFSET with ``start_offset``, or TIME with
         ``start_time_ms``, ms since the epoch) replays the log.
+
+        ``until_end``: ``Subscription.end`` is the log's end at this moment, and once all
+        that it held for this subscription was delivered (and acked, QoS 1) an empty batch
+        comes and ``Subscription.at_end`` turns true; iterating stops there.
 
         ``start`` applies to an ephemeral subscription and to a group's first subscriber;
         a group that already exists resumes where it was. A subscription without a group
@@ -360,11 +368,15 @@ class Client:
             start_offset = start_time_ms  # the wire carries the time in start_offset
         conn = self._conn
         reply = self._request(
-            lambda: conn.subscribe(topic_filter, group, qos, credit, start, start_offset),
+            lambda: conn.subscribe(topic_filter, group, qos, credit, start, start_offset,
+                                   codec.SUBSCRIBE_UNTIL_END if until_end else 0),
             "SUBSCRIBED",
         )
         assert isinstance(reply, codec.Subscribed)
-        return Subscription(self, reply.sub_id, topic_filter, group)
+        if until_end and reply.end is None:
+            raise BrokerError(codec.ErrorCode.UNSUPPORTED,
+                              f"the broker at {self.addr} does not mark the end of the log")
+        return Subscription(self, reply.sub_id, topic_filter, group, reply.end)
 
     def unsubscribe(self, topic_filter: str, *, group: str = "") -> int:
         """End this connection's subscriptions on a filter, or delete a consumer group."""
@@ -441,6 +453,8 @@ class Client:
             for sub in subs:
                 got = conn.next_batch(sub.sub_id)
                 if got is not None:
+                    if not got:
+                        sub.at_end = True  # the end mark of an until_end subscription
                     subs.append(subs.pop(subs.index(sub)))  # the others go first next time
                     return sub, got
                 live += conn.subscribed(sub.sub_id)

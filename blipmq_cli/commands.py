@@ -27,6 +27,19 @@ class UsageError(Exception):
     """Arguments that cannot work: one line on stderr, exit code 2."""
 
 
+class BadName(Exception):
+    """An invalid topic, filter or group name, found before asking the broker: exit code 7,
+    as the broker's own refusal of it."""
+
+
+def _check_group(group: str) -> None:
+    from blipmq_server.protocol.names import group_problem
+
+    problem = group_problem(group) if group else None
+    if problem:
+        raise BadName(problem)
+
+
 def say(text: str) -> None:
     sys.stderr.write(f"blipmq: {text}\n")
     sys.stderr.flush()
@@ -39,6 +52,9 @@ def guarded(fn: Callable[[], int]) -> int:
     except UsageError as exc:
         say(str(exc))
         return Exit.USAGE
+    except BadName as exc:
+        say(str(exc))
+        return Exit.BAD_NAME
     except KeyboardInterrupt:
         return Exit.INTERRUPTED
     except BrokenPipeError:
@@ -109,7 +125,8 @@ def pub(
     if len(sources) > 1:
         raise UsageError(f"give one of {' and '.join(sources)}")
     if path is not None:
-        return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key)
+        return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key,
+                       retain=retain)
     ttl_ms = _ttl_ms(ttl)
     if lines:
         return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain)
@@ -182,8 +199,10 @@ def pubfile(
     ttl: str | None = None,
     qos: int = 0,
     key: str | None = None,
+    retain: bool = False,
 ) -> int:
-    """A file's bytes (``-``: all of stdin) as one message."""
+    """A file's bytes (``-``: all of stdin) as one message; ``retain`` keeps it as the
+    topic's retained value."""
     ttl_ms = _ttl_ms(ttl)
     with connect_from_env(addr, api_key) as client:
         if path == "-":
@@ -202,24 +221,36 @@ def pubfile(
             with open(path, "rb") as f:
                 data = f.read()
         if sys.stderr.isatty() and size >= 1 << 20:
-            _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path)
+            _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path, retain)
         else:
-            client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key))
+            client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)
     return Exit.OK
 
 
 def _send_with_progress(
-    client: Client, topic: str, data: bytes, ttl: int, qos: int, key: bytes | None, path: str
+    client: Client, topic: str, data: bytes, ttl: int, qos: int, key: bytes | None, path: str,
+    retain: bool = False,
 ) -> None:
     from rich.console import Console  # only on a terminal: rich costs start-up time
     from rich.progress import Progress
 
+    total = len(data)
+    drawn = -1
+
+    def shown(sent: int) -> None:
+        # drawn at once, not on the bar's timer: over a fast link the whole file is written
+        # between two timer ticks, and the bar went from empty to gone; once per percent
+        nonlocal drawn
+        percent = sent * 100 // total
+        if percent != drawn:
+            drawn = percent
+            progress.update(task, completed=sent, refresh=True)
+
+    name = "stdin" if path == "-" else os.path.basename(path)
     with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task(f"sending {os.path.basename(path)}", total=len(data))
-        client.publish(
-            topic, data, qos=qos, ttl_ms=ttl, key=key,
-            progress=lambda sent: progress.update(task, completed=sent),
-        )
+        task = progress.add_task(f"sending {name}", total=total)
+        client.publish(topic, data, qos=qos, ttl_ms=ttl, key=key, retain=retain,
+                       progress=shown)
         client.flush()
 
 
@@ -243,6 +274,7 @@ def sub(
     no_reconnect: bool = False,
     background: bool = False,
     since: str | None = None,
+    until_end: bool = False,
 ) -> int:
     from blipmq_cli import subscriber
 
@@ -251,6 +283,7 @@ def sub(
         raise UsageError("give a topic filter: blipmq sub FILTER... (or -t FILTER)")
     if count is not None and count < 1:
         raise UsageError("--count must be at least 1")
+    _check_group(group)
     where = _start(start, since)
     if isinstance(where, str):
         raise UsageError(where)
@@ -272,7 +305,7 @@ def sub(
     except TemplateError as exc:
         raise UsageError(str(exc)) from None
     plan = subscriber.Plan(filters, group, qos, where, count, seconds, write, command, jobs,
-                           retry_ms, not no_reconnect, background)
+                           retry_ms, not no_reconnect, background, until_end)
     return subscriber.run(plan, addr, api_key)
 
 
@@ -307,6 +340,7 @@ def unsub(topic: str, *, addr: str | None, api_key: str | None, group: str) -> i
     if not group:
         say("unsub needs --group NAME (a plain subscription ends with its connection)")
         return Exit.USAGE
+    _check_group(group)
     with connect_from_env(addr, api_key) as client:
         client.unsubscribe(topic, group=group)
     return Exit.OK

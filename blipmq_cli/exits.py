@@ -16,7 +16,7 @@ class Exit(IntEnum):
     INTERNAL = 1  # a bug: please report it
     USAGE = 2  # bad arguments, bad config, unreadable input file
     UNREACHABLE = 3  # broker unreachable or silent, or the connection was lost
-    TIMEOUT = 4  # sub --timeout ran out before --count messages (or any) arrived
+    TIMEOUT = 4  # sub --timeout ran out before --count messages (or any) arrived; bench hung
     AUTH = 5  # API key refused
     TOO_LARGE = 6  # message larger than the broker's max_message_bytes
     BAD_NAME = 7  # invalid topic, filter or group name

@@ -12,7 +12,6 @@ import argparse
 import sys
 from typing import NoReturn
 
-from blipmq_cli import commands
 from blipmq_cli.exits import Exit
 
 COMMANDS = ("pub", "pubfile", "sub", "unsub", "start")
@@ -51,6 +50,7 @@ def parser(command: str) -> argparse.ArgumentParser:
     elif command == "pubfile":
         p.add_argument("topic")
         p.add_argument("path")
+        p.add_argument("-r", "--retain", action="store_true")
         _pub_opts(p)
     elif command == "sub":
         p.add_argument("topics", nargs="*")
@@ -69,6 +69,7 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--retry-delay", dest="retry_delay", default="1s")
         p.add_argument("--no-reconnect", dest="no_reconnect", action="store_true")
         p.add_argument("-b", "--background", action="store_true")
+        p.add_argument("-e", "--until-end", dest="until_end", action="store_true")
         _client_opts(p)
     elif command == "unsub":
         p.add_argument("topic")
@@ -91,5 +92,7 @@ def run(argv: list[str]) -> int:
         from blipmq_server import daemon
 
         return daemon.start(**args)
+    from blipmq_cli import commands  # the client: not imported by the broker process
+
     fn = getattr(commands, command)
     return commands.guarded(lambda: fn(**args))

@@ -86,6 +86,14 @@ def _json(batch: Sequence[Delivery]) -> bytes:
 
 # ------------------------------------------------------------------------------- templates
 
+def _iso(ms: int) -> bytes:
+    """ISO 8601 in UTC with milliseconds: 2026-11-23T10:00:00.123Z."""
+    import time
+
+    seconds, rest = divmod(ms, 1000)
+    return (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{rest:03d}Z").encode()
+
+
 # the fields of a template, by both spellings: {name} and mosquitto's %letter
 _FIELDS: dict[str, Callable[[Delivery], bytes]] = {
     "topic": lambda d: d.topic.encode(),
@@ -97,9 +105,11 @@ _FIELDS: dict[str, Callable[[Delivery], bytes]] = {
     "delivery_count": lambda d: b"%d" % d.delivery_count,
     "ttl_ms": lambda d: b"%d" % d.ttl_ms,
     "hex": lambda d: d.payload.hex().encode(),
+    "timestamp": lambda d: _iso(d.timestamp_ms),
+    "timestamp_ms": lambda d: b"%d" % d.timestamp_ms,
 }
 _PERCENT = {"t": "topic", "p": "payload", "o": "offset", "q": "qos", "l": "size", "k": "key",
-            "c": "delivery_count", "x": "hex"}
+            "c": "delivery_count", "x": "hex", "I": "timestamp"}
 _PART = re.compile(r"\{(\w+)\}|%(.)|\{\{|\}\}|\\(.)")
 _ESCAPES = {"n": b"\n", "t": b"\t", "\\": b"\\", "0": b"\0"}
 

@@ -60,6 +60,7 @@ class Plan:
     retry_delay_ms: int = 1000
     reconnect: bool = True
     background: bool = False
+    until_end: bool = False
 
 
 class _Run:
@@ -129,7 +130,8 @@ class _Run:
         if self.last_offset and not plan.group:  # after a reconnect: go on where we were
             start, offset = Start.OFFSET, self.last_offset + 1
         return [client.subscribe(f, group=plan.group, qos=plan.qos, credit=credit, start=start,
-                                 start_offset=offset) for f in plan.filters]
+                                 start_offset=offset, until_end=plan.until_end)
+                for f in plan.filters]
 
     def _announce(self, client: Client) -> None:
         plan = self.plan
@@ -192,6 +194,8 @@ class _Run:
                     self._launch()
                     if plan.count is not None and self.received >= plan.count:
                         break
+                    if self._at_end() and not self.queued:
+                        break
                 remaining = None
                 if self.deadline is not None:
                     remaining = self.deadline - time.monotonic()
@@ -209,7 +213,11 @@ class _Run:
                 if got is None:
                     return None
                 sub, batch = got
-                if sub is None or not batch:
+                if sub is None:
+                    continue
+                if not batch:  # an end mark (--until-end)
+                    if self._at_end() and wake is None:
+                        break
                     continue
                 self._take(client, sub, batch)
             return self._finish(client, Exit.OK)
@@ -217,6 +225,10 @@ class _Run:
             if wake is not None:
                 wake.close()
                 client.wake_fds = ()
+
+    def _at_end(self) -> bool:
+        """--until-end, and every subscription had what the log held when it began."""
+        return self.plan.until_end and all(s.at_end for s in self.subs)
 
     def _fresh(self, batch: Sequence[Delivery]) -> list[Delivery]:
         """The deliveries not seen already through another filter (same log offset)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import tomlkit
@@ -309,9 +308,10 @@ def _parse_text(key: Key, text: str, name: str) -> object:
 
 
 def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
-    p = Path(path)
+    p = os.fspath(path)  # not pathlib: the broker process does not need it otherwise
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, encoding="utf-8") as f:
+            text = f.read()
     except FileNotFoundError:
         raise ConfigError(f"config file {p} not found") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -402,10 +402,11 @@ def default_text() -> str:
 
 
 def write_default(path: str | os.PathLike[str]) -> None:
-    p = Path(path)
-    if p.exists():
+    p = os.fspath(path)
+    if os.path.exists(p):
         raise ConfigError(f"{p} already exists; not overwriting it")
-    p.write_text(default_text(), encoding="utf-8")
+    with open(p, "w", encoding="utf-8") as f:
+        f.write(default_text())
 
 
 def option_fields() -> list[str]:

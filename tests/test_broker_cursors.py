@@ -119,6 +119,16 @@ def test_a_cursor_more_than_a_batch_behind_says_so() -> None:
     assert b.deliver(1, 10, 1 << 20, 0, 0).behind is False  # nothing taken
 
 
+def test_tailing_while_a_consumer_reads_from_a_cursor() -> None:
+    b = Broker(Limits(), log=MemoryLog())
+    b.subscribe(1, "live")  # a queue: reads nothing from the log
+    assert not b.tailing()
+    b.subscribe(2, "t", group="g", qos=1)
+    assert b.tailing()
+    b.disconnect(2, 0)  # the durable group stays, with nobody reading it
+    assert not b.tailing() and b.cursors is not None and b.cursors.durable
+
+
 def test_a_replay_from_a_time_starts_at_the_first_record_stamped_then() -> None:
     log = MemoryLog()
     b = Broker(log=log)

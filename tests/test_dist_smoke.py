@@ -8,6 +8,7 @@ over HTTP, one-line errors, and SIGTERM to the process group ending everything w
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -69,7 +70,7 @@ def test_bundle_holds_every_blipmq_module_and_nothing_of_spark_or_dev_tools(
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             assert name in modules, f"{name} is not in the bundle"
     banned = ("pyspark", "py4j", "pyarrow", "pandas", "numpy", "spark_tools", "pydantic",
-              "pydantic_core", "pytest", "_pytest", "hypothesis", "multiprocessing")
+              "pydantic_core", "pytest", "_pytest", "hypothesis")
     leaked = sorted(m for m in modules if m.split(".")[0] in banned)
     assert not leaked, f"in the bundle: {leaked[:10]}"
 
@@ -128,6 +129,17 @@ def test_operator_session(executable: Executable, runner: Runner, tmp_path: Path
     assert not group_alive(broker.proc.pid)
     assert "received SIGTERM" in "\n".join(broker.log)
     assert list(runner.tmpdir.iterdir()) == []  # every _MEI directory removed
+
+
+def test_bench_starts_its_own_broker_and_forks_its_workers(runner: Runner) -> None:
+    # the frozen executable starts itself as the broker and forks the workers from itself
+    done = runner.run("bench", "--start", "--json", "-n", "2000", "-s", "2", "--qos", "1")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["broker"] == "started"
+    assert result["confirmed"] == 2000 and result["delivered"] == 4000
+    assert result["lost"] == 0 and result["duplicates"] == 0
+    assert list(runner.tmpdir.iterdir()) == []  # the broker's and workers' unpacking is gone
 
 
 def test_commands_that_need_spark_fail_in_one_line(runner: Runner, tmp_path: Path) -> None:

@@ -99,23 +99,31 @@ def test_wildcard_subscriptions(start_broker) -> None:
     assert [json.loads(line)["payload"] for line in lines_of(out)] == ["1", "2", "3"]
 
 
-def test_group_members_share_and_groups_each_get_all(start_broker) -> None:
+def test_group_members_share_and_groups_each_get_all(start_broker, tmp_path: Path) -> None:
     b = start_broker()
-    w1 = b.spawn("sub", "jobs", "--group", "workers", "--format", "lines", "--timeout", "4")
-    w2 = b.spawn("sub", "jobs", "--group", "workers", "--format", "lines", "--timeout", "4")
+    # the members run until every message reached one of them (no timeout to race the
+    # thirty publishes on a loaded machine), each writing to its own file
+    outs = [tmp_path / "w1.out", tmp_path / "w2.out"]
+    workers = [b.spawn_shell(f"exec blipmq sub jobs --group workers --format lines > {out}")
+               for out in outs]
     audit = b.spawn("sub", "jobs", "--group", "audit", "--count", "300", "--format", "lines")
     b.wait_metric("blipmq_connections_open", 3)
     b.wait_subscribers(2)  # two queues: one per group
     for start in range(0, 300, 10):  # several publishes, so both members get turns
         batch = "".join(f"{i}\n" for i in range(start, start + 10)).encode()
         assert b.cli("pub", "jobs", "--lines", "-", input=batch).returncode == 0
-    o1, _ = w1.communicate(timeout=20)
-    o2, _ = w2.communicate(timeout=20)
     oa, _ = audit.communicate(timeout=20)
-    got1, got2 = lines_of(o1), lines_of(o2)
+    assert lines_of(oa) == [str(i) for i in range(300)]
+    deadline = time.monotonic() + 20
+    while sum(len(lines_of(o.read_bytes())) for o in outs) < 300:
+        assert time.monotonic() < deadline, "the group's members did not get every message"
+        time.sleep(0.02)
+    for w in workers:
+        w.terminate()
+        w.communicate(timeout=10)
+    got1, got2 = (lines_of(o.read_bytes()) for o in outs)
     assert got1 and got2, "both members of the group must get work"
     assert sorted(got1 + got2, key=int) == [str(i) for i in range(300)]
-    assert lines_of(oa) == [str(i) for i in range(300)]
 
 
 def test_group_outlives_its_consumers_until_unsub(start_broker) -> None:

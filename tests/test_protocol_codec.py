@@ -13,6 +13,7 @@ from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
 from blipmq_server.protocol.codec import (
     DEFAULT_MAX_FRAME,
     MAX_BATCH,
+    SUBSCRIBE_UNTIL_END,
     Ack,
     Auth,
     AuthOk,
@@ -134,6 +135,9 @@ SAMPLE_FRAMES: list[Frame] = [
     Subscribe("a/#", "", 0, 0, Start.EARLIEST, 0, 5),
     Subscribe("a/#", "g", 1, 2**32 - 1, Start.OFFSET, 2**64 - 1, 6),
     Subscribed(1, 4),
+    Subscribe("a/#", "", 0, 0, Start.EARLIEST, 0, 7, SUBSCRIBE_UNTIL_END),
+    Subscribed(2, 7, 0),
+    Subscribed(3, 8, 2**64 - 1),
     Unsubscribe(3, request_id=5),
     Unsubscribe(0, "a/#", "workers", 6),
     Unsubscribed(0),
@@ -340,6 +344,13 @@ def test_layout_small_frames() -> None:
     assert encode(Subscribe("a", "g", 1, 16, Start.OFFSET, 5, 2)) == bytes.fromhex(
         "00000019" "20" "00000002" "01" "00000010" "02" "0000000000000005" "0001" "61" "0001" "67"
     )
+    # the optional trailing fields: SUBSCRIBE's flags byte, SUBSCRIBED's end u64
+    assert encode(Subscribe("a", "", 0, 0, Start.EARLIEST, 0, 2, SUBSCRIBE_UNTIL_END)
+                  ) == bytes.fromhex("00000019" "20" "00000002" "00" "00000000" "01"
+                                     "0000000000000000" "0001" "61" "0000" "01")
+    assert encode(Subscribed(7, 2, 12)) == bytes.fromhex(
+        "00000011" "21" "00000002" "00000007" "000000000000000c")
+    assert encode(Subscribed(7, 2)) == bytes.fromhex("00000009" "21" "00000002" "00000007")
     assert encode(Nack(1, (2,), 300)) == bytes.fromhex(
         "00000017" "32" "00000000" "00000001" "0000012c" "0001" "0000000000000002"
     )
@@ -662,6 +673,7 @@ REFUSED = {
     "welcome-max-frame": lambda: encode(Welcome(1, 2**32, 1)),
     "hello-version": lambda: encode(Hello(65536)),
     "subscribe-credit": lambda: encode(Subscribe("a", credit=2**32)),
+    "subscribe-flags": lambda: encode(Subscribe("a", flags=2)),
     "subscribe-filter-too-long": lambda: encode(Subscribe("é" * 32768)),
     "error-code": lambda: encode(Error(65536, "x")),
     "goodbye-text-too-long": lambda: encode(Goodbye(ErrorCode.NORMAL, "x" * 65536)),
@@ -736,8 +748,9 @@ frames_st = st.one_of(
     st.builds(AuthOk, u32),
     st.builds(PubAck, u32, u32),
     st.builds(Subscribe, text_st, text_st, st.sampled_from([0, 1]), u32,
-              st.sampled_from(list(Start)), st.integers(0, 2**64 - 1), u32),
-    st.builds(Subscribed, u32, u32),
+              st.sampled_from(list(Start)), st.integers(0, 2**64 - 1), u32,
+              st.sampled_from([0, SUBSCRIBE_UNTIL_END])),
+    st.builds(Subscribed, u32, u32, st.none() | st.integers(0, 2**64 - 1)),
     st.builds(Unsubscribe, u32, text_st, text_st, u32),
     st.builds(Unsubscribed, u32, u32),
     deliver_st,

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from test_server import Conn, connect, make_config
+from trio.testing import wait_all_tasks_blocked
 
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import Message
 from blipmq_server.server.app import Bound, Server
-from blipmq_server.server.flusher import Flusher
+from blipmq_server.server.flusher import LINGER_RECORDS, LINGER_S, Flusher
 from blipmq_server.wal import policy
 from blipmq_server.wal import record as rec
 from blipmq_server.wal.disk import Disk, FaultyDisk
@@ -336,6 +338,85 @@ async def start_server(
     server.wal.disk = disk
     bound: Bound = await nursery.start(server.serve)
     return server, disk, bound.port
+
+
+async def flusher_running(nursery: trio.Nursery, tmp_path: Path, tailing: bool = False
+                          ) -> tuple[Flusher, Log]:
+    log, _ = make_log(tmp_path)
+    parsed = policy.parse("none")
+    assert not isinstance(parsed, str)
+    flusher = Flusher(log, parsed, tailing=lambda: tailing)
+    nursery.start_soon(flusher.run)
+    await wait_all_tasks_blocked()
+    return flusher, log
+
+
+async def appended(flusher: Flusher, n: int = 1) -> None:
+    for _ in range(n):
+        flusher.wal.append(MSG, body(0), 0)
+    flusher.appended()
+    await wait_all_tasks_blocked()
+
+
+async def written(flusher: Flusher, records: int) -> None:
+    deadline = time.monotonic() + 10  # real time: the tests' clock stands still
+    while flusher.counters.records < records:
+        assert time.monotonic() < deadline, "not written"
+        await trio.sleep(0)
+
+
+async def test_a_batch_nobody_waits_for_lingers_to_grow(
+    nursery: trio.Nursery, tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    flusher, _ = await flusher_running(nursery, tmp_path)
+    await appended(flusher)
+    await appended(flusher)  # within the linger: the same batch
+    assert flusher.counters.records == 0
+    mock_clock.jump(LINGER_S)
+    await written(flusher, 2)
+    assert flusher.counters.batches == 1
+
+
+@pytest.mark.parametrize("why", ["tailing", "big", "closing"])
+async def test_a_tail_reader_a_big_batch_or_shutdown_ends_the_linger(
+    nursery: trio.Nursery, tmp_path: Path, mock_clock: trio.testing.MockClock, why: str
+) -> None:
+    # the clock never moves: only what hurries the batch gets it written
+    flusher, log = await flusher_running(nursery, tmp_path, tailing=why == "tailing")
+    if why == "big":
+        await appended(flusher, LINGER_RECORDS - 1)
+        assert flusher.counters.records == 0  # still lingering
+        await appended(flusher)
+    elif why == "closing":
+        await appended(flusher)
+        assert await flusher.close(10)
+        assert not log.pending_records and flusher.counters.records == 1
+        return
+    else:
+        await appended(flusher)
+    await written(flusher, LINGER_RECORDS if why == "big" else 1)
+
+
+async def test_a_publisher_that_waits_ends_the_linger(
+    nursery: trio.Nursery, tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    # the clock never moves: the QoS 1 publish's confirm comes only if its wait hurried
+    # the batch the QoS 0 publish before it started
+    _, _, port = await start_server(nursery, tmp_path, fsync="none")
+    conn = await connect(port)
+    async with trio.open_nursery() as timer:
+        timer.start_soon(cancel_after_real_seconds, timer.cancel_scope, 10)
+        await conn.send(publish_frame(1, 0, b"nobody waits"), codec.Ping(b"", 2))
+        await conn.expect(codec.Pong)
+        await conn.send(publish_frame(3, 1, b"confirm me"))
+        confirm = await conn.expect(codec.PubAck)
+        timer.cancel_scope.cancel()
+    assert confirm == codec.PubAck(1, 3)
+
+
+async def cancel_after_real_seconds(scope: trio.CancelScope, seconds: float) -> None:
+    await trio.to_thread.run_sync(time.sleep, seconds, abandon_on_cancel=True)
+    scope.cancel()
 
 
 async def test_qos1_confirm_comes_after_an_fsync_covering_its_records(

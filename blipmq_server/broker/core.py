@@ -272,12 +272,18 @@ class Broker:
         start: int = Start.LATEST,
         start_offset: int = 0,
         timestamp_ms: int = 0,
+        until_end: bool = False,
     ) -> SubscribeResult:
         """Attach connection ``conn`` to a new subscription or to a group.
 
         QoS 0 without ``start``: an in-memory queue (shared by a group's consumers). QoS 1, or
         a ``start`` other than LATEST: a cursor into the log, which is a durable group when
         named (``start`` then only matters when the group is new).
+
+        ``until_end``: the result carries the log's end, and once the subscription has had
+        all it held (delivered, and acked with QoS 1) ``deliver`` hands it one empty batch,
+        its end mark. A queue (live only) has nothing in the log: its end comes once the
+        retained values it started with are taken.
         """
         problem = filter_problem(topic_filter) or (group_problem(group) if group else None)
         if problem:
@@ -289,7 +295,11 @@ class Broker:
             consumer = registry.add(conn, queue, qos, credit, request_id)
             if not group:
                 self._retained_to_queue(queue, topic_filter, timestamp_ms)
-            return SubscribeResult(consumer.sub_id, bool(queue.items))
+            if not until_end:
+                return SubscribeResult(consumer.sub_id, bool(queue.items))
+            consumer.until = len(queue.items) if not group else 0
+            end = 0 if self.cursors is None else self.cursors.log.next_offset
+            return SubscribeResult(consumer.sub_id, True, end=end)
         cursors = self.cursors
         if cursors is None:
             what = "QoS 1" if qos else "--from (replay)"
@@ -310,6 +320,9 @@ class Broker:
             values = self.retained.matching(topic_filter, timestamp_ms)
             target.offer_retained(values, DELIVERED_RETAINED)
             self.counters.retained_sent += len(values)
+        if until_end:
+            consumer.until = cursors.log.next_offset
+            return SubscribeResult(consumer.sub_id, True, end=consumer.until)
         return SubscribeResult(consumer.sub_id, self.has_work(consumer))
 
     def _retained_to_queue(self, queue: Queue, topic_filter: str, wall_ms: int) -> None:
@@ -344,6 +357,11 @@ class Broker:
                     0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}"))
             return UnsubscribeResult(1, self._detach([consumer], timestamp_ms))
         if group:
+            problem = filter_problem(topic_filter) or group_problem(group)
+            if problem:  # refused as SUBSCRIBE refuses it, not "no such group"
+                code = (ErrorCode.INVALID_TOPIC if "filter" in problem
+                        else ErrorCode.INVALID_REQUEST)
+                return UnsubscribeResult(0, refusal=Refusal(code, problem))
             cursors = self.cursors
             target: Queue | DurableGroup | None = (
                 None if cursors is None else cursors.durable.get((topic_filter, group)))
@@ -398,7 +416,8 @@ class Broker:
         found = self._cursor_of(conn, sub_id)
         if found is None:
             return False
-        return self.cursors.ack(*found, offsets, timestamp_ms)  # type: ignore[union-attr]
+        freed = self.cursors.ack(*found, offsets, timestamp_ms)  # type: ignore[union-attr]
+        return freed or (found[0].until is not None and self._at_end(found[0]))
 
     def set_credit(self, conn: int, sub_id: int, credit: int) -> bool:
         """A QoS 1 consumer changes its window; True when it now has room for more.
@@ -447,9 +466,17 @@ class Broker:
                 continue
             if not self.has_work(consumer):
                 continue
-            records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
+            if consumer.until is not None and not isinstance(consumer.queue, DurableGroup):
+                before = len(consumer.queue.items)
+                records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
+                consumer.until -= before - len(consumer.queue.items)
+            else:
+                records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
             if records:
                 batches.append((consumer.sub_id, records))
+            if consumer.until is not None and self._at_end(consumer):
+                consumer.until = None
+                batches.append((consumer.sub_id, []))  # the end mark
             if isinstance(consumer.queue, DurableGroup):
                 behind = behind or (
                     records and self.cursors.lag(consumer.queue) > max_batch)  # type: ignore[union-attr]
@@ -458,11 +485,23 @@ class Broker:
         return Deliveries(batches, tuple(released), self.take_fetches(), bool(behind))
 
     def has_work(self, consumer: Consumer) -> bool:
-        """Whether ``take`` would hand this consumer something now."""
+        """Whether ``take`` would hand this consumer something now (or its end mark)."""
         target = consumer.queue
+        if consumer.until is not None and self._at_end(consumer):
+            return True
         if isinstance(target, DurableGroup):
             return self.cursors.has_work(consumer, target)  # type: ignore[union-attr]
         return bool(target.items)
+
+    @staticmethod
+    def _at_end(consumer: Consumer) -> bool:
+        """An until_end subscription has had all it asked for: a cursor is past its end
+        offset with nothing below it in flight; a queue took its retained values."""
+        target, until = consumer.queue, consumer.until
+        assert until is not None
+        if isinstance(target, DurableGroup):
+            return target.next >= until and target.floor >= until
+        return until <= 0
 
     def take(
         self, consumer: Consumer, limit: int, max_bytes: int, now_ms: int, wall_ms: int = 0
@@ -510,10 +549,10 @@ class Broker:
         """Backlogs of durable groups to count off the event loop (each handed out once)."""
         return [] if self.cursors is None else self.cursors.take_counts()
 
-    def counted(self, key: int, n: int) -> None:
+    def counted(self, key: int, n: int, epoch: int = 0) -> None:
         """``n`` messages of the group's topics were found for ``Count(key, ...)``."""
         if self.cursors is not None:
-            self.cursors.counted(key, n)
+            self.cursors.counted(key, n, epoch)
 
     def count_matching(self, key: int, records: Sequence[StoredRecord], last: int) -> int:
         """Messages of the topics of cursor ``key`` among ``records`` up to ``last`` (pure;
@@ -670,6 +709,11 @@ class Broker:
     def all_cursors(self) -> tuple[DurableGroup, ...]:
         """Every log cursor: durable groups and subscriptions without a group."""
         return () if self.cursors is None else self.cursors.all
+
+    def tailing(self) -> bool:
+        """Whether a consumer reads from a log cursor (it delivers once new records are
+        written, so the log should not hold a batch back)."""
+        return any(target.consumers for target in self.all_cursors)
 
     def cursor_conns(self) -> set[int]:
         """Connections consuming from a log cursor (they may deliver once the log grows)."""

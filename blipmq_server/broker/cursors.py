@@ -18,6 +18,7 @@ from blipmq_server.broker import durable
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.results import Count, Counters, Fetch, Limits, Refusal
 from blipmq_server.broker.storage import MessageLog, StoredRecord
+from blipmq_server.broker.topics import FilterIndex
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import DeadLetter, ErrorCode, RawMessage, Start, dead_letter
 
@@ -38,6 +39,7 @@ class Cursors:
         self.log = log
         self.counters = counters
         self.durable: dict[tuple[str, str], DurableGroup] = {}
+        self._index: FilterIndex[DurableGroup] = FilterIndex()  # the durable groups by filter
         self._ids: dict[int, DurableGroup] = {}  # durable groups by id (their create offset)
         self._plain: list[DurableGroup] = []  # cursors of subscriptions without a group
         self._by_key: dict[int, DurableGroup] = {}  # every cursor by its key
@@ -92,7 +94,11 @@ class Cursors:
     def _add_durable(self, gid: int, topic_filter: str, group: str, start: int) -> DurableGroup:
         target = DurableGroup(gid, topic_filter, group, start)
         self.generation += 1
+        old = self.durable.get((topic_filter, group))
+        if old is not None:
+            self._index.remove(old.levels, old)
         self.durable[(topic_filter, group)] = target
+        self._index.add(target.levels, target)
         self._ids[gid] = target
         self._keep(target)
         return target
@@ -105,7 +111,9 @@ class Cursors:
     def _forget(self, target: DurableGroup) -> None:
         if target.persistent:
             self.generation += 1
-            self.durable.pop((target.filter, target.group), None)
+            old = self.durable.pop((target.filter, target.group), None)
+            if old is not None:
+                self._index.remove(old.levels, old)
             self._ids.pop(target.id, None)
         elif target in self._plain:
             self._plain.remove(target)
@@ -143,7 +151,13 @@ class Cursors:
 
     def matching(self, topic: bytes) -> tuple[DurableGroup, ...]:
         """The durable groups whose filter matches ``topic``."""
-        return tuple(g for g in self.durable.values() if g.wants(topic))
+        if not self.durable:
+            return ()
+        try:
+            levels = tuple(topic.decode("utf-8").split("/"))
+        except UnicodeDecodeError:  # as ``DurableGroup.wants`` takes such a topic
+            levels = ("",)
+        return tuple(self._index.match(levels))
 
     def lag(self, target: DurableGroup) -> int:
         """Log records past the cursor's position (whether they match its filter or not)."""
@@ -194,9 +208,9 @@ class Cursors:
         counts, self._counts = self._counts, []
         return counts
 
-    def counted(self, key: int, n: int) -> None:
+    def counted(self, key: int, n: int, epoch: int = 0) -> None:
         target = self._by_key.get(key)
-        if target is not None:
+        if target is not None and target.epoch == epoch:
             target.backlog += n
 
     @staticmethod
@@ -337,6 +351,13 @@ class Cursors:
             target.move_to(first)
             target.pending = {o for o in target.pending if o >= first}
             target.skipped += skipped
+            # its backlog counted the skipped records, which are gone: count it again from
+            # ``first`` (appends after this add to it as usual, reads from ``first`` take off)
+            target.epoch += 1
+            target.backlog = 0
+            end = self.log.next_offset - 1
+            if first <= end:
+                self._counts.append(Count(target.key, first, end, target.epoch))
             out.append((target, skipped))
         return out
 
@@ -381,6 +402,6 @@ class Cursors:
         end = self.log.written_offset
         for target in self.durable.values():
             if target.next <= end:
-                self._counts.append(Count(target.key, target.next, end))
+                self._counts.append(Count(target.key, target.next, end, target.epoch))
             if target.idle_since is None and not target.consumers:
                 target.idle_since = wall_ms

@@ -127,6 +127,7 @@ class DurableGroup:
         "anchor",
         "backlog",
         "consumers",
+        "epoch",
         "fetching",
         "filter",
         "group",
@@ -166,6 +167,7 @@ class DurableGroup:
         # logged messages of its own topics not read yet (durable groups only): the core
         # adds one per matching append, the cursor takes one off per matching record passed
         self.backlog = 0
+        self.epoch = 0  # bumped when the backlog is recounted from scratch (results.Count)
         self.consumers: list[Any] = []
         self.idle_since = idle_since  # wall ms since when no consumer is attached
         # Read-ahead: log records from ``next`` on, read but not yet looked at. Filled from the

@@ -1,6 +1,7 @@
 """Who consumes what: consumers by id and by connection, the in-memory queues (one per
 subscription without a group, one per QoS 0 group) and the routing cache from a topic to
-the queues it goes to.
+the queues it goes to. A topic's queues are found through an index of the queues' filters
+(``topics.FilterIndex``), so resolving a new topic does not grow with the subscriptions.
 
 A ``Consumer`` attaches a connection (an int the shell chose) to a queue or to a log cursor
 (``broker.durable.DurableGroup``); the registry keeps the books and never decides delivery.
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from blipmq_server.broker.queue import Overflow, Queue
 from blipmq_server.broker.results import Limits, Refusal
-from blipmq_server.broker.topics import matches
+from blipmq_server.broker.topics import FilterIndex
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.protocol.names import topic_problem
 
@@ -23,10 +24,14 @@ if TYPE_CHECKING:
 _ROUTE_CACHE_LIMIT = 8192
 
 
+def _queue_id(queue: Queue) -> int:
+    return queue.id
+
+
 class Consumer:
     """One subscriber attachment: a connection's subscription id on a queue or a cursor."""
 
-    __slots__ = ("conn", "credit", "qos", "queue", "request_id", "sub_id")
+    __slots__ = ("conn", "credit", "qos", "queue", "request_id", "sub_id", "until")
 
     def __init__(
         self, sub_id: int, queue: Queue | DurableGroup, conn: int, qos: int, credit: int,
@@ -38,6 +43,9 @@ class Consumer:
         self.qos = qos
         self.credit = credit
         self.request_id = request_id
+        # asked to be told when it is at the end (SUBSCRIBE_UNTIL_END), None otherwise or
+        # once told: a log cursor's end offset, or for a queue the retained values left
+        self.until: int | None = None
 
     def __repr__(self) -> str:
         return f"Consumer({self.sub_id}, {self.queue!r})"
@@ -52,6 +60,7 @@ class Registry:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.queues: list[Queue] = []
+        self.index: FilterIndex[Queue] = FilterIndex()  # the same queues, by filter
         self.groups: dict[tuple[str, str], Queue] = {}  # QoS 0 groups
         self.consumers: dict[int, Consumer] = {}
         self.by_conn: dict[int, list[Consumer]] = {}
@@ -75,7 +84,10 @@ class Registry:
                 route = Refusal(ErrorCode.INVALID_TOPIC, problem)
             else:
                 levels = tuple(name.split("/"))
-                targets = tuple(q for q in self.queues if matches(q.levels, levels))
+                found = self.index.match(levels)
+                if len(found) > 1:  # in subscription order, as the queues list has them
+                    found.sort(key=_queue_id)
+                targets = tuple(found)
                 blockers = tuple(q for q in targets if q.overflow is Overflow.BLOCK)
                 route = Route(targets, blockers)
         if not internal:  # broker-made topics ($dlq/...) must not open the cache to clients
@@ -93,6 +105,7 @@ class Registry:
                           limits.overflow, limits.capacity_bytes)
             self._next_queue_id += 1
             self.queues.append(queue)
+            self.index.add(queue.levels, queue)
             if group:
                 self.groups[(topic_filter, group)] = queue
             self.routes.clear()
@@ -138,4 +151,5 @@ class Registry:
     def drop(self, queue: Queue) -> None:
         if queue in self.queues:
             self.queues.remove(queue)
+            self.index.remove(queue.levels, queue)
             self.routes.clear()

@@ -100,6 +100,7 @@ class SubscribeResult:
     sub_id: int
     ready: bool = False
     refusal: Refusal | None = None
+    end: int | None = None  # asked for (until_end): the log's next offset, 0 without a log
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +143,16 @@ class Fetch:
 @dataclass(frozen=True, slots=True)
 class Count:
     """A durable group's backlog before it was counted on appends (a group created to
-    replay the log, or every group after a restart): count the MESSAGE records of its topics
-    from ``first`` to ``last`` off the event loop (``Cursors.count_matching`` on records
-    read with ``Log.read_files``) and hand the number to ``Broker.counted(key, n)``."""
+    replay the log, every group after a restart, a group retention skipped): count the
+    MESSAGE records of its topics from ``first`` to ``last`` off the event loop
+    (``Cursors.count_matching`` on records read with ``Log.read_files``) and hand the number
+    to ``Broker.counted(key, n, epoch)``. A count of an older ``epoch`` than the group's is
+    void: the group was recounted since."""
 
     key: int
     first: int
     last: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from blipmq_server.protocol.frames import (
     HEADER_SIZE,
     MAX_BATCH,
     MIN_LENGTH,
+    SUBSCRIBE_UNTIL_END,
     VERSION,
     Ack,
     Auth,
@@ -71,7 +72,8 @@ from blipmq_server.protocol.message import (
 __all__ = [
     "DEFAULT_MAX_FRAME", "DELIVERED_RETAINED", "DELIVERY_PREFIX", "FLAG_DEAD", "FLAG_KEY",
     "FLAG_QOS1", "FLAG_RETAIN", "HEADER",
-    "HEADER_SIZE", "MAX_BATCH", "MESSAGE_OVERHEAD", "MIN_LENGTH", "MSG_HEAD", "VERSION", "Ack",
+    "HEADER_SIZE", "MAX_BATCH", "MESSAGE_OVERHEAD", "MIN_LENGTH", "MSG_HEAD", "SUBSCRIBE_UNTIL_END",
+    "VERSION", "Ack",
     "Auth", "AuthOk", "Credit", "DeadLetter", "Decoder", "Deliver", "Delivery", "Error",
     "ErrorCode", "Frame", "FrameType", "Goodbye", "Hello", "Message", "Nack", "Ping", "Pong",
     "PubAck", "Publish", "RawMessage", "Start", "Stats", "StatsReport", "Subscribe",
@@ -83,6 +85,7 @@ __all__ = [
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
 _SUB = struct.Struct(">BIBQ")  # qos, credit, start, start_offset
 _ACK_HEAD = struct.Struct(">IH")  # sub_id, count (ACK, and DELIVER's head)
 _NACK_HEAD = struct.Struct(">IIH")  # sub_id, delay_ms, count
@@ -171,13 +174,17 @@ def _body(frame: Frame) -> bytes:
                 raise LocalProtocolError(f"qos must be 0 or 1, not {frame.qos}")
             if frame.start not in tuple(Start):
                 raise LocalProtocolError(f"unknown SUBSCRIBE start {frame.start}")
+            if frame.flags & ~SUBSCRIBE_UNTIL_END:
+                raise LocalProtocolError(f"unknown SUBSCRIBE flags {frame.flags:#x}")
             return (
                 _SUB.pack(frame.qos, _u(frame.credit, 32, "credit"), frame.start,
                           _u(frame.start_offset, 64, "start_offset"))
                 + _str16(frame.topic_filter) + _str16(frame.group)
+                + (bytes((_u(frame.flags, 8, "flags"),)) if frame.flags else b"")
             )
         case Subscribed():
-            return _U32.pack(_u(frame.sub_id, 32, "sub_id"))
+            return _U32.pack(_u(frame.sub_id, 32, "sub_id")) + (
+                b"" if frame.end is None else _U64.pack(_u(frame.end, 64, "end")))
         case Unsubscribe():
             return (
                 _U32.pack(_u(frame.sub_id, 32, "sub_id"))
@@ -368,9 +375,14 @@ def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame
             raise RemoteProtocolError(f"SUBSCRIBE qos must be 0 or 1, not {qos}")
         if start > Start.TIME:
             raise RemoteProtocolError(f"SUBSCRIBE start must be 0 to 3, not {start}")
-        frame = Subscribe(r.str16(), r.str16(), qos, credit, start, start_offset, rid)
+        topic_filter, group = r.str16(), r.str16()
+        flags = r.take(1)[0] if r.pos < end else 0
+        if flags & ~SUBSCRIBE_UNTIL_END:
+            raise RemoteProtocolError(f"SUBSCRIBE flags {flags:#04x}: only bit 0 is defined")
+        frame = Subscribe(topic_filter, group, qos, credit, start, start_offset, rid, flags)
     elif ftype == FrameType.SUBSCRIBED:
-        frame = Subscribed(r.unpack(_U32)[0], rid)
+        (sub_id,) = r.unpack(_U32)
+        frame = Subscribed(sub_id, rid, r.unpack(_U64)[0] if r.pos < end else None)
     elif ftype == FrameType.UNSUBSCRIBE:
         (sub_id,) = r.unpack(_U32)
         frame = Unsubscribe(sub_id, r.str16(), r.str16(), rid)

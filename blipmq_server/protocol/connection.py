@@ -199,9 +199,10 @@ class ClientConnection:
         credit: int = 0,
         start: int = codec.Start.LATEST,
         start_offset: int = 0,
+        flags: int = 0,
     ) -> int:
         """Queue a SUBSCRIBE; returns its request id (``reply`` gives SUBSCRIBED or ERROR)."""
-        frame = codec.Subscribe(topic_filter, group, qos, credit, start, start_offset)
+        frame = codec.Subscribe(topic_filter, group, qos, credit, start, start_offset, 0, flags)
         return self._request(frame, codec.Subscribed)
 
     def unsubscribe(self, sub_id: int = 0, topic_filter: str = "", group: str = "") -> int:
@@ -378,7 +379,8 @@ class ClientConnection:
         kind = type(frame)
         if kind is codec.Deliver:
             sub = self._subs.get(frame.sub_id)
-            if sub is not None and frame.messages:  # late deliveries of an ended one: dropped
+            if sub is not None:  # late deliveries of an ended one: dropped
+                # an empty batch is the end mark of a SUBSCRIBE_UNTIL_END: queued in order
                 sub.batches.append(frame.messages)
         elif kind is codec.PubAck:
             self._confirm(frame)

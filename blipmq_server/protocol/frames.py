@@ -131,6 +131,9 @@ class PubAck(NamedTuple):
     request_id: int = 0
 
 
+SUBSCRIBE_UNTIL_END = 0x01  # SUBSCRIBE flags bit 0 (docs/PROTOCOL.md, "Until the end")
+
+
 class Subscribe(NamedTuple):
     TYPE = FrameType.SUBSCRIBE
     topic_filter: str
@@ -140,12 +143,14 @@ class Subscribe(NamedTuple):
     start: int = Start.LATEST
     start_offset: int = 0  # with Start.OFFSET; with Start.TIME: ms since the epoch
     request_id: int = 0
+    flags: int = 0  # SUBSCRIBE_UNTIL_END: SUBSCRIBED says the log's end; a mark on reaching it
 
 
 class Subscribed(NamedTuple):
     TYPE = FrameType.SUBSCRIBED
     sub_id: int
     request_id: int = 0
+    end: int | None = None  # asked with SUBSCRIBE_UNTIL_END: the log's next offset then
 
 
 class Unsubscribe(NamedTuple):

@@ -16,6 +16,12 @@ When a batch is synced (docs/OPERATIONS.md, "Durability"):
   ack records);
 - ``every_n:N`` / ``interval_ms:M``: as the policy says; ``none``: only at shutdown.
 
+A batch nobody waits for (no QoS 1 publisher, no sync wanted, no consumer reading the log's
+tail: ``tailing``) is held back up to ``LINGER_S`` while it stays small: at low rates, QoS 0
+traffic otherwise costs one trip to a worker thread per message, and the thread and the
+event loop take turns with the GIL each time. A publisher that starts waiting, or a batch
+that grows to ``LINGER_RECORDS``, ends the linger at once.
+
 After a batch lands (and, under ``always``, is synced), QoS 1 publishers whose records it
 held get their PUB_ACK, in offset order; if the disk fails, they get ERROR STORAGE instead
 and the broker keeps serving (the next batch tries the disk again). ``close`` waits for the
@@ -45,6 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blipmq.wal")
 _offset = itemgetter(0)
+LINGER_S = 0.005  # longest a batch nobody waits for is held back to grow
+LINGER_RECORDS = 256  # ... unless it holds this many records
 
 
 class Flusher:
@@ -54,13 +62,16 @@ class Flusher:
         policy: FsyncPolicy,
         on_commit: Callable[[], None] | None = None,
         unconfirmed_sync_ms: int = 1000,
+        tailing: Callable[[], bool] | None = None,
     ) -> None:
         self.wal = wal
         self.policy = policy
         self.on_commit = on_commit  # new records are readable (durable groups may deliver)
+        self.tailing = tailing  # does a consumer wait for new records to become readable?
         self.unconfirmed_sync = unconfirmed_sync_ms / 1000
         self.counters = WalCounters()
         self._wake = trio.Event()
+        self._hurry = trio.Event()  # ends a linger: a waiter, a big batch, shutdown
         self._waiters: deque[tuple[int, Session, int, int]] = deque()  # by offset
         self._lock = trio.Lock()  # one batch or sync at a time
         self._closing = False
@@ -71,6 +82,8 @@ class Flusher:
 
     def appended(self) -> None:
         self._wake.set()
+        if self.wal.pending_records >= LINGER_RECORDS:
+            self._hurry.set()
 
     def confirm_later(
         self, offset: int, session: Session, request_id: int, count: int, first: int = 0
@@ -97,11 +110,18 @@ class Flusher:
         if offset <= self.wal.written_offset:  # written already, by a batch nobody awaited
             self._sync_wanted = True
         self._wake.set()
+        self._hurry.set()
 
     def _confirmable(self) -> int:
         """The highest offset a confirm may be sent for."""
         wal = self.wal
         return wal.synced_offset if self.policy.confirms_after_fsync else wal.written_offset
+
+    def _may_linger(self) -> bool:
+        """Nobody waits for what is pending, and it is small: let it grow a little."""
+        return (not self._waiters and not self._sync_wanted and not self._closing
+                and self.wal.pending_records < LINGER_RECORDS
+                and not (self.tailing is not None and self.tailing()))
 
     def _sync_due(self) -> float:
         """When what is written but not synced must be synced (trio time; inf: not by time)."""
@@ -139,6 +159,10 @@ class Flusher:
                 with trio.move_on_after(timeout):
                     await self._wake.wait()
                 self._wake = trio.Event()
+            if self.wal.pending_records and self._may_linger():
+                self._hurry = trio.Event()  # what hurried an earlier batch is settled
+                with trio.move_on_after(LINGER_S):
+                    await self._hurry.wait()
             if self._closing:
                 return
             # Not ``async with``: acquiring yields, and the batch should be taken now. Only
@@ -250,6 +274,7 @@ class Flusher:
         """
         self._closing = True
         self._wake.set()
+        self._hurry.set()
         with trio.move_on_after(timeout) as deadline:
             async with self._lock:
                 while self.wal.pending_records:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from blipmq_server import metrics
+from blipmq_server.server.listeners import open_listeners
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -21,7 +22,7 @@ _MAX_REQUEST = 8192
 
 async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> None:
     cfg = server.config.metrics
-    listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+    listeners = await open_listeners(cfg.host, cfg.port, "metrics listener")
     registry = metrics.registry_for(metrics.Sources(
         server.broker, server.counters, server.wal,
         None if server.flusher is None else server.flusher.counters, server.recovery))

@@ -29,6 +29,7 @@ from blipmq_server.wal.log import Log
 
 log = logging.getLogger("blipmq.wal")
 _RETRY_S = 0.5  # after a failed read, before the cursor asks again
+_WRITTEN_WAIT_S, _WRITTEN_WAITS = 0.01, 200  # a count waits for its records' write: 2 s at most
 
 
 class Prefetcher:
@@ -64,8 +65,14 @@ class Prefetcher:
     async def run(self) -> None:
         async for fetch in self._receive:
             if isinstance(fetch, Count):
+                # a recount after retention reaches records still in the write buffer: let
+                # the flusher write them first (a few ms; bounded, should the disk fail)
+                for _ in range(_WRITTEN_WAITS):
+                    if self.wal.written_offset >= fetch.last:
+                        break
+                    await trio.sleep(_WRITTEN_WAIT_S)
                 n = await trio.to_thread.run_sync(self._count, fetch)
-                self.broker.counted(fetch.key, n)
+                self.broker.counted(fetch.key, n, fetch.epoch)
                 continue
             try:
                 records = await trio.to_thread.run_sync(

@@ -20,7 +20,12 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 import trio
-from trio.testing import wait_all_tasks_blocked
+
+try:  # the function trio.testing re-exports, without trio.testing (which imports pytest
+    # when it is installed: about 8 MB of the broker's memory)
+    from trio._core import wait_all_tasks_blocked
+except ImportError:  # pragma: no cover - a trio that moved it
+    from trio.testing import wait_all_tasks_blocked
 
 from blipmq_server.errors import RemoteProtocolError
 from blipmq_server.protocol import codec
@@ -369,11 +374,12 @@ class Session:
         result = self.broker.subscribe(
             self.conn_id, frame.topic_filter, frame.group, frame.qos, frame.credit,
             frame.request_id, frame.start, frame.start_offset, wall_ms(),
+            bool(frame.flags & codec.SUBSCRIBE_UNTIL_END),
         )
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
             return
-        self.send(codec.Subscribed(result.sub_id, frame.request_id))
+        self.send(codec.Subscribed(result.sub_id, frame.request_id, result.end))
         counts = self.broker.take_counts()
         if counts:  # a durable group created to replay: its backlog is counted apart
             self.server.prefetcher.request(counts)  # type: ignore[union-attr]

@@ -1,0 +1,570 @@
+"""BlipMQ side by side with mosquitto, nats-server (core and JetStream) and redis-server, in
+one run on one machine; prints figures, never fails on them.
+
+    .venv/bin/python bench/compare.py                 # everything, results in docs/bench/
+    .venv/bin/python bench/compare.py --quick         # a smoke run of a few seconds per broker
+    .venv/bin/python bench/compare.py --brokers blipmq,redis --workloads throughput,latency
+
+Each broker is started by this script on 127.0.0.1 with its own temporary config and port and
+stopped by PID; peers come from Debian (installed with apt-get when missing and running as
+root, else skipped with the reason). Each is driven by its usual Python client in separate
+processes (bench/drive.py) and, for mosquitto and redis, also by their C tools in a shell
+pipe. Loss is counted from sequence numbers in every payload, never assumed. Broker CPU time
+(utime + stime from /proc/PID/stat) per delivered message is the figure that survives a noisy
+machine. Writes results.csv, results.json, summary.md and PNG charts to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+BLIPMQ = str(Path(PY).with_name("blipmq"))
+DRIVE = str(HERE / "drive.py")
+PEERS = {  # broker -> (executable, Debian packages)
+    "mosquitto": ("mosquitto", "mosquitto mosquitto-clients"),
+    "nats": ("nats-server", "nats-server"),
+    "redis": ("redis-server", "redis-server redis-tools"),
+}
+CLIENT = {"blipmq": "blipmq", "mosquitto": "paho", "nats": "nats", "redis": "redis"}
+CLIENT_NAME = {"blipmq": "blipmq client", "paho": "paho-mqtt", "nats": "nats-py",
+               "redis": "redis-py"}
+SIZES = {"full": {100: 100_000, 4096: 25_000, 65536: 3_000},
+         "quick": {100: 3_000, 4096: 1_000, 65536: 200}}
+WORKLOADS = ("throughput", "latency", "durable", "pipe", "curve")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.005)
+    return False
+
+
+def find(exe: str) -> str | None:
+    return shutil.which(exe) or next(
+        (p for p in (f"/usr/sbin/{exe}", f"/usr/bin/{exe}") if Path(p).exists()), None)
+
+
+class Broker:
+    """One broker process: started here, measured from /proc, stopped by PID."""
+
+    def __init__(self, name: str, argv: list[str], port: int, cwd: Path) -> None:
+        self.name, self.port = name, port
+        self.url = f"127.0.0.1:{port}"
+        started = time.monotonic()
+        self.proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if not wait_port(port, self.proc):
+            err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None \
+                else "not accepting after 20 s"
+            self.stop()
+            raise RuntimeError(f"{name} did not start: {err.strip().splitlines()[-1:]}")
+        self.startup_ms = (time.monotonic() - started) * 1000
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def memory_mb(self, key: str) -> float:
+        text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return round(int(re.search(rf"{key}:\s+(\d+)", text).group(1)) / 1024, 1)  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_broker(kind: str, work: Path, *, fsync: str = "always",
+                 jetstream: str | None = None) -> Broker:
+    port = free_port()
+    d = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
+    if kind == "blipmq":
+        (d / "b.toml").write_text(
+            f"[server]\nport = {port}\nhost = \"127.0.0.1\"\n[metrics]\nenabled = false\n"
+            f"[wal]\nfsync = \"{fsync}\"\n")
+        argv = [BLIPMQ, "start", "--config", str(d / "b.toml"), "--data-dir", str(d / "data"),
+                "--log-format", "plain", "--log-level", "warning"]
+    elif kind == "mosquitto":
+        (d / "m.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n")
+        argv = [find("mosquitto") or "mosquitto", "-c", str(d / "m.conf")]
+    elif kind == "nats":
+        js = ""
+        if jetstream:
+            js = f"jetstream {{ store_dir: \"{d / 'js'}\"" + (
+                ", sync_interval: always" if jetstream == "always" else "") + " }\n"
+        (d / "n.conf").write_text(f"listen: 127.0.0.1:{port}\n{js}")
+        argv = [find("nats-server") or "nats-server", "-c", str(d / "n.conf")]
+    elif kind == "redis":
+        argv = [find("redis-server") or "redis-server", "--port", str(port), "--bind",
+                "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)]
+    else:
+        raise ValueError(kind)
+    return Broker(kind, argv, port, d)
+
+
+def version(kind: str) -> str:
+    argv = {"blipmq": [BLIPMQ, "--version"], "mosquitto": [find("mosquitto") or "", "-h"],
+            "nats": [find("nats-server") or "", "--version"],
+            "redis": [find("redis-server") or "", "--version"]}[kind]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except OSError:
+        return "?"
+    return ((out.stdout or out.stderr).strip().splitlines() or ["?"])[0][:80]
+
+
+def ensure_peers(wanted: list[str], install: bool) -> tuple[list[str], dict[str, str]]:
+    """The peers that can run, and why the others cannot."""
+    missing = {k: PEERS[k] for k in wanted if k in PEERS and not find(PEERS[k][0])}
+    skipped: dict[str, str] = {}
+    if missing and install and os.geteuid() == 0:
+        packages = " ".join(p for _, p in missing.values()).split()
+        print(f"installing {' '.join(packages)} with apt-get", file=sys.stderr)
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-q", *packages], capture_output=True,
+                       timeout=900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    for k, (exe, packages) in missing.items():
+        if not find(exe):
+            how = "not root" if os.geteuid() else "apt-get failed" if install else "--no-install"
+            skipped[k] = f"{exe} not installed ({how}; apt-get install {packages})"
+    return [k for k in wanted if k not in skipped], skipped
+
+
+# --- running workers -------------------------------------------------------------------------
+
+def drive(*args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen([PY, DRIVE, *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != "ready":
+        proc.kill()
+        raise RuntimeError(f"worker did not get ready: {line!r}")
+
+
+def outcome(proc: subprocess.Popen[str], timeout: float = 600) -> dict:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError("worker ran out of time") from None
+    lines = out.strip().splitlines()
+    if proc.returncode or not lines:
+        raise RuntimeError(f"worker failed (exit {proc.returncode})")
+    return json.loads(lines[-1])
+
+
+def fanout(broker: Broker, client: str, subscribers: int, n: int, size: int, rate: int = 0,
+           topic: str = "bench/t", sub_topic: str | None = None, extra: int = 0,
+           pub_topics: int = 1) -> dict:
+    """``subscribers`` sub workers, one publisher; deliveries, loss, latency, broker CPU."""
+    subs = [drive(client, "sub", broker.url, sub_topic or topic, n, extra)
+            for _ in range(subscribers)]
+    for s in subs:
+        wait_ready(s)
+    cpu = broker.cpu_s()
+    pub = outcome(drive(client, "pub", broker.url, topic, n, size, rate, pub_topics))
+    got = [outcome(s) for s in subs]
+    cpu = broker.cpu_s() - cpu
+    last = max([pub["end"], *(g["last"] for g in got if g["last"])])
+    seconds = max(last - pub["start"], 1e-9)
+    delivered = sum(g["received"] for g in got)
+    worst = lambda k: max((g[k] for g in got if g[k] is not None), default=None)  # noqa: E731
+    return {
+        "messages": n, "size": size, "subscribers": subscribers, "delivered": delivered,
+        "lost": subscribers * n - delivered, "duplicates": sum(g["duplicates"] for g in got),
+        "seconds": round(seconds, 3), "msg_per_s": round(n / seconds),
+        "deliveries_per_s": round(delivered / seconds),
+        "mb_per_s": round(delivered * size / seconds / 1e6, 2),
+        "p50_us": worst("p50_us"), "p95_us": worst("p95_us"), "p99_us": worst("p99_us"),
+        "max_us": worst("max_us"), "broker_cpu_s": round(cpu, 3),
+        "cpu_us_per_delivery": round(cpu / delivered * 1e6, 2) if delivered else None,
+    }
+
+
+# --- workloads ---------------------------------------------------------------------------------
+
+Row = dict
+
+
+def throughput(kind: str, broker: Broker, sizes: dict[int, int], rows: list[Row]) -> None:
+    client = CLIENT[kind]
+    for subscribers in (1, 4):
+        for size, n in sizes.items():
+            r = fanout(broker, client, subscribers, n, size)
+            rows.append({"workload": f"throughput 1->{subscribers}", "broker": kind,
+                         "client": CLIENT_NAME[client], **r})
+            print(f"  {kind} 1->{subscribers} {size} B: {r['msg_per_s']:,} msg/s, "
+                  f"{r['mb_per_s']} MB/s, lost {r['lost']}", file=sys.stderr)
+
+
+def latency(kind: str, broker: Broker, n: int, rows: list[Row]) -> None:
+    client = CLIENT[kind]
+    r = fanout(broker, client, 1, n, 100, rate=2000)
+    rows.append({"workload": "latency 2000 msg/s", "broker": kind,
+                 "client": CLIENT_NAME[client], **r})
+    print(f"  {kind} latency p50/p99 {r['p50_us']}/{r['p99_us']} us", file=sys.stderr)
+
+
+def pipe(kind: str, broker: Broker, n: int, work: Path, rows: list[Row]) -> None:
+    """The C tools (or `blipmq pub --lines` / `sub`) in a shell pipe: n lines of ~30 bytes."""
+    lines = b"".join(b"L%08d of the pipe benchmark\n" % i for i in range(n))
+    host, port = "127.0.0.1", str(broker.port)
+    if kind == "blipmq":
+        env = {**os.environ, "BLIPMQ_ADDR": broker.url}
+        sub_argv = [BLIPMQ, "sub", "pipe", "--format", "lines"]
+        pub_argv, data, tool = [BLIPMQ, "pub", "pipe", "--lines", "-"], lines, "blipmq CLI"
+        probe_argv = [BLIPMQ, "pub", "pipe", "probe"]
+    elif kind == "mosquitto":
+        env = dict(os.environ)
+        sub_argv = ["mosquitto_sub", "-h", host, "-p", port, "-t", "pipe"]
+        pub_argv = ["mosquitto_pub", "-h", host, "-p", port, "-t", "pipe", "-l"]
+        data, tool = lines, "mosquitto_pub/sub"
+        probe_argv = ["mosquitto_pub", "-h", host, "-p", port, "-t", "pipe", "-m", "probe"]
+    elif kind == "redis":
+        env = dict(os.environ)
+        sub_argv = ["redis-cli", "-h", host, "-p", port, "subscribe", "pipe"]
+        pub_argv = ["redis-cli", "-h", host, "-p", port, "--pipe"]
+        data = b"".join(b"*3\r\n$7\r\nPUBLISH\r\n$4\r\npipe\r\n$%d\r\n%s\r\n" % (len(x), x)
+                        for x in lines.splitlines())
+        tool = "redis-cli"
+        probe_argv = ["redis-cli", "-h", host, "-p", port, "publish", "pipe", "probe"]
+    else:
+        return
+    sub = subprocess.Popen(sub_argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+    seen = {"data": 0, "probe": 0, "at": 0.0}
+    all_in = threading.Event()
+
+    def count() -> None:
+        assert sub.stdout is not None
+        for line in sub.stdout:
+            if line.startswith(b"L"):
+                seen["data"] += 1
+                if seen["data"] == n:
+                    seen["at"] = time.monotonic()
+                    all_in.set()
+            elif line.startswith(b"probe"):
+                seen["probe"] += 1
+        all_in.set()
+
+    threading.Thread(target=count, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 20
+        while not seen["probe"] and time.monotonic() < deadline:  # subscribed yet?
+            subprocess.run(probe_argv, env=env, capture_output=True, timeout=10)
+            time.sleep(0.05)
+        cpu = broker.cpu_s()
+        start = time.monotonic()
+        subprocess.run(pub_argv, input=data, env=env, capture_output=True, timeout=300)
+        all_in.wait(5 + n / 5000)
+        end = seen["at"] or time.monotonic()
+        cpu = broker.cpu_s() - cpu
+    finally:
+        sub.kill()
+        sub.wait()
+    got = min(seen["data"], n)
+    seconds = max(end - start, 1e-9)
+    rows.append({"workload": "CLI pipe", "broker": kind, "client": tool, "messages": n,
+                 "size": 30, "subscribers": 1, "delivered": got, "lost": n - got,
+                 "seconds": round(seconds, 3), "msg_per_s": round(got / seconds),
+                 "deliveries_per_s": round(got / seconds),
+                 "mb_per_s": round(got * 30 / seconds / 1e6, 2), "broker_cpu_s": round(cpu, 3),
+                 "cpu_us_per_delivery": round(cpu / got * 1e6, 2) if got else None})
+    print(f"  {kind} pipe ({tool}): {round(got / seconds):,} msg/s, lost {n - got}",
+          file=sys.stderr)
+
+
+def durable(kinds: list[str], n: int, work: Path, rows: list[Row],
+            skipped: dict[str, str]) -> None:
+    setups: list[tuple[str, str, Callable[[], Broker]]] = []
+    if "blipmq" in kinds:
+        setups += [("blipmq", "fsync always", lambda: start_broker("blipmq", work)),
+                   ("blipmq", "fsync none", lambda: start_broker("blipmq", work, fsync="none"))]
+    if "nats" in kinds:
+        setups += [("nats", "JetStream default",
+                    lambda: start_broker("nats", work, jetstream="default")),
+                   ("nats", "JetStream sync always",
+                    lambda: start_broker("nats", work, jetstream="always"))]
+    for kind, setting, make in setups:
+        try:
+            broker = make()
+        except RuntimeError as exc:
+            skipped[f"durable {kind} {setting}"] = str(exc)
+            print(f"  skipped {kind} {setting}: {exc}", file=sys.stderr)
+            continue
+        try:
+            cpu = broker.cpu_s()
+            r = outcome(drive(CLIENT[kind], "durable", broker.url, "dur/t", n, 100))
+            cpu = broker.cpu_s() - cpu
+            seconds = r["end"] - r["start"]
+            rows.append({"workload": "durable confirmed", "broker": kind,
+                         "client": f"{CLIENT_NAME[CLIENT[kind]]}, {setting}", "messages": n,
+                         "size": 100, "subscribers": 0, "delivered": r["confirmed"],
+                         "lost": n - r["confirmed"], "seconds": round(seconds, 3),
+                         "msg_per_s": round(r["confirmed"] / seconds),
+                         "broker_cpu_s": round(cpu, 3),
+                         "cpu_us_per_delivery": round(cpu / max(r["confirmed"], 1) * 1e6, 2)})
+            print(f"  {kind} {setting}: {round(r['confirmed'] / seconds):,} confirmed msg/s",
+                  file=sys.stderr)
+        finally:
+            broker.stop()
+
+
+def curve(work: Path, quick: bool, rows: list[Row]) -> None:
+    """BlipMQ's cost as the work grows: subscriptions, topics, connections, new topics."""
+    n = 2_000 if quick else 50_000
+    subs = (1, 1000) if quick else (1, 100, 10_000)
+    topics = (1, 1000) if quick else (1, 1000, 100_000)
+    conns = (10, 100) if quick else (10, 100, 1000)
+    broker = start_broker("blipmq", work)
+
+    def add(axis: str, x: int, r: dict) -> None:
+        rows.append({"workload": f"curve {axis}", "broker": "blipmq", "client": "blipmq client",
+                     "scale": x, **r})
+        print(f"  curve {axis} {x}: {r['deliveries_per_s']:,}/s, "
+              f"{r['cpu_us_per_delivery']} us CPU/delivery", file=sys.stderr)
+
+    try:
+        for s in subs:  # one subscription matches; s - 1 others sit in the index
+            add("subscriptions exact", s, fanout(broker, "blipmq", 1, n, 100,
+                                                 topic=f"se{s}/t", extra=s - 1))
+            add("subscriptions wildcard", s, fanout(broker, "blipmq", 1, n, 100,
+                                                    topic=f"sw{s}/a/t", sub_topic=f"sw{s}/+/t",
+                                                    extra=s - 1))
+        for t in topics:  # messages spread over t topics, each new to the broker
+            add("topics", t, fanout(broker, "blipmq", 1, max(n, t), 100, topic=f"tp{t}",
+                                    sub_topic=f"tp{t}/#", pub_topics=t))
+        for c in conns:  # c idle subscribed connections while 1->1 traffic runs
+            holder = drive("blipmq", "hold", broker.url, f"idle{c}", c)
+            wait_ready(holder)
+            try:
+                add("connections", c, fanout(broker, "blipmq", 1, n, 100, topic=f"cn{c}"))
+            finally:
+                outcome(holder, 60)  # closes its stdin: it lets go
+        # a new topic with 10,000 (quick: 1,000) subscriptions in the index: CPU per publish
+        for s in (0, subs[-1]):
+            holder = drive("blipmq", "sub", broker.url, f"rz{s}-held", 1, s) if s else None
+            if holder:
+                wait_ready(holder)
+            m = 500 if quick else 2_000
+            r = fanout(broker, "blipmq", 1, m, 100, topic=f"nt{s}", sub_topic=f"nt{s}/#",
+                       pub_topics=m)
+            if holder:
+                holder.kill()
+                holder.wait()
+            add("new topic resolve", s, r)
+    finally:
+        broker.stop()
+
+
+# --- output ------------------------------------------------------------------------------------
+
+COLUMNS = ["workload", "broker", "client", "scale", "messages", "size", "subscribers",
+           "delivered", "lost", "duplicates", "seconds", "msg_per_s", "deliveries_per_s",
+           "mb_per_s", "p50_us", "p95_us", "p99_us", "max_us", "broker_cpu_s",
+           "cpu_us_per_delivery", "idle_rss_mb", "peak_rss_mb", "startup_ms"]
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def summary(rows: list[Row], meta: dict) -> str:
+    """The Markdown tables docs/PERFORMANCE.md quotes: figures and BlipMQ/peer ratios."""
+    peers = [k for k in ("mosquitto", "nats", "redis") if any(r["broker"] == k for r in rows)]
+    out = [f"Run {meta['date']} on {meta['machine']}; command: `{meta['command']}`", ""]
+    by = {(r["workload"], r["broker"], r.get("size"), r.get("client")): r for r in rows}
+
+    def find_row(workload: str, broker: str, size: int | None = None) -> Row | None:
+        return next((r for (w, b, s, _), r in by.items()
+                     if w == workload and b == broker and (size is None or s == size)), None)
+
+    out += ["| workload | BlipMQ | " + " | ".join(peers) + " | " +
+            " | ".join(f"BlipMQ/{p}" for p in peers) + " |",
+            "|---|---:|" + "---:|" * (2 * len(peers))]
+    lines = []
+    for w in ("throughput 1->1", "throughput 1->4"):
+        for size in sorted({r["size"] for r in rows if r["workload"] == w}):
+            key = "deliveries_per_s"
+            cells = [find_row(w, b, size) for b in ["blipmq", *peers]]
+            fmt = [f"{c[key]:,}/s, {c['mb_per_s']} MB/s" + (f" ({c['lost']:,} lost)"
+                                                            if c["lost"] else "")
+                   if c else "-" for c in cells]
+            ratios = [ratio(cells[0][key] if cells[0] else None, c[key] if c else None)
+                      for c in cells[1:]]
+            lines.append(f"| {w}, {size} B, deliveries/s | " + " | ".join(fmt + ratios) + " |")
+    for key, label in (("p50_us", "p50"), ("p99_us", "p99")):
+        cells = [find_row("latency 2000 msg/s", b) for b in ["blipmq", *peers]]
+        fmt = [f"{c[key]} us" if c else "-" for c in cells]
+        ratios = [ratio(cells[0][key] if cells[0] else None, c[key] if c else None)
+                  for c in cells[1:]]
+        lines.append(f"| latency at 2,000 msg/s, {label} (lower is better) | "
+                     + " | ".join(fmt + ratios) + " |")
+    for w in ("throughput 1->1", "throughput 1->4"):
+        cells = [find_row(w, b, 100) for b in ["blipmq", *peers]]
+        fmt = [f"{c['cpu_us_per_delivery']} us" if c else "-" for c in cells]
+        ratios = [ratio(cells[0]["cpu_us_per_delivery"] if cells[0] else None,
+                        c["cpu_us_per_delivery"] if c else None) for c in cells[1:]]
+        lines.append(f"| broker CPU per delivery, {w}, 100 B (lower is better) | "
+                     + " | ".join(fmt + ratios) + " |")
+    for key, label in (("idle_rss_mb", "idle RSS, MB"), ("peak_rss_mb", "peak RSS, MB"),
+                       ("startup_ms", "start-up to accepting, ms")):
+        cells = [find_row("broker", b) for b in ["blipmq", *peers]]
+        fmt = [f"{c[key]}" if c else "-" for c in cells]
+        ratios = [ratio(cells[0][key] if cells[0] else None, c[key] if c else None)
+                  for c in cells[1:]]
+        lines.append(f"| {label} (lower is better) | " + " | ".join(fmt + ratios) + " |")
+    cells = [find_row("CLI pipe", b) for b in ["blipmq", *peers]]
+    fmt = [f"{c['msg_per_s']:,}/s ({c['client']})" if c else "-" for c in cells]
+    ratios = [ratio(cells[0]["msg_per_s"] if cells[0] else None, c["msg_per_s"] if c else None)
+              for c in cells[1:]]
+    lines.append("| CLI pipe, msg/s | " + " | ".join(fmt + ratios) + " |")
+    out += [*lines, ""]
+    dur = [r for r in rows if r["workload"] == "durable confirmed"]
+    if dur:
+        out += ["| durable, confirmed 100 B messages | msg/s | broker CPU us/msg |",
+                "|---|---:|---:|"]
+        out += [f"| {r['broker']} ({r['client']}) | {r['msg_per_s']:,} | "
+                f"{r['cpu_us_per_delivery']} |" for r in dur] + [""]
+    cur = [r for r in rows if r["workload"].startswith("curve")]
+    if cur:
+        out += ["| cost curve (BlipMQ) | scale | deliveries/s | broker CPU us/delivery |",
+                "|---|---:|---:|---:|"]
+        out += [f"| {r['workload'][6:]} | {r['scale']:,} | {r['deliveries_per_s']:,} | "
+                f"{r['cpu_us_per_delivery']} |" for r in cur] + [""]
+    if meta["skipped"]:
+        out += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items()), ""]
+    return "\n".join(out)
+
+
+def write(rows: list[Row], meta: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (out / "summary.md").write_text(summary(rows, meta) + "\n")
+    try:
+        import charts  # bench/charts.py: matplotlib, from the dev extra
+    except ImportError as exc:
+        print(f"no charts: {exc}", file=sys.stderr)
+        return
+    for path in charts.draw(rows, out):
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small counts: a smoke run")
+    ap.add_argument("--brokers", default="blipmq,mosquitto,nats,redis")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--sizes", default="100,4096,65536",
+                    help="payload sizes of the throughput workloads, bytes")
+    ap.add_argument("--out", type=Path, default=HERE.parent / "docs" / "bench")
+    ap.add_argument("--no-install", action="store_true", help="never apt-get missing peers")
+    args = ap.parse_args()
+    kinds = [k for k in args.brokers.split(",") if k]
+    workloads = set(args.workloads.split(","))
+    bad = [k for k in kinds if k not in CLIENT] + [w for w in workloads if w not in WORKLOADS]
+    bad += [s for s in args.sizes.split(",") if not s.isdigit() or int(s) not in SIZES["full"]]
+    if bad:
+        raise SystemExit(f"compare.py: unknown broker or workload: {', '.join(bad)}")
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 1,000 connections
+    kinds, skipped = ensure_peers(kinds, not args.no_install)
+    level = "quick" if args.quick else "full"
+    sizes = {s: n for s, n in SIZES[level].items() if str(s) in args.sizes.split(",")}
+    command = "python bench/compare.py" + (" --quick" if args.quick else "")
+    if args.brokers != ap.get_default("brokers"):
+        command += f" --brokers {args.brokers}"
+    if args.workloads != ap.get_default("workloads"):
+        command += f" --workloads {args.workloads}"
+    if args.sizes != ap.get_default("sizes"):
+        command += f" --sizes {args.sizes}"
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": command, "level": level,
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}, "
+                       f"{platform.platform(terse=True)}, Python {platform.python_version()}",
+            "versions": {k: version(k) for k in kinds}, "skipped": skipped,
+            "loadavg_start": os.getloadavg()[0]}
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="blipmq-compare-") as tmp:
+        work = Path(tmp)
+        for kind in kinds:
+            print(f"{kind}:", file=sys.stderr)
+            try:
+                broker = start_broker(kind, work)
+            except RuntimeError as exc:
+                skipped[kind] = str(exc)
+                continue
+            try:
+                time.sleep(0.5)  # settle before the idle figure
+                info = {"workload": "broker", "broker": kind, "client": "",
+                        "idle_rss_mb": broker.memory_mb("VmRSS"),
+                        "startup_ms": round(broker.startup_ms, 1)}
+                if "throughput" in workloads:
+                    throughput(kind, broker, sizes, rows)
+                if "latency" in workloads:
+                    latency(kind, broker, 1_000 if args.quick else 10_000, rows)
+                if "pipe" in workloads:
+                    pipe(kind, broker, 5_000 if args.quick else 200_000, work, rows)
+                info["peak_rss_mb"] = broker.memory_mb("VmHWM")
+                rows.append(info)
+            except RuntimeError as exc:
+                skipped[f"{kind} workloads"] = str(exc)
+                print(f"  {kind}: {exc}", file=sys.stderr)
+            finally:
+                broker.stop()
+        if "durable" in workloads:
+            print("durable:", file=sys.stderr)
+            durable(kinds, 2_000 if args.quick else 50_000, work, rows, skipped)
+        if "curve" in workloads and "blipmq" in kinds:
+            print("cost curve:", file=sys.stderr)
+            curve(work, args.quick, rows)
+    meta["loadavg_end"] = os.getloadavg()[0]
+    write(rows, meta, args.out)
+    print(summary(rows, meta))
+    print(f"\nresults in {args.out}; to reproduce everything docs/PERFORMANCE.md quotes:\n"
+          f"  .venv/bin/python bench/compare.py")
+
+
+if __name__ == "__main__":
+    main()

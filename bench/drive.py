@@ -1,0 +1,362 @@
+"""One side of a bench/compare.py workload, run as its own process, for any of the brokers.
+
+    drive.py CLIENT sub  URL TOPIC N [EXTRA_FILTERS]  count N messages (latency, loss), then exit
+    drive.py CLIENT pub  URL TOPIC N SIZE [RATE [TOPICS]]
+                                              publish N messages; RATE msg/s open loop (0: flat
+                                              out); TOPICS > 1 spreads them over TOPIC/0..TOPICS-1
+    drive.py CLIENT durable URL TOPIC N SIZE  publish N confirmed-durable messages (blipmq QoS 1,
+                                              nats JetStream), pipelined 100 at a time
+    drive.py CLIENT hold URL TOPIC C          keep C connections open, each subscribed to
+                                              TOPIC/i, until stdin closes
+
+CLIENT is blipmq (its client library), paho (mosquitto), nats (nats-py) or redis (redis-py).
+Payloads carry blipmq bench's 16-byte header (send time, publisher, sequence), so the
+subscriber measures latency and counts loss and duplicates the same way for every broker.
+Sub workers print "ready" once subscribed; every worker ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+
+from blipmq_cli.bench import HEADER, Histogram
+
+IDLE = 3.0  # s without a message, after the first: the rest is lost
+FIRST = 30.0  # s to wait for the first message
+
+
+class Counter:
+    """Latency histogram plus seen-marks for one publisher's sequence numbers."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seen = bytearray(n)
+        self.hist = Histogram()
+        self.unique = self.duplicates = 0
+        self.first = self.last = 0.0
+
+    def take(self, payloads: list[bytes]) -> None:
+        now = time.monotonic_ns()
+        add, seen = self.hist.add, self.seen
+        for p in payloads:
+            sent, _, seq = HEADER.unpack_from(p)
+            add(now - sent)
+            if seq < self.n and not seen[seq]:
+                seen[seq] = 1
+                self.unique += 1
+            else:
+                self.duplicates += 1
+        self.last = time.monotonic()
+        self.first = self.first or self.last
+
+    def done(self) -> bool:
+        return self.unique >= self.n
+
+    def result(self) -> dict:
+        h = self.hist
+        q = lambda x: None if h.total == 0 else round(h.quantile(x) / 1000, 1)  # noqa: E731
+        return {"received": self.unique, "duplicates": self.duplicates, "first": self.first,
+                "last": self.last, "p50_us": q(0.5), "p95_us": q(0.95), "p99_us": q(0.99),
+                "max_us": round(h.max / 1000, 1) if h.total else None}
+
+
+def ready() -> None:
+    print("ready", flush=True)
+
+
+def wait_done(counter: Counter) -> None:
+    start = time.monotonic()
+    while not counter.done():
+        time.sleep(0.01)
+        now = time.monotonic()
+        if counter.last and now - counter.last > IDLE:
+            return
+        if not counter.last and now - start > FIRST:
+            return
+
+
+def payloads(n: int, size: int, rate: int):
+    """Yield ``(index, payload)`` pairs, paced to ``rate``/s when it is not 0."""
+    filler = b"x" * (size - HEADER.size)
+    pack, clock = HEADER.pack, time.monotonic_ns
+    if not rate:
+        for i in range(n):
+            yield i, pack(clock(), 0, i) + filler
+        return
+    interval = 1e9 / rate
+    origin = clock()
+    for i in range(n):
+        due = origin + i * interval
+        while (now := clock()) < due:
+            if due - now > 200_000:
+                time.sleep((due - now - 100_000) / 1e9)
+        yield i, pack(clock(), 0, i) + filler
+
+
+def topic_of(topic: str, topics: int, sep: str):
+    if topics <= 1:
+        return lambda i: topic
+    names = [f"{topic}{sep}{t}" for t in range(topics)]
+    return lambda i: names[i % topics]
+
+
+# --- blipmq -------------------------------------------------------------------------------
+
+def blipmq_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
+    from blipmq_cli.client import Client
+
+    client = Client(url)
+    subscription = client.subscribe(topic)
+    for i in range(extra):  # filters that match nothing the publisher sends
+        client.subscribe(f"{topic}-other/{i}" if "+" not in topic else f"other/{i}/+")
+    ready()
+    counter = Counter(n)
+    idle_deadline = time.monotonic() + FIRST
+    while not counter.done() and time.monotonic() < idle_deadline:
+        try:
+            batch = subscription.next_batch(0.2)
+        except TimeoutError:
+            continue
+        if batch:
+            counter.take([d.payload for d in batch])
+            idle_deadline = time.monotonic() + IDLE
+    client.abort()
+    return counter.result()
+
+
+def blipmq_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: int = 1) -> dict:
+    from blipmq_cli.client import Client
+
+    client = Client(url)
+    name = topic_of(topic, topics, "/")
+    start = time.monotonic()
+    if rate:
+        for i, p in payloads(n, size, rate):
+            client.publish(name(i), p)
+    else:
+        chunk: list = []
+        for i, p in payloads(n, size, 0):
+            chunk.append((name(i), p))
+            if len(chunk) == 1000:
+                client.publish_many(chunk)
+                chunk = []
+        client.publish_many(chunk)
+    client.flush(timeout=300)
+    end = time.monotonic()
+    client.close()
+    return {"start": start, "end": end, "sent": n}
+
+
+def blipmq_durable(url: str, topic: str, n: int, size: int) -> dict:
+    from blipmq_cli.client import Client
+    from blipmq_server.protocol.codec import Message
+
+    client = Client(url)
+    start = time.monotonic()
+    batch: list = []
+    for _, p in payloads(n, size, 0):
+        batch.append(Message(topic, p, 1))
+        if len(batch) == 100:
+            client.publish_many(batch)
+            client.check()
+            batch = []
+    client.publish_many(batch)
+    client.wait_confirms(timeout=300)
+    end = time.monotonic()
+    confirmed = client.confirmed
+    client.close()
+    return {"start": start, "end": end, "sent": n, "confirmed": confirmed}
+
+
+def blipmq_hold(url: str, topic: str, connections: int) -> dict:
+    from blipmq_cli.client import Client
+
+    clients = []
+    for i in range(connections):
+        c = Client(url)
+        c.subscribe(f"{topic}/{i}")
+        clients.append(c)
+    ready()
+    sys.stdin.read()
+    for c in clients:
+        c.abort()
+    return {"held": connections}
+
+
+# --- paho-mqtt (mosquitto) ------------------------------------------------------------------
+
+def _paho(url: str):
+    import paho.mqtt.client as mqtt
+
+    host, port = url.rsplit(":", 1)
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    client.max_queued_messages_set(0)
+    client.connect(host, int(port))
+    return client
+
+
+def paho_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
+    counter = Counter(n)
+    client = _paho(url)
+    subscribed = threading.Event()
+    client.on_message = lambda c, u, m: counter.take([m.payload])
+    client.on_subscribe = lambda *a: subscribed.set()
+    client.loop_start()
+    client.subscribe(topic, qos=0)
+    if not subscribed.wait(10):
+        raise SystemExit("paho: no SUBACK")
+    ready()
+    wait_done(counter)
+    client.loop_stop()
+    client.disconnect()
+    return counter.result()
+
+
+def paho_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: int = 1) -> dict:
+    client = _paho(url)
+    client.loop_start()
+    name = topic_of(topic, topics, "/")
+    start = time.monotonic()
+    info = None
+    for i, p in payloads(n, size, rate):
+        info = client.publish(name(i), p, qos=0)
+    if info is not None:
+        info.wait_for_publish(300)
+    end = time.monotonic()
+    client.disconnect()
+    client.loop_stop()
+    return {"start": start, "end": end, "sent": n}
+
+
+# --- nats-py --------------------------------------------------------------------------------
+
+def nats_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
+    import nats
+
+    counter = Counter(n)
+
+    async def run() -> None:
+        nc = await nats.connect(f"nats://{url}")
+        async def take(m) -> None:
+            counter.take([m.data])
+
+        await nc.subscribe(topic.replace("/", "."), cb=take)
+        await nc.flush()
+        ready()
+        start = time.monotonic()
+        while not counter.done():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            if (counter.last and now - counter.last > IDLE) or (
+                    not counter.last and now - start > FIRST):
+                break
+        await nc.close()
+
+    asyncio.run(run())
+    return counter.result()
+
+
+def nats_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: int = 1) -> dict:
+    import nats
+
+    async def run() -> dict:
+        nc = await nats.connect(f"nats://{url}", pending_size=64 * 1024 * 1024)
+        name = topic_of(topic.replace("/", "."), topics, ".")
+        start = time.monotonic()
+        for i, p in payloads(n, size, rate):
+            await nc.publish(name(i), p)
+            if rate:
+                await nc.flush()
+        await nc.flush(timeout=300)
+        end = time.monotonic()
+        await nc.close()
+        return {"start": start, "end": end, "sent": n}
+
+    return asyncio.run(run())
+
+
+def nats_durable(url: str, topic: str, n: int, size: int) -> dict:
+    import nats
+
+    async def run() -> dict:
+        nc = await nats.connect(f"nats://{url}")
+        js = nc.jetstream()
+        subject = topic.replace("/", ".")
+        await js.add_stream(name="BENCH", subjects=[subject])
+        start = time.monotonic()
+        confirmed = 0
+        batch: list = []
+        for _, p in payloads(n, size, 0):
+            batch.append(js.publish(subject, p, timeout=60))
+            if len(batch) == 100:
+                confirmed += len(await asyncio.gather(*batch))
+                batch = []
+        confirmed += len(await asyncio.gather(*batch))
+        end = time.monotonic()
+        await nc.close()
+        return {"start": start, "end": end, "sent": n, "confirmed": confirmed}
+
+    return asyncio.run(run())
+
+
+# --- redis-py -------------------------------------------------------------------------------
+
+def _redis(url: str):
+    import redis
+
+    host, port = url.rsplit(":", 1)
+    return redis.Redis(host=host, port=int(port))
+
+
+def redis_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
+    r = _redis(url)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(topic)
+    while pubsub.get_message(timeout=1) is None and not pubsub.subscribed:
+        pass
+    ready()
+    counter = Counter(n)
+    idle_deadline = time.monotonic() + FIRST
+    while not counter.done() and time.monotonic() < idle_deadline:
+        m = pubsub.get_message(timeout=0.2)
+        if m is not None and m["type"] == "message":
+            counter.take([m["data"]])
+            idle_deadline = time.monotonic() + IDLE
+    pubsub.close()
+    return counter.result()
+
+
+def redis_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: int = 1) -> dict:
+    r = _redis(url)
+    name = topic_of(topic, topics, "/")
+    start = time.monotonic()
+    if rate:
+        for i, p in payloads(n, size, rate):
+            r.publish(name(i), p)
+    else:
+        pipe = r.pipeline(transaction=False)
+        for i, p in payloads(n, size, 0):
+            pipe.publish(name(i), p)
+            if len(pipe) == 1000:
+                pipe.execute()
+        pipe.execute()
+    end = time.monotonic()
+    r.close()
+    return {"start": start, "end": end, "sent": n}
+
+
+def main() -> None:
+    client, mode, url, topic, *rest = sys.argv[1:]
+    nums = [int(x) for x in rest]
+    fn = globals().get(f"{client}_{mode}")
+    if fn is None:
+        raise SystemExit(f"drive.py: no {mode} for {client}")
+    print(json.dumps(fn(url, topic, *nums)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Idle memory of the broker (issue 12); prints figures, never fails on them.
+
+    .venv/bin/python bench/memory.py [--blipmq PATH] [--runs 3]
+
+Starts ``blipmq start`` (the one next to this interpreter, or ``--blipmq``) on loopback
+twice: with the benchmark's configuration (bench/run.py: metrics off) and with the
+defaults (metrics on), waits until it accepts a connection and one more second, and reads
+/proc/PID/status and /proc/PID/smaps_rollup: RSS, and how much of it is the process's own
+memory (anonymous) and how much mapped files (the interpreter, shared libraries: shared
+with every other Python process using them). Then, in a fresh interpreter, it imports the
+start path's modules one group at a time and prints the RSS each group adds (the
+breakdown in docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BLIPMQ = str(Path(sys.executable).with_name("blipmq"))
+
+# groups of modules, in the order ``blipmq start`` first needs them
+_STEPS = [
+    ("argument parsing (blipmq_cli.main, fast)", ["blipmq_cli.main", "blipmq_cli.fast"]),
+    ("daemon, logging", ["blipmq_server.daemon", "logging"]),
+    ("config (tomlkit, dataclasses)", ["blipmq_server.config", "blipmq_server.logs"]),
+    ("write-ahead log (crc32c)", ["blipmq_server.wal.log"]),
+    ("broker core", ["blipmq_server.broker.core"]),
+    ("trio (with ssl, ctypes, attrs, idna)", ["trio"]),
+    ("server shell", ["blipmq_server.server.app"]),
+    ("metrics (prometheus_client), only with metrics on", ["blipmq_server.server.http"]),
+]
+
+_BREAKDOWN = """
+import json, re, sys
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+rows = [["interpreter and site", rss(), len(sys.modules)]]
+for name, modules in json.loads(sys.argv[1]):
+    for m in modules:
+        __import__(m)
+    rows.append([name, rss(), len(sys.modules)])
+print(json.dumps(rows))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the broker exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise SystemExit(f"nothing listens on port {port}")
+
+
+def kib(text: str, field: str) -> int:
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+def idle(blipmq: str, work: Path, metrics: bool) -> dict:
+    port = free_port()
+    cfg = work / f"idle-{port}.toml"
+    cfg.write_text(f"[server]\nport = {port}\n"
+                   + ("[metrics]\nport = 0\n" if metrics else "[metrics]\nenabled = false\n")
+                   + "[queues]\ncapacity = 65536\noverflow = \"block\"\n")
+    proc = subprocess.Popen(
+        [blipmq, "start", "--config", str(cfg), "--data-dir", str(work / f"data-{port}"),
+         "--log-format", "plain", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, proc)
+        time.sleep(1.0)  # what bench/run.py waits before it reads the idle RSS
+        pid = proc.pid
+        status = Path(f"/proc/{pid}/status").read_text()
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        children = Path(f"/proc/{pid}/task").iterdir()
+        return {"rss_mb": round(kib(status, "VmRSS") / 1024, 1),
+                "anon_mb": round(kib(rollup, "Anonymous") / 1024, 1),
+                "file_mb": round((kib(rollup, "Rss") - kib(rollup, "Anonymous")) / 1024, 1),
+                "threads": sum(1 for _ in children)}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def breakdown() -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-c", _BREAKDOWN, json.dumps(_STEPS)],
+        capture_output=True, text=True, check=True, cwd=tempfile.gettempdir(),
+    ).stdout
+    rows = json.loads(out)
+    result = []
+    prev = 0
+    for name, rss, modules in rows:
+        result.append({"step": name, "rss_mb": round(rss / 1024, 1),
+                       "adds_mb": round((rss - prev) / 1024, 1), "modules": modules})
+        prev = rss
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blipmq", default=BLIPMQ)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    report: dict = {"python": sys.version.split()[0],
+                    "bytecode_cache": not os.environ.get("PYTHONDONTWRITEBYTECODE")}
+    with tempfile.TemporaryDirectory(prefix="blipmq-memory-") as tmp:
+        work = Path(tmp)
+        for metrics in (False, True):
+            key = "metrics_on" if metrics else "metrics_off"
+            runs = [idle(args.blipmq, work, metrics) for _ in range(args.runs)]
+            report[key] = {"runs": runs,
+                           "median_rss_mb": sorted(r["rss_mb"] for r in runs)[len(runs) // 2]}
+            print(f"idle, {key}: RSS {[r['rss_mb'] for r in runs]} MB "
+                  f"(anonymous {[r['anon_mb'] for r in runs]}, "
+                  f"files {[r['file_mb'] for r in runs]})", file=sys.stderr)
+    if args.blipmq == BLIPMQ:  # the breakdown is of this interpreter's modules
+        report["breakdown"] = breakdown()
+        for row in report["breakdown"]:
+            print(f"  {row['step']:<52} {row['rss_mb']:5.1f} MB  +{row['adds_mb']:4.1f}"
+                  f"  ({row['modules']} modules)", file=sys.stderr)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""bench/compare.py --quick end to end: real brokers (BlipMQ and whichever peers are
+installed: scripts/test-deps installs them), real clients in their own processes. Checks the
+CSV/JSON have the rows the docs quote and no absent or negative figure; never the speed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import compare  # bench/ is not a package: on sys.path above
+
+TOP = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_quick_comparison_writes_complete_results(tmp_path: Path) -> None:
+    peers, _ = compare.ensure_peers(["mosquitto", "nats", "redis"], install=False)
+    brokers = ["blipmq", *peers]
+    done = subprocess.run(
+        [sys.executable, str(TOP / "bench" / "compare.py"), "--quick", "--no-install",
+         "--brokers", ",".join(brokers), "--sizes", "100,4096", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bench/compare.py" in done.stdout  # the command that reproduces it
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = result["rows"]
+    with open(tmp_path / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    by = {}
+    for r in rows:
+        by.setdefault((r["workload"], r["broker"]), []).append(r)
+    for broker in brokers:
+        info = by[("broker", broker)][0]
+        assert info["idle_rss_mb"] > 0 and info["peak_rss_mb"] >= info["idle_rss_mb"]
+        assert info["startup_ms"] > 0
+        for w in ("throughput 1->1", "throughput 1->4"):
+            assert sorted(r["size"] for r in by[(w, broker)]) == [100, 4096]
+        assert len(by[("latency 2000 msg/s", broker)]) == 1
+    for broker in [b for b in brokers if b != "nats"]:  # nats has no CLI pipe tool here
+        assert len(by[("CLI pipe", broker)]) == 1
+    durable = by[("durable confirmed", "blipmq")]
+    assert len(durable) == 2 and all(r["delivered"] == r["messages"] for r in durable)
+    if "nats" in peers:
+        assert by[("durable confirmed", "nats")]  # JetStream default at least
+    curves = {w for w, b in by if w.startswith("curve")}
+    assert curves == {"curve subscriptions exact", "curve subscriptions wildcard",
+                      "curve topics", "curve connections", "curve new topic resolve"}
+    for r in rows:
+        if r["workload"] == "broker":
+            continue
+        assert r["delivered"] >= 0 and r["lost"] >= 0, r
+        assert r["delivered"] + r["lost"] == r["messages"] * max(r["subscribers"], 1), r
+        assert r["msg_per_s"] > 0 and r["seconds"] > 0 and r["broker_cpu_s"] >= 0, r
+        if r["workload"].startswith(("throughput", "latency", "curve")):
+            assert r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"] and r["max_us"] >= r["p99_us"]
+        if r["broker"] == "blipmq":
+            assert r["lost"] == 0, r  # blocks publishers rather than dropping
+    for chart in ("throughput", "latency", "memory", "cpu", "curve"):
+        assert (tmp_path / f"{chart}.png").read_bytes()[:4] == b"\x89PNG"
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| workload | BlipMQ |" in summary
