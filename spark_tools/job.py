@@ -50,7 +50,7 @@ class ExportOptions:
     master: str | None = None
     conf: tuple[tuple[str, str], ...] = ()
     report: str | None = None
-    via: str = "auto"  # the reader: auto | source | binaryFile
+    via: str = "auto"  # the reader: auto | tasks | source | binaryFile
     partition_bytes: int = 64 * 1024 * 1024
 
 
@@ -122,8 +122,9 @@ def _stderr_to(path: str) -> Iterator[None]:
 
 
 def export(spark: SparkSession, opts: ExportOptions) -> Exported:
-    """One decode of the inputs, kept in Spark's cache: the kind counts, the records and
-    the seven aggregates are all computed from it (docs/PERFORMANCE.md, the phases)."""
+    """Two decodes of the inputs: one kept in Spark's cache without keys and payloads (the
+    kind counts and the aggregates read nothing else), one written as the records. Caching
+    the payloads cost more than decoding twice (docs/PERFORMANCE.md, the phases)."""
     timings: dict[str, float] = {}
     clock = _Clock(timings)
     source = read_wal(spark, list(opts.inputs), opts.partition_bytes, opts.via)
@@ -169,8 +170,8 @@ class _Clock:
 def write_records(records: DataFrame, path: str) -> None:
     """Parquet by date and device (topic stays a column: one directory per topic would
     make thousands of small files). No shuffle: a task holds whole segments, so it writes
-    one file per date and device it holds (a repartition by date and device first cost a
-    third of the export)."""
+    one file per date and device it holds (a repartition by date and device first would
+    shuffle every record once more)."""
     (records.where(F.col("kind") != "damage").drop("problem")
      .withColumn("date", F.to_date("timestamp"))
      .write.mode("overwrite").partitionBy("date", "device").parquet(path))
