@@ -174,13 +174,19 @@ def test_sql_view_in_a_new_session_without_register(spark, fleet) -> None:
     assert got == {(d, sum(p.counts.values())) for d, p in sent.items()}
 
 
-def test_binary_file_fallback_decodes_the_same(spark, fleet) -> None:
+def test_every_reader_decodes_the_same(spark, fleet) -> None:
+    """The data source, the export's own tasks and the binaryFile fallback."""
     dumps, _ = fleet
     cols = ["device", "offset", "kind", "topic", "payload", "dead_reason", "group_name"]
     direct = read_wal(spark, [str(dumps)], via="source").select(*cols)
+    tasks = read_wal(spark, [str(dumps)], via="tasks", partition_bytes=1)
+    segments = sum(len(os.listdir(dumps / d / "wal")) for d in DEVICES)
+    assert tasks.rdd.getNumPartitions() == segments
+    tasks = tasks.select(*cols)
     fallback = read_wal(spark, [f"file://{dumps}"], via="binaryFile").select(*cols)
-    assert direct.count() == fallback.count() > 0
+    assert direct.count() == tasks.count() == fallback.count() > 0
     assert direct.exceptAll(fallback).count() == 0
+    assert direct.exceptAll(tasks).count() == 0 and tasks.exceptAll(direct).count() == 0
 
 
 def test_one_partition_per_segment_group(spark, fleet) -> None:
