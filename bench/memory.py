@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -86,20 +87,24 @@ def idle(blipmq: str, work: Path, metrics: bool) -> dict:
     proc = subprocess.Popen(
         [blipmq, "start", "--config", str(cfg), "--data-dir", str(work / f"data-{port}"),
          "--log-format", "plain", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_port(port, proc)
         time.sleep(1.0)  # what bench/run.py waits before it reads the idle RSS
-        pid = proc.pid
+        # a onefile executable is a bootloader with the broker as its child: measure the child
+        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        pid = int(kids[0]) if kids else proc.pid
         status = Path(f"/proc/{pid}/status").read_text()
         rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         children = Path(f"/proc/{pid}/task").iterdir()
+        boot = Path(f"/proc/{proc.pid}/status").read_text() if kids else ""
         return {"rss_mb": round(kib(status, "VmRSS") / 1024, 1),
                 "anon_mb": round(kib(rollup, "Anonymous") / 1024, 1),
                 "file_mb": round((kib(rollup, "Rss") - kib(rollup, "Anonymous")) / 1024, 1),
-                "threads": sum(1 for _ in children)}
+                "threads": sum(1 for _ in children),
+                "bootloader_rss_mb": round(kib(boot, "VmRSS") / 1024, 1) if boot else 0.0}
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)  # the group: a onefile bootloader ignores signals
         proc.wait(30)
 
 
