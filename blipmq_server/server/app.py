@@ -118,6 +118,7 @@ class Server:
         self.shutdown = trio.Event()
         self.stopped = trio.Event()  # serve has finished: the log is closed
         self.started_at = 0.0
+        self.published_at = -math.inf  # when a client last published (backlog drains yield)
         self._next_conn_id = 1
 
     async def serve(

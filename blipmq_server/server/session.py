@@ -63,6 +63,11 @@ _SEND_CHUNK = 64 * 1024  # the write timeout applies to each chunk: "no progress
 # A cursor draining a backlog sends its next batch once nothing else is ready to run, or
 # after this long at the latest: live traffic goes first, and a drain never stops
 _BACKLOG_WAIT_S = 0.01
+# ... and while clients publish (within _LIVE_S), it also pauses this long after each batch:
+# on a small machine a drain at full speed keeps every core busy, and the publishers' and
+# subscribers' own processes then wait for one (bench/drain.py; docs/PERFORMANCE.md)
+_BACKLOG_PACE_S = 0.001
+_LIVE_S = 0.1
 _TURN_S = 0.001  # a connection with many frames waiting yields to the others after this
 
 
@@ -176,6 +181,8 @@ class Session:
                     if behind:  # a backlog drain: live traffic first, the next batch after
                         with trio.move_on_after(_BACKLOG_WAIT_S):
                             await wait_all_tasks_blocked()
+                        if trio.current_time() - self.server.published_at < _LIVE_S:
+                            await trio.sleep(_BACKLOG_PACE_S)
                 else:
                     await trio.lowlevel.checkpoint()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -336,6 +343,7 @@ class Session:
         those that became durable (possibly after an ERROR about the rest)."""
         broker = self.broker
         server = self.server
+        server.published_at = trio.current_time()
         flusher = server.flusher
         messages = frame.messages
         total = len(messages)
