@@ -338,9 +338,14 @@ class _progress:
         self.bar = Progress(console=Console(stderr=True), transient=True)
         self.bar.start()
         self.task = self.bar.add_task("dumping", total=None)
+        shown = [-1]
 
         def update(done: int, total: int) -> None:
-            self.bar.update(self.task, completed=done, total=total)  # type: ignore[union-attr]
+            # drawn at once for each percent more (a refresh timer alone can miss a quick dump)
+            percent = done * 100 // total if total else 100
+            self.bar.update(self.task, completed=done, total=total,  # type: ignore[union-attr]
+                            refresh=percent != shown[0])
+            shown[0] = percent
         return update
 
     def __exit__(self, *exc: object) -> None:

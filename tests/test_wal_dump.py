@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import re
+import select
 import subprocess
 import time
 from collections import Counter
@@ -229,3 +232,42 @@ def test_check_cuts_a_partial_tail_at_every_byte() -> None:
         closed = reader.check(data[:cut], open_tail=False)
         assert len(closed.records) == whole
         assert bool(closed.damage) == (cut not in ends)
+
+
+def test_dump_draws_its_progress_on_a_terminal(tmp_path) -> None:
+    from blipmq_server.protocol.message import Message, message_record
+
+    wal = tmp_path / "data" / "wal"
+    wal.mkdir(parents=True)
+    body = message_record(Message("t", b"x" * 1000))
+    for i in range(20):  # 20 segments of 1,000 records: one progress step each
+        base = 1 + i * 1000
+        records = rec.encode_many(1, base, 1_700_000_000_000, [body] * 1000)
+        (wal / f"{base:020d}.seg").write_bytes(rec.header(base) + b"".join(records))
+    master, slave = pty.openpty()  # stderr on a terminal: the bar is drawn there
+    proc = subprocess.Popen([BLIPMQ, "wal", "dump", "--data-dir", str(tmp_path / "data"),
+                             "--out", str(tmp_path / "dump")], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=slave,
+                            env={**os.environ, "TERM": "xterm", "COLUMNS": "100"})
+    os.close(slave)
+    drawn = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not select.select([master], [], [], 1)[0]:
+            if proc.poll() is not None:
+                break
+            continue
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's last writer is gone
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert proc.wait(timeout=30) == 0
+    text = drawn.decode(errors="replace")
+    percents = {int(p) for p in re.findall(r"(\d{1,3})%", text)}
+    assert "dumping" in text, text[-500:]
+    assert len(percents & set(range(1, 100))) >= 3, sorted(percents)  # drawn on the way
+    assert len(cat_json(tmp_path / "dump")) == 20_000
