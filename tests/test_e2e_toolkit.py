@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
-import select
 import subprocess
 import time
 from pathlib import Path
+
+from terminal import stderr_on_terminal
 
 from blipmq_cli.client import Client
 from blipmq_cli.exits import Exit
@@ -131,29 +131,10 @@ def test_pubfile_progress_is_drawn_on_a_terminal_as_bytes_go_out(start_broker,
     blob.write_bytes(os.urandom(6 << 20))
     sub = b.spawn("sub", "big", "-N", "-C", "1")
     b.wait_subscribers(1)
-    master, slave = pty.openpty()  # stderr on a terminal: the bar is drawn there
-    proc = subprocess.Popen([BLIPMQ, "pubfile", "big", str(blob)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=slave,
-                            env={**b.env, "TERM": "xterm", "COLUMNS": "100"})
-    os.close(slave)
-    drawn = b""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if not select.select([master], [], [], 1)[0]:
-            if proc.poll() is not None:
-                break
-            continue
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the terminal's last writer is gone
-            break
-        if not chunk:
-            break
-        drawn += chunk
-    os.close(master)
-    assert proc.wait(timeout=30) == 0
+    # stderr on a terminal: the bar is drawn there
+    status, text = stderr_on_terminal([BLIPMQ, "pubfile", "big", str(blob)], b.env)
+    assert status == 0
     assert sub.communicate(timeout=30)[0] == blob.read_bytes()
-    text = drawn.decode(errors="replace")
     percents = {int(p) for p in re.findall(r"(\d{1,3})%", text)}
     assert "sending big.bin" in text, text[-500:]
     assert len(percents & set(range(1, 100))) >= 3, sorted(percents)  # drawn on the way

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
-import select
 import subprocess
 import time
 from collections import Counter
@@ -16,6 +14,7 @@ import pytest
 from conftest import BLIPMQ
 from crc32c import crc32c
 from fleet import CONFIG, drive
+from terminal import stderr_on_terminal
 
 from blipmq_cli.exits import Exit
 from blipmq_server.wal import reader
@@ -244,29 +243,10 @@ def test_dump_draws_its_progress_on_a_terminal(tmp_path) -> None:
         base = 1 + i * 1000
         records = rec.encode_many(1, base, 1_700_000_000_000, [body] * 1000)
         (wal / f"{base:020d}.seg").write_bytes(rec.header(base) + b"".join(records))
-    master, slave = pty.openpty()  # stderr on a terminal: the bar is drawn there
-    proc = subprocess.Popen([BLIPMQ, "wal", "dump", "--data-dir", str(tmp_path / "data"),
-                             "--out", str(tmp_path / "dump")], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=slave,
-                            env={**os.environ, "TERM": "xterm", "COLUMNS": "100"})
-    os.close(slave)
-    drawn = b""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if not select.select([master], [], [], 1)[0]:
-            if proc.poll() is not None:
-                break
-            continue
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the terminal's last writer is gone
-            break
-        if not chunk:
-            break
-        drawn += chunk
-    os.close(master)
-    assert proc.wait(timeout=30) == 0
-    text = drawn.decode(errors="replace")
+    status, text = stderr_on_terminal(  # stderr on a terminal: the bar is drawn there
+        [BLIPMQ, "wal", "dump", "--data-dir", str(tmp_path / "data"),
+         "--out", str(tmp_path / "dump")], dict(os.environ))
+    assert status == 0
     percents = {int(p) for p in re.findall(r"(\d{1,3})%", text)}
     assert "dumping" in text, text[-500:]
     assert len(percents & set(range(1, 100))) >= 3, sorted(percents)  # drawn on the way
