@@ -275,3 +275,24 @@ def test_random_batches_keep_every_bound_and_account_for_every_copy(policy: Over
     c = b.counters
     waiting = sum(len(q.items) for q in queues)
     assert c.enqueued - (c.dropped_oldest + c.dropped_no_consumer) == c.delivered + waiting
+
+
+def test_a_delivery_pass_looks_only_at_subscriptions_that_may_have_something() -> None:
+    b = Broker()
+    quiet = [sub(b, 1, f"dev/{i}/status") for i in range(1000)]
+    b.deliver(1, 256, 1 << 20, 0, 0)  # the new subscriptions had nothing
+    assert b.registry.candidates(1) == [] and not b.pending(1)
+    b.publish([raw("dev/500/status", b"on"), raw("dev/7/status", b"off")], 0)
+    assert b.registry.candidates(1) == [quiet[500], quiet[7]]  # marked, in publish order
+    got = b.deliver(1, 256, 1 << 20, 0, 0)
+    assert [(s, payloads(r)) for s, r in got.batches] == [
+        (quiet[500].sub_id, [b"on"]), (quiet[7].sub_id, [b"off"])]
+    assert b.registry.candidates(1) == [] and not b.pending(1)
+    # a member joining a group's queue that holds items has something at once
+    first = sub(b, 2, "jobs", group="g")
+    b.publish([raw("jobs", b"%d" % i) for i in range(4)], 0)
+    b.disconnect(2)
+    late = sub(b, 3, "jobs", group="g")
+    assert b.pending(3) and payloads(b.deliver(3, 256, 1 << 20, 0, 0).batches[0][1]) == [
+        b"0", b"1", b"2", b"3"]
+    assert first.sub_id != late.sub_id and not b.pending(3)

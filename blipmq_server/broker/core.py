@@ -86,7 +86,7 @@ class Broker:
         """
         routes = self.registry.routes
         resolve = self.registry.resolve
-        woken: set[Queue] = set()
+        woken: dict[Queue, None] = {}  # in the order messages reached them
         woken_by: tuple[Queue, ...] | None = None
         room_route: Route | Refusal | None = None
         room_n = room_b = 0
@@ -200,7 +200,7 @@ class Broker:
                 c.unrouted += 1
                 continue
             if targets is not woken_by:  # wake every target (a dropped copy wakes in vain)
-                woken.update(targets)
+                woken.update(dict.fromkeys(targets))
                 woken_by = targets
             ttl = m.ttl_ms or default_ttl
             item = (_pack_prefix(offset, 1, timestamp_ms, 0) + m.record, now_ms + ttl if ttl else 0)
@@ -240,7 +240,12 @@ class Broker:
         c.enqueued += enqueued
         if refusal is not None:  # the refused message and the rest of the batch: not stored
             c.refused += len(messages) - accepted
-        wake = {consumer.conn for q in woken for consumer in q.consumers}
+        mark = self.registry.mark
+        wake = set()
+        for q in woken:
+            for consumer in q.consumers:
+                mark(consumer)
+                wake.add(consumer.conn)
         return PublishResult(
             accepted, wake,
             None if blocked is None else Blocked(
@@ -450,7 +455,17 @@ class Broker:
     def pending(self, conn: int, qos0_only: bool = False) -> bool:
         """Whether ``deliver`` would hand this connection something now."""
         has_work = self.has_work
-        return any(has_work(c) for c in self.registry.of(conn) if not (qos0_only and c.qos))
+        unmark = self.registry.unmark
+        found = False
+        for c in self.registry.candidates(conn):
+            if qos0_only and c.qos:
+                continue
+            if has_work(c):
+                found = True
+                break
+            if not isinstance(c.queue, DurableGroup):
+                unmark(c)  # nothing to take: looked at again once its queue gets items
+        return found
 
     def deliver(
         self, conn: int, max_batch: int, max_batch_bytes: int, now_ms: int, wall_ms: int,
@@ -461,10 +476,13 @@ class Broker:
         batches = []
         released = []
         behind = False
-        for consumer in self.registry.of(conn):
+        unmark = self.registry.unmark
+        for consumer in self.registry.candidates(conn):
             if qos0_only and consumer.qos:
                 continue
             if not self.has_work(consumer):
+                if not isinstance(consumer.queue, DurableGroup):
+                    unmark(consumer)
                 continue
             if consumer.until is not None and not isinstance(consumer.queue, DurableGroup):
                 before = len(consumer.queue.items)
@@ -482,6 +500,8 @@ class Broker:
                     records and self.cursors.lag(consumer.queue) > max_batch)  # type: ignore[union-attr]
             else:
                 released.append(consumer.queue.id)
+                if not self.has_work(consumer):
+                    unmark(consumer)
         return Deliveries(batches, tuple(released), self.take_fetches(), bool(behind))
 
     def has_work(self, consumer: Consumer) -> bool:

@@ -64,6 +64,12 @@ class Registry:
         self.groups: dict[tuple[str, str], Queue] = {}  # QoS 0 groups
         self.consumers: dict[int, Consumer] = {}
         self.by_conn: dict[int, list[Consumer]] = {}
+        # per connection, what a delivery pass looks at (``candidates``): its log-cursor
+        # consumers, always, and those of its queue consumers that may have something (a
+        # superset: marked when their queue gets items, dropped once found with nothing), so
+        # a connection holding thousands of quiet subscriptions costs nothing per delivery
+        self._cursor_consumers: dict[int, list[Consumer]] = {}
+        self._marked: dict[int, dict[Consumer, None]] = {}
         self.routes: dict[bytes, Route | Refusal] = {}
         self._next_sub_id = 1
         self._next_queue_id = 1
@@ -119,7 +125,29 @@ class Registry:
         target.consumers.append(consumer)
         self.consumers[consumer.sub_id] = consumer
         self.by_conn.setdefault(conn, []).append(consumer)
+        if isinstance(target, Queue):
+            self.mark(consumer)  # a group's queue may hold items already
+        else:
+            self._cursor_consumers.setdefault(conn, []).append(consumer)
         return consumer
+
+    def mark(self, consumer: Consumer) -> None:
+        """This queue consumer may have something to take."""
+        self._marked.setdefault(consumer.conn, {})[consumer] = None
+
+    def unmark(self, consumer: Consumer) -> None:
+        marked = self._marked.get(consumer.conn)
+        if marked is not None:
+            marked.pop(consumer, None)
+
+    def candidates(self, conn: int) -> list[Consumer]:
+        """The consumers of ``conn`` that may have something: its cursor consumers and its
+        marked queue consumers (in the order they were marked)."""
+        marked = self._marked.get(conn)
+        cursors = self._cursor_consumers.get(conn)
+        if not marked:
+            return list(cursors) if cursors else []
+        return [*cursors, *marked] if cursors else list(marked)
 
     def owned(self, conn: int, sub_id: int) -> Consumer | None:
         """The subscription ``sub_id`` if ``conn`` holds it (else None: ignored or refused)."""
@@ -132,11 +160,20 @@ class Registry:
     def forget(self, consumer: Consumer) -> None:
         """Take a consumer out of the books (not out of its queue or cursor)."""
         self.consumers.pop(consumer.sub_id, None)
-        mine = self.by_conn.get(consumer.conn)
+        conn = consumer.conn
+        mine = self.by_conn.get(conn)
         if mine and consumer in mine:
             mine.remove(consumer)
             if not mine:
-                del self.by_conn[consumer.conn]
+                del self.by_conn[conn]
+        self.unmark(consumer)
+        cursors = self._cursor_consumers.get(conn)
+        if cursors and consumer in cursors:
+            cursors.remove(consumer)
+            if not cursors:
+                del self._cursor_consumers[conn]
+        if conn in self._marked and not self._marked[conn]:
+            del self._marked[conn]
 
     def leave(self, consumer: Consumer, released: list[int]) -> None:
         """A consumer leaves its in-memory queue; a subscription's own queue goes with it."""
