@@ -733,9 +733,9 @@ class Broker:
     def tailing(self) -> bool:
         """Whether a consumer reads from a log cursor (it delivers once new records are
         written, so the log should not hold a batch back)."""
-        return any(target.consumers for target in self.all_cursors)
+        return self.registry.reads_cursors()
 
     def cursor_conns(self) -> set[int]:
         """Connections consuming from a log cursor (they may deliver once the log grows)."""
-        return {c.conn for target in self.all_cursors for c in target.consumers}
+        return self.registry.cursor_conns()
 

@@ -140,6 +140,14 @@ class Registry:
         if marked is not None:
             marked.pop(consumer, None)
 
+    def cursor_conns(self) -> set[int]:
+        """The connections with a consumer on a log cursor."""
+        return set(self._cursor_consumers)
+
+    def reads_cursors(self) -> bool:
+        """Whether any connection consumes from a log cursor."""
+        return bool(self._cursor_consumers)
+
     def candidates(self, conn: int) -> list[Consumer]:
         """The consumers of ``conn`` that may have something: its cursor consumers and its
         marked queue consumers (in the order they were marked)."""
