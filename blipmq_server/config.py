@@ -8,12 +8,10 @@ Must not import trio, typer or rich.
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
-
-import tomlkit
-from tomlkit.exceptions import ParseError
 
 from blipmq_server.errors import ConfigError
 from blipmq_server.wal import policy
@@ -317,9 +315,9 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {p}: {exc}") from None
     try:
-        doc = tomlkit.parse(text).unwrap()
-    except ParseError as exc:
-        raise ConfigError(f"{p}: TOML syntax error at line {exc.line}, column {exc.col}") from None
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: {_syntax_error(str(exc))}") from None
     out: dict[str, dict[str, object]] = {}
     for section, table in doc.items():
         if section not in _SECTIONS:
@@ -332,6 +330,15 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
                 raise ConfigError("unknown key", f"{section}.{name}")
             out.setdefault(section, {})[name] = _check(key, value, key.dotted)
     return out
+
+
+def _syntax_error(message: str) -> str:
+    """tomllib's "Invalid value (at line 2, column 8)" as "TOML syntax error at line 2,
+    column 8: invalid value"."""
+    what, _, where = message.rpartition(" (")
+    if not what or not where.startswith("at ") or not where.endswith(")"):
+        return f"TOML syntax error: {message}"
+    return f"TOML syntax error {where[:-1]}: {what[:1].lower()}{what[1:]}"
 
 
 def load(

@@ -82,6 +82,9 @@ def start(config: str | None = None, **flags: str | None) -> int:
         sys.stderr.write(f"blipmq: cannot use data directory: {exc.strerror or exc}\n")
         return 1
 
+    from blipmq_server import deferred
+
+    deferred.defer()  # before trio: its TLS and DTLS imports stay unloaded
     import trio
 
     from blipmq_server.server.app import run

@@ -3,24 +3,62 @@
 The core and the shell keep ints (``broker.results.Counters``, ``counters``); this module
 turns them into metric families when /metrics is scraped, so the hot path never touches a
 metrics object. It is handed what to read (``Sources``) and imports nothing of the server:
-no trio, no import circle.
+no trio, no import circle. It writes the Prometheus text format (version 0.0.4) itself:
+a broker's worth of counters and gauges needs a few lines, where a client library would
+stay in an idle broker's memory for its whole life (docs/PERFORMANCE.md, "Idle memory").
+A counter named ``x`` is exposed as ``x_total``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from dataclasses import dataclass, field
 
 from blipmq_server.broker.core import Broker
 from blipmq_server.counters import ConnectionCounters, WalCounters
 from blipmq_server.wal.log import Log
 from blipmq_server.wal.recovery import Recovery
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(slots=True)
+class Family:
+    """One metric: its name, ``counter`` or ``gauge``, help text and samples."""
+
+    name: str
+    kind: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
+
+    def add(self, values: list[str] | tuple[str, ...], value: float) -> None:
+        self.samples.append((tuple(values), value))
+
+    def lines(self) -> Iterator[str]:
+        name = f"{self.name}_total" if self.kind == "counter" else self.name
+        doc = self.doc.replace("\\", "\\\\").replace("\n", "\\n")
+        yield f"# HELP {name} {doc}"
+        yield f"# TYPE {name} {self.kind}"
+        for values, value in self.samples:
+            if values:
+                pairs = ",".join(
+                    f'{k}="{_label(v)}"' for k, v in zip(self.labels, values, strict=True))
+                yield f"{name}{{{pairs}}} {float(value)!r}"
+            else:
+                yield f"{name} {float(value)!r}"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def counter(name: str, doc: str, value: float) -> Family:
+    return Family(name, "counter", doc, samples=[((), value)])
+
+
+def gauge(name: str, doc: str, value: float) -> Family:
+    return Family(name, "gauge", doc, samples=[((), value)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +77,7 @@ class BrokerCollector:
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         broker = self.sources.broker
         c = broker.counters
         s = self.sources.connections
@@ -58,88 +96,69 @@ class BrokerCollector:
              c.dead_lettered),
             ("nacked", "QoS 1 deliveries given back with a negative ack", c.nacked),
         ):
-            yield CounterMetricFamily(f"blipmq_messages_{name}", doc, value=value)
-        dropped = CounterMetricFamily(
-            "blipmq_messages_dropped", "Message copies dropped, by reason", labels=["reason"]
-        )
-        dropped.add_metric(["drop_oldest"], c.dropped_oldest)
-        dropped.add_metric(["drop_new"], c.dropped_new)
-        dropped.add_metric(["ttl"], c.dropped_ttl)
-        dropped.add_metric(["no_consumer"], c.dropped_no_consumer)
+            yield counter(f"blipmq_messages_{name}", doc, value)
+        dropped = Family("blipmq_messages_dropped", "counter", "Message copies dropped, by reason",
+                         ("reason",))
+        dropped.add(["drop_oldest"], c.dropped_oldest)
+        dropped.add(["drop_new"], c.dropped_new)
+        dropped.add(["ttl"], c.dropped_ttl)
+        dropped.add(["no_consumer"], c.dropped_no_consumer)
         yield dropped
-        yield CounterMetricFamily(
-            "blipmq_connections", "Connections accepted", value=s.accepted
-        )
-        yield CounterMetricFamily(
-            "blipmq_connections_refused", "Connections refused at max_connections",
-            value=s.refused,
-        )
-        yield CounterMetricFamily(
-            "blipmq_auth_failures", "Connections that offered a refused API key",
-            value=s.auth_failures,
-        )
-        closed = CounterMetricFamily(
-            "blipmq_connections_closed", "Connections closed, by reason (slow_consumer, "
-            "keepalive_timeout, eof, goodbye, ...)", labels=["reason"])
+        yield counter("blipmq_connections", "Connections accepted", s.accepted)
+        yield counter("blipmq_connections_refused", "Connections refused at max_connections",
+                      s.refused)
+        yield counter("blipmq_auth_failures", "Connections that offered a refused API key",
+                      s.auth_failures)
+        closed = Family("blipmq_connections_closed", "counter", "Connections closed, by reason "
+                        "(slow_consumer, keepalive_timeout, eof, goodbye, ...)", ("reason",))
         for reason, n in sorted(s.closed.items()):
-            closed.add_metric([reason], n)
+            closed.add([reason], n)
         yield closed
-        yield GaugeMetricFamily(
-            "blipmq_connections_open", "Open client connections", value=s.open
-        )
+        yield gauge("blipmq_connections_open", "Open client connections", s.open)
         yield from self._wal()
         queues = broker.queues
-        yield GaugeMetricFamily("blipmq_subscriptions", "Subscriptions of connected clients "
-                                "(each member of a group counts)", value=broker.subscriptions)
-        yield GaugeMetricFamily("blipmq_queues", "Subscription and group queues", value=len(queues))
-        yield GaugeMetricFamily(
-            "blipmq_queue_depth", "Messages waiting in all queues",
-            value=sum(len(q.items) for q in queues),
-        )
+        yield gauge("blipmq_subscriptions", "Subscriptions of connected clients "
+                    "(each member of a group counts)", broker.subscriptions)
+        yield gauge("blipmq_queues", "Subscription and group queues", len(queues))
+        yield gauge("blipmq_queue_depth", "Messages waiting in all queues",
+                    sum(len(q.items) for q in queues))
         retained = broker.retained
-        yield GaugeMetricFamily("blipmq_retained_topics", "Topics holding a retained value",
-                                value=len(retained))
-        yield GaugeMetricFamily("blipmq_retained_bytes", "Bytes of retained message records",
-                                value=retained.size)
-        yield CounterMetricFamily("blipmq_retained_sent", "Retained values handed to new "
-                                  "subscriptions", value=c.retained_sent)
-        yield CounterMetricFamily("blipmq_retained_refused", "Retained publishes refused at "
-                                  "retained.max_topics or retained.max_bytes",
-                                  value=retained.refused)
+        yield gauge("blipmq_retained_topics", "Topics holding a retained value", len(retained))
+        yield gauge("blipmq_retained_bytes", "Bytes of retained message records", retained.size)
+        yield counter("blipmq_retained_sent", "Retained values handed to new subscriptions",
+                      c.retained_sent)
+        yield counter("blipmq_retained_refused", "Retained publishes refused at "
+                      "retained.max_topics or retained.max_bytes", retained.refused)
         yield from self._groups()
 
-    def _groups(self) -> Iterator[Metric]:
+    def _groups(self) -> Iterator[Family]:
         broker = self.sources.broker
         groups = broker.durable_groups
-        yield GaugeMetricFamily("blipmq_durable_groups", "Durable (QoS 1) consumer groups",
-                                value=len(groups))
-        yield CounterMetricFamily(
+        yield gauge("blipmq_durable_groups", "Durable (QoS 1) consumer groups", len(groups))
+        yield counter(
             "blipmq_durable_groups_expired",
             "Durable groups dropped after delivery.group_expiry_ms without a consumer",
-            value=broker.counters.groups_expired,
+            broker.counters.groups_expired,
         )
-        labels = ["filter", "group"]
-        behind = GaugeMetricFamily(
-            "blipmq_group_backlog",
+        labels = ("filter", "group")
+        behind = Family(
+            "blipmq_group_backlog", "gauge",
             "Logged messages of the group's own topics it has not delivered yet (counted on "
-            "append; after a restart or a replay's creation, once its count is done)",
-            labels=labels)
-        flying = GaugeMetricFamily("blipmq_group_in_flight", "Deliveries waiting for an ack",
-                                   labels=labels)
-        skipped = CounterMetricFamily(
-            "blipmq_group_skipped",
-            "Records the retention size cap removed before the group read them", labels=labels)
+            "append; after a restart or a replay's creation, once its count is done)", labels)
+        flying = Family("blipmq_group_in_flight", "gauge", "Deliveries waiting for an ack", labels)
+        skipped = Family(
+            "blipmq_group_skipped", "counter",
+            "Records the retention size cap removed before the group read them", labels)
         for g in groups:
             key = [g.filter, g.group]
-            behind.add_metric(key, max(0, g.backlog))
-            flying.add_metric(key, len(g.inflight))
-            skipped.add_metric(key, g.skipped)
+            behind.add(key, max(0, g.backlog))
+            flying.add(key, len(g.inflight))
+            skipped.add(key, g.skipped)
         yield behind
         yield flying
         yield skipped
 
-
-    def _wal(self) -> Iterator[Metric]:
+    def _wal(self) -> Iterator[Family]:
         wal, w, found = self.sources.wal, self.sources.writes, self.sources.recovery
         if wal is None or w is None:
             return
@@ -155,35 +174,25 @@ class BrokerCollector:
             ("maintenance_runs", "Rounds of group expiry, checkpoints and retention",
              w.maintenance_runs),
         ):
-            yield CounterMetricFamily(f"blipmq_wal_{name}", doc, value=value)
-        yield CounterMetricFamily("blipmq_wal_cache_hits",
-                                  "Log reads served from the recent-records cache",
-                                  value=wal.cache_hits)
-        yield CounterMetricFamily("blipmq_wal_cache_misses",
-                                  "Log reads that went to the segment files",
-                                  value=wal.cache_misses)
-        yield GaugeMetricFamily("blipmq_wal_segments", "Segment files", value=len(wal.segments))
-        yield GaugeMetricFamily("blipmq_wal_size_bytes", "Bytes in segment files",
-                                value=wal.total_bytes)
-        yield GaugeMetricFamily("blipmq_wal_pending_records", "Appended, not yet written",
-                                value=wal.pending_records)
-        yield GaugeMetricFamily("blipmq_wal_unsynced_records", "Written, not yet fsynced",
-                                value=w.unsynced)
+            yield counter(f"blipmq_wal_{name}", doc, value)
+        yield counter("blipmq_wal_cache_hits", "Log reads served from the recent-records cache",
+                      wal.cache_hits)
+        yield counter("blipmq_wal_cache_misses", "Log reads that went to the segment files",
+                      wal.cache_misses)
+        yield gauge("blipmq_wal_segments", "Segment files", len(wal.segments))
+        yield gauge("blipmq_wal_size_bytes", "Bytes in segment files", wal.total_bytes)
+        yield gauge("blipmq_wal_pending_records", "Appended, not yet written",
+                    wal.pending_records)
+        yield gauge("blipmq_wal_unsynced_records", "Written, not yet fsynced", w.unsynced)
         if found is not None:
-            yield GaugeMetricFamily("blipmq_wal_recovery_torn_bytes",
-                                    "Bytes cut off a torn tail at the last start",
-                                    value=found.torn_bytes)
-            yield GaugeMetricFamily("blipmq_wal_recovery_quarantined",
-                                    "Damaged segment parts set aside at the last start",
-                                    value=len(found.quarantined))
+            yield gauge("blipmq_wal_recovery_torn_bytes",
+                        "Bytes cut off a torn tail at the last start", found.torn_bytes)
+            yield gauge("blipmq_wal_recovery_quarantined",
+                        "Damaged segment parts set aside at the last start",
+                        len(found.quarantined))
 
 
-def registry_for(sources: Sources) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(BrokerCollector(sources))  # type: ignore[arg-type]
-    return registry
-
-
-def render(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
-
+def render(sources: Sources) -> bytes:
+    """The /metrics page: every family in the Prometheus text format."""
+    lines = [line for family in BrokerCollector(sources).collect() for line in family.lines()]
+    return ("\n".join(lines) + "\n").encode()

@@ -54,3 +54,32 @@ def test_the_listening_line_follows_the_log_recovery_line(start_broker) -> None:
     assert f"listening on {b.addr}" in listening and "/metrics" in listening
     nolog = start_broker({"wal": {"enabled": False}})
     assert nolog.wait_log("listening on") == nolog.log[0]  # no log: nothing to recover
+
+
+def test_metrics_parse_with_an_independent_parser_even_for_odd_filters(start_broker) -> None:
+    """/metrics is written by the broker itself (blipmq_server/metrics.py); Prometheus's own
+    Python parser must read all of it, and a durable group whose filter holds a quote, a
+    backslash and a newline must come back with that filter as its label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    b = start_broker()
+    odd = 'odd"filter\\with/\nnewline'
+    assert b.cli("pub", "--qos", "1", odd.replace("\n", "x"), "one").returncode == 0
+    res = b.cli("sub", odd, "--group", "g", "--qos", "1", "--from", "earliest", "-e")
+    assert res.returncode == 0, res.stderr
+    families = {f.name: f for f in text_string_to_metric_families(b.metrics())}
+    assert families["blipmq_messages_published"].type == "counter"
+    assert families["blipmq_messages_published"].samples[0].value == 1
+    assert families["blipmq_connections_open"].type == "gauge"
+    labels = [s.labels for s in families["blipmq_group_in_flight"].samples]
+    assert {"filter": odd, "group": "g"} in labels
+
+
+def test_the_broker_does_not_load_openssl(start_broker) -> None:
+    """trio imports ssl and hmac; the broker defers them (blipmq_server/deferred.py), so an
+    idle broker's memory holds neither libssl nor libcrypto (docs/PERFORMANCE.md)."""
+    b = start_broker()
+    assert b.cli("pub", "t", "x").returncode == 0
+    b.metric("blipmq_messages_published_total")  # the HTTP side has served a request too
+    maps = open(f"/proc/{b.proc.pid}/maps").read()
+    assert "libssl" not in maps and "libcrypto" not in maps

@@ -14,7 +14,8 @@ _START_PATH = """
 import json, sys
 from blipmq_cli import main, fast
 fast.parser("start")
-from blipmq_server import daemon, config, logs
+from blipmq_server import daemon, config, logs, deferred
+deferred.defer()
 from blipmq_server.server import app, http
 print(json.dumps(sorted(sys.modules)))
 """
@@ -24,6 +25,8 @@ _NOT_IN_THE_BROKER = [
     "blipmq_cli.commands", "blipmq_cli.client", "blipmq_cli.output",  # the client
     "pytest", "_pytest", "trio.testing", "hypothesis",  # test tools (trio.testing -> pytest)
     "importlib.metadata", "zipfile", "csv",  # what crc32c's __init__ brings
+    "_ssl", "_hashlib", "hashlib",  # OpenSSL, which trio's TLS and DTLS import (deferred)
+    "prometheus_client", "tomlkit",  # /metrics and the config file need neither
 ]
 
 
@@ -42,3 +45,30 @@ def test_the_checksum_is_crc32c_however_it_was_loaded() -> None:
     import crc32c as package  # the package, imported later, shares the compiled module
 
     assert package.crc32c(b"123456789") == 0xE3069283
+
+
+_STAND_IN = """
+import sys
+from blipmq_server import deferred
+assert deferred.defer() == ["ssl", "hmac"]
+import trio
+assert "_ssl" not in sys.modules and "_hashlib" not in sys.modules
+stand_in = sys.modules["ssl"]
+assert not hasattr(stand_in, "__file__")  # reading a dunder does not load it
+assert "_ssl" not in sys.modules
+from ssl import SSLContext  # the first real attribute loads it
+assert "_ssl" in sys.modules and sys.modules["ssl"] is not stand_in
+assert stand_in.SSLContext is SSLContext is sys.modules["ssl"].SSLContext
+assert trio._ssl._stdlib_ssl.SSLContext is SSLContext  # references taken before work
+import hmac
+assert hmac.new(b"k", b"m", "sha256").hexdigest().startswith("b60090e3")
+assert deferred.defer() == []  # nothing left to defer
+print("ok")
+"""
+
+
+def test_a_deferred_module_loads_on_first_use_and_works() -> None:
+    out = subprocess.run([sys.executable, "-c", _STAND_IN], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -12,8 +12,6 @@ from blipmq_server import metrics
 from blipmq_server.server.listeners import open_listeners
 
 if TYPE_CHECKING:
-    from prometheus_client.registry import CollectorRegistry
-
     from blipmq_server.server.app import Server
 
 log = logging.getLogger("blipmq.http")
@@ -23,14 +21,14 @@ _MAX_REQUEST = 8192
 async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> None:
     cfg = server.config.metrics
     listeners = await open_listeners(cfg.host, cfg.port, "metrics listener")
-    registry = metrics.registry_for(metrics.Sources(
+    sources = metrics.Sources(
         server.broker, server.counters, server.wal,
-        None if server.flusher is None else server.flusher.counters, server.recovery))
+        None if server.flusher is None else server.flusher.counters, server.recovery)
     task_status.started(listeners[0].socket.getsockname()[1])
-    await trio.serve_listeners(partial(_handle, server, registry), listeners)
+    await trio.serve_listeners(partial(_handle, server, sources), listeners)
 
 
-async def _handle(server: Server, registry: CollectorRegistry, stream: trio.SocketStream) -> None:
+async def _handle(server: Server, sources: metrics.Sources, stream: trio.SocketStream) -> None:
     try:
         with trio.move_on_after(5):
             request = b""
@@ -40,7 +38,7 @@ async def _handle(server: Server, registry: CollectorRegistry, stream: trio.Sock
                     break
                 request += chunk
             try:
-                status, ctype, body = _respond(server, registry, request)
+                status, ctype, body = _respond(server, sources, request)
             except Exception:  # a bug here must not take the broker down
                 log.exception("error while answering an HTTP request")
                 status, ctype, body = "500 Internal Server Error", "text/plain", b"error\n"
@@ -55,7 +53,7 @@ async def _handle(server: Server, registry: CollectorRegistry, stream: trio.Sock
         await trio.aclose_forcefully(stream)
 
 
-def _respond(server: Server, registry: CollectorRegistry, request: bytes) -> tuple[str, str, bytes]:
+def _respond(server: Server, sources: metrics.Sources, request: bytes) -> tuple[str, str, bytes]:
     text = "text/plain; charset=utf-8"
     try:
         method, target, _ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
@@ -65,7 +63,7 @@ def _respond(server: Server, registry: CollectorRegistry, request: bytes) -> tup
         return "405 Method Not Allowed", text, b"only GET\n"
     path = target.split("?", 1)[0]
     if path == "/metrics":
-        return "200 OK", metrics.CONTENT_TYPE, metrics.render(registry)
+        return "200 OK", metrics.CONTENT_TYPE, metrics.render(sources)
     if path == "/health":
         return "200 OK", text, b"ok\n"
     if path == "/ready":

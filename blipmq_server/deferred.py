@@ -1,0 +1,55 @@
+"""Modules trio imports for features the broker does not use, loaded on first use instead.
+
+``import trio`` imports ``ssl`` (for ``trio.SSLStream``: OpenSSL's libssl and libcrypto)
+and ``hmac`` (for DTLS cookies: ``hashlib``, and libcrypto again). The broker speaks plain
+TCP and HTTP, so these 5 MB of an idle broker's memory (docs/PERFORMANCE.md, "Idle
+memory") would sit unused for its whole life. ``defer`` puts a stand-in module into
+``sys.modules`` for each name before trio is imported: ``import ssl`` gets the stand-in,
+and the first attribute anybody reads from it (``ssl.SSLContext``, ``from ssl import X``)
+imports the real module and copies its contents into the stand-in, so references taken
+earlier see the real thing from then on.
+
+What differs from a plain import until then: the stand-in has no ``__file__``,
+``__path__`` or ``__spec__`` (reading a double-underscore name does not load it, so tools
+that walk ``sys.modules``, such as ``inspect.getmodule``, do not load every stand-in).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+# trio imports them; the broker never calls into them (tests/test_start_imports.py)
+UNUSED_BY_THE_BROKER = ("ssl", "hmac")
+
+
+class _Deferred(types.ModuleType):
+    """Stands for a module until its first attribute is read."""
+
+    def __getattr__(self, name: str) -> object:  # only for names not yet in the module
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return getattr(load(self), name)
+
+
+def load(stand_in: types.ModuleType) -> types.ModuleType:
+    """Import the real module ``stand_in`` stands for and fill the stand-in from it."""
+    module_name = stand_in.__name__
+    if sys.modules.get(module_name) is stand_in:
+        del sys.modules[module_name]
+    try:
+        real = importlib.import_module(module_name)
+    except BaseException:
+        sys.modules.setdefault(module_name, stand_in)
+        raise
+    stand_in.__dict__.update(real.__dict__)
+    return real
+
+
+def defer(names: tuple[str, ...] = UNUSED_BY_THE_BROKER) -> list[str]:
+    """Stand-ins for those of ``names`` not imported yet; returns the names deferred."""
+    deferred = [name for name in names if name not in sys.modules]
+    for name in deferred:
+        sys.modules[name] = _Deferred(name)
+    return deferred
