@@ -7,7 +7,9 @@ twice: with the benchmark's configuration (bench/run.py: metrics off) and with t
 defaults (metrics on), waits until it accepts a connection and one more second, and reads
 /proc/PID/status and /proc/PID/smaps_rollup: RSS, and how much of it is the process's own
 memory (anonymous) and how much mapped files (the interpreter, shared libraries: shared
-with every other Python process using them). Then, in a fresh interpreter, it imports the
+with every other Python process using them), and PSS (shared pages divided among the
+processes sharing them). For a onefile executable it measures the broker (the
+bootloader's child) and reports the bootloader apart. Then, in a fresh interpreter, it imports the
 start path's modules one group at a time and prints the RSS each group adds (the
 breakdown in docs/PERFORMANCE.md).
 """
@@ -100,11 +102,14 @@ def idle(blipmq: str, work: Path, metrics: bool) -> dict:
         rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         children = Path(f"/proc/{pid}/task").iterdir()
         boot = Path(f"/proc/{proc.pid}/status").read_text() if kids else ""
+        boot_rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text() if kids else ""
         return {"rss_mb": round(kib(status, "VmRSS") / 1024, 1),
+                "pss_mb": round(kib(rollup, "Pss") / 1024, 1),
                 "anon_mb": round(kib(rollup, "Anonymous") / 1024, 1),
                 "file_mb": round((kib(rollup, "Rss") - kib(rollup, "Anonymous")) / 1024, 1),
                 "threads": sum(1 for _ in children),
-                "bootloader_rss_mb": round(kib(boot, "VmRSS") / 1024, 1) if boot else 0.0}
+                "bootloader_rss_mb": round(kib(boot, "VmRSS") / 1024, 1) if boot else 0.0,
+                "bootloader_pss_mb": round(kib(boot_rollup, "Pss") / 1024, 1)}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the group: a onefile bootloader ignores signals
         proc.wait(30)
@@ -141,7 +146,11 @@ def main() -> None:
                            "median_rss_mb": sorted(r["rss_mb"] for r in runs)[len(runs) // 2]}
             print(f"idle, {key}: RSS {[r['rss_mb'] for r in runs]} MB "
                   f"(anonymous {[r['anon_mb'] for r in runs]}, "
-                  f"files {[r['file_mb'] for r in runs]})", file=sys.stderr)
+                  f"files {[r['file_mb'] for r in runs]}; "
+                  f"PSS {[r['pss_mb'] for r in runs]})", file=sys.stderr)
+            if any(r["bootloader_rss_mb"] for r in runs):
+                print(f"  onefile bootloader: RSS {[r['bootloader_rss_mb'] for r in runs]} MB, "
+                      f"PSS {[r['bootloader_pss_mb'] for r in runs]} MB", file=sys.stderr)
     if args.blipmq == BLIPMQ:  # the breakdown is of this interpreter's modules
         report["breakdown"] = breakdown()
         for row in report["breakdown"]:
