@@ -115,6 +115,10 @@ def test_operator_session(executable: Executable, runner: Runner, tmp_path: Path
 
     # /metrics over HTTP counts what was published
     assert broker.metric("blipmq_messages_published_total") == 5
+    # trio's ssl and hmac stay deferred in the bundle too: the broker maps no OpenSSL
+    (child,) = Path(f"/proc/{broker.proc.pid}/task/{broker.proc.pid}/children").read_text().split()
+    maps = Path(f"/proc/{child}/maps").read_text()
+    assert "libssl" not in maps and "libcrypto" not in maps
 
     # bad input: one line on stderr, its documented exit code, no traceback
     for args, code in ((("pub", "bad/#/topic", "x"), 7), (("sub", "t", "--count", "x"), 2)):
