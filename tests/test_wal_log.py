@@ -549,3 +549,15 @@ def test_offset_at_finds_the_first_record_at_a_time_without_scanning(tmp_path: P
         assert disk.read_bytes < 2 * opts.segment_bytes < size // 5  # headers, one segment
     log.append(1, b"pending", 2_000_000)  # not written yet: not found
     assert log.offset_at(2_000_000) == 3001
+
+
+def test_encode_many_writes_what_encode_writes_record_by_record() -> None:
+    """encode_many runs the CRC over the fixed part and then the body (one copy per
+    record); the bytes must be those of encode, which checksums them joined."""
+    import os
+
+    from blipmq_server.wal import record as rec
+
+    bodies = [b"", b"x", os.urandom(100), os.urandom(70_000)]
+    assert rec.encode_many(1, 5, 123, bodies) == [
+        rec.encode(1, 5 + i, 123, body) for i, body in enumerate(bodies)]

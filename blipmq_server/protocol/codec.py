@@ -131,19 +131,24 @@ def encode_publish(records: list[bytes], request_id: int = 0) -> bytes:
     """A PUBLISH frame from message records made by :func:`message_record`."""
     if not 1 <= len(records) <= MAX_BATCH:
         raise LocalProtocolError(f"a PUBLISH carries 1 to {MAX_BATCH} messages, not {len(records)}")
-    body = b"".join(records)
-    head = HEADER.pack(7 + len(body), FrameType.PUBLISH, _u(request_id, 32, "request_id"))
-    return head + _U16.pack(len(records)) + body
+    size = sum(map(len, records))
+    head = HEADER.pack(7 + size, FrameType.PUBLISH, _u(request_id, 32, "request_id"))
+    return b"".join([head + _U16.pack(len(records)), *records])
+
+
+def deliver_head(sub_id: int, records: list[bytes], request_id: int = 0) -> bytes:
+    """The bytes of a DELIVER frame before its records, which follow it as they are (the
+    broker's writer joins heads and records of several frames with one copy)."""
+    size = sum(map(len, records))
+    return (
+        HEADER.pack(11 + size, FrameType.DELIVER, _u(request_id, 32, "request_id"))
+        + _ACK_HEAD.pack(_u(sub_id, 32, "sub_id"), _u(len(records), 16, "DELIVER count"))
+    )
 
 
 def encode_deliver(sub_id: int, records: list[bytes], request_id: int = 0) -> bytes:
     """A DELIVER frame from delivery records (``DELIVERY_PREFIX`` + message record)."""
-    body = b"".join(records)
-    return (
-        HEADER.pack(11 + len(body), FrameType.DELIVER, _u(request_id, 32, "request_id"))
-        + _ACK_HEAD.pack(_u(sub_id, 32, "sub_id"), _u(len(records), 16, "DELIVER count"))
-        + body
-    )
+    return b"".join([deliver_head(sub_id, records, request_id), *records])
 
 
 def _body(frame: Frame) -> bytes:
@@ -411,21 +416,28 @@ class Decoder:
 
     Raises :class:`RemoteProtocolError` (with ``code``) on the first malformed or oversized
     frame; after that the decoder is unusable, as the connection should be closed.
+
+    It keeps the chunks it was fed as they came and joins them only once a whole frame is
+    there: a chunk that holds whole frames is decoded where it lies, and a large frame that
+    came in several chunks is copied once, not once per chunk.
     """
 
-    __slots__ = ("_buf", "_error", "max_frame")
+    __slots__ = ("_chunks", "_error", "_size", "max_frame")
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        self._buf = bytearray()
+        self._chunks: list[bytes] = []
+        self._size = 0
         self._error: RemoteProtocolError | None = None
         self.max_frame = max_frame
 
     def feed(self, data: bytes) -> None:
-        self._buf += data
+        if data:
+            self._chunks.append(data)
+            self._size += len(data)
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return self._size
 
     def frames(self) -> list[Frame]:
         """Every complete frame buffered so far, in order.
@@ -435,14 +447,16 @@ class Decoder:
         """
         if self._error is not None:
             raise self._error
-        buf = self._buf
-        size = len(buf)
+        size = self._size
         if size < 4:
             return []
-        (first,) = _U32.unpack_from(buf, 0)
+        chunks = self._chunks
+        if len(chunks[0]) < 4:  # a length split across chunks: join them (they are small)
+            chunks[:] = [b"".join(chunks)]
+        (first,) = _U32.unpack_from(chunks[0], 0)
         if MIN_LENGTH <= first <= self.max_frame and size < 4 + first:
-            return []  # the first frame is incomplete: do not copy the buffer yet
-        data = bytes(buf)
+            return []  # the first frame is incomplete: do not copy anything yet
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         out: list[Frame] = []
         pos = 0
         unpack = HEADER.unpack_from
@@ -469,8 +483,8 @@ class Decoder:
             if not out:
                 raise
             self._error = exc
-        if pos:
-            del buf[:pos]
+        self._chunks = [data[pos:]] if pos < size else []
+        self._size = size - pos
         return out
 
 

@@ -194,18 +194,18 @@ class Session:
         to their cursor, one delivery count higher."""
         parts = self.outbox
         self.outbox = []
+        owed = sum(map(len, parts))  # counted in pending_bytes when they were sent
         taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, now_ms(),
                                     wall_ms(), qos0_only=self.closing)
-        delivered = 0
-        for sub_id, records in taken.batches:
-            frame = codec.encode_deliver(sub_id, records)
-            parts.append(frame)
-            delivered += len(frame)
+        for sub_id, records in taken.batches:  # heads and records: joined once, below
+            parts.append(codec.deliver_head(sub_id, records))
+            parts += records
         self.server.release(taken.released)
         if taken.fetches:
             self.server.prefetcher.request(taken.fetches)  # type: ignore[union-attr]
-        self.pending_bytes += delivered
-        return b"".join(parts), taken.behind
+        data = b"".join(parts)
+        self.pending_bytes += len(data) - owed
+        return data, taken.behind
 
     # ----------------------------------------------------------------------------- reader
 
