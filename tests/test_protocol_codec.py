@@ -846,3 +846,26 @@ def test_hypothesis_mutated_frames_only_raise_remote_protocol_error(
         dec.frames()
     except RemoteProtocolError:
         pass
+
+
+def test_a_frame_fed_a_byte_at_a_time_costs_about_its_size_in_memory() -> None:
+    """A peer that trickles a large frame a byte per read must not make the decoder keep an
+    object per byte (server rule: memory stays bounded whatever a client does)."""
+    import tracemalloc
+
+    frame = encode(Ping(b"p" * 400_000, 1))
+    dec = Decoder()
+    tracemalloc.start()
+    try:
+        for i in range(len(frame) - 1):
+            dec.feed(frame[i : i + 1])
+            if i % 50_000 == 0:
+                assert dec.frames() == []  # incomplete: nothing to give yet
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert dec.buffered == len(frame) - 1
+    assert held < 2 * len(frame)
+    dec.feed(frame[-1:])
+    assert dec.frames() == [Ping(b"p" * 400_000, 1)]
+    assert dec.buffered == 0

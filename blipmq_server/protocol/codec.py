@@ -411,33 +411,59 @@ def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame
     return frame
 
 
+_KEEP_CHUNK = 1024  # a fed chunk this big is kept as it is; smaller ones are gathered
+_SMALL_LIMIT = 65536  # gathered small chunks become one chunk at this size
+
+
 class Decoder:
     """Incremental frame decoder: ``feed`` bytes as they arrive, then ``frames()``.
 
     Raises :class:`RemoteProtocolError` (with ``code``) on the first malformed or oversized
     frame; after that the decoder is unusable, as the connection should be closed.
 
-    It keeps the chunks it was fed as they came and joins them only once a whole frame is
-    there: a chunk that holds whole frames is decoded where it lies, and a large frame that
-    came in several chunks is copied once, not once per chunk.
+    It keeps chunks of 1 KiB or more as they came and joins them only once a whole frame
+    is there: a chunk that holds whole frames is decoded where it lies, and a large frame
+    that came in several chunks is copied once, not once per chunk. Smaller chunks gather in
+    a buffer of their own (up to 64 KiB at a time), so a peer that sends a frame a byte at a
+    time costs about the frame's size in memory, not an object per byte.
     """
 
-    __slots__ = ("_chunks", "_error", "_size", "max_frame")
+    __slots__ = ("_chunks", "_error", "_size", "_small", "max_frame")
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self._chunks: list[bytes] = []
+        self._small = bytearray()  # what came after the last chunk, in pieces under 1 KiB
         self._size = 0
         self._error: RemoteProtocolError | None = None
         self.max_frame = max_frame
 
     def feed(self, data: bytes) -> None:
-        if data:
+        small = self._small
+        if len(data) < _KEEP_CHUNK:
+            small += data
+            if len(small) >= _SMALL_LIMIT:
+                self._chunks.append(bytes(small))
+                small.clear()
+        else:
+            if small:
+                self._chunks.append(bytes(small))
+                small.clear()
             self._chunks.append(data)
-            self._size += len(data)
+        self._size += len(data)
 
     @property
     def buffered(self) -> int:
         return self._size
+
+    def _joined(self) -> bytes:
+        """Everything buffered, as one bytes object (a copy only when it is in pieces)."""
+        chunks = self._chunks
+        if self._small:
+            chunks.append(bytes(self._small))
+            self._small.clear()
+        if len(chunks) > 1:
+            chunks[:] = [b"".join(chunks)]
+        return chunks[0]
 
     def frames(self) -> list[Frame]:
         """Every complete frame buffered so far, in order.
@@ -451,12 +477,11 @@ class Decoder:
         if size < 4:
             return []
         chunks = self._chunks
-        if len(chunks[0]) < 4:  # a length split across chunks: join them (they are small)
-            chunks[:] = [b"".join(chunks)]
-        (first,) = _U32.unpack_from(chunks[0], 0)
+        head = chunks[0] if chunks and len(chunks[0]) >= 4 else self._joined()
+        (first,) = _U32.unpack_from(head, 0)
         if MIN_LENGTH <= first <= self.max_frame and size < 4 + first:
             return []  # the first frame is incomplete: do not copy anything yet
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        data = self._joined()
         out: list[Frame] = []
         pos = 0
         unpack = HEADER.unpack_from
@@ -483,7 +508,7 @@ class Decoder:
             if not out:
                 raise
             self._error = exc
-        self._chunks = [data[pos:]] if pos < size else []
+        self._chunks = [data[pos:]] if pos < size else []  # data holds all: _small is empty
         self._size = size - pos
         return out
 
