@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import newer_nats  # bench/newer_nats.py, beside this script
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 BLIPMQ = str(Path(PY).with_name("blipmq"))
@@ -108,7 +110,7 @@ class Broker:
 
 
 def start_broker(kind: str, work: Path, *, fsync: str = "always",
-                 jetstream: str | None = None) -> Broker:
+                 jetstream: str | None = None, exe: str | None = None) -> Broker:
     port = free_port()
     d = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
     if kind == "blipmq":
@@ -126,7 +128,7 @@ def start_broker(kind: str, work: Path, *, fsync: str = "always",
             js = f"jetstream {{ store_dir: \"{d / 'js'}\"" + (
                 ", sync_interval: always" if jetstream == "always" else "") + " }\n"
         (d / "n.conf").write_text(f"listen: 127.0.0.1:{port}\n{js}")
-        argv = [find("nats-server") or "nats-server", "-c", str(d / "n.conf")]
+        argv = [exe or find("nats-server") or "nats-server", "-c", str(d / "n.conf")]
     elif kind == "redis":
         argv = [find("redis-server") or "redis-server", "--port", str(port), "--bind",
                 "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)]
@@ -311,17 +313,28 @@ def pipe(kind: str, broker: Broker, n: int, work: Path, rows: list[Row]) -> None
           file=sys.stderr)
 
 
-def durable(kinds: list[str], n: int, work: Path, rows: list[Row],
-            skipped: dict[str, str]) -> None:
+def jetstream_setups(work: Path, js: tuple[str | None, str],
+                     skipped: dict[str, str]) -> list[tuple[str, str, Callable[[], Broker]]]:
+    """JetStream default and sync-always on the same nats-server >= 2.10 when there is one;
+    else the default on Debian 12's and the sync-always run skipped with the reason."""
+    exe, note = js
+    if exe is None:
+        skipped["durable nats JetStream sync always"] = note
+        return [("nats", "JetStream default",
+                 lambda: start_broker("nats", work, jetstream="default"))]
+    return [("nats", f"JetStream {label}, nats-server {note}",
+             lambda setting=setting: start_broker("nats", work, jetstream=setting, exe=exe))
+            for setting, label in (("default", "default"), ("always", "sync always"))]
+
+
+def durable(kinds: list[str], n: int, work: Path, rows: list[Row], skipped: dict[str, str],
+            js: tuple[str | None, str]) -> None:
     setups: list[tuple[str, str, Callable[[], Broker]]] = []
     if "blipmq" in kinds:
         setups += [("blipmq", "fsync always", lambda: start_broker("blipmq", work)),
                    ("blipmq", "fsync none", lambda: start_broker("blipmq", work, fsync="none"))]
     if "nats" in kinds:
-        setups += [("nats", "JetStream default",
-                    lambda: start_broker("nats", work, jetstream="default")),
-                   ("nats", "JetStream sync always",
-                    lambda: start_broker("nats", work, jetstream="always"))]
+        setups += jetstream_setups(work, js, skipped)
     for kind, setting, make in setups:
         try:
             broker = make()
@@ -409,7 +422,14 @@ def ratio(a: float | None, b: float | None) -> str:
 def summary(rows: list[Row], meta: dict) -> str:
     """The Markdown tables docs/PERFORMANCE.md quotes: figures and BlipMQ/peer ratios."""
     peers = [k for k in ("mosquitto", "nats", "redis") if any(r["broker"] == k for r in rows)]
-    out = [f"Run {meta['date']} on {meta['machine']}; command: `{meta['command']}`", ""]
+    out = [f"Run {meta['date']} on {meta['machine']}; command: `{meta['command']}`; "
+           f"load average {meta['loadavg_start']:.2f} before, "
+           f"{meta.get('loadavg_end', 0):.2f} after", ""]
+    versions = [f"{k} {v}" for k, v in meta["versions"].items()]
+    if meta.get("jetstream_server"):
+        versions.append(f"JetStream runs: nats-server {meta['jetstream_server']} "
+                        "(Debian trixie, cached)")
+    out += ["Versions: " + "; ".join(versions), ""]
     by = {(r["workload"], r["broker"], r.get("size"), r.get("client")): r for r in rows}
 
     def find_row(workload: str, broker: str, size: int | None = None) -> Row | None:
@@ -457,12 +477,7 @@ def summary(rows: list[Row], meta: dict) -> str:
               for c in cells[1:]]
     lines.append("| CLI pipe, msg/s | " + " | ".join(fmt + ratios) + " |")
     out += [*lines, ""]
-    dur = [r for r in rows if r["workload"] == "durable confirmed"]
-    if dur:
-        out += ["| durable, confirmed 100 B messages | msg/s | broker CPU us/msg |",
-                "|---|---:|---:|"]
-        out += [f"| {r['broker']} ({r['client']}) | {r['msg_per_s']:,} | "
-                f"{r['cpu_us_per_delivery']} |" for r in dur] + [""]
+    out += durable_table(rows)
     cur = [r for r in rows if r["workload"].startswith("curve")]
     if cur:
         out += ["| cost curve (BlipMQ) | scale | deliveries/s | broker CPU us/delivery |",
@@ -472,6 +487,18 @@ def summary(rows: list[Row], meta: dict) -> str:
     if meta["skipped"]:
         out += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items()), ""]
     return "\n".join(out)
+
+
+def durable_table(rows: list[Row]) -> list[str]:
+    dur = [r for r in rows if r["workload"] == "durable confirmed"]
+    if not dur:
+        return []
+    best = next((r["msg_per_s"] for r in dur if r["client"].endswith("fsync always")), None)
+    out = ["| durable, confirmed 100 B messages | msg/s | broker CPU us/msg | "
+           "BlipMQ fsync always / this |", "|---|---:|---:|---:|"]
+    out += [f"| {r['broker']} ({r['client']}) | {r['msg_per_s']:,} | "
+            f"{r['cpu_us_per_delivery']} | {ratio(best, r['msg_per_s'])} |" for r in dur]
+    return [*out, ""]
 
 
 def write(rows: list[Row], meta: dict, out: Path) -> None:
@@ -511,6 +538,10 @@ def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 1,000 connections
     kinds, skipped = ensure_peers(kinds, not args.no_install)
+    js: tuple[str | None, str] = (None, "not wanted")
+    if "nats" in kinds and "durable" in workloads:
+        exe, note = newer_nats.obtain(not args.no_install)
+        js = (str(exe) if exe else None, note)
     level = "quick" if args.quick else "full"
     sizes = {s: n for s, n in SIZES[level].items() if str(s) in args.sizes.split(",")}
     command = "python bench/compare.py" + (" --quick" if args.quick else "")
@@ -524,6 +555,7 @@ def main() -> None:
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, "
                        f"{platform.platform(terse=True)}, Python {platform.python_version()}",
             "versions": {k: version(k) for k in kinds}, "skipped": skipped,
+            "jetstream_server": js[1] if js[0] else None,
             "loadavg_start": os.getloadavg()[0]}
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="blipmq-compare-") as tmp:
@@ -555,7 +587,7 @@ def main() -> None:
                 broker.stop()
         if "durable" in workloads:
             print("durable:", file=sys.stderr)
-            durable(kinds, 2_000 if args.quick else 50_000, work, rows, skipped)
+            durable(kinds, 2_000 if args.quick else 50_000, work, rows, skipped, js)
         if "curve" in workloads and "blipmq" in kinds:
             print("cost curve:", file=sys.stderr)
             curve(work, args.quick, rows)

@@ -5,7 +5,8 @@
                                               publish N messages; RATE msg/s open loop (0: flat
                                               out); TOPICS > 1 spreads them over TOPIC/0..TOPICS-1
     drive.py CLIENT durable URL TOPIC N SIZE  publish N confirmed-durable messages (blipmq QoS 1,
-                                              nats JetStream), pipelined 100 at a time
+                                              nats JetStream), 100 at a time: send 100,
+                                              wait for their 100 confirms, send the next
     drive.py CLIENT hold URL TOPIC C          keep C connections open, each subscribed to
                                               TOPIC/i, until stdin closes
 
@@ -27,6 +28,7 @@ from blipmq_cli.bench import HEADER, Histogram
 
 IDLE = 3.0  # s without a message, after the first: the rest is lost
 FIRST = 30.0  # s to wait for the first message
+IN_FLIGHT = 100  # durable: confirmed publishes in flight, in lockstep batches
 
 
 class Counter:
@@ -160,12 +162,12 @@ def blipmq_durable(url: str, topic: str, n: int, size: int) -> dict:
     batch: list = []
     for _, p in payloads(n, size, 0):
         batch.append(Message(topic, p, 1))
-        if len(batch) == 100:
+        if len(batch) == IN_FLIGHT:  # as nats_durable: send 100, wait for their 100 confirms
             client.publish_many(batch)
-            client.check()
+            client.wait_confirms(timeout=60)
             batch = []
     client.publish_many(batch)
-    client.wait_confirms(timeout=300)
+    client.wait_confirms(timeout=60)
     end = time.monotonic()
     confirmed = client.confirmed
     client.close()
@@ -292,7 +294,7 @@ def nats_durable(url: str, topic: str, n: int, size: int) -> dict:
         batch: list = []
         for _, p in payloads(n, size, 0):
             batch.append(js.publish(subject, p, timeout=60))
-            if len(batch) == 100:
+            if len(batch) == IN_FLIGHT:
                 confirmed += len(await asyncio.gather(*batch))
                 batch = []
         confirmed += len(await asyncio.gather(*batch))
