@@ -360,51 +360,75 @@ def durable(kinds: list[str], n: int, work: Path, rows: list[Row], skipped: dict
             broker.stop()
 
 
-def curve(work: Path, quick: bool, rows: list[Row]) -> None:
-    """BlipMQ's cost as the work grows: subscriptions, topics, connections, new topics."""
-    n = 2_000 if quick else 50_000
-    subs = (1, 1000) if quick else (1, 100, 10_000)
-    topics = (1, 1000) if quick else (1, 1000, 100_000)
-    conns = (10, 100) if quick else (10, 100, 1000)
-    broker = start_broker("blipmq", work)
+CURVE = {  # messages per point, then the scales of each axis
+    "full": (100_000, (1, 100, 10_000), (1, 1000, 100_000), (10, 100, 1000)),
+    "quick": (2_000, (1, 1000), (1, 1000), (10, 100)),
+}
+
+
+def curve(kind: str, work: Path, quick: bool, rows: list[Row]) -> None:
+    """A broker's cost as the work grows: subscriptions (exact and wildcard filters), topics,
+    idle connections; for BlipMQ also the cost of resolving a new topic."""
+    n, subs, topics, conns = CURVE["quick" if quick else "full"]
+    client = CLIENT[kind]
+    broker = start_broker(kind, work)
 
     def add(axis: str, x: int, r: dict) -> None:
-        rows.append({"workload": f"curve {axis}", "broker": "blipmq", "client": "blipmq client",
+        rows.append({"workload": f"curve {axis}", "broker": kind, "client": CLIENT_NAME[client],
                      "scale": x, **r})
-        print(f"  curve {axis} {x}: {r['deliveries_per_s']:,}/s, "
-              f"{r['cpu_us_per_delivery']} us CPU/delivery", file=sys.stderr)
+        print(f"  {kind} curve {axis} {x}: {r['deliveries_per_s']:,}/s, "
+              f"{r['cpu_us_per_delivery']} us CPU/delivery, lost {r['lost']}", file=sys.stderr)
 
     try:
-        for s in subs:  # one subscription matches; s - 1 others sit in the index
-            add("subscriptions exact", s, fanout(broker, "blipmq", 1, n, 100,
-                                                 topic=f"se{s}/t", extra=s - 1))
-            add("subscriptions wildcard", s, fanout(broker, "blipmq", 1, n, 100,
-                                                    topic=f"sw{s}/a/t", sub_topic=f"sw{s}/+/t",
-                                                    extra=s - 1))
-        for t in topics:  # messages spread over t topics, each new to the broker
-            add("topics", t, fanout(broker, "blipmq", 1, max(n, t), 100, topic=f"tp{t}",
+        curve_subscriptions(broker, client, n, subs, add)
+        for t in topics:  # messages spread over tp{t}/0 .. tp{t}/{t-1}, each new to the broker
+            add("topics", t, fanout(broker, client, 1, max(n, t), 100,
+                                    topic=f"tp{t}" if t > 1 else "tp1/0",
                                     sub_topic=f"tp{t}/#", pub_topics=t))
-        for c in conns:  # c idle subscribed connections while 1->1 traffic runs
-            holder = drive("blipmq", "hold", broker.url, f"idle{c}", c)
-            wait_ready(holder)
-            try:
-                add("connections", c, fanout(broker, "blipmq", 1, n, 100, topic=f"cn{c}"))
-            finally:
-                outcome(holder, 60)  # closes its stdin: it lets go
-        # a new topic with 10,000 (quick: 1,000) subscriptions in the index: CPU per publish
-        for s in (0, subs[-1]):
-            holder = drive("blipmq", "sub", broker.url, f"rz{s}-held", 1, s) if s else None
-            if holder:
-                wait_ready(holder)
-            m = 500 if quick else 2_000
-            r = fanout(broker, "blipmq", 1, m, 100, topic=f"nt{s}", sub_topic=f"nt{s}/#",
-                       pub_topics=m)
-            if holder:
-                holder.kill()
-                holder.wait()
-            add("new topic resolve", s, r)
+        for c in conns:
+            add("connections", c, with_idle(broker, client, c, n))
+        if kind == "blipmq":
+            curve_new_topic(broker, quick, subs[-1], add)
     finally:
         broker.stop()
+
+
+def curve_subscriptions(broker: Broker, client: str, n: int, scales: tuple[int, ...],
+                        add: Callable[[str, int, dict], None]) -> None:
+    """One subscription matches the traffic; s - 1 others on the same connection sit in the
+    broker's index: exact filters, then wildcard ones (MQTT +, NATS *, redis PSUBSCRIBE)."""
+    for s in scales:
+        add("subscriptions exact", s, fanout(broker, client, 1, n, 100, topic=f"se{s}/t",
+                                             extra=s - 1))
+        add("subscriptions wildcard", s, fanout(broker, client, 1, n, 100, topic=f"sw{s}/a/t",
+                                                sub_topic=f"sw{s}/+/t", extra=s - 1))
+
+
+def with_idle(broker: Broker, client: str, idle: int, n: int) -> dict:
+    """1 -> 1 traffic beside ``idle`` connections, each subscribed to a topic of its own."""
+    holder = drive(client, "hold", broker.url, f"idle{idle}", idle)
+    wait_ready(holder)
+    try:
+        return fanout(broker, client, 1, n, 100, topic=f"cn{idle}")
+    finally:
+        outcome(holder, 120)  # closes its stdin: it lets go
+
+
+def curve_new_topic(broker: Broker, quick: bool, subs: int,
+                    add: Callable[[str, int, dict], None]) -> None:
+    """Publishes each to a topic never seen before, with no and with ``subs`` subscriptions
+    in the index: the broker CPU per publish is the cost of resolving a new topic."""
+    for s in (0, subs):
+        holder = drive("blipmq", "sub", broker.url, f"rz{s}-held", 1, s) if s else None
+        if holder:
+            wait_ready(holder)
+        m = 500 if quick else 2_000
+        r = fanout(broker, "blipmq", 1, m, 100, topic=f"nt{s}", sub_topic=f"nt{s}/#",
+                   pub_topics=m)
+        if holder:
+            holder.kill()
+            holder.wait()
+        add("new topic resolve", s, r)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -478,15 +502,30 @@ def summary(rows: list[Row], meta: dict) -> str:
     lines.append("| CLI pipe, msg/s | " + " | ".join(fmt + ratios) + " |")
     out += [*lines, ""]
     out += durable_table(rows)
-    cur = [r for r in rows if r["workload"].startswith("curve")]
-    if cur:
-        out += ["| cost curve (BlipMQ) | scale | deliveries/s | broker CPU us/delivery |",
-                "|---|---:|---:|---:|"]
-        out += [f"| {r['workload'][6:]} | {r['scale']:,} | {r['deliveries_per_s']:,} | "
-                f"{r['cpu_us_per_delivery']} |" for r in cur] + [""]
+    out += curve_table(rows)
     if meta["skipped"]:
         out += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items()), ""]
     return "\n".join(out)
+
+
+def curve_table(rows: list[Row]) -> list[str]:
+    """Each curve point: deliveries/s and broker CPU us per delivery, a column per broker."""
+    cur = [r for r in rows if r["workload"].startswith("curve")]
+    brokers = [b for b in CLIENT if any(r["broker"] == b for r in cur)]
+    if not cur:
+        return []
+    cell = {(r["workload"][6:], r["scale"], r["broker"]): r for r in cur}
+    out = ["| cost curve: deliveries/s, broker CPU us/delivery | scale | "
+           + " | ".join(brokers) + " |", "|---|---:|" + "---:|" * len(brokers)]
+    for axis, scale in dict.fromkeys((w, s) for w, s, _ in cell):
+        fmt = []
+        for b in brokers:
+            r = cell.get((axis, scale, b))
+            fmt.append("-" if r is None else f"{r['deliveries_per_s']:,}/s, "
+                       f"{r['cpu_us_per_delivery']} us"
+                       + (f" ({r['lost']:,} lost)" if r["lost"] else ""))
+        out.append(f"| {axis} | {scale:,} | " + " | ".join(fmt) + " |")
+    return [*out, ""]
 
 
 def durable_table(rows: list[Row]) -> list[str]:
@@ -588,9 +627,14 @@ def main() -> None:
         if "durable" in workloads:
             print("durable:", file=sys.stderr)
             durable(kinds, 2_000 if args.quick else 50_000, work, rows, skipped, js)
-        if "curve" in workloads and "blipmq" in kinds:
+        if "curve" in workloads:
             print("cost curve:", file=sys.stderr)
-            curve(work, args.quick, rows)
+            for kind in kinds:
+                try:
+                    curve(kind, work, args.quick, rows)
+                except RuntimeError as exc:
+                    skipped[f"{kind} cost curve"] = str(exc)
+                    print(f"  {kind}: {exc}", file=sys.stderr)
     meta["loadavg_end"] = os.getloadavg()[0]
     write(rows, meta, args.out)
     print(summary(rows, meta))
