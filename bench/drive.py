@@ -260,7 +260,8 @@ def paho_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: int
 
 
 def paho_hold(url: str, topic: str, connections: int) -> dict:
-    """Idle MQTT connections, no network thread each: they only read their SUBACK."""
+    """Idle MQTT connections, no network thread each: they only read their SUBACK (with
+    loop_read/loop_write: paho's loop() uses select(), which stops at descriptor 1,024)."""
     clients, acked = [], set()
     for i in range(connections):
         c = _paho(url, keepalive=3600)  # idle for minutes without a PINGREQ
@@ -271,7 +272,8 @@ def paho_hold(url: str, topic: str, connections: int) -> dict:
     while len(acked) < connections and time.monotonic() < deadline:
         for c in clients:
             if id(c) not in acked:
-                c.loop(0)
+                c.loop_write()
+                c.loop_read()
         time.sleep(0.01)
     ready()
     sys.stdin.read()
@@ -379,11 +381,11 @@ def nats_hold(url: str, topic: str, connections: int) -> dict:
 
 # --- redis-py -------------------------------------------------------------------------------
 
-def _redis(url: str):
+def _redis(url: str, connections: int = 10):
     import redis
 
     host, port = url.rsplit(":", 1)
-    return redis.Redis(host=host, port=int(port))
+    return redis.Redis(host=host, port=int(port), max_connections=connections)
 
 
 def redis_subscribe(pubsub, filters: list[str]) -> int:
@@ -439,7 +441,7 @@ def redis_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: in
 
 
 def redis_hold(url: str, topic: str, connections: int) -> dict:
-    r = _redis(url)
+    r = _redis(url, connections)
     held = [r.pubsub() for _ in range(connections)]  # a connection each
     confirmed = sum(redis_subscribe(p, [f"{topic}/{i}"]) for i, p in enumerate(held))
     ready()
