@@ -131,7 +131,8 @@ def _curves(rows: list[dict], brokers: list[str], path: Path) -> Path:
                 cpu_ax.plot(xs, [r["cpu_us_per_delivery"] or None for _, r in pts], style, **kw)
         for ax, what in ((rate_ax, "deliveries/s"), (cpu_ax, "broker CPU us per delivery")):
             ax.set_xscale("log")
-            ax.set_yscale("log")
+            if any(y for line in ax.get_lines() for y in line.get_ydata() if y):
+                ax.set_yscale("log")  # not when nothing is above 0 (a --quick run's CPU ticks)
             ax.set_xlabel(title + (" (0 plotted at 1)" if ax is rate_ax and
                                    "subscriptions" in title else ""))
             ax.set_title(f"{what} (log scale)", fontsize=10)

@@ -368,10 +368,11 @@ CURVE = {  # messages per point, then the scales of each axis
 
 def curve(kind: str, work: Path, quick: bool, rows: list[Row]) -> None:
     """A broker's cost as the work grows: subscriptions (exact and wildcard filters), topics,
-    idle connections; for BlipMQ also the cost of resolving a new topic."""
+    idle connections; for BlipMQ also the cost of resolving a new topic. Each axis gets a
+    fresh broker: what one axis leaves behind (redis keeps its pattern table's size after
+    10,000 PSUBSCRIBE patterns go) must not weigh on the next."""
     n, subs, topics, conns = CURVE["quick" if quick else "full"]
     client = CLIENT[kind]
-    broker = start_broker(kind, work)
 
     def add(axis: str, x: int, r: dict) -> None:
         rows.append({"workload": f"curve {axis}", "broker": kind, "client": CLIENT_NAME[client],
@@ -379,18 +380,26 @@ def curve(kind: str, work: Path, quick: bool, rows: list[Row]) -> None:
         print(f"  {kind} curve {axis} {x}: {r['deliveries_per_s']:,}/s, "
               f"{r['cpu_us_per_delivery']} us CPU/delivery, lost {r['lost']}", file=sys.stderr)
 
-    try:
-        curve_subscriptions(broker, client, n, subs, add)
+    def topic_axis(broker: Broker) -> None:
         for t in topics:  # messages spread over tp{t}/0 .. tp{t}/{t-1}, each new to the broker
             add("topics", t, fanout(broker, client, 1, max(n, t), 100,
                                     topic=f"tp{t}" if t > 1 else "tp1/0",
                                     sub_topic=f"tp{t}/#", pub_topics=t))
+
+    def connection_axis(broker: Broker) -> None:
         for c in conns:
             add("connections", c, with_idle(broker, client, c, n))
-        if kind == "blipmq":
-            curve_new_topic(broker, quick, subs[-1], add)
-    finally:
-        broker.stop()
+
+    axes: list[Callable[[Broker], None]] = [
+        lambda b: curve_subscriptions(b, client, n, subs, add), topic_axis, connection_axis]
+    if kind == "blipmq":
+        axes.append(lambda b: curve_new_topic(b, quick, subs[-1], add))
+    for axis in axes:
+        broker = start_broker(kind, work)
+        try:
+            axis(broker)
+        finally:
+            broker.stop()
 
 
 def curve_subscriptions(broker: Broker, client: str, n: int, scales: tuple[int, ...],
