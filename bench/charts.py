@@ -1,7 +1,12 @@
-"""PNG charts of bench/compare.py's rows (matplotlib, headless)."""
+"""PNG charts of bench/compare.py's rows (matplotlib, headless).
+
+    python bench/charts.py docs/bench      # draw again from docs/bench/results.json
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -133,6 +138,7 @@ def _curves(rows: list[dict], brokers: list[str], path: Path) -> Path:
             ax.set_xscale("log")
             if any(y for line in ax.get_lines() for y in line.get_ydata() if y):
                 ax.set_yscale("log")  # not when nothing is above 0 (a --quick run's CPU ticks)
+                _at_least_a_decade(ax)
             ax.set_xlabel(title + (" (0 plotted at 1)" if ax is rate_ax and
                                    "subscriptions" in title else ""))
             ax.set_title(f"{what} (log scale)", fontsize=10)
@@ -144,7 +150,21 @@ def _curves(rows: list[dict], brokers: list[str], path: Path) -> Path:
     return _save(fig, path)
 
 
+def _at_least_a_decade(ax) -> None:
+    """Widen a log y-axis to span at least 10x, so that a 20 % wobble does not look steep."""
+    low, high = ax.get_ylim()
+    if high < 10 * low:
+        middle = (low * high) ** 0.5
+        ax.set_ylim(middle / 10 ** 0.5, middle * 10 ** 0.5)
+
+
 def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1])
+    for drawn in draw(json.loads((folder / "results.json").read_text())["rows"], folder):
+        print(drawn)
