@@ -7,11 +7,13 @@ one run on one machine; prints figures, never fails on them.
 
 Each broker is started by this script on 127.0.0.1 with its own temporary config and port and
 stopped by PID; peers come from Debian (installed with apt-get when missing and running as
-root, else skipped with the reason). Each is driven by its usual Python client in separate
-processes (bench/drive.py) and, for mosquitto and redis, also by their C tools in a shell
-pipe. Loss is counted from sequence numbers in every payload, never assumed. Broker CPU time
-(utime + stime from /proc/PID/stat) per delivered message is the figure that survives a noisy
-machine. Writes results.csv, results.json, summary.md and PNG charts to --out.
+root, else skipped with the reason). JetStream, default and sync-always, runs on Debian
+trixie's nats-server 2.10, unpacked into a cache by bench/newer_nats.py (Debian 12's 2.9
+refuses sync_interval); core NATS on Debian 12's. Each is driven by its usual Python client
+in separate processes (bench/drive.py) and, for mosquitto and redis, also by their C tools
+in a shell pipe. Loss is counted from sequence numbers in every payload, never assumed.
+Broker CPU time (utime + stime from /proc/PID/stat) per delivered message is the figure that
+survives a noisy machine. Writes results.csv, results.json, summary.md and PNG charts to --out.
 """
 
 from __future__ import annotations
