@@ -1,7 +1,12 @@
-"""PNG charts of bench/compare.py's rows (matplotlib, headless)."""
+"""PNG charts of bench/compare.py's rows (matplotlib, headless).
+
+    python bench/charts.py docs/bench      # draw again from docs/bench/results.json
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -100,31 +105,66 @@ def draw(rows: list[dict], out: Path) -> list[Path]:
         fig.tight_layout()
         written.append(_save(fig, out / "cpu.png"))
 
-    curves = sorted({r["workload"] for r in rows if r["workload"].startswith("curve")})
-    if curves:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-        for name in curves:
-            pts = sorted((r["scale"] or 0, r) for r in rows if r["workload"] == name)
-            xs = [max(x, 1) for x, _ in pts]
-            label = name[6:]
-            axes[0].plot(xs, [r["deliveries_per_s"] for _, r in pts], "o-", label=label)
-            axes[1].plot(xs, [r["cpu_us_per_delivery"] for _, r in pts], "o-", label=label)
-        for ax, title in ((axes[0], "deliveries/s"), (axes[1], "broker CPU us per delivery")):
-            ax.set_xscale("log")
-            ax.set_xlabel("scale: subscriptions / topics / connections (0 plotted at 1)")
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        axes[0].set_ylim(bottom=0)
-        axes[1].set_yscale("log")
-        axes[1].set_title("broker CPU us per delivery (log scale)")
-        fig.suptitle("BlipMQ cost curve as the work grows")
-        fig.tight_layout()
-        written.append(_save(fig, out / "curve.png"))
+    if any(r["workload"].startswith("curve") for r in rows):
+        written.append(_curves(rows, brokers, out / "curve.png"))
     return written
+
+
+CURVE_AXES = (  # chart row: its title, and the curve workloads drawn in it (line style)
+    ("subscriptions on the subscriber's connection (one matches)",
+     (("subscriptions exact", "o-", "exact"), ("subscriptions wildcard", "s--", "wildcard"),
+      ("new topic resolve", "^:", "new-topic publish"))),
+    ("topics the messages are spread over", (("topics", "o-", ""),)),
+    ("idle subscribed connections beside the traffic", (("connections", "o-", ""),)),
+)
+
+
+def _curves(rows: list[dict], brokers: list[str], path: Path) -> Path:
+    """One row per axis: deliveries/s and broker CPU per delivery, every broker, log x."""
+    fig, axes = plt.subplots(len(CURVE_AXES), 2, figsize=(13, 13))
+    for (title, series), (rate_ax, cpu_ax) in zip(CURVE_AXES, axes, strict=True):
+        for broker in brokers:
+            for workload, style, label in series:
+                pts = sorted(((r["scale"] or 0, r) for r in rows if r["broker"] == broker
+                              and r["workload"] == f"curve {workload}"), key=lambda p: p[0])
+                if not pts:
+                    continue
+                xs = [max(x, 1) for x, _ in pts]
+                name = f"{broker} {label}".strip()
+                kw = {"color": COLORS[broker], "label": name}
+                rate_ax.plot(xs, [r["deliveries_per_s"] or None for _, r in pts], style, **kw)
+                cpu_ax.plot(xs, [r["cpu_us_per_delivery"] or None for _, r in pts], style, **kw)
+        for ax, what in ((rate_ax, "deliveries/s"), (cpu_ax, "broker CPU us per delivery")):
+            ax.set_xscale("log")
+            if any(y for line in ax.get_lines() for y in line.get_ydata() if y):
+                ax.set_yscale("log")  # not when nothing is above 0 (a --quick run's CPU ticks)
+                _at_least_a_decade(ax)
+            ax.set_xlabel(title + (" (0 plotted at 1)" if ax is rate_ax and
+                                   "subscriptions" in title else ""))
+            ax.set_title(f"{what} (log scale)", fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7, ncol=2)
+    fig.suptitle("Cost curves: 1 -> 1 traffic, 100 B, as the work grows; each broker with its "
+                 "Python client")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _at_least_a_decade(ax) -> None:
+    """Widen a log y-axis to span at least 10x, so that a 20 % wobble does not look steep."""
+    low, high = ax.get_ylim()
+    if high < 10 * low:
+        middle = (low * high) ** 0.5
+        ax.set_ylim(middle / 10 ** 0.5, middle * 10 ** 0.5)
 
 
 def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1])
+    for drawn in draw(json.loads((folder / "results.json").read_text())["rows"], folder):
+        print(drawn)

@@ -7,11 +7,13 @@ one run on one machine; prints figures, never fails on them.
 
 Each broker is started by this script on 127.0.0.1 with its own temporary config and port and
 stopped by PID; peers come from Debian (installed with apt-get when missing and running as
-root, else skipped with the reason). Each is driven by its usual Python client in separate
-processes (bench/drive.py) and, for mosquitto and redis, also by their C tools in a shell
-pipe. Loss is counted from sequence numbers in every payload, never assumed. Broker CPU time
-(utime + stime from /proc/PID/stat) per delivered message is the figure that survives a noisy
-machine. Writes results.csv, results.json, summary.md and PNG charts to --out.
+root, else skipped with the reason). JetStream, default and sync-always, runs on Debian
+trixie's nats-server 2.10, unpacked into a cache by bench/newer_nats.py (Debian 12's 2.9
+refuses sync_interval); core NATS on Debian 12's. Each is driven by its usual Python client
+in separate processes (bench/drive.py) and, for mosquitto and redis, also by their C tools
+in a shell pipe. Loss is counted from sequence numbers in every payload, never assumed.
+Broker CPU time (utime + stime from /proc/PID/stat) per delivered message is the figure that
+survives a noisy machine. Writes results.csv, results.json, summary.md and PNG charts to --out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import newer_nats  # bench/newer_nats.py, beside this script
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -108,7 +112,7 @@ class Broker:
 
 
 def start_broker(kind: str, work: Path, *, fsync: str = "always",
-                 jetstream: str | None = None) -> Broker:
+                 jetstream: str | None = None, exe: str | None = None) -> Broker:
     port = free_port()
     d = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
     if kind == "blipmq":
@@ -126,7 +130,7 @@ def start_broker(kind: str, work: Path, *, fsync: str = "always",
             js = f"jetstream {{ store_dir: \"{d / 'js'}\"" + (
                 ", sync_interval: always" if jetstream == "always" else "") + " }\n"
         (d / "n.conf").write_text(f"listen: 127.0.0.1:{port}\n{js}")
-        argv = [find("nats-server") or "nats-server", "-c", str(d / "n.conf")]
+        argv = [exe or find("nats-server") or "nats-server", "-c", str(d / "n.conf")]
     elif kind == "redis":
         argv = [find("redis-server") or "redis-server", "--port", str(port), "--bind",
                 "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)]
@@ -311,17 +315,28 @@ def pipe(kind: str, broker: Broker, n: int, work: Path, rows: list[Row]) -> None
           file=sys.stderr)
 
 
-def durable(kinds: list[str], n: int, work: Path, rows: list[Row],
-            skipped: dict[str, str]) -> None:
+def jetstream_setups(work: Path, js: tuple[str | None, str],
+                     skipped: dict[str, str]) -> list[tuple[str, str, Callable[[], Broker]]]:
+    """JetStream default and sync-always on the same nats-server >= 2.10 when there is one;
+    else the default on Debian 12's and the sync-always run skipped with the reason."""
+    exe, note = js
+    if exe is None:
+        skipped["durable nats JetStream sync always"] = note
+        return [("nats", "JetStream default",
+                 lambda: start_broker("nats", work, jetstream="default"))]
+    return [("nats", f"JetStream {label}, nats-server {note}",
+             lambda setting=setting: start_broker("nats", work, jetstream=setting, exe=exe))
+            for setting, label in (("default", "default"), ("always", "sync always"))]
+
+
+def durable(kinds: list[str], n: int, work: Path, rows: list[Row], skipped: dict[str, str],
+            js: tuple[str | None, str]) -> None:
     setups: list[tuple[str, str, Callable[[], Broker]]] = []
     if "blipmq" in kinds:
         setups += [("blipmq", "fsync always", lambda: start_broker("blipmq", work)),
                    ("blipmq", "fsync none", lambda: start_broker("blipmq", work, fsync="none"))]
     if "nats" in kinds:
-        setups += [("nats", "JetStream default",
-                    lambda: start_broker("nats", work, jetstream="default")),
-                   ("nats", "JetStream sync always",
-                    lambda: start_broker("nats", work, jetstream="always"))]
+        setups += jetstream_setups(work, js, skipped)
     for kind, setting, make in setups:
         try:
             broker = make()
@@ -347,51 +362,84 @@ def durable(kinds: list[str], n: int, work: Path, rows: list[Row],
             broker.stop()
 
 
-def curve(work: Path, quick: bool, rows: list[Row]) -> None:
-    """BlipMQ's cost as the work grows: subscriptions, topics, connections, new topics."""
-    n = 2_000 if quick else 50_000
-    subs = (1, 1000) if quick else (1, 100, 10_000)
-    topics = (1, 1000) if quick else (1, 1000, 100_000)
-    conns = (10, 100) if quick else (10, 100, 1000)
-    broker = start_broker("blipmq", work)
+CURVE = {  # messages per point, then the scales of each axis
+    "full": (100_000, (1, 100, 10_000), (1, 1000, 100_000), (10, 100, 1000)),
+    "quick": (2_000, (1, 1000), (1, 1000), (10, 100)),
+}
+
+
+def curve(kind: str, work: Path, quick: bool, rows: list[Row]) -> None:
+    """A broker's cost as the work grows: subscriptions (exact and wildcard filters), topics,
+    idle connections; for BlipMQ also the cost of resolving a new topic. Each axis gets a
+    fresh broker: what one axis leaves behind (redis keeps its pattern table's size after
+    10,000 PSUBSCRIBE patterns go) must not weigh on the next."""
+    n, subs, topics, conns = CURVE["quick" if quick else "full"]
+    client = CLIENT[kind]
 
     def add(axis: str, x: int, r: dict) -> None:
-        rows.append({"workload": f"curve {axis}", "broker": "blipmq", "client": "blipmq client",
+        rows.append({"workload": f"curve {axis}", "broker": kind, "client": CLIENT_NAME[client],
                      "scale": x, **r})
-        print(f"  curve {axis} {x}: {r['deliveries_per_s']:,}/s, "
-              f"{r['cpu_us_per_delivery']} us CPU/delivery", file=sys.stderr)
+        print(f"  {kind} curve {axis} {x}: {r['deliveries_per_s']:,}/s, "
+              f"{r['cpu_us_per_delivery']} us CPU/delivery, lost {r['lost']}", file=sys.stderr)
 
-    try:
-        for s in subs:  # one subscription matches; s - 1 others sit in the index
-            add("subscriptions exact", s, fanout(broker, "blipmq", 1, n, 100,
-                                                 topic=f"se{s}/t", extra=s - 1))
-            add("subscriptions wildcard", s, fanout(broker, "blipmq", 1, n, 100,
-                                                    topic=f"sw{s}/a/t", sub_topic=f"sw{s}/+/t",
-                                                    extra=s - 1))
-        for t in topics:  # messages spread over t topics, each new to the broker
-            add("topics", t, fanout(broker, "blipmq", 1, max(n, t), 100, topic=f"tp{t}",
+    def topic_axis(broker: Broker) -> None:
+        for t in topics:  # messages spread over tp{t}/0 .. tp{t}/{t-1}, each new to the broker
+            add("topics", t, fanout(broker, client, 1, max(n, t), 100,
+                                    topic=f"tp{t}" if t > 1 else "tp1/0",
                                     sub_topic=f"tp{t}/#", pub_topics=t))
-        for c in conns:  # c idle subscribed connections while 1->1 traffic runs
-            holder = drive("blipmq", "hold", broker.url, f"idle{c}", c)
-            wait_ready(holder)
-            try:
-                add("connections", c, fanout(broker, "blipmq", 1, n, 100, topic=f"cn{c}"))
-            finally:
-                outcome(holder, 60)  # closes its stdin: it lets go
-        # a new topic with 10,000 (quick: 1,000) subscriptions in the index: CPU per publish
-        for s in (0, subs[-1]):
-            holder = drive("blipmq", "sub", broker.url, f"rz{s}-held", 1, s) if s else None
-            if holder:
-                wait_ready(holder)
-            m = 500 if quick else 2_000
-            r = fanout(broker, "blipmq", 1, m, 100, topic=f"nt{s}", sub_topic=f"nt{s}/#",
-                       pub_topics=m)
-            if holder:
-                holder.kill()
-                holder.wait()
-            add("new topic resolve", s, r)
+
+    def connection_axis(broker: Broker) -> None:
+        for c in conns:
+            add("connections", c, with_idle(broker, client, c, n))
+
+    axes: list[Callable[[Broker], None]] = [
+        lambda b: curve_subscriptions(b, client, n, subs, add), topic_axis, connection_axis]
+    if kind == "blipmq":
+        axes.append(lambda b: curve_new_topic(b, quick, subs[-1], add))
+    for axis in axes:
+        broker = start_broker(kind, work)
+        try:
+            axis(broker)
+        finally:
+            broker.stop()
+
+
+def curve_subscriptions(broker: Broker, client: str, n: int, scales: tuple[int, ...],
+                        add: Callable[[str, int, dict], None]) -> None:
+    """One subscription matches the traffic; s - 1 others on the same connection sit in the
+    broker's index: exact filters, then wildcard ones (MQTT +, NATS *, redis PSUBSCRIBE)."""
+    for s in scales:
+        add("subscriptions exact", s, fanout(broker, client, 1, n, 100, topic=f"se{s}/t",
+                                             extra=s - 1))
+        add("subscriptions wildcard", s, fanout(broker, client, 1, n, 100, topic=f"sw{s}/a/t",
+                                                sub_topic=f"sw{s}/+/t", extra=s - 1))
+
+
+def with_idle(broker: Broker, client: str, idle: int, n: int) -> dict:
+    """1 -> 1 traffic beside ``idle`` connections, each subscribed to a topic of its own."""
+    holder = drive(client, "hold", broker.url, f"idle{idle}", idle)
+    wait_ready(holder)
+    try:
+        return fanout(broker, client, 1, n, 100, topic=f"cn{idle}")
     finally:
-        broker.stop()
+        outcome(holder, 120)  # closes its stdin: it lets go
+
+
+def curve_new_topic(broker: Broker, quick: bool, subs: int,
+                    add: Callable[[str, int, dict], None]) -> None:
+    """Publishes each to a topic never seen before, with no and with ``subs`` subscriptions
+    in the index: the broker CPU per publish is the cost of resolving a new topic."""
+    for s in (0, subs):
+        holder = drive("blipmq", "sub", broker.url, f"rz{s}-held", 1, s) if s else None
+        if holder:
+            wait_ready(holder)
+        m = 500 if quick else 2_000
+        r = fanout(broker, "blipmq", 1, m, 100, topic=f"nt{s}", sub_topic=f"nt{s}/#",
+                   pub_topics=m)
+        if holder:
+            holder.kill()
+            holder.wait()
+        add("new topic resolve", s, r)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -409,7 +457,14 @@ def ratio(a: float | None, b: float | None) -> str:
 def summary(rows: list[Row], meta: dict) -> str:
     """The Markdown tables docs/PERFORMANCE.md quotes: figures and BlipMQ/peer ratios."""
     peers = [k for k in ("mosquitto", "nats", "redis") if any(r["broker"] == k for r in rows)]
-    out = [f"Run {meta['date']} on {meta['machine']}; command: `{meta['command']}`", ""]
+    out = [f"Run {meta['date']} on {meta['machine']}; command: `{meta['command']}`; "
+           f"load average {meta['loadavg_start']:.2f} before, "
+           f"{meta.get('loadavg_end', 0):.2f} after", ""]
+    versions = [f"{k} {v}" for k, v in meta["versions"].items()]
+    if meta.get("jetstream_server"):
+        versions.append(f"JetStream runs: nats-server {meta['jetstream_server']} "
+                        "(Debian trixie, cached)")
+    out += ["Versions: " + "; ".join(versions), ""]
     by = {(r["workload"], r["broker"], r.get("size"), r.get("client")): r for r in rows}
 
     def find_row(workload: str, broker: str, size: int | None = None) -> Row | None:
@@ -457,21 +512,43 @@ def summary(rows: list[Row], meta: dict) -> str:
               for c in cells[1:]]
     lines.append("| CLI pipe, msg/s | " + " | ".join(fmt + ratios) + " |")
     out += [*lines, ""]
-    dur = [r for r in rows if r["workload"] == "durable confirmed"]
-    if dur:
-        out += ["| durable, confirmed 100 B messages | msg/s | broker CPU us/msg |",
-                "|---|---:|---:|"]
-        out += [f"| {r['broker']} ({r['client']}) | {r['msg_per_s']:,} | "
-                f"{r['cpu_us_per_delivery']} |" for r in dur] + [""]
-    cur = [r for r in rows if r["workload"].startswith("curve")]
-    if cur:
-        out += ["| cost curve (BlipMQ) | scale | deliveries/s | broker CPU us/delivery |",
-                "|---|---:|---:|---:|"]
-        out += [f"| {r['workload'][6:]} | {r['scale']:,} | {r['deliveries_per_s']:,} | "
-                f"{r['cpu_us_per_delivery']} |" for r in cur] + [""]
+    out += durable_table(rows)
+    out += curve_table(rows)
     if meta["skipped"]:
         out += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items()), ""]
     return "\n".join(out)
+
+
+def curve_table(rows: list[Row]) -> list[str]:
+    """Each curve point: deliveries/s and broker CPU us per delivery, a column per broker."""
+    cur = [r for r in rows if r["workload"].startswith("curve")]
+    brokers = [b for b in CLIENT if any(r["broker"] == b for r in cur)]
+    if not cur:
+        return []
+    cell = {(r["workload"][6:], r["scale"], r["broker"]): r for r in cur}
+    out = ["| cost curve: deliveries/s, broker CPU us/delivery | scale | "
+           + " | ".join(brokers) + " |", "|---|---:|" + "---:|" * len(brokers)]
+    for axis, scale in dict.fromkeys((w, s) for w, s, _ in cell):
+        fmt = []
+        for b in brokers:
+            r = cell.get((axis, scale, b))
+            fmt.append("-" if r is None else f"{r['deliveries_per_s']:,}/s, "
+                       f"{r['cpu_us_per_delivery']} us"
+                       + (f" ({r['lost']:,} lost)" if r["lost"] else ""))
+        out.append(f"| {axis} | {scale:,} | " + " | ".join(fmt) + " |")
+    return [*out, ""]
+
+
+def durable_table(rows: list[Row]) -> list[str]:
+    dur = [r for r in rows if r["workload"] == "durable confirmed"]
+    if not dur:
+        return []
+    best = next((r["msg_per_s"] for r in dur if r["client"].endswith("fsync always")), None)
+    out = ["| durable, confirmed 100 B messages | msg/s | broker CPU us/msg | "
+           "BlipMQ fsync always / this |", "|---|---:|---:|---:|"]
+    out += [f"| {r['broker']} ({r['client']}) | {r['msg_per_s']:,} | "
+            f"{r['cpu_us_per_delivery']} | {ratio(best, r['msg_per_s'])} |" for r in dur]
+    return [*out, ""]
 
 
 def write(rows: list[Row], meta: dict, out: Path) -> None:
@@ -511,6 +588,10 @@ def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # 1,000 connections
     kinds, skipped = ensure_peers(kinds, not args.no_install)
+    js: tuple[str | None, str] = (None, "not wanted")
+    if "nats" in kinds and "durable" in workloads:
+        exe, note = newer_nats.obtain(not args.no_install)
+        js = (str(exe) if exe else None, note)
     level = "quick" if args.quick else "full"
     sizes = {s: n for s, n in SIZES[level].items() if str(s) in args.sizes.split(",")}
     command = "python bench/compare.py" + (" --quick" if args.quick else "")
@@ -524,6 +605,7 @@ def main() -> None:
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, "
                        f"{platform.platform(terse=True)}, Python {platform.python_version()}",
             "versions": {k: version(k) for k in kinds}, "skipped": skipped,
+            "jetstream_server": js[1] if js[0] else None,
             "loadavg_start": os.getloadavg()[0]}
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="blipmq-compare-") as tmp:
@@ -555,10 +637,15 @@ def main() -> None:
                 broker.stop()
         if "durable" in workloads:
             print("durable:", file=sys.stderr)
-            durable(kinds, 2_000 if args.quick else 50_000, work, rows, skipped)
-        if "curve" in workloads and "blipmq" in kinds:
+            durable(kinds, 2_000 if args.quick else 50_000, work, rows, skipped, js)
+        if "curve" in workloads:
             print("cost curve:", file=sys.stderr)
-            curve(work, args.quick, rows)
+            for kind in kinds:
+                try:
+                    curve(kind, work, args.quick, rows)
+                except RuntimeError as exc:
+                    skipped[f"{kind} cost curve"] = str(exc)
+                    print(f"  {kind}: {exc}", file=sys.stderr)
     meta["loadavg_end"] = os.getloadavg()[0]
     write(rows, meta, args.out)
     print(summary(rows, meta))

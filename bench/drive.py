@@ -5,11 +5,16 @@
                                               publish N messages; RATE msg/s open loop (0: flat
                                               out); TOPICS > 1 spreads them over TOPIC/0..TOPICS-1
     drive.py CLIENT durable URL TOPIC N SIZE  publish N confirmed-durable messages (blipmq QoS 1,
-                                              nats JetStream), pipelined 100 at a time
+                                              nats JetStream), 100 at a time: send 100,
+                                              wait for their 100 confirms, send the next
     drive.py CLIENT hold URL TOPIC C          keep C connections open, each subscribed to
                                               TOPIC/i, until stdin closes
 
 CLIENT is blipmq (its client library), paho (mosquitto), nats (nats-py) or redis (redis-py).
+Topics and filters are given in MQTT's syntax (`/`, `+`, `#`); each client translates them:
+nats subjects use `.`, `*` and `>`, and a redis filter with a wildcard becomes a PSUBSCRIBE
+glob pattern (`*`). EXTRA_FILTERS more subscriptions on the subscriber's connection match
+nothing the publisher sends (the cost curve's subscriptions axis).
 Payloads carry blipmq bench's 16-byte header (send time, publisher, sequence), so the
 subscriber measures latency and counts loss and duplicates the same way for every broker.
 Sub workers print "ready" once subscribed; every worker ends with one JSON line.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import sys
 import threading
 import time
@@ -27,6 +33,7 @@ from blipmq_cli.bench import HEADER, Histogram
 
 IDLE = 3.0  # s without a message, after the first: the rest is lost
 FIRST = 30.0  # s to wait for the first message
+IN_FLIGHT = 100  # durable: confirmed publishes in flight, in lockstep batches
 
 
 class Counter:
@@ -97,6 +104,17 @@ def payloads(n: int, size: int, rate: int):
         yield i, pack(clock(), 0, i) + filler
 
 
+def extra_filters(topic: str, extra: int) -> list[str]:
+    """``extra`` filters like ``topic`` (exact, or with ``+``) that match none of its traffic."""
+    if "+" in topic:
+        return [f"other/{i}/+" for i in range(extra)]
+    return [f"{topic}-other/{i}" for i in range(extra)]
+
+
+def chunks(items: list[str], size: int) -> list[list[str]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 def topic_of(topic: str, topics: int, sep: str):
     if topics <= 1:
         return lambda i: topic
@@ -111,8 +129,8 @@ def blipmq_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
 
     client = Client(url)
     subscription = client.subscribe(topic)
-    for i in range(extra):  # filters that match nothing the publisher sends
-        client.subscribe(f"{topic}-other/{i}" if "+" not in topic else f"other/{i}/+")
+    for other in extra_filters(topic, extra):
+        client.subscribe(other)
     ready()
     counter = Counter(n)
     idle_deadline = time.monotonic() + FIRST
@@ -160,12 +178,12 @@ def blipmq_durable(url: str, topic: str, n: int, size: int) -> dict:
     batch: list = []
     for _, p in payloads(n, size, 0):
         batch.append(Message(topic, p, 1))
-        if len(batch) == 100:
+        if len(batch) == IN_FLIGHT:  # as nats_durable: send 100, wait for their 100 confirms
             client.publish_many(batch)
-            client.check()
+            client.wait_confirms(timeout=60)
             batch = []
     client.publish_many(batch)
-    client.wait_confirms(timeout=300)
+    client.wait_confirms(timeout=60)
     end = time.monotonic()
     confirmed = client.confirmed
     client.close()
@@ -189,25 +207,34 @@ def blipmq_hold(url: str, topic: str, connections: int) -> dict:
 
 # --- paho-mqtt (mosquitto) ------------------------------------------------------------------
 
-def _paho(url: str):
+def _paho(url: str, keepalive: int = 60):
     import paho.mqtt.client as mqtt
 
     host, port = url.rsplit(":", 1)
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
     client.max_queued_messages_set(0)
-    client.connect(host, int(port))
+    client.connect(host, int(port), keepalive=keepalive)
     return client
 
 
 def paho_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
     counter = Counter(n)
     client = _paho(url)
+    packets = chunks([topic, *extra_filters(topic, extra)], 100)  # 100 filters a SUBSCRIBE
+    acks: list[int] = []
     subscribed = threading.Event()
+
+    def on_subscribe(*_: object) -> None:
+        acks.append(1)
+        if len(acks) == len(packets):
+            subscribed.set()
+
     client.on_message = lambda c, u, m: counter.take([m.payload])
-    client.on_subscribe = lambda *a: subscribed.set()
+    client.on_subscribe = on_subscribe
     client.loop_start()
-    client.subscribe(topic, qos=0)
-    if not subscribed.wait(10):
+    for packet in packets:
+        client.subscribe([(f, 0) for f in packet])
+    if not subscribed.wait(FIRST):
         raise SystemExit("paho: no SUBACK")
     ready()
     wait_done(counter)
@@ -232,7 +259,35 @@ def paho_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: int
     return {"start": start, "end": end, "sent": n}
 
 
+def paho_hold(url: str, topic: str, connections: int) -> dict:
+    """Idle MQTT connections, no network thread each: they only read their SUBACK (with
+    loop_read/loop_write: paho's loop() uses select(), which stops at descriptor 1,024)."""
+    clients, acked = [], set()
+    for i in range(connections):
+        c = _paho(url, keepalive=3600)  # idle for minutes without a PINGREQ
+        c.on_subscribe = lambda cl, *a: acked.add(id(cl))
+        c.subscribe(f"{topic}/{i}", qos=0)
+        clients.append(c)
+    deadline = time.monotonic() + FIRST
+    while len(acked) < connections and time.monotonic() < deadline:
+        for c in clients:
+            if id(c) not in acked:
+                c.loop_write()
+                c.loop_read()
+        time.sleep(0.01)
+    ready()
+    sys.stdin.read()
+    for c in clients:
+        c.disconnect()
+    return {"held": len(acked)}
+
+
 # --- nats-py --------------------------------------------------------------------------------
+
+def subject(topic: str) -> str:
+    """An MQTT-style topic or filter as a NATS subject."""
+    return topic.replace("/", ".").replace("+", "*").replace("#", ">")
+
 
 def nats_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
     import nats
@@ -244,8 +299,10 @@ def nats_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
         async def take(m) -> None:
             counter.take([m.data])
 
-        await nc.subscribe(topic.replace("/", "."), cb=take)
-        await nc.flush()
+        await nc.subscribe(subject(topic), cb=take)
+        for other in extra_filters(topic, extra):
+            await nc.subscribe(subject(other))
+        await nc.flush(timeout=FIRST)
         ready()
         start = time.monotonic()
         while not counter.done():
@@ -265,7 +322,7 @@ def nats_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: int
 
     async def run() -> dict:
         nc = await nats.connect(f"nats://{url}", pending_size=64 * 1024 * 1024)
-        name = topic_of(topic.replace("/", "."), topics, ".")
+        name = topic_of(subject(topic), topics, ".")
         start = time.monotonic()
         for i, p in payloads(n, size, rate):
             await nc.publish(name(i), p)
@@ -285,14 +342,14 @@ def nats_durable(url: str, topic: str, n: int, size: int) -> dict:
     async def run() -> dict:
         nc = await nats.connect(f"nats://{url}")
         js = nc.jetstream()
-        subject = topic.replace("/", ".")
-        await js.add_stream(name="BENCH", subjects=[subject])
+        name = subject(topic)
+        await js.add_stream(name="BENCH", subjects=[name])
         start = time.monotonic()
         confirmed = 0
         batch: list = []
         for _, p in payloads(n, size, 0):
-            batch.append(js.publish(subject, p, timeout=60))
-            if len(batch) == 100:
+            batch.append(js.publish(name, p, timeout=60))
+            if len(batch) == IN_FLIGHT:
                 confirmed += len(await asyncio.gather(*batch))
                 batch = []
         confirmed += len(await asyncio.gather(*batch))
@@ -303,27 +360,61 @@ def nats_durable(url: str, topic: str, n: int, size: int) -> dict:
     return asyncio.run(run())
 
 
+def nats_hold(url: str, topic: str, connections: int) -> dict:
+    import nats
+
+    async def run() -> dict:
+        clients = []
+        for i in range(connections):
+            nc = await nats.connect(f"nats://{url}")
+            await nc.subscribe(subject(f"{topic}/{i}"))
+            await nc.flush()
+            clients.append(nc)
+        ready()
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        for nc in clients:
+            await nc.close()
+        return {"held": len(clients)}
+
+    return asyncio.run(run())
+
+
 # --- redis-py -------------------------------------------------------------------------------
 
-def _redis(url: str):
+def _redis(url: str, connections: int = 10):
     import redis
 
     host, port = url.rsplit(":", 1)
-    return redis.Redis(host=host, port=int(port))
+    return redis.Redis(host=host, port=int(port), max_connections=connections)
+
+
+def redis_subscribe(pubsub, filters: list[str]) -> int:
+    """SUBSCRIBE the exact filters, PSUBSCRIBE the others as glob patterns, 1,000 a
+    command; wait for every confirmation and return how many came."""
+    exact = [f for f in filters if "+" not in f and "#" not in f]
+    patterns = [f.replace("+", "*").replace("#", "*") for f in filters if f not in exact]
+    for names in chunks(exact, 1000):
+        pubsub.subscribe(*names)
+    for names in chunks(patterns, 1000):
+        pubsub.psubscribe(*names)
+    confirmed = 0
+    deadline = time.monotonic() + FIRST
+    while confirmed < len(filters) and time.monotonic() < deadline:
+        m = pubsub.get_message(timeout=1)
+        confirmed += m is not None and m["type"] in ("subscribe", "psubscribe")
+    return confirmed
 
 
 def redis_sub(url: str, topic: str, n: int, extra: int = 0) -> dict:
     r = _redis(url)
-    pubsub = r.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(topic)
-    while pubsub.get_message(timeout=1) is None and not pubsub.subscribed:
-        pass
+    pubsub = r.pubsub()
+    redis_subscribe(pubsub, [topic, *extra_filters(topic, extra)])
     ready()
     counter = Counter(n)
     idle_deadline = time.monotonic() + FIRST
     while not counter.done() and time.monotonic() < idle_deadline:
         m = pubsub.get_message(timeout=0.2)
-        if m is not None and m["type"] == "message":
+        if m is not None and m["type"] in ("message", "pmessage"):
             counter.take([m["data"]])
             idle_deadline = time.monotonic() + IDLE
     pubsub.close()
@@ -349,7 +440,20 @@ def redis_pub(url: str, topic: str, n: int, size: int, rate: int = 0, topics: in
     return {"start": start, "end": end, "sent": n}
 
 
+def redis_hold(url: str, topic: str, connections: int) -> dict:
+    r = _redis(url, connections)
+    held = [r.pubsub() for _ in range(connections)]  # a connection each
+    confirmed = sum(redis_subscribe(p, [f"{topic}/{i}"]) for i, p in enumerate(held))
+    ready()
+    sys.stdin.read()
+    for p in held:
+        p.close()
+    return {"held": confirmed}
+
+
 def main() -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # hold: 1,000 connections
     client, mode, url, topic, *rest = sys.argv[1:]
     nums = [int(x) for x in rest]
     fn = globals().get(f"{client}_{mode}")
