@@ -13,7 +13,8 @@ refuses sync_interval); core NATS on Debian 12's. Each is driven by its usual Py
 in separate processes (bench/drive.py) and, for mosquitto and redis, also by their C tools
 in a shell pipe. Loss is counted from sequence numbers in every payload, never assumed.
 Broker CPU time (utime + stime from /proc/PID/stat) per delivered message is the figure that
-survives a noisy machine. Writes results.csv, results.json, summary.md and PNG charts to --out.
+survives a noisy machine; throughput and latency run three times each (``--repeat``) and
+the median run is kept. Writes results.csv, results.json, summary.md and PNG charts to --out.
 """
 
 from __future__ import annotations
@@ -228,20 +229,34 @@ def fanout(broker: Broker, client: str, subscribers: int, n: int, size: int, rat
 Row = dict
 
 
-def throughput(kind: str, broker: Broker, sizes: dict[int, int], rows: list[Row]) -> None:
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run with the median ``key`` (the middle one of an odd count), with how many runs
+    there were and the lowest and highest ``key`` among them."""
+    ordered = sorted(runs, key=lambda r: r[key] if r[key] is not None else -1)
+    pick = dict(ordered[len(ordered) // 2])
+    values = [r[key] for r in runs if r[key] is not None]
+    pick["runs"] = len(runs)
+    pick["spread"] = f"{min(values):,}-{max(values):,}" if values else ""
+    return pick
+
+
+def throughput(kind: str, broker: Broker, sizes: dict[int, int], rows: list[Row],
+               repeat: int = 1) -> None:
     client = CLIENT[kind]
     for subscribers in (1, 4):
         for size, n in sizes.items():
-            r = fanout(broker, client, subscribers, n, size)
+            r = median_run([fanout(broker, client, subscribers, n, size)
+                            for _ in range(repeat)], "deliveries_per_s")
             rows.append({"workload": f"throughput 1->{subscribers}", "broker": kind,
                          "client": CLIENT_NAME[client], **r})
             print(f"  {kind} 1->{subscribers} {size} B: {r['msg_per_s']:,} msg/s, "
                   f"{r['mb_per_s']} MB/s, lost {r['lost']}", file=sys.stderr)
 
 
-def latency(kind: str, broker: Broker, n: int, rows: list[Row]) -> None:
+def latency(kind: str, broker: Broker, n: int, rows: list[Row], repeat: int = 1) -> None:
     client = CLIENT[kind]
-    r = fanout(broker, client, 1, n, 100, rate=2000)
+    r = median_run([fanout(broker, client, 1, n, 100, rate=2000) for _ in range(repeat)],
+                   "p99_us")
     rows.append({"workload": "latency 2000 msg/s", "broker": kind,
                  "client": CLIENT_NAME[client], **r})
     print(f"  {kind} latency p50/p99 {r['p50_us']}/{r['p99_us']} us", file=sys.stderr)
@@ -447,7 +462,7 @@ def curve_new_topic(broker: Broker, quick: bool, subs: int,
 COLUMNS = ["workload", "broker", "client", "scale", "messages", "size", "subscribers",
            "delivered", "lost", "duplicates", "seconds", "msg_per_s", "deliveries_per_s",
            "mb_per_s", "p50_us", "p95_us", "p99_us", "max_us", "broker_cpu_s",
-           "cpu_us_per_delivery", "idle_rss_mb", "peak_rss_mb", "startup_ms"]
+           "cpu_us_per_delivery", "idle_rss_mb", "peak_rss_mb", "startup_ms", "runs", "spread"]
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -460,6 +475,10 @@ def summary(rows: list[Row], meta: dict) -> str:
     out = [f"Run {meta['date']} on {meta['machine']}; command: `{meta['command']}`; "
            f"load average {meta['loadavg_start']:.2f} before, "
            f"{meta.get('loadavg_end', 0):.2f} after", ""]
+    if meta.get("repeat", 1) > 1:
+        out += [f"Throughput and latency rows: of {meta['repeat']} runs each, the one with the "
+                "median rate (throughput) or median p99 (latency); `runs` and `spread` "
+                "(lowest-highest) in results.csv.", ""]
     versions = [f"{k} {v}" for k, v in meta["versions"].items()]
     if meta.get("jetstream_server"):
         versions.append(f"JetStream runs: nats-server {meta['jetstream_server']} "
@@ -578,6 +597,10 @@ def main() -> None:
                     help="payload sizes of the throughput workloads, bytes")
     ap.add_argument("--out", type=Path, default=HERE.parent / "docs" / "bench")
     ap.add_argument("--no-install", action="store_true", help="never apt-get missing peers")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="runs of each throughput and latency workload; the row is the run "
+                         "with the median rate (throughput) or p99 (latency) "
+                         "(default 3, --quick 1)")
     args = ap.parse_args()
     kinds = [k for k in args.brokers.split(",") if k]
     workloads = set(args.workloads.split(","))
@@ -601,12 +624,15 @@ def main() -> None:
         command += f" --workloads {args.workloads}"
     if args.sizes != ap.get_default("sizes"):
         command += f" --sizes {args.sizes}"
+    repeat = args.repeat or (1 if args.quick else 3)
+    if args.repeat is not None:
+        command += f" --repeat {args.repeat}"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": command, "level": level,
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, "
                        f"{platform.platform(terse=True)}, Python {platform.python_version()}",
             "versions": {k: version(k) for k in kinds}, "skipped": skipped,
             "jetstream_server": js[1] if js[0] else None,
-            "loadavg_start": os.getloadavg()[0]}
+            "loadavg_start": os.getloadavg()[0], "repeat": repeat}
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="blipmq-compare-") as tmp:
         work = Path(tmp)
@@ -623,9 +649,9 @@ def main() -> None:
                         "idle_rss_mb": broker.memory_mb("VmRSS"),
                         "startup_ms": round(broker.startup_ms, 1)}
                 if "throughput" in workloads:
-                    throughput(kind, broker, sizes, rows)
+                    throughput(kind, broker, sizes, rows, repeat)
                 if "latency" in workloads:
-                    latency(kind, broker, 1_000 if args.quick else 10_000, rows)
+                    latency(kind, broker, 1_000 if args.quick else 10_000, rows, repeat)
                 if "pipe" in workloads:
                     pipe(kind, broker, 5_000 if args.quick else 200_000, work, rows)
                 info["peak_rss_mb"] = broker.memory_mb("VmHWM")
