@@ -235,7 +235,12 @@ class Server:
             if (any(g.anchor > written for g in broker.durable_groups)
                     or broker.retained.newest_anchor() > written):
                 continue  # a checkpoint or carried value is not on disk yet: retain next time
-            result = wal.retain(wall, broker.durable_floor())
+            result = wal.retain(wall, broker.durable_floor(), delete=False)
+            if result.paths:  # unlinking big files takes milliseconds: not on the event loop
+                try:
+                    await trio.to_thread.run_sync(wal.delete, result.paths)
+                except OSError as exc:  # the segments left the log; their files stay behind
+                    log.warning("wal retention could not delete a segment file: %s", exc)
             if result.removed:
                 log.info("wal retention removed %s", ", ".join(result.removed))
             if result.forced_below is not None:
