@@ -27,7 +27,6 @@ import platform
 import re
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import newer_nats  # bench/newer_nats.py, beside this script
+from ports import free_port, wait_port  # bench/ports.py
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -53,23 +53,6 @@ CLIENT_NAME = {"blipmq": "blipmq client", "paho": "paho-mqtt", "nats": "nats-py"
 SIZES = {"full": {100: 100_000, 4096: 25_000, 65536: 3_000},
          "quick": {100: 3_000, 4096: 1_000, 65536: 200}}
 WORKLOADS = ("throughput", "latency", "durable", "pipe", "curve")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return True
-        except OSError:
-            time.sleep(0.005)
-    return False
 
 
 def find(exe: str) -> str | None:

@@ -29,14 +29,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ports import free_port  # bench/ports.py
+
 TOP = Path(__file__).resolve().parent.parent
 PIP_BLIPMQ = Path(sys.executable).with_name("blipmq")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def summary(label: str, samples: list[float], unit: str = "ms") -> None:

@@ -21,12 +21,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ports import free_port, wait_port  # bench/ports.py
 
 HERE = Path(__file__).resolve().parent
 BLIPMQ = str(Path(sys.executable).with_name("blipmq"))
@@ -58,25 +59,6 @@ print(json.dumps(rows))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the broker exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.02)
-    raise SystemExit(f"nothing listens on port {port}")
-
-
 def kib(text: str, field: str) -> int:
     m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
     return int(m.group(1)) if m else 0
@@ -93,7 +75,9 @@ def idle(blipmq: str, work: Path, metrics: bool) -> dict:
          "--log-format", "plain", "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_port(port, proc)
+        if not wait_port(port, proc):
+            raise SystemExit(f"the broker exited with {proc.returncode}" if proc.poll()
+                             is not None else f"nothing listens on port {port}")
         time.sleep(1.0)  # what bench/run.py waits before it reads the idle RSS
         # a onefile executable is a bootloader with the broker as its child: measure the child
         kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()

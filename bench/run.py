@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,16 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from ports import free_port, wait_port  # bench/ports.py
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 BLIPMQ = str(Path(PY).with_name("blipmq"))
 WORKER = str(HERE / "worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Blipmq:
@@ -55,7 +50,8 @@ class Blipmq:
              "--log-format", "plain", "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        wait_port(self.port)
+        if not wait_port(self.port):
+            raise SystemExit(f"nothing listens on port {self.port}")
         self.ready_after = time.monotonic() - self.started
         self.addr = f"127.0.0.1:{self.port}"
 
@@ -66,17 +62,6 @@ class Blipmq:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
-
-
-def wait_port(port: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"nothing listens on port {port}")
 
 
 def worker(*args: object) -> subprocess.Popen[str]:
@@ -151,7 +136,8 @@ def pipe_mosquitto(workdir: Path, lines_file: Path, n: int) -> dict | str:
     proc = subprocess.Popen([broker, "-c", str(conf)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        wait_port(port)
+        if not wait_port(port):
+            raise SystemExit(f"nothing listens on port {port}")
         received = lines_file.with_suffix(".mosquitto.out")
         with open(received, "wb") as sink:
             sub = subprocess.Popen(
