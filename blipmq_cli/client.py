@@ -188,6 +188,10 @@ class Client:
             raise ConnectError(f"cannot connect to {self.addr}: {exc.strerror or exc}") from None
         try:
             _tune(self.sock, timeout)
+            # non-blocking from here on: waits are this client's own poll() calls (a socket
+            # timeout would cost a mode switch and a poll before every send and receive)
+            self.sock.setblocking(False)
+            self._poller: tuple[tuple[int, ...], int | None, select.poll] | None = None
             self._conn.hello(name, api_key)
             self._send_out()
             try:
@@ -514,13 +518,11 @@ class Client:
 
     def _receive(self, wait: float) -> None:
         """Receive once, waiting at most ``wait`` seconds, and hand the bytes over."""
-        sock = self.sock
-        if (self.wake_fds or self.hangup_fd is not None) and not self._watch(wait):
+        if not self._watch(wait):
             return
         try:
-            sock.settimeout(max(wait, 0.001))
-            data = sock.recv(_RECV)
-        except (TimeoutError, BlockingIOError):
+            data = self.sock.recv(_RECV)
+        except BlockingIOError:
             return
         except OSError as exc:
             self._lost(exc)
@@ -532,18 +534,25 @@ class Client:
     def _watch(self, wait: float) -> bool:
         """Wait for the socket, the wake fds and a hang-up of ``hangup_fd``; whether the
         socket is readable."""
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        for fd in self.wake_fds:
-            poller.register(fd, select.POLLIN)
-        if self.hangup_fd is not None:
-            poller.register(self.hangup_fd, 0)  # POLLERR / POLLHUP are always reported
+        sock_fd = self.sock.fileno()
+        kept = self._poller
+        if kept is None or kept[0] != self.wake_fds or kept[1] != self.hangup_fd:
+            poller = select.poll()
+            poller.register(sock_fd, select.POLLIN)
+            for fd in self.wake_fds:
+                poller.register(fd, select.POLLIN)
+            if self.hangup_fd is not None:
+                poller.register(self.hangup_fd, 0)  # POLLERR / POLLHUP are always reported
+            kept = self._poller = (self.wake_fds, self.hangup_fd, poller)
         readable = False
-        for fd, events in poller.poll(max(wait, 0.001) * 1000):
-            if fd == self.hangup_fd and events & (select.POLLERR | select.POLLHUP):
-                raise BrokenPipeError("stdout was closed")
-            readable = readable or fd == self.sock.fileno()
-            self._woken = self._woken or fd in self.wake_fds
+        for fd, events in kept[2].poll(max(wait, 0.001) * 1000):
+            if fd == sock_fd:
+                readable = True
+            elif fd == self.hangup_fd:
+                if events & (select.POLLERR | select.POLLHUP):
+                    raise BrokenPipeError("stdout was closed")
+            else:
+                self._woken = True
         return readable
 
     def _feed(self, data: bytes) -> None:
@@ -561,7 +570,6 @@ class Client:
             if conn.closed is not None:
                 return
             try:
-                sock.settimeout(0.0)
                 data = sock.recv(_RECV)
             except BlockingIOError:
                 return
@@ -607,14 +615,19 @@ class Client:
         view = memoryview(data)
         total = len(view)
         sent = 0
-        sock.settimeout(self.timeout)
+        writable: select.poll | None = None
         while sent < total:  # each pass sends at least one byte or raises
             try:
                 sent += sock.send(view[sent : sent + chunk])
-            except TimeoutError:
-                raise ConnectError(
-                    f"the broker at {self.addr} took no data for {self.timeout:g} s"
-                ) from None
+            except BlockingIOError:
+                if writable is None:
+                    writable = select.poll()
+                    writable.register(sock, select.POLLOUT)
+                if not writable.poll(self.timeout * 1000):
+                    raise ConnectError(
+                        f"the broker at {self.addr} took no data for {self.timeout:g} s"
+                    ) from None
+                continue
             except OSError as exc:
                 self._lost(exc)
             if progress is not None:

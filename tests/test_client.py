@@ -210,6 +210,25 @@ def test_a_publisher_notices_a_closed_connection_before_writing() -> None:
     assert not any(isinstance(f, codec.Publish) for f in peer.frames())
 
 
+def test_a_send_the_broker_takes_nothing_of_ends_after_the_timeout() -> None:
+    """A broker that stops reading: once the socket's buffers are full, a publish waits
+    ``timeout`` seconds for room, then raises ConnectError."""
+    def stall(frame: codec.Frame, link: Link) -> None:
+        if not greet(frame, link) and isinstance(frame, codec.Publish):
+            time.sleep(3)  # reads nothing meanwhile
+
+    with Peer(stall) as peer:
+        c = Client(peer.addr, timeout=0.5)
+        payload = b"x" * 60_000
+        started = time.monotonic()
+        with pytest.raises(ConnectError) as info:
+            for _ in range(2_000):  # 120 MB at most: far more than the socket buffers hold
+                c.publish("t", payload)
+        assert time.monotonic() - started < 2.5
+        assert str(info.value) == f"the broker at {peer.addr} took no data for 0.5 s"
+        c.abort()
+
+
 def test_the_frame_limit_is_exactly_what_welcome_announced() -> None:
     def small_frames(frame: codec.Frame, link: Link) -> None:
         greet(frame, link, max_frame=4096)

@@ -27,11 +27,12 @@ def strace() -> str:
     return path
 
 
-def attach(pid: int, out: Path,
-           calls: str = "write,pwrite64,writev,fsync,fdatasync,openat") -> subprocess.Popen[bytes]:
-    """Trace every thread of ``pid`` (writes, fsyncs, file creations) into ``out``."""
+def attach(pid: int, out: Path, calls: str = "write,pwrite64,writev,fsync,fdatasync,openat",
+           names: str = "-y") -> subprocess.Popen[bytes]:
+    """Trace every thread of ``pid`` (writes, fsyncs, file creations) into ``out``;
+    ``names``: -y for the path of each descriptor, -yy for sockets' addresses too."""
     tracer = subprocess.Popen(
-        [strace(), "-f", "-y", "-s", "0", "-o", str(out), "-p", str(pid),
+        [strace(), "-f", names, "-s", "0", "-o", str(out), "-p", str(pid),
          "-e", f"trace={calls}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )

@@ -2,11 +2,17 @@
 
 The reader decodes frames and calls the broker core by this connection's id; replies and
 deliveries go through the writer, which coalesces everything pending (outbox frames plus a
-DELIVER batch per subscription, from ``Broker.deliver``) into one ``send_all``. What the
+DELIVER batch per subscription, from ``Broker.deliver``) into one write. What the
 connection owes its peer is its output budget: past ``server.max_pending_bytes`` the reader
 stops reading until the writer has caught up. The server's watchdog reads ``heard_at``,
 ``pinged_at`` and ``sending_since`` for keepalive and write timeouts. Trio lives here and in
 the rest of ``server/`` only.
+
+Both tasks work on the socket's file descriptor with ``os.read`` / ``os.write`` and trio's
+``wait_readable`` / ``wait_writable``: a read waits first and then reads once (no failed
+read before each wait), a write that the kernel takes whole does not go through the
+scheduler, and either yields to the other tasks after ``_TURN_S`` of work without a wait.
+The stream itself is closed only after both tasks have ended (``run``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import time
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -59,7 +66,7 @@ def wall_ms() -> int:
     return int(time.time() * 1000)
 
 
-_SEND_CHUNK = 64 * 1024  # the write timeout applies to each chunk: "no progress for N ms"
+_RECEIVE = 65536  # bytes a read asks for
 # A cursor draining a backlog sends its next batch once nothing else is ready to run, or
 # after this long at the latest: live traffic goes first, and a drain never stops
 _BACKLOG_WAIT_S = 0.01
@@ -87,12 +94,15 @@ class Session:
         self.close_reason: CloseReason | None = None
         self._greeted = False
         self._said_goodbye = False
-        self._wakeup = trio.Event()
+        # the writer task while it waits for something to send (``wake`` resumes it)
+        self._parked: trio.lowlevel.Task | None = None
         self._drained = trio.Event()
         self._read_scope: trio.CancelScope | None = None
         # for the server's watchdog: when something last came in, when our keepalive PING
         # went out (None: not waiting for an answer), when the send under way began
-        self.heard_at = trio.current_time()
+        self.clock = trio.lowlevel.current_clock().current_time  # trio's time, one call
+        self.heard_at = self.clock()
+        self.read_at = self.heard_at  # when the frames being handled were read
         self.pinged_at: float | None = None
         self.sending_since: float | None = None
         self.paused = False  # the reader waits for the writer (output budget)
@@ -102,13 +112,22 @@ class Session:
     # --------------------------------------------------------------------------- plumbing
 
     def wake(self) -> None:
-        self._wakeup.set()
+        """Resume the writer if it waits: it looks at what is pending before it waits
+        again, so a wake while it runs needs no record."""
+        task = self._parked
+        if task is not None:
+            self._parked = None
+            trio.lowlevel.reschedule(task)
+
+    def _unpark(self, _: object) -> trio.lowlevel.Abort:
+        self._parked = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def send(self, frame: codec.Frame) -> None:
         data = codec.encode(frame)
         self.outbox.append(data)
         self.pending_bytes += len(data)
-        self._wakeup.set()
+        self.wake()
 
     def error(self, code: ErrorCode, text: str, request_id: int = 0) -> None:
         self.send(codec.Error(code, text, request_id))
@@ -137,7 +156,7 @@ class Session:
                 if self.close_reason is None:
                     self.close_reason = reason
                 self.closing = True
-                self._wakeup.set()
+                self.wake()
         finally:
             self.server.detached(self.broker.disconnect(self.conn_id, wall_ms()))
             self.server.log_touched()  # a group's idle record
@@ -151,7 +170,10 @@ class Session:
     async def _write_loop(self) -> None:
         opts = self.server.config.delivery
         linger = opts.flush_interval_ms / 1000
-        stream = self.stream
+        fd = self.stream.socket.fileno()
+        clock = self.clock
+        turn = clock() + _TURN_S
+        woken = True
         try:
             while True:
                 if not self.outbox and not self.broker.pending(self.conn_id, self.closing):
@@ -163,39 +185,66 @@ class Session:
                                                     "broker is shutting down"))
                             continue
                         return
-                    self._wakeup = trio.Event()
-                    await self._wakeup.wait()
+                    self._parked = trio.lowlevel.current_task()
+                    await trio.lowlevel.wait_task_rescheduled(self._unpark)
+                    woken = True
                     continue
+                now = clock()
+                if woken:
+                    woken = False
+                    turn = now + _TURN_S
+                elif now > turn:  # sending without a pause: let the other tasks in
+                    await trio.lowlevel.checkpoint()
+                    now = clock()
+                    turn = now + _TURN_S
                 if linger and not self.outbox:
                     await trio.sleep(linger)  # let a batch fill (delivery.flush_interval_ms)
-                data, behind = self._collect(opts.max_batch, opts.max_batch_bytes)
+                    now = clock()
+                data, behind = self._collect(opts.max_batch, opts.max_batch_bytes, now)
                 if data:
-                    view = memoryview(data)
-                    for at in range(0, len(data), _SEND_CHUNK):
-                        # the server's watchdog closes a connection stuck here too long
-                        self.sending_since = trio.current_time()
-                        await stream.send_all(view[at : at + _SEND_CHUNK])
-                    self.sending_since = None
+                    await self._send(fd, data, now)
                     self.pending_bytes -= len(data)
                     self._drained.set()
                     if behind:  # a backlog drain: live traffic first, the next batch after
                         with trio.move_on_after(_BACKLOG_WAIT_S):
                             await wait_all_tasks_blocked()
-                        if trio.current_time() - self.server.published_at < _LIVE_S:
+                        if clock() - self.server.published_at < _LIVE_S:
                             await trio.sleep(_BACKLOG_PACE_S)
-                else:
+                else:  # something pending, nothing to take yet: the others first
                     await trio.lowlevel.checkpoint()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    woken = True
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             self.abort(CloseReason.WRITE_FAILED)
 
-    def _collect(self, max_batch: int, max_batch_bytes: int) -> tuple[bytes, bool]:
+    async def _send(self, fd: int, data: bytes, now: float) -> None:
+        """Write all of ``data``, waiting only when the socket's buffer is full. The
+        server's watchdog closes the connection once a send made no progress for the write
+        timeout (``sending_since``: when the last progress was made)."""
+        view = memoryview(data)
+        total = len(data)
+        self.sending_since = now
+        at = 0
+        while True:
+            try:
+                sent = os.write(fd, view[at:])
+            except BlockingIOError:
+                sent = 0
+            at += sent
+            if at >= total:
+                break
+            if sent:
+                self.sending_since = self.clock()
+            await trio.lowlevel.wait_writable(fd)
+        self.sending_since = None
+
+    def _collect(self, max_batch: int, max_batch_bytes: int, now: float) -> tuple[bytes, bool]:
         """The outbox and a DELIVER batch per subscription with something to take. Once
         closing, QoS 1 subscriptions take nothing more: what they took would only go back
         to their cursor, one delivery count higher."""
         parts = self.outbox
         self.outbox = []
         owed = sum(map(len, parts))  # counted in pending_bytes when they were sent
-        taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, now_ms(),
+        taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, int(now * 1000),
                                     wall_ms(), qos0_only=self.closing)
         for sub_id, records in taken.batches:  # heads and records: joined once, below
             parts.append(codec.deliver_head(sub_id, records))
@@ -212,7 +261,10 @@ class Session:
     async def _read_loop(self) -> CloseReason:
         cfg = self.server.config.server
         decoder = codec.Decoder(self.server.max_frame)
-        stream = self.stream
+        fd = self.stream.socket.fileno()
+        wait_readable = trio.lowlevel.wait_readable
+        clock = self.clock
+        full = False
         budget = cfg.max_pending_bytes
         handshake = cfg.handshake_timeout_ms / 1000 or math.inf
         with trio.CancelScope() as scope:
@@ -226,20 +278,27 @@ class Session:
                     self.paused = True  # its silence now is ours: no keepalive meanwhile
                     await self._drained.wait()
                     self.paused = False
-                    self.heard_at = trio.current_time()
+                    self.heard_at = clock()
                     continue
                 try:
-                    if self.authenticated:  # silence is the watchdog's business now
-                        data = await stream.receive_some(65536)
+                    if full:  # the last read filled the buffer: the rest is likely there
+                        await trio.lowlevel.checkpoint()
+                    elif self.authenticated:  # silence is the watchdog's business now
+                        await wait_readable(fd)
                     else:
                         with trio.move_on_at(deadline) as waited:
-                            data = await stream.receive_some(65536)
+                            await wait_readable(fd)
                         if waited.cancelled_caught:
                             self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
                             return CloseReason.HANDSHAKE_TIMEOUT
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = os.read(fd, _RECEIVE)
+                except BlockingIOError:
+                    full = False
+                    continue
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                     return CloseReason.RESET
-                self.heard_at = trio.current_time()
+                full = len(data) == _RECEIVE
+                self.heard_at = self.read_at = clock()
                 self.pinged_at = None
                 if not data:
                     return CloseReason.EOF
@@ -253,15 +312,17 @@ class Session:
                             return CloseReason.PROTOCOL_ERROR
                         if not frames:
                             break
-                        turn = trio.current_time() + _TURN_S
+                        turn = self.read_at + _TURN_S
+                        last = frames[-1]
                         for frame in frames:
                             reason = await self._handle(frame)
                             if reason is not None:
                                 return reason
-                            if trio.current_time() > turn:  # let the other connections in
+                            if frame is not last and clock() > turn:  # let the others in
                                 self.server.log_touched()
                                 await trio.lowlevel.checkpoint()
-                                turn = trio.current_time() + _TURN_S
+                                self.read_at = clock()
+                                turn = self.read_at + _TURN_S
                 finally:
                     # one look per chunk read: whatever its frames appended (messages, acks,
                     # group records, dead letters) goes to the flusher together
@@ -343,7 +404,7 @@ class Session:
         those that became durable (possibly after an ERROR about the rest)."""
         broker = self.broker
         server = self.server
-        server.published_at = trio.current_time()
+        now = server.published_at = self.read_at
         flusher = server.flusher
         messages = frame.messages
         total = len(messages)
@@ -351,7 +412,7 @@ class Session:
         confirms = last_offset = first_offset = 0
         try:
             while True:
-                result = broker.publish(messages, now_ms(), wall_ms())
+                result = broker.publish(messages, int(now * 1000), wall_ms())
                 server.wake(result.wake)
                 confirms += result.confirms
                 last_offset = result.last_offset or last_offset
@@ -370,6 +431,7 @@ class Session:
                 messages = messages[result.accepted:]
                 server.log_touched()  # what was accepted need not wait with us
                 await server.wait_for_room(result.blocked)
+                now = self.read_at = self.clock()  # the frames after this one, too
         finally:
             if wants_ack:
                 if confirms and flusher is not None:

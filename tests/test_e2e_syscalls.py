@@ -1,0 +1,84 @@
+"""The system calls a message costs, seen with strace: the client's publish and the
+broker's reader. At 2,000 msg/s every call is on the latency path (docs/PERFORMANCE.md).
+
+strace comes from scripts/test-deps (run by `make test`); without it these tests fail and
+say so.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from test_e2e_wal_fsync import attach, strace
+
+from blipmq_cli.client import Client
+
+_RESULT = re.compile(r"^(?:\d+\s+)?(\w+)\((.*)\)\s+=\s+(-?\d+)(.*)$")
+
+
+def calls(trace: str, name: str, contains: str = "") -> list[str]:
+    """Completed calls of ``name`` whose arguments hold ``contains``, with their results."""
+    found = []
+    for line in trace.splitlines():
+        m = _RESULT.match(line)
+        if m and m.group(1) == name and contains in m.group(2):
+            found.append(f"{m.group(3)}{m.group(4)}")
+    return found
+
+
+def test_a_publish_costs_the_client_one_read_and_one_send(start_broker, tmp_path: Path) -> None:
+    """One publish at a time: a read that does not wait (PINGs, a refusal) and the send.
+    The client used to switch the socket's mode twice per publish (ioctl FIONBIO) and poll
+    before every send, as Python sockets with a timeout do: five calls instead of two."""
+    b = start_broker()
+    n = 300
+    script = (f"from blipmq_cli.client import Client\n"
+              f"c = Client({b.addr!r})\n"
+              f"for i in range({n}):\n"
+              f"    c.publish('t', b'reading %d' % i)\n"
+              f"c.close()\n")
+    out = tmp_path / "client.strace"
+    run = subprocess.run(
+        [strace(), "-f", "-o", str(out), "-e", "trace=ioctl,poll,ppoll,recvfrom,sendto",
+         sys.executable, "-c", script],
+        capture_output=True, timeout=60,
+    )
+    assert run.returncode == 0, run.stderr.decode()
+    trace = out.read_text()
+    sends = calls(trace, "sendto")
+    assert n <= len(sends) <= n + 5  # HELLO, AUTH, the PING of close(), GOODBYE
+    assert len(calls(trace, "recvfrom")) <= n + 20
+    assert len(calls(trace, "ioctl", "FIONBIO")) <= 3  # set once, at connect
+    polls = calls(trace, "poll") + calls(trace, "ppoll")
+    assert len(polls) <= 10, polls  # the handshake's and close()'s waits only
+
+
+def test_the_broker_waits_before_it_reads(start_broker, tmp_path: Path) -> None:
+    """Each chunk a connection sends is read once, after epoll said it came: the broker used
+    to try another read after every chunk, which failed (EAGAIN) whenever the client had
+    nothing more to send yet, before it went back to waiting."""
+    b = start_broker()
+    out = tmp_path / "broker.strace"
+    tracer = attach(b.proc.pid, out, "read,recvfrom", "-yy")
+    rounds = 200
+    try:
+        with Client(b.addr) as c:
+            for i in range(rounds):  # a publish, then a round trip: the link falls quiet
+                c.publish("t", b"m %d" % i)
+                c.ping()
+        assert b.stop() == 0
+        tracer.wait(30)
+    finally:
+        if tracer.poll() is None:
+            tracer.kill()
+            tracer.wait()
+    # -yy names each descriptor; the client's TCP connections, not trio's wake-up socketpair
+    # or the log's files
+    trace = out.read_text()
+    tcp = [r for name in ("read", "recvfrom") for r in calls(trace, name, "TCP")]
+    assert len(tcp) >= rounds, trace[-2000:]
+    failed = [r for r in tcp if "EAGAIN" in r]
+    assert len(failed) <= rounds // 20, (len(failed), len(tcp))
