@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_e2e_wal_fsync import attach, strace
+from test_e2e_wal_fsync import strace, traced
 
 from blipmq_cli.client import Client
 
@@ -62,19 +62,13 @@ def test_the_broker_waits_before_it_reads(start_broker, tmp_path: Path) -> None:
     nothing more to send yet, before it went back to waiting."""
     b = start_broker()
     out = tmp_path / "broker.strace"
-    tracer = attach(b.proc.pid, out, "read,recvfrom", "-yy")
     rounds = 200
-    try:
+    with traced(b.proc.pid, out, "read,recvfrom", "-yy"):
         with Client(b.addr) as c:
             for i in range(rounds):  # a publish, then a round trip: the link falls quiet
                 c.publish("t", b"m %d" % i)
                 c.ping()
         assert b.stop() == 0
-        tracer.wait(30)
-    finally:
-        if tracer.poll() is None:
-            tracer.kill()
-            tracer.wait()
     # -yy names each descriptor; the client's TCP connections, not trio's wake-up socketpair
     # or the log's files
     trace = out.read_text()

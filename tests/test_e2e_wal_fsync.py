@@ -7,10 +7,12 @@ say so.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,21 @@ def attach(pid: int, out: Path, calls: str = "write,pwrite64,writev,fsync,fdatas
             break
     tracer.kill()
     pytest.fail(f"strace could not attach to the broker: {line!r}")
+
+
+@contextlib.contextmanager
+def traced(pid: int, out: Path, calls: str = "write,pwrite64,writev,fsync,fdatasync,openat",
+           names: str = "-y") -> Iterator[None]:
+    """``attach`` for the block, which ends the traced process (strace then ends too);
+    strace is killed if it is still there."""
+    tracer = attach(pid, out, calls, names)
+    try:
+        yield
+        tracer.wait(30)
+    finally:
+        if tracer.poll() is None:
+            tracer.kill()
+            tracer.wait()
 
 
 def not_durable(trace: str, wal: Path) -> list[str]:
@@ -84,17 +101,11 @@ def test_sigterm_fsyncs_every_rotated_segment_and_the_directory(
 ) -> None:
     b = start_broker({"wal": {"segment_bytes": 4096, "fsync": fsync}})
     out = tmp_path / "strace.txt"
-    tracer = attach(b.proc.pid, out)
-    try:
+    with traced(b.proc.pid, out):
         pub = b.cli("pub", "t", "-", "--qos", "1", "--lines", input=payload_lines(2500),
                     timeout=120)
         assert pub.returncode == 0, pub.stderr
         assert b.stop(timeout=60) == 0
-        tracer.wait(30)
-    finally:
-        if tracer.poll() is None:
-            tracer.kill()
-            tracer.wait()
     wal = b.data_dir / "wal"
     segments = sorted(p.name for p in wal.glob("*.seg"))
     assert len(segments) > 50  # many rotations
@@ -131,8 +142,7 @@ def test_retention_deletes_segment_files_off_the_event_loop(start_broker, tmp_pa
     b = start_broker({"wal": {"segment_bytes": 4096, "retention_bytes": 16384,
                               "maintenance_interval_ms": 100}})
     out = tmp_path / "strace.txt"
-    tracer = attach(b.proc.pid, out, "unlink,unlinkat")
-    try:
+    with traced(b.proc.pid, out, "unlink,unlinkat"):
         pub = b.cli("pub", "t", "-", "--lines", input=payload_lines(2500), timeout=120)
         assert pub.returncode == 0, pub.stderr
         deadline = time.monotonic() + 30
@@ -140,11 +150,6 @@ def test_retention_deletes_segment_files_off_the_event_loop(start_broker, tmp_pa
             assert time.monotonic() < deadline, "retention did not run"
             time.sleep(0.05)
         assert b.stop() == 0
-        tracer.wait(30)
-    finally:
-        if tracer.poll() is None:
-            tracer.kill()
-            tracer.wait()
     unlinks = [line.split()[0] for line in out.read_text().splitlines()
                if re.search(r"unlink(at)?\(.*\.seg", line)]
     assert len(unlinks) > 20  # the trace saw retention at work
