@@ -616,7 +616,7 @@ class Client:
         total = len(view)
         sent = 0
         writable: select.poll | None = None
-        while sent < total:  # each pass sends at least one byte or raises
+        while sent < total:  # each pass sends, waits up to the timeout for room, or raises
             try:
                 sent += sock.send(view[sent : sent + chunk])
             except BlockingIOError:
