@@ -55,6 +55,7 @@ DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT = 10.0
 _RECV = 1 << 18
 _SEND_CHUNK = 1 << 20
+_PAIRS = 1024  # (topic, payload) pairs handed to the connection at a time
 _PROGRESS_CHUNK = 1 << 16
 _POLL_READS = 4  # reads of what already arrived before a write; more waits for the next wait
 _KEEPCNT = 3
@@ -297,16 +298,25 @@ class Client:
     def publish_many(self, messages: Iterable[Message | tuple[str, bytes]]) -> int:
         """Send many messages in PUBLISH batches; returns how many were sent."""
         conn = self._conn
-        add = conn.publish
-        new = tuple.__new__
         n = 0
+        pairs: list[tuple[str, bytes]] = []
         try:
             for m in messages:
-                # (topic, payload) pairs become Messages without Message.__new__'s Python call
-                add(m if isinstance(m, Message) else new(Message, (m[0], m[1], 0, 0, None, False)))
-                n += 1
+                if isinstance(m, Message):
+                    if pairs:
+                        n += conn.publish_pairs(pairs)
+                        pairs = []
+                    conn.publish(m)  # type: ignore[arg-type]
+                    n += 1
+                else:
+                    pairs.append(m)  # type: ignore[arg-type]
+                    if len(pairs) < _PAIRS:
+                        continue
+                    n += conn.publish_pairs(pairs)
+                    pairs = []
                 if conn.outgoing >= _SEND_CHUNK:
                     self._send_out()
+            n += conn.publish_pairs(pairs)
         except LocalProtocolError as exc:
             raise _refused(exc) from None
         self._send_out()

@@ -383,6 +383,30 @@ def test_a_publish_frame_carries_at_most_max_batch_messages() -> None:
     assert [len(f.messages) for f in frames] == [MAX_BATCH, 1]
 
 
+def test_publish_pairs_make_the_frames_publish_makes_and_keep_pairs_before_a_refusal() -> None:
+    pairs = [(f"t/{i % 7}", bytes([i % 256]) * (i * 13 % 300)) for i in range(300)]
+    one, many = ready(max_frame=2000, max_message=1990), ready(max_frame=2000, max_message=1990)
+    for topic, payload in pairs:
+        one.publish(Message(topic, payload))
+    assert many.publish_pairs(pairs) == len(pairs)
+    assert one.data_to_send() == many.data_to_send()  # several frames, byte for byte
+    with pytest.raises(LocalProtocolError) as info:
+        many.publish_pairs([("t", b"a"), ("t", b"x" * 1991), ("t", b"never")])
+    assert info.value.code == ErrorCode.MESSAGE_TOO_LARGE
+    with pytest.raises(LocalProtocolError) as info:
+        many.publish_pairs([("a/+", b"x")])
+    assert info.value.code == ErrorCode.INVALID_TOPIC
+    # "a" stayed, and counts: a record that fits a frame alone, but not beside "a", goes
+    # into a frame of its own
+    alone = b"b" * (2000 - PUBLISH_OVERHEAD - codec.MSG_HEAD.size - 1)
+    assert many.publish_pairs([("t", alone)]) == 1
+    data = many.data_to_send()
+    decoder = codec.Decoder(2000)  # the broker's limit: refuses anything larger
+    decoder.feed(data)
+    frames = decoder.frames()
+    assert [f.decoded() for f in frames] == [[Message("t", b"a")], [Message("t", alone)]]
+
+
 @pytest.mark.parametrize(("message", "code"), [
     (Message("t", b"x" * 101), ErrorCode.MESSAGE_TOO_LARGE),
     (Message("a/+", b"x"), ErrorCode.INVALID_TOPIC),

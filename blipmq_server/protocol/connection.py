@@ -27,6 +27,7 @@ client (``blipmq_cli/client.py``) is a thin shell and a one-shot ``blipmq pub`` 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from enum import Enum
 from typing import NamedTuple
 
@@ -275,11 +276,7 @@ class ClientConnection:
         """
         payload = msg.payload
         if len(payload) > self.max_message:
-            raise LocalProtocolError(
-                f"message of {len(payload)} bytes exceeds the broker's limit of "
-                f"{self.max_message} bytes",
-                ErrorCode.MESSAGE_TOO_LARGE,
-            )
+            raise self._too_large(len(payload))
         topic = self._topics.get(msg.topic)
         if topic is None:
             topic = self._topic_bytes(msg.topic)
@@ -289,11 +286,7 @@ class ClientConnection:
             record = codec.message_record(msg, topic)
         size = len(record)
         if size > self._room:
-            raise LocalProtocolError(
-                f"message of {size} bytes with its topic and key does not fit the broker's "
-                f"frame limit of {self.max_frame} bytes",
-                ErrorCode.FRAME_TOO_LARGE,
-            )
+            raise self._too_big(size)
         if self._records and (
             self._records_size + size > self._room or len(self._records) >= codec.MAX_BATCH
         ):
@@ -302,6 +295,51 @@ class ClientConnection:
         self._records_size += size
         if msg.qos:
             self._records_qos1 += 1
+
+    def publish_pairs(self, pairs: Iterable[tuple[str, bytes]]) -> int:
+        """``publish`` of plain QoS 0 messages (no key, TTL or retain) given as (topic,
+        payload) pairs, in one loop; returns how many were added. A refused pair raises as
+        ``publish`` does, and the pairs before it stay added."""
+        topics = self._topics
+        pack = MSG_HEAD.pack
+        limit, room, most = self.max_message, self._room, codec.MAX_BATCH
+        records, gathered = self._records, self._records_size
+        n = 0
+        try:
+            for name, payload in pairs:
+                topic = topics.get(name)
+                if topic is None:
+                    topic = self._topic_bytes(name)
+                plen = len(payload)
+                if plen > limit:
+                    raise self._too_large(plen)
+                record = pack(0, 0, len(topic), 0, plen) + topic + payload
+                size = len(record)
+                if size > room:
+                    raise self._too_big(size)
+                if records and (gathered + size > room or len(records) >= most):
+                    self._records_size = gathered
+                    self.seal()
+                    records, gathered = self._records, 0
+                records.append(record)
+                gathered += size
+                n += 1
+        finally:
+            self._records_size = gathered
+        return n
+
+    def _too_large(self, size: int) -> LocalProtocolError:
+        return LocalProtocolError(
+            f"message of {size} bytes exceeds the broker's limit of {self.max_message} bytes",
+            ErrorCode.MESSAGE_TOO_LARGE,
+        )
+
+    def _too_big(self, size: int) -> LocalProtocolError:
+        return LocalProtocolError(
+            f"message of {size} bytes with its topic and key does not fit the broker's "
+            f"frame limit of {self.max_frame} bytes",
+            ErrorCode.FRAME_TOO_LARGE,
+        )
 
     def _topic_bytes(self, topic: str) -> bytes:
         problem = topic_problem(topic)
