@@ -22,7 +22,7 @@ from trio.testing import wait_all_tasks_blocked
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import Message
 from blipmq_server.server.app import Bound, Server
-from blipmq_server.server.flusher import LINGER_RECORDS, LINGER_S, Flusher
+from blipmq_server.server.flusher import LINGER_BYTES, LINGER_RECORDS, LINGER_S, Flusher
 from blipmq_server.wal import policy
 from blipmq_server.wal import record as rec
 from blipmq_server.wal.disk import Disk, FaultyDisk
@@ -377,7 +377,7 @@ async def test_a_batch_nobody_waits_for_lingers_to_grow(
     assert flusher.counters.batches == 1
 
 
-@pytest.mark.parametrize("why", ["tailing", "big", "closing"])
+@pytest.mark.parametrize("why", ["tailing", "big", "bytes", "closing"])
 async def test_a_tail_reader_a_big_batch_or_shutdown_ends_the_linger(
     nursery: trio.Nursery, tmp_path: Path, mock_clock: trio.testing.MockClock, why: str
 ) -> None:
@@ -387,6 +387,16 @@ async def test_a_tail_reader_a_big_batch_or_shutdown_ends_the_linger(
         await appended(flusher, LINGER_RECORDS - 1)
         assert flusher.counters.records == 0  # still lingering
         await appended(flusher)
+    elif why == "bytes":  # few records, but a megabyte of them
+        half = LINGER_BYTES // 2
+        flusher.wal.append(MSG, b"x" * half, 0)
+        flusher.appended()
+        await wait_all_tasks_blocked()
+        assert flusher.counters.records == 0  # still lingering
+        flusher.wal.append(MSG, b"x" * half, 0)
+        flusher.appended()
+        await written(flusher, 2)
+        return
     elif why == "closing":
         await appended(flusher)
         assert await flusher.close(10)

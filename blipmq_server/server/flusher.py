@@ -17,10 +17,11 @@ When a batch is synced (docs/OPERATIONS.md, "Durability"):
 - ``every_n:N`` / ``interval_ms:M``: as the policy says; ``none``: only at shutdown.
 
 A batch nobody waits for (no QoS 1 publisher, no sync wanted, no consumer reading the log's
-tail: ``tailing``) is held back up to ``LINGER_S`` while it stays small: at low rates, QoS 0
-traffic otherwise costs one trip to a worker thread per message, and the thread and the
-event loop take turns with the GIL each time. A publisher that starts waiting, or a batch
-that grows to ``LINGER_RECORDS``, ends the linger at once.
+tail: ``tailing``) is held back up to ``LINGER_S`` while it stays small: a trip to a worker
+thread costs the process 200-600 us of CPU on a small machine (``trio.to_thread``, the
+thread's wake-up, the report back through the event loop), so at low rates QoS 0 traffic
+would otherwise pay it every few messages. A publisher that starts waiting, or a batch that
+grows to ``LINGER_RECORDS`` records or ``LINGER_BYTES`` bytes, ends the linger at once.
 
 After a batch lands (and, under ``always``, is synced), QoS 1 publishers whose records it
 held get their PUB_ACK, in offset order; if the disk fails, they get ERROR STORAGE instead
@@ -51,8 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blipmq.wal")
 _offset = itemgetter(0)
-LINGER_S = 0.005  # longest a batch nobody waits for is held back to grow
+LINGER_S = 0.05  # longest a batch nobody waits for is held back to grow
 LINGER_RECORDS = 256  # ... unless it holds this many records
+LINGER_BYTES = 1 << 20  # ... or this many bytes
 
 
 class Flusher:
@@ -82,7 +84,8 @@ class Flusher:
 
     def appended(self) -> None:
         self._wake.set()
-        if self.wal.pending_records >= LINGER_RECORDS:
+        wal = self.wal
+        if wal.pending_records >= LINGER_RECORDS or wal.pending_bytes >= LINGER_BYTES:
             self._hurry.set()
 
     def confirm_later(
@@ -121,6 +124,7 @@ class Flusher:
         """Nobody waits for what is pending, and it is small: let it grow a little."""
         return (not self._waiters and not self._sync_wanted and not self._closing
                 and self.wal.pending_records < LINGER_RECORDS
+                and self.wal.pending_bytes < LINGER_BYTES
                 and not (self.tailing is not None and self.tailing()))
 
     def _sync_due(self) -> float:

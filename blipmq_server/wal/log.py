@@ -82,6 +82,7 @@ class Log:
         self._tail: Segment | None = None  # the segment appends go to
         self._batch_tail: Segment | None = None  # the tail when the last batch was taken
         self._pending = 0  # records appended and not yet taken into a batch
+        self._pending_bytes = 0  # ... and their bytes
         # Written and not fsynced: segments (by path, in log order) and the directory
         self._unsynced: dict[str, Segment] = {}
         self._dir_unsynced = False
@@ -146,6 +147,7 @@ class Log:
         seg.pending_ts = timestamp_ms
         self.next_offset = first + len(records)
         self._pending += len(records)
+        self._pending_bytes += size
         return first
 
     def _spread(self, seg: Segment, offset: int, records: list[bytes], timestamp_ms: int
@@ -171,6 +173,10 @@ class Log:
     @property
     def pending_records(self) -> int:
         return self._pending
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
 
     def take_batch(self) -> Batch | None:
         """Everything appended since the last batch, or None. Call ``commit`` or ``abort``."""
@@ -206,7 +212,7 @@ class Log:
         self._in_flight = Batch(parts, parts[0].first_offset,
                                 last.first_offset + len(last.starts) - 1, self._pending,
                                 self.directory, plan, sealed)
-        self._pending = 0
+        self._pending = self._pending_bytes = 0
         return self._in_flight
 
     def commit(self, batch: Batch) -> None:
