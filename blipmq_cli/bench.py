@@ -280,6 +280,9 @@ class Broker:
             [*command, "start", "--config", str(config), "--data-dir", str(self.dir / "data"),
              "--log-format", "plain", "--log-level", "info"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            # `python -m` puts its working directory first on the import path: from a source
+            # tree of another version the broker would be that tree's, not this CLI's
+            cwd=self.dir,
         )
         self.tail: deque[str] = deque(maxlen=20)
         self.addr = self._ready(timeout)

@@ -110,3 +110,15 @@ def test_bad_input_is_one_line_and_its_exit_code() -> None:
         assert done.returncode == code, (args, done.stderr)
         assert done.stderr.count(b"\n") == 1 and text in done.stderr, (args, done.stderr)
         assert b"Traceback" not in done.stderr and done.stdout == b""
+
+
+def test_the_started_broker_is_this_cli_s_not_the_working_directory_s(tmp_path) -> None:
+    """Run from a directory holding other packages of the same names (a checkout of another
+    version, say), --start used to run the broker from that directory's code."""
+    for package in ("blipmq_cli", "blipmq_server"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(
+            "raise SystemExit('the working directory\'s package was imported')\n")
+    done = subprocess.run([BLIPMQ, "bench", "--start", "-n", "200", "--json"],
+                          capture_output=True, timeout=120, cwd=tmp_path)
+    assert report(done)["delivered"] == 200
