@@ -84,9 +84,13 @@ class Flusher:
 
     def appended(self) -> None:
         self._wake.set()
-        wal = self.wal
-        if wal.pending_records >= LINGER_RECORDS or wal.pending_bytes >= LINGER_BYTES:
+        if self._grown():
             self._hurry.set()
+
+    def _grown(self) -> bool:
+        """What is pending is big enough to go without lingering."""
+        wal = self.wal
+        return wal.pending_records >= LINGER_RECORDS or wal.pending_bytes >= LINGER_BYTES
 
     def confirm_later(
         self, offset: int, session: Session, request_id: int, count: int, first: int = 0
@@ -123,8 +127,7 @@ class Flusher:
     def _may_linger(self) -> bool:
         """Nobody waits for what is pending, and it is small: let it grow a little."""
         return (not self._waiters and not self._sync_wanted and not self._closing
-                and self.wal.pending_records < LINGER_RECORDS
-                and self.wal.pending_bytes < LINGER_BYTES
+                and not self._grown()
                 and not (self.tailing is not None and self.tailing()))
 
     def _sync_due(self) -> float:
