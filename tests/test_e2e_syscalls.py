@@ -76,3 +76,26 @@ def test_the_broker_waits_before_it_reads(start_broker, tmp_path: Path) -> None:
     assert len(tcp) >= rounds, trace[-2000:]
     failed = [r for r in tcp if "EAGAIN" in r]
     assert len(failed) <= rounds // 20, (len(failed), len(tcp))
+
+
+def test_a_delivery_takes_the_broker_one_turn_of_its_loop(start_broker, tmp_path: Path) -> None:
+    """A message routed to an idle subscriber is written in the publisher's reader's turn
+    (``Session.deliver_now``): one wait for events (epoll_wait) per message. It used to go
+    to the subscriber's writer task through another turn of trio's run loop, one more
+    epoll_wait per message."""
+    b = start_broker()
+    out = tmp_path / "broker.strace"
+    rounds = 200
+    with traced(b.proc.pid, out, "epoll_wait,epoll_pwait,write,sendto"):
+        with Client(b.addr) as sub_client, Client(b.addr) as pub:
+            subscription = sub_client.subscribe("t")
+            for i in range(rounds):  # one message at a time: each finds the broker idle
+                pub.publish("t", b"m %d" % i)
+                batch = subscription.next_batch(5)
+                assert batch is not None and [d.payload for d in batch] == [b"m %d" % i]
+        assert b.stop() == 0
+    trace = out.read_text()  # set-up, stop and the log's flushes: a few dozen waits
+    waits = calls(trace, "epoll_wait") + calls(trace, "epoll_pwait")
+    writes = calls(trace, "write") + calls(trace, "sendto")
+    assert len(writes) >= rounds, trace[-2000:]
+    assert len(waits) <= rounds * 1.5, (len(waits), rounds)  # the old way: 2.2 a message

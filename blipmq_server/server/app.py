@@ -120,6 +120,7 @@ class Server:
         self.started_at = 0.0
         self.published_at = -math.inf  # when a client last published (backlog drains yield)
         self._next_conn_id = 1
+        self._routed: set[int] = set()  # connections a reader routed to, not yet sent
 
     async def serve(
         self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
@@ -281,6 +282,25 @@ class Server:
             if session is not None:
                 session.wake()
 
+    def routed(self, conns: set[int] | frozenset[int]) -> None:
+        """A reader routed messages to these connections: ``deliver_routed`` sends them."""
+        if conns:
+            self._routed |= conns
+
+    def deliver_routed(self) -> None:
+        """Send what readers routed since the last call (see ``Session.deliver_now``).
+        Readers call this before they wait or yield: after each chunk read, so a busy
+        publisher's frames go out in batches, one write per subscriber and chunk."""
+        if not self._routed:
+            return
+        conns = self._routed
+        self._routed = set()
+        sessions = self.sessions
+        for conn in conns:
+            session = sessions.get(conn)
+            if session is not None:
+                session.deliver_now()
+
     def release(self, queues: tuple[int, ...]) -> None:
         """Publishers blocked on these queues may try again (room, or a consumer fewer)."""
         room = self.room
@@ -310,6 +330,7 @@ class Server:
         event = self.room.get(blocked.queue)
         if event is None:
             event = self.room[blocked.queue] = trio.Event()
+        self.deliver_routed()  # now: what it takes from the queue sets the event
         timeout_ms = self.config.queues.block_timeout_ms
         with trio.move_on_after(timeout_ms / 1000 if timeout_ms else math.inf) as waited:
             await event.wait()

@@ -108,6 +108,8 @@ class Session:
         self.paused = False  # the reader waits for the writer (output budget)
         self.aborted = False  # ended without draining (slow consumer, write failure)
         self._scope: trio.CancelScope | None = None
+        self._fd = stream.socket.fileno()
+        self._linger = server.config.delivery.flush_interval_ms > 0
 
     # --------------------------------------------------------------------------- plumbing
 
@@ -118,6 +120,38 @@ class Session:
         if task is not None:
             self._parked = None
             trio.lowlevel.reschedule(task)
+
+    def deliver_now(self) -> None:
+        """Another connection's reader routed messages to us. If our writer waits with
+        nothing under way, send them from here, in the reader's turn: a delivery then costs
+        no trip through trio's run loop to the writer task. Only while the writer is parked
+        does anything else write this socket, and never across an ``await``, so writes
+        stay in order. What the kernel does not take, and a backlog's next batch, go to the
+        writer as before; so does everything while a linger or the close is on."""
+        if self._parked is None or self.closing or self._linger:
+            self.wake()
+            return
+        opts = self.server.config.delivery
+        data, behind = self._collect(opts.max_batch, opts.max_batch_bytes, self.clock())
+        if not data:
+            if self.broker.pending(self.conn_id):  # not to take yet: the writer's loop
+                self.wake()  # looks again after the others had their turn
+            return
+        try:
+            sent = os.write(self._fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.abort(CloseReason.WRITE_FAILED)
+            return
+        self.pending_bytes -= sent
+        if sent < len(data):
+            self.outbox.insert(0, data[sent:])  # still counted in pending_bytes
+            self.wake()
+            return
+        self._drained.set()
+        if behind or self.broker.pending(self.conn_id):  # more than a batch was waiting
+            self.wake()
 
     def _unpark(self, _: object) -> trio.lowlevel.Abort:
         self._parked = None
@@ -170,7 +204,7 @@ class Session:
     async def _write_loop(self) -> None:
         opts = self.server.config.delivery
         linger = opts.flush_interval_ms / 1000
-        fd = self.stream.socket.fileno()
+        fd = self._fd
         clock = self.clock
         turn = clock() + _TURN_S
         woken = True
@@ -261,7 +295,7 @@ class Session:
     async def _read_loop(self) -> CloseReason:
         cfg = self.server.config.server
         decoder = codec.Decoder(self.server.max_frame)
-        fd = self.stream.socket.fileno()
+        fd = self._fd
         wait_readable = trio.lowlevel.wait_readable
         clock = self.clock
         full = False
@@ -320,13 +354,16 @@ class Session:
                                 return reason
                             if frame is not last and clock() > turn:  # let the others in
                                 self.server.log_touched()
+                                self.server.deliver_routed()
                                 await trio.lowlevel.checkpoint()
                                 self.read_at = clock()
                                 turn = self.read_at + _TURN_S
                 finally:
                     # one look per chunk read: whatever its frames appended (messages, acks,
-                    # group records, dead letters) goes to the flusher together
+                    # group records, dead letters) goes to the flusher together, and what
+                    # they routed to subscribers goes out
                     self.server.log_touched()
+                    self.server.deliver_routed()
         return self.close_reason or CloseReason.SHUTDOWN
 
     async def _handle(self, frame: codec.Frame) -> CloseReason | None:
@@ -413,7 +450,7 @@ class Session:
         try:
             while True:
                 result = broker.publish(messages, int(now * 1000), wall_ms())
-                server.wake(result.wake)
+                server.routed(result.wake)
                 confirms += result.confirms
                 last_offset = result.last_offset or last_offset
                 first_offset = first_offset or result.first_offset
