@@ -48,15 +48,16 @@ class Counter:
 
     def take(self, payloads: list[bytes]) -> None:
         now = time.monotonic_ns()
-        add, seen = self.hist.add, self.seen
-        for p in payloads:
-            sent, _, seq = HEADER.unpack_from(p)
-            add(now - sent)
-            if seq < self.n and not seen[seq]:
+        heads = list(map(HEADER.unpack_from, payloads))
+        self.hist.add_all([now - head[0] for head in heads])
+        seen, n = self.seen, self.n
+        unique = 0
+        for _, _, seq in heads:
+            if seq < n and not seen[seq]:
                 seen[seq] = 1
-                self.unique += 1
-            else:
-                self.duplicates += 1
+                unique += 1
+        self.unique += unique
+        self.duplicates += len(heads) - unique
         self.last = time.monotonic()
         self.first = self.first or self.last
 

@@ -94,6 +94,11 @@ _HELLO = struct.Struct(">H")
 _WELCOME = struct.Struct(">HII")
 _ERROR = struct.Struct(">H")
 _DELIVERY_HEAD = PREFIX_SIZE + HEAD_SIZE  # 32: a delivery record before its topic
+# a delivery record's prefix and message head, read in one call
+_RECORD_HEAD = struct.Struct(">" + DELIVERY_PREFIX.format[1:] + MSG_HEAD.format[1:])
+assert _RECORD_HEAD.size == _DELIVERY_HEAD
+_KEY_OR_DEAD = FLAG_KEY | FLAG_DEAD
+_DELIVER = int(FrameType.DELIVER)
 # NamedTuples made per message on the hot paths skip their generated ``__new__`` (a Python
 # call) and are built as the tuples they are, fields in declaration order
 _tuple_new = tuple.__new__
@@ -303,21 +308,22 @@ def _publish_messages(data: bytes, pos: int, end: int) -> tuple[RawMessage, ...]
     return tuple(out)
 
 
-def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
-    sub_id, count = r.unpack(_ACK_HEAD)
-    data, pos, end = r.data, r.pos, r.end
+def _deliveries(data: bytes, pos: int, end: int) -> tuple[int, tuple[Delivery, ...]]:
+    """A DELIVER body: the subscription and its deliveries. One unpack reads a record's
+    prefix and message head together; a record without key, dead-letter trailer or
+    delivery flags (the usual one) takes the short way."""
+    if pos + _ACK_HEAD.size > end:
+        raise RemoteProtocolError("frame body ends early")
+    sub_id, count = _ACK_HEAD.unpack_from(data, pos)
+    pos += _ACK_HEAD.size
     out = []
-    prefix = DELIVERY_PREFIX.unpack_from
-    head = MSG_HEAD.unpack_from
+    head = _RECORD_HEAD.unpack_from
     topics: dict[bytes, str] = {}
     new, delivery = _tuple_new, Delivery
     for _ in range(count):
         if pos + _DELIVERY_HEAD > end:
             raise RemoteProtocolError("DELIVER message header ends early")
-        offset, dcount, ts, dflags = prefix(data, pos)
-        if dflags and dflags != DELIVERED_RETAINED:
-            raise RemoteProtocolError(f"DELIVER record has invalid delivery flags {dflags:#04x}")
-        flags, ttl, tlen, klen, plen = head(data, pos + PREFIX_SIZE)
+        offset, dcount, ts, dflags, flags, ttl, tlen, klen, plen = head(data, pos)
         p = pos + _DELIVERY_HEAD
         pos = p + tlen + klen + plen
         if pos > end:
@@ -329,6 +335,12 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
                 topic = topics[tb] = tb.decode("utf-8")
             except UnicodeDecodeError:
                 raise RemoteProtocolError("DELIVER topic is not valid UTF-8") from None
+        if not (dflags or flags & _KEY_OR_DEAD):
+            out.append(new(delivery, (offset, dcount, topic, data[p + tlen : pos],
+                                      flags & FLAG_QOS1, ttl, None, None, ts, False)))
+            continue
+        if dflags and dflags != DELIVERED_RETAINED:
+            raise RemoteProtocolError(f"DELIVER record has invalid delivery flags {dflags:#04x}")
         p += tlen
         key = data[p : p + klen] if flags & FLAG_KEY else None
         p += klen
@@ -340,19 +352,20 @@ def _deliveries(r: _Reader) -> tuple[int, tuple[Delivery, ...]]:
             payload = data[p:pos]
         out.append(new(delivery, (offset, dcount, topic, payload, flags & FLAG_QOS1, ttl, key,
                                   dead, ts, dflags != 0)))
-    r.pos = pos
+    if pos != end:
+        raise RemoteProtocolError(f"{end - pos} unexpected bytes after frame body")
     return sub_id, tuple(out)
 
 
 def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame:
     if ftype == FrameType.PUBLISH:
         return Publish(_publish_messages(data, pos, end), rid)
+    if ftype == _DELIVER:
+        sub_id, msgs = _deliveries(data, pos, end)
+        return Deliver(sub_id, msgs, rid)
     r = _Reader(data, pos, end)
     frame: Frame
-    if ftype == FrameType.DELIVER:
-        sub_id, msgs = _deliveries(r)
-        frame = Deliver(sub_id, msgs, rid)
-    elif ftype == FrameType.ACK:
+    if ftype == FrameType.ACK:
         sub_id, n = r.unpack(_ACK_HEAD)
         frame = Ack(sub_id, r.unpack(struct.Struct(f">{n}Q")), rid)
     elif ftype == FrameType.NACK:
