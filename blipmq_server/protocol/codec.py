@@ -434,11 +434,12 @@ class Decoder:
     Raises :class:`RemoteProtocolError` (with ``code``) on the first malformed or oversized
     frame; after that the decoder is unusable, as the connection should be closed.
 
-    It keeps chunks of 1 KiB or more as they came and joins them only once a whole frame
-    is there: a chunk that holds whole frames is decoded where it lies, and a large frame
-    that came in several chunks is copied once, not once per chunk. Smaller chunks gather in
-    a buffer of their own (up to 64 KiB at a time), so a peer that sends a frame a byte at a
-    time costs about the frame's size in memory, not an object per byte.
+    It keeps a chunk that arrives with nothing buffered, and chunks of 1 KiB or more, as
+    they came and joins them only once a whole frame is there: a chunk that holds whole
+    frames is decoded where it lies, and a large frame that came in several chunks is copied
+    once, not once per chunk. Other small chunks gather in a buffer of their own (up to 64
+    KiB at a time), so a peer that sends a frame a byte at a time costs about the frame's
+    size in memory, not an object per byte.
     """
 
     __slots__ = ("_chunks", "_error", "_size", "_small", "max_frame")
@@ -451,6 +452,11 @@ class Decoder:
         self.max_frame = max_frame
 
     def feed(self, data: bytes) -> None:
+        if not self._size:  # nothing buffered: whole frames are decoded where they lie
+            if data:
+                self._chunks.append(data)
+                self._size = len(data)
+            return
         small = self._small
         if len(data) < _KEEP_CHUNK:
             small += data
