@@ -99,6 +99,7 @@ _RECORD_HEAD = struct.Struct(">" + DELIVERY_PREFIX.format[1:] + MSG_HEAD.format[
 assert _RECORD_HEAD.size == _DELIVERY_HEAD
 _KEY_OR_DEAD = FLAG_KEY | FLAG_DEAD
 _DELIVER = int(FrameType.DELIVER)
+_PUBLISH = int(FrameType.PUBLISH)
 # NamedTuples made per message on the hot paths skip their generated ``__new__`` (a Python
 # call) and are built as the tuples they are, fields in declaration order
 _tuple_new = tuple.__new__
@@ -358,11 +359,11 @@ def _deliveries(data: bytes, pos: int, end: int) -> tuple[int, tuple[Delivery, .
 
 
 def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame:
-    if ftype == FrameType.PUBLISH:
-        return Publish(_publish_messages(data, pos, end), rid)
+    # the two frames of the hot path first, built as the tuples they are (``_tuple_new``)
+    if ftype == _PUBLISH:
+        return _tuple_new(Publish, (_publish_messages(data, pos, end), rid))  # type: ignore[no-any-return]
     if ftype == _DELIVER:
-        sub_id, msgs = _deliveries(data, pos, end)
-        return Deliver(sub_id, msgs, rid)
+        return _tuple_new(Deliver, (*_deliveries(data, pos, end), rid))  # type: ignore[no-any-return]
     r = _Reader(data, pos, end)
     frame: Frame
     if ftype == FrameType.ACK:
