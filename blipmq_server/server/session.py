@@ -1,8 +1,10 @@
-"""One client connection: a reader task and the socket's only writer task.
+"""One client connection: a reader task and the socket's writer task.
 
 The reader decodes frames and calls the broker core by this connection's id; replies and
 deliveries go through the writer, which coalesces everything pending (outbox frames plus a
-DELIVER batch per subscription, from ``Broker.deliver``) into one write. What the
+DELIVER batch per subscription, from ``Broker.deliver``) into one write. While the writer is
+parked with nothing under way, another connection's reader sends it the deliveries it
+routed there itself (``deliver_now``), without an ``await``, so writes stay in order. What the
 connection owes its peer is its output budget: past ``server.max_pending_bytes`` the reader
 stops reading until the writer has caught up. The server's watchdog reads ``heard_at``,
 ``pinged_at`` and ``sending_since`` for keepalive and write timeouts. Trio lives here and in
