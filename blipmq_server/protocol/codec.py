@@ -84,6 +84,7 @@ __all__ = [
 ]
 
 _U16 = struct.Struct(">H")
+_PUBLISH_HEAD = struct.Struct(">IBIH")  # the frame header and the message count
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _SUB = struct.Struct(">BIBQ")  # qos, credit, start, start_offset
@@ -135,11 +136,13 @@ def _u(value: int, bits: int, what: str) -> int:
 
 def encode_publish(records: list[bytes], request_id: int = 0) -> bytes:
     """A PUBLISH frame from message records made by :func:`message_record`."""
-    if not 1 <= len(records) <= MAX_BATCH:
-        raise LocalProtocolError(f"a PUBLISH carries 1 to {MAX_BATCH} messages, not {len(records)}")
-    size = sum(map(len, records))
-    head = HEADER.pack(7 + size, FrameType.PUBLISH, _u(request_id, 32, "request_id"))
-    return b"".join([head + _U16.pack(len(records)), *records])
+    count = len(records)
+    if not 1 <= count <= MAX_BATCH:
+        raise LocalProtocolError(f"a PUBLISH carries 1 to {MAX_BATCH} messages, not {count}")
+    if not 0 <= request_id <= 0xFFFFFFFF:
+        raise LocalProtocolError(f"request_id {request_id} is out of range for u32")
+    return b"".join((_PUBLISH_HEAD.pack(7 + sum(map(len, records)), _PUBLISH, request_id, count),
+                     *records))
 
 
 def deliver_head(sub_id: int, records: list[bytes], request_id: int = 0) -> bytes:

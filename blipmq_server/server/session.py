@@ -41,6 +41,7 @@ from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 
 if TYPE_CHECKING:
+    from blipmq_server.broker.results import Blocked, PublishResult
     from blipmq_server.server.app import Server
 
 log = logging.getLogger("blipmq.session")
@@ -300,6 +301,7 @@ class Session:
         fd = self._fd
         wait_readable = trio.lowlevel.wait_readable
         clock = self.clock
+        publish = codec.Publish
         full = False
         budget = cfg.max_pending_bytes
         handshake = cfg.handshake_timeout_ms / 1000 or math.inf
@@ -351,9 +353,14 @@ class Session:
                         turn = self.read_at + _TURN_S
                         last = frames[-1]
                         for frame in frames:
-                            reason = await self._handle(frame)
-                            if reason is not None:
-                                return reason
+                            if frame.__class__ is publish and self.authenticated:
+                                held = self._publish(frame)  # type: ignore[arg-type]
+                                if held is not None:  # a full ``block`` queue
+                                    await self._publish_held(held)
+                            else:
+                                reason = self._handle(frame)
+                                if reason is not None:
+                                    return reason
                             if frame is not last and clock() > turn:  # let the others in
                                 self.server.log_touched()
                                 self.server.deliver_routed()
@@ -368,15 +375,14 @@ class Session:
                     self.server.deliver_routed()
         return self.close_reason or CloseReason.SHUTDOWN
 
-    async def _handle(self, frame: codec.Frame) -> CloseReason | None:
+    def _handle(self, frame: codec.Frame) -> CloseReason | None:
+        """Any frame but an authenticated connection's PUBLISH (``_publish``)."""
         rid = frame.request_id
         if not self._greeted:
             return self._hello(frame)
         if not self.authenticated:
             return self._auth(frame)
         match frame:
-            case codec.Publish():
-                await self._publish(frame)
             case codec.Ping():
                 self.send(codec.Pong(frame.data, rid))
             case codec.Pong():
@@ -438,46 +444,73 @@ class Session:
         self.send(codec.AuthOk(frame.request_id))
         return None
 
-    async def _publish(self, frame: codec.Publish) -> None:
-        """Route a PUBLISH. A frame with QoS 1 messages gets exactly one PUB_ACK, counting
-        those that became durable (possibly after an ERROR about the rest)."""
-        broker = self.broker
+    def _publish(self, frame: codec.Publish) -> _Held | None:
+        """Route a PUBLISH, without waiting: None once it is done, or what is left of it
+        when a full ``block`` queue held it back (``_publish_held`` goes on with that)."""
+        now = self.server.published_at = self.read_at
+        result = self.broker.publish(frame.messages, int(now * 1000), wall_ms())
+        self.server.routed(result.wake)
+        if result.blocked is None and result.refusal is None:  # the usual: all were taken
+            if result.confirms:  # QoS 1: one PUB_ACK, once the log holds them
+                self.server.flusher.confirm_later(  # type: ignore[union-attr]
+                    result.last_offset, self, frame.request_id, result.confirms,
+                    result.first_offset)
+            return None
+        held = _Held(frame)
+        if self._routed(held, result):
+            return held
+        self._acknowledge(held)
+        return None
+
+    async def _publish_held(self, held: _Held) -> None:
+        """Wait for room and route the rest, as often as it takes. The PUB_ACK goes out
+        however this ends (a refusal, the connection closing while it waits)."""
         server = self.server
-        now = server.published_at = self.read_at
-        flusher = server.flusher
-        messages = frame.messages
-        total = len(messages)
-        wants_ack = any(m.qos for m in messages)
-        confirms = last_offset = first_offset = 0
         try:
-            while True:
-                result = broker.publish(messages, int(now * 1000), wall_ms())
-                server.routed(result.wake)
-                confirms += result.confirms
-                last_offset = result.last_offset or last_offset
-                first_offset = first_offset or result.first_offset
-                if result.refusal is not None:
-                    done = total - len(messages) + result.accepted
-                    text = result.refusal.text
-                    if total > 1:
-                        text += (
-                            f" (message {done + 1} of the batch; {done} before it were accepted)"
-                        )
-                    self.error(result.refusal.code, text, frame.request_id)
-                    return
-                if result.blocked is None:
-                    return
-                messages = messages[result.accepted:]
+            while held.blocked is not None:
                 server.log_touched()  # what was accepted need not wait with us
-                await server.wait_for_room(result.blocked)
+                await server.wait_for_room(held.blocked)
                 now = self.read_at = self.clock()  # the frames after this one, too
+                result = self.broker.publish(held.messages, int(now * 1000), wall_ms())
+                server.routed(result.wake)
+                self._routed(held, result)
         finally:
-            if wants_ack:
-                if confirms and flusher is not None:
-                    flusher.confirm_later(last_offset, self, frame.request_id, confirms,
-                                          first_offset)
-                else:
-                    self.send(codec.PubAck(0, frame.request_id))
+            self._acknowledge(held)
+
+    def _routed(self, held: _Held, result: PublishResult) -> bool:
+        """Count what the broker took of ``held``; whether a full queue stopped the rest
+        (``held.blocked``). A refusal is sent as an ERROR, and ends the frame."""
+        messages = held.messages
+        held.confirms += result.confirms
+        held.last_offset = result.last_offset or held.last_offset
+        held.first_offset = held.first_offset or result.first_offset
+        held.blocked = None
+        if result.refusal is not None:
+            total = len(held.frame.messages)
+            done = total - len(messages) + result.accepted
+            text = result.refusal.text
+            if total > 1:
+                text += f" (message {done + 1} of the batch; {done} before it were accepted)"
+            self.error(result.refusal.code, text, held.frame.request_id)
+            return False
+        if result.blocked is None:
+            return False
+        held.blocked = result.blocked
+        held.messages = messages[result.accepted:]
+        return True
+
+    def _acknowledge(self, held: _Held) -> None:
+        """A frame with QoS 1 messages gets exactly one PUB_ACK, counting those that became
+        durable (possibly after an ERROR about the rest): once the log holds them."""
+        frame = held.frame
+        if not any(m.qos for m in frame.messages):
+            return
+        flusher = self.server.flusher
+        if held.confirms and flusher is not None:
+            flusher.confirm_later(held.last_offset, self, frame.request_id, held.confirms,
+                                  held.first_offset)
+        else:
+            self.send(codec.PubAck(0, frame.request_id))
 
     def _subscribe(self, frame: codec.Subscribe) -> None:
         result = self.broker.subscribe(
@@ -517,6 +550,19 @@ class Session:
         for ended in result.ended:
             self.server.notify_ended(ended)
         self.send(codec.Unsubscribed(result.count, frame.request_id))
+
+
+class _Held:
+    """A PUBLISH frame on its way through the broker: what is left of it, what a full
+    ``block`` queue holds back, and what its PUB_ACK will count."""
+
+    __slots__ = ("blocked", "confirms", "first_offset", "frame", "last_offset", "messages")
+
+    def __init__(self, frame: codec.Publish) -> None:
+        self.frame = frame
+        self.messages = frame.messages
+        self.blocked: Blocked | None = None
+        self.confirms = self.first_offset = self.last_offset = 0
 
 
 def _peer(stream: trio.SocketStream) -> str:
