@@ -141,8 +141,12 @@ class Broker:
             # may fill shared queues, so a new route is looked at afresh.
             if route is not room_route:
                 room_route = route
-                room_n = min((q.capacity - len(q.items) for q in targets), default=1 << 62)
-                room_b = min((q.capacity_bytes - q.size for q in targets), default=1 << 62)
+                room_n = room_b = 1 << 62
+                for q in targets:
+                    if q.capacity - len(q.items) < room_n:
+                        room_n = q.capacity - len(q.items)
+                    if q.capacity_bytes - q.size < room_b:
+                        room_b = q.capacity_bytes - q.size
             room_n -= 1
             room_b -= size
             tight = room_n < 0 or room_b < 0
@@ -479,6 +483,18 @@ class Broker:
         unmark = self.registry.unmark
         for consumer in self.registry.candidates(conn):
             if qos0_only and consumer.qos:
+                continue
+            queue = consumer.queue
+            if consumer.until is None and not isinstance(queue, DurableGroup):
+                # the usual: a live queue's consumer (the general way below, made short)
+                if queue.items:
+                    records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
+                    if records:
+                        batches.append((consumer.sub_id, records))
+                    released.append(queue.id)
+                    if queue.items:
+                        continue
+                unmark(consumer)  # nothing left: looked at again once its queue gets items
                 continue
             if not self.has_work(consumer):
                 if not isinstance(consumer.queue, DurableGroup):

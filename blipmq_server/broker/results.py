@@ -9,6 +9,7 @@ Pure: no trio.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.protocol.codec import ErrorCode
@@ -72,8 +73,7 @@ class Blocked:
     conns: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class PublishResult:
+class PublishResult(NamedTuple):  # one per PUBLISH frame: a tuple costs a third of a dataclass
     """``accepted`` messages of the batch were taken; the rest were not looked at.
 
     ``wake`` are the connections with new deliveries. ``blocked`` is a full queue with the
@@ -155,8 +155,7 @@ class Count:
     epoch: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Deliveries:
+class Deliveries(NamedTuple):  # one per write to a subscriber: a tuple, for the same reason
     """What one connection takes in one go: DELIVER batches by subscription id, the queues
     it took from (blocked publishers may go on), the disk reads cursors now wait for, and
     whether a cursor it took from is still more than a batch behind the log's end (a

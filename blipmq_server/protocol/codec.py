@@ -85,6 +85,7 @@ __all__ = [
 
 _U16 = struct.Struct(">H")
 _PUBLISH_HEAD = struct.Struct(">IBIH")  # the frame header and the message count
+_DELIVER_HEAD = struct.Struct(">IBIIH")  # the frame header, the subscription, the count
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _SUB = struct.Struct(">BIBQ")  # qos, credit, start, start_offset
@@ -148,11 +149,12 @@ def encode_publish(records: list[bytes], request_id: int = 0) -> bytes:
 def deliver_head(sub_id: int, records: list[bytes], request_id: int = 0) -> bytes:
     """The bytes of a DELIVER frame before its records, which follow it as they are (the
     broker's writer joins heads and records of several frames with one copy)."""
-    size = sum(map(len, records))
-    return (
-        HEADER.pack(11 + size, FrameType.DELIVER, _u(request_id, 32, "request_id"))
-        + _ACK_HEAD.pack(_u(sub_id, 32, "sub_id"), _u(len(records), 16, "DELIVER count"))
-    )
+    try:
+        return _DELIVER_HEAD.pack(11 + sum(map(len, records)), _DELIVER, request_id, sub_id,
+                                  len(records))
+    except struct.error:  # a u32 or the u16 count out of range
+        raise LocalProtocolError(f"DELIVER of {len(records)} record(s) for subscription "
+                                 f"{sub_id}, request {request_id}: out of range") from None
 
 
 def encode_deliver(sub_id: int, records: list[bytes], request_id: int = 0) -> bytes:

@@ -362,17 +362,18 @@ class Session:
                                 if reason is not None:
                                     return reason
                             if frame is not last and clock() > turn:  # let the others in
-                                self.server.log_touched()
                                 self.server.deliver_routed()
+                                self.server.log_touched()
                                 await trio.lowlevel.checkpoint()
                                 self.read_at = clock()
                                 turn = self.read_at + _TURN_S
                 finally:
-                    # one look per chunk read: whatever its frames appended (messages, acks,
-                    # group records, dead letters) goes to the flusher together, and what
-                    # they routed to subscribers goes out
-                    self.server.log_touched()
+                    # one look per chunk read: what its frames routed to subscribers goes
+                    # out (first: that is the latency), and whatever they appended to the
+                    # log (messages, acks, group records, dead letters) goes to the flusher
+                    # together
                     self.server.deliver_routed()
+                    self.server.log_touched()
         return self.close_reason or CloseReason.SHUTDOWN
 
     def _handle(self, frame: codec.Frame) -> CloseReason | None:
