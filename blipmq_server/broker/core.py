@@ -48,6 +48,8 @@ from blipmq_server.protocol.message import (
 from blipmq_server.protocol.names import filter_problem, group_problem
 
 _pack_prefix = DELIVERY_PREFIX.pack
+_BLOCK, _DROP_OLDEST = Overflow.BLOCK, Overflow.DROP_OLDEST  # an enum member costs a lookup
+_MESSAGE = Kind.MESSAGE
 
 
 @dataclass
@@ -84,6 +86,10 @@ class Broker:
         carries offset 0. ``timestamp_ms`` (wall clock) is stored in the log records.
         ``internal`` messages (dead letters) never wait for room and may use '$' topics.
         """
+        if len(messages) == 1 and not internal:
+            done = self._publish_one(messages[0], now_ms, timestamp_ms)
+            if done is not None:
+                return done
         routes = self.registry.routes
         resolve = self.registry.resolve
         woken: dict[Queue, None] = {}  # in the order messages reached them
@@ -104,7 +110,7 @@ class Broker:
         accepted = 0
         refusal: Refusal | None = None
         blocked: Queue | None = None
-        block, drop_oldest = Overflow.BLOCK, Overflow.DROP_OLDEST
+        block, drop_oldest = _BLOCK, _DROP_OLDEST
         usage = self.usage
         entries = usage.entries
         if self.cursors is not None and self.cursors.generation != self._generation:
@@ -238,7 +244,7 @@ class Broker:
             self.offset = offset
         elif logged:
             first_logged = log.append_many(  # type: ignore[union-attr]
-                Kind.MESSAGE, logged, timestamp_ms)
+                _MESSAGE, logged, timestamp_ms)
             self.offset = last_logged = next_logged - 1
         c.published += accepted
         c.enqueued += enqueued
@@ -255,6 +261,52 @@ class Broker:
             None if blocked is None else Blocked(
                 blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
             refusal, confirms, last_logged, first_logged)
+
+    def _publish_one(self, m: RawMessage, now_ms: int, timestamp_ms: int
+                     ) -> PublishResult | None:
+        """``publish`` of the usual batch, one message to a topic routed before, with room
+        in every queue it goes to and nothing special about it (no retain); None for any
+        other, which ``publish`` then takes the general way (nothing was changed)."""
+        route = self.registry.routes.get(m.topic)
+        log = self.log
+        if (route is None or route.__class__ is Refusal or m.retain or log is None
+                or m.payload_len > self.limits.max_message_bytes
+                or (self.cursors is not None and self.cursors.generation != self._generation)):
+            return None
+        size = len(m.record) + PREFIX_SIZE
+        targets = route.targets  # type: ignore[union-attr]
+        for q in targets:
+            if len(q.items) >= q.capacity or q.size + size > q.capacity_bytes:
+                return None  # a full queue: drop, block or make room, the general way
+        usage = self.usage
+        entry = usage.entries.get(m.topic) or usage.entry(m.topic)
+        c = self.counters
+        c.published += 1
+        if m.qos or self.limits.log_qos0:
+            offset = log.append_many(_MESSAGE, (m.record,), timestamp_ms)
+            self.offset = offset
+            usage.add(entry, 1, m.payload_len, 0)
+        else:
+            offset = 0
+            usage.add(entry, 1, m.payload_len, 1)
+        wake = set()
+        if targets:
+            ttl = m.ttl_ms or self.limits.default_ttl_ms
+            item = (_pack_prefix(offset, 1, timestamp_ms, 0) + m.record,
+                    now_ms + ttl if ttl else 0)
+            mark = self.registry.mark
+            for q in targets:
+                q.items.append(item)
+                q.size += size
+                if ttl:
+                    q.expiring = True
+                for consumer in q.consumers:
+                    mark(consumer)
+                    wake.add(consumer.conn)
+            c.enqueued += len(targets)
+        else:
+            c.unrouted += 1
+        return PublishResult(1, wake, None, None, m.qos, offset, offset)
 
     def _durable_matching(self, topic: bytes) -> tuple[DurableGroup, ...]:
         return () if self.cursors is None else self.cursors.matching(topic)

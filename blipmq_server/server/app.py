@@ -287,8 +287,9 @@ class Server:
         if conns:
             self._routed |= conns
 
-    def deliver_routed(self) -> None:
-        """Send what readers routed since the last call (see ``Session.deliver_now``).
+    def deliver_routed(self, now: float) -> None:
+        """Send what readers routed since the last call (see ``Session.deliver_now``);
+        ``now``: trio's time, the caller's reading of it.
         Readers call this before they wait or yield: after each chunk read, so a busy
         publisher's frames go out in batches, one write per subscriber and chunk."""
         if not self._routed:
@@ -299,7 +300,7 @@ class Server:
         for conn in conns:
             session = sessions.get(conn)
             if session is not None:
-                session.deliver_now()
+                session.deliver_now(now)
 
     def release(self, queues: tuple[int, ...]) -> None:
         """Publishers blocked on these queues may try again (room, or a consumer fewer)."""
@@ -330,7 +331,7 @@ class Server:
         event = self.room.get(blocked.queue)
         if event is None:
             event = self.room[blocked.queue] = trio.Event()
-        self.deliver_routed()  # now: what it takes from the queue sets the event
+        self.deliver_routed(trio.current_time())  # now: what it takes sets the event
         timeout_ms = self.config.queues.block_timeout_ms
         with trio.move_on_after(timeout_ms / 1000 if timeout_ms else math.inf) as waited:
             await event.wait()

@@ -124,7 +124,7 @@ class Session:
             self._parked = None
             trio.lowlevel.reschedule(task)
 
-    def deliver_now(self) -> None:
+    def deliver_now(self, now: float) -> None:
         """Another connection's reader routed messages to us. If our writer waits with
         nothing under way, send them from here, in the reader's turn: a delivery then costs
         no trip through trio's run loop to the writer task. Only while the writer is parked
@@ -135,7 +135,7 @@ class Session:
             self.wake()
             return
         opts = self.server.config.delivery
-        data, behind = self._collect(opts.max_batch, opts.max_batch_bytes, self.clock())
+        data, behind = self._collect(opts.max_batch, opts.max_batch_bytes, now)
         if not data:
             if self.broker.pending(self.conn_id):  # not to take yet: the writer's loop
                 self.wake()  # looks again after the others had their turn
@@ -152,7 +152,8 @@ class Session:
             self.outbox.insert(0, data[sent:])  # still counted in pending_bytes
             self.wake()
             return
-        self._drained.set()
+        if self.paused:  # the reader waits until the writer caught up
+            self._drained.set()
         if behind or self.broker.pending(self.conn_id):  # more than a batch was waiting
             self.wake()
 
@@ -241,7 +242,8 @@ class Session:
                 if data:
                     await self._send(fd, data, now)
                     self.pending_bytes -= len(data)
-                    self._drained.set()
+                    if self.paused:  # the reader waits until the writer caught up
+                        self._drained.set()
                     if behind:  # a backlog drain: live traffic first, the next batch after
                         with trio.move_on_after(_BACKLOG_WAIT_S):
                             await wait_all_tasks_blocked()
@@ -362,7 +364,7 @@ class Session:
                                 if reason is not None:
                                     return reason
                             if frame is not last and clock() > turn:  # let the others in
-                                self.server.deliver_routed()
+                                self.server.deliver_routed(self.read_at)
                                 self.server.log_touched()
                                 await trio.lowlevel.checkpoint()
                                 self.read_at = clock()
@@ -372,7 +374,7 @@ class Session:
                     # out (first: that is the latency), and whatever they appended to the
                     # log (messages, acks, group records, dead letters) goes to the flusher
                     # together
-                    self.server.deliver_routed()
+                    self.server.deliver_routed(self.read_at)
                     self.server.log_touched()
         return self.close_reason or CloseReason.SHUTDOWN
 
