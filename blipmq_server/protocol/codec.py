@@ -502,20 +502,26 @@ class Decoder:
         if size < 4:
             return []
         chunks = self._chunks
-        head = chunks[0] if chunks and len(chunks[0]) >= 4 else self._joined()
-        (first,) = _U32.unpack_from(head, 0)
-        if MIN_LENGTH <= first <= self.max_frame and size < 4 + first:
-            return []  # the first frame is incomplete: do not copy anything yet
-        data = self._joined()
+        if len(chunks) == 1 and not self._small:  # one chunk (the usual): no copy
+            data = chunks[0]
+        else:
+            head = chunks[0] if chunks and len(chunks[0]) >= 4 else self._joined()
+            (first,) = _U32.unpack_from(head, 0)
+            if MIN_LENGTH <= first <= self.max_frame and size < 4 + first:
+                return []  # the first frame is incomplete: do not copy anything yet
+            data = self._joined()
         out: list[Frame] = []
         pos = 0
-        unpack = HEADER.unpack_from
+        unpack, max_frame = HEADER.unpack_from, self.max_frame
         try:
             while size - pos >= 4:
-                (length,) = _U32.unpack_from(data, pos)
-                if length > self.max_frame:
+                if size - pos >= HEADER_SIZE:
+                    length, ftype, rid = unpack(data, pos)
+                else:  # a length alone: checked, or the frame is incomplete
+                    (length,) = _U32.unpack_from(data, pos)
+                if length > max_frame:
                     raise RemoteProtocolError(
-                        f"frame of {length} bytes exceeds the maximum of {self.max_frame}",
+                        f"frame of {length} bytes exceeds the maximum of {max_frame}",
                         ErrorCode.FRAME_TOO_LARGE,
                     )
                 if length < MIN_LENGTH:
@@ -523,9 +529,16 @@ class Decoder:
                 end = pos + 4 + length
                 if end > size:
                     break
-                _, ftype, rid = unpack(data, pos)
                 try:
-                    out.append(_decode_body(ftype, rid, data, pos + HEADER_SIZE, end))
+                    if ftype == _PUBLISH:  # the two frames of the hot path, without a call
+                        frame = _tuple_new(Publish, (
+                            _publish_messages(data, pos + HEADER_SIZE, end), rid))
+                    elif ftype == _DELIVER:
+                        frame = _tuple_new(Deliver, (
+                            *_deliveries(data, pos + HEADER_SIZE, end), rid))
+                    else:
+                        frame = _decode_body(ftype, rid, data, pos + HEADER_SIZE, end)
+                    out.append(frame)
                 except struct.error as exc:
                     raise RemoteProtocolError(f"malformed frame: {exc}") from None
                 pos = end
