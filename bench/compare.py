@@ -14,7 +14,9 @@ in separate processes (bench/drive.py) and, for mosquitto and redis, also by the
 in a shell pipe. Loss is counted from sequence numbers in every payload, never assumed.
 Broker CPU time (utime + stime from /proc/PID/stat) per delivered message is the figure that
 survives a noisy machine; throughput and latency run three times each (``--repeat``) and
-the median run is kept. Writes results.csv, results.json, summary.md and PNG charts to --out.
+the median run is kept. The latency runs go in rounds, each broker once a round, on a new
+broker each time, so that a machine whose speed drifts weighs on all of them alike. Writes
+results.csv, results.json, summary.md and PNG charts to --out.
 """
 
 from __future__ import annotations
@@ -121,18 +123,6 @@ def start_broker(kind: str, work: Path, *, fsync: str = "always",
     else:
         raise ValueError(kind)
     return Broker(kind, argv, port, d)
-
-
-def settled(kind: str, broker: Broker, work: Path) -> Broker:
-    """A new broker of ``kind`` on a quiet machine, for the latency runs: the old one is
-    stopped and its files deleted, and everything written is flushed to disk first
-    (``os.sync``). Without this, BlipMQ's latency runs shared the machine with the kernel
-    writing back and deleting the gigabytes its throughput runs had just logged (p99
-    1.2-4.2 ms instead of 0.4-0.5 ms); the peers, which keep nothing on disk, never did."""
-    broker.stop()
-    shutil.rmtree(broker.dir, ignore_errors=True)
-    os.sync()
-    return start_broker(kind, work)
 
 
 def version(kind: str) -> str:
@@ -248,13 +238,44 @@ def throughput(kind: str, broker: Broker, sizes: dict[int, int], rows: list[Row]
                   f"{r['mb_per_s']} MB/s, lost {r['lost']}", file=sys.stderr)
 
 
-def latency(kind: str, broker: Broker, n: int, rows: list[Row], repeat: int = 1) -> None:
-    client = CLIENT[kind]
-    r = median_run([fanout(broker, client, 1, n, 100, rate=2000) for _ in range(repeat)],
-                   "p99_us")
-    rows.append({"workload": "latency 2000 msg/s", "broker": kind,
-                 "client": CLIENT_NAME[client], **r})
-    print(f"  {kind} latency p50/p99 {r['p50_us']}/{r['p99_us']} us", file=sys.stderr)
+def latency(kinds: list[str], n: int, work: Path, rows: list[Row], repeat: int,
+            peaks: dict[str, float], skipped: dict[str, str]) -> None:
+    """Latency at 2,000 msg/s, in rounds: each round runs every broker once, in turn (the
+    order turns by one each round), each run on a new broker. A machine whose speed drifts
+    by tens of percent within minutes (this one does) then weighs on every broker alike:
+    when each broker's runs came back to back, minutes apart, the drift decided the ratios.
+    A new broker per run, after the previous one's files were deleted and everything
+    written was flushed to disk (``os.sync``), also keeps a run from sharing the machine
+    with the kernel writing back what an earlier broker logged (BlipMQ's latency runs after
+    its throughput runs: p99 1.2-4.2 ms instead of 0.4-0.5 ms)."""
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    for turn in range(repeat):
+        for kind in kinds[turn % len(kinds):] + kinds[:turn % len(kinds)]:
+            if kind not in runs:
+                continue
+            os.sync()
+            try:
+                broker = start_broker(kind, work)
+            except RuntimeError as exc:
+                skipped[f"{kind} latency"] = str(exc)
+                del runs[kind]
+                continue
+            try:
+                time.sleep(0.5)  # as for the idle figure: let start-up settle
+                runs[kind].append(fanout(broker, CLIENT[kind], 1, n, 100, rate=2000))
+                peaks[kind] = max(peaks.get(kind, 0.0), broker.memory_mb("VmHWM"))
+            except RuntimeError as exc:
+                skipped[f"{kind} latency"] = str(exc)
+                del runs[kind]
+            finally:
+                broker.stop()
+                shutil.rmtree(broker.dir, ignore_errors=True)
+    for kind, done in runs.items():
+        r = median_run(done, "p99_us")
+        r["p50_runs"] = [x["p50_us"] for x in done]  # every run's, in the order they ran
+        rows.append({"workload": "latency 2000 msg/s", "broker": kind,
+                     "client": CLIENT_NAME[CLIENT[kind]], **r})
+        print(f"  {kind} latency p50/p99 {r['p50_us']}/{r['p99_us']} us", file=sys.stderr)
 
 
 def pipe(kind: str, broker: Broker, n: int, work: Path, rows: list[Row]) -> None:
@@ -473,7 +494,8 @@ def summary(rows: list[Row], meta: dict) -> str:
     if meta.get("repeat", 1) > 1:
         out += [f"Throughput and latency rows: of {meta['repeat']} runs each, the one with the "
                 "median rate (throughput) or median p99 (latency); `runs` and `spread` "
-                "(lowest-highest) in results.csv.", ""]
+                "(lowest-highest) in results.csv. Latency runs go in rounds, every broker "
+                "once a round, each on a new broker.", ""]
     versions = [f"{k} {v}" for k, v in meta["versions"].items()]
     if meta.get("jetstream_server"):
         versions.append(f"JetStream runs: nats-server {meta['jetstream_server']} "
@@ -629,6 +651,8 @@ def main() -> None:
             "jetstream_server": js[1] if js[0] else None,
             "loadavg_start": os.getloadavg()[0], "repeat": repeat}
     rows: list[Row] = []
+    info_rows: dict[str, Row] = {}  # the "broker" row of each broker that started
+    peaks: dict[str, float] = {}  # peak RSS of each broker, over all its processes
     with tempfile.TemporaryDirectory(prefix="blipmq-compare-") as tmp:
         work = Path(tmp)
         for kind in kinds:
@@ -643,23 +667,24 @@ def main() -> None:
                 info = {"workload": "broker", "broker": kind, "client": "",
                         "idle_rss_mb": broker.memory_mb("VmRSS"),
                         "startup_ms": round(broker.startup_ms, 1)}
-                peaks = []
                 if "throughput" in workloads:
                     throughput(kind, broker, sizes, rows, repeat)
-                    if "latency" in workloads:
-                        peaks.append(broker.memory_mb("VmHWM"))
-                        broker = settled(kind, broker, work)
-                if "latency" in workloads:
-                    latency(kind, broker, 1_000 if args.quick else 10_000, rows, repeat)
                 if "pipe" in workloads:
                     pipe(kind, broker, 5_000 if args.quick else 200_000, work, rows)
-                info["peak_rss_mb"] = max([*peaks, broker.memory_mb("VmHWM")])
+                peaks[kind] = broker.memory_mb("VmHWM")
+                info_rows[kind] = info
                 rows.append(info)
             except RuntimeError as exc:
                 skipped[f"{kind} workloads"] = str(exc)
                 print(f"  {kind}: {exc}", file=sys.stderr)
             finally:
                 broker.stop()
+        if "latency" in workloads:
+            print("latency, in rounds:", file=sys.stderr)
+            latency(list(info_rows), 1_000 if args.quick else 10_000, work, rows, repeat,
+                    peaks, skipped)
+        for kind, info in info_rows.items():  # the throughput runs' broker or a latency one
+            info["peak_rss_mb"] = peaks[kind]
         if "durable" in workloads:
             print("durable:", file=sys.stderr)
             durable(kinds, 2_000 if args.quick else 50_000, work, rows, skipped, js)

@@ -570,7 +570,9 @@ class Broker:
                 released.append(consumer.queue.id)
                 if not self.has_work(consumer):
                     unmark(consumer)
-        return Deliveries(batches, tuple(released), self.take_fetches(), bool(behind))
+        cursors = self.cursors  # ``take_fetches``, without the call
+        return Deliveries(batches, tuple(released),
+                          [] if cursors is None else cursors.take_fetches(), bool(behind))
 
     def has_work(self, consumer: Consumer) -> bool:
         """Whether ``take`` would hand this consumer something now (or its end mark)."""

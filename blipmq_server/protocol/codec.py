@@ -314,6 +314,12 @@ def _publish_messages(data: bytes, pos: int, end: int) -> tuple[RawMessage, ...]
     return tuple(out)
 
 
+# topics of DELIVER records as text, by their bytes: a subscriber sees the same few again and
+# again (a few hundred kept; past that the cache starts over)
+_TOPICS: dict[bytes, str] = {}
+_TOPICS_KEPT = 512
+
+
 def _deliveries(data: bytes, pos: int, end: int) -> tuple[int, tuple[Delivery, ...]]:
     """A DELIVER body: the subscription and its deliveries. One unpack reads a record's
     prefix and message head together; a record without key, dead-letter trailer or
@@ -324,7 +330,9 @@ def _deliveries(data: bytes, pos: int, end: int) -> tuple[int, tuple[Delivery, .
     pos += _ACK_HEAD.size
     out = []
     head = _RECORD_HEAD.unpack_from
-    topics: dict[bytes, str] = {}
+    topics = _TOPICS
+    if len(topics) > _TOPICS_KEPT:
+        topics.clear()
     new, delivery = _tuple_new, Delivery
     for _ in range(count):
         if pos + _DELIVERY_HEAD > end:
