@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blipmq.wal")
 _offset = itemgetter(0)
-LINGER_S = 0.05  # longest a batch nobody waits for is held back to grow
+LINGER_S = 0.2  # longest a batch nobody waits for is held back to grow (docs/PERFORMANCE.md)
 LINGER_RECORDS = 256  # ... unless it holds this many records
 LINGER_BYTES = 1 << 20  # ... or this many bytes
 
