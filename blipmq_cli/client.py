@@ -53,9 +53,10 @@ from blipmq_server.protocol.connection import ClientConnection, Closed, CloseRea
 DEFAULT_PORT = 7878
 DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT = 10.0
-# bytes a receive asks for. Python allocates that much before each recv: glibc serves 128 KiB
-# or more with mmap, and a 256 KiB receive mapped and unmapped memory for every delivery
-# (about 20 us of a subscriber's 40 us at 2,000 msg/s; docs/PERFORMANCE.md)
+# bytes a receive asks for. Python allocates that much before each recv, and glibc serves
+# 128 KiB or more with mmap until a free raises its threshold: a subscriber with 256 KiB
+# receives was seen mapping and unmapping memory for every delivery, 20 us more per message
+# at 2,000 msg/s (docs/PERFORMANCE.md, "Fifth session")
 _RECV = 1 << 16
 _SEND_CHUNK = 1 << 20
 _PAIRS = 1024  # (topic, payload) pairs handed to the connection at a time
