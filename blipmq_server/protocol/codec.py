@@ -372,11 +372,8 @@ def _deliveries(data: bytes, pos: int, end: int) -> tuple[int, tuple[Delivery, .
 
 
 def _decode_body(ftype: int, rid: int, data: bytes, pos: int, end: int) -> Frame:
-    # the two frames of the hot path first, built as the tuples they are (``_tuple_new``)
-    if ftype == _PUBLISH:
-        return _tuple_new(Publish, (_publish_messages(data, pos, end), rid))  # type: ignore[no-any-return]
-    if ftype == _DELIVER:
-        return _tuple_new(Deliver, (*_deliveries(data, pos, end), rid))  # type: ignore[no-any-return]
+    """Every frame but PUBLISH and DELIVER, which ``Decoder.frames`` builds itself (the hot
+    path, as the tuples they are: ``_tuple_new``)."""
     r = _Reader(data, pos, end)
     frame: Frame
     if ftype == FrameType.ACK:

@@ -284,11 +284,8 @@ class Session:
         closing, QoS 1 subscriptions take nothing more: what they took would only go back
         to their cursor, one delivery count higher."""
         parts = self.outbox
-        if parts:
-            self.outbox = []
-            owed = sum(map(len, parts))  # counted in pending_bytes when they were sent
-        else:
-            parts, owed = [], 0
+        self.outbox = []
+        owed = sum(map(len, parts))  # counted in pending_bytes when they were sent
         taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, int(now * 1000),
                                     int(_time() * 1000), qos0_only=self.closing)
         for sub_id, records in taken.batches:  # heads and records: joined once, below
@@ -461,15 +458,14 @@ class Session:
         result = self.broker.publish(frame.messages, int(now * 1000), int(_time() * 1000))
         self.server.routed(result.wake)
         if result.blocked is None and result.refusal is None:  # the usual: all were taken
-            if result.confirms:  # QoS 1: one PUB_ACK, once the log holds them
-                self.server.flusher.confirm_later(  # type: ignore[union-attr]
-                    result.last_offset, self, frame.request_id, result.confirms,
-                    result.first_offset)
+            if result.confirms:  # QoS 1 messages: they were all logged
+                self._acknowledge(frame, result.confirms, result.last_offset,
+                                  result.first_offset)
             return None
         held = _Held(frame)
         if self._routed(held, result):
             return held
-        self._acknowledge(held)
+        self._acknowledge(frame, held.confirms, held.last_offset, held.first_offset)
         return None
 
     async def _publish_held(self, held: _Held) -> None:
@@ -485,7 +481,7 @@ class Session:
                 server.routed(result.wake)
                 self._routed(held, result)
         finally:
-            self._acknowledge(held)
+            self._acknowledge(held.frame, held.confirms, held.last_offset, held.first_offset)
 
     def _routed(self, held: _Held, result: PublishResult) -> bool:
         """Count what the broker took of ``held``; whether a full queue stopped the rest
@@ -509,16 +505,16 @@ class Session:
         held.messages = messages[result.accepted:]
         return True
 
-    def _acknowledge(self, held: _Held) -> None:
-        """A frame with QoS 1 messages gets exactly one PUB_ACK, counting those that became
-        durable (possibly after an ERROR about the rest): once the log holds them."""
-        frame = held.frame
+    def _acknowledge(self, frame: codec.Publish, confirms: int, last_offset: int,
+                     first_offset: int) -> None:
+        """A frame with QoS 1 messages gets exactly one PUB_ACK, counting the ``confirms``
+        that became durable (possibly after an ERROR about the rest): once the log holds
+        ``last_offset``."""
         if not any(m.qos for m in frame.messages):
             return
         flusher = self.server.flusher
-        if held.confirms and flusher is not None:
-            flusher.confirm_later(held.last_offset, self, frame.request_id, held.confirms,
-                                  held.first_offset)
+        if confirms and flusher is not None:
+            flusher.confirm_later(last_offset, self, frame.request_id, confirms, first_offset)
         else:
             self.send(codec.PubAck(0, frame.request_id))
 
