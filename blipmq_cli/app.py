@@ -187,12 +187,15 @@ def start(
     log_format: Annotated[
         str | None, typer.Option("--log-format", help="auto | plain | rich | json")
     ] = None,
+    mqtt_bind: Annotated[
+        str | None, typer.Option("--mqtt-bind", help="Serve MQTT on HOST:PORT ('off': don't)")
+    ] = None,
 ) -> None:
     """Run the broker in the foreground (Ctrl-C or SIGTERM drains and stops it)."""
     from blipmq_server import daemon
 
     _exit(daemon.start(config, data_dir=data_dir, bind=bind, metrics_bind=metrics_bind,
-                       log_level=log_level, log_format=log_format))
+                       log_level=log_level, log_format=log_format, mqtt_bind=mqtt_bind))
 
 
 Json = Annotated[bool, typer.Option("--json", help="One JSON line instead of a table")]

@@ -80,6 +80,7 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--data-dir", dest="data_dir", default=None)
         p.add_argument("--bind", default=None)
         p.add_argument("--metrics-bind", dest="metrics_bind", default=None)
+        p.add_argument("--mqtt-bind", dest="mqtt_bind", default=None)
         p.add_argument("--log-level", dest="log_level", default=None)
         p.add_argument("--log-format", dest="log_format", default=None)
     return p

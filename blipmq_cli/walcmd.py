@@ -40,7 +40,7 @@ app = typer.Typer(help="Read the write-ahead log: dump it for analytics, inspect
                   no_args_is_help=True)
 
 _MESSAGE, _GROUP, _ACK = int(Kind.MESSAGE), int(Kind.GROUP), int(Kind.ACK)
-_RETAINED = int(Kind.RETAINED)
+_RETAINED, _STATE = int(Kind.RETAINED), int(Kind.STATE)
 _OPS = {durable.CREATE: "create", durable.DELETE: "delete", durable.IDLE: "idle",
         durable.CHECKPOINT: "checkpoint"}
 _BODY = rec.RECORD_OVERHEAD  # a record's body starts here
@@ -254,6 +254,10 @@ def record_json(segment: str, r: rec.Record) -> dict[str, Any]:
     elif r.kind == _ACK:
         group_id, floor, offsets = durable.parse_ack(r.body)
         out |= {"group_id": group_id, "floor": floor, "offsets": list(offsets)}
+    elif r.kind == _STATE:  # a front end's saved state (an MQTT persistent session)
+        (n,) = struct.unpack_from(">H", r.body)
+        out |= {"key": r.body[2:2 + n].decode("utf-8", "replace"),
+                "value_bytes": len(r.body) - 2 - n}
     return out
 
 

@@ -7,6 +7,7 @@ Must not import trio, typer or rich.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -35,6 +36,18 @@ class ServerOptions:
 @dataclass(frozen=True, slots=True)
 class AuthOptions:
     api_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MqttOptions:
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 1883
+    allow_anonymous: bool = False
+    max_keepalive: int = 65535
+    max_inflight: int = 64
+    session_expiry_ms: int = 7 * 24 * 3600 * 1000
+    queue_qos0: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +114,7 @@ class LogOptions:
 class Config:
     server: ServerOptions = field(default_factory=ServerOptions)
     auth: AuthOptions = field(default_factory=AuthOptions)
+    mqtt: MqttOptions = field(default_factory=MqttOptions)
     queues: QueueOptions = field(default_factory=QueueOptions)
     delivery: DeliveryOptions = field(default_factory=DeliveryOptions)
     wal: WalOptions = field(default_factory=WalOptions)
@@ -171,6 +185,18 @@ SCHEMA: tuple[Key, ...] = (
     Key("server", "shutdown_grace_ms", int, "How long shutdown waits to drain deliveries",
         0, _U32),
     Key("auth", "api_keys", tuple, "Accepted API keys; empty = authentication disabled"),
+    Key("mqtt", "enabled", bool, "Serve MQTT 3.1.1 and 3.1 clients (docs/MQTT.md)"),
+    Key("mqtt", "host", str, "Address of the MQTT listener"),
+    Key("mqtt", "port", int, "Port of the MQTT listener (0 picks a free port)", 0, 65535),
+    Key("mqtt", "allow_anonymous", bool, "Allow a non-loopback MQTT address while "
+        "authentication is disabled (auth.api_keys empty)"),
+    Key("mqtt", "max_keepalive", int, "Longest keepalive (seconds) a client may ask for; a "
+        "longer or zero one is cut to this", 1, 65535),
+    Key("mqtt", "max_inflight", int, "Unacknowledged QoS 1/2 deliveries per MQTT "
+        "subscription", 1, 65535),
+    Key("mqtt", "session_expiry_ms", int, "A persistent session (clean session 0) offline "
+        "this long is deleted with its backlog (0 = never)", 0, 2**50),
+    Key("mqtt", "queue_qos0", bool, "Keep QoS 0 messages for offline persistent sessions"),
     Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
         10_000_000),
     Key("queues", "capacity_bytes", int, "Bytes of messages each subscription or group may "
@@ -234,6 +260,7 @@ SCHEMA: tuple[Key, ...] = (
 _SECTIONS: dict[str, Callable[..., Any]] = {
     "server": ServerOptions,
     "auth": AuthOptions,
+    "mqtt": MqttOptions,
     "queues": QueueOptions,
     "delivery": DeliveryOptions,
     "wal": WalOptions,
@@ -367,8 +394,23 @@ def load(
     return config
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
 def _check_together(config: Config) -> None:
     """Refuse combinations of values that cannot work together."""
+    m = config.mqtt
+    if (m.enabled and not config.auth.api_keys and not m.allow_anonymous
+            and not _loopback(m.host)):
+        raise ConfigError(
+            f"MQTT would listen on {m.host} with authentication disabled: set auth.api_keys, "
+            "listen on loopback, or set mqtt.allow_anonymous = true to allow it", "mqtt.host")
     largest = config.server.max_message_bytes
     if config.queues.capacity_bytes < largest:
         raise ConfigError(
@@ -389,8 +431,15 @@ def _toml_value(value: object) -> str:
     return str(value)
 
 
+# Where the file `blipmq config init` writes differs from the code's defaults: MQTT is on
+# (on 127.0.0.1:1883) for a broker set up to serve devices, and off in the code so that
+# tests and scripts starting several brokers do not fight over port 1883.
+_WRITTEN: dict[str, object] = {"mqtt.enabled": True}
+
+
 def default_text() -> str:
-    """The commented default configuration (what `blipmq config init` writes)."""
+    """The commented default configuration (what `blipmq config init` writes): the code's
+    defaults, except ``_WRITTEN``."""
     lines = [
         "# BlipMQ broker configuration. Every key is optional; shown here with its default.",
         "# Environment variables override this file (BLIPMQ_<SECTION>_<KEY>, e.g.",
@@ -404,7 +453,8 @@ def default_text() -> str:
             lines += ["", f"[{section}]"]
         allowed = f" ({key.allowed})" if key.allowed else ""
         lines.append(f"# {key.doc}{allowed}")
-        lines.append(f"{key.name} = {_toml_value(key.default)}")
+        value = _WRITTEN.get(key.dotted, key.default)
+        lines.append(f"{key.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,7 @@ class ConnectionCounters:
     auth_failures: int = 0
     open: int = 0
     closed: dict[str, int] = field(default_factory=dict)  # by close reason
+    mqtt_errors: dict[str, int] = field(default_factory=dict)  # by reason (docs/MQTT.md)
 
 
 @dataclass(slots=True)

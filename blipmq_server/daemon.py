@@ -31,6 +31,7 @@ def overrides(
     metrics_bind: str | None = None,
     log_level: str | None = None,
     log_format: str | None = None,
+    mqtt_bind: str | None = None,
 ) -> dict[str, object]:
     """Flags of ``blipmq start`` as dotted config keys."""
     out: dict[str, object] = {}
@@ -41,6 +42,13 @@ def overrides(
     if metrics_bind is not None:
         parts = _split_bind(metrics_bind, "--metrics-bind")
         out.update({f"metrics.{k}": v for k, v in parts.items()})
+    if mqtt_bind is not None:
+        if mqtt_bind.strip().lower() == "off":
+            out["mqtt.enabled"] = False
+        else:
+            parts = _split_bind(mqtt_bind, "--mqtt-bind")
+            out.update({f"mqtt.{k}": v for k, v in parts.items()})
+            out["mqtt.enabled"] = True
     if log_level is not None:
         out["log.level"] = log_level
     if log_format is not None:

@@ -15,3 +15,4 @@ class Kind(IntEnum):
     GROUP = 2  # a durable group was created, deleted, went idle or was checkpointed
     ACK = 3  # a durable group's consumer acknowledged offsets
     RETAINED = 4  # a topic's retained value carried forward by maintenance (not a message)
+    STATE = 5  # a protocol front end's saved state under a key (an MQTT persistent session)

@@ -11,7 +11,7 @@ A counter named ``x`` is exposed as ``x_total``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from blipmq_server.broker.core import Broker
@@ -71,6 +71,8 @@ class Sources:
     wal: Log | None = None
     writes: WalCounters | None = None
     recovery: Recovery | None = None
+    # the MQTT front end's figures (server.sessions.MqttSessions.stats), read at scrape time
+    mqtt: Callable[[], dict[str, int]] | None = None
 
 
 class BrokerCollector:
@@ -115,6 +117,7 @@ class BrokerCollector:
             closed.add([reason], n)
         yield closed
         yield gauge("blipmq_connections_open", "Open client connections", s.open)
+        yield from self._mqtt()
         yield from self._wal()
         queues = broker.queues
         yield gauge("blipmq_subscriptions", "Subscriptions of connected clients "
@@ -130,6 +133,29 @@ class BrokerCollector:
         yield counter("blipmq_retained_refused", "Retained publishes refused at "
                       "retained.max_topics or retained.max_bytes", retained.refused)
         yield from self._groups()
+
+    def _mqtt(self) -> Iterator[Family]:
+        read = self.sources.mqtt
+        if read is None:
+            return
+        m = read()
+        sessions = Family("blipmq_mqtt_sessions", "gauge", "MQTT sessions: online (connected) "
+                          "and offline (persistent sessions without a connection)", ("state",))
+        sessions.add(["online"], m["online"])
+        sessions.add(["offline"], m["offline"])
+        yield sessions
+        yield gauge("blipmq_mqtt_inflight", "Outbound MQTT QoS 1/2 deliveries awaiting the "
+                    "client's PUBACK, PUBREC or PUBCOMP", m["inflight"])
+        yield counter("blipmq_mqtt_wills_published", "MQTT wills published (closes that were "
+                      "not a DISCONNECT)", m["wills_published"])
+        yield counter("blipmq_mqtt_sessions_expired", "Persistent MQTT sessions deleted after "
+                      "mqtt.session_expiry_ms offline", m["sessions_expired"])
+        errors = Family("blipmq_mqtt_protocol_errors", "counter", "MQTT connections closed "
+                        "for breaking the protocol, and publishes dropped, by reason "
+                        "(docs/MQTT.md)", ("reason",))
+        for reason, n in sorted(self.sources.connections.mqtt_errors.items()):
+            errors.add([reason], n)
+        yield errors
 
     def _groups(self) -> Iterator[Family]:
         broker = self.sources.broker

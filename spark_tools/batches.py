@@ -35,7 +35,7 @@ SCHEMA = pa.schema([
     ("position", pa.int64()),  # byte position of the record (or of the damage) in the segment
     ("offset", pa.int64()),
     ("timestamp", pa.timestamp("us", tz="UTC")),
-    ("kind", pa.string()),  # message | group | ack | damage
+    ("kind", pa.string()),  # message | group | ack | retained | state | damage
     ("topic", pa.string()),  # a group's topic filter for GROUP records
     ("qos", pa.int8()),
     ("ttl_ms", pa.int64()),
@@ -73,7 +73,7 @@ _BODY = rec.RECORD_OVERHEAD
 _MESSAGE, _GROUP, _ACK = int(Kind.MESSAGE), int(Kind.GROUP), int(Kind.ACK)
 _OPS = {durable.CREATE: "create", durable.DELETE: "delete", durable.IDLE: "idle",
         durable.CHECKPOINT: "checkpoint"}
-_KIND_NAMES = pa.array(["", "message", "group", "ack", "retained"])
+_KIND_NAMES = pa.array(["", "message", "group", "ack", "retained", "state"])
 
 
 def segment_batches(data: bytes, checked: reader.Checked, device: str, segment: str,
@@ -112,7 +112,7 @@ def _batch(data: bytes, buf: np.ndarray, whole: pa.Buffer, pos: np.ndarray, devi
     topic = _cut(whole, topic_at, tlen, not_msg)
     payload = _cut(whole, payload_at, plen, not_msg)
     key = _cut(whole, key_at, klen, pa.array(~has_key))
-    kinds = _KIND_NAMES.take(pa.array(np.where((kind >= 1) & (kind <= 4), kind, 0)))
+    kinds = _KIND_NAMES.take(pa.array(np.where((kind >= 1) & (kind <= 5), kind, 0)))
     dead_n: list[int | None] = [None] * n
     dead_why: list[str | None] = [None] * n
     for i in np.flatnonzero(is_msg & ((flags & msg.FLAG_DEAD) != 0)):

@@ -25,7 +25,8 @@ def _default_signals() -> None:
     inherits SIGINT ignored, and Python then never raises KeyboardInterrupt (the Ctrl-C
     tests would hang)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-_LISTENING = re.compile(r"listening on [\d.]+:(\d+)(?:, metrics on http://[\d.]+:(\d+)/metrics)?")
+_LISTENING = re.compile(r"listening on [\d.]+:(\d+)(?:, metrics on http://[\d.]+:(\d+)/metrics)?"
+                        r"(?:, mqtt on [\d.]+:(\d+))?")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class BrokerProcess:
     data_dir: Path
     port: int = 0
     metrics_port: int | None = None
+    mqtt_port: int | None = None  # when the config enabled MQTT
     log: list[str] = field(default_factory=list)
     log_ended: threading.Event = field(default_factory=threading.Event)  # stderr closed
 
@@ -140,6 +142,7 @@ def _drain(proc: subprocess.Popen[bytes], sink: list[str], ready: threading.Even
         if m and not ready.is_set():
             bp.port = int(m.group(1))
             bp.metrics_port = int(m.group(2)) if m.group(2) else None
+            bp.mqtt_port = int(m.group(3)) if m.group(3) else None
             ready.set()
     bp.log_ended.set()
     ready.set()

@@ -128,9 +128,9 @@ def test_queue_bytes_are_bounded(policy: Overflow) -> None:
 
 def test_refusals_stop_the_batch_and_say_why() -> None:
     b = Broker(Limits(max_message_bytes=10))
-    res = b.publish([raw("ok"), raw("bad//topic")], 0)
+    res = b.publish([raw("ok"), raw("bad/#")], 0)
     assert res.accepted == 1 and res.refusal is not None
-    assert res.refusal.code == ErrorCode.INVALID_TOPIC and "empty level" in res.refusal.text
+    assert res.refusal.code == ErrorCode.INVALID_TOPIC and "wildcard" in res.refusal.text
     res = b.publish([raw("ok", b"x" * 11)], 0)
     assert res.accepted == 0 and res.refusal.code == ErrorCode.MESSAGE_TOO_LARGE
     assert b.publish([raw("a/+")], 0).refusal.code == ErrorCode.INVALID_TOPIC

@@ -11,6 +11,7 @@ Pure and synchronous: never imports trio, never sleeps, never reads a clock.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ from blipmq_server.protocol.names import filter_problem, group_problem
 _pack_prefix = DELIVERY_PREFIX.pack
 _BLOCK, _DROP_OLDEST = Overflow.BLOCK, Overflow.DROP_OLDEST  # an enum member costs a lookup
 _MESSAGE = Kind.MESSAGE
+_STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
 
 
 @dataclass
@@ -69,6 +71,9 @@ class Broker:
         self.retained = Retained(self.limits.retained_max_topics, self.limits.retained_max_bytes)
         self.usage = Usage(self._durable_matching)
         self._generation = 0  # of the durable groups ``usage`` knows
+        # front ends' saved state (MQTT persistent sessions), by key, and its record's offset
+        self.states: dict[bytes, bytes] = {}
+        self._state_at: dict[bytes, int] = {}
 
     # ----------------------------------------------------------------------------- publish
 
@@ -334,8 +339,12 @@ class Broker:
         start_offset: int = 0,
         timestamp_ms: int = 0,
         until_end: bool = False,
+        retained: bool | None = None,
     ) -> SubscribeResult:
         """Attach connection ``conn`` to a new subscription or to a group.
+
+        ``retained``: whether the subscription starts with the retained values its filter
+        matches (when it reads from the latest message); by default only one without a group.
 
         QoS 0 without ``start``: an in-memory queue (shared by a group's consumers). QoS 1, or
         a ``start`` other than LATEST: a cursor into the log, which is a durable group when
@@ -354,7 +363,7 @@ class Broker:
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
             consumer = registry.add(conn, queue, qos, credit, request_id)
-            if not group:
+            if (not group) if retained is None else retained:
                 self._retained_to_queue(queue, topic_filter, timestamp_ms)
             if not until_end:
                 return SubscribeResult(consumer.sub_id, bool(queue.items))
@@ -377,7 +386,8 @@ class Broker:
             return SubscribeResult(0, refusal=target)
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
         consumer = registry.add(conn, target, qos, credit, request_id)
-        if not group and start == Start.LATEST:  # QoS 1 here: LATEST at QoS 0 is a queue
+        if ((not group) if retained is None else retained) and start == Start.LATEST:
+            # QoS 1 here: LATEST at QoS 0 is a queue
             values = self.retained.matching(topic_filter, timestamp_ms)
             target.offer_retained(values, DELIVERED_RETAINED)
             self.counters.retained_sent += len(values)
@@ -700,6 +710,36 @@ class Broker:
             retained.moved(topic, last)
         return last
 
+    def put_state(self, key: bytes, value: bytes, timestamp_ms: int) -> int:
+        """Save a front end's state under ``key`` (an empty value deletes it) in a STATE
+        record; returns the record's offset (0 without a log). The latest value of each key
+        is recovered at start and carried past retention (``carry_states``)."""
+        if value:
+            self.states[key] = value
+        elif self.states.pop(key, None) is None and key not in self._state_at:
+            return 0  # nothing to delete
+        if self.log is None:
+            return 0
+        at = self.log.append(Kind.STATE, _STATE_KEY.pack(len(key)) + key + value, timestamp_ms)
+        if value:
+            self._state_at[key] = at
+        else:
+            self._state_at.pop(key, None)
+        return at
+
+    def carry_states(self, timestamp_ms: int, below: int) -> int:
+        """Rewrite every state whose record is below offset ``below``, so retention never
+        deletes it; returns the offset of the last record appended (0: none)."""
+        last = 0
+        for key, at in list(self._state_at.items()):
+            if at < below:
+                last = self.put_state(key, self.states[key], timestamp_ms)
+        return last
+
+    def newest_state(self) -> int:
+        """The offset of the newest STATE record of a live key (0: none)."""
+        return max(self._state_at.values(), default=0)
+
     def skip_to(self, first: int) -> list[tuple[DurableGroup, int]]:
         """Retention removed the log below ``first`` (see Cursors.skip_to)."""
         return [] if self.cursors is None else self.cursors.skip_to(first)
@@ -714,7 +754,17 @@ class Broker:
         """A record met while the log is opened (the log's ``on_record``): a GROUP, ACK or
         RETAINED record, or a MESSAGE with the retain flag (the log hands over only those)."""
         kind = record.kind
-        if kind == Kind.MESSAGE:
+        if kind == Kind.STATE:
+            body = record.body
+            (n,) = _STATE_KEY.unpack_from(body)
+            key, value = body[2:2 + n], body[2 + n:]
+            if value:
+                self.states[key] = value
+                self._state_at[key] = record.offset
+            else:
+                self.states.pop(key, None)
+                self._state_at.pop(key, None)
+        elif kind == Kind.MESSAGE:
             body = record.body
             if body[0] & FLAG_RETAIN:
                 self.retained.put(topic_of(body), record.offset, record.timestamp_ms, body,
@@ -725,7 +775,7 @@ class Broker:
             self.retained.put(topic_of(body), offset, timestamp_ms, body, record.offset)
         first, last = self._bookkeeping
         self._bookkeeping = (first if record.offset == last + 1 else record.offset, record.offset)
-        if self.cursors is not None and kind != Kind.RETAINED:
+        if self.cursors is not None and kind != Kind.RETAINED and kind != Kind.STATE:
             self.cursors.recover(record)
 
     def recovered(self, wall_ms: int) -> None:

@@ -24,9 +24,7 @@ def _common(name: str, what: str) -> str | None:
         return f"{what} is {size} bytes long, the limit is {MAX_TOPIC_BYTES}"
     if "\x00" in name:
         return f"{what} {name!r} contains a NUL character"
-    if "" in name.split("/"):
-        return f"{what} {name!r} has an empty level (leading, trailing or double '/')"
-    return None
+    return None  # empty levels ('/a', 'a//b', 'a/') are valid levels, as in MQTT
 
 
 def topic_problem(name: str) -> str | None:

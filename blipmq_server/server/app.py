@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import hmac
 import logging
 import math
 import os
@@ -43,8 +44,10 @@ from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
 from blipmq_server.server.listeners import open_listeners
+from blipmq_server.server.mqtt import MqttSession
 from blipmq_server.server.prefetch import Prefetcher
 from blipmq_server.server.session import CloseReason, Session, now_ms, wall_ms
+from blipmq_server.server.sessions import MqttSessions
 from blipmq_server.wal import policy
 from blipmq_server.wal.log import Log, LogOptions, Recovery
 
@@ -57,6 +60,7 @@ class Bound:
 
     port: int
     metrics_port: int | None
+    mqtt_port: int | None = None
 
 
 def _trim_heap() -> None:
@@ -121,6 +125,23 @@ class Server:
         self.published_at = -math.inf  # when a client last published (backlog drains yield)
         self._next_conn_id = 1
         self._routed: set[int] = set()  # connections a reader routed to, not yet sent
+        self.mqtt_sessions = MqttSessions(self)
+        # an MQTT packet's limit: the largest message with the longest topic, or a CONNECT
+        # with every string at its longest
+        self.mqtt_max_packet = max(config.server.max_message_bytes + 0xFFFF + 16,
+                                   5 * 0xFFFF + 64)
+        self._keys = tuple(k.encode() for k in config.auth.api_keys)
+
+    def key_accepted(self, given: bytes) -> bool:
+        """Whether ``given`` is one of ``auth.api_keys`` (any key, without them), compared
+        in constant time."""
+        keys = self._keys
+        return not keys or any(hmac.compare_digest(given, k) for k in keys)
+
+    def mqtt_error(self, reason: str) -> None:
+        """An MQTT connection broke the protocol, or a publish of it was dropped: counted."""
+        errors = self.counters.mqtt_errors
+        errors[reason] = errors.get(reason, 0) + 1
 
     async def serve(
         self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
@@ -136,6 +157,17 @@ class Server:
         _trim_heap()
         listeners = await open_listeners(cfg.server.host, cfg.server.port, "client listener")
         port = listeners[0].socket.getsockname()[1]
+        mqtt_listeners: list[trio.SocketListener] = []
+        mqtt_port = None
+        if cfg.mqtt.enabled:
+            try:
+                mqtt_listeners = await open_listeners(cfg.mqtt.host, cfg.mqtt.port,
+                                                      "MQTT listener")
+            except OSError:
+                for listener in listeners:
+                    await listener.aclose()
+                raise
+            mqtt_port = mqtt_listeners[0].socket.getsockname()[1]
         self.started_at = trio.current_time()
         async with trio.open_nursery() as root:
             maintained = trio.Event()
@@ -149,18 +181,20 @@ class Server:
                 metrics_port = await root.start(serve_http, self)
             async with trio.open_nursery() as conns:
                 accept_scope = trio.CancelScope()
-                conns.start_soon(self._accept_all, listeners, conns, accept_scope)
+                conns.start_soon(self._accept_all, listeners, mqtt_listeners, conns,
+                                 accept_scope)
                 log.info(
-                    "listening on %s:%d%s; queues: capacity %d, overflow %s; auth %s",
+                    "listening on %s:%d%s%s; queues: capacity %d, overflow %s; auth %s",
                     cfg.server.host, port,
                     f", metrics on http://{cfg.metrics.host}:{metrics_port}/metrics"
                     if metrics_port is not None else "",
+                    f", mqtt on {cfg.mqtt.host}:{mqtt_port}" if mqtt_port is not None else "",
                     cfg.queues.capacity, cfg.queues.overflow,
                     "enabled" if cfg.auth.api_keys else "disabled (no api_keys configured)",
                 )
-                task_status.started(Bound(port, metrics_port))
+                task_status.started(Bound(port, metrics_port, mqtt_port))
                 await self.shutdown.wait()
-                await self._drain(accept_scope, listeners, conns)
+                await self._drain(accept_scope, listeners + mqtt_listeners, conns)
             maintenance.cancel()  # no more expiry, retention, redelivery: nothing appends
             await maintained.wait()
             if self.flusher is not None:
@@ -179,6 +213,8 @@ class Server:
                 async with trio.open_nursery() as loops:
                     loops.start_soon(self._expiry_loop)
                     loops.start_soon(self._watchdog_loop)
+                    if self.config.mqtt.enabled or self.mqtt_sessions.offline:
+                        loops.start_soon(self._session_expiry_loop)
                     if self.flusher is not None:
                         loops.start_soon(self._retention_loop)
                         loops.start_soon(self._redelivery_loop)
@@ -205,6 +241,7 @@ class Server:
         found = self.recovery = self.wal.open(on_record=self.broker.recover,
                                               message_flags=codec.FLAG_RETAIN)
         self.broker.recovered(wall_ms())
+        self.mqtt_sessions.recover(wall_ms())
         assert self.prefetcher is not None
         self.prefetcher.request(self.broker.take_counts())  # counted once it runs
         for note in found.notes:
@@ -230,11 +267,13 @@ class Server:
             newest = wal.segments[-1].base if wal.segments else 0
             broker.checkpoint(wall, newest)
             broker.carry_retained(wall, newest)
+            broker.carry_states(wall, newest)
             self.log_touched()
             self.flusher.counters.maintenance_runs += 1
             written = wal.written_offset
             if (any(g.anchor > written for g in broker.durable_groups)
-                    or broker.retained.newest_anchor() > written):
+                    or broker.retained.newest_anchor() > written
+                    or broker.newest_state() > written):
                 continue  # a checkpoint or carried value is not on disk yet: retain next time
             result = wal.retain(wall, broker.durable_floor(), delete=False)
             if result.paths:  # unlinking big files takes milliseconds: not on the event loop
@@ -263,6 +302,8 @@ class Server:
             broker="blipmq", version=version(), protocol=codec.VERSION,
             uptime_s=round(trio.current_time() - self.started_at, 3),
             connections=self.counters.open,
+            mqtt=dict(self.mqtt_sessions.stats(),
+                      protocol_errors=dict(self.counters.mqtt_errors)),
             log=None if wal is None else {
                 "bytes": wal.total_bytes, "segments": len(wal.segments),
                 "first_offset": wal.first_offset, "next_offset": wal.next_offset},
@@ -381,15 +422,19 @@ class Server:
     async def _accept_all(
         self,
         listeners: list[trio.SocketListener],
+        mqtt_listeners: list[trio.SocketListener],
         conns: trio.Nursery,
         scope: trio.CancelScope,
     ) -> None:
         with scope:
             async with trio.open_nursery() as nursery:
                 for listener in listeners:
-                    nursery.start_soon(self._accept, listener, conns)
+                    nursery.start_soon(self._accept, listener, conns, Session)
+                for listener in mqtt_listeners:
+                    nursery.start_soon(self._accept, listener, conns, MqttSession)
 
-    async def _accept(self, listener: trio.SocketListener, conns: trio.Nursery) -> None:
+    async def _accept(self, listener: trio.SocketListener, conns: trio.Nursery,
+                      kind: type[Session]) -> None:
         failing = False
         while True:
             try:
@@ -406,23 +451,24 @@ class Server:
                 log.info("accepting connections again")
                 failing = False
             _keepalive(stream, self.config.server.keepalive_ms)
-            conns.start_soon(self._connection, stream)
+            conns.start_soon(self._connection, stream, kind)
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, stream: trio.SocketStream, kind: type[Session]) -> None:
         self.counters.accepted += 1
         if len(self.sessions) >= self.config.server.max_connections:
             self.counters.refused += 1
             limit = self.config.server.max_connections
-            frame = codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
-                                f"the broker is at max_connections ({limit})")
+            refusal = (_CONNACK_UNAVAILABLE if kind is MqttSession else codec.encode(
+                codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
+                            f"the broker is at max_connections ({limit})")))
             with trio.move_on_after(1):
                 try:
-                    await stream.send_all(codec.encode(frame))
+                    await stream.send_all(refusal)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
             await trio.aclose_forcefully(stream)
             return
-        session = Session(self, stream, self._next_conn_id)
+        session = kind(self, stream, self._next_conn_id)
         self._next_conn_id += 1
         self.sessions[session.conn_id] = session
         self.counters.open += 1
@@ -449,7 +495,8 @@ class Server:
         cfg = self.config.server
         write_timeout = cfg.write_timeout_ms / 1000
         idle = cfg.keepalive_ms / 1000
-        limits = [t for t in (write_timeout, idle) if t]
+        # MQTT connections name their own keepalive: looked at every second
+        limits = [t for t in (write_timeout, idle, 10.0 if self.config.mqtt.enabled else 0) if t]
         if not limits:
             await trio.sleep_forever()
         tick = min(1.0, max(0.01, min(limits) / 10))
@@ -461,15 +508,14 @@ class Server:
                 if write_timeout and since is not None and now - since > write_timeout:
                     self.slow_consumer(session, f"its socket took nothing for "
                                        f"{write_timeout:g} s (server.write_timeout_ms)")
-                elif idle and session.authenticated and not (session.closing or session.paused):
-                    if session.pinged_at is None:
-                        if now - session.heard_at >= idle:
-                            session.pinged_at = now  # ask for a sign of life
-                            session.send(codec.Ping(b"keepalive"))
-                    elif now - session.pinged_at >= idle:
-                        session.send(codec.Goodbye(ErrorCode.TIMEOUT, f"nothing received for "
-                                                   f"{2 * idle:g} s (server.keepalive_ms)"))
-                        session.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
+                elif session.authenticated and not (session.closing or session.paused):
+                    session.idle_check(now, idle)
+
+    async def _session_expiry_loop(self) -> None:
+        """Persistent MQTT sessions offline for ``mqtt.session_expiry_ms`` are deleted."""
+        while True:
+            await trio.sleep(1)
+            self.mqtt_sessions.expire(wall_ms())
 
     async def _expiry_loop(self) -> None:
         interval = self.config.queues.expiry_interval_ms / 1000
@@ -483,6 +529,7 @@ class Server:
 
 
 _SWITCH_INTERVAL_S = 0.0001
+_CONNACK_UNAVAILABLE = b"\x20\x02\x00\x03"  # MQTT CONNACK 3: server unavailable
 # Young collections after 20,000 allocations instead of 700: short-lived objects (records,
 # deliveries, frames) die before a collection promotes them, so older generations stay small
 _GC_THRESHOLDS = (20_000, 10, 10)

@@ -42,8 +42,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from blipmq_server.counters import WalCounters
-from blipmq_server.protocol import codec
-from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.wal.log import Batch, Log
 from blipmq_server.wal.policy import FsyncPolicy
 
@@ -100,13 +98,12 @@ class Flusher:
         room may have had some records in a batch the disk refused meanwhile, before it
         asked; then it gets ERROR STORAGE and PUB_ACK 0 at once."""
         if first and self.wal.lost_between(first, offset):
-            session.error(ErrorCode.STORAGE, "the log could not store some of these messages "
-                          "(a write failed while the publisher waited for room)", request_id)
-            session.send(codec.PubAck(0, request_id))
-            session.broker.counters.refused += count
+            session.confirm_failed(request_id, count, "the log could not store some of these "
+                                   "messages (a write failed while the publisher waited for "
+                                   "room)")
             return
         if offset <= self._confirmable():
-            session.send(codec.PubAck(count, request_id))
+            session.confirmed(request_id, count)
             return
         entry = (offset, session, request_id, count)
         waiters = self._waiters
@@ -266,11 +263,9 @@ class Flusher:
         while waiters and waiters[0][0] <= through:
             _, session, request_id, count = waiters.popleft()
             if failure is None:
-                session.send(codec.PubAck(count, request_id))
+                session.confirmed(request_id, count)
             else:
-                session.error(ErrorCode.STORAGE, failure, request_id)
-                session.send(codec.PubAck(0, request_id))
-                session.broker.counters.refused += count
+                session.confirm_failed(request_id, count, failure)
 
     async def close(self, timeout: float) -> bool:
         """Shutdown, once nothing appends any more: wait for the batch in flight, then write

@@ -19,7 +19,6 @@ The stream itself is closed only after both tasks have ended (``run``).
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
@@ -58,6 +57,7 @@ class CloseReason(Enum):
     SLOW_CONSUMER = "slow_consumer"
     SHUTDOWN = "shutdown"
     WRITE_FAILED = "write_failed"
+    TAKEN_OVER = "taken_over"  # an MQTT client connected again with the same client id
 
 
 def now_ms() -> int:
@@ -160,15 +160,51 @@ class Session:
         if behind or self.broker.pending(self.conn_id):  # more than a batch was waiting
             self.wake()
 
+    def idle_check(self, now: float, idle: float) -> None:
+        """The watchdog's look at a quiet connection: silent for ``idle`` (keepalive_ms), it
+        gets a PING; silent as long again, GOODBYE TIMEOUT."""
+        if not idle:
+            return
+        if self.pinged_at is None:
+            if now - self.heard_at >= idle:
+                self.pinged_at = now  # ask for a sign of life
+                self.send(codec.Ping(b"keepalive"))
+        elif now - self.pinged_at >= idle:
+            self.send(codec.Goodbye(ErrorCode.TIMEOUT, f"nothing received for "
+                                    f"{2 * idle:g} s (server.keepalive_ms)"))
+            self.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
+
+    def closed(self) -> None:
+        """The connection has ended, before its subscriptions are detached."""
+
+    def farewell(self) -> bool:
+        """The last thing said on shutdown, once every delivery went out; whether
+        something was queued."""
+        self.send(codec.Goodbye(ErrorCode.SHUTTING_DOWN, "broker is shutting down"))
+        return True
+
     def _unpark(self, _: object) -> trio.lowlevel.Abort:
         self._parked = None
         return trio.lowlevel.Abort.SUCCEEDED
 
-    def send(self, frame: codec.Frame) -> None:
-        data = codec.encode(frame)
+    def send_bytes(self, data: bytes) -> None:
+        """Queue encoded bytes for the writer (any protocol's)."""
         self.outbox.append(data)
         self.pending_bytes += len(data)
         self.wake()
+
+    def send(self, frame: codec.Frame) -> None:
+        self.send_bytes(codec.encode(frame))
+
+    def confirmed(self, request_id: int, count: int) -> None:
+        """The flusher: ``count`` QoS 1 messages of ``request_id`` are durable."""
+        self.send(codec.PubAck(count, request_id))
+
+    def confirm_failed(self, request_id: int, count: int, text: str) -> None:
+        """The flusher: the log could not store the messages of ``request_id``."""
+        self.error(ErrorCode.STORAGE, text, request_id)
+        self.send(codec.PubAck(0, request_id))
+        self.broker.counters.refused += count
 
     def error(self, code: ErrorCode, text: str, request_id: int = 0) -> None:
         self.send(codec.Error(code, text, request_id))
@@ -199,6 +235,7 @@ class Session:
                 self.closing = True
                 self.wake()
         finally:
+            self.closed()
             self.server.detached(self.broker.disconnect(self.conn_id, wall_ms()))
             self.server.log_touched()  # a group's idle record
             with trio.CancelScope(shield=True):
@@ -222,9 +259,8 @@ class Session:
                         if self.close_reason is CloseReason.SHUTDOWN and not self._said_goodbye:
                             # only now: every delivery queued for us went out before it
                             self._said_goodbye = True
-                            self.send(codec.Goodbye(ErrorCode.SHUTTING_DOWN,
-                                                    "broker is shutting down"))
-                            continue
+                            if self.farewell():
+                                continue
                         return
                     self._parked = trio.lowlevel.current_task()
                     await trio.lowlevel.wait_task_rescheduled(self._unpark)
@@ -288,9 +324,8 @@ class Session:
         owed = sum(map(len, parts))  # counted in pending_bytes when they were sent
         taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, int(now * 1000),
                                     int(_time() * 1000), qos0_only=self.closing)
-        for sub_id, records in taken.batches:  # heads and records: joined once, below
-            parts.append(codec.deliver_head(sub_id, records))
-            parts += records
+        if taken.batches:
+            self.encode_batches(taken.batches, parts)
         if taken.released and self.server.room:  # publishers wait for room
             self.server.release(taken.released)
         if taken.fetches:
@@ -298,6 +333,14 @@ class Session:
         data = b"".join(parts)
         self.pending_bytes += len(data) - owed
         return data, taken.behind
+
+    def encode_batches(self, batches: list[tuple[int, list[bytes]]], parts: list[bytes]
+                       ) -> None:
+        """Deliveries as this protocol's bytes, appended to ``parts``: a DELIVER frame per
+        subscription (heads and records joined once, by the caller)."""
+        for sub_id, records in batches:
+            parts.append(codec.deliver_head(sub_id, records))
+            parts += records
 
     # ----------------------------------------------------------------------------- reader
 
@@ -441,9 +484,7 @@ class Session:
             self.error(ErrorCode.NOT_AUTHENTICATED, "authenticate (AUTH) before anything else",
                        frame.request_id)
             return CloseReason.PROTOCOL_ERROR
-        keys = self.server.config.auth.api_keys
-        given = frame.api_key.encode()
-        if keys and not any(hmac.compare_digest(given, k.encode()) for k in keys):
+        if not self.server.key_accepted(frame.api_key.encode()):
             self.server.counters.auth_failures += 1
             self.error(ErrorCode.AUTH_FAILED, "API key refused", frame.request_id)
             return CloseReason.AUTH_FAILED

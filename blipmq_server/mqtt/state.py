@@ -1,0 +1,115 @@
+"""What an MQTT persistent session keeps between connections, and how MQTT names map onto
+the core's.
+
+A persistent session (clean session 0) is saved as STATE records of the log (the core keeps
+the latest value per key and carries it past retention); this module makes and reads their
+bodies. Two keys per client id: its subscriptions, and the inbound QoS 2 packet ids awaiting
+PUBREL (small, rewritten per QoS 2 message; apart so a big subscription list is not)::
+
+    key:   b"mqtt/s/" + client id (UTF-8)        b"mqtt/q/" + client id
+    value: | version u8 = 1 | offline_since_ms u64 | count u16 |
+           | per subscription: | qos u8 | filter_len u16 | filter (UTF-8) |
+    value: | count u16 | packet id u16 ... |
+
+``offline_since_ms`` is 0 while the client is connected (a session is expired by its
+offline time, and one whose broker stopped while it was connected counts from the restart).
+
+Shared subscriptions ``$share/<name>/<filter>`` map to consumer groups; a share name that
+is not a valid group name maps to ``share.<hash>``. A persistent session's own QoS 1/2
+subscriptions are durable groups named ``mqtt.<hash of the client id>``.
+Standard library only; never imports trio, the core or the shell.
+"""
+
+from __future__ import annotations
+
+import struct
+
+try:  # hashlib's blake2b, without importing hashlib: that loads OpenSSL's libcrypto, which
+    # the broker otherwise never maps (blipmq_server/deferred.py, docs/PERFORMANCE.md)
+    from _blake2 import blake2b
+except ImportError:  # pragma: no cover - a Python built without the module
+    from hashlib import blake2b
+
+from blipmq_server.protocol.names import group_problem
+
+SUBS_PREFIX = b"mqtt/s/"
+QOS2_PREFIX = b"mqtt/q/"
+_HEAD = struct.Struct(">BQH")
+_SUB = struct.Struct(">BH")
+_U16 = struct.Struct(">H")
+
+
+def _digest(text: str) -> str:
+    return blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def group_name(client_id: str) -> str:
+    """The durable group name of a persistent session's QoS 1/2 subscriptions."""
+    return "mqtt." + _digest(client_id)
+
+
+def share_of(topic_filter: str) -> tuple[str, str] | None:
+    """(group, filter) of an MQTT filter: group "" for a plain one; None for a malformed
+    ``$share/`` filter (no name, or no filter after it)."""
+    if not topic_filter.startswith("$share/"):
+        return "", topic_filter
+    name, sep, rest = topic_filter[7:].partition("/")
+    if not sep or not name or not rest or "+" in name or "#" in name:
+        return None
+    if group_problem(name):
+        name = "share." + _digest(name)
+    return name, rest
+
+
+def subs_key(client_id: str) -> bytes:
+    return SUBS_PREFIX + client_id.encode("utf-8")
+
+
+def qos2_key(client_id: str) -> bytes:
+    return QOS2_PREFIX + client_id.encode("utf-8")
+
+
+def client_of(key: bytes) -> str:
+    return key[len(SUBS_PREFIX):].decode("utf-8", "replace")
+
+
+def stored_subs(subs: dict[str, int], offline_since_ms: int = 0) -> bytes:
+    parts = [_HEAD.pack(1, offline_since_ms, len(subs))]
+    for topic_filter, qos in subs.items():
+        name = topic_filter.encode("utf-8")
+        parts.append(_SUB.pack(qos, len(name)))
+        parts.append(name)
+    return b"".join(parts)
+
+
+def parse_subs(body: bytes) -> tuple[dict[str, int], int]:
+    """(filter -> qos, offline_since_ms) of ``stored_subs``; ValueError when damaged."""
+    try:
+        version, offline, count = _HEAD.unpack_from(body)
+        if version != 1:
+            raise ValueError(f"unknown session record version {version}")
+        subs: dict[str, int] = {}
+        pos = _HEAD.size
+        for _ in range(count):
+            qos, n = _SUB.unpack_from(body, pos)
+            pos += _SUB.size
+            name = body[pos:pos + n]
+            if len(name) != n or qos > 2:
+                raise ValueError("session record ends early")
+            subs[name.decode("utf-8")] = qos
+            pos += n
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"damaged session record: {exc}") from None
+    return subs, offline
+
+
+def stored_ids(ids: set[int]) -> bytes:
+    return _U16.pack(len(ids)) + b"".join(_U16.pack(i) for i in sorted(ids))
+
+
+def parse_ids(body: bytes) -> set[int]:
+    try:
+        (count,) = _U16.unpack_from(body)
+        return {_U16.unpack_from(body, 2 + 2 * i)[0] for i in range(count)}
+    except struct.error as exc:
+        raise ValueError(f"damaged session record: {exc}") from None

@@ -1,0 +1,510 @@
+"""The MQTT front end: one MQTT 3.1.1 / 3.1 client connection on the shared session machinery.
+
+``MqttSession`` is a ``Session`` whose reader decodes MQTT packets (``mqtt.codec``) instead of
+native frames and whose deliveries leave as PUBLISH packets; the writer, the output budget,
+slow-consumer cuts, ``deliver_now`` and the flusher's confirms are the base class's. It turns
+packets into the same core calls a native session makes (publish, subscribe, ack, ...):
+
+    MQTT                        core
+    PUBLISH QoS 0 / 1 / 2       publish; QoS 1 and 2 logged, PUBACK / PUBREC once durable
+    SUBSCRIBE QoS 0             a live queue (retained values first)
+    SUBSCRIBE QoS 1 / 2         a log cursor with ``mqtt.max_inflight`` credit; in a persistent
+                                session (clean session 0) a durable group of the session's own
+    PUBACK, PUBCOMP             ack of the delivery's log offset
+    $share/<name>/<filter>      a consumer group (QoS 1/2: durable)
+
+Persistent sessions (their subscriptions and the inbound QoS 2 packet ids awaiting PUBREL) are
+kept by ``MqttSessions`` in the log's session records (``mqtt.state``). Trio is imported here
+as in the rest of ``server/``; the MQTT codec and state know nothing of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import TYPE_CHECKING
+
+import trio
+
+from blipmq_server.broker.topics import matches, split
+from blipmq_server.mqtt import codec as mqtt
+from blipmq_server.mqtt.packets import (
+    SUBACK_FAILURE,
+    ConnAck,
+    ConnackCode,
+    Connect,
+    Disconnect,
+    PingReq,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    UnsubAck,
+    Unsubscribe,
+    Will,
+)
+from blipmq_server.mqtt.state import group_name, share_of, stored_subs
+from blipmq_server.protocol.message import (
+    DELIVERED_RETAINED,
+    DELIVERY_PREFIX,
+    FLAG_QOS1,
+    FLAG_QOS2,
+    FLAG_RETAIN,
+    HEAD_SIZE,
+    MSG_HEAD,
+    PREFIX_SIZE,
+    RawMessage,
+)
+from blipmq_server.protocol.names import MAX_TOPIC_BYTES, filter_problem
+from blipmq_server.server.session import CloseReason, Session, _time, now_ms, wall_ms
+
+if TYPE_CHECKING:
+    from blipmq_server.server.app import Server
+
+log = logging.getLogger("blipmq.mqtt")
+
+_RECEIVE = 65536
+_unpack_prefix = DELIVERY_PREFIX.unpack_from
+_unpack_head = MSG_HEAD.unpack_from
+_pack_head = MSG_HEAD.pack
+_BODY = PREFIX_SIZE + HEAD_SIZE  # where a delivery record's topic starts
+_encode_publish = mqtt.encode_publish
+_PINGRESP = mqtt.encode(PingResp())
+# topics an MQTT client may not publish to (the broker's own)
+_RESERVED = ("$",)
+
+
+class MqttSession(Session):
+    def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int) -> None:
+        super().__init__(server, stream, conn_id)
+        self.client_id = ""
+        self.username: str | None = None
+        self.clean = True
+        self.keepalive = 0.0  # seconds of silence before 1.5 x of it closes us (0: none)
+        self.will: Will | None = None
+        self.level = 4
+        self.subs: dict[str, tuple[int, int]] = {}  # filter -> (core sub id, granted QoS)
+        self.granted: dict[int, int] = {}  # core sub id -> granted QoS
+        self._next_pid = 0
+        # outbound QoS 1/2 deliveries awaiting PUBACK / PUBREC, then PUBCOMP
+        self.inflight: dict[int, tuple[int, int, int]] = {}  # pid -> (sub id, offset, qos)
+        self.released: dict[int, tuple[int, int]] = {}  # pid -> (sub id, offset), PUBREL sent
+        # inbound: the QoS of each packet id whose confirm is pending; QoS 2 ids awaiting PUBREL
+        self.confirming: dict[int, int] = {}
+        self.qos2_in: set[int] = set()
+        self.taken_over = False
+        self.connected = False
+        # topic -> the subscription that delivers it (see ``_owner``); cleared on changes
+        self._owners: dict[bytes, int] = {}
+        self._shared: set[int] = set()  # sub ids of $share/ subscriptions
+
+    # ------------------------------------------------------------- the base class's hooks
+
+    def confirmed(self, request_id: int, count: int) -> None:
+        qos = self.confirming.pop(request_id, 1)
+        packet = (PubAck if qos == 1 else PubRec if qos == 2 else PubComp)(request_id)
+        self.send_bytes(mqtt.encode(packet))
+
+    def confirm_failed(self, request_id: int, count: int, text: str) -> None:
+        # MQTT 3.1.1 has no negative acknowledgement: the client resends after reconnecting
+        self.confirming.pop(request_id, None)
+        self.broker.counters.refused += count
+        log.warning("MQTT client %r: closing, %s", self.client_id, text)
+        self.server.mqtt_error("storage")
+        self.stop_reading(CloseReason.PROTOCOL_ERROR)
+
+    def closed(self) -> None:
+        self.server.mqtt_sessions.closed(self)
+
+    def farewell(self) -> bool:
+        return False  # MQTT 3.1.1 has nothing to say on the way out
+
+    def idle_check(self, now: float, idle: float) -> None:
+        if self.keepalive and now - self.heard_at >= 1.5 * self.keepalive:
+            log.info("MQTT client %r silent for 1.5 x its keepalive (%g s): closing",
+                     self.client_id, self.keepalive)
+            self.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
+
+    def encode_batches(self, batches: list[tuple[int, list[bytes]]], parts: list[bytes]
+                       ) -> None:
+        granted = self.granted
+        inflight = self.inflight
+        acks: dict[int, list[int]] = {}
+        owners = self._owners if len(self.subs) > 1 else None
+        for sub_id, records in batches:
+            sub_qos = granted.get(sub_id, 0)
+            for rec in records:
+                offset, count, _, dflags = _unpack_prefix(rec)
+                flags, _, tlen, klen, plen = _unpack_head(rec, PREFIX_SIZE)
+                if (owners is not None and not dflags & DELIVERED_RETAINED
+                        and sub_id not in self._shared):
+                    # overlapping subscriptions: one copy, from the one with the highest QoS
+                    topic = rec[_BODY:_BODY + tlen]
+                    owner = owners.get(topic) or self._owner(topic)
+                    if owner != sub_id:
+                        if sub_qos and offset:
+                            acks.setdefault(sub_id, []).append(offset)
+                        continue
+                at = _BODY + tlen + klen
+                qos = 2 if flags & FLAG_QOS2 else flags & FLAG_QOS1
+                if sub_qos < qos:
+                    qos = sub_qos
+                pid = 0
+                if qos:
+                    pid = self._pid()
+                    inflight[pid] = (sub_id, offset, qos)
+                elif sub_qos and offset:  # a cursor's delivery sent at QoS 0: done at once
+                    acks.setdefault(sub_id, []).append(offset)
+                parts.append(_encode_publish(
+                    rec[_BODY:_BODY + tlen], rec[at:at + plen], qos,
+                    bool(dflags & DELIVERED_RETAINED), count > 1 and qos > 0, pid))
+        if acks:
+            wall = int(_time() * 1000)
+            for sub_id, offsets in acks.items():
+                self.broker.ack(self.conn_id, sub_id, tuple(offsets), wall)
+
+    def _owner(self, topic: bytes) -> int:
+        """Which of this client's subscriptions whose filters match ``topic`` sends it: the
+        one with the highest granted QoS (the oldest of those). Shared subscriptions are
+        left out (each delivers its own copy)."""
+        levels = split(topic.decode("utf-8", "replace"))
+        best = (-1, 0)
+        owner = -1
+        for topic_filter, (sub_id, qos) in self.subs.items():
+            if topic_filter.startswith("$share/"):
+                continue
+            if matches(split(topic_filter), levels) and (qos, -sub_id) > best:
+                best = (qos, -sub_id)
+                owner = sub_id
+        if len(self._owners) >= _OWNERS_KEPT:
+            self._owners.clear()
+        self._owners[topic] = owner
+        return owner
+
+    def _pid(self) -> int:
+        pid = self._next_pid
+        busy = self.inflight
+        released = self.released
+        for _ in range(65536):
+            pid = pid % 65535 + 1
+            if pid not in busy and pid not in released:
+                break
+        self._next_pid = pid
+        return pid
+
+    # ----------------------------------------------------------------------------- reader
+
+    async def _read_loop(self) -> CloseReason:
+        server = self.server
+        cfg = server.config.server
+        decoder = mqtt.Decoder(server.mqtt_max_packet)
+        fd = self._fd
+        wait_readable = trio.lowlevel.wait_readable
+        clock = self.clock
+        budget = cfg.max_pending_bytes
+        handshake = cfg.handshake_timeout_ms / 1000 or math.inf
+        with trio.CancelScope() as scope:
+            self._read_scope = scope
+            deadline = trio.current_time() + handshake
+            while True:
+                if self.pending_bytes > budget:
+                    self._drained = trio.Event()
+                    self.paused = True
+                    await self._drained.wait()
+                    self.paused = False
+                    self.heard_at = clock()
+                    continue
+                try:
+                    if self.connected:
+                        await wait_readable(fd)
+                    else:
+                        with trio.move_on_at(deadline) as waited:
+                            await wait_readable(fd)
+                        if waited.cancelled_caught:
+                            server.mqtt_error("handshake_timeout")
+                            return CloseReason.HANDSHAKE_TIMEOUT
+                    data = os.read(fd, _RECEIVE)
+                except BlockingIOError:
+                    continue
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    return CloseReason.RESET
+                self.heard_at = self.read_at = clock()
+                if not data:
+                    return CloseReason.EOF
+                decoder.feed(data)
+                try:
+                    while True:
+                        try:
+                            packets = decoder.packets()
+                        except mqtt.MqttError as exc:
+                            self._protocol_error(exc.reason, str(exc))
+                            return CloseReason.PROTOCOL_ERROR
+                        if not packets:
+                            break
+                        for packet in packets:
+                            if packet.__class__ is Publish and self.connected:
+                                reason = self._publish(packet)  # type: ignore[arg-type]
+                                if reason is not None:
+                                    if reason is _HELD:
+                                        reason = await self._publish_blocked(packet)  # type: ignore[arg-type]
+                                    if reason is not None:
+                                        return reason
+                                continue
+                            reason = self._handle(packet)
+                            if reason is not None:
+                                return reason
+                finally:
+                    server.deliver_routed(self.read_at)
+                    server.log_touched()
+        return self.close_reason or CloseReason.SHUTDOWN
+
+    def _protocol_error(self, reason: str, text: str) -> None:
+        self.server.mqtt_error(reason)
+        log.info("MQTT connection %d from %s (client %r) closed: %s", self.conn_id, self.peer,
+                 self.client_id, text)
+
+    def _handle(self, packet: object) -> CloseReason | None:
+        if not self.connected:
+            if packet.__class__ is not Connect:
+                self._protocol_error("not_connect_first", "the first packet must be CONNECT")
+                return CloseReason.PROTOCOL_ERROR
+            return self._connect(packet)  # type: ignore[arg-type]
+        match packet:
+            case PubAck() | PubComp():
+                kind = PubAck if packet.__class__ is PubAck else PubComp
+                pid = packet.packet_id  # type: ignore[attr-defined]
+                found = (self.inflight.pop(pid, None) if kind is PubAck
+                         else self.released.pop(pid, None))
+                if found is not None:
+                    if self.broker.ack(self.conn_id, found[0], (found[1],), wall_ms()):
+                        self.wake()
+            case PubRec():
+                entry = self.inflight.pop(packet.packet_id, None)
+                if entry is not None:
+                    self.released[packet.packet_id] = (entry[0], entry[1])
+                self.send_bytes(mqtt.encode(PubRel(packet.packet_id)))
+            case PubRel():
+                pid = packet.packet_id
+                at = self.server.mqtt_sessions.qos2_released(self, pid)
+                if at and self.server.flusher is not None:  # PUBCOMP once the id is free
+                    self.confirming[pid] = _RELEASE  # on disk too
+                    self.server.flusher.confirm_later(at, self, pid, 0)
+                else:
+                    self.send_bytes(mqtt.encode(PubComp(pid)))
+            case Subscribe():
+                self._subscribe(packet)
+            case Unsubscribe():
+                self._unsubscribe(packet)
+            case PingReq():
+                self.send_bytes(_PINGRESP)
+            case Disconnect():
+                self.will = None  # never after DISCONNECT
+                return CloseReason.GOODBYE
+            case Connect():
+                self._protocol_error("second_connect", "a second CONNECT")
+                return CloseReason.PROTOCOL_ERROR
+            case _:
+                name = type(packet).__name__.upper()
+                self._protocol_error("server_packet", f"{name} is not a client packet")
+                return CloseReason.PROTOCOL_ERROR
+        return None
+
+    def _connect(self, packet: Connect) -> CloseReason | None:
+        server = self.server
+        if packet.level not in (3, 4):
+            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.BAD_PROTOCOL_VERSION)))
+            self._protocol_error("protocol_version",
+                                 f"protocol level {packet.level} is not supported (3 and 4 are)")
+            return CloseReason.PROTOCOL_ERROR
+        self.level = packet.level
+        if not server.key_accepted(packet.password or b""):
+            server.counters.auth_failures += 1
+            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED)))
+            log.info("MQTT client %r (user %r) from %s: key refused", packet.client_id,
+                     packet.username, self.peer)
+            return CloseReason.AUTH_FAILED
+        client_id = packet.client_id
+        if not client_id:
+            if not packet.clean_session or packet.level == 3:
+                self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.IDENTIFIER_REJECTED)))
+                self._protocol_error("identifier_rejected",
+                                     "an empty client id needs clean session 1")
+                return CloseReason.PROTOCOL_ERROR
+            client_id = "blipmq-" + os.urandom(8).hex()
+        self.client_id = client_id
+        self.username = packet.username
+        self.clean = packet.clean_session
+        limit = server.config.mqtt.max_keepalive
+        self.keepalive = float(min(packet.keepalive, limit)) if packet.keepalive else 0.0
+        self.will = packet.will
+        self.connected = self.authenticated = True
+        present = server.mqtt_sessions.attach(self)
+        self.send_bytes(mqtt.encode(ConnAck(present, ConnackCode.ACCEPTED)))
+        if present:
+            self.wake()
+        return None
+
+    # ---------------------------------------------------------------------------- publish
+
+    def _message(self, packet: Publish) -> RawMessage | CloseReason | None:
+        """The core's message for an MQTT PUBLISH; None: dropped (counted) ; a reason: close."""
+        topic = packet.topic
+        if topic.startswith(_RESERVED):
+            self.server.mqtt_error("reserved_topic")
+            if packet.qos:
+                self._protocol_error("reserved_topic",
+                                     f"publish to the broker's topic {topic!r}")
+                return CloseReason.PROTOCOL_ERROR
+            return None
+        name = topic.encode("utf-8")
+        if len(name) > MAX_TOPIC_BYTES:
+            self._protocol_error("topic_too_long", f"topic of {len(name)} bytes (the limit is "
+                                 f"{MAX_TOPIC_BYTES})")
+            return CloseReason.PROTOCOL_ERROR
+        qos = packet.qos
+        payload = packet.payload
+        flags = ((FLAG_QOS1 if qos else 0) | (FLAG_QOS2 if qos == 2 else 0)
+                 | (FLAG_RETAIN if packet.retain else 0))
+        record = _pack_head(flags, 0, len(name), 0, len(payload)) + name + payload
+        return RawMessage(name, 1 if qos else 0, 0, len(payload), record,
+                          FLAG_RETAIN if packet.retain else 0)
+
+    def _publish(self, packet: Publish) -> object:
+        """None once done; ``_HELD`` when a full ``block`` queue holds it; a reason to close."""
+        qos = packet.qos
+        pid = packet.packet_id
+        if qos == 2 and (pid in self.qos2_in or pid in self.confirming):
+            # a resent PUBLISH whose first copy is logged: not twice. Its PUBREC goes out
+            # once that copy is durable (again, if that was before)
+            if pid not in self.confirming:
+                self.send_bytes(mqtt.encode(PubRec(pid)))
+            return None
+        raw = self._message(packet)
+        if raw is None or raw.__class__ is CloseReason:
+            return raw
+        now = self.server.published_at = self.read_at
+        result = self.broker.publish((raw,), int(now * 1000), int(_time() * 1000))  # type: ignore[arg-type]
+        self.server.routed(result.wake)
+        if result.blocked is not None:
+            return _HELD
+        return self._published(packet, result.refusal, result.last_offset)
+
+    def _published(self, packet: Publish, refusal: object, offset: int) -> CloseReason | None:
+        qos = packet.qos
+        if refusal is not None:
+            text = refusal.text  # type: ignore[attr-defined]
+            if not qos:
+                self.server.mqtt_error("refused")
+                log.info("MQTT client %r: QoS 0 publish dropped: %s", self.client_id, text)
+                return None
+            self._protocol_error("refused", f"publish refused: {text}")
+            return CloseReason.PROTOCOL_ERROR
+        if qos:
+            pid = packet.packet_id
+            flusher = self.server.flusher
+            self.confirming[pid] = qos
+            if qos == 2:  # remembered (in a persistent session: logged) before PUBREC
+                offset = max(offset, self.server.mqtt_sessions.qos2_received(self, pid))
+            if flusher is None:
+                self.confirmed(pid, 1)
+            else:
+                flusher.confirm_later(offset, self, pid, 1)
+        return None
+
+    async def _publish_blocked(self, packet: Publish) -> CloseReason | None:
+        """A full ``block`` queue held the message back: wait for room, as often as it takes."""
+        server = self.server
+        raw = self._message(packet)
+        while True:
+            server.log_touched()
+            result = self.broker.publish((raw,), now_ms(), wall_ms())  # type: ignore[arg-type]
+            server.routed(result.wake)
+            if result.blocked is None:
+                return self._published(packet, result.refusal, result.last_offset)
+            await server.wait_for_room(result.blocked)
+
+    # ----------------------------------------------------------------------- subscriptions
+
+    def _subscribe(self, packet: Subscribe) -> None:
+        codes = []
+        ready = False
+        for topic_filter, qos in packet.topics:
+            code, woke = self.subscribe_one(topic_filter, qos, retained=True)
+            codes.append(code)
+            ready = ready or woke
+        self._owners.clear()
+        self.server.mqtt_sessions.changed(self)
+        self.send_bytes(mqtt.encode(SubAck(packet.packet_id, tuple(codes))))
+        counts = self.broker.take_counts()
+        if counts and self.server.prefetcher is not None:
+            self.server.prefetcher.request(counts)
+        if ready:
+            self.wake()
+
+    def subscribe_one(self, topic_filter: str, qos: int, retained: bool) -> tuple[int, bool]:
+        """One filter of a SUBSCRIBE (or of a session restored): (SUBACK code, ready)."""
+        share = share_of(topic_filter)
+        if share is None:
+            self._protocol_error("bad_share", f"bad shared subscription {topic_filter!r}")
+            return SUBACK_FAILURE, False
+        group, core_filter = share
+        if filter_problem(core_filter):
+            return SUBACK_FAILURE, False
+        self._owners.clear()
+        old = self.subs.pop(topic_filter, None)
+        if old is not None:  # MQTT-3.8.4-3: a subscription to the same filter is replaced
+            self.granted.pop(old[0], None)
+            self._shared.discard(old[0])
+            self.server.detached(self.broker.unsubscribe(self.conn_id, old[0]).detached)
+        if self.server.wal is None:
+            qos = 0  # QoS 1 and 2 need the log: granted QoS 0
+        # a log cursor for QoS 1/2; in a persistent session also for QoS 0 with
+        # mqtt.queue_qos0 (what arrives while the client is away waits in the log)
+        cursor = self.server.wal is not None and (
+            qos > 0 or (not self.clean and self.server.config.mqtt.queue_qos0))
+        if not group and cursor and not self.clean:
+            group = group_name(self.client_id)
+        credit = self.server.config.mqtt.max_inflight
+        result = self.broker.subscribe(
+            self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
+            0, timestamp_ms=wall_ms(), retained=retained)
+        if result.refusal is not None:
+            log.info("MQTT client %r: subscribe to %r refused: %s", self.client_id,
+                     topic_filter, result.refusal.text)
+            return SUBACK_FAILURE, False
+        self.subs[topic_filter] = (result.sub_id, qos)
+        self.granted[result.sub_id] = qos
+        if group and group == share[0]:
+            self._shared.add(result.sub_id)
+        return qos, result.ready
+
+    def _unsubscribe(self, packet: Unsubscribe) -> None:
+        for topic_filter in packet.topics:
+            found = self.subs.pop(topic_filter, None)
+            if found is None:
+                continue
+            self.granted.pop(found[0], None)
+            self._shared.discard(found[0])
+            self.server.detached(self.broker.unsubscribe(self.conn_id, found[0]).detached)
+            if not self.clean and not topic_filter.startswith("$share/"):
+                # the session's durable group goes with it (when it has one)
+                self.broker.unsubscribe(self.conn_id, 0, topic_filter,
+                                        group_name(self.client_id), wall_ms())
+        self._owners.clear()
+        self.server.mqtt_sessions.changed(self)
+        self.send_bytes(mqtt.encode(UnsubAck(packet.packet_id)))
+        self.server.log_touched()
+
+    def saved_subs(self) -> bytes:
+        return stored_subs({f: q for f, (_, q) in self.subs.items()})
+
+
+_HELD = object()  # a publish a full ``block`` queue holds back
+_OWNERS_KEPT = 4096  # topics whose delivering subscription is remembered
+_RELEASE = 3  # ``confirming``: a PUBCOMP that waits for the released id to be on disk
+

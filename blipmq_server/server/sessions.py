@@ -1,0 +1,195 @@
+"""MQTT sessions by client id: takeover, persistent sessions, wills and session expiry.
+
+A client id is online (one ``MqttSession``), offline (a persistent session: its saved
+subscriptions, with its durable groups reading the log meanwhile), or unknown. A persistent
+session is saved in the core's STATE records (``mqtt.state`` makes the bodies), so it
+survives a restart of the broker, SIGKILL included: the subscriptions, and the inbound QoS 2
+packet ids between PUBREC and PUBREL. Lives in the shell: it holds sessions and reads the
+clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from blipmq_server.mqtt import state
+from blipmq_server.protocol.message import FLAG_QOS1, FLAG_QOS2, FLAG_RETAIN, MSG_HEAD, RawMessage
+from blipmq_server.server.session import CloseReason, now_ms, wall_ms
+
+if TYPE_CHECKING:
+    from blipmq_server.server.app import Server
+    from blipmq_server.server.mqtt import MqttSession
+
+log = logging.getLogger("blipmq.mqtt")
+
+
+class MqttSessions:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.broker = server.broker
+        self.online: dict[str, MqttSession] = {}
+        # persistent sessions without a connection: client id -> (filter -> qos, since ms)
+        self.offline: dict[str, tuple[dict[str, int], int]] = {}
+        self.qos2: dict[str, set[int]] = {}  # persistent sessions' inbound QoS 2 ids
+        self.wills = 0
+        self.expired = 0
+
+    def recover(self, wall: int) -> None:
+        """The log is open: the persistent sessions it holds are offline (since they were
+        last seen, or since now when the broker stopped while they were connected)."""
+        for key, value in self.broker.states.items():
+            try:
+                if key.startswith(state.SUBS_PREFIX):
+                    subs, since = state.parse_subs(value)
+                    self.offline[state.client_of(key)] = (subs, since or wall)
+                elif key.startswith(state.QOS2_PREFIX):
+                    cid = key[len(state.QOS2_PREFIX):].decode("utf-8", "replace")
+                    self.qos2[cid] = state.parse_ids(value)
+            except ValueError as exc:
+                log.warning("MQTT session %r not restored: %s", key, exc)
+        if self.offline:
+            log.info("MQTT: %d persistent session(s) restored", len(self.offline))
+
+    # --------------------------------------------------------------------------- connects
+
+    def attach(self, session: MqttSession) -> bool:
+        """A client connected: take over an earlier connection with its id, then start a
+        new session or resume its persistent one. Returns CONNACK's session-present flag."""
+        cid = session.client_id
+        old = self.online.pop(cid, None)
+        carried: dict[str, int] | None = None
+        if old is not None:
+            log.info("MQTT client %r connected again from %s: the connection from %s is "
+                     "taken over", cid, session.peer, old.peer)
+            old.taken_over = True
+            self.publish_will(old)
+            if not old.clean:
+                carried = {f: q for f, (_, q) in old.subs.items()}
+            self.server.detached(self.broker.disconnect(old.conn_id, wall_ms()))
+            old.abort(CloseReason.TAKEN_OVER)
+        self.online[cid] = session
+        stored = self.offline.pop(cid, None)
+        subs = carried if carried is not None else (None if stored is None else stored[0])
+        if session.clean:
+            if subs is not None or cid in self.qos2:
+                self._forget(cid, subs or {})
+            return False
+        if subs is None:
+            self._save(session)
+            return False
+        session.qos2_in = set(self.qos2.get(cid, ()))
+        for topic_filter, qos in subs.items():
+            session.subscribe_one(topic_filter, qos, retained=False)
+        self._save(session)
+        counts = self.broker.take_counts()
+        if counts and self.server.prefetcher is not None:
+            self.server.prefetcher.request(counts)
+        return True
+
+    def closed(self, session: MqttSession) -> None:
+        """A connection ended (not taken over): its will, and its session offline or gone."""
+        if session.taken_over or not session.connected:
+            return
+        if session.close_reason is not CloseReason.GOODBYE:
+            self.publish_will(session)
+        cid = session.client_id
+        if self.online.get(cid) is session:
+            del self.online[cid]
+        if not session.clean:
+            subs = {f: q for f, (_, q) in session.subs.items()}
+            since = wall_ms()
+            self.offline[cid] = (subs, since)
+            self.broker.put_state(state.subs_key(cid), state.stored_subs(subs, since), since)
+            self.server.log_touched()
+
+    def changed(self, session: MqttSession) -> None:
+        """Its subscriptions changed: saved, for a persistent session."""
+        if not session.clean:
+            self._save(session)
+
+    def _save(self, session: MqttSession) -> None:
+        self.broker.put_state(state.subs_key(session.client_id), session.saved_subs(),
+                              wall_ms())
+
+    # ------------------------------------------------------------------- inbound QoS 2
+
+    def qos2_received(self, session: MqttSession, pid: int) -> int:
+        """A QoS 2 PUBLISH was logged: its packet id is remembered until PUBREL. Returns
+        the offset the PUBREC must wait for (0: nothing was written)."""
+        session.qos2_in.add(pid)
+        if session.clean:
+            return 0
+        self.qos2[session.client_id] = session.qos2_in
+        return self.broker.put_state(state.qos2_key(session.client_id),
+                                     state.stored_ids(session.qos2_in), wall_ms())
+
+    def qos2_released(self, session: MqttSession, pid: int) -> int:
+        """PUBREL: the packet id may be used again. Returns the offset the PUBCOMP must
+        wait for (0: nothing was written)."""
+        if pid not in session.qos2_in:
+            return 0
+        session.qos2_in.discard(pid)
+        if session.clean:
+            return 0
+        key = state.qos2_key(session.client_id)
+        value = state.stored_ids(session.qos2_in) if session.qos2_in else b""
+        return self.broker.put_state(key, value, wall_ms())
+
+    # ----------------------------------------------------------------------------- wills
+
+    def publish_will(self, session: MqttSession) -> None:
+        will = session.will
+        session.will = None
+        if will is None:
+            return
+        topic = will.topic.encode("utf-8")
+        flags = ((FLAG_QOS1 if will.qos else 0) | (FLAG_QOS2 if will.qos == 2 else 0)
+                 | (FLAG_RETAIN if will.retain else 0))
+        record = MSG_HEAD.pack(flags, 0, len(topic), 0, len(will.payload)) + topic + will.payload
+        raw = RawMessage(topic, 1 if will.qos else 0, 0, len(will.payload), record,
+                         FLAG_RETAIN if will.retain else 0)
+        result = self.broker.publish((raw,), now_ms(), wall_ms())
+        self.server.wake(result.wake)
+        self.server.log_touched()
+        if result.accepted:
+            self.wills += 1
+            log.debug("MQTT client %r: will published to %r", session.client_id, will.topic)
+        else:
+            why = "a full queue" if result.blocked else (
+                result.refusal.text if result.refusal else "?")
+            log.warning("MQTT client %r: will to %r not published: %s", session.client_id,
+                        will.topic, why)
+
+    # ---------------------------------------------------------------------------- expiry
+
+    def expire(self, wall: int) -> int:
+        """Delete persistent sessions offline for ``mqtt.session_expiry_ms``."""
+        limit = self.server.config.mqtt.session_expiry_ms
+        if not limit:
+            return 0
+        gone = [cid for cid, (_, since) in self.offline.items() if wall - since >= limit]
+        for cid in gone:
+            subs, _ = self.offline.pop(cid)
+            self._forget(cid, subs)
+            log.info("MQTT session %r expired: offline for %d ms (mqtt.session_expiry_ms)",
+                     cid, limit)
+        self.expired += len(gone)
+        return len(gone)
+
+    def _forget(self, cid: str, subs: dict[str, int]) -> None:
+        """A persistent session ends: its durable groups and its records go."""
+        group = state.group_name(cid)
+        wall = wall_ms()
+        for topic_filter in subs:
+            if not topic_filter.startswith("$share/"):  # a shared group is not the session's
+                self.broker.unsubscribe(0, 0, topic_filter, group, wall)
+        self.qos2.pop(cid, None)
+        self.broker.put_state(state.subs_key(cid), b"", wall)
+        self.broker.put_state(state.qos2_key(cid), b"", wall)
+        self.server.log_touched()
+
+    def stats(self) -> dict[str, int]:
+        inflight = sum(len(s.inflight) + len(s.released) for s in self.online.values())
+        return {"online": len(self.online), "offline": len(self.offline), "inflight": inflight,
+                "wills_published": self.wills, "sessions_expired": self.expired}
