@@ -74,6 +74,14 @@ def _render(report: dict[str, Any], addr: str) -> Any:
     rows.append(("messages", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in m.items())))
     drops = report.get("drops", {})
     rows.append(("dropped", ", ".join(f"{k} {v}" for k, v in drops.items())))
+    mqtt = report.get("mqtt")
+    if mqtt and (mqtt.get("online") or mqtt.get("offline") or mqtt.get("wills_published")
+                 or mqtt.get("protocol_errors")):
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(mqtt["protocol_errors"].items()))
+        rows.append(("mqtt", f"{mqtt['online']} online, {mqtt['offline']} offline "
+                             f"session(s), {mqtt['inflight']} in flight, "
+                             f"{mqtt['wills_published']} will(s) published"
+                             + (f"; protocol errors: {errors}" if errors else "")))
     for name, value in rows:
         summary.add_row(name, value)
     topics = Table(title="topics", title_justify="left")

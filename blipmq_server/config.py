@@ -191,7 +191,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("mqtt", "allow_anonymous", bool, "Allow a non-loopback MQTT address while "
         "authentication is disabled (auth.api_keys empty)"),
     Key("mqtt", "max_keepalive", int, "Longest keepalive (seconds) a client may ask for; a "
-        "longer or zero one is cut to this", 1, 65535),
+        "longer one is cut to this (0 from a client still means none)", 1, 65535),
     Key("mqtt", "max_inflight", int, "Unacknowledged QoS 1/2 deliveries per MQTT "
         "subscription", 1, 65535),
     Key("mqtt", "session_expiry_ms", int, "A persistent session (clean session 0) offline "

@@ -132,3 +132,30 @@ def test_combinations_that_cannot_work_are_refused() -> None:
     ok = config.load(None, env={}, overrides={
         "queues.capacity_bytes": 2 << 20, "server.max_message_bytes": 2 << 20})
     assert ok.queues.capacity_bytes == ok.server.max_message_bytes
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "::", "gateway.lan"])
+def test_mqtt_beyond_loopback_needs_auth_or_allow_anonymous(host: str) -> None:
+    on = {"mqtt.enabled": True, "mqtt.host": host}
+    err = error_of(lambda: config.load(None, env={}, overrides=on))
+    assert err.key == "mqtt.host" and "allow_anonymous" in str(err)
+    assert config.load(None, env={}, overrides={**on, "mqtt.allow_anonymous": True})
+    assert config.load(None, env={}, overrides={**on, "auth.api_keys": ("k",)})
+    assert config.load(None, env={}, overrides={"mqtt.host": host})  # MQTT off: no matter
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.5.5.5", "::1", "localhost"])
+def test_mqtt_on_loopback_without_auth_is_fine(host: str) -> None:
+    assert config.load(None, env={}, overrides={"mqtt.enabled": True, "mqtt.host": host})
+
+
+def test_mqtt_bind_flag() -> None:
+    from blipmq_server.daemon import overrides
+
+    assert overrides(mqtt_bind="127.0.0.1:0") == {
+        "mqtt.host": "127.0.0.1", "mqtt.port": "0", "mqtt.enabled": True}
+    assert overrides(mqtt_bind="off") == {"mqtt.enabled": False}
+    cfg = config.load(None, env={}, overrides=overrides(mqtt_bind="[::1]:1884"))
+    assert (cfg.mqtt.enabled, cfg.mqtt.host, cfg.mqtt.port) == (True, "::1", 1884)
+    with pytest.raises(ConfigError):
+        overrides(mqtt_bind="1883")

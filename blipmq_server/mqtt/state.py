@@ -3,10 +3,11 @@ the core's.
 
 A persistent session (clean session 0) is saved as STATE records of the log (the core keeps
 the latest value per key and carries it past retention); this module makes and reads their
-bodies. Two keys per client id: its subscriptions, and the inbound QoS 2 packet ids awaiting
-PUBREL (small, rewritten per QoS 2 message; apart so a big subscription list is not)::
+bodies. Three keys per client id: its subscriptions; the inbound QoS 2 packet ids awaiting
+PUBREL; the outbound QoS 2 packet ids awaiting PUBCOMP (the last two small, rewritten per
+QoS 2 message; apart so a big subscription list is not)::
 
-    key:   b"mqtt/s/" + client id (UTF-8)        b"mqtt/q/" + client id
+    key:   b"mqtt/s/" + client id (UTF-8)        b"mqtt/q/" or b"mqtt/r/" + client id
     value: | version u8 = 1 | offline_since_ms u64 | count u16 |
            | per subscription: | qos u8 | filter_len u16 | filter (UTF-8) |
     value: | count u16 | packet id u16 ... |
@@ -34,6 +35,7 @@ from blipmq_server.protocol.names import group_problem
 
 SUBS_PREFIX = b"mqtt/s/"
 QOS2_PREFIX = b"mqtt/q/"
+PUBREL_PREFIX = b"mqtt/r/"
 _HEAD = struct.Struct(">BQH")
 _SUB = struct.Struct(">BH")
 _U16 = struct.Struct(">H")
@@ -67,6 +69,10 @@ def subs_key(client_id: str) -> bytes:
 
 def qos2_key(client_id: str) -> bytes:
     return QOS2_PREFIX + client_id.encode("utf-8")
+
+
+def pubrel_key(client_id: str) -> bytes:
+    return PUBREL_PREFIX + client_id.encode("utf-8")
 
 
 def client_of(key: bytes) -> str:

@@ -275,19 +275,33 @@ class MqttSession(Session):
                 return CloseReason.PROTOCOL_ERROR
             return self._connect(packet)  # type: ignore[arg-type]
         match packet:
-            case PubAck() | PubComp():
-                kind = PubAck if packet.__class__ is PubAck else PubComp
-                pid = packet.packet_id  # type: ignore[attr-defined]
-                found = (self.inflight.pop(pid, None) if kind is PubAck
-                         else self.released.pop(pid, None))
-                if found is not None:
-                    if self.broker.ack(self.conn_id, found[0], (found[1],), wall_ms()):
-                        self.wake()
+            case PubAck():
+                found = self.inflight.pop(packet.packet_id, None)
+                if found is not None and self.broker.ack(self.conn_id, found[0], (found[1],),
+                                                         wall_ms()):
+                    self.wake()
             case PubRec():
-                entry = self.inflight.pop(packet.packet_id, None)
+                pid = packet.packet_id
+                entry = self.inflight.pop(pid, None)
                 if entry is not None:
-                    self.released[packet.packet_id] = (entry[0], entry[1])
-                self.send_bytes(mqtt.encode(PubRel(packet.packet_id)))
+                    if self.clean:  # the cursor moves on PUBCOMP
+                        self.released[pid] = (entry[0], entry[1])
+                    else:
+                        # the client has the message: from here on only its packet id is
+                        # owed (PUBREL, again after a reconnect), saved before the cursor
+                        # moves on, so a restart sends PUBREL, never the PUBLISH again
+                        self.released[pid] = (0, 0)
+                        self.server.mqtt_sessions.outbound_released(self)
+                        if self.broker.ack(self.conn_id, entry[0], (entry[1],), wall_ms()):
+                            self.wake()
+                self.send_bytes(mqtt.encode(PubRel(pid)))
+            case PubComp():
+                found = self.released.pop(packet.packet_id, None)
+                if found is not None:
+                    if not self.clean:
+                        self.server.mqtt_sessions.outbound_released(self)
+                    elif self.broker.ack(self.conn_id, found[0], (found[1],), wall_ms()):
+                        self.wake()
             case PubRel():
                 pid = packet.packet_id
                 at = self.server.mqtt_sessions.qos2_released(self, pid)
@@ -345,6 +359,8 @@ class MqttSession(Session):
         self.connected = self.authenticated = True
         present = server.mqtt_sessions.attach(self)
         self.send_bytes(mqtt.encode(ConnAck(present, ConnackCode.ACCEPTED)))
+        for pid in self.released:  # MQTT-4.4.0-1: PUBREL again (never the PUBLISH)
+            self.send_bytes(mqtt.encode(PubRel(pid)))
         if present:
             self.wake()
         return None

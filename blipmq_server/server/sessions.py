@@ -32,6 +32,7 @@ class MqttSessions:
         # persistent sessions without a connection: client id -> (filter -> qos, since ms)
         self.offline: dict[str, tuple[dict[str, int], int]] = {}
         self.qos2: dict[str, set[int]] = {}  # persistent sessions' inbound QoS 2 ids
+        self.pubrel: dict[str, set[int]] = {}  # ... and outbound ones awaiting PUBCOMP
         self.wills = 0
         self.expired = 0
 
@@ -46,6 +47,9 @@ class MqttSessions:
                 elif key.startswith(state.QOS2_PREFIX):
                     cid = key[len(state.QOS2_PREFIX):].decode("utf-8", "replace")
                     self.qos2[cid] = state.parse_ids(value)
+                elif key.startswith(state.PUBREL_PREFIX):
+                    cid = key[len(state.PUBREL_PREFIX):].decode("utf-8", "replace")
+                    self.pubrel[cid] = state.parse_ids(value)
             except ValueError as exc:
                 log.warning("MQTT session %r not restored: %s", key, exc)
         if self.offline:
@@ -72,13 +76,17 @@ class MqttSessions:
         stored = self.offline.pop(cid, None)
         subs = carried if carried is not None else (None if stored is None else stored[0])
         if session.clean:
-            if subs is not None or cid in self.qos2:
+            if subs is not None or cid in self.qos2 or cid in self.pubrel:
                 self._forget(cid, subs or {})
             return False
         if subs is None:
             self._save(session)
             return False
         session.qos2_in = set(self.qos2.get(cid, ()))
+        if old is not None and not old.clean:  # outbound QoS 2 owed PUBCOMP moves along
+            session.released = dict.fromkeys(old.released, (0, 0))
+        else:  # sent PUBREL again once CONNACK is out (MqttSession._connect)
+            session.released = dict.fromkeys(self.pubrel.get(cid, ()), (0, 0))
         for topic_filter, qos in subs.items():
             session.subscribe_one(topic_filter, qos, retained=False)
         self._save(session)
@@ -136,6 +144,15 @@ class MqttSessions:
         value = state.stored_ids(session.qos2_in) if session.qos2_in else b""
         return self.broker.put_state(key, value, wall_ms())
 
+    def outbound_released(self, session: MqttSession) -> None:
+        """A persistent session's outbound QoS 2 packet ids between PUBREC and PUBCOMP
+        changed: saved (before the cursor moves on, so a restart sends PUBREL again)."""
+        cid = session.client_id
+        ids = set(session.released)
+        self.pubrel[cid] = ids
+        self.broker.put_state(state.pubrel_key(cid), state.stored_ids(ids) if ids else b"",
+                              wall_ms())
+
     # ----------------------------------------------------------------------------- wills
 
     def publish_will(self, session: MqttSession) -> None:
@@ -185,8 +202,9 @@ class MqttSessions:
             if not topic_filter.startswith("$share/"):  # a shared group is not the session's
                 self.broker.unsubscribe(0, 0, topic_filter, group, wall)
         self.qos2.pop(cid, None)
-        self.broker.put_state(state.subs_key(cid), b"", wall)
-        self.broker.put_state(state.qos2_key(cid), b"", wall)
+        self.pubrel.pop(cid, None)
+        for key in (state.subs_key(cid), state.qos2_key(cid), state.pubrel_key(cid)):
+            self.broker.put_state(key, b"", wall)
         self.server.log_touched()
 
     def stats(self) -> dict[str, int]:

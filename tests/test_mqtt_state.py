@@ -1,0 +1,52 @@
+"""mqtt/state.py: persistent-session record bodies and MQTT names mapped to group names."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from blipmq_server.mqtt import state
+from blipmq_server.protocol.names import group_problem
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=40), st.integers(0, 2), max_size=30),
+       st.integers(0, 2**63))
+def test_subscriptions_round_trip(subs: dict[str, int], since: int) -> None:
+    try:
+        body = state.stored_subs(subs, since)
+    except UnicodeEncodeError:  # lone surrogates are not UTF-8; MQTT filters never hold them
+        return
+    assert state.parse_subs(body) == (subs, since)
+
+
+@given(st.sets(st.integers(1, 65535), max_size=100))
+def test_packet_ids_round_trip(ids: set[int]) -> None:
+    assert state.parse_ids(state.stored_ids(ids)) == ids
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11, 14])
+def test_a_damaged_body_is_a_value_error(cut: int) -> None:
+    body = state.stored_subs({"a/b": 1, "c/#": 2}, 5)
+    with pytest.raises(ValueError):
+        state.parse_subs(body[:cut])
+    with pytest.raises(ValueError):
+        state.parse_subs(b"\x07" + body[1:])  # unknown version
+
+
+def test_shared_subscriptions_map_to_group_names() -> None:
+    assert state.share_of("a/b") == ("", "a/b")
+    assert state.share_of("$share/workers/jobs/#") == ("workers", "jobs/#")
+    name, topic_filter = state.share_of("$share/my group!/x")  # type: ignore[misc]
+    assert topic_filter == "x" and group_problem(name) is None
+    assert name == state.share_of("$share/my group!/y")[0]  # type: ignore[index]
+    assert name != state.share_of("$share/my group?/x")[0]  # type: ignore[index]
+    for bad in ("$share/", "$share/name", "$share//x", "$share/a+/x", "$share/name/"):
+        assert state.share_of(bad) is None
+
+
+def test_session_group_names_are_valid_and_distinct() -> None:
+    names = {state.group_name(f"client-{i}") for i in range(1000)}
+    assert len(names) == 1000
+    assert all(group_problem(n) is None for n in names)
+    assert group_problem(state.group_name("x" * 65535)) is None
