@@ -32,7 +32,7 @@ from blipmq_server.broker.topics import matches, split
 from blipmq_server.errors import BlipError, ProtocolError
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol import message as msg
-from blipmq_server.protocol.names import filter_problem
+from blipmq_server.protocol.names import WIRE_TOPIC_BYTES, filter_problem
 from blipmq_server.wal import reader
 from blipmq_server.wal import record as rec
 
@@ -264,7 +264,7 @@ def record_json(segment: str, r: rec.Record) -> dict[str, Any]:
 def cat(path: str, fmt: str, topic_filter: str | None) -> int:
     if fmt not in ("json", "lines"):
         raise BlipError(f"--format must be json or lines, not {fmt!r}")
-    if topic_filter is not None and (problem := filter_problem(topic_filter)):
+    if topic_filter is not None and (problem := filter_problem(topic_filter, WIRE_TOPIC_BYTES)):
         raise BlipError(problem)
     wanted = split(topic_filter) if topic_filter is not None else None
     out = sys.stdout.buffer

@@ -26,6 +26,7 @@ class ServerOptions:
     port: int = 7878
     max_connections: int = 1024
     max_message_bytes: int = 8 * MiB
+    max_topic_bytes: int = 1024
     handshake_timeout_ms: int = 5000
     keepalive_ms: int = 60000
     write_timeout_ms: int = 10000
@@ -174,6 +175,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("server", "port", int, "TCP port for clients (0 picks a free port)", 0, 65535),
     Key("server", "max_connections", int, "Client connections served at once", 1, 100_000),
     Key("server", "max_message_bytes", int, "Largest payload accepted", 1, 256 * MiB),
+    Key("server", "max_topic_bytes", int, "Longest topic name or filter in bytes (MQTT "
+        "and the native protocol)", 1, 65535),
     Key("server", "handshake_timeout_ms", int, "Time to complete HELLO+AUTH (0 = no limit)",
         0, _U32),
     Key("server", "keepalive_ms", int, "A connection silent this long gets a PING; silent "

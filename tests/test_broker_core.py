@@ -296,3 +296,16 @@ def test_a_delivery_pass_looks_only_at_subscriptions_that_may_have_something() -
     assert b.pending(3) and payloads(b.deliver(3, 256, 1 << 20, 0, 0).batches[0][1]) == [
         b"0", b"1", b"2", b"3"]
     assert first.sub_id != late.sub_id and not b.pending(3)
+
+
+def test_the_topic_cap_is_the_configured_one() -> None:
+    b = Broker(Limits(max_topic_bytes=10))
+    assert b.publish([raw("a" * 10)], 0).refusal is None
+    res = b.publish([raw("a" * 11)], 0)
+    assert res.refusal is not None and "the limit is 10" in res.refusal.text
+    assert b.subscribe(1, "b" * 11).refusal is not None
+    wide = Broker(Limits(max_topic_bytes=0xFFFF))
+    long_topic = "/".join(["level"] * 10_000)  # 59,999 bytes: MQTT's wire allows 65,535
+    sub = wide.subscribe(1, long_topic[:-5] + "#")
+    assert sub.refusal is None
+    assert wide.publish([raw(long_topic)], 0).wake == {1}

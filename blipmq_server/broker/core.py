@@ -355,7 +355,9 @@ class Broker:
         its end mark. A queue (live only) has nothing in the log: its end comes once the
         retained values it started with are taken.
         """
-        problem = filter_problem(topic_filter) or (group_problem(group) if group else None)
+        cap = self.limits.max_topic_bytes
+        problem = (filter_problem(topic_filter, cap)
+                   or (group_problem(group) if group else None))
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return refused(code, problem)
@@ -428,7 +430,8 @@ class Broker:
                     0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}"))
             return UnsubscribeResult(1, self._detach([consumer], timestamp_ms))
         if group:
-            problem = filter_problem(topic_filter) or group_problem(group)
+            problem = (filter_problem(topic_filter, self.limits.max_topic_bytes)
+                       or group_problem(group))
             if problem:  # refused as SUBSCRIBE refuses it, not "no such group"
                 code = (ErrorCode.INVALID_TOPIC if "filter" in problem
                         else ErrorCode.INVALID_REQUEST)

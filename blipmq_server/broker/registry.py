@@ -85,7 +85,7 @@ class Registry:
         except UnicodeDecodeError:
             route: Route | Refusal = Refusal(ErrorCode.INVALID_TOPIC, "topic is not valid UTF-8")
         else:
-            problem = None if internal else topic_problem(name)
+            problem = None if internal else topic_problem(name, self.limits.max_topic_bytes)
             if problem:
                 route = Refusal(ErrorCode.INVALID_TOPIC, problem)
             else:

@@ -32,6 +32,7 @@ class Limits:
     group_expiry_ms: int = 0  # a durable group with no consumer this long is dropped; 0 never
     retained_max_topics: int = 10_000  # topics with a retained value
     retained_max_bytes: int = 16 * 1024 * 1024  # bytes of retained message records
+    max_topic_bytes: int = 1024  # longest topic name or filter (at most 65,535)
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import MSG_HEAD, Delivery, ErrorCode, FrameType, Message
-from blipmq_server.protocol.names import topic_problem
+from blipmq_server.protocol.names import WIRE_TOPIC_BYTES, topic_problem
 
 PUBLISH_OVERHEAD = 7  # a PUBLISH frame's length beyond its records: type, request id, count
 _TOPIC_CACHE = 4096  # validated topics remembered (a publisher rarely uses more)
@@ -342,7 +342,7 @@ class ClientConnection:
         )
 
     def _topic_bytes(self, topic: str) -> bytes:
-        problem = topic_problem(topic)
+        problem = topic_problem(topic, WIRE_TOPIC_BYTES)  # the broker's cap is its own
         if problem:
             raise LocalProtocolError(problem, ErrorCode.INVALID_TOPIC)
         if len(self._topics) >= _TOPIC_CACHE:

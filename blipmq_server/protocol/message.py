@@ -27,7 +27,7 @@ import struct
 from typing import NamedTuple
 
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
-from blipmq_server.protocol.names import MAX_TOPIC_BYTES
+from blipmq_server.protocol.names import WIRE_TOPIC_BYTES
 
 MSG_HEAD = struct.Struct(">BIHHI")  # flags, ttl_ms, topic_len, key_len, payload_len
 HEAD_SIZE = MSG_HEAD.size  # 13: the topic starts here
@@ -42,7 +42,7 @@ FLAGS_PUBLISHABLE = FLAG_QOS1 | FLAG_KEY | FLAG_RETAIN  # what a client may set
 DELIVERED_RETAINED = 0x01  # dflags: the topic's retained value, sent on subscribing
 DEAD_HEAD = struct.Struct(">HB")  # dead-letter trailer head: deliveries, reason_len
 # the most a record adds to its payload: head, longest topic and key, dead-letter trailer
-MESSAGE_OVERHEAD = HEAD_SIZE + MAX_TOPIC_BYTES + 0xFFFF + DEAD_HEAD.size + 0xFF
+MESSAGE_OVERHEAD = HEAD_SIZE + WIRE_TOPIC_BYTES + 0xFFFF + DEAD_HEAD.size + 0xFF
 
 
 class DeadLetter(NamedTuple):

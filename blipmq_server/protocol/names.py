@@ -8,28 +8,30 @@ from __future__ import annotations
 
 import re
 
-MAX_TOPIC_BYTES = 1024
+MAX_TOPIC_BYTES = 1024  # the default cap (server.max_topic_bytes)
+WIRE_TOPIC_BYTES = 0xFFFF  # what the wire can carry, the highest cap there is
 MAX_GROUP_CHARS = 64
 _GROUP_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
-def _common(name: str, what: str) -> str | None:
+def _common(name: str, what: str, limit: int) -> str | None:
     if not name:
         return f"{what} is empty"
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
         return f"{what} {name!r} is not valid UTF-8"
-    if size > MAX_TOPIC_BYTES:
-        return f"{what} is {size} bytes long, the limit is {MAX_TOPIC_BYTES}"
+    if size > limit:
+        return f"{what} is {size} bytes long, the limit is {limit}"
     if "\x00" in name:
         return f"{what} {name!r} contains a NUL character"
     return None  # empty levels ('/a', 'a//b', 'a/') are valid levels, as in MQTT
 
 
-def topic_problem(name: str) -> str | None:
-    """Why ``name`` cannot be published to, or None. Wildcards and a leading '$' are refused."""
-    problem = _common(name, "topic")
+def topic_problem(name: str, limit: int = MAX_TOPIC_BYTES) -> str | None:
+    """Why ``name`` cannot be published to, or None. Wildcards and a leading '$' are refused;
+    ``limit``: the longest name in bytes."""
+    problem = _common(name, "topic", limit)
     if problem:
         return problem
     if "+" in name or "#" in name:
@@ -39,9 +41,9 @@ def topic_problem(name: str) -> str | None:
     return None
 
 
-def filter_problem(name: str) -> str | None:
+def filter_problem(name: str, limit: int = MAX_TOPIC_BYTES) -> str | None:
     """Why ``name`` is not a valid subscription filter, or None (MQTT-style '+' and '#')."""
-    problem = _common(name, "topic filter")
+    problem = _common(name, "topic filter", limit)
     if problem:
         return problem
     levels = name.split("/")

@@ -98,6 +98,7 @@ class Server:
                 overflow=Overflow(q.overflow),
                 default_ttl_ms=q.default_ttl_ms,
                 max_message_bytes=config.server.max_message_bytes,
+                max_topic_bytes=config.server.max_topic_bytes,
                 log_qos0=w.include_qos0,
                 retry_backoff_ms=config.delivery.retry_backoff_ms,
                 retry_backoff_max_ms=config.delivery.retry_backoff_max_ms,

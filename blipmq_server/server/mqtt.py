@@ -60,7 +60,7 @@ from blipmq_server.protocol.message import (
     PREFIX_SIZE,
     RawMessage,
 )
-from blipmq_server.protocol.names import MAX_TOPIC_BYTES, filter_problem
+from blipmq_server.protocol.names import filter_problem
 from blipmq_server.server.session import CloseReason, Session, _time, now_ms, wall_ms
 
 if TYPE_CHECKING:
@@ -378,9 +378,10 @@ class MqttSession(Session):
                 return CloseReason.PROTOCOL_ERROR
             return None
         name = topic.encode("utf-8")
-        if len(name) > MAX_TOPIC_BYTES:
+        cap = self.broker.limits.max_topic_bytes
+        if len(name) > cap:
             self._protocol_error("topic_too_long", f"topic of {len(name)} bytes (the limit is "
-                                 f"{MAX_TOPIC_BYTES})")
+                                 f"{cap}, server.max_topic_bytes)")
             return CloseReason.PROTOCOL_ERROR
         qos = packet.qos
         payload = packet.payload
@@ -469,7 +470,7 @@ class MqttSession(Session):
             self._protocol_error("bad_share", f"bad shared subscription {topic_filter!r}")
             return SUBACK_FAILURE, False
         group, core_filter = share
-        if filter_problem(core_filter):
+        if filter_problem(core_filter, self.broker.limits.max_topic_bytes):
             return SUBACK_FAILURE, False
         self._owners.clear()
         old = self.subs.pop(topic_filter, None)
