@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev,spark]' --config-settings editable_mode=compat
 	touch $(VENV)/.installed $@
 
-## run: start the broker on 127.0.0.1:7878 with config/blipmq.toml and ./data
+## run: start the broker on 127.0.0.1:7878 (MQTT on 127.0.0.1:1883) with config/blipmq.toml and ./data
 run: $(VENV)/.installed
 	$(BIN)/blipmq start --config config/blipmq.toml --data-dir ./data
 
