@@ -3,9 +3,13 @@ reads they ask for, what the results say to wake, and dead letters. No files, no
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from blipmq_server.broker.core import Broker, Limits
 from blipmq_server.broker.results import Fetch
 from blipmq_server.broker.storage import READ_AHEAD_BYTES, READ_AHEAD_RECORDS, MemoryLog
+from blipmq_server.broker.topics import matches, split
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import (
     Message,
@@ -149,3 +153,92 @@ def test_a_replay_from_a_time_starts_at_the_first_record_stamped_then() -> None:
     assert replay(200) == [(b"b", 200), (b"c", 200), (b"d", 300)]
     assert replay(0) == [(b"a", 100), (b"b", 200), (b"c", 200), (b"d", 300)]
     assert replay(301) == []
+
+
+class CountingLog(MemoryLog):
+    """A MemoryLog that counts the records cursors read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_records = 0
+
+    def read(self, from_offset: int, max_records: int = 1000, max_bytes: int = 1 << 20):  # type: ignore[override]
+        got = super().read(from_offset, max_records, max_bytes)
+        self.read_records += len(got)
+        return got
+
+
+def test_a_durable_group_does_not_read_through_other_topics() -> None:
+    # many durable groups (an MQTT persistent session each), traffic for one of them: the
+    # others' cursors skip to the end instead of reading every record
+    log = CountingLog()
+    b = Broker(Limits(), log=log)
+    for conn in range(1, 101):
+        b.subscribe(conn, f"dev/{conn}/cmd", f"g{conn}", qos=1)
+    for i in range(50):
+        publish(b, "dev/1/cmd", b"%d" % i)
+        log.store()
+        for conn in range(1, 101):
+            for _, records in b.deliver(conn, 100, 1 << 20, 0, 0).batches:
+                b.ack(conn, 1, tuple(d.offset for d in decode_one(
+                    encode_deliver(1, records)).messages), 0)  # type: ignore[union-attr]
+    # dev/1's cursor reads its messages and the ack records between them, about twice;
+    # without the skip every one of the 100 cursors read every record (over 10,000 reads)
+    assert log.read_records <= 400
+    # a message for another group after all that is still found
+    publish(b, "dev/77/cmd", b"late")
+    log.store()
+    [(_, records)] = b.deliver(77, 100, 1 << 20, 0, 0).batches
+    assert payloads(records) == [b"late"]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["pub", "pub", "pub", "take", "store", "leave"]),
+                          st.integers(0, 5), st.integers(0, 3)), max_size=80))
+@settings(max_examples=200, deadline=None)
+def test_skipping_to_the_end_never_skips_a_message_of_the_group(ops) -> None:
+    # durable groups on overlapping filters, publishes, partial takes, consumers that come
+    # and go: each group gets exactly the messages of its topics published after it began
+    topics = ["a/x", "a/y", "b/x", "b/y", "c", "a/x/deep"]
+    filters = ["a/+", "+/x", "c", "#"]
+    log = MemoryLog()
+    b = Broker(Limits(), log=log)
+    subs = {conn: b.subscribe(conn, f, f"g{conn}", qos=1).sub_id
+            for conn, f in enumerate(filters, 1)}
+    want: dict[int, list[bytes]] = {conn: [] for conn in subs}
+    got: dict[int, list[bytes]] = {conn: [] for conn in subs}
+    n = 0
+    for op, t, c in ops:
+        conn = c + 1
+        if op == "pub":
+            n += 1
+            topic = topics[t]
+            publish(b, topic, b"%d" % n)
+            for k, f in enumerate(filters, 1):
+                if matches(split(f), split(topic)):
+                    want[k].append(b"%d" % n)
+        elif op == "store":
+            log.store()
+        elif op == "leave" and subs[conn]:
+            b.unsubscribe(conn, subs[conn])
+            subs[conn] = 0
+        elif op == "take":
+            if not subs[conn]:
+                subs[conn] = b.subscribe(conn, filters[c], f"g{conn}", qos=1).sub_id
+            drain(b, conn, subs[conn], got[conn], limit=t + 1)
+    log.store()
+    for conn in subs:
+        if not subs[conn]:
+            subs[conn] = b.subscribe(conn, filters[conn - 1], f"g{conn}", qos=1).sub_id
+        drain(b, conn, subs[conn], got[conn], limit=10_000)
+        assert got[conn] == want[conn], filters[conn - 1]
+
+
+def drain(b: Broker, conn: int, sub_id: int, into: list[bytes], limit: int) -> None:
+    for _ in range(limit):
+        batches = b.deliver(conn, 2, 1 << 20, 0, 0).batches
+        if not batches:
+            return
+        for _, records in batches:
+            msgs = decode_one(encode_deliver(1, records)).messages  # type: ignore[union-attr]
+            into.extend(m.payload for m in msgs)
+            b.ack(conn, sub_id, tuple(m.offset for m in msgs), 0)

@@ -83,6 +83,8 @@ class Cursors:
                 target = self._add_durable(gid, topic_filter, group, first)
                 if first < end:  # a replay: what it starts behind is counted apart
                     self._counts.append(Count(target.key, first, end - 1))
+                else:  # from the end: nothing of its topics is in the log yet
+                    target.quiet_from = first
             else:
                 target = DurableGroup(0, topic_filter, "", first, persistent=False,
                                       acks=bool(qos))
@@ -146,8 +148,17 @@ class Cursors:
     def has_work(self, consumer: Consumer, target: DurableGroup) -> bool:
         if target.in_flight_for(consumer.sub_id) >= consumer.credit:
             return False
-        return bool(target.ready or target.pending or target.ahead) or (
-            not target.fetching and target.next <= self.log.written_offset)
+        if target.ready or target.pending or target.ahead:
+            return True
+        if target.fetching or target.next > self.log.written_offset:
+            return False
+        quiet = target.quiet_from
+        if quiet is not None and target.next >= quiet:
+            # nothing of its topics beyond: no reading through other topics' records (with
+            # many durable groups, most appends are other groups' messages)
+            target.next = self.log.written_offset + 1
+            return False
+        return True
 
     def matching(self, topic: bytes) -> tuple[DurableGroup, ...]:
         """The durable groups whose filter matches ``topic``."""
@@ -202,6 +213,9 @@ class Cursors:
             if full:
                 break
         self.counters.delivered += len(out)
+        if (target.persistent and target.quiet_from is None and not target.ahead
+                and target.next == log.next_offset == log.written_offset + 1):
+            target.quiet_from = target.next  # read to the end; ``usage`` says when that ends
         return out
 
     def take_counts(self) -> list[Count]:

@@ -140,6 +140,7 @@ class DurableGroup:
         "next",
         "pending",
         "persistent",
+        "quiet_from",
         "ready",
         "skipped",
     )
@@ -168,6 +169,11 @@ class DurableGroup:
         # adds one per matching append, the cursor takes one off per matching record passed
         self.backlog = 0
         self.epoch = 0  # bumped when the backlog is recounted from scratch (results.Count)
+        # Durable groups only: no message of its topics is in the log at or after this
+        # offset, as far as the core knows (None: not known). Set when the cursor has read
+        # the whole log; the core forgets it on every append of a message of its topics.
+        # A cursor at or past it skips to the log's end without reading what is between.
+        self.quiet_from: int | None = None
         self.consumers: list[Any] = []
         self.idle_since = idle_since  # wall ms since when no consumer is attached
         # Read-ahead: log records from ``next`` on, read but not yet looked at. Filled from the

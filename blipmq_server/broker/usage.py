@@ -52,6 +52,7 @@ class Usage:
         if logged:
             for g in entry[2]:
                 g.backlog += logged
+                g.quiet_from = None
 
     def regroup(self) -> None:
         """Durable groups changed: look again which count each topic's messages."""

@@ -94,8 +94,10 @@ class MqttSession(Session):
         # outbound QoS 1/2 deliveries awaiting PUBACK / PUBREC, then PUBCOMP
         self.inflight: dict[int, tuple[int, int, int]] = {}  # pid -> (sub id, offset, qos)
         self.released: dict[int, tuple[int, int]] = {}  # pid -> (sub id, offset), PUBREL sent
-        # inbound: the QoS of each packet id whose confirm is pending; QoS 2 ids awaiting PUBREL
-        self.confirming: dict[int, int] = {}
+        # packets that go out once the log holds what they confirm (PUBACK, PUBREC, PUBCOMP,
+        # SUBACK, UNSUBACK by the client's packet id; PUBREL by ours + _OUTBOUND)
+        self.confirming: dict[int, bytes] = {}
+        # inbound QoS 2 packet ids awaiting PUBREL
         self.qos2_in: set[int] = set()
         self.taken_over = False
         self.connected = False
@@ -106,9 +108,20 @@ class MqttSession(Session):
     # ------------------------------------------------------------- the base class's hooks
 
     def confirmed(self, request_id: int, count: int) -> None:
-        qos = self.confirming.pop(request_id, 1)
-        packet = (PubAck if qos == 1 else PubRec if qos == 2 else PubComp)(request_id)
-        self.send_bytes(mqtt.encode(packet))
+        data = self.confirming.pop(request_id, None)
+        if data is not None:
+            self.send_bytes(data)
+
+    def _once_durable(self, offset: int, key: int, packet: object, count: int = 0) -> None:
+        """Send ``packet`` once the log holds ``offset`` (durably, under ``always``); at
+        once when nothing was written (0) or there is no log."""
+        data = mqtt.encode(packet)  # type: ignore[arg-type]
+        flusher = self.server.flusher
+        if not offset or flusher is None:
+            self.send_bytes(data)
+            return
+        self.confirming[key] = data
+        flusher.confirm_later(offset, self, key, count)
 
     def confirm_failed(self, request_id: int, count: int, text: str) -> None:
         # MQTT 3.1.1 has no negative acknowledgement: the client resends after reconnecting
@@ -291,9 +304,11 @@ class MqttSession(Session):
                         # owed (PUBREL, again after a reconnect), saved before the cursor
                         # moves on, so a restart sends PUBREL, never the PUBLISH again
                         self.released[pid] = (0, 0)
-                        self.server.mqtt_sessions.outbound_released(self)
+                        at = self.server.mqtt_sessions.outbound_released(self)
                         if self.broker.ack(self.conn_id, entry[0], (entry[1],), wall_ms()):
                             self.wake()
+                        self._once_durable(at, pid | _OUTBOUND, PubRel(pid))
+                        return None
                 self.send_bytes(mqtt.encode(PubRel(pid)))
             case PubComp():
                 found = self.released.pop(packet.packet_id, None)
@@ -304,12 +319,9 @@ class MqttSession(Session):
                         self.wake()
             case PubRel():
                 pid = packet.packet_id
+                # PUBCOMP once the id is free on disk too (a persistent session's)
                 at = self.server.mqtt_sessions.qos2_released(self, pid)
-                if at and self.server.flusher is not None:  # PUBCOMP once the id is free
-                    self.confirming[pid] = _RELEASE  # on disk too
-                    self.server.flusher.confirm_later(at, self, pid, 0)
-                else:
-                    self.send_bytes(mqtt.encode(PubComp(pid)))
+                self._once_durable(at, pid, PubComp(pid))
             case Subscribe():
                 self._subscribe(packet)
             case Unsubscribe():
@@ -371,11 +383,11 @@ class MqttSession(Session):
         """The core's message for an MQTT PUBLISH; None: dropped (counted) ; a reason: close."""
         topic = packet.topic
         if topic.startswith(_RESERVED):
-            self.server.mqtt_error("reserved_topic")
             if packet.qos:
                 self._protocol_error("reserved_topic",
                                      f"publish to the broker's topic {topic!r}")
                 return CloseReason.PROTOCOL_ERROR
+            self.server.mqtt_error("reserved_topic")
             return None
         name = topic.encode("utf-8")
         cap = self.broker.limits.max_topic_bytes
@@ -421,16 +433,12 @@ class MqttSession(Session):
                 return None
             self._protocol_error("refused", f"publish refused: {text}")
             return CloseReason.PROTOCOL_ERROR
-        if qos:
+        if qos == 1:
+            self._once_durable(offset, packet.packet_id, PubAck(packet.packet_id), 1)
+        elif qos == 2:  # remembered (in a persistent session: logged) before PUBREC
             pid = packet.packet_id
-            flusher = self.server.flusher
-            self.confirming[pid] = qos
-            if qos == 2:  # remembered (in a persistent session: logged) before PUBREC
-                offset = max(offset, self.server.mqtt_sessions.qos2_received(self, pid))
-            if flusher is None:
-                self.confirmed(pid, 1)
-            else:
-                flusher.confirm_later(offset, self, pid, 1)
+            offset = max(offset, self.server.mqtt_sessions.qos2_received(self, pid))
+            self._once_durable(offset, pid, PubRec(pid), 1)
         return None
 
     async def _publish_blocked(self, packet: Publish) -> CloseReason | None:
@@ -455,8 +463,9 @@ class MqttSession(Session):
             codes.append(code)
             ready = ready or woke
         self._owners.clear()
-        self.server.mqtt_sessions.changed(self)
-        self.send_bytes(mqtt.encode(SubAck(packet.packet_id, tuple(codes))))
+        # a persistent session's SUBACK once the subscription is on disk
+        at = self.server.mqtt_sessions.changed(self)
+        self._once_durable(at, packet.packet_id, SubAck(packet.packet_id, tuple(codes)))
         counts = self.broker.take_counts()
         if counts and self.server.prefetcher is not None:
             self.server.prefetcher.request(counts)
@@ -513,8 +522,8 @@ class MqttSession(Session):
                 self.broker.unsubscribe(self.conn_id, 0, topic_filter,
                                         group_name(self.client_id), wall_ms())
         self._owners.clear()
-        self.server.mqtt_sessions.changed(self)
-        self.send_bytes(mqtt.encode(UnsubAck(packet.packet_id)))
+        at = self.server.mqtt_sessions.changed(self)
+        self._once_durable(at, packet.packet_id, UnsubAck(packet.packet_id))
         self.server.log_touched()
 
     def saved_subs(self) -> bytes:
@@ -523,5 +532,5 @@ class MqttSession(Session):
 
 _HELD = object()  # a publish a full ``block`` queue holds back
 _OWNERS_KEPT = 4096  # topics whose delivering subscription is remembered
-_RELEASE = 3  # ``confirming``: a PUBCOMP that waits for the released id to be on disk
+_OUTBOUND = 0x10000  # ``confirming`` keys of our packet ids (the client's are below)
 

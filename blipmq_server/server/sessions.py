@@ -111,14 +111,14 @@ class MqttSessions:
             self.broker.put_state(state.subs_key(cid), state.stored_subs(subs, since), since)
             self.server.log_touched()
 
-    def changed(self, session: MqttSession) -> None:
-        """Its subscriptions changed: saved, for a persistent session."""
-        if not session.clean:
-            self._save(session)
+    def changed(self, session: MqttSession) -> int:
+        """Its subscriptions changed: saved, for a persistent session. Returns the offset
+        the SUBACK must wait for (0: nothing was written)."""
+        return 0 if session.clean else self._save(session)
 
-    def _save(self, session: MqttSession) -> None:
-        self.broker.put_state(state.subs_key(session.client_id), session.saved_subs(),
-                              wall_ms())
+    def _save(self, session: MqttSession) -> int:
+        return self.broker.put_state(state.subs_key(session.client_id), session.saved_subs(),
+                                     wall_ms())
 
     # ------------------------------------------------------------------- inbound QoS 2
 
@@ -144,14 +144,15 @@ class MqttSessions:
         value = state.stored_ids(session.qos2_in) if session.qos2_in else b""
         return self.broker.put_state(key, value, wall_ms())
 
-    def outbound_released(self, session: MqttSession) -> None:
+    def outbound_released(self, session: MqttSession) -> int:
         """A persistent session's outbound QoS 2 packet ids between PUBREC and PUBCOMP
-        changed: saved (before the cursor moves on, so a restart sends PUBREL again)."""
+        changed: saved (before the cursor moves on, so a restart sends PUBREL again).
+        Returns the record's offset (the PUBREL waits for it)."""
         cid = session.client_id
         ids = set(session.released)
         self.pubrel[cid] = ids
-        self.broker.put_state(state.pubrel_key(cid), state.stored_ids(ids) if ids else b"",
-                              wall_ms())
+        return self.broker.put_state(state.pubrel_key(cid),
+                                     state.stored_ids(ids) if ids else b"", wall_ms())
 
     # ----------------------------------------------------------------------------- wills
 

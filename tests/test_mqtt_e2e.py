@@ -1,0 +1,727 @@
+"""MQTT 3.1.1 end to end: the real broker on loopback, driven by clients nobody here wrote
+(paho-mqtt, mosquitto_pub and mosquitto_sub) and by a raw socket for byte-exact cases.
+
+Each test names the normative statements of MQTT 3.1.1 (OASIS, 29 October 2014) it checks.
+No test sleeps to wait for the broker: it waits for a CONNACK, a SUBACK, a message, a
+metric or a log line, each with a deadline. "Nothing else arrived" is shown with a round
+trip (``Paho.sync``: an UNSUBACK comes after every PUBLISH the broker wrote before it).
+Persistent sessions, takeover and restarts are in test_mqtt_sessions.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+from mqttpeer import Paho, Raw, mosquitto, mosquitto_spawn, reap, track
+
+from blipmq_server.mqtt.codec import (
+    ConnAck,
+    Connect,
+    PingReq,
+    PingResp,
+    PubAck,
+    Publish,
+    SubAck,
+    Subscribe,
+    Will,
+    encode,
+)
+
+MQTT = {"mqtt": {"enabled": True, "port": 0}}
+
+
+@pytest.fixture(autouse=True)
+def _reap_clients() -> Iterator[None]:
+    """mosquitto and blipmq clients a failed test left running are killed."""
+    yield
+    reap()
+
+
+def json_lines(out: bytes) -> list[dict]:
+    return [json.loads(line) for line in out.decode().splitlines()]
+
+
+def mqtt_stats(b) -> dict:
+    res = b.cli("stats", "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)["mqtt"]
+
+
+def wait_for(what: str, check, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------------ 1. QoS levels
+
+
+def test_qos_0_1_2_granted_as_requested_and_delivered_at_the_minimum(start_broker) -> None:
+    """MQTT-3.9.3 (SUBACK return codes), MQTT-3.8.4-6: delivered QoS = min(published,
+    granted); MQTT-4.3.2/4.3.3: QoS 1 and 2 publishes are acknowledged (PUBACK, PUBCOMP)."""
+    b = start_broker(MQTT)
+    sub = Paho(b.mqtt_port, "qos-sub")
+    assert sub.subscribe(("q/s0/#", 0), ("q/s1/#", 1), ("q/s2/#", 2)) == [0, 1, 2]
+    pub = Paho(b.mqtt_port, "qos-pub")
+    for s in range(3):
+        for p in range(3):
+            pub.publish(f"q/s{s}/p{p}", f"{s}{p}", p)  # waits for PUBACK / PUBCOMP
+    got = {m.topic: m for m in sub.take(9)}
+    for s in range(3):
+        for p in range(3):
+            m = got[f"q/s{s}/p{p}"]
+            assert (m.payload, m.qos, m.retain, m.dup) == (f"{s}{p}".encode(), min(s, p),
+                                                          False, False)
+    sub.sync()
+    assert sub.drained() == []
+
+
+def test_one_publisher_one_topic_keeps_its_order_at_each_qos(start_broker) -> None:
+    """MQTT-4.6.0-6: a topic's messages from one client reach a subscriber in order."""
+    b = start_broker(MQTT)
+    sub = Paho(b.mqtt_port, "order-sub")
+    assert sub.subscribe(("order/#", 2)) == [2]
+    pub = Paho(b.mqtt_port, "order-pub")
+    for qos in (0, 1, 2):
+        infos = [pub.publish(f"order/{qos}", str(i), qos, wait=False) for i in range(50)]
+        for info in infos:
+            info.wait_for_publish(10)
+        got = sub.take(50)
+        assert [(m.topic, m.payload, m.qos) for m in got] == [
+            (f"order/{qos}", str(i).encode(), qos) for i in range(50)]
+
+
+# --------------------------------------------------------------------------- 2. retained
+
+
+def test_retained_value_set_replaced_and_cleared(start_broker) -> None:
+    """MQTT-3.3.1-5 (stored), -8 (RETAIN 1 to a new subscriber), -9 (RETAIN 0 on live
+    delivery), -10/-11 (a zero-byte retained message clears and is not stored), -7 (a
+    retained QoS 0 message replaces the previous one)."""
+    b = start_broker(MQTT)
+    live = Paho(b.mqtt_port, "ret-live")
+    assert live.subscribe(("ret/#", 1)) == [1]
+    pub = Paho(b.mqtt_port, "ret-pub")
+    pub.publish("ret/a", "v1", 1, retain=True)
+    m = live.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == ("ret/a", b"v1", 1, False)
+    b.wait_metric("blipmq_retained_topics", 1)
+
+    new = Paho(b.mqtt_port, "ret-new")
+    assert new.subscribe(("ret/a", 2)) == [2]
+    m = new.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == ("ret/a", b"v1", 1, True)
+
+    pub.publish("ret/a", "v2", 0, retain=True)  # QoS 0 replaces it too
+    m = live.get()
+    assert (m.payload, m.qos, m.retain) == (b"v2", 0, False)
+    m = new.get()
+    assert (m.payload, m.qos, m.retain) == (b"v2", 0, False)
+    third = Paho(b.mqtt_port, "ret-third")
+    assert third.subscribe(("ret/+", 1)) == [1]
+    m = third.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == ("ret/a", b"v2", 0, True)
+
+    pub.publish("ret/a", b"", 1, retain=True)  # clears it, and goes to subscribers as usual
+    for client in (live, new, third):
+        m = client.get()
+        assert (m.topic, m.payload, m.retain) == ("ret/a", b"", False)
+    b.wait_metric("blipmq_retained_topics", 0)
+
+    late = Paho(b.mqtt_port, "ret-late")
+    assert late.subscribe(("ret/#", 1)) == [1]
+    pub.publish("ret/marker", "after", 1)
+    m = late.get()
+    assert (m.topic, m.payload) == ("ret/marker", b"after")  # nothing retained came first
+    late.sync()
+    assert late.drained() == []
+
+
+def test_retained_values_cross_between_mqtt_and_the_native_cli(start_broker) -> None:
+    """`blipmq pub -r` is seen by an MQTT subscriber with RETAIN 1; an MQTT retained publish
+    is seen by `blipmq sub` as retained; live messages cross both ways."""
+    b = start_broker(MQTT)
+    res = b.cli("pub", "-r", "-q", "1", "interop/native", "from-cli")
+    assert res.returncode == 0, res.stderr
+    client = Paho(b.mqtt_port, "interop")
+    assert client.subscribe(("interop/native", 1)) == [1]
+    m = client.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == ("interop/native", b"from-cli", 1, True)
+
+    client.publish("interop/mqtt", "from-mqtt", 1, retain=True)
+    sub = track(b.spawn("sub", "interop/mqtt", "--count", "1", "--format", "json"))
+    out, err = sub.communicate(timeout=15)
+    assert sub.returncode == 0, err
+    (got,) = json_lines(out)
+    assert (got["topic"], got["payload"], got["retained"]) == ("interop/mqtt", "from-mqtt",
+                                                              True)
+
+    # live, both ways
+    subs = b.metric("blipmq_subscriptions")
+    sub = track(b.spawn("sub", "interop/live/+", "--count", "1", "--format", "json"))
+    b.wait_metric("blipmq_subscriptions", subs + 1)
+    client.publish("interop/live/1", "mqtt-live", 1)
+    out, err = sub.communicate(timeout=15)
+    assert sub.returncode == 0, err
+    (got,) = json_lines(out)
+    assert (got["topic"], got["payload"], got.get("retained", False)) == (
+        "interop/live/1", "mqtt-live", False)
+    assert client.subscribe(("interop/live/2", 1)) == [1]
+    assert b.cli("pub", "-q", "1", "interop/live/2", "cli-live").returncode == 0
+    m = client.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == ("interop/live/2", b"cli-live", 1, False)
+
+
+# ------------------------------------------------------------------------------ 3. wills
+
+
+def test_will_on_a_dropped_connection_and_not_after_disconnect(start_broker) -> None:
+    """MQTT-3.1.2-8: the will is published when the network connection closes without
+    DISCONNECT, or the server closes it for a protocol error; MQTT-3.1.2-10: DISCONNECT
+    removes it. A SIGKILLed mosquitto_sub's will
+    is published, one that exits after -C 1 (DISCONNECT) has none."""
+    b = start_broker(MQTT)
+    watcher = Paho(b.mqtt_port, "will-watch")
+    assert watcher.subscribe(("will/#", 2)) == [2]
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("will-raw", will=Will("will/raw", b"raw gone", 1, False)).code == 0
+    raw.close()
+    m = watcher.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == ("will/raw", b"raw gone", 1, False)
+
+    broken = Raw(b.mqtt_port)  # closed by the broker for a protocol error: will too
+    assert broken.connect("will-broken", will=Will("will/broken", b"bad", 0, False)).code == 0
+    broken.send(Connect("MQTT", 4, True, 0, "will-broken"))
+    assert broken.wait_closed() == []
+    m = watcher.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == ("will/broken", b"bad", 0, False)
+
+    polite = Raw(b.mqtt_port)
+    assert polite.connect("will-polite", will=Will("will/polite", b"no", 1, False)).code == 0
+    polite.disconnect()
+
+    subs = b.metric("blipmq_subscriptions")
+    killed = mosquitto_spawn("mosquitto_sub", b.mqtt_port, "-i", "will-mosq", "-t", "x/y",
+                             "--will-topic", "will/mosq", "--will-payload", "mosq gone",
+                             "--will-qos", "2")
+    clean = mosquitto_spawn("mosquitto_sub", b.mqtt_port, "-i", "will-clean", "-t",
+                            "will/trigger", "-C", "1", "--will-topic", "will/clean",
+                            "--will-payload", "never")
+    b.wait_metric("blipmq_subscriptions", subs + 2)
+    killed.kill()
+    killed.communicate(timeout=10)
+    m = watcher.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == ("will/mosq", b"mosq gone", 2, False)
+
+    watcher.publish("will/trigger", "bye", 1)
+    out, err = clean.communicate(timeout=10)
+    assert (clean.returncode, out) == (0, b"bye\n"), err
+    m = watcher.get()
+    assert (m.topic, m.payload) == ("will/trigger", b"bye")  # its own, not a will
+    b.wait_metric("blipmq_connections_closed_total", 2, reason="goodbye")
+    watcher.sync()
+    assert watcher.drained() == []
+    assert mqtt_stats(b)["wills_published"] == 3
+
+
+def test_keepalive_expiry_publishes_the_will_and_pings_keep_a_client(start_broker) -> None:
+    """MQTT-3.1.2-24: no packet for 1.5 x the keepalive closes the connection as a network
+    failure, so its will is published (MQTT-3.1.2-8); MQTT-3.1.2-23/3.12.4-1: a client that
+    sends PINGREQ gets PINGRESP and stays."""
+    b = start_broker(MQTT)
+    watcher = Paho(b.mqtt_port, "ka-watch")
+    assert watcher.subscribe(("ka/#", 1)) == [1]
+    pinger = Raw(b.mqtt_port)
+    assert pinger.connect("ka-pinger", keepalive=1).code == 0
+    silent = Raw(b.mqtt_port)
+    assert silent.connect("ka-silent", keepalive=1,
+                          will=Will("ka/will", b"timed out", 1, True)).code == 0
+    started = time.monotonic()
+    got = None
+    for _ in range(12):  # a PINGREQ every 0.4 s while the will is awaited (at most 4.8 s)
+        try:
+            got = watcher.get(timeout=0.4)
+            break
+        except AssertionError:
+            pinger.send(PingReq())
+            assert isinstance(pinger.recv(), PingResp)
+    elapsed = time.monotonic() - started
+    assert got is not None, "no will within 4.8 s"
+    assert (got.topic, got.payload, got.qos, got.retain) == ("ka/will", b"timed out", 1, False)
+    assert 1.4 <= elapsed <= 3.0, elapsed
+    assert silent.wait_closed() == []
+    b.wait_log("silent for 1.5 x its keepalive")
+    pinger.send(PingReq())
+    assert isinstance(pinger.recv(), PingResp)  # still connected
+    late = Paho(b.mqtt_port, "ka-late")
+    assert late.subscribe(("ka/will", 1)) == [1]
+    m = late.get()
+    assert (m.payload, m.qos, m.retain) == (b"timed out", 1, True)  # the will's retain
+
+
+def test_will_qos_and_retain_are_honoured(start_broker) -> None:
+    """MQTT-3.1.2-14/15/16/17: the will's QoS and RETAIN are those of CONNECT; a retained
+    will goes to later subscribers with RETAIN 1, at min(will QoS, granted QoS)."""
+    b = start_broker(MQTT)
+    watcher = Paho(b.mqtt_port, "wq-watch")
+    assert watcher.subscribe(("wq/#", 2)) == [2]
+    for qos in (0, 1, 2):
+        raw = Raw(b.mqtt_port)
+        assert raw.connect(f"wq-{qos}", will=Will(f"wq/{qos}", b"w%d" % qos, qos,
+                                                 qos > 0)).code == 0
+        raw.close()
+        m = watcher.get()
+        assert (m.topic, m.payload, m.qos, m.retain) == (f"wq/{qos}", b"w%d" % qos, qos, False)
+    b.wait_metric("blipmq_retained_topics", 2)
+    late = Paho(b.mqtt_port, "wq-late")
+    assert late.subscribe(("wq/#", 1)) == [1]
+    got = sorted((m.topic, m.payload, m.qos, m.retain) for m in late.take(2))
+    assert got == [("wq/1", b"w1", 1, True), ("wq/2", b"w2", 1, True)]
+    late.sync()
+    assert late.drained() == []
+
+
+# ------------------------------------------------------------------- 4. empty client ids
+
+
+def test_an_empty_client_id_needs_clean_session(start_broker) -> None:
+    """MQTT-3.1.3-6/7: an empty client id with clean session 1 is accepted (and given a
+    unique id: two such clients do not take each other over); MQTT-3.1.3-8: with clean
+    session 0 it gets CONNACK 0x02 and the connection is closed."""
+    b = start_broker(MQTT)
+    one = Paho(b.mqtt_port, "")
+    two = Paho(b.mqtt_port, "")
+    for n, client in enumerate((one, two)):
+        assert client.subscribe((f"anon/{n}", 1)) == [1]
+        client.publish(f"anon/{n}", f"hello {n}", 1)
+        m = client.get()
+        assert (m.topic, m.payload) == (f"anon/{n}", f"hello {n}".encode())
+    assert not one.disconnected.is_set() and not two.disconnected.is_set()
+
+    raw = Raw(b.mqtt_port)
+    raw.send(Connect("MQTT", 4, clean_session=False, client_id=""))
+    assert raw.wait_closed() == [ConnAck(False, 2)]
+    raw = Raw(b.mqtt_port)  # MQTT 3.1 needs a client id whatever the clean session flag
+    raw.send(Connect("MQIsdp", 3, clean_session=True, client_id=""))
+    assert raw.wait_closed() == [ConnAck(False, 2)]
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("v31-client", level=3) == ConnAck(False, 0)  # 3.1 with an id: fine
+    raw.disconnect()
+
+
+# -------------------------------------------------------------------------- 7. $ topics
+
+
+def test_wildcards_do_not_match_dollar_topics(start_broker) -> None:
+    """MQTT-4.7.2-1: '#' and '+/...' do not match topics starting with '$' (here the
+    broker's own $dlq/<topic>); '$dlq/#' does."""
+    b = start_broker({**MQTT, "delivery": {"max_retries": 1, "retry_backoff_ms": 10}})
+    everything = Paho(b.mqtt_port, "dollar-all")
+    assert everything.subscribe(("#", 1), ("+/jobs", 0), ("+/+", 0)) == [1, 0, 0]
+    dlq = Paho(b.mqtt_port, "dollar-dlq")
+    assert dlq.subscribe(("$dlq/#", 1)) == [1]
+    subs = b.metric("blipmq_subscriptions")
+    worker = track(b.spawn("sub", "-q", "1", "--group", "workers", "--exec", "false",
+                           "--retry-delay", "10ms", "jobs"))
+    try:
+        b.wait_metric("blipmq_subscriptions", subs + 1)
+        assert b.cli("pub", "-q", "1", "jobs", "job-1").returncode == 0
+        b.wait_metric("blipmq_messages_dead_lettered_total", 1)
+        m = dlq.get()
+        assert (m.topic, m.payload) == ("$dlq/jobs", b"job-1")
+    finally:
+        worker.kill()
+        worker.communicate(timeout=10)
+    m = everything.get()
+    assert (m.topic, m.payload) == ("jobs", b"job-1")
+    everything.publish("marker", "end", 1)
+    m = everything.get()
+    assert (m.topic, m.payload) == ("marker", b"end")
+    everything.sync()
+    assert everything.drained() == []
+
+
+def test_publishing_to_a_dollar_topic(start_broker) -> None:
+    """The broker's '$' topics are not for clients: a QoS 0 publish there is dropped and
+    the connection stays; a QoS 1 one closes it (3.1.1 has no negative PUBACK)."""
+    b = start_broker(MQTT)
+    spy = Paho(b.mqtt_port, "dollar-spy")
+    assert spy.subscribe(("$SYS/#", 1)) == [1]
+    client = Paho(b.mqtt_port, "dollar-pub")
+    assert client.subscribe(("back", 1)) == [1]
+    client.publish("$SYS/x", "sneaky", 0)
+    client.publish("back", "still here", 1)
+    m = client.get()
+    assert (m.topic, m.payload) == ("back", b"still here")
+    assert not client.disconnected.is_set()
+    client.publish("$SYS/x", "sneaky", 1, wait=False)
+    client.wait_closed()
+    b.wait_metric("blipmq_connections_closed_total", 1, reason="protocol_error")
+    spy.sync()
+    assert spy.drained() == []
+    assert b.metric("blipmq_messages_published_total") == 1
+
+
+def test_a_dollar_topic_publish_is_counted_once(start_broker) -> None:
+    """`blipmq stats` counts each refused '$' publish once under protocol_errors
+    reserved_topic: one dropped at QoS 0, one that closed its connection at QoS 1."""
+    b = start_broker(MQTT)
+    client = Paho(b.mqtt_port, "dollar-count")
+    client.publish("$SYS/x", "dropped", 0)
+    client.publish("$SYS/x", "closes", 1, wait=False)
+    client.wait_closed()
+    assert mqtt_stats(b)["protocol_errors"] == {"reserved_topic": 2}
+
+
+def test_a_will_to_a_dollar_topic_is_not_published(start_broker) -> None:
+    """A will is a publish by the client: not to the broker's '$' topics either."""
+    b = start_broker(MQTT)
+    spy = Paho(b.mqtt_port, "will-spy")
+    assert spy.subscribe(("$dlq/#", 1), ("$SYS/#", 1)) == [1, 1]
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("will-dollar", will=Will("$dlq/jobs", b"forged", 1, True)).code == 0
+    raw.close()
+    b.wait_log("will to '$dlq/jobs' not published")
+    spy.sync()
+    assert spy.drained() == []
+    assert b.metric("blipmq_retained_topics") == 0
+
+
+# ---------------------------------------------------------------- 8. (un)subscriptions
+
+
+def test_a_bad_filter_gets_0x80_and_the_others_are_granted(start_broker) -> None:
+    """MQTT-3.9.3: return code 0x80 for a filter the server refuses, the others granted,
+    one code per filter in order (MQTT-3.8.4-5); the connection goes on."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("filters").code == 0
+    raw.send(Subscribe(9, (("a/#/b", 1), ("ok/+", 2), ("x/y#", 0), ("$share/g", 1),
+                           ("fine/#", 0))))
+    assert raw.expect(SubAck) == SubAck(9, (0x80, 2, 0x80, 0x80, 0))
+    raw.send(PingReq())
+    assert raw.recv() == PingResp()
+
+
+
+def test_unsubscribe_stops_delivery(start_broker) -> None:
+    """MQTT-3.10.4-2: after UNSUBACK no new message is added for the client;
+    MQTT-3.10.4-5: UNSUBACK even for a filter it did not have."""
+    b = start_broker(MQTT)
+    client = Paho(b.mqtt_port, "unsub")
+    assert client.subscribe(("u/a", 0), ("u/b", 1), ("u/c/#", 2)) == [0, 1, 2]
+    pub = Paho(b.mqtt_port, "unsub-pub")
+    for topic in ("u/a", "u/b", "u/c/1"):
+        pub.publish(topic, "before", 1)
+    assert sorted(m.topic for m in client.take(3)) == ["u/a", "u/b", "u/c/1"]
+    client.unsubscribe("u/a", "u/c/#", "u/never")
+    assert b.metric("blipmq_subscriptions") == 1
+    for topic in ("u/a", "u/c/1"):
+        pub.publish(topic, "after", 2)
+    pub.publish("u/b", "marker", 1)
+    m = client.get()
+    assert (m.topic, m.payload) == ("u/b", b"marker")
+    client.sync()
+    assert client.drained() == []
+
+
+def test_overlapping_subscriptions_deliver_one_copy_at_the_highest_qos(start_broker) -> None:
+    """MQTT-3.3.5-1: a message matching several of a client's filters goes at the highest
+    granted QoS of them (3.1.1 allows extra copies; this broker sends one, as mosquitto 2
+    does); MQTT-3.8.4-3: subscribing to the same filter again replaces it."""
+    b = start_broker(MQTT)
+    client = Paho(b.mqtt_port, "overlap")
+    assert client.subscribe(("ov/#", 0), ("ov/+/x", 2), ("ov/a/x", 1)) == [0, 2, 1]
+    pub = Paho(b.mqtt_port, "overlap-pub")
+    pub.publish("ov/a/x", "both", 2)
+    pub.publish("ov/a/y", "one", 1)
+    got = client.take(2)
+    assert sorted((m.topic, m.payload, m.qos) for m in got) == [
+        ("ov/a/x", b"both", 2), ("ov/a/y", b"one", 0)]
+    client.sync()
+    assert client.drained() == []
+
+    # the filter granted 2 is subscribed again at 0: now 1 ("ov/a/x") is the highest
+    assert client.subscribe(("ov/+/x", 0)) == [0]
+    pub.publish("ov/a/x", "again", 2)
+    m = client.get()
+    assert (m.topic, m.payload, m.qos) == ("ov/a/x", b"again", 1)
+    client.unsubscribe("ov/a/x")
+    pub.publish("ov/a/x", "third", 2)
+    m = client.get()
+    assert (m.topic, m.payload, m.qos) == ("ov/a/x", b"third", 0)
+    client.sync()
+    assert client.drained() == []
+
+
+def test_a_shared_subscription_splits_the_messages(start_broker) -> None:
+    """$share/<group>/<filter> (as in MQTT 5, which 3.1.1 brokers commonly offer): each
+    message goes to one member of the group, none twice, none lost."""
+    b = start_broker(MQTT)
+    members = [Paho(b.mqtt_port, f"share-{i}") for i in range(2)]
+    for member in members:
+        assert member.subscribe(("$share/workers/sh/+", 1)) == [1]
+    pub = Paho(b.mqtt_port, "share-pub")
+    for i in range(40):
+        pub.publish(f"sh/{i % 4}", str(i), 1)
+    b.wait_metric("blipmq_messages_acked_total", 40)
+    for member in members:
+        member.sync()
+    got = [m.payload for member in members for m in member.drained()]
+    assert sorted(got, key=int) == [str(i).encode() for i in range(40)]
+
+
+# ------------------------------------------------------------------- 9. QoS 2 end to end
+
+
+def test_mosquitto_qos2_lines_arrive_exactly_once(start_broker) -> None:
+    """MQTT-4.3.3: `mosquitto_pub -q 2 -l` to `mosquitto_sub -q 2`: every line once, in
+    order, and each once in the log."""
+    b = start_broker(MQTT)
+    n = 200
+    sub = mosquitto_spawn("mosquitto_sub", b.mqtt_port, "-i", "eo-sub", "-q", "2",
+                          "-t", "eo/t", "-C", str(n))
+    b.wait_metric("blipmq_subscriptions", 1)
+    lines = [f"line {i:04d}" for i in range(n)]
+    res = mosquitto("mosquitto_pub", b.mqtt_port, "-i", "eo-pub", "-q", "2", "-t", "eo/t",
+                    "-l", input="".join(x + "\n" for x in lines).encode())
+    assert res.returncode == 0, res.stderr
+    out, err = sub.communicate(timeout=30)
+    assert sub.returncode == 0, err
+    assert out.decode().splitlines() == lines
+    assert b.metric("blipmq_messages_published_total") == n
+    logged = b.cli("sub", "eo/t", "--from", "earliest", "--until-end", "--format", "json")
+    assert logged.returncode == 0, logged.stderr
+    assert [m["payload"] for m in json_lines(logged.stdout)] == lines
+
+
+# ------------------------------------------------------- 14. mosquitto QoS 1 round trip
+
+
+def test_mosquitto_pub_qos1_to_mosquitto_sub(start_broker) -> None:
+    b = start_broker(MQTT)
+    sub = mosquitto_spawn("mosquitto_sub", b.mqtt_port, "-i", "rt-sub", "-q", "1",
+                          "-t", "rt/+/temp", "-C", "3", "-v")
+    b.wait_metric("blipmq_subscriptions", 1)
+    for room, value in (("kitchen", "21.5"), ("hall", "19.0"), ("attic", "")):
+        res = mosquitto("mosquitto_pub", b.mqtt_port, "-q", "1", "-t", f"rt/{room}/temp",
+                        "-m", value or "cold")
+        assert res.returncode == 0, res.stderr
+    out, err = sub.communicate(timeout=15)
+    assert sub.returncode == 0, err
+    assert out.decode().splitlines() == ["rt/kitchen/temp 21.5", "rt/hall/temp 19.0",
+                                         "rt/attic/temp cold"]
+    # and a retained one, read back with mosquitto_sub --retained-only
+    res = mosquitto("mosquitto_pub", b.mqtt_port, "-q", "1", "-r", "-t", "rt/state",
+                    "-m", "on")
+    assert res.returncode == 0, res.stderr
+    res = mosquitto("mosquitto_sub", b.mqtt_port, "-t", "rt/state", "-C", "1",
+                    "--retained-only", "-W", "10")
+    assert (res.returncode, res.stdout) == (0, b"on\n"), res.stderr
+
+
+def test_mosquitto_clients_speaking_mqtt_3_1(start_broker) -> None:
+    """MQTT 3.1 (protocol name MQIsdp, level 3) clients are served as 3.1.1 ones."""
+    b = start_broker(MQTT)
+    sub = mosquitto_spawn("mosquitto_sub", b.mqtt_port, "-i", "v31-sub", "-q", "1",
+                          "-t", "v31/#", "-C", "2", "-v", version="mqttv31")
+    b.wait_metric("blipmq_subscriptions", 1)
+    for qos in ("1", "2"):
+        res = mosquitto("mosquitto_pub", b.mqtt_port, "-i", "v31-pub", "-q", qos,
+                        "-t", f"v31/q{qos}", "-m", f"at {qos}", version="mqttv31")
+        assert res.returncode == 0, res.stderr
+    out, err = sub.communicate(timeout=15)
+    assert sub.returncode == 0, err
+    assert out.decode().splitlines() == ["v31/q1 at 1", "v31/q2 at 2"]
+
+
+def test_binary_payloads_and_unicode_topics_cross_unchanged(start_broker) -> None:
+    """MQTT-1.5.3: topics are UTF-8; payloads are bytes, any of them, to MQTT and to the
+    native CLI alike."""
+    b = start_broker(MQTT)
+    topic = "bin/\u00e9t\u00e9/\u6e29\u5ea6/\U0001f321"
+    payload = bytes(range(256)) * 40 + b"\x00\r\n"
+    sub = Paho(b.mqtt_port, "bin-sub")
+    assert sub.subscribe(("bin/#", 2)) == [2]
+    pub = Paho(b.mqtt_port, "bin-pub")
+    for qos in (0, 1, 2):
+        pub.publish(topic, payload, qos, retain=qos == 2)
+    for qos, m in enumerate(sub.take(3)):
+        assert (m.topic, m.payload, m.qos) == (topic, payload, qos)
+    res = b.cli("sub", topic, "--count", "1", "--raw", "--timeout", "10")
+    assert (res.returncode, res.stdout) == (0, payload), res.stderr
+
+
+# --------------------------------------------------------------------------- 12. bad input
+
+
+def _still_served(bystander: Paho, n: int) -> None:
+    bystander.publish("bad/ok", f"ok {n}", 1)
+    m = bystander.get()
+    assert (m.topic, m.payload) == ("bad/ok", f"ok {n}".encode())
+
+
+def test_bad_input_costs_only_its_own_connection(start_broker) -> None:
+    """MQTT-4.8.0-1 / 2.2.2-2 / 3.1.0-1 / 3.1.0-2 / 1.5.3: bytes that are not MQTT, a first
+    packet that is not CONNECT, a second CONNECT, a malformed remaining length: the
+    connection is closed, the broker and its other clients go on."""
+    b = start_broker({**MQTT, "server": {"handshake_timeout_ms": 1000}})
+    bystander = Paho(b.mqtt_port, "bystander")
+    assert bystander.subscribe(("bad/ok", 1)) == [1]
+    n = 0
+
+    def refused(data: bytes, connect_first: bool = False) -> list:
+        nonlocal n
+        raw = Raw(b.mqtt_port)
+        if connect_first:
+            assert raw.connect(f"bad-{n}").code == 0
+        raw.send_bytes(data)
+        sent = raw.wait_closed()
+        n += 1
+        _still_served(bystander, n)
+        return sent
+
+    rng = random.Random(1883)
+    noise = [Raw(b.mqtt_port) for _ in range(8)]
+    for raw in noise:  # random bytes: closed at once, or at the handshake timeout
+        raw.send_bytes(rng.randbytes(rng.randrange(1, 300)))
+    for raw in noise:
+        assert raw.wait_closed() == []
+    _still_served(bystander, 0)
+    assert refused(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") == []
+    assert refused(b"\x10\x80\x80\x80\x80\x08") == []  # CONNECT of 2 GiB: 5 length bytes
+    assert refused(b"\x30\xff\xff\xff\x7f", connect_first=True) == []  # 256 MiB PUBLISH
+    assert refused(b"\x30\x80\x80\x80\x80\x08", connect_first=True) == []  # and of 2 GiB
+    assert refused(b"\xc0\x00") == []  # PINGREQ before CONNECT: no PINGRESP
+    second = Connect("MQTT", 4, True, 0, "bad-second")
+    assert refused(encode(second), connect_first=True) == []
+    assert refused(b"\x82\x06\x00\x01\x00\x01a\x03", connect_first=True) == []  # QoS 3 sub
+    assert refused(b"\x30\x05\x00\x03a\x00b", connect_first=True) == []  # U+0000 in topic
+    assert refused(b"\x60\x02\x00\x01", connect_first=True) == []  # PUBREL, flags 0
+    b.wait_log("a second CONNECT")
+    b.wait_log("the first packet must be CONNECT")
+    errors = mqtt_stats(b)["protocol_errors"]
+    assert errors.get("remaining_length") == 2 and errors.get("too_large") == 1, errors
+    assert b.proc.poll() is None
+    assert b.metric("blipmq_connections_open") == 1
+
+
+def test_mqtt5_connect_gets_connack_0x01(start_broker) -> None:
+    """MQTT-3.1.2-2: an unsupported protocol level gets CONNACK 0x01, then the close."""
+    b = start_broker(MQTT)
+    bystander = Paho(b.mqtt_port, "v5-bystander")
+    assert bystander.subscribe(("bad/ok", 1)) == [1]
+    raw = Raw(b.mqtt_port)
+    # a real MQTT 5 CONNECT: level 5, clean start, keepalive 60, no properties, id "v5"
+    raw.send_bytes(b"\x10\x0f\x00\x04MQTT\x05\x02\x00\x3c\x00\x00\x02v5")
+    assert raw.wait_closed() == [ConnAck(False, 1)]
+    res = mosquitto("mosquitto_pub", b.mqtt_port, "-t", "v5/t", "-m", "x", version="mqttv5")
+    assert res.returncode != 0
+    assert b"protocol version" in (res.stderr + res.stdout).lower(), res
+    _still_served(bystander, 1)
+
+
+def test_api_keys_are_mqtt_passwords(start_broker) -> None:
+    """With auth.api_keys set, the CONNECT password is the key: a wrong or missing one gets
+    CONNACK 0x05 (not authorized) and the close (MQTT-3.2.2-5); the right one is in."""
+    b = start_broker({**MQTT, "auth": {"api_keys": ["s3cret-key"]}})
+    for username, password in (("user", b"wrong"), (None, None), ("user", b"")):
+        raw = Raw(b.mqtt_port)
+        raw.send(Connect("MQTT", 4, True, 0, "auth-raw", None, username, password))
+        assert raw.wait_closed() == [ConnAck(False, 5)]
+    assert b.metric("blipmq_auth_failures_total") == 3
+    client = Paho(b.mqtt_port, "auth-ok", username="anyone", password="s3cret-key")
+    assert client.subscribe(("auth/t", 1)) == [1]
+    res = mosquitto("mosquitto_pub", b.mqtt_port, "-u", "x", "-P", "s3cret-key", "-q", "1",
+                    "-t", "auth/t", "-m", "let in")
+    assert res.returncode == 0, res.stderr
+    m = client.get()
+    assert (m.topic, m.payload) == ("auth/t", b"let in")
+    res = mosquitto("mosquitto_pub", b.mqtt_port, "-u", "x", "-P", "nope", "-t", "auth/t",
+                    "-m", "x")
+    assert res.returncode != 0
+    assert b.metric("blipmq_auth_failures_total") == 4
+
+
+def test_a_connect_flood_is_survived(start_broker) -> None:
+    """200 connections in a row, each CONNECT then gone (half with DISCONNECT, half
+    dropped), while another client keeps publishing and receiving."""
+    b = start_broker(MQTT)
+    bystander = Paho(b.mqtt_port, "flood-bystander")
+    assert bystander.subscribe(("bad/ok", 1)) == [1]
+    for i in range(200):
+        raw = Raw(b.mqtt_port)
+        assert raw.connect(f"flood-{i % 20}", clean=i % 3 != 0).code == 0
+        if i % 2:
+            raw.disconnect()
+        else:
+            raw.close()
+        if i % 50 == 0:
+            _still_served(bystander, i)
+    _still_served(bystander, 200)
+    wait_for("the flood's connections to close",
+             lambda: b.metric("blipmq_connections_open") == 1)
+    assert b.proc.poll() is None
+
+
+# ------------------------------------------------------------------------ 13. profiles
+
+
+def test_home_assistant_profile_1000_subscriptions_in_4_packets(start_broker) -> None:
+    """Home Assistant subscribes to its entities' state and command topics in a few large
+    SUBSCRIBE packets: 1,000 filters in 4 packets, all SUBACKed within a second."""
+    b = start_broker(MQTT)
+    ha = Raw(b.mqtt_port)
+    assert ha.connect("homeassistant", keepalive=60) == ConnAck(False, 0)
+    packets = [Subscribe(k + 1, tuple((f"homeassistant/sensor/dev{k * 250 + i}/state", i % 2)
+                                      for i in range(250))) for k in range(4)]
+    started = time.monotonic()
+    ha.send(*packets)
+    acks = [ha.expect(SubAck) for _ in range(4)]
+    elapsed = time.monotonic() - started
+    assert [a.packet_id for a in acks] == [1, 2, 3, 4]
+    assert all(a.codes == tuple(i % 2 for i in range(250)) for a in acks)
+    assert elapsed < 1.0, f"1,000 subscriptions took {elapsed:.2f} s"
+    pub = Paho(b.mqtt_port, "ha-device")
+    pub.publish("homeassistant/sensor/dev999/state", "on", 1)
+    got = ha.expect(Publish)
+    assert (got.topic, got.payload, got.qos) == ("homeassistant/sensor/dev999/state", b"on", 1)
+    ha.send(PubAck(got.packet_id))
+
+
+def test_zigbee2mqtt_profile(start_broker) -> None:
+    """Zigbee2MQTT: a retained QoS 1 'offline' will on its bridge state, a retained
+    'online' once up, a subscription to zigbee2mqtt/# that sees its own publishes (3.1.1
+    has no no-local), and the will replacing 'online' when it dies."""
+    b = start_broker(MQTT)
+    state = "zigbee2mqtt/bridge/state"
+    z2m = Paho(b.mqtt_port, "zigbee2mqtt_01", will=Will(state, b'{"state":"offline"}', 1,
+                                                         True))
+    z2m.publish(state, '{"state":"online"}', 1, retain=True)
+    assert z2m.subscribe(("zigbee2mqtt/#", 1)) == [1]
+    m = z2m.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == (state, b'{"state":"online"}', 1, True)
+    z2m.publish("zigbee2mqtt/lamp/set", '{"state":"ON"}', 1)
+    z2m.publish("zigbee2mqtt/lamp", '{"state":"ON","brightness":254}', 0)
+    got = z2m.take(2)
+    assert [(m.topic, m.qos, m.retain) for m in got] == [
+        ("zigbee2mqtt/lamp/set", 1, False), ("zigbee2mqtt/lamp", 0, False)]
+
+    ha = Paho(b.mqtt_port, "ha")
+    assert ha.subscribe((state, 1)) == [1]
+    m = ha.get()
+    assert (m.payload, m.retain) == (b'{"state":"online"}', True)
+    z2m.stop()  # the process dies: no DISCONNECT
+    m = ha.get()
+    assert (m.topic, m.payload, m.qos, m.retain) == (state, b'{"state":"offline"}', 1, False)
+    later = Paho(b.mqtt_port, "ha-restarted")
+    assert later.subscribe((state, 2)) == [2]
+    m = later.get()
+    assert (m.payload, m.qos, m.retain) == (b'{"state":"offline"}', 1, True)

@@ -1,0 +1,430 @@
+"""MQTT 3.1.1 sessions end to end: persistent sessions (clean session 0), redelivery with
+DUP, takeover, session expiry, and what a SIGKILL of the broker must not lose.
+
+The real broker on loopback; paho-mqtt and mosquitto_pub as clients, and a raw socket
+(``mqttpeer.Raw``) where a well-behaved client cannot be made to misbehave (never PUBACK,
+resend a QoS 2 PUBLISH with DUP). Each test names the statements of MQTT 3.1.1 it checks.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+from mqttpeer import Paho, Raw, mosquitto, reap
+
+from blipmq_server.mqtt.codec import (
+    ConnAck,
+    PingReq,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    UnsubAck,
+    Unsubscribe,
+    Will,
+)
+
+MQTT = {"mqtt": {"enabled": True, "port": 0}}
+
+
+@pytest.fixture(autouse=True)
+def _reap_clients() -> Iterator[None]:
+    """mosquitto and blipmq clients a failed test left running are killed."""
+    yield
+    reap()
+
+
+def _nothing_more(raw: Raw) -> None:
+    """Nothing is queued for ``raw`` before a PINGRESP (its answer to our PINGREQ)."""
+    raw.send(PingReq())
+    assert raw.recv() == PingResp()
+
+
+def _subscribe(raw: Raw, topic_filter: str, qos: int, packet_id: int = 1) -> None:
+    raw.send(Subscribe(packet_id, ((topic_filter, qos),)))
+    assert raw.expect(SubAck) == SubAck(packet_id, (qos,))
+
+
+# ------------------------------------------------------------------ 5. persistent sessions
+
+
+def test_a_persistent_session_gets_what_was_published_while_it_was_away(start_broker) -> None:
+    """MQTT-3.1.2-4/5: with clean session 0 the subscriptions and the QoS 1 messages that
+    match them while disconnected are kept; MQTT-3.2.2-2: CONNACK's session present is 1
+    on its return (-3: 0 for a new one); MQTT-3.1.2-6: clean session 1 discards it."""
+    b = start_broker(MQTT)
+    pub = Paho(b.mqtt_port, "ps-pub")
+    pub.publish("ps/two/r", "retained", 1, retain=True)
+    client = Paho(b.mqtt_port, "ps-1", clean=False)
+    assert client.session_present is False
+    assert client.subscribe(("ps/t", 1), ("ps/two/+", 2)) == [1, 2]
+    m = client.get()
+    assert (m.topic, m.retain) == ("ps/two/r", True)
+    client.disconnect()
+
+    n = 50
+    for i in range(n):
+        pub.publish("ps/t", f"m{i}", 1)
+    pub.publish("ps/two/x", "qos 2", 2)
+    back = Paho(b.mqtt_port, "ps-1", clean=False)
+    assert back.session_present is True
+    got = back.take(n + 1)
+    assert [(m.payload, m.qos) for m in got if m.topic == "ps/t"] == [
+        (f"m{i}".encode(), 1) for i in range(n)]
+    assert [(m.topic, m.payload, m.qos) for m in got if m.topic != "ps/t"] == [
+        ("ps/two/x", b"qos 2", 2)]  # and not the retained value again: no SUBSCRIBE
+    pub.publish("ps/t", "live", 1)  # subscribed without a new SUBSCRIBE
+    m = back.get()
+    assert (m.topic, m.payload, m.qos, m.dup) == ("ps/t", b"live", 1, False)
+    back.sync()
+    assert back.drained() == []
+    back.disconnect()
+
+    fresh = Paho(b.mqtt_port, "ps-1", clean=True)  # ends the persistent session
+    assert fresh.session_present is False
+    fresh.disconnect()
+    b.wait_metric("blipmq_durable_groups", 0)
+    pub.publish("ps/t", "nobody's", 1)
+    again = Paho(b.mqtt_port, "ps-1", clean=False)
+    assert again.session_present is False
+    again.sync()
+    assert again.drained() == []
+
+
+def test_a_qos0_subscription_of_a_persistent_session_is_kept(start_broker) -> None:
+    """MQTT-3.1.2-4: the session's subscriptions are its state, whatever their QoS (QoS 0
+    messages published while it was away need not be kept: mqtt.queue_qos0 is off)."""
+    b = start_broker(MQTT)
+    client = Paho(b.mqtt_port, "ps0", clean=False)
+    assert client.subscribe(("ps0/t", 0)) == [0]
+    client.disconnect()
+    back = Paho(b.mqtt_port, "ps0", clean=False)
+    assert back.session_present is True
+    back.publish("ps0/t", "live", 1)
+    m = back.get()
+    assert (m.topic, m.payload, m.qos) == ("ps0/t", b"live", 0)
+
+
+def test_a_clean_session_takeover_ends_the_persistent_session(start_broker) -> None:
+    """MQTT-3.1.2-6: a connection with clean session 1 discards the session, also when it
+    takes over a connected persistent one."""
+    b = start_broker(MQTT)
+    first = Paho(b.mqtt_port, "cs-1", clean=False)
+    assert first.subscribe(("cs/t", 1)) == [1]
+    second = Paho(b.mqtt_port, "cs-1", clean=True)
+    assert second.session_present is False
+    first.wait_closed()
+    second.publish("cs/t", "to nobody", 1)
+    second.sync()
+    assert second.drained() == []
+    second.disconnect()
+    b.wait_metric("blipmq_durable_groups", 0)
+    third = Paho(b.mqtt_port, "cs-1", clean=False)
+    assert third.session_present is False
+    third.sync()
+    assert third.drained() == []
+
+
+def test_an_unacknowledged_delivery_comes_again_with_dup(start_broker) -> None:
+    """MQTT-4.4.0-1: on reconnection with clean session 0 the server re-sends the QoS 1
+    and 2 PUBLISH packets not acknowledged, with DUP 1 (MQTT-3.3.1-1); once acknowledged,
+    never again."""
+    b = start_broker(MQTT)
+    pub = Paho(b.mqtt_port, "dup-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("dup-1", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "dup/t", 1)
+    pub.publish("dup/t", "first", 1)
+    first = raw.expect(Publish)
+    assert (first.topic, first.payload, first.qos, first.dup) == ("dup/t", b"first", 1, False)
+    raw.close()  # no PUBACK
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("dup-1", clean=False) == ConnAck(True, 0)
+    again = raw.expect(Publish)
+    assert (again.topic, again.payload, again.qos, again.dup) == ("dup/t", b"first", 1, True)
+    raw.send(PubAck(again.packet_id))
+    _nothing_more(raw)
+    pub.publish("dup/t", "second", 1)
+    second = raw.expect(Publish)
+    assert (second.payload, second.dup) == (b"second", False)
+    raw.send(PubAck(second.packet_id))
+    raw.disconnect()
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("dup-1", clean=False) == ConnAck(True, 0)
+    _nothing_more(raw)  # both were acknowledged: nothing is sent again
+
+
+def test_an_unreceived_qos2_delivery_comes_again_with_dup_and_its_packet_id(start_broker
+                                                                            ) -> None:
+    """MQTT-4.4.0-1 and MQTT-3.3.1-1 at QoS 2: the PUBLISH the client never PUBRECed comes
+    again with DUP 1 and the same packet id (so the client can tell it is the same one),
+    and the flow completes: PUBREC, PUBREL, PUBCOMP."""
+    b = start_broker(MQTT)
+    pub = Paho(b.mqtt_port, "dup2-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("dup2-1", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "dup2/t", 2)
+    pub.publish("dup2/t", "once", 2)
+    first = raw.expect(Publish)
+    assert (first.payload, first.qos, first.dup) == (b"once", 2, False)
+    raw.close()
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("dup2-1", clean=False) == ConnAck(True, 0)
+    again = raw.expect(Publish)
+    assert (again.payload, again.qos, again.dup, again.packet_id) == (
+        b"once", 2, True, first.packet_id)
+    raw.send(PubRec(again.packet_id))
+    assert raw.recv() == PubRel(again.packet_id)
+    raw.send(PubComp(again.packet_id))
+    _nothing_more(raw)
+    raw.disconnect()
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("dup2-1", clean=False) == ConnAck(True, 0)
+    _nothing_more(raw)
+
+
+def test_a_pubrel_not_completed_is_sent_again_not_the_publish(start_broker) -> None:
+    """MQTT-4.4.0-1: on reconnection the server re-sends the unacknowledged PUBREL packets;
+    MQTT-4.3.3-1: once it has sent PUBREL it must not send that PUBLISH again (a client
+    that has already handed the message on would see it twice)."""
+    b = start_broker(MQTT)
+    pub = Paho(b.mqtt_port, "rel-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("rel-1", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "rel/t", 2)
+    pub.publish("rel/t", "exactly once", 2)
+    first = raw.expect(Publish)
+    raw.send(PubRec(first.packet_id))
+    assert raw.recv() == PubRel(first.packet_id)
+    raw.close()  # no PUBCOMP
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("rel-1", clean=False) == ConnAck(True, 0)
+    assert raw.recv() == PubRel(first.packet_id)
+    raw.send(PubComp(first.packet_id))
+    _nothing_more(raw)
+
+
+def test_inbound_qos2_is_stored_once_whatever_the_resends(start_broker) -> None:
+    """MQTT-4.3.3-2: until PUBREL, a PUBLISH with the same packet id is answered PUBREC and
+    not delivered again; after PUBCOMP the id is free for a new message."""
+    b = start_broker(MQTT)
+    sub = Paho(b.mqtt_port, "in2-sub")
+    assert sub.subscribe(("in2/t", 2)) == [2]
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("in2-pub") == ConnAck(False, 0)
+    raw.send(Publish("in2/t", b"one", 2, False, False, 7))
+    assert raw.recv() == PubRec(7)
+    for _ in range(3):
+        raw.send(Publish("in2/t", b"one", 2, False, True, 7))
+        assert raw.recv() == PubRec(7)
+    raw.send(PubRel(7))
+    assert raw.recv() == PubComp(7)
+    raw.send(Publish("in2/t", b"two", 2, False, False, 7))  # the id again: a new message
+    assert raw.recv() == PubRec(7)
+    raw.send(PubRel(7))
+    assert raw.recv() == PubComp(7)
+    got = sub.take(2)
+    assert [(m.payload, m.qos) for m in got] == [(b"one", 2), (b"two", 2)]
+    sub.sync()
+    assert sub.drained() == []
+    assert b.metric("blipmq_messages_published_total") == 2
+
+
+# ----------------------------------------------------------------------------- 6. takeover
+
+
+def test_a_second_connection_with_the_same_id_takes_over(start_broker) -> None:
+    """MQTT-3.1.4-2: the server disconnects the existing client with that id; the one
+    taken over had no chance to DISCONNECT, so its will is published."""
+    b = start_broker(MQTT)
+    watcher = Paho(b.mqtt_port, "to-watch")
+    assert watcher.subscribe(("to/will", 1), ("to/x", 1)) == [1, 1]
+    first = Raw(b.mqtt_port)
+    assert first.connect("twin", will=Will("to/will", b"first gone", 1, False)).code == 0
+    second = Paho(b.mqtt_port, "twin")
+    assert first.wait_closed() == []
+    m = watcher.get()
+    assert (m.topic, m.payload, m.qos) == ("to/will", b"first gone", 1)
+    b.wait_metric("blipmq_connections_closed_total", 1, reason="taken_over")
+    assert second.subscribe(("to/echo", 1)) == [1]
+    second.publish("to/echo", "second is in", 1)
+    assert second.get().payload == b"second is in"
+    assert not second.disconnected.is_set()
+
+    third = Paho(b.mqtt_port, "twin")  # paho taken over by paho
+    second.wait_closed()
+    third.publish("to/x", "third", 1)
+    m = watcher.get()
+    assert (m.topic, m.payload) == ("to/x", b"third")
+    watcher.sync()
+    assert watcher.drained() == []  # the second had no will
+
+
+def test_a_takeover_keeps_the_persistent_session(start_broker) -> None:
+    """A persistent session taken over goes on in the new connection: its subscriptions,
+    and its unacknowledged delivery, sent again with DUP 1."""
+    b = start_broker(MQTT)
+    pub = Paho(b.mqtt_port, "tk-pub")
+    first = Raw(b.mqtt_port)
+    assert first.connect("tk-1", clean=False) == ConnAck(False, 0)
+    _subscribe(first, "tk/t", 1)
+    pub.publish("tk/t", "in flight", 1)
+    held = first.expect(Publish)
+    assert held.payload == b"in flight"
+
+    second = Raw(b.mqtt_port)
+    assert second.connect("tk-1", clean=False) == ConnAck(True, 0)
+    assert first.wait_closed() == []
+    again = second.expect(Publish)
+    assert (again.payload, again.dup) == (b"in flight", True)
+    second.send(PubAck(again.packet_id))
+    pub.publish("tk/t", "after", 1)
+    after = second.expect(Publish)
+    assert (after.payload, after.dup) == (b"after", False)
+    second.send(PubAck(after.packet_id))
+    _nothing_more(second)
+
+
+def test_an_offline_session_expires(start_broker) -> None:
+    """mqtt.session_expiry_ms: a persistent session offline that long is deleted, with its
+    durable group; the client then starts afresh (session present 0)."""
+    b = start_broker({"mqtt": {"enabled": True, "port": 0, "session_expiry_ms": 300}})
+    client = Paho(b.mqtt_port, "exp-1", clean=False)
+    assert client.subscribe(("exp/t", 1)) == [1]
+    client.disconnect()
+    b.wait_log("MQTT session 'exp-1' expired")
+    b.wait_metric("blipmq_durable_groups", 0)
+    back = Paho(b.mqtt_port, "exp-1", clean=False)
+    assert back.session_present is False
+
+
+# ------------------------------------------------------------------------ 10, 11. SIGKILL
+
+
+@pytest.mark.slow
+def test_3000_qos1_messages_to_an_offline_session_survive_sigkill(start_broker) -> None:
+    """Every QoS 1 message PUBACKed to mosquitto_pub is delivered to the persistent
+    session after the broker is SIGKILLed and restarted on the same data."""
+    b = start_broker(MQTT)
+    client = Paho(b.mqtt_port, "sk-1", clean=False)
+    assert client.subscribe(("sk/t", 1)) == [1]
+    client.disconnect()
+    n = 3000
+    lines = [f"reading {i:05d}" for i in range(n)]
+    res = mosquitto("mosquitto_pub", b.mqtt_port, "-i", "sk-pub", "-q", "1", "-t", "sk/t",
+                    "-l", input="".join(x + "\n" for x in lines).encode(), timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    back = Paho(b2.mqtt_port, "sk-1", clean=False)
+    assert back.session_present is True
+    got = back.take(n, timeout=30)
+    assert [m.payload.decode() for m in got] == lines
+    assert {m.qos for m in got} == {1}
+    back.sync()
+    assert back.drained() == []
+
+
+def test_inbound_qos2_packet_ids_survive_sigkill(start_broker) -> None:
+    """MQTT-4.3.3-2 across a crash: the packet id of a QoS 2 PUBLISH that got PUBREC is
+    remembered until PUBREL even through SIGKILL, so the client's resend (DUP 1, same id)
+    after reconnecting is answered PUBREC and not stored a second time."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("crash-q2", clean=False) == ConnAck(False, 0)
+    raw.send(Publish("q2k/t", b"exactly once", 2, False, False, 7))
+    assert raw.recv() == PubRec(7)
+    raw.close()
+    raw = Raw(b.mqtt_port)  # a reconnection first: the id is still remembered
+    assert raw.connect("crash-q2", clean=False) == ConnAck(True, 0)
+    raw.send(Publish("q2k/t", b"exactly once", 2, False, True, 7))
+    assert raw.recv() == PubRec(7)
+    assert b.metric("blipmq_messages_published_total") == 1
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    raw.close()
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("crash-q2", clean=False) == ConnAck(True, 0)
+    raw.send(Publish("q2k/t", b"exactly once", 2, False, True, 7))
+    assert raw.recv() == PubRec(7)
+    raw.send(PubRel(7))
+    assert raw.recv() == PubComp(7)
+    raw.disconnect()
+    assert b2.metric("blipmq_messages_published_total") == 0
+    logged = b2.cli("sub", "q2k/t", "--from", "earliest", "--until-end")
+    assert logged.returncode == 0, logged.stderr
+    assert logged.stdout == b"exactly once\n"
+
+
+def test_a_suback_means_the_subscription_survives_sigkill(start_broker) -> None:
+    """A persistent session's subscriptions are its state (MQTT-3.1.2-4/5): once SUBACK
+    is out, a crash must not lose them, or what is published while the client is away
+    goes nowhere (and a client told session present 1 never subscribes again). The broker
+    is SIGKILLed the moment the SUBACK arrives."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("suback-k", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "sk2/t", 1)
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    raw.close()
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    Paho(b2.mqtt_port, "sk2-pub").publish("sk2/t", "while away", 1)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("suback-k", clean=False) == ConnAck(True, 0)
+    got = raw.expect(Publish)
+    assert (got.topic, got.payload, got.qos) == ("sk2/t", b"while away", 1)
+
+
+def test_an_unsuback_means_the_subscription_is_gone_after_sigkill(start_broker) -> None:
+    """MQTT-3.10.4-2 across a crash: once UNSUBACK is out, a restart must not bring the
+    subscription back. The broker is SIGKILLed the moment the UNSUBACK arrives."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("unsuback-k", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "uk/t", 1)
+    b.wait_metric("blipmq_wal_pending_records", 0)  # the subscription is written
+    raw.send(Unsubscribe(2, ("uk/t",)))
+    assert raw.recv() == UnsubAck(2)
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    raw.close()
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    Paho(b2.mqtt_port, "uk-pub").publish("uk/t", "unsubscribed", 1)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("unsuback-k", clean=False) == ConnAck(True, 0)
+    _nothing_more(raw)
+
+
+def test_a_pubrel_owed_survives_sigkill(start_broker) -> None:
+    """MQTT-4.3.3-1 across a crash: after PUBREC the broker owes PUBREL, and only that; a
+    restart on the same data sends PUBREL again, never the PUBLISH."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("pubrel-k", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "prk/t", 2)
+    Paho(b.mqtt_port, "prk-pub").publish("prk/t", "once", 2)
+    first = raw.expect(Publish)
+    raw.send(PubRec(first.packet_id))
+    assert raw.recv() == PubRel(first.packet_id)
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    raw.close()
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("pubrel-k", clean=False) == ConnAck(True, 0)
+    assert raw.recv() == PubRel(first.packet_id)
+    raw.send(PubComp(first.packet_id))
+    _nothing_more(raw)
