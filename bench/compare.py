@@ -15,8 +15,14 @@ in a shell pipe. Loss is counted from sequence numbers in every payload, never a
 Broker CPU time (utime + stime from /proc/PID/stat) per delivered message is the figure that
 survives a noisy machine; throughput and latency run three times each (``--repeat``) and
 the median run is kept. The latency runs go in rounds, each broker once a round, on a new
-broker each time, so that a machine whose speed drifts weighs on all of them alike. Writes
-results.csv, results.json, summary.md and PNG charts to --out.
+broker each time, so that a machine whose speed drifts weighs on all of them alike.
+
+The ``mqtt`` workloads put BlipMQ's MQTT listener beside mosquitto, both driven by the same
+MQTT clients: `mosquitto_pub -l` -> `mosquitto_sub` at QoS 0 (and `mosquitto_pub -q 1 -l` for
+confirmed QoS 1, BlipMQ at wal.fsync = always), paho-mqtt 1 -> 1, 1 -> 4 and latency at
+2,000 msg/s (drive.py's paho workers), 1,000 idle connections held by bench/mqttload.py, and,
+BlipMQ only, 10,000 persistent sessions restored by a restart. Writes results.csv,
+results.json, summary.md and PNG charts to --out.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ CLIENT_NAME = {"blipmq": "blipmq client", "paho": "paho-mqtt", "nats": "nats-py"
                "redis": "redis-py"}
 SIZES = {"full": {100: 100_000, 4096: 25_000, 65536: 3_000},
          "quick": {100: 3_000, 4096: 1_000, 65536: 200}}
-WORKLOADS = ("throughput", "latency", "durable", "pipe", "curve")
+WORKLOADS = ("throughput", "latency", "durable", "pipe", "curve", "mqtt")
 
 
 def find(exe: str) -> str | None:
@@ -63,21 +69,40 @@ def find(exe: str) -> str | None:
 
 
 class Broker:
-    """One broker process: started here, measured from /proc, stopped by PID."""
+    """One broker process: started here, measured from /proc, stopped by PID. ``mqtt_port``:
+    BlipMQ's MQTT listener, waited for as well (mosquitto's is its one port)."""
 
-    def __init__(self, name: str, argv: list[str], port: int, cwd: Path) -> None:
-        self.name, self.port, self.dir = name, port, cwd
+    def __init__(self, name: str, argv: list[str], port: int, cwd: Path,
+                 mqtt_port: int | None = None) -> None:
+        self.name, self.port, self.dir, self.argv = name, port, cwd, argv
         self.url = f"127.0.0.1:{port}"
-        started = time.monotonic()
+        self.mqtt_port = mqtt_port or port
+        self.mqtt_url = f"127.0.0.1:{self.mqtt_port}"
+        self.lines: list[str] = []  # the last lines of its stderr
+        self.ready_at: float | None = None  # when BlipMQ's ready line ("listening on") came
+        self.started = started = time.monotonic()
         self.proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if not wait_port(port, self.proc):
-            err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None \
-                else "not accepting after 20 s"
+        reader = threading.Thread(target=self._read_stderr, daemon=True)  # drains it
+        reader.start()
+        if not all(wait_port(p, self.proc) for p in dict.fromkeys((port, self.mqtt_port))):
+            if self.proc.poll() is not None:
+                reader.join(5)
+                err = self.lines[-1:]
+            else:
+                err = ["not accepting after 20 s"]
             self.stop()
-            raise RuntimeError(f"{name} did not start: {err.strip().splitlines()[-1:]}")
+            raise RuntimeError(f"{name} did not start: {err}")
         self.startup_ms = (time.monotonic() - started) * 1000
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            if self.ready_at is None and "listening on" in line:
+                self.ready_at = time.monotonic()
+            self.lines.append(line)
+            del self.lines[:-50]
 
     def cpu_s(self) -> float:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -98,13 +123,20 @@ class Broker:
 
 
 def start_broker(kind: str, work: Path, *, fsync: str = "always",
-                 jetstream: str | None = None, exe: str | None = None) -> Broker:
+                 jetstream: str | None = None, exe: str | None = None,
+                 mqtt: bool = False) -> Broker:
+    """``mqtt``: BlipMQ with its MQTT listener too, on a port of its own."""
     port = free_port()
+    mqtt_port = None
     d = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
     if kind == "blipmq":
+        listener = ""
+        if mqtt:
+            mqtt_port = free_port()
+            listener = f"[mqtt]\nenabled = true\nhost = \"127.0.0.1\"\nport = {mqtt_port}\n"
         (d / "b.toml").write_text(
             f"[server]\nport = {port}\nhost = \"127.0.0.1\"\n[metrics]\nenabled = false\n"
-            f"[wal]\nfsync = \"{fsync}\"\n")
+            f"[wal]\nfsync = \"{fsync}\"\n{listener}")
         argv = [BLIPMQ, "start", "--config", str(d / "b.toml"), "--data-dir", str(d / "data"),
                 "--log-format", "plain", "--log-level", "warning"]
     elif kind == "mosquitto":
@@ -122,7 +154,7 @@ def start_broker(kind: str, work: Path, *, fsync: str = "always",
                 "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)]
     else:
         raise ValueError(kind)
-    return Broker(kind, argv, port, d)
+    return Broker(kind, argv, port, d, mqtt_port)
 
 
 def version(kind: str) -> str:
@@ -134,6 +166,19 @@ def version(kind: str) -> str:
     except OSError:
         return "?"
     return ((out.stdout or out.stderr).strip().splitlines() or ["?"])[0][:80]
+
+
+def mqtt_clients() -> str:
+    """The versions of the MQTT clients both MQTT brokers are driven by."""
+    try:
+        out = subprocess.run(["mosquitto_pub", "--help"], capture_output=True, text=True,
+                             timeout=10).stdout.splitlines()
+        tool = next((x for x in out if x.startswith("mosquitto_pub version")), "?")
+    except OSError:
+        tool = "mosquitto_pub not installed"
+    paho = subprocess.run([PY, "-c", "import paho.mqtt; print(paho.mqtt.__version__)"],
+                          capture_output=True, text=True, timeout=30).stdout.strip() or "?"
+    return f"{tool}; paho-mqtt {paho}"
 
 
 def ensure_peers(wanted: list[str], install: bool) -> tuple[list[str], dict[str, str]]:
@@ -183,14 +228,17 @@ def outcome(proc: subprocess.Popen[str], timeout: float = 600) -> dict:
 
 def fanout(broker: Broker, client: str, subscribers: int, n: int, size: int, rate: int = 0,
            topic: str = "bench/t", sub_topic: str | None = None, extra: int = 0,
-           pub_topics: int = 1) -> dict:
-    """``subscribers`` sub workers, one publisher; deliveries, loss, latency, broker CPU."""
-    subs = [drive(client, "sub", broker.url, sub_topic or topic, n, extra)
+           pub_topics: int = 1, url: str | None = None) -> dict:
+    """``subscribers`` sub workers, one publisher; deliveries, loss, latency, broker CPU.
+    ``url``: where the clients connect (default the broker's own port; BlipMQ's MQTT
+    listener for paho)."""
+    url = url or broker.url
+    subs = [drive(client, "sub", url, sub_topic or topic, n, extra)
             for _ in range(subscribers)]
     for s in subs:
         wait_ready(s)
     cpu = broker.cpu_s()
-    pub = outcome(drive(client, "pub", broker.url, topic, n, size, rate, pub_topics))
+    pub = outcome(drive(client, "pub", url, topic, n, size, rate, pub_topics))
     got = [outcome(s) for s in subs]
     cpu = broker.cpu_s() - cpu
     last = max([pub["end"], *(g["last"] for g in got if g["last"])])
@@ -239,7 +287,8 @@ def throughput(kind: str, broker: Broker, sizes: dict[int, int], rows: list[Row]
 
 
 def latency(kinds: list[str], n: int, work: Path, rows: list[Row], repeat: int,
-            peaks: dict[str, float], skipped: dict[str, str]) -> None:
+            peaks: dict[str, float], skipped: dict[str, str],
+            workload: str = "latency 2000 msg/s", mqtt: bool = False) -> None:
     """Latency at 2,000 msg/s, in rounds: each round runs every broker once, in turn (the
     order turns by one each round), each run on a new broker. A machine whose speed drifts
     by tens of percent within minutes (this one does) then weighs on every broker alike:
@@ -247,7 +296,10 @@ def latency(kinds: list[str], n: int, work: Path, rows: list[Row], repeat: int,
     A new broker per run, after the previous one's files were deleted and everything
     written was flushed to disk (``os.sync``), also keeps a run from sharing the machine
     with the kernel writing back what an earlier broker logged (BlipMQ's latency runs after
-    its throughput runs: p99 1.2-4.2 ms instead of 0.4-0.5 ms)."""
+    its throughput runs: p99 1.2-4.2 ms instead of 0.4-0.5 ms).
+
+    ``mqtt``: every broker (BlipMQ through its MQTT listener) driven by paho-mqtt."""
+    client_of: Callable[[str], str] = (lambda kind: "paho") if mqtt else CLIENT.__getitem__
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     for turn in range(repeat):
         for kind in kinds[turn % len(kinds):] + kinds[:turn % len(kinds)]:
@@ -255,17 +307,18 @@ def latency(kinds: list[str], n: int, work: Path, rows: list[Row], repeat: int,
                 continue
             os.sync()
             try:
-                broker = start_broker(kind, work)
+                broker = start_broker(kind, work, mqtt=mqtt)
             except RuntimeError as exc:
-                skipped[f"{kind} latency"] = str(exc)
+                skipped[f"{kind} {workload}"] = str(exc)
                 del runs[kind]
                 continue
             try:
                 time.sleep(0.5)  # as for the idle figure: let start-up settle
-                runs[kind].append(fanout(broker, CLIENT[kind], 1, n, 100, rate=2000))
+                runs[kind].append(fanout(broker, client_of(kind), 1, n, 100, rate=2000,
+                                         url=broker.mqtt_url if mqtt else None))
                 peaks[kind] = max(peaks.get(kind, 0.0), broker.memory_mb("VmHWM"))
             except RuntimeError as exc:
-                skipped[f"{kind} latency"] = str(exc)
+                skipped[f"{kind} {workload}"] = str(exc)
                 del runs[kind]
             finally:
                 broker.stop()
@@ -273,9 +326,9 @@ def latency(kinds: list[str], n: int, work: Path, rows: list[Row], repeat: int,
     for kind, done in runs.items():
         r = median_run(done, "p99_us")
         r["p50_runs"] = [x["p50_us"] for x in done]  # every run's, in the order they ran
-        rows.append({"workload": "latency 2000 msg/s", "broker": kind,
-                     "client": CLIENT_NAME[CLIENT[kind]], **r})
-        print(f"  {kind} latency p50/p99 {r['p50_us']}/{r['p99_us']} us", file=sys.stderr)
+        rows.append({"workload": workload, "broker": kind,
+                     "client": CLIENT_NAME[client_of(kind)], **r})
+        print(f"  {kind} {workload} p50/p99 {r['p50_us']}/{r['p99_us']} us", file=sys.stderr)
 
 
 def pipe(kind: str, broker: Broker, n: int, work: Path, rows: list[Row]) -> None:
@@ -473,12 +526,270 @@ def curve_new_topic(broker: Broker, quick: bool, subs: int,
         add("new topic resolve", s, r)
 
 
+# --- MQTT: BlipMQ's MQTT listener and mosquitto, driven by the same MQTT clients ------------
+
+MQTT_KINDS = ("blipmq", "mosquitto")
+MQTT = {  # counts of the MQTT workloads
+    "full": {"tools": 200_000, "paho": 100_000, "latency": 10_000, "durable": 50_000,
+             "idle": 1_000, "idle_s": 60, "sessions": 10_000, "sample": 100},
+    "quick": {"tools": 3_000, "paho": 2_000, "latency": 1_000, "durable": 2_000,
+              "idle": 1_000, "idle_s": 2, "sessions": 2_000, "sample": 50},
+}
+MQTT_INFLIGHT = 100  # mosquitto_pub -M: QoS 1 messages in flight (its default is 20)
+KEEPALIVE = 30  # s, of the idle connections
+MQTTLOAD = str(HERE / "mqttload.py")
+TOOLS = "mosquitto_pub/sub"
+
+
+def mqttload(*args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen([PY, MQTTLOAD, *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def tool_lines(n: int, size: int = 100) -> bytes:
+    """n lines of ``size`` bytes (then a newline), each starting with its sequence number."""
+    return b"".join((b"L%08d " % i).ljust(size, b"x") + b"\n" for i in range(n))
+
+
+def mqtt_tools(broker: Broker, n: int) -> dict:
+    """QoS 0, 1 -> 1: `mosquitto_pub -l` (n lines of 100 bytes) -> broker -> `mosquitto_sub`.
+    Readiness is a probe message seen by the subscriber; loss and duplicates are counted
+    from the lines' sequence numbers; the end is when the last message arrived (or 3 s of
+    silence, the rest lost)."""
+    host, port = "127.0.0.1", str(broker.mqtt_port)
+    topic = "mq/tools"
+    sub = subprocess.Popen(["mosquitto_sub", "-h", host, "-p", port, "-t", topic],
+                           stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    seen = bytearray(n)
+    got = {"unique": 0, "dup": 0, "probe": 0, "at": 0.0}
+    all_in = threading.Event()
+
+    def count() -> None:
+        assert sub.stdout is not None
+        for line in sub.stdout:
+            if line.startswith(b"L"):
+                seq = int(line[1:9])
+                got["at"] = time.monotonic()
+                if seq < n and not seen[seq]:
+                    seen[seq] = 1
+                    got["unique"] += 1
+                    if got["unique"] == n:
+                        all_in.set()
+                else:
+                    got["dup"] += 1
+            elif line.startswith(b"probe"):
+                got["probe"] += 1
+        all_in.set()
+
+    threading.Thread(target=count, daemon=True).start()
+    probe = ["mosquitto_pub", "-h", host, "-p", port, "-t", topic, "-m", "probe"]
+    try:
+        deadline = time.monotonic() + 20
+        while not got["probe"] and time.monotonic() < deadline:  # subscribed yet?
+            subprocess.run(probe, capture_output=True, timeout=10)
+            time.sleep(0.05)
+        if not got["probe"]:
+            raise RuntimeError("mosquitto_sub saw no probe message in 20 s")
+        data = tool_lines(n)
+        cpu = broker.cpu_s()
+        start = time.monotonic()
+        subprocess.run(["mosquitto_pub", "-h", host, "-p", port, "-t", topic, "-l"],
+                       input=data, capture_output=True, timeout=600)
+        until = time.monotonic() + 60 + n / 1000
+        while not all_in.wait(0.1) and time.monotonic() < until:
+            if time.monotonic() - max(got["at"], start) > 3:
+                break  # 3 s without a message: the rest is lost
+        end = got["at"] or time.monotonic()
+        cpu = broker.cpu_s() - cpu
+    finally:
+        sub.kill()
+        sub.wait()
+    delivered = got["unique"]
+    seconds = max(end - start, 1e-9)
+    return {"messages": n, "size": 100, "subscribers": 1, "delivered": delivered,
+            "lost": n - delivered, "duplicates": got["dup"], "seconds": round(seconds, 3),
+            "msg_per_s": round(delivered / seconds),
+            "deliveries_per_s": round(delivered / seconds),
+            "mb_per_s": round(delivered * 100 / seconds / 1e6, 2),
+            "broker_cpu_s": round(cpu, 3),
+            "cpu_us_per_delivery": round(cpu / delivered * 1e6, 2) if delivered else None}
+
+
+def mqtt_traffic(kind: str, work: Path, counts: dict, rows: list[Row], repeat: int,
+                 tools: bool) -> None:
+    """On one broker: the C tools at QoS 0, then paho-mqtt 1 -> 1 and 1 -> 4 (drive.py's
+    paho workers, pointed at BlipMQ's MQTT port or at mosquitto)."""
+    broker = start_broker(kind, work, mqtt=True)
+    try:
+        time.sleep(0.5)
+        if tools:
+            r = median_run([mqtt_tools(broker, counts["tools"]) for _ in range(repeat)],
+                           "msg_per_s")
+            rows.append({"workload": "mqtt C tools qos0", "broker": kind, "client": TOOLS,
+                         **r})
+            print(f"  {kind} C tools QoS 0: {r['msg_per_s']:,} msg/s, lost {r['lost']}, "
+                  f"{r['cpu_us_per_delivery']} us CPU/delivery", file=sys.stderr)
+        for subscribers in (1, 4):
+            r = median_run([fanout(broker, "paho", subscribers, counts["paho"], 100,
+                                   topic="mq/paho", url=broker.mqtt_url)
+                            for _ in range(repeat)], "deliveries_per_s")
+            rows.append({"workload": f"mqtt paho 1->{subscribers}", "broker": kind,
+                         "client": CLIENT_NAME["paho"], **r})
+            print(f"  {kind} paho 1->{subscribers}: {r['deliveries_per_s']:,} deliveries/s, "
+                  f"lost {r['lost']}", file=sys.stderr)
+    finally:
+        broker.stop()
+        shutil.rmtree(broker.dir, ignore_errors=True)
+
+
+def mqtt_durable(kind: str, work: Path, n: int, rows: list[Row]) -> None:
+    """QoS 1 through `mosquitto_pub -q 1 -l -M 100` (the same flags for both): BlipMQ with
+    wal.fsync = always, mosquitto as shipped (in memory, no fsync). Confirmed = the PUBACKs
+    its -d output reports; the time is the tool's, connect to DISCONNECT after the last."""
+    broker = start_broker(kind, work, mqtt=True)
+    try:
+        time.sleep(0.5)
+        data = tool_lines(n)
+        cpu = broker.cpu_s()
+        start = time.monotonic()
+        done = subprocess.run(["mosquitto_pub", "-h", "127.0.0.1", "-p", str(broker.mqtt_port),
+                               "-t", "mq/durable", "-q", "1", "-l", "-M", str(MQTT_INFLIGHT),
+                               "-d"], input=data, capture_output=True, timeout=600)
+        seconds = time.monotonic() - start
+        cpu = broker.cpu_s() - cpu
+    finally:
+        broker.stop()
+        shutil.rmtree(broker.dir, ignore_errors=True)
+    confirmed = min(done.stdout.count(b"received PUBACK"), n)
+    if done.returncode and not confirmed:
+        raise RuntimeError(f"mosquitto_pub -q 1 failed: {done.stderr[-200:]!r}")
+    setting = "wal.fsync always" if kind == "blipmq" else "no fsync (as shipped)"
+    rows.append({"workload": "mqtt durable qos1", "broker": kind,
+                 "client": f"mosquitto_pub -q 1 -M {MQTT_INFLIGHT}, {setting}",
+                 "messages": n, "size": 100, "subscribers": 0, "delivered": confirmed,
+                 "lost": n - confirmed, "seconds": round(seconds, 3),
+                 "msg_per_s": round(confirmed / seconds), "broker_cpu_s": round(cpu, 3),
+                 "cpu_us_per_delivery": round(cpu / max(confirmed, 1) * 1e6, 2)})
+    print(f"  {kind} durable QoS 1: {round(confirmed / seconds):,} confirmed msg/s",
+          file=sys.stderr)
+
+
+def mqtt_idle(kind: str, work: Path, conns: int, window: float, rows: list[Row]) -> None:
+    """``conns`` MQTT connections (keepalive 30 s, a QoS 0 subscription each, a PINGREQ each
+    30 s) held by bench/mqttload.py: the broker's RSS, and its CPU per second over
+    ``window`` s once they are all up."""
+    broker = start_broker(kind, work, mqtt=True)
+    try:
+        time.sleep(0.5)
+        before = broker.memory_mb("VmRSS")
+        holder = mqttload("hold", broker.mqtt_url, conns, KEEPALIVE)
+        assert holder.stdout is not None
+        line = holder.stdout.readline().split()  # mqttload bounds its handshakes: 300 s
+        if line[:1] != ["ready"]:
+            holder.kill()
+            raise RuntimeError(f"mqttload hold did not get ready: {line!r}")
+        time.sleep(1)  # the last connections' work settles
+        cpu = broker.cpu_s()
+        time.sleep(window)
+        cpu = broker.cpu_s() - cpu
+        rss = broker.memory_mb("VmRSS")
+        peak = broker.memory_mb("VmHWM")
+        r = outcome(holder, 120)  # closes its stdin: it disconnects
+    finally:
+        broker.stop()
+        shutil.rmtree(broker.dir, ignore_errors=True)
+    held = r["held"]
+    rows.append({"workload": f"mqtt idle {conns}", "broker": kind, "client": "mqttload.py",
+                 "scale": conns, "messages": conns, "subscribers": 0, "delivered": held,
+                 "lost": conns - held, "seconds": window, "broker_cpu_s": round(cpu, 3),
+                 "cpu_ms_per_s": round(cpu / window * 1000, 2), "rss_mb": rss,
+                 "idle_rss_mb": before, "peak_rss_mb": peak,
+                 "kb_per_connection": round((rss - before) * 1024 / max(held, 1), 1),
+                 "dropped": r["dropped"], "pings": r["pings"], "pongs": r["pongs"]})
+    print(f"  {kind} {held} idle connections: RSS {before} -> {rss} MB, "
+          f"{round(cpu / window * 1000, 2)} ms CPU/s", file=sys.stderr)
+
+
+def mqtt_sessions(work: Path, n: int, sample: int, rows: list[Row]) -> None:
+    """BlipMQ: n persistent sessions (clean session 0, one QoS 1 subscription each), the
+    broker stopped (SIGTERM) and started again on the same data: the time to accepting
+    (both ports open) and to its ready line, its CPU and RSS then, the sessions its log
+    says it restored, and ``sample`` of them, spread over all, connected again: how many
+    CONNACKs said "session present"."""
+    broker = start_broker("blipmq", work, mqtt=True)
+    try:
+        created = outcome(mqttload("sessions", broker.mqtt_url, n, "bench-s-"), 600)
+    finally:
+        broker.stop()
+    argv = [*broker.argv[:-1], "info"]  # --log-level info: the ready line, the restore line
+    again = Broker("blipmq", argv, broker.port, broker.dir, broker.mqtt_port)
+    try:
+        cpu = again.cpu_s()  # start-up: the log read, the sessions restored
+        rss = again.memory_mb("VmRSS")
+        time.sleep(0.2)  # the ready line, should it come a little after the ports open
+        ready_ms = (again.ready_at - again.started) * 1000 if again.ready_at else None
+        found = [re.search(r"(\d+) persistent session\(s\) restored", x) for x in again.lines]
+        restored = next((int(m.group(1)) for m in found if m), 0)
+        step = max(n // sample, 1)
+        back = outcome(mqttload("resume", again.mqtt_url, min(sample, n), "bench-s-", step), 600)
+    finally:
+        again.stop()
+        shutil.rmtree(broker.dir, ignore_errors=True)
+    rows.append({"workload": f"mqtt sessions restore {n}", "broker": "blipmq",
+                 "client": "mqttload.py", "scale": n, "messages": n, "subscribers": 0,
+                 "delivered": created["created"], "lost": n - created["created"],
+                 "seconds": created["seconds"],
+                 "msg_per_s": round(created["created"] / max(created["seconds"], 1e-9)),
+                 "startup_ms": round(again.startup_ms, 1),
+                 "ready_ms": round(ready_ms, 1) if ready_ms is not None else None,
+                 "broker_cpu_s": round(cpu, 3), "rss_mb": rss, "restored": restored,
+                 "resumed": back["present"], "resume_sample": min(sample, n),
+                 "resume_seconds": back["seconds"]})
+    print(f"  blipmq {n} sessions: created in {created['seconds']} s; restart: accepting "
+          f"after {again.startup_ms:.0f} ms, {restored} restored, {back['present']}/"
+          f"{min(sample, n)} resumed", file=sys.stderr)
+
+
+def mqtt(kinds: list[str], work: Path, quick: bool, rows: list[Row], repeat: int,
+         skipped: dict[str, str]) -> None:
+    """The MQTT workloads, on BlipMQ's MQTT listener and mosquitto (whichever of the two
+    are in ``kinds``), each driven by the same clients: mosquitto_pub/sub, paho-mqtt,
+    bench/mqttload.py."""
+    counts = MQTT["quick" if quick else "full"]
+    mine = [k for k in MQTT_KINDS if k in kinds]
+    tools = bool(find("mosquitto_pub") and find("mosquitto_sub"))
+    if not tools:
+        skipped["mqtt C tools"] = ("mosquitto_pub/mosquitto_sub not installed "
+                                   "(apt-get install mosquitto-clients)")
+
+    def attempt(what: str, kind: str, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+            skipped[f"{kind} mqtt {what}"] = str(exc)
+            print(f"  {kind} mqtt {what}: {exc}", file=sys.stderr)
+
+    for kind in mine:
+        attempt("traffic", kind, mqtt_traffic, kind, work, counts, rows, repeat, tools)
+    print("mqtt latency, in rounds:", file=sys.stderr)
+    latency(mine, counts["latency"], work, rows, repeat, {}, skipped,
+            workload="mqtt latency 2000 msg/s", mqtt=True)
+    for kind in mine:
+        if tools:
+            attempt("durable", kind, mqtt_durable, kind, work, counts["durable"], rows)
+        attempt("idle", kind, mqtt_idle, kind, work, counts["idle"], counts["idle_s"], rows)
+    if "blipmq" in mine:
+        attempt("sessions", "blipmq", mqtt_sessions, work, counts["sessions"], counts["sample"],
+                rows)
+
+
 # --- output ------------------------------------------------------------------------------------
 
 COLUMNS = ["workload", "broker", "client", "scale", "messages", "size", "subscribers",
            "delivered", "lost", "duplicates", "seconds", "msg_per_s", "deliveries_per_s",
            "mb_per_s", "p50_us", "p95_us", "p99_us", "max_us", "broker_cpu_s",
-           "cpu_us_per_delivery", "idle_rss_mb", "peak_rss_mb", "startup_ms", "runs", "spread"]
+           "cpu_us_per_delivery", "idle_rss_mb", "peak_rss_mb", "startup_ms", "runs", "spread",
+           "rss_mb", "cpu_ms_per_s", "kb_per_connection", "ready_ms", "restored", "resumed"]
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -549,6 +860,7 @@ def summary(rows: list[Row], meta: dict) -> str:
     lines.append("| CLI pipe, msg/s | " + " | ".join(fmt + ratios) + " |")
     out += [*lines, ""]
     out += durable_table(rows)
+    out += mqtt_table(rows)
     out += curve_table(rows)
     if meta["skipped"]:
         out += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items()), ""]
@@ -572,6 +884,63 @@ def curve_table(rows: list[Row]) -> list[str]:
                        f"{r['cpu_us_per_delivery']} us"
                        + (f" ({r['lost']:,} lost)" if r["lost"] else ""))
         out.append(f"| {axis} | {scale:,} | " + " | ".join(fmt) + " |")
+    return [*out, ""]
+
+
+def mqtt_table(rows: list[Row]) -> list[str]:
+    """BlipMQ's MQTT listener beside mosquitto, the same MQTT clients for both."""
+    mq = {(r["workload"], r["broker"]): r for r in rows if r["workload"].startswith("mqtt")}
+    if not mq:
+        return []
+
+    def line(label: str, workload: str, fmt: Callable[[Row], str], key: str) -> str:
+        cells = [mq.get((workload, b)) for b in MQTT_KINDS]
+        texts = [fmt(c) if c and c.get(key) is not None else "-" for c in cells]
+        a, b = (c.get(key) if c else None for c in cells)
+        return f"| {label} | " + " | ".join([*texts, ratio(a, b)]) + " |"
+
+    def rate(key: str) -> Callable[[Row], str]:
+        return lambda r: f"{r[key]:,}/s" + (f" ({r['lost']:,} lost)" if r["lost"] else "")
+
+    cpu = lambda r: f"{r['cpu_us_per_delivery']} us"  # noqa: E731
+    out = ["| MQTT, the same clients for both | BlipMQ (MQTT) | mosquitto | "
+           "BlipMQ/mosquitto |", "|---|---:|---:|---:|"]
+    tools = "mqtt C tools qos0"
+    out.append(line("C tools, QoS 0, 100 B, 1 -> 1: delivered msg/s", tools,
+                    rate("msg_per_s"), "msg_per_s"))
+    out.append(line("C tools, QoS 0: broker CPU per delivery (lower is better)", tools, cpu,
+                    "cpu_us_per_delivery"))
+    for s in (1, 4):
+        w = f"mqtt paho 1->{s}"
+        out.append(line(f"paho-mqtt 1 -> {s}, 100 B: deliveries/s", w, rate("deliveries_per_s"),
+                        "deliveries_per_s"))
+        out.append(line(f"paho-mqtt 1 -> {s}: broker CPU per delivery (lower is better)", w,
+                        cpu, "cpu_us_per_delivery"))
+    for key, label in (("p50_us", "p50"), ("p99_us", "p99")):
+        out.append(line(f"paho-mqtt latency at 2,000 msg/s, {label} (lower is better)",
+                        "mqtt latency 2000 msg/s", lambda r, k=key: f"{r[k]} us", key))
+    dur = "mqtt durable qos1"
+    out.append(line(f"QoS 1 confirmed msg/s, `mosquitto_pub -q 1 -l -M {MQTT_INFLIGHT}` "
+                    "(BlipMQ fsync always; mosquitto no fsync)", dur, rate("msg_per_s"),
+                    "msg_per_s"))
+    out.append(line("QoS 1: broker CPU per confirmed message (lower is better)", dur, cpu,
+                    "cpu_us_per_delivery"))
+    idle = next((w for w, _ in mq if w.startswith("mqtt idle")), None)
+    if idle:
+        n = idle.rsplit(" ", 1)[1]
+        out.append(line(f"{int(n):,} idle connections (keepalive {KEEPALIVE} s): broker RSS, "
+                        "MB (lower is better)", idle,
+                        lambda r: f"{r['rss_mb']} ({r['kb_per_connection']} KB/conn)",
+                        "rss_mb"))
+        out.append(line(f"{int(n):,} idle connections: broker CPU, ms/s (lower is better)",
+                        idle, lambda r: f"{r['cpu_ms_per_s']}", "cpu_ms_per_s"))
+    sess = next((w for w, _ in mq if w.startswith("mqtt sessions restore")), None)
+    if sess:
+        r = mq[(sess, "blipmq")]
+        out.append(f"| {int(r['messages']):,} persistent sessions (QoS 1 subscription each), "
+                   f"restart: start-up to accepting, ms | {r['startup_ms']} (ready line "
+                   f"{r['ready_ms']} ms; {r['restored']:,} restored, {r['resumed']}/"
+                   f"{r['resume_sample']} resumed; RSS {r['rss_mb']} MB) | - | - |")
     return [*out, ""]
 
 
@@ -650,6 +1019,8 @@ def main() -> None:
             "versions": {k: version(k) for k in kinds}, "skipped": skipped,
             "jetstream_server": js[1] if js[0] else None,
             "loadavg_start": os.getloadavg()[0], "repeat": repeat}
+    if "mqtt" in workloads and any(k in MQTT_KINDS for k in kinds):
+        meta["versions"]["MQTT clients:"] = mqtt_clients()
     rows: list[Row] = []
     info_rows: dict[str, Row] = {}  # the "broker" row of each broker that started
     peaks: dict[str, float] = {}  # peak RSS of each broker, over all its processes
@@ -696,6 +1067,10 @@ def main() -> None:
                 except RuntimeError as exc:
                     skipped[f"{kind} cost curve"] = str(exc)
                     print(f"  {kind}: {exc}", file=sys.stderr)
+        if "mqtt" in workloads and any(k in MQTT_KINDS for k in kinds):
+            print("mqtt (BlipMQ's MQTT listener and mosquitto, the same clients):",
+                  file=sys.stderr)
+            mqtt(kinds, work, args.quick, rows, repeat, skipped)
     meta["loadavg_end"] = os.getloadavg()[0]
     write(rows, meta, args.out)
     print(summary(rows, meta))

@@ -10,7 +10,8 @@
     drive.py CLIENT hold URL TOPIC C          keep C connections open, each subscribed to
                                               TOPIC/i, until stdin closes
 
-CLIENT is blipmq (its client library), paho (mosquitto), nats (nats-py) or redis (redis-py).
+CLIENT is blipmq (its client library), paho (mosquitto; also BlipMQ's MQTT listener in
+compare.py's mqtt workloads), nats (nats-py) or redis (redis-py).
 Topics and filters are given in MQTT's syntax (`/`, `+`, `#`); each client translates them:
 nats subjects use `.`, `*` and `>`, and a redis filter with a wildcard becomes a PSUBSCRIBE
 glob pattern (`*`). EXTRA_FILTERS more subscriptions on the subscriber's connection match

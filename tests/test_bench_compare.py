@@ -1,11 +1,13 @@
 """bench/compare.py --quick end to end: real brokers (BlipMQ and whichever peers are
 installed: scripts/test-deps installs them), real clients in their own processes. Checks the
-CSV/JSON have the rows the docs quote and no absent or negative figure; never the speed."""
+CSV/JSON have the rows the docs quote and no absent or negative figure; never the speed.
+The MQTT rows: BlipMQ's MQTT listener and mosquitto driven by the same clients."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +31,7 @@ def test_quick_comparison_writes_complete_results(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(TOP / "bench" / "compare.py"), "--quick", "--no-install",
          "--brokers", ",".join(brokers), "--sizes", "100,4096", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=420,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "bench/compare.py" in done.stdout  # the command that reproduces it
@@ -60,13 +62,17 @@ def test_quick_comparison_writes_complete_results(tmp_path: Path) -> None:
     for broker in brokers:  # every broker on every axis; new-topic resolution is BlipMQ's
         curves = {w for w, b in by if w.startswith("curve") and b == broker}
         assert curves == (axes | {"curve new topic resolve"} if broker == "blipmq" else axes)
+    check_mqtt(rows, by, "mosquitto" in peers)
     for r in rows:
         if r["workload"] == "broker":
             continue
         assert r["delivered"] >= 0 and r["lost"] >= 0, r
         assert r["delivered"] + r["lost"] == r["messages"] * max(r["subscribers"], 1), r
-        assert r["msg_per_s"] > 0 and r["seconds"] > 0 and r["broker_cpu_s"] >= 0, r
-        if r["workload"].startswith(("throughput", "latency", "curve")) and r["delivered"]:
+        assert r["seconds"] > 0 and r["broker_cpu_s"] >= 0, r
+        if not r["workload"].startswith("mqtt idle"):  # connections held: no rate
+            assert r["msg_per_s"] > 0, r
+        if r["workload"].startswith(("throughput", "latency", "curve", "mqtt paho",
+                                     "mqtt latency")) and r["delivered"]:
             assert r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"] and r["max_us"] >= r["p99_us"]
         if r["broker"] == "blipmq":
             assert r["lost"] == 0, r  # blocks publishers rather than dropping
@@ -74,6 +80,38 @@ def test_quick_comparison_writes_complete_results(tmp_path: Path) -> None:
         assert (tmp_path / f"{chart}.png").read_bytes()[:4] == b"\x89PNG"
     summary = (tmp_path / "summary.md").read_text()
     assert "| workload | BlipMQ |" in summary
+    assert "| MQTT, the same clients for both | BlipMQ (MQTT) | mosquitto |" in summary
+    if "mosquitto" in peers:  # a BlipMQ/mosquitto ratio on the C tools' line
+        line = next(x for x in summary.splitlines() if x.startswith("| C tools, QoS 0, 100 B"))
+        assert re.search(r"\| \d+\.\d\dx \|$", line), line
+
+
+def check_mqtt(rows: list[dict], by: dict, mosquitto: bool) -> None:
+    """The MQTT rows: every workload on both brokers (the sessions' restart on BlipMQ),
+    every figure there and not negative."""
+    brokers = ["blipmq", "mosquitto"] if mosquitto else ["blipmq"]
+    tools = bool(compare.find("mosquitto_pub") and compare.find("mosquitto_sub"))
+    traffic = ["mqtt paho 1->1", "mqtt paho 1->4", "mqtt latency 2000 msg/s"]
+    traffic += ["mqtt C tools qos0", "mqtt durable qos1"] if tools else []
+    for broker in brokers:
+        for w in traffic:
+            (r,) = by[(w, broker)]
+            for key in ("msg_per_s", "seconds", "broker_cpu_s", "cpu_us_per_delivery"):
+                assert r[key] is not None and r[key] >= 0, (key, r)
+        if tools:
+            (dur,) = by[("mqtt durable qos1", broker)]
+            assert dur["delivered"] == dur["messages"], dur  # every QoS 1 message confirmed
+        (idle,) = by[(f"mqtt idle {compare.MQTT['quick']['idle']}", broker)]
+        assert idle["delivered"] == idle["messages"] == 1000, idle  # every one connected
+        assert idle["dropped"] == 0, idle  # and none closed by the broker
+        assert 0 < idle["idle_rss_mb"] <= idle["rss_mb"] <= idle["peak_rss_mb"], idle
+        assert idle["cpu_ms_per_s"] >= 0 and idle["kb_per_connection"] >= 0, idle
+    sessions = [r for r in rows if r["workload"].startswith("mqtt sessions restore")]
+    assert [r["broker"] for r in sessions] == ["blipmq"]
+    (s,) = sessions
+    assert s["delivered"] == s["messages"] == s["restored"] > 0, s  # all made, all restored
+    assert s["resumed"] == s["resume_sample"] > 0, s  # CONNACK: session present
+    assert s["startup_ms"] > 0 and s["ready_ms"] > 0 and s["rss_mb"] > 0, s
 
 
 def test_archive_uri_reads_deb822_and_one_line_sources(tmp_path: Path) -> None:
