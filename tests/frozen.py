@@ -5,6 +5,7 @@ points it at the aarch64 build, run under qemu), else this machine's build from
 ``packaging/build.py``, which rebuilds only when its inputs changed. Every process is started
 in a session of its own and, if it outlives its test, ended with its whole process group:
 a onefile executable is two processes, and signalling only the parent would leave the child.
+``start_broker`` puts every listener, MQTT included, on a free loopback port.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ TOP = Path(__file__).resolve().parent.parent
 # qemu makes every start of the aarch64 binary take seconds
 SLOW = float(os.environ.get("BLIPMQ_DIST_TIMEOUT", "60"))
 _LISTENING = re.compile(r"listening on [\d.]+:(\d+), metrics on http://[\d.]+:(\d+)/metrics")
+_MQTT = re.compile(r", mqtt on [\d.]+:(\d+)[;,]")
+MOSQUITTO_PUB, MOSQUITTO_SUB = Path("/usr/bin/mosquitto_pub"), Path("/usr/bin/mosquitto_sub")
 
 
 @dataclass(frozen=True)
@@ -83,11 +86,21 @@ class Runner:
         out, err = proc.communicate(input, timeout=SLOW)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
+    def run_program(self, *argv: str) -> subprocess.CompletedProcess[bytes]:
+        proc = self.spawn_program(*argv)
+        out, err = proc.communicate(timeout=SLOW)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
     def spawn(self, *args: str, env: dict[str, str] | None = None,
               stdin: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+        return self.spawn_program(str(self.binary), *args, env=env, stdin=stdin)
+
+    def spawn_program(self, *argv: str, env: dict[str, str] | None = None,
+                      stdin: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+        """Any program (mosquitto_sub, ...), ended with the others if it outlives its test."""
         proc = subprocess.Popen(
-            [str(self.binary), *args], stdin=stdin, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={**self.env, **(env or {})}, start_new_session=True,
+            argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**self.env, **(env or {})}, start_new_session=True,
         )
         self.started.append(proc)
         return proc
@@ -107,6 +120,7 @@ class Broker:
     log: list[str]
     port: int = 0
     metrics_port: int = 0
+    mqtt_port: int = 0  # 0: the ready line named no MQTT listener
     log_ended: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -132,10 +146,15 @@ class Broker:
 
 
 def start_broker(runner: Runner, config: Path, data_dir: Path) -> Broker:
-    """``blipmq start`` on free loopback ports, returned once its ready line says where."""
+    """``blipmq start`` on free loopback ports, returned once its ready line says where.
+
+    MQTT too (``config init`` turns it on at 1883): ``--mqtt-bind`` serves it on a free port
+    whatever the file says, and ``Broker.mqtt_port`` is the one the ready line names.
+    """
     proc = runner.spawn(
         "start", "--config", str(config), "--data-dir", str(data_dir),
-        "--bind", "127.0.0.1:0", "--metrics-bind", "127.0.0.1:0", "--log-format", "plain",
+        "--bind", "127.0.0.1:0", "--metrics-bind", "127.0.0.1:0",
+        "--mqtt-bind", "127.0.0.1:0", "--log-format", "plain",
     )
     broker = Broker(proc, [])
     ready = threading.Event()
@@ -148,6 +167,8 @@ def start_broker(runner: Runner, config: Path, data_dir: Path) -> Broker:
             m = _LISTENING.search(line)
             if m and not ready.is_set():
                 broker.port, broker.metrics_port = int(m.group(1)), int(m.group(2))
+                if mq := _MQTT.search(line):
+                    broker.mqtt_port = int(mq.group(1))
                 ready.set()
         broker.log_ended.set()
         ready.set()

@@ -4,6 +4,8 @@ Builds it once per session (tests/frozen.py; ``BLIPMQ_DIST_BINARY`` tests anothe
 aarch64 one under qemu): ``--version``, ``config init``, ``start`` on free loopback ports,
 text and a binary file from ``pub``/``pubfile`` to ``sub``, a QoS 1 confirm, ``/metrics``
 over HTTP, one-line errors, and SIGTERM to the process group ending everything with exit 0.
+MQTT through the same executable: ``mosquitto_pub``/``mosquitto_sub`` (mosquitto-clients,
+scripts/test-deps) at QoS 1 to each other and to and from ``blipmq pub``/``sub``.
 """
 
 from __future__ import annotations
@@ -13,11 +15,23 @@ import os
 import platform
 import re
 import signal
+import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
-from frozen import SLOW, TOP, Executable, Runner, executable, group_alive, runner, start_broker
+from frozen import (
+    MOSQUITTO_PUB,
+    MOSQUITTO_SUB,
+    SLOW,
+    TOP,
+    Executable,
+    Runner,
+    executable,
+    group_alive,
+    runner,
+    start_broker,
+)
 
 from blipmq_cli.exits import Exit
 
@@ -133,6 +147,48 @@ def test_operator_session(executable: Executable, runner: Runner, tmp_path: Path
     assert not group_alive(broker.proc.pid)
     assert "received SIGTERM" in "\n".join(broker.log)
     assert list(runner.tmpdir.iterdir()) == []  # every _MEI directory removed
+
+
+def test_mqtt_clients_and_native_ones_share_the_broker(runner: Runner, tmp_path: Path) -> None:
+    for tool in (MOSQUITTO_PUB, MOSQUITTO_SUB):
+        assert tool.exists(), f"{tool} is missing: apt-get install mosquitto-clients"
+    config = tmp_path / "blipmq.toml"
+    assert runner.run("config", "init", str(config)).returncode == 0
+    assert "[mqtt]" in config.read_text()  # on in config init's file; here on a free port
+    broker = start_broker(runner, config, tmp_path / "data")
+    assert broker.mqtt_port, "no mqtt port in the ready line:\n" + "\n".join(broker.log)
+    env = {"BLIPMQ_ADDR": broker.addr}
+    mqtt = ("-h", "127.0.0.1", "-p", str(broker.mqtt_port), "-V", "mqttv311")
+
+    def mosquitto_sub(topic: str) -> subprocess.Popen[bytes]:
+        return runner.spawn_program(str(MOSQUITTO_SUB), *mqtt, "-t", topic, "-q", "1", "-C", "1")
+
+    # mosquitto_pub at QoS 1 (PUBACK once logged) to mosquitto_sub and to a native sub
+    sub = mosquitto_sub("smoke/mqtt")
+    native = runner.spawn("sub", "smoke/mqtt", "--count", "1", "--format", "lines", env=env)
+    broker.wait_metric("blipmq_subscriptions", 2)
+    done = runner.run_program(str(MOSQUITTO_PUB), *mqtt, "-t", "smoke/mqtt", "-m", "hello",
+                              "-q", "1")
+    assert done.returncode == 0, done.stderr
+    for proc in (sub, native):
+        out, err = proc.communicate(timeout=SLOW)
+        assert (proc.returncode, out) == (0, b"hello\n"), err
+
+    # a native QoS 1 publish to mosquitto_sub
+    sub = mosquitto_sub("smoke/native")
+    broker.wait_metric("blipmq_subscriptions", 1)
+    done = runner.run("pub", "--qos", "1", "smoke/native", "hi", env=env)
+    assert done.returncode == 0, done.stderr
+    out, err = sub.communicate(timeout=SLOW)
+    assert (sub.returncode, out) == (0, b"hi\n"), err
+    assert broker.metric("blipmq_messages_published_total") == 2
+
+    # SIGTERM drains the MQTT listener with the rest: exit 0, nothing left unpacked
+    os.killpg(broker.proc.pid, signal.SIGTERM)
+    assert broker.proc.wait(SLOW) == 0, "\n".join(broker.log)
+    assert broker.log_ended.wait(SLOW)
+    assert not group_alive(broker.proc.pid)
+    assert list(runner.tmpdir.iterdir()) == []
 
 
 def test_bench_starts_its_own_broker_and_forks_its_workers(runner: Runner) -> None:

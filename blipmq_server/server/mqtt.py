@@ -104,6 +104,7 @@ class MqttSession(Session):
         # topic -> the subscription that delivers it (see ``_owner``); cleared on changes
         self._owners: dict[bytes, int] = {}
         self._shared: set[int] = set()  # sub ids of $share/ subscriptions
+        self._names: dict[str, bytes] = {}  # topics published to and found fine, as UTF-8
 
     # ------------------------------------------------------------- the base class's hooks
 
@@ -259,18 +260,38 @@ class MqttSession(Session):
                             return CloseReason.PROTOCOL_ERROR
                         if not packets:
                             break
+                        # QoS 0 and 1 PUBLISHes in a row go to the core as one batch (one
+                        # log append); any other packet sends what came before it first
+                        batch: list[RawMessage] = []
+                        pids: list[int] = []
                         for packet in packets:
                             if packet.__class__ is Publish and self.connected:
-                                reason = self._publish(packet)  # type: ignore[arg-type]
-                                if reason is not None:
+                                if packet.qos < 2:  # type: ignore[attr-defined]
+                                    raw = self._message(packet)  # type: ignore[arg-type]
+                                    if raw.__class__ is RawMessage:
+                                        batch.append(raw)  # type: ignore[arg-type]
+                                        pids.append(packet.packet_id)  # type: ignore[attr-defined]
+                                        continue
+                                    if raw is None:  # dropped
+                                        continue
+                                    reason = await self._publish_batch(batch, pids)
+                                    return reason or raw  # type: ignore[return-value]
+                                reason = await self._publish_batch(batch, pids)
+                                if reason is None:
+                                    reason = self._publish(packet)  # type: ignore[arg-type]
                                     if reason is _HELD:
                                         reason = await self._publish_blocked(packet)  # type: ignore[arg-type]
-                                    if reason is not None:
-                                        return reason
+                                if reason is not None:
+                                    return reason  # type: ignore[return-value]
                                 continue
-                            reason = self._handle(packet)
+                            reason = await self._publish_batch(batch, pids)
+                            if reason is None:
+                                reason = self._handle(packet)
                             if reason is not None:
                                 return reason
+                        reason = await self._publish_batch(batch, pids)
+                        if reason is not None:
+                            return reason
                 finally:
                     server.deliver_routed(self.read_at)
                     server.log_touched()
@@ -381,7 +402,13 @@ class MqttSession(Session):
 
     def _message(self, packet: Publish) -> RawMessage | CloseReason | None:
         """The core's message for an MQTT PUBLISH; None: dropped (counted) ; a reason: close."""
-        topic = packet.topic
+        topic, payload, qos, retain = packet[:4]
+        name = self._names.get(topic)
+        if name is not None:  # the usual: a topic this client published to before
+            n = len(payload)
+            return _raw(name, 1 if qos else 0, 0, n, b"".join((
+                _pack_head(_FLAGS[qos][retain], 0, len(name), 0, n), name, payload)),
+                FLAG_RETAIN if retain else 0)
         if topic.startswith(_RESERVED):
             if packet.qos:
                 self._protocol_error("reserved_topic",
@@ -395,13 +422,54 @@ class MqttSession(Session):
             self._protocol_error("topic_too_long", f"topic of {len(name)} bytes (the limit is "
                                  f"{cap}, server.max_topic_bytes)")
             return CloseReason.PROTOCOL_ERROR
-        qos = packet.qos
-        payload = packet.payload
-        flags = ((FLAG_QOS1 if qos else 0) | (FLAG_QOS2 if qos == 2 else 0)
-                 | (FLAG_RETAIN if packet.retain else 0))
-        record = _pack_head(flags, 0, len(name), 0, len(payload)) + name + payload
-        return RawMessage(name, 1 if qos else 0, 0, len(payload), record,
-                          FLAG_RETAIN if packet.retain else 0)
+        if len(self._names) >= _NAMES_KEPT:
+            self._names.clear()
+        self._names[topic] = name
+        return self._message(packet)
+
+    async def _publish_batch(self, batch: list[RawMessage], pids: list[int]
+                             ) -> CloseReason | None:
+        """Route QoS 0 and 1 messages in one core call (``pids``: their packet ids, 0 for
+        QoS 0), waiting for room when a full ``block`` queue holds the rest back; the
+        batch and ``pids`` are emptied. Each QoS 1 message's PUBACK once the batch is
+        durable."""
+        if not batch:
+            return None
+        server = self.server
+        messages: list[RawMessage] | tuple[RawMessage, ...] = batch
+        at = 0
+        try:
+            while messages:
+                now = server.published_at = self.read_at
+                result = self.broker.publish(messages, int(now * 1000), int(_time() * 1000))
+                server.routed(result.wake)
+                done = result.accepted
+                for pid in pids[at:at + done]:
+                    if pid:
+                        self._once_durable(result.last_offset, pid, PubAck(pid), 1)
+                at += done
+                if result.refusal is not None:
+                    pid = pids[at]
+                    text = result.refusal.text
+                    if pid:
+                        self._protocol_error("refused", f"publish refused: {text}")
+                        return CloseReason.PROTOCOL_ERROR
+                    server.mqtt_error("refused")
+                    log.info("MQTT client %r: QoS 0 publish dropped: %s", self.client_id, text)
+                    at += 1
+                    messages = batch[at:]
+                    continue
+                if result.blocked is not None:
+                    server.log_touched()  # what was accepted need not wait with us
+                    await server.wait_for_room(result.blocked)
+                    self.read_at = self.clock()
+                    messages = batch[at:]
+                    continue
+                break
+        finally:
+            batch.clear()
+            pids.clear()
+        return None
 
     def _publish(self, packet: Publish) -> object:
         """None once done; ``_HELD`` when a full ``block`` queue holds it; a reason to close."""
@@ -532,5 +600,9 @@ class MqttSession(Session):
 
 _HELD = object()  # a publish a full ``block`` queue holds back
 _OWNERS_KEPT = 4096  # topics whose delivering subscription is remembered
+_NAMES_KEPT = 1024  # topics a connection remembers having checked
+# a message record's flags by MQTT QoS and retain
+_FLAGS = tuple((q, q | FLAG_RETAIN) for q in (0, FLAG_QOS1, FLAG_QOS1 | FLAG_QOS2))
+_raw = RawMessage.__new__.__get__(RawMessage)  # type: ignore[attr-defined]
 _OUTBOUND = 0x10000  # ``confirming`` keys of our packet ids (the client's are below)
 
