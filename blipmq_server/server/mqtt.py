@@ -105,6 +105,7 @@ class MqttSession(Session):
         self._owners: dict[bytes, int] = {}
         self._shared: set[int] = set()  # sub ids of $share/ subscriptions
         self._names: dict[str, bytes] = {}  # topics published to and found fine, as UTF-8
+        self._batch_key = 0  # the last ``confirming`` key of a batch's PUBACKs
 
     # ------------------------------------------------------------- the base class's hooks
 
@@ -114,9 +115,9 @@ class MqttSession(Session):
             self.send_bytes(data)
 
     def _once_durable(self, offset: int, key: int, packet: object, count: int = 0) -> None:
-        """Send ``packet`` once the log holds ``offset`` (durably, under ``always``); at
-        once when nothing was written (0) or there is no log."""
-        data = mqtt.encode(packet)  # type: ignore[arg-type]
+        """Send ``packet`` (or bytes) once the log holds ``offset`` (durably, under
+        ``always``); at once when nothing was written (0) or there is no log."""
+        data = packet if packet.__class__ is bytes else mqtt.encode(packet)  # type: ignore[arg-type]
         flusher = self.server.flusher
         if not offset or flusher is None:
             self.send_bytes(data)
@@ -444,9 +445,11 @@ class MqttSession(Session):
                 result = self.broker.publish(messages, int(now * 1000), int(_time() * 1000))
                 server.routed(result.wake)
                 done = result.accepted
-                for pid in pids[at:at + done]:
-                    if pid:
-                        self._once_durable(result.last_offset, pid, PubAck(pid), 1)
+                acked = [pid for pid in pids[at:at + done] if pid]
+                if acked:  # one flusher entry for the PUBACKs of the batch
+                    self._batch_key = key = self._batch_key % _BATCH_KEYS + 1 + _BATCHES
+                    self._once_durable(result.last_offset, key, b"".join(
+                        _PUBACK + pid.to_bytes(2, "big") for pid in acked), len(acked))
                 at += done
                 if result.refusal is not None:
                     pid = pids[at]
@@ -605,4 +608,7 @@ _NAMES_KEPT = 1024  # topics a connection remembers having checked
 _FLAGS = tuple((q, q | FLAG_RETAIN) for q in (0, FLAG_QOS1, FLAG_QOS1 | FLAG_QOS2))
 _raw = RawMessage.__new__.__get__(RawMessage)  # type: ignore[attr-defined]
 _OUTBOUND = 0x10000  # ``confirming`` keys of our packet ids (the client's are below)
+_BATCHES = 0x20000  # ... and of a batch's PUBACKs, taking turns through _BATCH_KEYS
+_BATCH_KEYS = 1 << 20
+_PUBACK = b"\x40\x02"  # a PUBACK's fixed header
 
