@@ -461,6 +461,21 @@ def test_overlapping_subscriptions_deliver_one_copy_at_the_highest_qos(start_bro
     assert client.drained() == []
 
 
+def test_overlapping_subscriptions_with_qos0_kept_out_of_the_log(start_broker) -> None:
+    """With wal.include_qos0 = false a QoS 0 message never reaches a log cursor (a QoS 1
+    subscription): the overlapping live queue (QoS 0 subscription) must deliver it, once."""
+    b = start_broker({**MQTT, "wal": {"include_qos0": False}})
+    client = Paho(b.mqtt_port, "overlap-unlogged")
+    assert client.subscribe(("un/#", 0), ("un/a", 1)) == [0, 1]
+    pub = Paho(b.mqtt_port, "overlap-unlogged-pub")
+    pub.publish("un/a", "q0", 0)
+    pub.publish("un/a", "q1", 1)
+    got = client.take(2)
+    assert sorted((m.payload, m.qos) for m in got) == [(b"q0", 0), (b"q1", 1)]
+    client.sync()
+    assert client.drained() == []
+
+
 def test_a_shared_subscription_splits_the_messages(start_broker) -> None:
     """$share/<group>/<filter> (as in MQTT 5, which 3.1.1 brokers commonly offer): each
     message goes to one member of the group, none twice, none lost."""

@@ -104,6 +104,7 @@ class MqttSession(Session):
         # topic -> the subscription that delivers it (see ``_owner``); cleared on changes
         self._owners: dict[bytes, int] = {}
         self._shared: set[int] = set()  # sub ids of $share/ subscriptions
+        self._cursors: set[int] = set()  # sub ids that read the log (not a live queue)
         self._names: dict[str, bytes] = {}  # topics published to and found fine, as UTF-8
         self._batch_key = 0  # the last ``confirming`` key of a batch's PUBACKs
 
@@ -159,8 +160,10 @@ class MqttSession(Session):
                 if (owners is not None and not dflags & DELIVERED_RETAINED
                         and sub_id not in self._shared):
                     # overlapping subscriptions: one copy, from the one with the highest QoS
+                    # (a message kept out of the log, offset 0, only reaches live queues)
                     topic = rec[_BODY:_BODY + tlen]
-                    owner = owners.get(topic) or self._owner(topic)
+                    key = topic if offset else b"\0" + topic
+                    owner = owners.get(key) or self._owner(topic, key)
                     if owner != sub_id:
                         if sub_qos and offset:
                             acks.setdefault(sub_id, []).append(offset)
@@ -183,22 +186,24 @@ class MqttSession(Session):
             for sub_id, offsets in acks.items():
                 self.broker.ack(self.conn_id, sub_id, tuple(offsets), wall)
 
-    def _owner(self, topic: bytes) -> int:
+    def _owner(self, topic: bytes, key: bytes) -> int:
         """Which of this client's subscriptions whose filters match ``topic`` sends it: the
         one with the highest granted QoS (the oldest of those). Shared subscriptions are
-        left out (each delivers its own copy)."""
+        left out (each delivers its own copy); for a message not in the log (``key``
+        starts with NUL) so are the log cursors, which never see it."""
         levels = split(topic.decode("utf-8", "replace"))
         best = (-1, 0)
         owner = -1
+        live_only = key[:1] == b"\0"
         for topic_filter, (sub_id, qos) in self.subs.items():
-            if topic_filter.startswith("$share/"):
+            if topic_filter.startswith("$share/") or (live_only and sub_id in self._cursors):
                 continue
             if matches(split(topic_filter), levels) and (qos, -sub_id) > best:
                 best = (qos, -sub_id)
                 owner = sub_id
         if len(self._owners) >= _OWNERS_KEPT:
             self._owners.clear()
-        self._owners[topic] = owner
+        self._owners[key] = owner
         return owner
 
     def _pid(self) -> int:
@@ -557,6 +562,7 @@ class MqttSession(Session):
         if old is not None:  # MQTT-3.8.4-3: a subscription to the same filter is replaced
             self.granted.pop(old[0], None)
             self._shared.discard(old[0])
+            self._cursors.discard(old[0])
             self.server.detached(self.broker.unsubscribe(self.conn_id, old[0]).detached)
         if self.server.wal is None:
             qos = 0  # QoS 1 and 2 need the log: granted QoS 0
@@ -578,6 +584,8 @@ class MqttSession(Session):
         self.granted[result.sub_id] = qos
         if group and group == share[0]:
             self._shared.add(result.sub_id)
+        if cursor:
+            self._cursors.add(result.sub_id)
         return qos, result.ready
 
     def _unsubscribe(self, packet: Unsubscribe) -> None:
@@ -587,6 +595,7 @@ class MqttSession(Session):
                 continue
             self.granted.pop(found[0], None)
             self._shared.discard(found[0])
+            self._cursors.discard(found[0])
             self.server.detached(self.broker.unsubscribe(self.conn_id, found[0]).detached)
             if not self.clean and not topic_filter.startswith("$share/"):
                 # the session's durable group goes with it (when it has one)
