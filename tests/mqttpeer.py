@@ -262,6 +262,21 @@ class Raw:
         self.sock.close()
 
 
+def raw_small_window(port: int, rcvbuf: int = 4096) -> Raw:
+    """A ``Raw`` client whose socket receive buffer is ``rcvbuf`` bytes, set before it
+    connects (so the TCP window stays small): one that stops reading is full at once."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(WAIT)
+    sock.connect((HOST, port))
+    raw = Raw.__new__(Raw)
+    raw.sock = sock
+    raw.decoder = codec.Decoder()
+    raw.ready = []
+    raw.eof = False
+    return raw
+
+
 def mosquitto(tool: str, port: int, *args: str, input: bytes | None = None,
               timeout: float = 30, version: str = "mqttv311"
               ) -> subprocess.CompletedProcess[bytes]:

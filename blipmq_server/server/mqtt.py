@@ -154,6 +154,7 @@ class MqttSession(Session):
         owners = self._owners if len(self.subs) > 1 else None
         for sub_id, records in batches:
             sub_qos = granted.get(sub_id, 0)
+            cursor = sub_id in self._cursors  # its deliveries are acked, or stay in flight
             for rec in records:
                 offset, count, _, dflags = _unpack_prefix(rec)
                 flags, _, tlen, klen, plen = _unpack_head(rec, PREFIX_SIZE)
@@ -165,7 +166,7 @@ class MqttSession(Session):
                     key = topic if offset else b"\0" + topic
                     owner = owners.get(key) or self._owner(topic, key)
                     if owner != sub_id:
-                        if sub_qos and offset:
+                        if cursor and offset:
                             acks.setdefault(sub_id, []).append(offset)
                         continue
                 at = _BODY + tlen + klen
@@ -176,7 +177,7 @@ class MqttSession(Session):
                 if qos:
                     pid = self._pid()
                     inflight[pid] = (sub_id, offset, qos)
-                elif sub_qos and offset:  # a cursor's delivery sent at QoS 0: done at once
+                elif cursor and offset:  # a cursor's delivery sent at QoS 0: done at once
                     acks.setdefault(sub_id, []).append(offset)
                 parts.append(_encode_publish(
                     rec[_BODY:_BODY + tlen], rec[at:at + plen], qos,
