@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 from typing import TYPE_CHECKING
 
 import trio
@@ -69,8 +70,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("blipmq.mqtt")
 
 _RECEIVE = 65536
-_unpack_prefix = DELIVERY_PREFIX.unpack_from
-_unpack_head = MSG_HEAD.unpack_from
+# a delivery record's prefix and its message record's head, in one unpack
+_unpack_delivery = struct.Struct(DELIVERY_PREFIX.format + MSG_HEAD.format[1:]).unpack_from
 _pack_head = MSG_HEAD.pack
 _BODY = PREFIX_SIZE + HEAD_SIZE  # where a delivery record's topic starts
 _encode_publish = mqtt.encode_publish
@@ -156,8 +157,7 @@ class MqttSession(Session):
             sub_qos = granted.get(sub_id, 0)
             cursor = sub_id in self._cursors  # its deliveries are acked, or stay in flight
             for rec in records:
-                offset, count, _, dflags = _unpack_prefix(rec)
-                flags, _, tlen, klen, plen = _unpack_head(rec, PREFIX_SIZE)
+                offset, count, _, dflags, flags, _, tlen, klen, plen = _unpack_delivery(rec)
                 if (owners is not None and not dflags & DELIVERED_RETAINED
                         and sub_id not in self._shared):
                     # overlapping subscriptions: one copy, from the one with the highest QoS
