@@ -26,6 +26,8 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Broker configuration files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+keys_app = typer.Typer(help="Named keys with permissions.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 app.add_typer(walcmd.app, name="wal")
 app.command("export")(export.command)
 
@@ -309,6 +311,27 @@ def config_init(
         commands.say(str(exc))
         _exit(Exit.USAGE)
     commands.say(f"wrote {path}")
+
+
+@keys_app.command("new")
+def keys_new(
+    name: Annotated[str, typer.Argument(help="The key's name (logs, stats, MQTT username)")],
+    publish: Annotated[list[str] | None, typer.Option(
+        "--publish", help="A topic filter it may publish to (repeat for more)")] = None,
+    subscribe: Annotated[list[str] | None, typer.Option(
+        "--subscribe", help="A topic filter it may subscribe to (repeat for more)")] = None,
+    admin: Annotated[bool, typer.Option(
+        "--admin", help="It may read stats and groups, and use others' groups")] = False,
+) -> None:
+    """Mint a random key: the key once on stdout's first line, then the [[auth.keys]]
+    stanza (with the key's hash, never the key) to paste into the config."""
+    from blipmq_cli import keys
+
+    problem = keys.problem(name, publish or [], subscribe or [])
+    if problem:
+        commands.say(problem)
+        _exit(Exit.USAGE)
+    sys.stdout.write(keys.mint(name, publish or [], subscribe or [], admin))
 
 
 def run_app(argv: list[str]) -> int:

@@ -17,7 +17,7 @@ class Exit(IntEnum):
     USAGE = 2  # bad arguments, bad config, unreadable input file
     UNREACHABLE = 3  # broker unreachable or silent, or the connection was lost
     TIMEOUT = 4  # sub --timeout ran out before --count messages (or any) arrived; bench hung
-    AUTH = 5  # API key refused
+    AUTH = 5  # API key refused, or the key may not do this (a permission)
     TOO_LARGE = 6  # message larger than the broker's max_message_bytes
     BAD_NAME = 7  # invalid topic, filter or group name
     NOT_FOUND = 8  # unsub of a group that does not exist
@@ -30,6 +30,7 @@ class Exit(IntEnum):
 _BY_CODE = {
     ErrorCode.AUTH_FAILED: Exit.AUTH,
     ErrorCode.NOT_AUTHENTICATED: Exit.AUTH,
+    ErrorCode.FORBIDDEN: Exit.AUTH,
     ErrorCode.MESSAGE_TOO_LARGE: Exit.TOO_LARGE,
     ErrorCode.FRAME_TOO_LARGE: Exit.TOO_LARGE,
     ErrorCode.INVALID_TOPIC: Exit.BAD_NAME,

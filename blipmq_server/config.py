@@ -35,8 +35,27 @@ class ServerOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class KeySpec:
+    """One ``[[auth.keys]]`` entry: a named key, stored as its hash, and its permissions
+    (docs/SECURITY.md)."""
+
+    name: str
+    hash: str  # "blake2b:" + the hex BLAKE2b-512 digest of the key (what `b2sum` prints)
+    publish: tuple[str, ...] = ()
+    publish_deny: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    subscribe_deny: tuple[str, ...] = ()
+    admin: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class AuthOptions:
     api_keys: tuple[str, ...] = ()
+    keys: tuple[KeySpec, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_keys or self.keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +206,9 @@ SCHEMA: tuple[Key, ...] = (
         "stops reading from it until it catches up", 64 * 1024, 1024 * MiB),
     Key("server", "shutdown_grace_ms", int, "How long shutdown waits to drain deliveries",
         0, _U32),
-    Key("auth", "api_keys", tuple, "Accepted API keys; empty = authentication disabled"),
+    Key("auth", "api_keys", tuple, "Accepted API keys, each with full access (the older way: "
+        "prefer [[auth.keys]], named and hashed, with permissions); both empty = "
+        "authentication disabled"),
     Key("mqtt", "enabled", bool, "Serve MQTT 3.1.1 and 3.1 clients (docs/MQTT.md)"),
     Key("mqtt", "host", str, "Address of the MQTT listener"),
     Key("mqtt", "port", int, "Port of the MQTT listener (0 picks a free port)", 0, 65535),
@@ -355,11 +376,62 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
         if not isinstance(table, dict):
             raise ConfigError("must be a table", f"[{section}]")
         for name, value in table.items():
+            if (section, name) == ("auth", "keys"):
+                out.setdefault(section, {})[name] = _key_specs(value)
+                continue
             key = _BY_DOTTED.get(f"{section}.{name}")
             if key is None:
                 raise ConfigError("unknown key", f"{section}.{name}")
             out.setdefault(section, {})[name] = _check(key, value, key.dotted)
     return out
+
+
+_HASH_PREFIX = "blake2b:"
+_SPEC_LISTS = ("publish", "publish_deny", "subscribe", "subscribe_deny")
+
+
+def _key_specs(value: object) -> tuple[KeySpec, ...]:
+    """``[[auth.keys]]`` tables as KeySpecs; a ConfigError names the entry and field."""
+    from blipmq_server.protocol.names import WIRE_TOPIC_BYTES, filter_problem
+
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError("must be an array of tables ([[auth.keys]])", "auth.keys")
+    specs: list[KeySpec] = []
+    seen: set[str] = set()
+    for i, table in enumerate(value):
+        where = f"auth.keys[{i}]"
+        unknown = sorted(set(table) - {"name", "hash", "admin", *_SPEC_LISTS})
+        if unknown:
+            raise ConfigError(f"unknown field {unknown[0]!r} (known: name, hash, publish, "
+                              "publish_deny, subscribe, subscribe_deny, admin)", where)
+        name = table.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError("needs a name (a non-empty string)", where)
+        where = f"auth.keys[{i}] ({name})"
+        if name in seen:
+            raise ConfigError("a second key with this name", where)
+        seen.add(name)
+        digest = table.get("hash")
+        hexpart = digest[len(_HASH_PREFIX):] if isinstance(digest, str) else ""
+        if (not isinstance(digest, str) or not digest.startswith(_HASH_PREFIX)
+                or len(hexpart) != 128 or any(c not in "0123456789abcdef" for c in hexpart)):
+            raise ConfigError("hash must be \"blake2b:\" and 128 lowercase hex digits (what "
+                              "`blipmq keys new` prints; never the key itself)", where)
+        lists: dict[str, tuple[str, ...]] = {}
+        for field_name in _SPEC_LISTS:
+            filters = table.get(field_name, [])
+            if not isinstance(filters, list) or not all(isinstance(f, str) for f in filters):
+                raise ConfigError(f"{field_name} must be a list of topic filters", where)
+            for f in filters:
+                problem = filter_problem(f, WIRE_TOPIC_BYTES)
+                if problem:
+                    raise ConfigError(f"{field_name}: {problem}", where)
+            lists[field_name] = tuple(filters)
+        admin = table.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ConfigError("admin must be true or false", where)
+        specs.append(KeySpec(name, digest, admin=admin, **lists))
+    return tuple(specs)
 
 
 def _syntax_error(message: str) -> str:
@@ -387,6 +459,10 @@ def load(
         value = _check(key, _parse_text(key, text, name), name)
         values.setdefault(key.section, {})[key.name] = value
     for dotted, raw in (overrides or {}).items():
+        if dotted == "auth.keys":  # KeySpecs, or tables as a TOML file has them
+            specs = raw if all(isinstance(k, KeySpec) for k in raw) else _key_specs(raw)  # type: ignore[union-attr]
+            values.setdefault("auth", {})["keys"] = tuple(specs)
+            continue
         key = _BY_DOTTED.get(dotted)
         if key is None:
             raise ConfigError("unknown key", dotted)
@@ -409,7 +485,7 @@ def _loopback(host: str) -> bool:
 def _check_together(config: Config) -> None:
     """Refuse combinations of values that cannot work together."""
     m = config.mqtt
-    if (m.enabled and not config.auth.api_keys and not m.allow_anonymous
+    if (m.enabled and not config.auth.enabled and not m.allow_anonymous
             and not _loopback(m.host)):
         raise ConfigError(
             f"MQTT would listen on {m.host} with authentication disabled: set auth.api_keys, "
@@ -458,7 +534,21 @@ def default_text() -> str:
         lines.append(f"# {key.doc}{allowed}")
         value = _WRITTEN.get(key.dotted, key.default)
         lines.append(f"{key.name} = {_toml_value(value)}")
+        if key.dotted == "auth.api_keys":
+            lines += _KEYS_EXAMPLE
     return "\n".join(lines) + "\n"
+
+
+_KEYS_EXAMPLE = [
+    "# Named keys, stored as hashes, with permissions (docs/SECURITY.md). `blipmq keys new",
+    "# NAME --publish F --subscribe F` mints a key and prints its stanza, such as:",
+    "# [[auth.keys]]",
+    "# name = \"hall-sensor\"",
+    "# hash = \"blake2b:<128 hex digits>\"",
+    "# publish = [\"sensors/hall/#\"]",
+    "# subscribe = [\"cmd/hall/#\"]",
+    "# admin = false",
+]
 
 
 def write_default(path: str | os.PathLike[str]) -> None:
@@ -470,5 +560,7 @@ def write_default(path: str | os.PathLike[str]) -> None:
 
 
 def option_fields() -> list[str]:
-    """Every dotted key of ``Config`` (tests check SCHEMA covers exactly these)."""
-    return [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(_SECTIONS[s.name])]
+    """Every dotted key of ``Config`` but ``auth.keys`` (an array of tables, read apart and
+    documented in docs/SECURITY.md); tests check SCHEMA covers exactly these."""
+    return [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(_SECTIONS[s.name])
+            if (s.name, f.name) != ("auth", "keys")]

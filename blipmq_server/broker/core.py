@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from blipmq_server.broker.access import Access
 from blipmq_server.broker.cursors import Cursors
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow, Queue
@@ -54,6 +55,11 @@ _MESSAGE = Kind.MESSAGE
 _STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
 
 
+def _owner_key(topic_filter: str, group: str) -> bytes:
+    """The STATE key of a group's owner: ``owner/<group>`` NUL ``<filter>``."""
+    return b"owner/" + group.encode("utf-8") + b"\x00" + topic_filter.encode("utf-8")
+
+
 @dataclass
 class Broker:
     limits: Limits = field(default_factory=Limits)
@@ -74,6 +80,7 @@ class Broker:
         # front ends' saved state (MQTT persistent sessions), by key, and its record's offset
         self.states: dict[bytes, bytes] = {}
         self._state_at: dict[bytes, int] = {}
+        self._group_owners: dict[bytes, str] = {}  # by _owner_key, while the broker runs
 
     # ----------------------------------------------------------------------------- publish
 
@@ -83,6 +90,7 @@ class Broker:
         now_ms: int,
         timestamp_ms: int = 0,
         internal: bool = False,
+        access: Access | None = None,
     ) -> PublishResult:
         """Route a batch. Stops at the first message refused or blocked by a full queue.
 
@@ -90,9 +98,13 @@ class Broker:
         ``limits.log_qos0``) and carries its log offset; a QoS 0 message kept out of the log
         carries offset 0. ``timestamp_ms`` (wall clock) is stored in the log records.
         ``internal`` messages (dead letters) never wait for room and may use '$' topics.
+        ``access``: the publisher's permissions (None: no limits); a message to a topic it
+        may not publish to is refused (FORBIDDEN) with the rest of the batch.
         """
+        if access is not None and access.unlimited:
+            access = None
         if len(messages) == 1 and not internal:
-            done = self._publish_one(messages[0], now_ms, timestamp_ms)
+            done = self._publish_one(messages[0], now_ms, timestamp_ms, access)
             if done is not None:
                 return done
         routes = self.registry.routes
@@ -132,6 +144,10 @@ class Broker:
                 route = resolve(m.topic, internal)
             if route.__class__ is Refusal:
                 refusal = route  # type: ignore[assignment]
+                break
+            if access is not None and not access.may_publish(m.topic):
+                refusal = Refusal(ErrorCode.FORBIDDEN, "this key may not publish to "
+                                  f"{m.topic.decode('utf-8', 'replace')!r}")
                 break
             if m.payload_len > max_bytes:
                 refusal = Refusal(
@@ -267,14 +283,15 @@ class Broker:
                 blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
             refusal, confirms, last_logged, first_logged)
 
-    def _publish_one(self, m: RawMessage, now_ms: int, timestamp_ms: int
-                     ) -> PublishResult | None:
+    def _publish_one(self, m: RawMessage, now_ms: int, timestamp_ms: int,
+                     access: Access | None) -> PublishResult | None:
         """``publish`` of the usual batch, one message to a topic routed before, with room
         in every queue it goes to and nothing special about it (no retain); None for any
         other, which ``publish`` then takes the general way (nothing was changed)."""
         route = self.registry.routes.get(m.topic)
         log = self.log
         if (route is None or route.__class__ is Refusal or m.retain or log is None
+                or (access is not None and not access.may_publish(m.topic))
                 or m.payload_len > self.limits.max_message_bytes
                 or (self.cursors is not None and self.cursors.generation != self._generation)):
             return None
@@ -340,6 +357,7 @@ class Broker:
         timestamp_ms: int = 0,
         until_end: bool = False,
         retained: bool | None = None,
+        access: Access | None = None,
     ) -> SubscribeResult:
         """Attach connection ``conn`` to a new subscription or to a group.
 
@@ -354,6 +372,11 @@ class Broker:
         all it held (delivered, and acked with QoS 1) ``deliver`` hands it one empty batch,
         its end mark. A queue (live only) has nothing in the log: its end comes once the
         retained values it started with are taken.
+
+        ``access``: the subscriber's permissions (None: no limits). A filter that could match
+        a topic it may not read is refused (FORBIDDEN), and so is a group another identity
+        made, unless ``access`` is an admin's; whatever the subscription then carries (live
+        messages, retained values, a replay, a group's backlog) is readable by it.
         """
         cap = self.limits.max_topic_bytes
         problem = (filter_problem(topic_filter, cap)
@@ -361,6 +384,13 @@ class Broker:
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return refused(code, problem)
+        if access is not None and not access.unlimited:
+            if not access.identity.may_subscribe(topic_filter):
+                return refused(ErrorCode.FORBIDDEN, f"this key may not subscribe to "
+                               f"{topic_filter!r}: it could match topics the key may not read")
+            if group and not self._may_use_group(access, topic_filter, group, bool(qos)):
+                return refused(ErrorCode.FORBIDDEN, f"group {group!r} on {topic_filter!r} "
+                               f"belongs to {self.group_owner(topic_filter, group)!r}")
         registry = self.registry
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
@@ -398,6 +428,44 @@ class Broker:
             return SubscribeResult(consumer.sub_id, True, end=consumer.until)
         return SubscribeResult(consumer.sub_id, self.has_work(consumer))
 
+    # ------------------------------------------------------------------ group ownership
+
+    def group_owner(self, topic_filter: str, group: str) -> str:
+        """The identity that made a group ("" when nobody in particular: made without
+        permissions in force, or by the broker)."""
+        key = _owner_key(topic_filter, group)
+        owner = self.states.get(key)
+        return owner.decode("utf-8", "replace") if owner else self._group_owners.get(key, "")
+
+    def _may_use_group(self, access: Access, topic_filter: str, group: str,
+                       durable: bool) -> bool:
+        """Whether ``access`` may consume from, ack in or delete the group; a group that
+        does not exist yet becomes its (``durable``: in the log, as a QoS 1 group is)."""
+        identity = access.identity
+        owner = self.group_owner(topic_filter, group)
+        if not owner and not self._group_exists(topic_filter, group):
+            self._owned(topic_filter, group, identity.name, 0, durable)
+            return True
+        return identity.admin or access.unlimited or owner in ("", identity.name)
+
+    def _group_exists(self, topic_filter: str, group: str) -> bool:
+        key = (topic_filter, group)
+        return key in self.registry.groups or (
+            self.cursors is not None and key in self.cursors.durable)
+
+    def _owned(self, topic_filter: str, group: str, name: str, timestamp_ms: int,
+               durable: bool = False) -> None:
+        """Record (or with "", forget) a group's owner: kept in the log for a durable group,
+        in memory for a QoS 0 one (which a restart ends)."""
+        key = _owner_key(topic_filter, group)
+        if name:
+            self._group_owners[key] = name
+            if durable and self.log is not None:
+                self.put_state(key, name.encode("utf-8"), timestamp_ms)
+        else:
+            self._group_owners.pop(key, None)
+            self.put_state(key, b"", timestamp_ms)
+
     def _retained_to_queue(self, queue: Queue, topic_filter: str, wall_ms: int) -> None:
         """A new subscription's queue starts with the retained values its filter matches,
         within the queue's bounds (what does not fit is dropped as drop_new)."""
@@ -419,9 +487,10 @@ class Broker:
 
     def unsubscribe(
         self, conn: int, sub_id: int = 0, topic_filter: str = "", group: str = "",
-        timestamp_ms: int = 0,
+        timestamp_ms: int = 0, access: Access | None = None,
     ) -> UnsubscribeResult:
-        """End one subscription (by id), this conn's subscriptions on a filter, or a group."""
+        """End one subscription (by id), this conn's subscriptions on a filter, or a group
+        (only its owner's or an admin's ``access`` may delete a group)."""
         registry = self.registry
         if sub_id:
             consumer = registry.owned(conn, sub_id)
@@ -436,6 +505,12 @@ class Broker:
                 code = (ErrorCode.INVALID_TOPIC if "filter" in problem
                         else ErrorCode.INVALID_REQUEST)
                 return UnsubscribeResult(0, refusal=Refusal(code, problem))
+            if access is not None and not self._may_use_group(access, topic_filter, group,
+                                                               False):
+                return UnsubscribeResult(0, refusal=Refusal(
+                    ErrorCode.FORBIDDEN, f"group {group!r} on {topic_filter!r} belongs to "
+                    f"{self.group_owner(topic_filter, group)!r}"))
+            self._owned(topic_filter, group, "", timestamp_ms)
             cursors = self.cursors
             target: Queue | DurableGroup | None = (
                 None if cursors is None else cursors.durable.get((topic_filter, group)))
@@ -693,7 +768,10 @@ class Broker:
 
     def expire_groups(self, wall_ms: int) -> list[DurableGroup]:
         """Drop durable groups without a consumer for ``group_expiry_ms``."""
-        return [] if self.cursors is None else self.cursors.expire(wall_ms)
+        gone = [] if self.cursors is None else self.cursors.expire(wall_ms)
+        for g in gone:
+            self._owned(g.filter, g.group, "", wall_ms)
+        return gone
 
     def checkpoint(self, timestamp_ms: int, below: int) -> int:
         """Restate durable groups anchored below offset ``below`` (see Cursors.checkpoint)."""

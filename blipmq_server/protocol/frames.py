@@ -48,6 +48,7 @@ class ErrorCode(IntEnum):
     NORMAL = 16  # GOODBYE only: a plain, intended close
     STORAGE = 17  # the write-ahead log could not store a message; it was not confirmed
     LIMIT = 18  # a configured broker bound refuses it (retained.max_topics, retained.max_bytes)
+    FORBIDDEN = 19  # the connection's key may not do this (publish/subscribe permissions, admin)
 
 
 class FrameType(IntEnum):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import hmac
 import logging
 import math
 import os
@@ -43,6 +42,7 @@ from blipmq_server.counters import ConnectionCounters
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
+from blipmq_server.server.keys import Keyring
 from blipmq_server.server.listeners import open_listeners
 from blipmq_server.server.mqtt import MqttSession
 from blipmq_server.server.prefetch import Prefetcher
@@ -131,13 +131,15 @@ class Server:
         # with every string at its longest
         self.mqtt_max_packet = max(config.server.max_message_bytes + 0xFFFF + 16,
                                    5 * 0xFFFF + 64)
-        self._keys = tuple(k.encode() for k in config.auth.api_keys)
+        self.keys = Keyring(config.auth)
+        self.authenticate = self.keys.authenticate
+        self.access_for = self.keys.access_for
 
-    def key_accepted(self, given: bytes) -> bool:
-        """Whether ``given`` is one of ``auth.api_keys`` (any key, without them), compared
-        in constant time."""
-        keys = self._keys
-        return not keys or any(hmac.compare_digest(given, k) for k in keys)
+    async def auth_failed(self, session: Session) -> None:
+        """A session offered a refused key: counted, logged rarely, answered late."""
+        self.counters.auth_failures += 1
+        await self.keys.refused(session.peer, "mqtt" if isinstance(session, MqttSession)
+                                else "native")
 
     def mqtt_error(self, reason: str) -> None:
         """An MQTT connection broke the protocol, or a publish of it was dropped: counted."""
@@ -191,7 +193,8 @@ class Server:
                     if metrics_port is not None else "",
                     f", mqtt on {cfg.mqtt.host}:{mqtt_port}" if mqtt_port is not None else "",
                     cfg.queues.capacity, cfg.queues.overflow,
-                    "enabled" if cfg.auth.api_keys else "disabled (no api_keys configured)",
+                    f"{len(self.keys.entries)} key(s)" if self.keys.enabled
+                    else "disabled (no keys configured)",
                 )
                 task_status.started(Bound(port, metrics_port, mqtt_port))
                 await self.shutdown.wait()

@@ -50,6 +50,7 @@ from blipmq_server.mqtt.packets import (
     Will,
 )
 from blipmq_server.mqtt.state import group_name, share_of, stored_subs
+from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.protocol.message import (
     DELIVERED_RETAINED,
     DELIVERY_PREFIX,
@@ -376,12 +377,19 @@ class MqttSession(Session):
                                  f"protocol level {packet.level} is not supported (3 and 4 are)")
             return CloseReason.PROTOCOL_ERROR
         self.level = packet.level
-        if not server.key_accepted(packet.password or b""):
-            server.counters.auth_failures += 1
-            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED)))
-            log.info("MQTT client %r (user %r) from %s: key refused", packet.client_id,
-                     packet.username, self.peer)
+        identity = server.authenticate(packet.password or b"")
+        if identity is None:  # CONNACK 5 after the delay that slows guessing (``run``)
+            self.refusal = mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED))
             return CloseReason.AUTH_FAILED
+        access = server.access_for(identity)
+        will = packet.will
+        if (will is not None and access is not None
+                and not access.may_publish(will.topic.encode("utf-8"))):
+            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED)))
+            self._protocol_error("forbidden_will", f"key {identity.name!r} may not publish "
+                                 f"its will to {will.topic!r}")
+            return CloseReason.PROTOCOL_ERROR
+        self.access = access
         client_id = packet.client_id
         if not client_id:
             if not packet.clean_session or packet.level == 3:
@@ -448,7 +456,8 @@ class MqttSession(Session):
         try:
             while messages:
                 now = server.published_at = self.read_at
-                result = self.broker.publish(messages, int(now * 1000), int(_time() * 1000))
+                result = self.broker.publish(messages, int(now * 1000), int(_time() * 1000),
+                                             access=self.access)
                 server.routed(result.wake)
                 done = result.accepted
                 acked = [pid for pid in pids[at:at + done] if pid]
@@ -460,6 +469,14 @@ class MqttSession(Session):
                 if result.refusal is not None:
                     pid = pids[at]
                     text = result.refusal.text
+                    if result.refusal.code == ErrorCode.FORBIDDEN:
+                        # MQTT 3.1.1 cannot refuse a PUBLISH: acknowledged, not routed
+                        server.mqtt_error("forbidden")
+                        if pid:
+                            self.send_bytes(_PUBACK + pid.to_bytes(2, "big"))
+                        at += 1
+                        messages = batch[at:]
+                        continue
                     if pid:
                         self._protocol_error("refused", f"publish refused: {text}")
                         return CloseReason.PROTOCOL_ERROR
@@ -494,7 +511,8 @@ class MqttSession(Session):
         if raw is None or raw.__class__ is CloseReason:
             return raw
         now = self.server.published_at = self.read_at
-        result = self.broker.publish((raw,), int(now * 1000), int(_time() * 1000))  # type: ignore[arg-type]
+        result = self.broker.publish((raw,), int(now * 1000), int(_time() * 1000),  # type: ignore[arg-type]
+                                     access=self.access)
         self.server.routed(result.wake)
         if result.blocked is not None:
             return _HELD
@@ -504,6 +522,14 @@ class MqttSession(Session):
         qos = packet.qos
         if refusal is not None:
             text = refusal.text  # type: ignore[attr-defined]
+            if refusal.code == ErrorCode.FORBIDDEN:  # type: ignore[attr-defined]
+                # acknowledged as 3.1.1 requires, not routed (docs/SECURITY.md)
+                self.server.mqtt_error("forbidden")
+                if qos == 1:
+                    self.send_bytes(mqtt.encode(PubAck(packet.packet_id)))
+                elif qos == 2:
+                    self.send_bytes(mqtt.encode(PubRec(packet.packet_id)))
+                return None
             if not qos:
                 self.server.mqtt_error("refused")
                 log.info("MQTT client %r: QoS 0 publish dropped: %s", self.client_id, text)
@@ -524,7 +550,8 @@ class MqttSession(Session):
         raw = self._message(packet)
         while True:
             server.log_touched()
-            result = self.broker.publish((raw,), now_ms(), wall_ms())  # type: ignore[arg-type]
+            result = self.broker.publish((raw,), now_ms(), wall_ms(),  # type: ignore[arg-type]
+                                         access=self.access)
             server.routed(result.wake)
             if result.blocked is None:
                 return self._published(packet, result.refusal, result.last_offset)
@@ -576,8 +603,10 @@ class MqttSession(Session):
         credit = self.server.config.mqtt.max_inflight
         result = self.broker.subscribe(
             self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
-            0, timestamp_ms=wall_ms(), retained=retained)
+            0, timestamp_ms=wall_ms(), retained=retained, access=self.access)
         if result.refusal is not None:
+            if result.refusal.code == ErrorCode.FORBIDDEN:
+                self.server.mqtt_error("forbidden")
             log.info("MQTT client %r: subscribe to %r refused: %s", self.client_id,
                      topic_filter, result.refusal.text)
             return SUBACK_FAILURE, False

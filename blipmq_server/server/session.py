@@ -40,6 +40,7 @@ from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 
 if TYPE_CHECKING:
+    from blipmq_server.broker.access import Access
     from blipmq_server.broker.results import Blocked, PublishResult
     from blipmq_server.server.app import Server
 
@@ -96,6 +97,10 @@ class Session:
         # server.max_pending_bytes the reader stops until the writer has caught up
         self.pending_bytes = 0
         self.authenticated = False
+        # the connection's permissions once authenticated (None: no limits), and the answer
+        # to a refused key, sent after the delay that slows guessing (``run``)
+        self.access: Access | None = None
+        self.refusal: bytes | None = None
         self.closing = False  # no more frames will be read; the writer drains and exits
         self.close_reason: CloseReason | None = None
         self._greeted = False
@@ -232,6 +237,10 @@ class Session:
                 reason = await self._read_loop()
                 if self.close_reason is None:
                     self.close_reason = reason
+                if reason is CloseReason.AUTH_FAILED:
+                    await self.server.auth_failed(self)
+                    if self.refusal is not None:
+                        self.send_bytes(self.refusal)
                 self.closing = True
                 self.wake()
         finally:
@@ -484,10 +493,12 @@ class Session:
             self.error(ErrorCode.NOT_AUTHENTICATED, "authenticate (AUTH) before anything else",
                        frame.request_id)
             return CloseReason.PROTOCOL_ERROR
-        if not self.server.key_accepted(frame.api_key.encode()):
-            self.server.counters.auth_failures += 1
-            self.error(ErrorCode.AUTH_FAILED, "API key refused", frame.request_id)
+        identity = self.server.authenticate(frame.api_key.encode())
+        if identity is None:  # answered after a delay (``run``)
+            self.refusal = codec.encode(codec.Error(ErrorCode.AUTH_FAILED, "API key refused",
+                                                    frame.request_id))
             return CloseReason.AUTH_FAILED
+        self.access = self.server.access_for(identity)
         self.authenticated = True
         self.send(codec.AuthOk(frame.request_id))
         return None
@@ -496,7 +507,8 @@ class Session:
         """Route a PUBLISH, without waiting: None once it is done, or what is left of it
         when a full ``block`` queue held it back (``_publish_held`` goes on with that)."""
         now = self.server.published_at = self.read_at
-        result = self.broker.publish(frame.messages, int(now * 1000), int(_time() * 1000))
+        result = self.broker.publish(frame.messages, int(now * 1000), int(_time() * 1000),
+                                     access=self.access)
         self.server.routed(result.wake)
         if result.blocked is None and result.refusal is None:  # the usual: all were taken
             if result.confirms:  # QoS 1 messages: they were all logged
@@ -518,7 +530,8 @@ class Session:
                 server.log_touched()  # what was accepted need not wait with us
                 await server.wait_for_room(held.blocked)
                 now = self.read_at = self.clock()  # the frames after this one, too
-                result = self.broker.publish(held.messages, int(now * 1000), wall_ms())
+                result = self.broker.publish(held.messages, int(now * 1000), wall_ms(),
+                                             access=self.access)
                 server.routed(result.wake)
                 self._routed(held, result)
         finally:
@@ -563,7 +576,7 @@ class Session:
         result = self.broker.subscribe(
             self.conn_id, frame.topic_filter, frame.group, frame.qos, frame.credit,
             frame.request_id, frame.start, frame.start_offset, wall_ms(),
-            bool(frame.flags & codec.SUBSCRIBE_UNTIL_END),
+            bool(frame.flags & codec.SUBSCRIBE_UNTIL_END), access=self.access,
         )
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
@@ -576,6 +589,10 @@ class Session:
             self.wake()  # a group's backlog waits for its new consumer
 
     def _stats(self, request_id: int) -> None:
+        if self.access is not None and not self.access.identity.admin:
+            self.error(ErrorCode.FORBIDDEN, f"statistics are for admin keys; "
+                       f"{self.access.identity.name!r} is not one", request_id)
+            return
         report = self.server.stats()
         limit = self.server.max_frame - 5
         while True:  # within the frame limit: fewer topics listed if need be
@@ -589,7 +606,7 @@ class Session:
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:
         result = self.broker.unsubscribe(self.conn_id, frame.sub_id, frame.topic_filter,
-                                         frame.group, wall_ms())
+                                         frame.group, wall_ms(), self.access)
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
             return

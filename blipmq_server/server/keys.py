@@ -1,0 +1,77 @@
+"""The broker's keys: which identity a key offered by a client is, and what a refused key
+costs its sender.
+
+Keys are kept as BLAKE2b-512 digests (``[[auth.keys]]`` holds only the digest; the keys of
+the older ``auth.api_keys`` list are hashed on load and their clear text is not kept), and a
+key offered by a client is hashed and compared with every digest in constant time
+(``hmac.compare_digest``), so neither the comparison nor the order of the keys tells a
+guesser anything. A refused key is answered only after ``_DELAY_S``, and refusals are
+counted by reason and logged at most once per source address per ``_LOG_EVERY_S``, so a
+flood of bad keys neither guesses fast nor floods the log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+import trio
+
+from blipmq_server.broker.access import FULL, Access, Identity, digest
+from blipmq_server.config import AuthOptions
+
+log = logging.getLogger("blipmq.auth")
+
+_DELAY_S = 1.0  # before a refused key is answered
+_LOG_EVERY_S = 60.0  # one log line per source address and interval
+_SOURCES_KEPT = 4096  # source addresses whose last log line is remembered
+
+
+class Keyring:
+    def __init__(self, auth: AuthOptions) -> None:
+        entries: list[tuple[bytes, Identity]] = [
+            (digest(k.encode("utf-8")), FULL) for k in auth.api_keys]
+        for spec in auth.keys:
+            entries.append((bytes.fromhex(spec.hash.split(":", 1)[1]), Identity(
+                spec.name, spec.publish, spec.publish_deny, spec.subscribe,
+                spec.subscribe_deny, spec.admin)))
+        self.entries = tuple(entries)
+        self.enabled = bool(entries)
+        self.failures: dict[str, int] = {}  # by reason
+        self._logged: dict[str, float] = {}  # source address -> when last logged
+
+    def authenticate(self, given: bytes) -> Identity | None:
+        """The identity ``given`` is; None for a refused key. Without keys, everyone is
+        ``FULL``."""
+        if not self.enabled:
+            return FULL
+        offered = digest(given)
+        found = None
+        for known, identity in self.entries:  # every digest compared: no early exit
+            if hmac.compare_digest(offered, known):
+                found = identity
+        return found
+
+    def names(self) -> dict[str, Identity]:
+        return {identity.name: identity for _, identity in self.entries}
+
+    @staticmethod
+    def access_for(identity: Identity) -> Access | None:
+        """What a session passes to the core: None for no limits (the fast path)."""
+        return None if identity is FULL else Access(identity)
+
+    async def refused(self, peer: str, reason: str) -> None:
+        """Count and (rarely) log a refused key, then make its sender wait."""
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+        source = peer.rpartition(":")[0] or peer
+        now = time.monotonic()
+        last = self._logged.get(source)
+        if last is None or now - last >= _LOG_EVERY_S:
+            if len(self._logged) >= _SOURCES_KEPT:
+                self._logged.clear()
+            self._logged[source] = now
+            log.warning("refused a key from %s (%s); further refusals from there are "
+                        "counted, not logged, for %d s (blipmq_auth_failures_total)",
+                        source, reason, _LOG_EVERY_S)
+        await trio.sleep(_DELAY_S)
