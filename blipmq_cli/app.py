@@ -33,11 +33,29 @@ app.command("export")(export.command)
 
 Addr = Annotated[
     str | None,
-    typer.Option("--addr", envvar="BLIPMQ_ADDR", help="Broker HOST:PORT [default: 127.0.0.1:7878]"),
+    typer.Option("--addr", envvar="BLIPMQ_ADDR",
+                 help="Broker HOST:PORT, tls://HOST:PORT for TLS [default: 127.0.0.1:7878]"),
 ]
 ApiKey = Annotated[
     str | None, typer.Option("--api-key", envvar="BLIPMQ_API_KEY", help="API key for the broker")
 ]
+# TLS (docs/SECURITY.md): each option stands for its environment variable, which the
+# client reads (commands.tls_options); a CA file, a certificate or --insecure means TLS too
+Tls = Annotated[bool, typer.Option(
+    "--tls", help="Connect over TLS, as a tls://HOST:PORT address does (the default address "
+    "becomes 127.0.0.1:7879)")]
+CaFile = Annotated[str | None, typer.Option(
+    "--cafile", help="CA certificates (PEM) that vouch for the broker's certificate "
+    "[env BLIPMQ_CAFILE; default: the system's]", show_default=False)]
+Cert = Annotated[str | None, typer.Option(
+    "--cert", help="Client certificate (PEM), for a broker that asks for one "
+    "[env BLIPMQ_CERT]", show_default=False)]
+CertKey = Annotated[str | None, typer.Option(
+    "--cert-key", help="The client certificate's private key (PEM), unless --cert holds it "
+    "[env BLIPMQ_CERT_KEY]", show_default=False)]
+Insecure = Annotated[bool, typer.Option(
+    "--insecure", help="Do not verify the broker's certificate: still encrypted, but not "
+    "protected from a man in the middle [env BLIPMQ_INSECURE=1]")]
 Ttl = Annotated[str | None, typer.Option(
     "--ttl", help="Time to live: 5000 (ms), 30s, 5m, 2h [default: the broker's]")]
 Qos = Annotated[int, typer.Option("-q", "--qos", min=0, max=1,
@@ -75,8 +93,14 @@ def pub(
     key: Key = None,
     addr: Addr = None,
     api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
 ) -> None:
     """Publish one message (or, with -l, every line of stdin as it arrives)."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     _exit(commands.guarded(lambda: commands.pub(
         topic, message, addr=addr, api_key=api_key, topic_opt=topic_opt,
         message_opt=message_opt, stdin=stdin, lines=lines, path=path, ttl=ttl, qos=qos, key=key,
@@ -95,8 +119,14 @@ def pubfile(
     key: Key = None,
     addr: Addr = None,
     api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
 ) -> None:
     """Publish a file's bytes as one message (binary-safe)."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     _exit(commands.guarded(lambda: commands.pubfile(
         topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, retain=retain
     )))
@@ -154,8 +184,14 @@ def sub(
         "once the retained values are written")] = False,
     addr: Addr = None,
     api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
 ) -> None:
     """Subscribe and write messages to stdout, one per line (or run --exec for each)."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     _exit(commands.guarded(lambda: commands.sub(
         topics or [], addr=addr, api_key=api_key, topic_opt=topic_opt, count=count,
         timeout=timeout, group=group, qos=qos, start=start, fmt=fmt, verbose=verbose, raw=raw,
@@ -170,8 +206,14 @@ def unsub(
     group: Annotated[str, typer.Option("--group", help="Consumer group to delete")] = "",
     addr: Addr = None,
     api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
 ) -> None:
     """Delete a consumer group (and the messages queued for it)."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     _exit(commands.guarded(lambda: commands.unsub(topic, addr=addr, api_key=api_key, group=group)))
 
 
@@ -212,8 +254,14 @@ def stats(
     as_json: Json = False,
     addr: Addr = None,
     api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
 ) -> None:
     """The broker's statistics: topics, groups with backlog, subscriptions, drops, log."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     from blipmq_cli import introspect
 
     _exit(commands.guarded(lambda: introspect.stats(
@@ -221,8 +269,18 @@ def stats(
 
 
 @app.command()
-def groups(as_json: Json = False, addr: Addr = None, api_key: ApiKey = None) -> None:
+def groups(
+    as_json: Json = False,
+    addr: Addr = None,
+    api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
+) -> None:
     """Consumer groups: backlog (messages of their own topics), in flight, consumers."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     from blipmq_cli import introspect
 
     _exit(commands.guarded(lambda: introspect.groups(addr=addr, api_key=api_key,
@@ -234,16 +292,32 @@ def ping(
     count: Annotated[int, typer.Option("--count", "-c", help="Pings to send, 1 s apart")] = 1,
     addr: Addr = None,
     api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
 ) -> None:
     """Round-trip time to the broker (PING/PONG)."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     from blipmq_cli import introspect
 
     _exit(commands.guarded(lambda: introspect.ping(addr=addr, api_key=api_key, count=count)))
 
 
 @app.command()
-def version(as_json: Json = False, addr: Addr = None, api_key: ApiKey = None) -> None:
+def version(
+    as_json: Json = False,
+    addr: Addr = None,
+    api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
+) -> None:
     """The client's version and the broker's."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     from blipmq_cli import introspect
 
     _exit(commands.guarded(lambda: introspect.versions(addr=addr, api_key=api_key,
@@ -282,9 +356,15 @@ def bench(
     as_json: Json = False,
     addr: Addr = None,
     api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
 ) -> None:
     """Load a broker with publisher and subscriber processes; report msg/s, MB/s, latency
     percentiles and loss."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     from blipmq_cli import bench as bench_module
 
     _exit(bench_module.command(

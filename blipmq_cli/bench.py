@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from blipmq_cli.client import DEFAULT_ADDR, Client
+from blipmq_cli.client import DEFAULT_ADDR, connect_from_env
 from blipmq_cli.commands import UsageError, guarded, say
 from blipmq_cli.exits import Exit, for_error
 from blipmq_server.errors import BlipError
@@ -142,7 +142,7 @@ def _fail(conn: multiprocessing.connection.Connection, exc: BaseException) -> No
 def _publisher(plan: Plan, index: int, conn: multiprocessing.connection.Connection,
                go: threading.Event) -> None:
     try:
-        client = Client(plan.addr, plan.api_key, timeout=min(plan.timeout, 30))
+        client = connect_from_env(plan.addr, plan.api_key, timeout=min(plan.timeout, 30))
         _send(conn, "ready")
         if not go.wait(plan.timeout):
             return
@@ -193,7 +193,7 @@ def _publisher(plan: Plan, index: int, conn: multiprocessing.connection.Connecti
 def _subscriber(plan: Plan, index: int, conn: multiprocessing.connection.Connection,
                 done: threading.Event) -> None:
     try:
-        client = Client(plan.addr, plan.api_key, timeout=min(plan.timeout, 30))
+        client = connect_from_env(plan.addr, plan.api_key, timeout=min(plan.timeout, 30))
         subscription = client.subscribe(f"{plan.prefix}/#")
         _send(conn, "ready")
         seen = [bytearray(plan.share(p)) for p in range(plan.publishers)]
@@ -453,12 +453,14 @@ def _run(plan: Plan, start: bool, log: bool | None, fsync: str | None, as_json: 
     if start:
         log, fsync = (True if log is None else log), (fsync or "always")
         broker = Broker(log, fsync, min(plan.timeout, 30))
-        plan = Plan(**{**asdict(plan), "addr": broker.addr})
+        # plain TCP, whatever BLIPMQ_CAFILE and the like say (it is not a TLS broker)
+        plan = Plan(**{**asdict(plan), "addr": f"tcp://{broker.addr}"})
     elif not plan.addr:
         plan = Plan(**{**asdict(plan), "addr": os.environ.get("BLIPMQ_ADDR") or DEFAULT_ADDR})
     procs: list[multiprocessing.Process] = []
     try:
-        Client(plan.addr, plan.api_key, timeout=min(plan.timeout, 10)).close()  # reachable?
+        # reachable?
+        connect_from_env(plan.addr, plan.api_key, timeout=min(plan.timeout, 10)).close()
         ctx = multiprocessing.get_context("fork")
         go, done = ctx.Event(), ctx.Event()
         conns: dict[multiprocessing.connection.Connection, str] = {}

@@ -25,8 +25,11 @@ PING, and if nothing at all arrives for another ``timeout`` it gives up (Connect
 keepalive is on too. Before writing, the client reads whatever already arrived without
 waiting, so a long-idle publisher answers the broker's PINGs and notices a closed connection.
 
-Imports only the standard library and ``blipmq_server.protocol`` (no trio, typer or rich), so
-a one-shot ``blipmq pub`` starts fast.
+TLS: an address ``tls://host:port`` (or an ``ssl_context``) wraps the socket in TLS after it
+connects (``blipmq_cli.tls``, imported only then); the broker's certificate is verified.
+
+Imports only the standard library and ``blipmq_server.protocol`` (no trio, typer or rich, no
+ssl without TLS), so a one-shot ``blipmq pub`` starts fast.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from blipmq_server.errors import (
     BrokerError,
@@ -45,13 +48,21 @@ from blipmq_server.errors import (
     ConnectError,
     LocalProtocolError,
     RemoteProtocolError,
+    TlsError,
 )
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import Delivery, Message
 from blipmq_server.protocol.connection import ClientConnection, Closed, CloseReason
 
+if TYPE_CHECKING:
+    import ssl
+
+    from blipmq_cli.tls import TlsSocket
+
 DEFAULT_PORT = 7878
+DEFAULT_TLS_PORT = 7879  # a tls:// address without a port (the broker's server.tls_port)
 DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
+_SCHEMES = ("tcp", "tls")
 DEFAULT_TIMEOUT = 10.0
 # bytes a receive asks for. Python allocates that much before each recv, and glibc serves
 # 128 KiB or more with mmap until a free raises its threshold: a subscriber with 256 KiB
@@ -68,11 +79,25 @@ _ENDED, _WOKE = object(), object()  # next_of: every stream ended; a wake fd, no
 _T = TypeVar("_T")
 
 
+def split_scheme(addr: str) -> tuple[str | None, str]:
+    """``tls://host:port`` -> ("tls", "host:port"); ``tcp://`` likewise; without a scheme
+    (None, addr). Raises ValueError for another scheme."""
+    scheme, sep, rest = addr.partition("://")
+    if not sep:
+        return None, addr
+    if scheme.lower() not in _SCHEMES:
+        raise ValueError(f"address {addr!r}: the scheme must be tcp:// or tls://")
+    return scheme.lower(), rest
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too), or a host alone for the default port 7878 ->
-    (host, port); raises ValueError with a reason."""
+    """``host:port`` (``[v6]:port`` too), or a host alone for the default port 7878 (7879
+    after ``tls://``), with or without a scheme -> (host, port); raises ValueError with a
+    reason."""
+    scheme, addr = split_scheme(addr)
     if (addr.startswith("[") and addr.endswith("]")) or addr.count(":") == 0:
-        addr = f"{addr}:{DEFAULT_PORT}"  # a host without a port, as mosquitto_pub -h
+        # a host without a port, as mosquitto_pub -h
+        addr = f"{addr}:{DEFAULT_TLS_PORT if scheme == 'tls' else DEFAULT_PORT}"
     host, sep, port = addr.rpartition(":")
     if not sep or not host:
         raise ValueError(f"address {addr!r} is not HOST:PORT")
@@ -172,10 +197,18 @@ class Client:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         name: str = "blipmq-py",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """``addr``: ``[tls://|tcp://]host[:port]``. TLS with ``tls://`` (verifying the
+        broker's certificate with the system's CAs unless ``ssl_context`` says otherwise),
+        or with an ``ssl_context`` and no scheme; ``tcp://`` is plain TCP."""
+        scheme = split_scheme(addr)[0]
         host, port = parse_addr(addr)
-        self.addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        secure = scheme == "tls" or (scheme is None and ssl_context is not None)
+        self.addr = ("tls://" if secure else "") + (
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self.timeout = timeout
+        self._tls: TlsSocket | None = None  # the TLS layer (None: plain TCP)
         # while waiting for deliveries: wake when one of these fds is readable, and raise
         # BrokenPipeError when ``hangup_fd`` (stdout) reports that its reader went away
         self.wake_fds: tuple[int, ...] = ()
@@ -193,6 +226,12 @@ class Client:
             raise ConnectError(f"cannot connect to {self.addr}: {exc.strerror or exc}") from None
         try:
             _tune(self.sock, timeout)
+            if secure:
+                from blipmq_cli import tls
+
+                context = ssl_context or tls.context()
+                self.sock = self._tls = tls.connect(  # type: ignore[assignment]
+                    self.sock, context, host, self.addr, deadline)
             # non-blocking from here on: waits are this client's own poll() calls (a socket
             # timeout would cost a mode switch and a poll before every send and receive)
             self.sock.setblocking(False)
@@ -209,6 +248,17 @@ class Client:
                     f"cannot connect to {self.addr}: the broker did not finish the handshake "
                     f"within {timeout:g} s"
                 ) from None
+            except ConnectError as exc:
+                if isinstance(exc, TlsError):
+                    raise
+                if self._tls is None:  # a TLS port takes HELLO for a broken TLS handshake
+                    raise ConnectError(f"{exc} during the handshake (if it is a TLS port, "
+                                       f"connect to tls://{self.addr})") from None
+                # TLS 1.3 lets the client finish its side of the handshake before the
+                # broker has looked at its certificate: a refusal shows up only now
+                raise TlsError(f"the broker at {self.addr} closed the connection after the "
+                               "TLS handshake: it may want a client certificate (--cert, "
+                               "--cert-key) or refuse this one") from None
             if isinstance(outcome, codec.Error):
                 raise BrokerError(outcome.code, outcome.text)
         except BaseException:
@@ -553,6 +603,8 @@ class Client:
     def _watch(self, wait: float) -> bool:
         """Wait for the socket, the wake fds and a hang-up of ``hangup_fd``; whether the
         socket is readable."""
+        if self._tls is not None and self._tls.pending():
+            return True  # TLS holds decrypted bytes the socket does not show
         sock_fd = self.sock.fileno()
         kept = self._poller
         if kept is None or kept[0] != self.wake_fds or kept[1] != self.hangup_fd:
@@ -586,9 +638,10 @@ class Client:
         conn = self._conn
         sock = self.sock
         arrived = self._arrived.poll
+        tls = self._tls
         for _ in range(_POLL_READS):
             # a look first: a read that finds nothing raises, which costs 4x as much
-            if conn.closed is not None or not arrived(0):
+            if conn.closed is not None or not (arrived(0) or (tls is not None and tls.pending())):
                 return
             try:
                 data = sock.recv(_RECV)
@@ -704,14 +757,46 @@ def connect_from_env(
     addr: str | None = None, api_key: str | None = None, timeout: float | None = None
 ) -> Client:
     """A client configured by arguments, else BLIPMQ_ADDR / BLIPMQ_API_KEY / BLIPMQ_TIMEOUT,
-    else defaults."""
-    where = addr or os.environ.get("BLIPMQ_ADDR") or DEFAULT_ADDR
+    else defaults; TLS by the address's scheme and BLIPMQ_CAFILE / BLIPMQ_CERT /
+    BLIPMQ_CERT_KEY / BLIPMQ_INSECURE (``tls_address``)."""
+    env = os.environ
+    cafile, cert = env.get("BLIPMQ_CAFILE") or None, env.get("BLIPMQ_CERT") or None
+    key = env.get("BLIPMQ_CERT_KEY") or None
+    insecure = _env_flag("BLIPMQ_INSECURE")
+    where = tls_address(addr or env.get("BLIPMQ_ADDR"), bool(cafile or cert or key or insecure))
     try:
         parse_addr(where)
+        secure = split_scheme(where)[0] == "tls"
     except ValueError as exc:
         raise ConfigError(str(exc), "--addr") from None
+    context = None
+    if secure:
+        from blipmq_cli import tls
+
+        context = tls.context(cafile, cert, key, insecure)
     return Client(
         where,
-        api_key if api_key is not None else os.environ.get("BLIPMQ_API_KEY", ""),
+        api_key if api_key is not None else env.get("BLIPMQ_API_KEY", ""),
         timeout=_env_timeout() if timeout is None else timeout,
+        ssl_context=context,
     )
+
+
+def tls_address(addr: str | None, tls: bool) -> str:
+    """The address to connect to: ``addr`` (or the default), with ``tls://`` in front when
+    ``tls`` asks for TLS and the address names no scheme (``tcp://`` keeps plain TCP). The
+    default address with TLS is the default TLS port, 127.0.0.1:7879."""
+    if not addr:
+        return "tls://127.0.0.1" if tls else DEFAULT_ADDR
+    if tls and "://" not in addr:
+        return "tls://" + addr
+    return addr
+
+
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"{raw!r} is not a boolean (1 or 0)", name)

@@ -71,6 +71,25 @@ def guarded(fn: Callable[[], int]) -> int:
         return Exit.INTERNAL
 
 
+def tls_options(addr: str | None, tls: bool = False, cafile: str | None = None,
+                cert: str | None = None, cert_key: str | None = None,
+                insecure: bool = False) -> str | None:
+    """The TLS options as what they stand for: BLIPMQ_CAFILE, BLIPMQ_CERT, BLIPMQ_CERT_KEY
+    and BLIPMQ_INSECURE in this process's environment, which the client reads (so do a
+    reconnecting ``sub``, ``bench``'s workers and ``--exec``'s commands), and ``--tls`` as
+    ``tls://`` in front of the address. Returns the address to use."""
+    for name, value in (("BLIPMQ_CAFILE", cafile), ("BLIPMQ_CERT", cert),
+                        ("BLIPMQ_CERT_KEY", cert_key), ("BLIPMQ_INSECURE", "1" if insecure
+                                                        else None)):
+        if value:
+            os.environ[name] = value
+    if not tls:
+        return addr
+    from blipmq_cli.client import tls_address
+
+    return tls_address(addr or os.environ.get("BLIPMQ_ADDR"), True)
+
+
 def _silence_stdout() -> None:
     # stdout's reader went away (`| head -1`): point fd 1 at /dev/null so the interpreter's
     # final flush does not raise again.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from blipmq_server.errors import BrokerError, ConfigError, ConnectError
+from blipmq_server.errors import BrokerError, ConfigError, ConnectError, TlsError
 from blipmq_server.protocol.codec import ErrorCode
 
 
@@ -24,6 +24,7 @@ class Exit(IntEnum):
     REFUSED = 9  # any other refusal by the broker (queue full, connection limit, ...)
     MISSING = 10  # blipmq export: the spark extra or Java is not installed
     JOB_FAILED = 11  # blipmq export: the Spark job failed (its first error line is printed)
+    TLS = 12  # the TLS handshake failed (a certificate refused either way, not a TLS port)
     INTERRUPTED = 130  # Ctrl-C
 
 
@@ -44,6 +45,8 @@ _BY_CODE = {
 def for_error(exc: BaseException) -> Exit:
     if isinstance(exc, BrokerError):
         return _BY_CODE.get(exc.code, Exit.REFUSED)  # type: ignore[call-overload]
+    if isinstance(exc, TlsError):
+        return Exit.TLS
     if isinstance(exc, ConnectError):
         return Exit.UNREACHABLE
     if isinstance(exc, ConfigError):

@@ -15,6 +15,7 @@ from typing import NoReturn
 from blipmq_cli.exits import Exit
 
 COMMANDS = ("pub", "pubfile", "sub", "unsub", "start")
+_TLS_OPTIONS = ("tls", "cafile", "cert", "cert_key", "insecure")  # commands.tls_options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,6 +27,11 @@ class _Parser(argparse.ArgumentParser):
 def _client_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None)
     p.add_argument("--api-key", dest="api_key", default=None)
+    p.add_argument("--tls", action="store_true")
+    p.add_argument("--cafile", default=None)
+    p.add_argument("--cert", default=None)
+    p.add_argument("--cert-key", dest="cert_key", default=None)
+    p.add_argument("--insecure", action="store_true")
 
 
 def _pub_opts(p: argparse.ArgumentParser) -> None:
@@ -96,4 +102,6 @@ def run(argv: list[str]) -> int:
     from blipmq_cli import commands  # the client: not imported by the broker process
 
     fn = getattr(commands, command)
+    secure = {name: args.pop(name) for name in _TLS_OPTIONS}
+    args["addr"] = commands.tls_options(args["addr"], **secure)
     return commands.guarded(lambda: fn(**args))

@@ -103,6 +103,17 @@ def _json_line(report: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _restricted(report: dict[str, Any]) -> bool:
+    """A report for a key that is not an admin's: it names the broker, nothing more."""
+    if not report.get("restricted"):
+        return False
+    from blipmq_cli.commands import say
+
+    say(f"statistics are for admin keys (docs/SECURITY.md); {report.get('key', 'this key')!r}"
+        " is not one")
+    return True
+
+
 def stats(*, addr: str | None, api_key: str | None, watch: bool = False,
           interval: float = 1.0, as_json: bool = False) -> int:
     if interval <= 0:
@@ -111,6 +122,8 @@ def stats(*, addr: str | None, api_key: str | None, watch: bool = False,
         say("--interval must be a positive number of seconds")
         return Exit.USAGE
     with connect_from_env(addr, api_key) as client:
+        if _restricted(client.stats()):
+            return Exit.AUTH
         if as_json:
             while True:
                 _json_line(client.stats())
@@ -135,6 +148,8 @@ def stats(*, addr: str | None, api_key: str | None, watch: bool = False,
 def groups(*, addr: str | None, api_key: str | None, as_json: bool = False) -> int:
     with connect_from_env(addr, api_key) as client:
         report = client.stats()
+    if _restricted(report):
+        return Exit.AUTH
     if as_json:
         _json_line({"groups": report.get("groups", [])})
         return Exit.OK

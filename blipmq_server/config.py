@@ -24,6 +24,9 @@ MiB = 1024 * 1024
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 7878
+    tls: bool = False
+    tls_host: str = "127.0.0.1"
+    tls_port: int = 7879
     max_connections: int = 1024
     max_message_bytes: int = 8 * MiB
     max_topic_bytes: int = 1024
@@ -63,6 +66,9 @@ class MqttOptions:
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = 1883
+    tls: bool = False
+    tls_host: str = "127.0.0.1"
+    tls_port: int = 8883
     allow_anonymous: bool = False
     max_keepalive: int = 65535
     max_inflight: int = 64
@@ -117,6 +123,19 @@ class MetricsOptions:
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 9090
+    tls: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TlsOptions:
+    """The certificate material every TLS listener shares (docs/SECURITY.md)."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+    require_client_cert: bool = False
+    client_identity: str = "cn"
+    min_version: str = "1.2"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +159,7 @@ class Config:
     wal: WalOptions = field(default_factory=WalOptions)
     retained: RetainedOptions = field(default_factory=RetainedOptions)
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
+    tls: TlsOptions = field(default_factory=TlsOptions)
     storage: StorageOptions = field(default_factory=StorageOptions)
     log: LogOptions = field(default_factory=LogOptions)
 
@@ -159,6 +179,7 @@ class Key:
     high: int | None = None
     choices: tuple[str, ...] = ()
     check: Callable[[str], str | None] | None = None  # extra rule for strings: the problem
+    empty: bool = False  # a string that may be empty ("" = none)
 
     @property
     def dotted(self) -> str:
@@ -192,12 +213,17 @@ def _fsync_problem(text: str) -> str | None:
 SCHEMA: tuple[Key, ...] = (
     Key("server", "host", str, "Address to listen on (loopback by default)"),
     Key("server", "port", int, "TCP port for clients (0 picks a free port)", 0, 65535),
+    Key("server", "tls", bool, "Also serve the native protocol over TLS, on tls_host:tls_port "
+        "([tls] names the certificate; docs/SECURITY.md)"),
+    Key("server", "tls_host", str, "Address of the native TLS listener"),
+    Key("server", "tls_port", int, "Port of the native TLS listener (0 picks a free port)",
+        0, 65535),
     Key("server", "max_connections", int, "Client connections served at once", 1, 100_000),
     Key("server", "max_message_bytes", int, "Largest payload accepted", 1, 256 * MiB),
     Key("server", "max_topic_bytes", int, "Longest topic name or filter in bytes (MQTT "
         "and the native protocol)", 1, 65535),
-    Key("server", "handshake_timeout_ms", int, "Time to complete HELLO+AUTH (0 = no limit)",
-        0, _U32),
+    Key("server", "handshake_timeout_ms", int, "Time to complete HELLO+AUTH (MQTT: CONNECT); "
+        "over TLS the TLS handshake before it gets as long (0 = no limit)", 0, _U32),
     Key("server", "keepalive_ms", int, "A connection silent this long gets a PING; silent "
         "as long again, it is closed. Also the TCP keepalive idle time (0 = off)", 0, _U32),
     Key("server", "write_timeout_ms", int, "A connection that takes none of what is sent to "
@@ -212,6 +238,11 @@ SCHEMA: tuple[Key, ...] = (
     Key("mqtt", "enabled", bool, "Serve MQTT 3.1.1 and 3.1 clients (docs/MQTT.md)"),
     Key("mqtt", "host", str, "Address of the MQTT listener"),
     Key("mqtt", "port", int, "Port of the MQTT listener (0 picks a free port)", 0, 65535),
+    Key("mqtt", "tls", bool, "With mqtt.enabled: also serve MQTT over TLS (mqtts), on "
+        "tls_host:tls_port"),
+    Key("mqtt", "tls_host", str, "Address of the MQTT TLS listener"),
+    Key("mqtt", "tls_port", int, "Port of the MQTT TLS listener (0 picks a free port)",
+        0, 65535),
     Key("mqtt", "allow_anonymous", bool, "Allow a non-loopback MQTT address while "
         "authentication is disabled (auth.api_keys empty)"),
     Key("mqtt", "max_keepalive", int, "Longest keepalive (seconds) a client may ask for; a "
@@ -275,6 +306,20 @@ SCHEMA: tuple[Key, ...] = (
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
     Key("metrics", "host", str, "Address of the metrics listener"),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),
+    Key("metrics", "tls", bool, "Serve the metrics listener over HTTPS instead of HTTP"),
+    Key("tls", "cert_file", str, "PEM file of the broker's certificate (and its chain); "
+        "needed once a listener serves TLS", empty=True),
+    Key("tls", "key_file", str, "PEM file of the certificate's private key (empty: it is in "
+        "cert_file)", empty=True),
+    Key("tls", "ca_file", str, "PEM file of the CAs whose client certificates are accepted "
+        "(empty: clients are not asked for one)", empty=True),
+    Key("tls", "require_client_cert", bool, "Refuse TLS clients without a certificate from "
+        "ca_file (on every TLS listener, metrics too)"),
+    Key("tls", "client_identity", str, "The client certificate's field that names the "
+        "client: its subject's common name, or its first DNS, email or URI subject "
+        "alternative name", choices=("cn", "san_dns", "san_email", "san_uri")),
+    Key("tls", "min_version", str, "Oldest TLS version accepted (1.3 is negotiated whenever "
+        "the client has it)", choices=("1.2", "1.3")),
     Key("storage", "data_dir", str, "Data directory: the lock file and the log (wal/)"),
     Key("log", "level", str, "Log level", choices=("debug", "info", "warning", "error")),
     Key("log", "format", str, "auto = rich on a terminal, plain otherwise",
@@ -290,6 +335,7 @@ _SECTIONS: dict[str, Callable[..., Any]] = {
     "wal": WalOptions,
     "retained": RetainedOptions,
     "metrics": MetricsOptions,
+    "tls": TlsOptions,
     "storage": StorageOptions,
     "log": LogOptions,
 }
@@ -326,7 +372,7 @@ def _check(key: Key, value: object, name: str) -> object:
         assert isinstance(value, str)
         if key.choices and value not in key.choices:
             raise ConfigError(f"{value!r} is not {key.allowed}", name)
-        if not value.strip():
+        if not value.strip() and not key.empty:
             raise ConfigError("must not be empty", name)
         if key.check is not None:
             problem = key.check(value)
@@ -490,11 +536,49 @@ def _check_together(config: Config) -> None:
         raise ConfigError(
             f"MQTT would listen on {m.host} with authentication disabled: set auth.api_keys, "
             "listen on loopback, or set mqtt.allow_anonymous = true to allow it", "mqtt.host")
+    if (m.enabled and m.tls and not config.auth.enabled and not m.allow_anonymous
+            and not config.tls.require_client_cert and not _loopback(m.tls_host)):
+        raise ConfigError(
+            f"MQTT over TLS would listen on {m.tls_host} with authentication disabled: set "
+            "auth.api_keys or tls.require_client_cert, listen on loopback, or set "
+            "mqtt.allow_anonymous = true to allow it", "mqtt.tls_host")
     largest = config.server.max_message_bytes
     if config.queues.capacity_bytes < largest:
         raise ConfigError(
             f"{config.queues.capacity_bytes} is less than server.max_message_bytes ({largest}): "
             "a queue could never hold the largest message", "queues.capacity_bytes")
+    check_tls(config)
+
+
+def tls_listeners(config: Config) -> tuple[str, ...]:
+    """The switches of the listeners that serve TLS (``server.tls``, ...): empty, no TLS."""
+    on = (("server.tls", config.server.tls),
+          ("mqtt.tls", config.mqtt.enabled and config.mqtt.tls),
+          ("metrics.tls", config.metrics.enabled and config.metrics.tls))
+    return tuple(name for name, served in on if served)
+
+
+def check_tls(config: Config) -> None:
+    """A listener that serves TLS needs a certificate file and key that exist; client
+    certificates need the CA that issues them. The files' contents are checked when the
+    server loads them (blipmq_server/server/tls.py): that needs ssl, this module does not."""
+    users = tls_listeners(config)
+    if not users:
+        return
+    t = config.tls
+    if not t.cert_file.strip():
+        raise ConfigError(f"must be set: {users[0]} is on", "tls.cert_file")
+    if t.require_client_cert and not t.ca_file.strip():
+        raise ConfigError("must be set: tls.require_client_cert is on", "tls.ca_file")
+    for name in ("cert_file", "key_file", "ca_file"):
+        path = getattr(t, name)
+        if not path:
+            continue
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path} not found" if not os.path.exists(path)
+                              else f"{path} is not a file", f"tls.{name}")
+        if not os.access(path, os.R_OK):
+            raise ConfigError(f"{path} is not readable by this user", f"tls.{name}")
 
 
 # ----------------------------------------------------------------------------- default file

@@ -18,6 +18,8 @@ class ConnectionCounters:
     open: int = 0
     closed: dict[str, int] = field(default_factory=dict)  # by close reason
     mqtt_errors: dict[str, int] = field(default_factory=dict)  # by reason (docs/MQTT.md)
+    # TLS handshakes that failed, by reason (docs/SECURITY.md); never became a connection
+    tls_errors: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import fcntl
 import logging
 import os
 import sys
-from typing import IO
+from typing import IO, Any
 
 from blipmq_server.errors import ConfigError
 
@@ -83,6 +83,14 @@ def start(config: str | None = None, **flags: str | None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"blipmq: config error: {exc}\n")
         return 2
+    if config_module.tls_listeners(cfg):  # the certificate files' contents, before anything
+        from blipmq_server.server.tls import context  # ssl: only with TLS
+
+        try:
+            context(cfg.tls)
+        except ConfigError as exc:
+            sys.stderr.write(f"blipmq: config error: {exc}\n")
+            return 2
     logs.setup(cfg.log.level, cfg.log.format)
     try:
         lock = lock_data_dir(cfg.storage.data_dir)
@@ -97,8 +105,11 @@ def start(config: str | None = None, **flags: str | None) -> int:
 
     from blipmq_server.server.app import run
 
+    def reload() -> Any:  # SIGHUP: the same file, environment and flags, read again
+        return config_module.load(config, overrides=overrides(**flags))
+
     try:
-        trio.run(run, cfg)
+        trio.run(run, cfg, reload)
     except (OSError, BaseExceptionGroup) as exc:
         failure = _os_error(exc)
         if failure is None:

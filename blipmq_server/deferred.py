@@ -1,7 +1,8 @@
 """Modules trio imports for features the broker does not use, loaded on first use instead.
 
 ``import trio`` imports ``ssl`` (for ``trio.SSLStream``: OpenSSL's libssl and libcrypto)
-and ``hmac`` (for DTLS cookies: ``hashlib``, and libcrypto again). The broker speaks plain
+and ``hmac`` (for DTLS cookies: ``hashlib``, and libcrypto again). Unless a listener serves
+TLS (docs/SECURITY.md; then ``server/tls.py`` loads ssl on purpose), the broker speaks plain
 TCP and HTTP, so these 5 MB of an idle broker's memory (docs/PERFORMANCE.md, "Idle
 memory") would sit unused for its whole life. ``defer`` puts a stand-in module into
 ``sys.modules`` for each name before trio is imported: ``import ssl`` gets the stand-in,
@@ -20,7 +21,7 @@ import importlib
 import sys
 import types
 
-# trio imports them; the broker never calls into them (tests/test_start_imports.py)
+# trio imports them; the broker never calls into them without TLS (tests/test_start_imports.py)
 UNUSED_BY_THE_BROKER = ("ssl", "hmac")
 
 

@@ -46,6 +46,11 @@ class ConnectError(BlipError):
     """The broker could not be reached, or the connection to it broke."""
 
 
+class TlsError(ConnectError):
+    """The TLS handshake with the broker failed: one side refused the other's certificate,
+    no TLS version in common, or the other side does not speak TLS on that port."""
+
+
 class BrokerError(BlipError):
     """The broker answered with an ERROR (or a closing GOODBYE) frame.
 

@@ -117,6 +117,11 @@ class BrokerCollector:
             closed.add([reason], n)
         yield closed
         yield gauge("blipmq_connections_open", "Open client connections", s.open)
+        tls = Family("blipmq_tls_handshake_failures", "counter", "TLS handshakes that failed, "
+                     "by reason (docs/SECURITY.md); the connection is closed", ("reason",))
+        for reason, n in sorted(s.tls_errors.items()):
+            tls.add([reason], n)
+        yield tls
         yield from self._mqtt()
         yield from self._wal()
         queues = broker.queues

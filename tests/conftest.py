@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -25,8 +26,9 @@ def _default_signals() -> None:
     inherits SIGINT ignored, and Python then never raises KeyboardInterrupt (the Ctrl-C
     tests would hang)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-_LISTENING = re.compile(r"listening on [\d.]+:(\d+)(?:, metrics on http://[\d.]+:(\d+)/metrics)?"
-                        r"(?:, mqtt on [\d.]+:(\d+))?")
+_LISTENING = re.compile(r"listening on [\d.]+:(\d+)(?:, metrics on https?://[\d.]+:(\d+)/metrics)?"
+                        r"(?:, mqtt on [\d.]+:(\d+))?(?:, mqtts on [\d.]+:(\d+))?"
+                        r"(?:, tls on [\d.]+:(\d+))?")
 
 
 @dataclass
@@ -37,6 +39,10 @@ class BrokerProcess:
     port: int = 0
     metrics_port: int | None = None
     mqtt_port: int | None = None  # when the config enabled MQTT
+    mqtts_port: int | None = None  # MQTT over TLS (mqtt.tls)
+    tls_port: int | None = None  # the native protocol over TLS (server.tls)
+    # /metrics over HTTPS (metrics.tls): the context that trusts the broker's certificate
+    metrics_tls: ssl.SSLContext | None = None
     log: list[str] = field(default_factory=list)
     log_ended: threading.Event = field(default_factory=threading.Event)  # stderr closed
 
@@ -81,8 +87,9 @@ class BrokerProcess:
         )
 
     def metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        scheme = "http" if self.metrics_tls is None else "https"
+        url = f"{scheme}://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5, context=self.metrics_tls) as resp:
             return resp.read().decode()
 
     def metric(self, name: str, **labels: str) -> float:
@@ -143,6 +150,8 @@ def _drain(proc: subprocess.Popen[bytes], sink: list[str], ready: threading.Even
             bp.port = int(m.group(1))
             bp.metrics_port = int(m.group(2)) if m.group(2) else None
             bp.mqtt_port = int(m.group(3)) if m.group(3) else None
+            bp.mqtts_port = int(m.group(4)) if m.group(4) else None
+            bp.tls_port = int(m.group(5)) if m.group(5) else None
             ready.set()
     bp.log_ended.set()
     ready.set()

@@ -27,8 +27,10 @@ import pytest
 TOP = Path(__file__).resolve().parent.parent
 # qemu makes every start of the aarch64 binary take seconds
 SLOW = float(os.environ.get("BLIPMQ_DIST_TIMEOUT", "60"))
-_LISTENING = re.compile(r"listening on [\d.]+:(\d+), metrics on http://[\d.]+:(\d+)/metrics")
+_LISTENING = re.compile(r"listening on [\d.]+:(\d+), metrics on https?://[\d.]+:(\d+)/metrics")
 _MQTT = re.compile(r", mqtt on [\d.]+:(\d+)[;,]")
+_MQTTS = re.compile(r", mqtts on [\d.]+:(\d+)[;,]")  # with mqtt.tls
+_TLS = re.compile(r", tls on [\d.]+:(\d+)[;,]")  # with server.tls
 MOSQUITTO_PUB, MOSQUITTO_SUB = Path("/usr/bin/mosquitto_pub"), Path("/usr/bin/mosquitto_sub")
 
 
@@ -121,6 +123,8 @@ class Broker:
     port: int = 0
     metrics_port: int = 0
     mqtt_port: int = 0  # 0: the ready line named no MQTT listener
+    mqtts_port: int = 0  # ... no MQTT TLS listener
+    tls_port: int = 0  # ... no native TLS listener
     log_ended: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -145,16 +149,18 @@ class Broker:
             time.sleep(0.05)
 
 
-def start_broker(runner: Runner, config: Path, data_dir: Path) -> Broker:
+def start_broker(runner: Runner, config: Path, data_dir: Path,
+                 env: dict[str, str] | None = None) -> Broker:
     """``blipmq start`` on free loopback ports, returned once its ready line says where.
 
     MQTT too (``config init`` turns it on at 1883): ``--mqtt-bind`` serves it on a free port
-    whatever the file says, and ``Broker.mqtt_port`` is the one the ready line names.
+    whatever the file says, and ``Broker.mqtt_port`` is the one the ready line names. ``env``
+    adds settings (``BLIPMQ_SERVER_TLS=true``, ...); the TLS ports are read the same way.
     """
     proc = runner.spawn(
         "start", "--config", str(config), "--data-dir", str(data_dir),
         "--bind", "127.0.0.1:0", "--metrics-bind", "127.0.0.1:0",
-        "--mqtt-bind", "127.0.0.1:0", "--log-format", "plain",
+        "--mqtt-bind", "127.0.0.1:0", "--log-format", "plain", env=env,
     )
     broker = Broker(proc, [])
     ready = threading.Event()
@@ -169,6 +175,10 @@ def start_broker(runner: Runner, config: Path, data_dir: Path) -> Broker:
                 broker.port, broker.metrics_port = int(m.group(1)), int(m.group(2))
                 if mq := _MQTT.search(line):
                     broker.mqtt_port = int(mq.group(1))
+                if mq := _MQTTS.search(line):
+                    broker.mqtts_port = int(mq.group(1))
+                if tls := _TLS.search(line):
+                    broker.tls_port = int(tls.group(1))
                 ready.set()
         broker.log_ended.set()
         ready.set()

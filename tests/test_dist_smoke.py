@@ -3,7 +3,8 @@
 Builds it once per session (tests/frozen.py; ``BLIPMQ_DIST_BINARY`` tests another, e.g. the
 aarch64 one under qemu): ``--version``, ``config init``, ``start`` on free loopback ports,
 text and a binary file from ``pub``/``pubfile`` to ``sub``, a QoS 1 confirm, ``/metrics``
-over HTTP, one-line errors, and SIGTERM to the process group ending everything with exit 0.
+over HTTP, one-line errors, and SIGTERM to the process group ending everything with exit 0;
+a QoS 1 publish over TLS.
 MQTT through the same executable: ``mosquitto_pub``/``mosquitto_sub`` (mosquitto-clients,
 scripts/test-deps) at QoS 1 to each other and to and from ``blipmq pub``/``sub``.
 """
@@ -32,6 +33,7 @@ from frozen import (
     runner,
     start_broker,
 )
+from pki import make_pki
 
 from blipmq_cli.exits import Exit
 
@@ -189,6 +191,31 @@ def test_mqtt_clients_and_native_ones_share_the_broker(runner: Runner, tmp_path:
     assert broker.log_ended.wait(SLOW)
     assert not group_alive(broker.proc.pid)
     assert list(runner.tmpdir.iterdir()) == []
+
+
+def test_a_publish_over_tls(runner: Runner, tmp_path: Path) -> None:
+    # the executable carries ssl already (trio imports it): TLS costs it no new module
+    pki = make_pki(tmp_path / "pki")
+    config = tmp_path / "blipmq.toml"
+    assert runner.run("config", "init", str(config)).returncode == 0
+    broker = start_broker(runner, config, tmp_path / "data", env={
+        "BLIPMQ_SERVER_TLS": "true", "BLIPMQ_SERVER_TLS_PORT": "0",
+        "BLIPMQ_TLS_CERT_FILE": str(pki.cert), "BLIPMQ_TLS_KEY_FILE": str(pki.key)})
+    assert broker.tls_port, "no tls port in the ready line:\n" + "\n".join(broker.log)
+    sub = runner.spawn("sub", "smoke/tls", "--count", "1", env={"BLIPMQ_ADDR": broker.addr})
+    broker.wait_metric("blipmq_subscriptions", 1)
+    done = runner.run("pub", "-q", "1", "smoke/tls", "sealed", "--cafile", str(pki.ca),
+                      env={"BLIPMQ_ADDR": f"tls://127.0.0.1:{broker.tls_port}"})
+    assert done.returncode == 0, done.stderr
+    out, err = sub.communicate(timeout=SLOW)
+    assert (sub.returncode, out) == (0, b"sealed\n"), err
+    # a CA that does not vouch for the broker: one line, exit code 12
+    done = runner.run("pub", "smoke/tls", "x", "--cafile", str(pki.other_ca),
+                      env={"BLIPMQ_ADDR": f"tls://127.0.0.1:{broker.tls_port}"})
+    assert done.returncode == Exit.TLS, done.stderr
+    assert done.stderr.count(b"\n") == 1 and b"Traceback" not in done.stderr
+    os.killpg(broker.proc.pid, signal.SIGTERM)
+    assert broker.proc.wait(SLOW) == 0, "\n".join(broker.log)
 
 
 def test_bench_starts_its_own_broker_and_forks_its_workers(runner: Runner) -> None:

@@ -369,7 +369,7 @@ def test_error_code_values_are_pinned() -> None:
         "AUTH_FAILED": 5, "MESSAGE_TOO_LARGE": 6, "INVALID_TOPIC": 7, "INVALID_REQUEST": 8,
         "NOT_FOUND": 9, "QUEUE_FULL": 10, "TOO_MANY_CONNECTIONS": 11, "SHUTTING_DOWN": 12,
         "UNSUPPORTED": 13, "GROUP_DELETED": 14, "TIMEOUT": 15, "NORMAL": 16, "STORAGE": 17,
-        "LIMIT": 18,
+        "LIMIT": 18, "FORBIDDEN": 19,
     }
 
 

@@ -390,7 +390,7 @@ class Broker:
                                f"{topic_filter!r}: it could match topics the key may not read")
             if group and not self._may_use_group(access, topic_filter, group, bool(qos)):
                 return refused(ErrorCode.FORBIDDEN, f"group {group!r} on {topic_filter!r} "
-                               f"belongs to {self.group_owner(topic_filter, group)!r}")
+                               "belongs to another key")
         registry = self.registry
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
@@ -505,11 +505,14 @@ class Broker:
                 code = (ErrorCode.INVALID_TOPIC if "filter" in problem
                         else ErrorCode.INVALID_REQUEST)
                 return UnsubscribeResult(0, refusal=Refusal(code, problem))
-            if access is not None and not self._may_use_group(access, topic_filter, group,
-                                                               False):
+            if access is not None and not access.unlimited and not access.identity.admin and (
+                    not self._group_exists(topic_filter, group)
+                    or not self._may_use_group(access, topic_filter, group, False)):
+                # the same answer whether it exists or is another key's: a key learns
+                # nothing of groups it may not use
                 return UnsubscribeResult(0, refusal=Refusal(
-                    ErrorCode.FORBIDDEN, f"group {group!r} on {topic_filter!r} belongs to "
-                    f"{self.group_owner(topic_filter, group)!r}"))
+                    ErrorCode.FORBIDDEN, f"no group {group!r} on {topic_filter!r} that this "
+                    "key may delete"))
             self._owned(topic_filter, group, "", timestamp_ms)
             cursors = self.cursors
             target: Queue | DurableGroup | None = (

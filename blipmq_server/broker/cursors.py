@@ -157,7 +157,9 @@ class Cursors:
             # nothing of its topics beyond: no reading through other topics' records (with
             # many durable groups, most appends are other groups' messages)
             target.next = self.log.written_offset + 1
-            return False
+            # a subscription that waits for the end (until_end) may have reached it now:
+            # let the delivery pass look (it hands out the end mark, or nothing)
+            return consumer.until is not None
         return True
 
     def matching(self, topic: bytes) -> tuple[DurableGroup, ...]:

@@ -36,6 +36,7 @@ from blipmq_server.protocol.names import group_problem
 SUBS_PREFIX = b"mqtt/s/"
 QOS2_PREFIX = b"mqtt/q/"
 PUBREL_PREFIX = b"mqtt/r/"
+OWNER_PREFIX = b"mqtt/o/"  # the name of the key that made a persistent session
 _HEAD = struct.Struct(">BQH")
 _SUB = struct.Struct(">BH")
 _U16 = struct.Struct(">H")
@@ -73,6 +74,10 @@ def qos2_key(client_id: str) -> bytes:
 
 def pubrel_key(client_id: str) -> bytes:
     return PUBREL_PREFIX + client_id.encode("utf-8")
+
+
+def owner_key(client_id: str) -> bytes:
+    return OWNER_PREFIX + client_id.encode("utf-8")
 
 
 def client_of(key: bytes) -> str:

@@ -21,6 +21,7 @@ disconnects slow consumers.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import logging
@@ -30,15 +31,18 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
+from blipmq_server.broker.access import Identity
 from blipmq_server.broker.core import Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
-from blipmq_server.config import Config
+from blipmq_server.config import Config, check_tls, tls_listeners
 from blipmq_server.counters import ConnectionCounters
+from blipmq_server.errors import ConfigError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
@@ -51,6 +55,9 @@ from blipmq_server.server.sessions import MqttSessions
 from blipmq_server.wal import policy
 from blipmq_server.wal.log import Log, LogOptions, Recovery
 
+if TYPE_CHECKING:
+    from blipmq_server.server.tls import Tls
+
 log = logging.getLogger("blipmq")
 
 
@@ -61,6 +68,8 @@ class Bound:
     port: int
     metrics_port: int | None
     mqtt_port: int | None = None
+    mqtts_port: int | None = None  # MQTT over TLS (mqtt.tls)
+    tls_port: int | None = None  # the native protocol over TLS (server.tls)
 
 
 def _trim_heap() -> None:
@@ -115,6 +124,14 @@ class Server:
         self.prefetcher = (None if self.wal is None
                            else Prefetcher(self.wal, self.broker, self.wake))
         self.counters = ConnectionCounters(closed={r.value: 0 for r in CloseReason})
+        # the TLS listeners' context and handshakes; imported only when a listener serves
+        # TLS, so that a broker without it never loads ssl (docs/SECURITY.md)
+        self.tls: Tls | None = None
+        self.handshaking = 0  # TLS handshakes under way: they count towards max_connections
+        if tls_listeners(config):
+            from blipmq_server.server.tls import Tls
+
+            self.tls = Tls(config.tls, self.counters.tls_errors)
         # the frame limit of both directions (announced in WELCOME)
         self.max_frame = codec.frame_limit(config.server.max_message_bytes,
                                            config.delivery.max_batch_bytes)
@@ -132,8 +149,16 @@ class Server:
         self.mqtt_max_packet = max(config.server.max_message_bytes + 0xFFFF + 16,
                                    5 * 0xFFFF + 64)
         self.keys = Keyring(config.auth)
-        self.authenticate = self.keys.authenticate
-        self.access_for = self.keys.access_for
+
+    def authenticate(self, session: Session, given: bytes) -> Identity | None:
+        """The identity of the key a session offers (None: refused); the session keeps the
+        key's digest, so that a reload can tell whether its key is still there."""
+        found = self.keys.check(given)
+        if found is None:
+            return None
+        session.key_digest, identity = found
+        session.access = self.keys.access_for(identity)
+        return identity
 
     async def auth_failed(self, session: Session) -> None:
         """A session offered a refused key: counted, logged rarely, answered late."""
@@ -141,10 +166,88 @@ class Server:
         await self.keys.refused(session.peer, "mqtt" if isinstance(session, MqttSession)
                                 else "native")
 
+    def reload(self, new: Config) -> list[str]:
+        """Apply a new configuration's keys, permissions, log level (and TLS certificates,
+        when the TLS listeners can reload) while running; returns what changed, one
+        phrase each. A connection whose key is gone is closed; the others keep their
+        connections and subscriptions, with their key's new permissions."""
+        old = self.config
+        # certificates first: a file that cannot be used raises ConfigError here, before
+        # anything changed, and the reload is refused whole
+        said: list[str] = [self.reload_tls(new)]
+        if new.auth != old.auth:
+            keys = Keyring(new.auth)
+            before, after = self.keys.names(), keys.names()
+            added = sorted(set(after) - set(before))
+            removed = sorted(set(before) - set(after))
+            changed = sorted(n for n in set(before) & set(after) if before[n] != after[n])
+            self.keys = keys
+            revoked = narrowed = 0
+            for session in list(self.sessions.values()):
+                if not session.authenticated:
+                    continue
+                identity = keys.find(session.key_digest)
+                if identity is None:
+                    revoked += 1
+                    log.info("connection %d from %s closed: its key was revoked",
+                             session.conn_id, session.peer)
+                    session.revoke()
+                else:
+                    session.access = keys.access_for(identity)
+                    if identity.name in changed:
+                        narrowed += self._recheck(session, identity)
+            said.append(f"keys: {len(after)} ({', '.join(f'+{n}' for n in added)}"
+                        f"{' ' if added and removed else ''}"
+                        f"{', '.join(f'-{n}' for n in removed)}"
+                        f"{'; ' if (added or removed) and changed else ''}"
+                        f"{', '.join(f'~{n}' for n in changed)}); "
+                        f"{revoked} connection(s) closed"
+                        + (f", {narrowed} subscription(s) ended" if narrowed else ""))
+        if new.log.level != old.log.level:
+            logging.getLogger().setLevel(new.log.level.upper())
+            logging.getLogger("blipmq").setLevel(new.log.level.upper())
+            said.append(f"log level: {old.log.level} -> {new.log.level}")
+        rest = sorted(k for k in _sections(old) if getattr(old, k) != getattr(new, k)
+                      and k not in ("auth", "log", "tls"))
+        if rest:
+            said.append(f"not applied until a restart: [{'], ['.join(rest)}]")
+        self.config = dataclasses.replace(old, auth=new.auth, log=new.log, tls=new.tls)
+        return [s for s in said if s]
+
+    def _recheck(self, session: Session, identity: Identity) -> int:
+        """A key's permissions changed: its session's subscriptions the key may no longer
+        make end (native: with ERROR FORBIDDEN; MQTT, which has no word for it: the
+        connection closes). Returns how many ended."""
+        ended = 0
+        for consumer in list(self.broker.registry.of(session.conn_id)):
+            topic_filter = consumer.queue.filter
+            if identity.may_subscribe(topic_filter):
+                continue
+            ended += 1
+            if isinstance(session, MqttSession):
+                session.revoke()
+                continue
+            self.detached(self.broker.unsubscribe(session.conn_id, consumer.sub_id).detached)
+            session.error(ErrorCode.FORBIDDEN, f"this key may no longer read {topic_filter!r}"
+                          " (the configuration was reloaded)", consumer.request_id)
+        return ended
+
     def mqtt_error(self, reason: str) -> None:
         """An MQTT connection broke the protocol, or a publish of it was dropped: counted."""
         errors = self.counters.mqtt_errors
         errors[reason] = errors.get(reason, 0) + 1
+
+    def reload_tls(self, new: Config | None = None) -> str:
+        """Re-read the certificate files (those ``new.tls`` names, when given) and use them
+        for new connections; open ones keep theirs. One line saying what changed ("" when
+        no listener serves TLS); a file that cannot be used raises ConfigError and the
+        certificates in use stay. Which listeners serve TLS changes only with a restart."""
+        if self.tls is None:
+            return ""
+        if new is None or new.tls == self.tls.options:
+            return self.tls.reload()
+        check_tls(dataclasses.replace(self.config, tls=new.tls))  # named, and they exist
+        return self.tls.reload(new.tls)
 
     async def serve(
         self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
@@ -158,19 +261,12 @@ class Server:
         gc.freeze()
         gc.set_threshold(*_GC_THRESHOLDS)
         _trim_heap()
-        listeners = await open_listeners(cfg.server.host, cfg.server.port, "client listener")
-        port = listeners[0].socket.getsockname()[1]
-        mqtt_listeners: list[trio.SocketListener] = []
-        mqtt_port = None
-        if cfg.mqtt.enabled:
-            try:
-                mqtt_listeners = await open_listeners(cfg.mqtt.host, cfg.mqtt.port,
-                                                      "MQTT listener")
-            except OSError:
-                for listener in listeners:
-                    await listener.aclose()
-                raise
-            mqtt_port = mqtt_listeners[0].socket.getsockname()[1]
+        groups = await self._listen()
+        port, mqtt_port, mqtts_port, tls_port = (
+            None if g is None else g.listeners[0].socket.getsockname()[1] for g in groups)
+        assert port is not None
+        serving = [g for g in groups if g is not None]
+        listeners = [listener for g in serving for listener in g.listeners]
         self.started_at = trio.current_time()
         async with trio.open_nursery() as root:
             maintained = trio.Event()
@@ -184,21 +280,23 @@ class Server:
                 metrics_port = await root.start(serve_http, self)
             async with trio.open_nursery() as conns:
                 accept_scope = trio.CancelScope()
-                conns.start_soon(self._accept_all, listeners, mqtt_listeners, conns,
-                                 accept_scope)
+                conns.start_soon(self._accept_all, serving, conns, accept_scope)
+                web = "https" if cfg.metrics.tls else "http"
                 log.info(
-                    "listening on %s:%d%s%s; queues: capacity %d, overflow %s; auth %s",
+                    "listening on %s:%d%s%s%s%s; queues: capacity %d, overflow %s; auth %s",
                     cfg.server.host, port,
-                    f", metrics on http://{cfg.metrics.host}:{metrics_port}/metrics"
+                    f", metrics on {web}://{cfg.metrics.host}:{metrics_port}/metrics"
                     if metrics_port is not None else "",
                     f", mqtt on {cfg.mqtt.host}:{mqtt_port}" if mqtt_port is not None else "",
+                    f", mqtts on {cfg.mqtt.tls_host}:{mqtts_port}" if mqtts_port else "",
+                    f", tls on {cfg.server.tls_host}:{tls_port}" if tls_port else "",
                     cfg.queues.capacity, cfg.queues.overflow,
                     f"{len(self.keys.entries)} key(s)" if self.keys.enabled
                     else "disabled (no keys configured)",
                 )
-                task_status.started(Bound(port, metrics_port, mqtt_port))
+                task_status.started(Bound(port, metrics_port, mqtt_port, mqtts_port, tls_port))
                 await self.shutdown.wait()
-                await self._drain(accept_scope, listeners + mqtt_listeners, conns)
+                await self._drain(accept_scope, listeners, conns)
             maintenance.cancel()  # no more expiry, retention, redelivery: nothing appends
             await maintained.wait()
             if self.flusher is not None:
@@ -294,6 +392,13 @@ class Server:
                                 skipped, group.group, group.filter)
                 # their backlogs counted what is gone: counted again from the log's start
                 self.prefetcher.request(broker.take_counts())  # type: ignore[union-attr]
+
+    def about(self) -> dict:
+        """What any key may know of the broker (a restricted STATS report)."""
+        from blipmq_server.version import version
+
+        return {"broker": "blipmq", "version": version(), "protocol": codec.VERSION,
+                "uptime_s": round(trio.current_time() - self.started_at, 3)}
 
     def stats(self) -> dict:
         """The STATS report: the core's snapshot plus what the shell knows (docs/PROTOCOL.md,
@@ -423,22 +528,44 @@ class Server:
         self.release(tuple(self.room))  # blocked publishers: their readers are cancelled anyway
         conns.cancel_scope.deadline = trio.current_time() + grace
 
+    async def _listen(self) -> list[_Listening | None]:
+        """Open the listeners: native, MQTT, MQTT over TLS, native over TLS (None: off).
+        If one cannot bind, those opened before it are closed again."""
+        cfg = self.config
+        wanted = [(cfg.server.host, cfg.server.port, "client listener", Session, False),
+                  (cfg.mqtt.host, cfg.mqtt.port, "MQTT listener", MqttSession, False)
+                  if cfg.mqtt.enabled else None,
+                  (cfg.mqtt.tls_host, cfg.mqtt.tls_port, "MQTT TLS listener", MqttSession, True)
+                  if cfg.mqtt.enabled and cfg.mqtt.tls else None,
+                  (cfg.server.tls_host, cfg.server.tls_port, "client TLS listener", Session,
+                   True) if cfg.server.tls else None]
+        opened: list[_Listening | None] = []
+        try:
+            for want in wanted:
+                if want is None:
+                    opened.append(None)
+                    continue
+                host, port, what, kind, secure = want
+                opened.append(_Listening(await open_listeners(host, port, what), kind, secure))
+        except OSError:
+            for group in opened:
+                for listener in group.listeners if group is not None else ():
+                    await listener.aclose()
+            raise
+        return opened
+
     async def _accept_all(
-        self,
-        listeners: list[trio.SocketListener],
-        mqtt_listeners: list[trio.SocketListener],
-        conns: trio.Nursery,
-        scope: trio.CancelScope,
+        self, groups: list[_Listening], conns: trio.Nursery, scope: trio.CancelScope,
     ) -> None:
         with scope:
             async with trio.open_nursery() as nursery:
-                for listener in listeners:
-                    nursery.start_soon(self._accept, listener, conns, Session)
-                for listener in mqtt_listeners:
-                    nursery.start_soon(self._accept, listener, conns, MqttSession)
+                for group in groups:
+                    for listener in group.listeners:
+                        nursery.start_soon(self._accept, listener, conns, group.kind,
+                                           group.secure)
 
     async def _accept(self, listener: trio.SocketListener, conns: trio.Nursery,
-                      kind: type[Session]) -> None:
+                      kind: type[Session], secure: bool = False) -> None:
         failing = False
         while True:
             try:
@@ -455,24 +582,39 @@ class Server:
                 log.info("accepting connections again")
                 failing = False
             _keepalive(stream, self.config.server.keepalive_ms)
-            conns.start_soon(self._connection, stream, kind)
+            conns.start_soon(self._connection, stream, kind, secure)
 
-    async def _connection(self, stream: trio.SocketStream, kind: type[Session]) -> None:
+    async def _connection(self, stream: trio.SocketStream, kind: type[Session],
+                          secure: bool = False) -> None:
         self.counters.accepted += 1
-        if len(self.sessions) >= self.config.server.max_connections:
+        if len(self.sessions) + self.handshaking >= self.config.server.max_connections:
             self.counters.refused += 1
             limit = self.config.server.max_connections
             refusal = (_CONNACK_UNAVAILABLE if kind is MqttSession else codec.encode(
                 codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
                             f"the broker is at max_connections ({limit})")))
-            with trio.move_on_after(1):
+            # a TLS client would read the plain refusal as a broken handshake: closed only
+            with trio.move_on_after(0 if secure else 1):
                 try:
                     await stream.send_all(refusal)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
             await trio.aclose_forcefully(stream)
             return
-        session = kind(self, stream, self._next_conn_id)
+        tls = identity = None
+        if secure:
+            assert self.tls is not None
+            self.handshaking += 1
+            try:
+                accepted = await self.tls.accept(
+                    stream, self.config.server.handshake_timeout_ms / 1000)
+            finally:
+                self.handshaking -= 1
+            if accepted is None or self.shutdown.is_set():
+                await trio.aclose_forcefully(stream)
+                return
+            tls, identity = accepted
+        session = kind(self, stream, self._next_conn_id, tls, identity)
         self._next_conn_id += 1
         self.sessions[session.conn_id] = session
         self.counters.open += 1
@@ -532,6 +674,33 @@ class Server:
                 log.debug("expired %d message(s)", removed)
 
 
+def _sections(config: Config) -> list[str]:
+    return [f.name for f in dataclasses.fields(config)]
+
+
+def _reload(server: Server, reload: Callable[[], Config] | None) -> None:
+    """SIGHUP: the configuration again; a bad one is refused and the old one stays."""
+    if reload is None:
+        log.warning("received SIGHUP: nothing to reload (the broker was not started from "
+                    "`blipmq start`)")
+        return
+    try:
+        said = server.reload(reload())
+    except (ConfigError, OSError) as exc:
+        log.error("reload refused, the configuration in force is unchanged: %s", exc)
+        return
+    log.info("reloaded: %s", "; ".join(said) or "nothing changed")
+
+
+@dataclass(frozen=True, slots=True)
+class _Listening:
+    """The listeners of one address and what they serve."""
+
+    listeners: list[trio.SocketListener]
+    kind: type[Session]
+    secure: bool  # TLS first
+
+
 _SWITCH_INTERVAL_S = 0.0001
 _CONNACK_UNAVAILABLE = b"\x20\x02\x00\x03"  # MQTT CONNACK 3: server unavailable
 # Young collections after 20,000 allocations instead of 700: short-lived objects (records,
@@ -557,24 +726,29 @@ def _keepalive(stream: trio.SocketStream, keepalive_ms: int) -> None:
         pass  # the connection is already gone; its session notices
 
 
-async def run(config: Config) -> None:
-    """Serve until SIGINT/SIGTERM; a second signal ends the process at once."""
+async def run(config: Config, reload: Callable[[], Config] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; a second signal ends the process at once. SIGHUP reads
+    the configuration again (``reload``) and applies what can change while running."""
     # Worker threads (log writes, log reads for consumers) decode and copy with the GIL
     # held; the event loop gets it back within this long instead of the default 5 ms
     # (0.1 ms: unrelated traffic's p99 during a backlog drain fell about 0.7 ms against
     # 0.5 ms, with no throughput change measurable in bench/run.py or bench/durability.py).
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     server = Server(config)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, signals, server)
+            nursery.start_soon(_watch_signals, signals, server, reload)
             await server.serve()
             nursery.cancel_scope.cancel()
 
 
-async def _watch_signals(signals: AsyncIterator[int], server: Server) -> None:
+async def _watch_signals(signals: AsyncIterator[int], server: Server,
+                         reload: Callable[[], Config] | None) -> None:
     async for signum in signals:
         name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            _reload(server, reload)
+            continue
         if server.shutdown.is_set():
             log.warning("second %s: exiting at once", name)
             logging.shutdown()

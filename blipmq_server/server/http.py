@@ -1,4 +1,5 @@
-"""A tiny HTTP/1.1 listener for /metrics, /health and /ready (one request per connection)."""
+"""A tiny HTTP/1.1 listener for /metrics, /health and /ready (one request per connection);
+HTTPS with ``metrics.tls``, with the TLS listeners' certificate (server/tls.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blipmq.http")
 _MAX_REQUEST = 8192
+_WAIT_S = 5  # for the TLS handshake, then for the request and the answer
 
 
 async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> None:
@@ -29,9 +31,16 @@ async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> No
     await trio.serve_listeners(partial(_handle, server, sources), listeners)
 
 
-async def _handle(server: Server, sources: metrics.Sources, stream: trio.SocketStream) -> None:
+async def _handle(server: Server, sources: metrics.Sources, socket: trio.SocketStream) -> None:
+    stream: trio.abc.Stream = socket
     try:
-        with trio.move_on_after(5):
+        if server.config.metrics.tls:
+            assert server.tls is not None
+            accepted = await server.tls.accept(socket, _WAIT_S)  # a failure is counted
+            if accepted is None:
+                return
+            stream = accepted[0]
+        with trio.move_on_after(_WAIT_S):
             request = b""
             while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
                 chunk = await stream.receive_some(4096)

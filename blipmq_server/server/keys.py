@@ -41,17 +41,26 @@ class Keyring:
         self.failures: dict[str, int] = {}  # by reason
         self._logged: dict[str, float] = {}  # source address -> when last logged
 
-    def authenticate(self, given: bytes) -> Identity | None:
-        """The identity ``given`` is; None for a refused key. Without keys, everyone is
-        ``FULL``."""
+    def check(self, given: bytes) -> tuple[bytes, Identity] | None:
+        """(the key's digest, the identity it is); None for a refused key. Without keys,
+        everyone is ``FULL`` (digest b"")."""
         if not self.enabled:
-            return FULL
+            return b"", FULL
         offered = digest(given)
         found = None
         for known, identity in self.entries:  # every digest compared: no early exit
             if hmac.compare_digest(offered, known):
                 found = identity
-        return found
+        return None if found is None else (offered, found)
+
+    def find(self, key_digest: bytes) -> Identity | None:
+        """The identity of a key already accepted (after a reload: None if revoked)."""
+        if not self.enabled:
+            return FULL
+        for known, identity in self.entries:
+            if known == key_digest:
+                return identity
+        return None
 
     def names(self) -> dict[str, Identity]:
         return {identity.name: identity for _, identity in self.entries}

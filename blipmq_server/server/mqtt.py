@@ -70,7 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blipmq.mqtt")
 
-_RECEIVE = 65536
 # a delivery record's prefix and its message record's head, in one unpack
 _unpack_delivery = struct.Struct(DELIVERY_PREFIX.format + MSG_HEAD.format[1:]).unpack_from
 _pack_head = MSG_HEAD.pack
@@ -82,8 +81,10 @@ _RESERVED = ("$",)
 
 
 class MqttSession(Session):
-    def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int) -> None:
-        super().__init__(server, stream, conn_id)
+    def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int,
+                 tls: trio.SSLStream[trio.SocketStream] | None = None,
+                 tls_identity: str | None = None) -> None:
+        super().__init__(server, stream, conn_id, tls, tls_identity)
         self.client_id = ""
         self.username: str | None = None
         self.clean = True
@@ -135,6 +136,9 @@ class MqttSession(Session):
         log.warning("MQTT client %r: closing, %s", self.client_id, text)
         self.server.mqtt_error("storage")
         self.stop_reading(CloseReason.PROTOCOL_ERROR)
+
+    def revoke(self) -> None:
+        self.stop_reading(CloseReason.REVOKED)  # 3.1.1 has no word for it: the close says it
 
     def closed(self) -> None:
         self.server.mqtt_sessions.closed(self)
@@ -225,8 +229,7 @@ class MqttSession(Session):
         server = self.server
         cfg = server.config.server
         decoder = mqtt.Decoder(server.mqtt_max_packet)
-        fd = self._fd
-        wait_readable = trio.lowlevel.wait_readable
+        receive = self._receive if self.tls is None else self._receive_tls  # the base's
         clock = self.clock
         budget = cfg.max_pending_bytes
         handshake = cfg.handshake_timeout_ms / 1000 or math.inf
@@ -242,19 +245,14 @@ class MqttSession(Session):
                     self.heard_at = clock()
                     continue
                 try:
-                    if self.connected:
-                        await wait_readable(fd)
-                    else:
-                        with trio.move_on_at(deadline) as waited:
-                            await wait_readable(fd)
-                        if waited.cancelled_caught:
-                            server.mqtt_error("handshake_timeout")
-                            return CloseReason.HANDSHAKE_TIMEOUT
-                    data = os.read(fd, _RECEIVE)
-                except BlockingIOError:
-                    continue
+                    data = await receive(math.inf if self.connected else deadline)
+                except trio.TooSlowError:
+                    server.mqtt_error("handshake_timeout")
+                    return CloseReason.HANDSHAKE_TIMEOUT
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                     return CloseReason.RESET
+                if data is None:
+                    continue
                 self.heard_at = self.read_at = clock()
                 if not data:
                     return CloseReason.EOF
@@ -377,11 +375,11 @@ class MqttSession(Session):
                                  f"protocol level {packet.level} is not supported (3 and 4 are)")
             return CloseReason.PROTOCOL_ERROR
         self.level = packet.level
-        identity = server.authenticate(packet.password or b"")
+        identity = server.authenticate(self, packet.password or b"")
         if identity is None:  # CONNACK 5 after the delay that slows guessing (``run``)
             self.refusal = mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED))
             return CloseReason.AUTH_FAILED
-        access = server.access_for(identity)
+        access = self.access
         will = packet.will
         if (will is not None and access is not None
                 and not access.may_publish(will.topic.encode("utf-8"))):
@@ -389,7 +387,6 @@ class MqttSession(Session):
             self._protocol_error("forbidden_will", f"key {identity.name!r} may not publish "
                                  f"its will to {will.topic!r}")
             return CloseReason.PROTOCOL_ERROR
-        self.access = access
         client_id = packet.client_id
         if not client_id:
             if not packet.clean_session or packet.level == 3:
@@ -403,6 +400,11 @@ class MqttSession(Session):
         self.clean = packet.clean_session
         limit = server.config.mqtt.max_keepalive
         self.keepalive = float(min(packet.keepalive, limit)) if packet.keepalive else 0.0
+        if not server.mqtt_sessions.may_attach(self):  # before it counts as connected
+            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED)))
+            self._protocol_error("session_of_another_key", f"client id {client_id!r} is "
+                                 "another key's session")
+            return CloseReason.PROTOCOL_ERROR
         self.will = packet.will
         self.connected = self.authenticated = True
         present = server.mqtt_sessions.attach(self)

@@ -15,6 +15,12 @@ Both tasks work on the socket's file descriptor with ``os.read`` / ``os.write`` 
 read before each wait), a write that the kernel takes whole does not go through the
 scheduler, and either yields to the other tasks after ``_TURN_S`` of work without a wait.
 The stream itself is closed only after both tasks have ended (``run``).
+
+Over TLS (``tls``: the trio.SSLStream of a connection to a TLS listener, its handshake
+done) the two I/O steps are the stream's instead: the reader's step (``_receive``) is
+``receive_some``, the writer's (``_send``) is ``send_all``, chosen once per task. Nothing
+else differs; ``deliver_now`` only wakes the writer, as the stream must not be written from
+another task's turn while the writer may be inside it.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class CloseReason(Enum):
     SHUTDOWN = "shutdown"
     WRITE_FAILED = "write_failed"
     TAKEN_OVER = "taken_over"  # an MQTT client connected again with the same client id
+    REVOKED = "revoked"  # its key left the configuration (a reload)
 
 
 def now_ms() -> int:
@@ -83,13 +90,19 @@ _BACKLOG_WAIT_S = 0.01
 _BACKLOG_PACE_S = 0.001
 _LIVE_S = 0.1
 _TURN_S = 0.001  # a connection with many frames waiting yields to the others after this
+_TLS_PIECE = 1 << 16  # a TLS send's piece, after which the watchdog sees progress
 
 
 class Session:
-    def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int) -> None:
+    def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int,
+                 tls: trio.SSLStream[trio.SocketStream] | None = None,
+                 tls_identity: str | None = None) -> None:
         self.server = server
         self.broker = server.broker
         self.stream = stream
+        self.tls = tls
+        # the client certificate's name (tls.client_identity), when it sent one
+        self.tls_identity = tls_identity
         self.conn_id = conn_id
         self.peer = _peer(stream)
         self.outbox: list[bytes] = []
@@ -100,6 +113,7 @@ class Session:
         # the connection's permissions once authenticated (None: no limits), and the answer
         # to a refused key, sent after the delay that slows guessing (``run``)
         self.access: Access | None = None
+        self.key_digest = b""  # of the key it was admitted with (b"": no keys in force)
         self.refusal: bytes | None = None
         self.closing = False  # no more frames will be read; the writer drains and exits
         self.close_reason: CloseReason | None = None
@@ -120,7 +134,10 @@ class Session:
         self.aborted = False  # ended without draining (slow consumer, write failure)
         self._scope: trio.CancelScope | None = None
         self._fd = stream.socket.fileno()
-        self._linger = server.config.delivery.flush_interval_ms > 0
+        self._full = False  # the last read filled the buffer: the next need not wait
+        # deliveries routed here go through the writer (``deliver_now``): with a linger, or
+        # over TLS
+        self._via_writer = server.config.delivery.flush_interval_ms > 0 or tls is not None
 
     # --------------------------------------------------------------------------- plumbing
 
@@ -138,8 +155,9 @@ class Session:
         no trip through trio's run loop to the writer task. Only while the writer is parked
         does anything else write this socket, and never across an ``await``, so writes
         stay in order. What the kernel does not take, and a backlog's next batch, go to the
-        writer as before; so does everything while a linger or the close is on."""
-        if self._parked is None or self.closing or self._linger:
+        writer as before; so does everything while a linger or the close is on, and over
+        TLS."""
+        if self._parked is None or self.closing or self._via_writer:
             self.wake()
             return
         opts = self.server.config.delivery
@@ -178,6 +196,12 @@ class Session:
             self.send(codec.Goodbye(ErrorCode.TIMEOUT, f"nothing received for "
                                     f"{2 * idle:g} s (server.keepalive_ms)"))
             self.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
+
+    def revoke(self) -> None:
+        """A reload removed its key: say so, and close once what is queued went out."""
+        self.send(codec.Goodbye(ErrorCode.AUTH_FAILED, "the key of this connection was "
+                                "revoked"))
+        self.stop_reading(CloseReason.REVOKED)
 
     def closed(self) -> None:
         """The connection has ended, before its subscriptions are detached."""
@@ -258,6 +282,7 @@ class Session:
         opts = self.server.config.delivery
         linger = opts.flush_interval_ms / 1000
         fd = self._fd
+        send = self._send if self.tls is None else self._send_tls
         clock = self.clock
         turn = clock() + _TURN_S
         woken = True
@@ -288,7 +313,7 @@ class Session:
                     now = clock()
                 data, behind = self._collect(opts.max_batch, opts.max_batch_bytes, now)
                 if data:
-                    await self._send(fd, data, now)
+                    await send(fd, data, now)
                     self.pending_bytes -= len(data)
                     if self.paused:  # the reader waits until the writer caught up
                         self._drained.set()
@@ -324,6 +349,19 @@ class Session:
             await trio.lowlevel.wait_writable(fd)
         self.sending_since = None
 
+    async def _send_tls(self, fd: int, data: bytes, now: float) -> None:
+        """``_send`` over TLS: ``send_all`` in pieces, so that the watchdog sees progress
+        as it does for a plain socket (``fd`` is not used: the stream owns the socket)."""
+        assert self.tls is not None
+        send_all = self.tls.send_all
+        view = memoryview(data)
+        self.sending_since = now
+        for at in range(0, len(data), _TLS_PIECE):
+            if at:
+                self.sending_since = self.clock()
+            await send_all(view[at:at + _TLS_PIECE])
+        self.sending_since = None
+
     def _collect(self, max_batch: int, max_batch_bytes: int, now: float) -> tuple[bytes, bool]:
         """The outbox and a DELIVER batch per subscription with something to take. Once
         closing, QoS 1 subscriptions take nothing more: what they took would only go back
@@ -356,11 +394,9 @@ class Session:
     async def _read_loop(self) -> CloseReason:
         cfg = self.server.config.server
         decoder = codec.Decoder(self.server.max_frame)
-        fd = self._fd
-        wait_readable = trio.lowlevel.wait_readable
+        receive = self._receive if self.tls is None else self._receive_tls
         clock = self.clock
         publish = codec.Publish
-        full = False
         budget = cfg.max_pending_bytes
         handshake = cfg.handshake_timeout_ms / 1000 or math.inf
         with trio.CancelScope() as scope:
@@ -376,24 +412,15 @@ class Session:
                     self.paused = False
                     self.heard_at = clock()
                     continue
-                try:
-                    if full:  # the last read filled the buffer: the rest is likely there
-                        await trio.lowlevel.checkpoint()
-                    elif self.authenticated:  # silence is the watchdog's business now
-                        await wait_readable(fd)
-                    else:
-                        with trio.move_on_at(deadline) as waited:
-                            await wait_readable(fd)
-                        if waited.cancelled_caught:
-                            self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
-                            return CloseReason.HANDSHAKE_TIMEOUT
-                    data = os.read(fd, _RECEIVE)
-                except BlockingIOError:
-                    full = False
-                    continue
+                try:  # once authenticated, silence is the watchdog's business
+                    data = await receive(math.inf if self.authenticated else deadline)
+                except trio.TooSlowError:
+                    self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
+                    return CloseReason.HANDSHAKE_TIMEOUT
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                     return CloseReason.RESET
-                full = len(data) == _RECEIVE
+                if data is None:
+                    continue
                 self.heard_at = self.read_at = clock()
                 self.pinged_at = None
                 if not data:
@@ -433,6 +460,37 @@ class Session:
                     self.server.deliver_routed(self.read_at)
                     self.server.log_touched()
         return self.close_reason or CloseReason.SHUTDOWN
+
+    async def _receive(self, deadline: float) -> bytes | None:
+        """The reader's one read, both protocols': what came (b"": the end of the stream),
+        or None when there was nothing after all. It waits for the socket, until
+        ``deadline`` at most (the handshake's; math.inf after it: TooSlowError then), and
+        reads once; after a read that filled the buffer the next one reads without a wait.
+        OSError and trio's stream errors: the connection broke."""
+        fd = self._fd
+        if self._full:  # the rest is likely there already
+            await trio.lowlevel.checkpoint()
+        elif deadline == math.inf:
+            await trio.lowlevel.wait_readable(fd)
+        else:
+            with trio.fail_at(deadline):
+                await trio.lowlevel.wait_readable(fd)
+        try:
+            data = os.read(fd, _RECEIVE)
+        except BlockingIOError:
+            self._full = False
+            return None
+        self._full = len(data) == _RECEIVE
+        return data
+
+    async def _receive_tls(self, deadline: float) -> bytes | None:
+        """``_receive`` over TLS: what the stream decrypted (it may hold more than the
+        socket shows, so it is asked, not the socket)."""
+        assert self.tls is not None
+        if deadline == math.inf:
+            return await self.tls.receive_some(_RECEIVE)
+        with trio.fail_at(deadline):
+            return await self.tls.receive_some(_RECEIVE)
 
     def _handle(self, frame: codec.Frame) -> CloseReason | None:
         """Any frame but an authenticated connection's PUBLISH (``_publish``)."""
@@ -493,12 +551,11 @@ class Session:
             self.error(ErrorCode.NOT_AUTHENTICATED, "authenticate (AUTH) before anything else",
                        frame.request_id)
             return CloseReason.PROTOCOL_ERROR
-        identity = self.server.authenticate(frame.api_key.encode())
+        identity = self.server.authenticate(self, frame.api_key.encode())
         if identity is None:  # answered after a delay (``run``)
             self.refusal = codec.encode(codec.Error(ErrorCode.AUTH_FAILED, "API key refused",
                                                     frame.request_id))
             return CloseReason.AUTH_FAILED
-        self.access = self.server.access_for(identity)
         self.authenticated = True
         self.send(codec.AuthOk(frame.request_id))
         return None
@@ -590,8 +647,10 @@ class Session:
 
     def _stats(self, request_id: int) -> None:
         if self.access is not None and not self.access.identity.admin:
-            self.error(ErrorCode.FORBIDDEN, f"statistics are for admin keys; "
-                       f"{self.access.identity.name!r} is not one", request_id)
+            # what the broker is, nothing of what others publish, read or own
+            data = json.dumps(self.server.about() | {
+                "restricted": True, "key": self.access.identity.name}).encode()
+            self.send(codec.StatsReport(data, request_id))
             return
         report = self.server.stats()
         limit = self.server.max_frame - 5

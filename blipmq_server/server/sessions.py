@@ -33,6 +33,9 @@ class MqttSessions:
         self.offline: dict[str, tuple[dict[str, int], int]] = {}
         self.qos2: dict[str, set[int]] = {}  # persistent sessions' inbound QoS 2 ids
         self.pubrel: dict[str, set[int]] = {}  # ... and outbound ones awaiting PUBCOMP
+        # the key (by name) a client id's session belongs to, online or persistent; "" or
+        # absent: nobody in particular (made while authentication was off)
+        self.owners: dict[str, str] = {}
         self.wills = 0
         self.expired = 0
 
@@ -50,12 +53,25 @@ class MqttSessions:
                 elif key.startswith(state.PUBREL_PREFIX):
                     cid = key[len(state.PUBREL_PREFIX):].decode("utf-8", "replace")
                     self.pubrel[cid] = state.parse_ids(value)
+                elif key.startswith(state.OWNER_PREFIX):
+                    cid = key[len(state.OWNER_PREFIX):].decode("utf-8", "replace")
+                    self.owners[cid] = value.decode("utf-8", "replace")
             except ValueError as exc:
                 log.warning("MQTT session %r not restored: %s", key, exc)
         if self.offline:
             log.info("MQTT: %d persistent session(s) restored", len(self.offline))
 
     # --------------------------------------------------------------------------- connects
+
+    def may_attach(self, session: MqttSession) -> bool:
+        """Whether the session's key may use its client id: a session (online, or
+        persistent and offline) that another key made is not its to take over or end,
+        unless the key is an admin's."""
+        owner = self.owners.get(session.client_id, "")
+        access = session.access
+        if not owner or access is None or access.identity.admin:
+            return True
+        return access.identity.name == owner
 
     def attach(self, session: MqttSession) -> bool:
         """A client connected: take over an earlier connection with its id, then start a
@@ -73,6 +89,10 @@ class MqttSessions:
             self.server.detached(self.broker.disconnect(old.conn_id, wall_ms()))
             old.abort(CloseReason.TAKEN_OVER)
         self.online[cid] = session
+        name = "" if session.access is None else session.access.identity.name
+        if self.owners.get(cid, "") != name and not session.clean:
+            self.broker.put_state(state.owner_key(cid), name.encode("utf-8"), wall_ms())
+        self.owners[cid] = name
         stored = self.offline.pop(cid, None)
         subs = carried if carried is not None else (None if stored is None else stored[0])
         if session.clean:
@@ -104,6 +124,8 @@ class MqttSessions:
         cid = session.client_id
         if self.online.get(cid) is session:
             del self.online[cid]
+            if session.clean:
+                self.owners.pop(cid, None)
         if not session.clean:
             subs = {f: q for f, (_, q) in session.subs.items()}
             since = wall_ms()
@@ -204,7 +226,9 @@ class MqttSessions:
                 self.broker.unsubscribe(0, 0, topic_filter, group, wall)
         self.qos2.pop(cid, None)
         self.pubrel.pop(cid, None)
-        for key in (state.subs_key(cid), state.qos2_key(cid), state.pubrel_key(cid)):
+        self.owners.pop(cid, None)
+        for key in (state.subs_key(cid), state.qos2_key(cid), state.pubrel_key(cid),
+                    state.owner_key(cid)):
             self.broker.put_state(key, b"", wall)
         self.server.log_touched()
 

@@ -1,0 +1,138 @@
+"""SIGHUP reloads the configuration (keys, permissions, log level) and never stops the
+broker: a revoked key's connections are closed, the others keep their connections and
+subscriptions, a bad new configuration is refused with one line and the old one stays."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import tomlkit
+
+from blipmq_cli.keys import mint
+
+
+def key(name: str, *, publish: tuple[str, ...] = ("#",), subscribe: tuple[str, ...] = ("#",),
+        admin: bool = False) -> tuple[str, dict]:
+    """A fresh key and its [[auth.keys]] table."""
+    text = mint(name, list(publish), list(subscribe), admin)
+    secret = text.splitlines()[0]
+    table = tomlkit.parse(text.split("\n", 3)[3])["auth"]["keys"][0]
+    return secret, dict(table)
+
+
+def rewrite(b, keys: list[dict], **sections: dict) -> None:
+    doc = tomlkit.parse(b.config_path.read_text())
+    doc["auth"] = {"keys": keys}
+    for name, values in sections.items():
+        doc[name] = values
+    b.config_path.write_text(tomlkit.dumps(doc))
+
+
+def test_sighup_revokes_a_key_and_keeps_the_others(start_broker) -> None:
+    a, a_table = key("a")
+    c, c_table = key("c")
+    b = start_broker({"auth": {"keys": [a_table, c_table]}})
+    kept = b.spawn("sub", "t", "--count", "2", BLIPMQ_API_KEY=c)
+    gone = b.spawn("sub", "t", "--no-reconnect", BLIPMQ_API_KEY=a)
+    b.wait_metric("blipmq_subscriptions", 2)
+    assert b.cli("pub", "t", "one", BLIPMQ_API_KEY=c).returncode == 0
+
+    rewrite(b, [c_table])  # a is revoked
+    b.proc.send_signal(signal.SIGHUP)
+    assert "1 connection(s) closed" in b.wait_log("reloaded: keys: 1 (-a)")
+    out, err = gone.communicate(timeout=10)
+    assert gone.returncode != 0 and b"revoked" in err, err
+    assert b.cli("pub", "t", "x", BLIPMQ_API_KEY=a).returncode == 5  # refused from now on
+
+    assert b.cli("pub", "t", "two", BLIPMQ_API_KEY=c).returncode == 0
+    out, err = kept.communicate(timeout=10)  # never disconnected: both messages
+    assert (kept.returncode, out) == (0, b"one\ntwo\n"), err
+    assert b.metric("blipmq_connections_closed_total", reason="revoked") == 1
+    assert b.proc.poll() is None
+
+
+def test_sighup_changes_permissions_of_open_connections(start_broker) -> None:
+    c, c_table = key("c")
+    b = start_broker({"auth": {"keys": [c_table]}})
+    pub = b.spawn("pub", "-t", "a/1", "--lines", BLIPMQ_API_KEY=c)
+    sub = b.spawn("sub", "a/#", "--count", "1", BLIPMQ_API_KEY=c)
+    b.wait_metric("blipmq_subscriptions", 1)
+    assert pub.stdin is not None
+    pub.stdin.write(b"allowed\n")
+    pub.stdin.flush()
+    out, _ = sub.communicate(timeout=10)
+    assert out == b"allowed\n"
+
+    c_table["publish"] = ["b/#"]  # the same key may no longer publish to a/...
+    rewrite(b, [c_table])
+    b.proc.send_signal(signal.SIGHUP)
+    b.wait_log("reloaded: keys: 1 (~c)")
+    pub.stdin.write(b"now denied\n")
+    pub.stdin.close()
+    assert pub.wait(timeout=10) == 5  # the same connection: FORBIDDEN
+    assert b"a/1" in pub.stderr.read()  # type: ignore[union-attr]
+
+
+def test_a_bad_reload_is_refused_and_the_old_config_stays(start_broker) -> None:
+    c, c_table = key("c")
+    b = start_broker({"auth": {"keys": [c_table]}})
+    b.config_path.write_text(b.config_path.read_text() + "\n[log]\nlevel = \"loud\"\n")
+    b.proc.send_signal(signal.SIGHUP)
+    line = b.wait_log("reload refused")
+    assert "log.level" in line
+    assert b.cli("pub", "t", "x", BLIPMQ_API_KEY=c).returncode == 0
+    b.config_path.write_text("[server\nbroken")
+    b.proc.send_signal(signal.SIGHUP)
+    b.wait_log("TOML syntax error")  # the second refusal
+    assert b.proc.poll() is None and b.cli("ping", BLIPMQ_API_KEY=c).returncode == 0
+
+
+def test_sighup_without_changes_and_the_log_level(start_broker) -> None:
+    b = start_broker()
+    b.proc.send_signal(signal.SIGHUP)
+    b.wait_log("reloaded: nothing changed")
+    doc = tomlkit.parse(b.config_path.read_text())
+    doc["log"] = {"level": "debug"}
+    doc["queues"] = {"capacity": 10}
+    b.config_path.write_text(tomlkit.dumps(doc))
+    b.proc.send_signal(signal.SIGHUP)
+    line = b.wait_log("log level: info -> debug")
+    assert "not applied until a restart: [queues]" in line
+    assert b.proc.poll() is None
+    assert b.stop() == 0
+
+
+def test_keys_new_prints_a_key_once_and_its_hash(tmp_path) -> None:
+    from conftest import BLIPMQ
+
+    done = subprocess.run([BLIPMQ, "keys", "new", "hall", "--publish", "sensors/hall/#",
+                           "--subscribe", "cmd/hall/#"], capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout.decode()
+    secret = text.splitlines()[0]
+    assert secret.startswith("bmq_") and text.count(secret) == 1
+    table = tomlkit.parse(text.split("\n", 3)[3])["auth"]["keys"][0]
+    b2sum = subprocess.run(["b2sum"], input=secret.encode(), capture_output=True, timeout=10)
+    assert table["hash"] == "blake2b:" + b2sum.stdout.split()[0].decode()
+    assert table["publish"] == ["sensors/hall/#"] and table["admin"] is False
+    bad = subprocess.run([BLIPMQ, "keys", "new", "x", "--publish", "a/#/b"],
+                         capture_output=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.count(b"\n") == 1
+
+
+def test_a_narrowed_key_loses_the_subscriptions_it_may_no_longer_make(start_broker) -> None:
+    c, c_table = key("c")
+    b = start_broker({"auth": {"keys": [c_table]}})
+    wide = b.spawn("sub", "a/#", "--no-reconnect", BLIPMQ_API_KEY=c)
+    fine = b.spawn("sub", "b/x", "--count", "1", BLIPMQ_API_KEY=c)
+    b.wait_metric("blipmq_subscriptions", 2)
+    c_table["subscribe"] = ["b/#"]
+    rewrite(b, [c_table])
+    b.proc.send_signal(signal.SIGHUP)
+    assert "1 subscription(s) ended" in b.wait_log("reloaded: keys: 1 (~c)")
+    _, err = wide.communicate(timeout=10)
+    assert wide.returncode == 5 and b"may no longer read 'a/#'" in err, err
+    assert b.cli("pub", "b/x", "still", BLIPMQ_API_KEY=c).returncode == 0
+    out, _ = fine.communicate(timeout=10)
+    assert (fine.returncode, out) == (0, b"still\n")

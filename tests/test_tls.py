@@ -1,0 +1,375 @@
+"""TLS on the broker's listeners: the real broker process with trustme certificates, driven
+by openssl s_client, the mosquitto clients and raw sockets; then the server in-process for
+what only it can show (the client certificate's identity on the session, reloading the
+certificates without dropping connections).
+
+The client side (``blipmq`` over TLS, the Python client) is in tests/test_tls_cli.py.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from mqttpeer import mosquitto, mosquitto_spawn, reap
+from pki import Pki, broker_tls, make_pki
+
+from blipmq_cli.client import Client
+from blipmq_server import config as config_module
+from blipmq_server.errors import ConfigError, TlsError
+from blipmq_server.protocol import codec
+from blipmq_server.server.app import Bound, Server
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(autouse=True)
+def _reap_mosquitto() -> Iterator[None]:
+    yield
+    reap()
+
+
+def _wait_closed(sock: socket.socket, within: float) -> float:
+    """Seconds until the broker closed ``sock`` (read b"" or a reset), failing after
+    ``within``."""
+    sock.settimeout(within)
+    started = time.monotonic()
+    try:
+        while sock.recv(4096):  # a TLS alert may come first
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"still open after {within} s") from None
+    return time.monotonic() - started
+
+
+# ------------------------------------------------------------------- listeners and startup
+
+
+def test_plain_and_tls_listeners_side_by_side(start_broker, pki: Pki) -> None:
+    b = start_broker(broker_tls(pki))
+    line = b.wait_log("listening on")
+    # the beginning is what it always was; the TLS listeners come after the rest
+    assert re.search(r"listening on 127\.0\.0\.1:\d+, metrics on http://127\.0\.0\.1:\d+/metrics"
+                     r", mqtt on 127\.0\.0\.1:\d+, mqtts on 127\.0\.0\.1:\d+, tls on "
+                     r"127\.0\.0\.1:\d+; ", line), line
+    assert len({b.port, b.mqtt_port, b.mqtts_port, b.tls_port, b.metrics_port}) == 5
+    # MQTT plain and over TLS into one broker, out to a native subscriber
+    sub = b.spawn("sub", "side/by/side", "--count", "2")
+    b.wait_subscribers(1)
+    assert mosquitto("mosquitto_pub", b.mqtt_port, "-t", "side/by/side", "-m", "plain",
+                     "-q", "1").returncode == 0
+    done = mosquitto("mosquitto_pub", b.mqtts_port, "--cafile", str(pki.ca), "-t",
+                     "side/by/side", "-m", "tls", "-q", "1")
+    assert done.returncode == 0, done.stderr
+    out, err = sub.communicate(timeout=30)
+    assert (sub.returncode, out) == (0, b"plain\ntls\n"), err
+
+
+def test_openssl_negotiates_tls13_and_tls11_is_refused(start_broker, pki: Pki) -> None:
+    b = start_broker(broker_tls(pki))
+    s_client = ["openssl", "s_client", "-connect", f"127.0.0.1:{b.mqtts_port}",
+                "-CAfile", str(pki.ca), "-verify_return_error"]
+    done = subprocess.run([*s_client, "-brief"], input=b"", capture_output=True, timeout=30)
+    text = done.stdout.decode() + done.stderr.decode()
+    assert "Protocol version: TLSv1.3" in text, text
+    assert "Verification: OK" in text, text
+    # TLS 1.2 is still accepted (tls.min_version = "1.2")
+    done = subprocess.run([*s_client, "-brief", "-tls1_2"], input=b"", capture_output=True,
+                          timeout=30)
+    assert "Protocol version: TLSv1.2" in done.stdout.decode() + done.stderr.decode()
+    # a TLS 1.1 client (seclevel 0 so that OpenSSL offers it at all) is refused
+    done = subprocess.run([*s_client, "-tls1_1", "-cipher", "DEFAULT@SECLEVEL=0"], input=b"",
+                          capture_output=True, timeout=30)
+    text = done.stdout.decode() + done.stderr.decode()
+    assert done.returncode != 0 and "protocol version" in text, text
+    b.wait_metric("blipmq_tls_handshake_failures_total", 1, reason="protocol_version")
+
+
+def test_mosquitto_round_trip_over_mqtts(start_broker, pki: Pki) -> None:
+    b = start_broker(broker_tls(pki))
+    tls = ("--cafile", str(pki.ca))
+    sub = mosquitto_spawn("mosquitto_sub", b.mqtts_port, *tls, "-t", "secure/#", "-q", "1",
+                          "-C", "1", "-v")
+    b.wait_metric("blipmq_subscriptions", 1)
+    done = mosquitto("mosquitto_pub", b.mqtts_port, *tls, "-t", "secure/hall", "-m", "21.5",
+                     "-q", "1")
+    assert done.returncode == 0, done.stderr
+    out, err = sub.communicate(timeout=30)
+    assert (sub.returncode, out) == (0, b"secure/hall 21.5\n"), err
+    assert b.metric("blipmq_messages_published_total") == 1
+    # a client that does not trust the broker's CA gives up; the broker counts its alert
+    done = mosquitto("mosquitto_pub", b.mqtts_port, "--cafile", str(pki.other_ca), "-t", "x",
+                     "-m", "x")
+    assert done.returncode != 0
+    b.wait_metric("blipmq_tls_handshake_failures_total", 1, reason="peer_refused")
+
+
+# --------------------------------------------------------------------------- bad handshakes
+
+
+def test_bad_handshakes_cost_only_their_connection(start_broker, pki: Pki) -> None:
+    b = start_broker(broker_tls(pki, server={"handshake_timeout_ms": 1000}))
+    silent = socket.create_connection(("127.0.0.1", b.tls_port))  # connects, sends nothing
+    plain = socket.create_connection(("127.0.0.1", b.tls_port))
+    plain.sendall(b"HELLO, this is plain text\r\n")  # not a TLS record
+    mqtt_plain = socket.create_connection(("127.0.0.1", b.mqtts_port))
+    mqtt_plain.sendall(b"\x10\x0c\x00\x04MQTT\x04\x02\x00\x3c\x00\x00")  # a plain CONNECT
+    try:
+        assert _wait_closed(plain, 5) < 1
+        assert _wait_closed(mqtt_plain, 5) < 1
+        # meanwhile a TLS client is served as usual, on the same listener
+        tls = {"BLIPMQ_ADDR": f"tls://127.0.0.1:{b.tls_port}", "BLIPMQ_CAFILE": str(pki.ca)}
+        done = b.cli("pub", "-q", "1", "still/served", "yes", **tls)
+        assert done.returncode == 0, done.stderr
+        # the silent one is cut once server.handshake_timeout_ms has passed
+        assert 0.5 < _wait_closed(silent, 10) < 5
+    finally:
+        for sock in (silent, plain, mqtt_plain):
+            sock.close()
+    b.wait_metric("blipmq_tls_handshake_failures_total", 2, reason="not_tls")
+    b.wait_metric("blipmq_tls_handshake_failures_total", 1, reason="timeout")
+    assert b.metric("blipmq_messages_published_total") == 1
+    assert "TLS handshake from 127.0.0.1:" in b.wait_log("failed: timeout")
+    # a failed handshake never became a connection: nothing of it is counted as closed
+    assert b.metric("blipmq_connections_closed_total", reason="handshake_timeout") == 0
+
+
+def test_client_certificates_required(start_broker, pki: Pki) -> None:
+    b = start_broker(broker_tls(pki, tls={"ca_file": str(pki.ca), "require_client_cert": True}))
+    ca = ("--cafile", str(pki.ca))
+    cert = ("--cert", str(pki.client_cert), "--key", str(pki.client_key))
+    sub = mosquitto_spawn("mosquitto_sub", b.mqtts_port, *ca, *cert, "-t", "devices/+",
+                          "-q", "1", "-C", "1", "-v")
+    b.wait_metric("blipmq_subscriptions", 1)
+    # without a certificate: refused, and nothing arrives
+    done = mosquitto("mosquitto_pub", b.mqtts_port, *ca, "-t", "devices/anon", "-m", "x",
+                     "-q", "1")
+    assert done.returncode != 0
+    b.wait_metric("blipmq_tls_handshake_failures_total", 1, reason="no_client_cert")
+    # an expired one, from the right CA: refused too
+    expired = ("--cert", str(pki.expired_cert), "--key", str(pki.expired_key))
+    done = mosquitto("mosquitto_pub", b.mqtts_port, *ca, *expired, "-t", "devices/old",
+                     "-m", "x", "-q", "1")
+    assert done.returncode != 0
+    b.wait_metric("blipmq_tls_handshake_failures_total", 1, reason="bad_client_cert")
+    assert "certificate has expired" in b.wait_log("bad_client_cert")
+    # with its certificate: accepted
+    done = mosquitto("mosquitto_pub", b.mqtts_port, *ca, *cert, "-t", "devices/seven",
+                     "-m", "here", "-q", "1")
+    assert done.returncode == 0, done.stderr
+    out, err = sub.communicate(timeout=30)
+    assert (sub.returncode, out) == (0, b"devices/seven here\n"), err
+    # the plain listeners are not affected: they ask for no certificate
+    assert b.cli("pub", "devices/plain", "x").returncode == 0
+
+
+def test_metrics_over_https(start_broker, pki: Pki) -> None:
+    b = start_broker(broker_tls(pki, metrics={"tls": True}))
+    assert f"metrics on https://127.0.0.1:{b.metrics_port}/metrics" in b.wait_log("listening")
+    b.metrics_tls = pki.client_context()
+    assert b.metric("blipmq_connections_open") == 0
+    # plain HTTP to it is a failed handshake, counted like any other
+    with socket.create_connection(("127.0.0.1", b.metrics_port)) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _wait_closed(sock, 5) < 5
+    b.wait_metric("blipmq_tls_handshake_failures_total", 1, reason="not_tls")
+
+
+def test_sighup_reloads_the_certificate_without_dropping_connections(
+    start_broker, pki: Pki, tmp_path: Path
+) -> None:
+    cert, key = pki.reissue(tmp_path)
+    b = start_broker(broker_tls(pki, tls={"cert_file": str(cert), "key_file": str(key)}))
+    addr = f"tls://127.0.0.1:{b.tls_port}"
+    with Client(addr, ssl_context=pki.client_context()) as before:
+        other = make_pki(tmp_path / "other")
+        pki.reissue(tmp_path, other.authority)  # new files in place
+        b.proc.send_signal(signal.SIGHUP)
+        assert "tls: reloaded tls.cert_file, tls.key_file" in b.wait_log("reloaded:")
+        with Client(addr, ssl_context=other.client_context()) as after:  # the new one
+            after.publish("t", b"x", qos=1)
+        with pytest.raises(TlsError, match="not trusted"):  # the old one is gone
+            Client(addr, ssl_context=pki.client_context())
+        assert before.ping() < 5  # a connection made before goes on
+    assert b.proc.poll() is None
+
+
+def test_sighup_with_a_bad_certificate_changes_nothing(start_broker, pki: Pki,
+                                                      tmp_path: Path) -> None:
+    # regression: a certificate file that cannot be used at a reload killed the broker
+    cert, key = pki.reissue(tmp_path)
+    b = start_broker(broker_tls(pki, tls={"cert_file": str(cert), "key_file": str(key)}))
+    addr = f"tls://127.0.0.1:{b.tls_port}"
+    cert.write_text("not a certificate")
+    b.proc.send_signal(signal.SIGHUP)
+    assert "tls.cert_file" in b.wait_log("reload refused")
+    assert b.proc.poll() is None
+    with Client(addr, ssl_context=pki.client_context()) as client:  # the old one in force
+        assert client.ping() < 5
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("tls", "needle"),
+    [
+        ({}, "tls.cert_file: must be set: server.tls is on"),
+        ({"cert_file": "/nonexistent/broker.pem"},
+         "tls.cert_file: /nonexistent/broker.pem not found"),
+        ({"cert_file": "{key}"}, "tls.cert_file: cannot load"),
+        ({"cert_file": "{cert}", "key_file": "{client_key}"},
+         "is not the key of tls.cert_file's certificate"),
+        ({"cert_file": "{cert}", "key_file": "{key}", "require_client_cert": True},
+         "tls.ca_file: must be set: tls.require_client_cert is on"),
+    ],
+)
+def test_certificate_problems_stop_the_broker_in_one_line(
+    start_broker, pki: Pki, tls: dict, needle: str
+) -> None:
+    names = {"key": pki.key, "cert": pki.cert, "client_key": pki.client_key}
+    tls = {k: v.format(**names) if isinstance(v, str) else v for k, v in tls.items()}
+    b = start_broker({"server": {"tls": True, "tls_port": 0}, "tls": tls}, expect_ready=False)
+    assert b.proc.wait(30) == 2
+    assert b.log_ended.wait(10)
+    assert len(b.log) == 1 and needle in b.log[0], b.log
+    assert b.log[0].startswith("blipmq: config error: ")
+
+
+def test_tls_settings_matter_only_with_a_tls_listener() -> None:
+    # a certificate named but no listener serving TLS: nothing is checked or loaded
+    cfg = config_module.load(None, env={}, overrides={"tls.cert_file": "/nonexistent.pem"})
+    assert config_module.tls_listeners(cfg) == ()
+    on = config_module.load(None, env={}, overrides={"metrics.tls": True,
+                                                     "tls.cert_file": __file__})
+    assert config_module.tls_listeners(on) == ("metrics.tls",)
+    # MQTT over TLS beyond loopback needs keys, client certificates or allow_anonymous
+    beyond = {"mqtt.enabled": True, "mqtt.tls": True, "mqtt.tls_host": "0.0.0.0",
+              "tls.cert_file": __file__}
+    with pytest.raises(ConfigError) as info:
+        config_module.load(None, env={}, overrides=beyond)
+    assert info.value.key == "mqtt.tls_host"
+    assert config_module.load(None, env={}, overrides={
+        **beyond, "tls.require_client_cert": True, "tls.ca_file": __file__})
+
+
+# ----------------------------------------------------------------------------- in-process
+
+
+def _config(pki: Pki, **tls: object) -> config_module.Config:
+    overrides = {"server.port": 0, "server.tls": True, "server.tls_port": 0,
+                 "metrics.enabled": False, "wal.enabled": False,
+                 "tls.cert_file": str(pki.cert), "tls.key_file": str(pki.key)}
+    overrides.update({f"tls.{k}": v for k, v in tls.items()})
+    return config_module.load(None, env={}, overrides=overrides)
+
+
+async def _hello(port: int, ctx: ssl.SSLContext) -> trio.SSLStream[trio.SocketStream]:
+    """A native connection over TLS, through HELLO and AUTH."""
+    stream = trio.SSLStream(await trio.open_tcp_stream("127.0.0.1", port), ctx,
+                            server_hostname="127.0.0.1")
+    await stream.send_all(codec.encode(codec.Hello(codec.VERSION, "t", 1))
+                          + codec.encode(codec.Auth("", 2)))
+    decoder = codec.Decoder(1 << 20)
+    frames: list[codec.Frame] = []
+    while len(frames) < 2:
+        data = await stream.receive_some(65536)
+        assert data, "closed before WELCOME and AUTH_OK"
+        decoder.feed(data)
+        frames += decoder.frames()
+    assert [type(f) for f in frames] == [codec.Welcome, codec.AuthOk]
+    return stream
+
+
+async def _ping(stream: trio.SSLStream[trio.SocketStream]) -> None:
+    await stream.send_all(codec.encode(codec.Ping(b"p", 9)))
+    decoder = codec.Decoder(1 << 20)
+    while True:
+        decoder.feed(await stream.receive_some(65536))
+        frames = decoder.frames()
+        if frames:
+            assert isinstance(frames[0], codec.Pong)
+            return
+
+
+@pytest.mark.parametrize(("field", "name"), [("cn", "device-7"),
+                                              ("san_email", "device-7@example.org")])
+async def test_the_session_knows_the_client_certificate(
+    nursery: trio.Nursery, pki: Pki, field: str, name: str
+) -> None:
+    server = Server(_config(pki, ca_file=str(pki.ca), require_client_cert=True,
+                            client_identity=field))
+    bound: Bound = await nursery.start(server.serve)
+    assert bound.tls_port
+    stream = await _hello(bound.tls_port, pki.client_context(cert=True))
+    (session,) = server.sessions.values()
+    assert session.tls is not None and session.tls_identity == name
+    await stream.aclose()
+
+
+async def test_without_a_required_identity_the_handshake_fails(
+    nursery: trio.Nursery, pki: Pki
+) -> None:
+    # the client certificate has no DNS name: with san_dns it names nobody
+    server = Server(_config(pki, ca_file=str(pki.ca), require_client_cert=True,
+                            client_identity="san_dns"))
+    bound: Bound = await nursery.start(server.serve)
+    assert bound.tls_port
+    with pytest.raises(trio.BrokenResourceError):
+        await _hello(bound.tls_port, pki.client_context(cert=True))
+    assert server.counters.tls_errors == {"no_identity": 1}
+    assert not server.sessions
+
+
+async def test_reload_swaps_the_certificate_for_new_connections(
+    nursery: trio.Nursery, pki: Pki, tmp_path: Path
+) -> None:
+    cert, key = pki.reissue(tmp_path)
+    config = _config(pki, cert_file=str(cert), key_file=str(key))
+    server = Server(config)
+    bound: Bound = await nursery.start(server.serve)
+    assert bound.tls_port
+    before = await _hello(bound.tls_port, pki.client_context())
+    assert server.reload_tls() == "tls: certificate files unchanged"
+    # a certificate from another CA replaces the files: new connections get it
+    other = make_pki(tmp_path / "other")
+    pki.reissue(tmp_path, other.authority)
+    assert server.reload_tls() == ("tls: reloaded tls.cert_file, tls.key_file; new "
+                                   "connections use them")
+    after = await _hello(bound.tls_port, other.client_context())
+    with pytest.raises(trio.BrokenResourceError):
+        await _hello(bound.tls_port, pki.client_context())
+    await _ping(before)  # the connection made before the reload goes on
+    await _ping(after)
+    # a file that cannot be used: a ConfigError, and the certificate in use stays
+    key.write_text("not a key\n")
+    with pytest.raises(ConfigError) as info:
+        server.reload_tls()
+    assert info.value.key == "tls.key_file"
+    await (await _hello(bound.tls_port, other.client_context())).aclose()
+    # a new configuration naming other files (what a SIGHUP reload passes)
+    renamed = config_module.load(None, env={}, overrides={
+        "tls.cert_file": str(other.cert), "tls.key_file": str(other.key)})
+    assert "tls.cert_file" in server.reload_tls(renamed)
+    await (await _hello(bound.tls_port, other.client_context())).aclose()
+    for stream in (before, after):
+        await stream.aclose()
+
+
+async def test_reload_without_tls_says_nothing(nursery: trio.Nursery) -> None:
+    server = Server(config_module.load(None, env={}, overrides={
+        "server.port": 0, "metrics.enabled": False, "wal.enabled": False}))
+    assert server.tls is None and server.reload_tls() == ""
