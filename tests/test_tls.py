@@ -18,13 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tomlkit
 import trio
 from mqttpeer import mosquitto, mosquitto_spawn, reap
 from pki import Pki, broker_tls, make_pki
 
 from blipmq_cli.client import Client
 from blipmq_server import config as config_module
-from blipmq_server.errors import ConfigError, TlsError
+from blipmq_server.errors import BrokerError, ConfigError, TlsError
 from blipmq_server.protocol import codec
 from blipmq_server.server.app import Bound, Server
 
@@ -205,6 +206,50 @@ def test_sighup_reloads_the_certificate_without_dropping_connections(
             Client(addr, ssl_context=pki.client_context())
         assert before.ping() < 5  # a connection made before goes on
     assert b.proc.poll() is None
+
+
+def test_a_client_certificate_names_the_key(start_broker, pki: Pki) -> None:
+    """tls.client_identity (cn here: "device-7") names the [[auth.keys]] entry of a client
+    that offers no key of its own, with that key's permissions; a key, if given, decides."""
+    from blipmq_cli.keys import mint
+
+    stanza = mint("device-7", ["devices/seven/#"], ["cmd/seven/#"], False)
+    seven = dict(tomlkit.parse(stanza.split("\n", 3)[3])["auth"]["keys"][0])
+    admin_key, admin_text = _admin_key()
+    b = start_broker(broker_tls(pki, tls={"ca_file": str(pki.ca), "require_client_cert": True,
+                                          "client_identity": "cn"},
+                                auth={"keys": [seven, admin_text]}))
+    ca = ("--cafile", str(pki.ca))
+    cert = ("--cert", str(pki.client_cert), "--key", str(pki.client_key))
+    done = mosquitto("mosquitto_pub", b.mqtts_port, *ca, *cert, "-t", "devices/seven/t",
+                     "-m", "mine", "-q", "1")
+    assert done.returncode == 0, done.stderr
+    # another device's topic: acknowledged (MQTT 3.1.1 has no refusal), not routed
+    done = mosquitto("mosquitto_pub", b.mqtts_port, *ca, *cert, "-t", "devices/eight/t",
+                     "-m", "not mine", "-q", "1")
+    assert done.returncode == 0
+    b.wait_metric("blipmq_mqtt_protocol_errors_total", 1, reason="forbidden")
+    # the native protocol, no key: the certificate's key; its rules apply
+    with Client(f"tls://127.0.0.1:{b.tls_port}",
+                ssl_context=pki.client_context(cert=True)) as client:
+        with pytest.raises(BrokerError, match="may not publish"):
+            client.publish("devices/eight/t", b"x", qos=1)
+    # a wrong key is not rescued by the certificate
+    with pytest.raises(BrokerError, match="refused"):
+        Client(f"tls://127.0.0.1:{b.tls_port}", api_key="bmq_wrong",
+               ssl_context=pki.client_context(cert=True)).__enter__()
+    log = b.cli("sub", "devices/#", "--from", "earliest", "-e", "--addr",
+                f"tls://127.0.0.1:{b.tls_port}", "--cafile", str(pki.ca), "--cert",
+                str(pki.client_cert), "--cert-key", str(pki.client_key),
+                BLIPMQ_API_KEY=admin_key)
+    assert (log.returncode, log.stdout) == (0, b"mine\n"), log.stderr
+
+
+def _admin_key() -> tuple[str, dict]:
+    from blipmq_cli.keys import mint
+
+    text = mint("ops", ["#"], ["#"], True)
+    return text.splitlines()[0], dict(tomlkit.parse(text.split("\n", 3)[3])["auth"]["keys"][0])
 
 
 def test_sighup_with_a_bad_certificate_changes_nothing(start_broker, pki: Pki,

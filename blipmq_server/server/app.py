@@ -154,6 +154,11 @@ class Server:
         """The identity of the key a session offers (None: refused); the session keeps the
         key's digest, so that a reload can tell whether its key is still there."""
         found = self.keys.check(given)
+        if found is None and not given and session.tls_identity:
+            # no key, a client certificate the CA vouched for: the key its identity names
+            # (tls.client_identity; nats' verify_and_map, mosquitto's
+            # use_identity_as_username)
+            found = self.keys.named(session.tls_identity)
         if found is None:
             return None
         session.key_digest, identity = found

@@ -53,6 +53,13 @@ class Keyring:
                 found = identity
         return None if found is None else (offered, found)
 
+    def named(self, name: str) -> tuple[bytes, Identity] | None:
+        """The key called ``name`` (a client certificate's identity names it)."""
+        for known, identity in self.entries:
+            if identity is not FULL and identity.name == name:
+                return known, identity
+        return None
+
     def find(self, key_digest: bytes) -> Identity | None:
         """The identity of a key already accepted (after a reload: None if revoked)."""
         if not self.enabled:
