@@ -433,6 +433,20 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
 
 
 _HASH_PREFIX = "blake2b:"
+
+
+def _hashed(key: str) -> str:
+    """An ``api_keys`` entry as the broker keeps it: its digest, as ``[[auth.keys]]`` has
+    it (one already in that form stays)."""
+    hexpart = key[len(_HASH_PREFIX):]
+    if (key.startswith(_HASH_PREFIX) and len(hexpart) == 128
+            and all(c in "0123456789abcdef" for c in hexpart)):
+        return key
+    try:  # hashlib's blake2b without hashlib (which loads OpenSSL's libcrypto)
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - a Python built without the module
+        from hashlib import blake2b
+    return _HASH_PREFIX + blake2b(key.encode("utf-8")).hexdigest()
 _SPEC_LISTS = ("publish", "publish_deny", "subscribe", "subscribe_deny")
 
 
@@ -514,6 +528,9 @@ def load(
             raise ConfigError("unknown key", dotted)
         value = _parse_text(key, raw, dotted) if isinstance(raw, str) else raw
         values.setdefault(key.section, {})[key.name] = _check(key, value, dotted)
+    auth = values.get("auth", {})
+    if auth.get("api_keys"):  # kept hashed from here on, like [[auth.keys]] (never in clear)
+        auth["api_keys"] = tuple(_hashed(k) for k in auth["api_keys"])  # type: ignore[union-attr]
     config = Config(**{s: factory(**values.get(s, {})) for s, factory in _SECTIONS.items()})
     _check_together(config)
     return config

@@ -1,5 +1,6 @@
 """Configuration: defaults < file < environment < overrides, and one clear error per problem."""
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,21 @@ def test_env_parsing() -> None:
         "BLIPMQ_AUTH_API_KEYS": "k1, k2,,", "BLIPMQ_METRICS_ENABLED": "no",
         "BLIPMQ_ADDR": "ignored:1", "BLIPMQ_API_KEY": "ignored", "HOME": "/root",
     })
-    assert cfg.auth.api_keys == ("k1", "k2")
+    assert cfg.auth.api_keys == tuple(  # kept hashed, as [[auth.keys]] are
+        "blake2b:" + hashlib.blake2b(k).hexdigest() for k in (b"k1", b"k2"))
     assert cfg.metrics.enabled is False
+
+
+def test_api_keys_are_never_kept_in_clear(tmp_path: Path) -> None:
+    secret = "s3cret-" + "x" * 20
+    path = tmp_path / "c.toml"
+    path.write_text(f'[auth]\napi_keys = ["{secret}"]\n')
+    for cfg in (config.load(path, env={}), config.load(None, env={"BLIPMQ_AUTH_API_KEYS": secret}),
+                config.load(None, env={}, overrides={"auth.api_keys": (secret,)})):
+        assert secret not in repr(cfg) and cfg.auth.enabled
+    hashed = config.load(path, env={}).auth.api_keys[0]
+    assert config.load(None, env={}, overrides={"auth.api_keys": (hashed,)}).auth.api_keys == (
+        hashed,)  # a hash given stays that hash
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,10 @@ _SOURCES_KEPT = 4096  # source addresses whose last log line is remembered
 
 class Keyring:
     def __init__(self, auth: AuthOptions) -> None:
+        # the config hashed api_keys when it loaded them ("blake2b:<hex>")
         entries: list[tuple[bytes, Identity]] = [
-            (digest(k.encode("utf-8")), FULL) for k in auth.api_keys]
+            (bytes.fromhex(k.split(":", 1)[1]) if k.startswith("blake2b:")
+             else digest(k.encode("utf-8")), FULL) for k in auth.api_keys]
         for spec in auth.keys:
             entries.append((bytes.fromhex(spec.hash.split(":", 1)[1]), Identity(
                 spec.name, spec.publish, spec.publish_deny, spec.subscribe,
