@@ -124,6 +124,8 @@ class MetricsOptions:
     host: str = "127.0.0.1"
     port: int = 9090
     tls: bool = False
+    token_hash: str = ""
+    open_health: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +205,17 @@ class Key:
 
 
 _U32 = 2**32 - 1
+
+
+def _token_problem(text: str) -> str | None:
+    if not text:
+        return None  # no token
+    hexpart = text[len("blake2b:"):]
+    if (text.startswith("blake2b:") and len(hexpart) == 128
+            and all(c in "0123456789abcdef" for c in hexpart)):
+        return None
+    return ("must be \"blake2b:\" and 128 lowercase hex digits: the token's hash "
+            "(printf %s \"$TOKEN\" | b2sum), never the token")
 
 
 def _fsync_problem(text: str) -> str | None:
@@ -307,6 +320,11 @@ SCHEMA: tuple[Key, ...] = (
     Key("metrics", "host", str, "Address of the metrics listener"),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),
     Key("metrics", "tls", bool, "Serve the metrics listener over HTTPS instead of HTTP"),
+    Key("metrics", "token_hash", str, "The hash (\"blake2b:<hex>\", from `b2sum`) of a token "
+        "that /metrics then requires: Authorization: Bearer <token>, or basic auth with the "
+        "token as the password (empty = no token)", check=_token_problem, empty=True),
+    Key("metrics", "open_health", bool, "With token_hash: /health and /ready stay open "
+        "without the token"),
     Key("tls", "cert_file", str, "PEM file of the broker's certificate (and its chain); "
         "needed once a listener serves TLS", empty=True),
     Key("tls", "key_file", str, "PEM file of the certificate's private key (empty: it is in "

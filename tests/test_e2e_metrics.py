@@ -83,3 +83,39 @@ def test_the_broker_does_not_load_openssl(start_broker) -> None:
     b.metric("blipmq_messages_published_total")  # the HTTP side has served a request too
     maps = open(f"/proc/{b.proc.pid}/maps").read()
     assert "libssl" not in maps and "libcrypto" not in maps
+
+
+def test_metrics_can_require_a_token(start_broker) -> None:
+    """metrics.token_hash: /metrics wants the token (bearer, or basic auth's password);
+    /health and /ready stay open (metrics.open_health), unless switched off."""
+    import base64
+    import hashlib
+    import urllib.error
+    import urllib.request
+
+    token = "scrape-" + "t" * 24
+    hashed = "blake2b:" + hashlib.blake2b(token.encode()).hexdigest()
+    b = start_broker({"metrics": {"token_hash": hashed}})
+    base = f"http://127.0.0.1:{b.metrics_port}"
+
+    def status(path: str, **headers: str) -> int:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers),
+                                        timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            assert exc.code != 401 or exc.headers["WWW-Authenticate"] == "Bearer"
+            return exc.code
+
+    assert status("/metrics") == 401
+    assert status("/metrics", Authorization="Bearer wrong") == 401
+    assert status("/metrics", Authorization=f"Bearer {token}") == 200
+    basic = base64.b64encode(f"prometheus:{token}".encode()).decode()
+    assert status("/metrics", Authorization=f"Basic {basic}") == 200
+    assert status("/metrics", Authorization="Basic !!!") == 401
+    assert (status("/health"), status("/ready")) == (200, 200)
+    assert token not in "\n".join(b.log)
+    closed = start_broker({"metrics": {"token_hash": hashed, "open_health": False}})
+    base = f"http://127.0.0.1:{closed.metrics_port}"
+    assert status("/health") == 401
+    assert status("/health", Authorization=f"Bearer {token}") == 200

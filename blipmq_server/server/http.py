@@ -3,6 +3,9 @@ HTTPS with ``metrics.tls``, with the TLS listeners' certificate (server/tls.py).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import logging
 from functools import partial
 from typing import TYPE_CHECKING
@@ -10,6 +13,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from blipmq_server import metrics
+from blipmq_server.broker.access import digest
 from blipmq_server.server.listeners import open_listeners
 
 if TYPE_CHECKING:
@@ -52,8 +56,9 @@ async def _handle(server: Server, sources: metrics.Sources, socket: trio.SocketS
             except Exception:  # a bug here must not take the broker down
                 log.exception("error while answering an HTTP request")
                 status, ctype, body = "500 Internal Server Error", "text/plain", b"error\n"
+            challenge = ("WWW-Authenticate: Bearer\r\n" if status.startswith("401") else "")
             head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"HTTP/1.1 {status}\r\n{challenge}Content-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             )
             await stream.send_all(head.encode() + body)
@@ -61,6 +66,33 @@ async def _handle(server: Server, sources: metrics.Sources, socket: trio.SocketS
         pass
     finally:
         await trio.aclose_forcefully(stream)
+
+
+def _token(request: bytes) -> bytes | None:
+    """The token an ``Authorization`` header carries: a bearer token, or basic auth's
+    password (Prometheus' ``authorization`` and ``basic_auth`` scrape settings)."""
+    for line in request.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() != b"authorization":
+            continue
+        scheme, _, credentials = value.strip().partition(b" ")
+        if scheme.lower() == b"bearer":
+            return credentials.strip()
+        if scheme.lower() == b"basic":
+            try:
+                return base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+            except (ValueError, binascii.Error):
+                return None
+    return None
+
+
+def _allowed(server: Server, request: bytes, path: str) -> bool:
+    cfg = server.config.metrics
+    if not cfg.token_hash or (cfg.open_health and path in ("/health", "/ready")):
+        return True
+    token = _token(request)
+    return token is not None and hmac.compare_digest(
+        digest(token), bytes.fromhex(cfg.token_hash.split(":", 1)[1]))
 
 
 def _respond(server: Server, sources: metrics.Sources, request: bytes) -> tuple[str, str, bytes]:
@@ -72,6 +104,9 @@ def _respond(server: Server, sources: metrics.Sources, request: bytes) -> tuple[
     if method not in ("GET", "HEAD"):
         return "405 Method Not Allowed", text, b"only GET\n"
     path = target.split("?", 1)[0]
+    if not _allowed(server, request, path):
+        server.counters.auth_failures += 1
+        return "401 Unauthorized", text, b"a token is required (metrics.token_hash)\n"
     if path == "/metrics":
         return "200 OK", metrics.CONTENT_TYPE, metrics.render(sources)
     if path == "/health":
