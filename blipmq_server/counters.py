@@ -15,6 +15,7 @@ class ConnectionCounters:
     accepted: int = 0
     refused: int = 0  # at max_connections
     auth_failures: int = 0
+    auth_refused: dict[str, int] = field(default_factory=dict)  # by where: native, mqtt, metrics
     open: int = 0
     closed: dict[str, int] = field(default_factory=dict)  # by close reason
     mqtt_errors: dict[str, int] = field(default_factory=dict)  # by reason (docs/MQTT.md)

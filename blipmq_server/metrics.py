@@ -111,6 +111,11 @@ class BrokerCollector:
                       s.refused)
         yield counter("blipmq_auth_failures", "Connections that offered a refused API key",
                       s.auth_failures)
+        refused = Family("blipmq_auth_refused", "counter", "Refused keys and tokens, by "
+                         "where they were offered (native, mqtt, metrics)", ("reason",))
+        for reason, n in sorted(s.auth_refused.items()):
+            refused.add([reason], n)
+        yield refused
         closed = Family("blipmq_connections_closed", "counter", "Connections closed, by reason "
                         "(slow_consumer, keepalive_timeout, eof, goodbye, ...)", ("reason",))
         for reason, n in sorted(s.closed.items()):

@@ -43,6 +43,7 @@ class BrokerProcess:
     tls_port: int | None = None  # the native protocol over TLS (server.tls)
     # /metrics over HTTPS (metrics.tls): the context that trusts the broker's certificate
     metrics_tls: ssl.SSLContext | None = None
+    metrics_token: str | None = None  # sent as a bearer token (metrics.token_hash)
     log: list[str] = field(default_factory=list)
     log_ended: threading.Event = field(default_factory=threading.Event)  # stderr closed
 
@@ -89,7 +90,10 @@ class BrokerProcess:
     def metrics(self) -> str:
         scheme = "http" if self.metrics_tls is None else "https"
         url = f"{scheme}://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5, context=self.metrics_tls) as resp:
+        headers = {} if self.metrics_token is None else {
+            "Authorization": f"Bearer {self.metrics_token}"}
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5,
+                                    context=self.metrics_tls) as resp:
             return resp.read().decode()
 
     def metric(self, name: str, **labels: str) -> float:

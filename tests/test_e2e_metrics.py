@@ -115,6 +115,8 @@ def test_metrics_can_require_a_token(start_broker) -> None:
     assert status("/metrics", Authorization="Basic !!!") == 401
     assert (status("/health"), status("/ready")) == (200, 200)
     assert token not in "\n".join(b.log)
+    b.metrics_token = token
+    assert b.metric("blipmq_auth_refused_total", reason="metrics") == 3
     closed = start_broker({"metrics": {"token_hash": hashed, "open_health": False}})
     base = f"http://127.0.0.1:{closed.metrics_port}"
     assert status("/health") == 401

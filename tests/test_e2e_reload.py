@@ -44,6 +44,7 @@ def test_sighup_revokes_a_key_and_keeps_the_others(start_broker) -> None:
     out, err = gone.communicate(timeout=10)
     assert gone.returncode != 0 and b"revoked" in err, err
     assert b.cli("pub", "t", "x", BLIPMQ_API_KEY=a).returncode == 5  # refused from now on
+    assert b.metric("blipmq_auth_refused_total", reason="native") >= 1
 
     assert b.cli("pub", "t", "two", BLIPMQ_API_KEY=c).returncode == 0
     out, err = kept.communicate(timeout=10)  # never disconnected: both messages

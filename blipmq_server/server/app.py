@@ -168,8 +168,10 @@ class Server:
     async def auth_failed(self, session: Session) -> None:
         """A session offered a refused key: counted, logged rarely, answered late."""
         self.counters.auth_failures += 1
-        await self.keys.refused(session.peer, "mqtt" if isinstance(session, MqttSession)
-                                else "native")
+        reason = "mqtt" if isinstance(session, MqttSession) else "native"
+        refused = self.counters.auth_refused
+        refused[reason] = refused.get(reason, 0) + 1
+        await self.keys.refused(session.peer, reason)
 
     def reload(self, new: Config) -> list[str]:
         """Apply a new configuration's keys, permissions, log level (and TLS certificates,

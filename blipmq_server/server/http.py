@@ -106,6 +106,8 @@ def _respond(server: Server, sources: metrics.Sources, request: bytes) -> tuple[
     path = target.split("?", 1)[0]
     if not _allowed(server, request, path):
         server.counters.auth_failures += 1
+        refused = server.counters.auth_refused
+        refused["metrics"] = refused.get("metrics", 0) + 1
         return "401 Unauthorized", text, b"a token is required (metrics.token_hash)\n"
     if path == "/metrics":
         return "200 OK", metrics.CONTENT_TYPE, metrics.render(sources)
