@@ -55,6 +55,7 @@ class KeySpec:
 class AuthOptions:
     api_keys: tuple[str, ...] = ()
     keys: tuple[KeySpec, ...] = ()
+    failure_delay_ms: int = 1000
 
     @property
     def enabled(self) -> bool:
@@ -248,6 +249,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("auth", "api_keys", tuple, "Accepted API keys, each with full access (the older way: "
         "prefer [[auth.keys]], named and hashed, with permissions); both empty = "
         "authentication disabled"),
+    Key("auth", "failure_delay_ms", int, "A refused key is answered after this long (slows "
+        "guessing; the broker serves others meanwhile)", 0, 60_000),
     Key("mqtt", "enabled", bool, "Serve MQTT 3.1.1 and 3.1 clients (docs/MQTT.md)"),
     Key("mqtt", "host", str, "Address of the MQTT listener"),
     Key("mqtt", "port", int, "Port of the MQTT listener (0 picks a free port)", 0, 65535),

@@ -137,3 +137,35 @@ def test_a_narrowed_key_loses_the_subscriptions_it_may_no_longer_make(start_brok
     assert b.cli("pub", "b/x", "still", BLIPMQ_API_KEY=c).returncode == 0
     out, _ = fine.communicate(timeout=10)
     assert (fine.returncode, out) == (0, b"still\n")
+
+
+def test_reloads_under_load_drop_no_connection_of_an_unchanged_key(start_broker) -> None:
+    """20 subscribers and a publisher of 3,000 numbered QoS 1 lines on key c while the
+    configuration is reloaded 5 times (another key comes and goes): every subscriber gets
+    every line, and no connection closes but the revoked key's."""
+    c, c_table = key("c")
+    b = start_broker({"auth": {"keys": [c_table]}})
+    n = 3000
+    subs = [b.spawn("sub", "load/#", "--count", str(n), "--no-reconnect", BLIPMQ_API_KEY=c)
+            for _ in range(20)]
+    b.wait_metric("blipmq_subscriptions", 20)
+    pub = b.spawn("pub", "-t", "load/x", "--lines", "-q", "1", BLIPMQ_API_KEY=c)
+    assert pub.stdin is not None
+    for round_ in range(5):
+        pub.stdin.write(b"".join(b"%d\n" % i for i in range(round_ * 600, (round_ + 1) * 600)))
+        pub.stdin.flush()
+        _, other_table = key(f"other-{round_}")
+        rewrite(b, [c_table, other_table] if round_ % 2 == 0 else [c_table])
+        b.proc.send_signal(signal.SIGHUP)
+        b.wait_log(f"reloaded: keys: {2 if round_ % 2 == 0 else 1} (", timeout=20)
+        b.log.clear()  # the next round waits for its own line
+    pub.stdin.close()
+    assert pub.wait(timeout=60) == 0, pub.stderr.read()  # type: ignore[union-attr]
+    want = b"".join(b"%d\n" % i for i in range(n))
+    for sub in subs:
+        out, err = sub.communicate(timeout=60)
+        assert (sub.returncode, out) == (0, want), err[-300:]
+    closed = {r: b.metric("blipmq_connections_closed_total", reason=r)
+              for r in ("revoked", "reset", "slow_consumer", "protocol_error", "eof")}
+    assert closed["revoked"] == closed["reset"] == closed["slow_consumer"] == 0, closed
+    assert closed["protocol_error"] == 0, closed

@@ -873,3 +873,48 @@ def test_until_end_on_a_durable_group_with_nothing_to_read_ends_at_once(keyed) -
         except TimeoutError:
             batch = None
         assert batch == () and sub.at_end, f"no end mark within 3 s (end {sub.end})"
+
+
+@pytest.mark.slow
+def test_a_flood_of_10000_bad_keys_over_100_connections(start_broker) -> None:
+    """10,000 refused keys, 100 connections at a time (the refusal delay cut to 1 ms so the
+    test takes seconds, not the 100 s the default 1 s would cost): a good client's pings
+    stay fast, every refusal is counted, the log holds one refusal line."""
+    import socket
+    import threading
+
+    from blipmq_server.protocol import codec as native
+
+    good = make("good", publish=["#"], subscribe=["#"])
+    b = start_broker({"auth": {"keys": [good.stanza()], "failure_delay_ms": 1}})
+    hello = native.encode(native.Hello(native.VERSION, "flood", 1))
+    bad_auth = native.encode(native.Auth("bmq_not-a-key", 2))
+    refused = [0] * 100
+
+    def attacker(i: int) -> None:
+        for _ in range(100):
+            with socket.create_connection(("127.0.0.1", b.port), timeout=10) as s:
+                s.sendall(hello + bad_auth)
+                got = b""
+                while True:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+                if b"refused" in got:
+                    refused[i] += 1
+
+    threads = [threading.Thread(target=attacker, args=(i,)) for i in range(100)]
+    pings: list[float] = []
+    with Client(b.addr, good.key) as client:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads) and len(pings) < 100_000:
+            pings.append(client.ping())
+        for t in threads:
+            t.join(timeout=120)
+    assert sum(refused) == 10_000
+    assert b.metric("blipmq_auth_refused_total", reason="native") == 10_000
+    pings.sort()
+    assert pings and pings[int(len(pings) * 0.99)] < 0.5, pings[-5:]
+    assert sum("refused a key" in line for line in b.log) == 1

@@ -5,9 +5,9 @@ Keys are kept as BLAKE2b-512 digests (``[[auth.keys]]`` holds only the digest; t
 the older ``auth.api_keys`` list are hashed on load and their clear text is not kept), and a
 key offered by a client is hashed and compared with every digest in constant time
 (``hmac.compare_digest``), so neither the comparison nor the order of the keys tells a
-guesser anything. A refused key is answered only after ``_DELAY_S``, and refusals are
-counted by reason and logged at most once per source address per ``_LOG_EVERY_S``, so a
-flood of bad keys neither guesses fast nor floods the log.
+guesser anything. A refused key is answered only after ``auth.failure_delay_ms`` (1 s by
+default), and refusals are counted by reason and logged at most once per source address per
+``_LOG_EVERY_S``, so a flood of bad keys neither guesses fast nor floods the log.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from blipmq_server.config import AuthOptions
 
 log = logging.getLogger("blipmq.auth")
 
-_DELAY_S = 1.0  # before a refused key is answered
 _LOG_EVERY_S = 60.0  # one log line per source address and interval
 _SOURCES_KEPT = 4096  # source addresses whose last log line is remembered
 
@@ -40,6 +39,7 @@ class Keyring:
                 spec.subscribe_deny, spec.admin)))
         self.entries = tuple(entries)
         self.enabled = bool(entries)
+        self.delay_s = auth.failure_delay_ms / 1000  # before a refused key is answered
         self.failures: dict[str, int] = {}  # by reason
         self._logged: dict[str, float] = {}  # source address -> when last logged
 
@@ -92,4 +92,4 @@ class Keyring:
             log.warning("refused a key from %s (%s); further refusals from there are "
                         "counted, not logged, for %d s (blipmq_auth_failures_total)",
                         source, reason, _LOG_EVERY_S)
-        await trio.sleep(_DELAY_S)
+        await trio.sleep(self.delay_s)
