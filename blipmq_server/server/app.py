@@ -203,11 +203,9 @@ class Server:
                     session.access = keys.access_for(identity)
                     if identity.name in changed:
                         narrowed += self._recheck(session, identity)
-            said.append(f"keys: {len(after)} ({', '.join(f'+{n}' for n in added)}"
-                        f"{' ' if added and removed else ''}"
-                        f"{', '.join(f'-{n}' for n in removed)}"
-                        f"{'; ' if (added or removed) and changed else ''}"
-                        f"{', '.join(f'~{n}' for n in changed)}); "
+            names = ", ".join([*(f"+{n}" for n in added), *(f"-{n}" for n in removed),
+                               *(f"~{n}" for n in changed)])
+            said.append(f"keys: {len(after)}{f' ({names})' if names else ''}; "
                         f"{revoked} connection(s) closed"
                         + (f", {narrowed} subscription(s) ended" if narrowed else ""))
         if new.log.level != old.log.level:
