@@ -13,8 +13,9 @@ packets into the same core calls a native session makes (publish, subscribe, ack
     PUBACK, PUBCOMP             ack of the delivery's log offset
     $share/<name>/<filter>      a consumer group (QoS 1/2: durable)
 
-Persistent sessions (their subscriptions and the inbound QoS 2 packet ids awaiting PUBREL) are
-kept by ``MqttSessions`` in the log's session records (``mqtt.state``). Trio is imported here
+Persistent sessions (their subscriptions, QoS 2 packet ids and owner) are kept by
+``MqttSessions`` (``server/sessions.py``) in the log's STATE records (``mqtt.state``). The
+connection's key decides what it may publish and subscribe to (``broker/access.py``). Trio is imported here
 as in the rest of ``server/``; the MQTT codec and state know nothing of it.
 """
 

@@ -3,9 +3,10 @@
 A client id is online (one ``MqttSession``), offline (a persistent session: its saved
 subscriptions, with its durable groups reading the log meanwhile), or unknown. A persistent
 session is saved in the core's STATE records (``mqtt.state`` makes the bodies), so it
-survives a restart of the broker, SIGKILL included: the subscriptions, and the inbound QoS 2
-packet ids between PUBREC and PUBREL. Lives in the shell: it holds sessions and reads the
-clock.
+survives a restart of the broker, SIGKILL included: the subscriptions, the inbound QoS 2
+packet ids between PUBREC and PUBREL, the outbound ones owed a PUBCOMP, and the key that
+made it (another key may not take it over). Lives in the shell: it holds sessions and reads
+the clock.
 """
 
 from __future__ import annotations
