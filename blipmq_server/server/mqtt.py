@@ -15,8 +15,9 @@ packets into the same core calls a native session makes (publish, subscribe, ack
 
 Persistent sessions (their subscriptions, QoS 2 packet ids and owner) are kept by
 ``MqttSessions`` (``server/sessions.py``) in the log's STATE records (``mqtt.state``). The
-connection's key decides what it may publish and subscribe to (``broker/access.py``). Trio is imported here
-as in the rest of ``server/``; the MQTT codec and state know nothing of it.
+connection's key decides what it may publish and subscribe to (``broker/access.py``).
+Trio is imported here as in the rest of ``server/``; the MQTT codec and state know nothing
+of it.
 """
 
 from __future__ import annotations
