@@ -206,15 +206,20 @@ class Key:
 
 
 _U32 = 2**32 - 1
+_HASH_PREFIX = "blake2b:"
+
+
+def _is_hash(text: str) -> bool:
+    """Whether ``text`` is a key's or token's stored form: "blake2b:" and the 128 lowercase
+    hex digits of its BLAKE2b-512 digest (what `b2sum` prints)."""
+    hexpart = text[len(_HASH_PREFIX):]
+    return (text.startswith(_HASH_PREFIX) and len(hexpart) == 128
+            and all(c in "0123456789abcdef" for c in hexpart))
 
 
 def _token_problem(text: str) -> str | None:
-    if not text:
-        return None  # no token
-    hexpart = text[len("blake2b:"):]
-    if (text.startswith("blake2b:") and len(hexpart) == 128
-            and all(c in "0123456789abcdef" for c in hexpart)):
-        return None
+    if not text or _is_hash(text):
+        return None  # no token, or a token's hash
     return ("must be \"blake2b:\" and 128 lowercase hex digits: the token's hash "
             "(printf %s \"$TOKEN\" | b2sum), never the token")
 
@@ -453,15 +458,10 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
     return out
 
 
-_HASH_PREFIX = "blake2b:"
-
-
 def _hashed(key: str) -> str:
     """An ``api_keys`` entry as the broker keeps it: its digest, as ``[[auth.keys]]`` has
     it (one already in that form stays)."""
-    hexpart = key[len(_HASH_PREFIX):]
-    if (key.startswith(_HASH_PREFIX) and len(hexpart) == 128
-            and all(c in "0123456789abcdef" for c in hexpart)):
+    if _is_hash(key):
         return key
     try:  # hashlib's blake2b without hashlib (which loads OpenSSL's libcrypto)
         from _blake2 import blake2b
@@ -493,9 +493,7 @@ def _key_specs(value: object) -> tuple[KeySpec, ...]:
             raise ConfigError("a second key with this name", where)
         seen.add(name)
         digest = table.get("hash")
-        hexpart = digest[len(_HASH_PREFIX):] if isinstance(digest, str) else ""
-        if (not isinstance(digest, str) or not digest.startswith(_HASH_PREFIX)
-                or len(hexpart) != 128 or any(c not in "0123456789abcdef" for c in hexpart)):
+        if not isinstance(digest, str) or not _is_hash(digest):
             raise ConfigError("hash must be \"blake2b:\" and 128 lowercase hex digits (what "
                               "`blipmq keys new` prints; never the key itself)", where)
         lists: dict[str, tuple[str, ...]] = {}

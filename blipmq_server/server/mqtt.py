@@ -424,10 +424,7 @@ class MqttSession(Session):
         topic, payload, qos, retain = packet[:4]
         name = self._names.get(topic)
         if name is not None:  # the usual: a topic this client published to before
-            n = len(payload)
-            return _raw(name, 1 if qos else 0, 0, n, b"".join((
-                _pack_head(_FLAGS[qos][retain], 0, len(name), 0, n), name, payload)),
-                FLAG_RETAIN if retain else 0)
+            return raw_message(name, payload, qos, retain)
         if topic.startswith(_RESERVED):
             if packet.qos:
                 self._protocol_error("reserved_topic",
@@ -642,6 +639,14 @@ class MqttSession(Session):
 
     def saved_subs(self) -> bytes:
         return stored_subs({f: q for f, (_, q) in self.subs.items()})
+
+
+def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool) -> RawMessage:
+    """The core's message (the native message record) for an MQTT publish or will."""
+    n = len(payload)
+    return _raw(topic, 1 if qos else 0, 0, n, b"".join((
+        _pack_head(_FLAGS[qos][retain], 0, len(topic), 0, n), topic, payload)),
+        FLAG_RETAIN if retain else 0)
 
 
 _HELD = object()  # a publish a full ``block`` queue holds back

@@ -15,7 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from blipmq_server.mqtt import state
-from blipmq_server.protocol.message import FLAG_QOS1, FLAG_QOS2, FLAG_RETAIN, MSG_HEAD, RawMessage
+from blipmq_server.server.mqtt import raw_message
 from blipmq_server.server.session import CloseReason, now_ms, wall_ms
 
 if TYPE_CHECKING:
@@ -184,12 +184,7 @@ class MqttSessions:
         session.will = None
         if will is None:
             return
-        topic = will.topic.encode("utf-8")
-        flags = ((FLAG_QOS1 if will.qos else 0) | (FLAG_QOS2 if will.qos == 2 else 0)
-                 | (FLAG_RETAIN if will.retain else 0))
-        record = MSG_HEAD.pack(flags, 0, len(topic), 0, len(will.payload)) + topic + will.payload
-        raw = RawMessage(topic, 1 if will.qos else 0, 0, len(will.payload), record,
-                         FLAG_RETAIN if will.retain else 0)
+        raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain)
         result = self.broker.publish((raw,), now_ms(), wall_ms())
         self.server.wake(result.wake)
         self.server.log_touched()
