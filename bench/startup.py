@@ -1,0 +1,174 @@
+"""Start-up of ``blipmq start`` with an empty data directory, beside mosquitto and nats-server.
+
+    .venv/bin/python bench/startup.py [--runs 15] [--blipmq PATH] [--binary dist/blipmq-...]
+
+For each broker, each run: spawn it on a free loopback port with a fresh empty data
+directory, then time spawn -> the first TCP connection it accepts (and, for BlipMQ, spawn ->
+its "listening on" line), read its idle RSS once it accepts plus 1 s, and end it with
+SIGTERM. Prints the median, min and max of each. BlipMQ runs from the pip install next to
+this interpreter (``--blipmq`` names another), with its bytecode cached (this script
+compiles blipmq's modules once first, as a pip install does) and, if ``--binary`` is given,
+from the onefile executable too (the RSS then is the broker child's plus the bootloader's).
+mosquitto and nats-server run when they are on the PATH, with no persistence configured.
+Metrics stay on (the default): the HTTP listener is part of what ``start`` brings up.
+Loopback only; it ends everything it starts. Not a test: it gates nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ports import free_port  # bench/ports.py
+
+TOP = Path(__file__).resolve().parent.parent
+PIP_BLIPMQ = Path(sys.executable).with_name("blipmq")
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+class Run:
+    """One start of one broker: the times to its ready line and first accept, its RSS."""
+
+    def __init__(self, argv: list[str], port: int, env: dict[str, str], cwd: Path) -> None:
+        self.ready_ms: float | None = None
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for raw in self.proc.stderr:
+                if self.ready_ms is None and b"listening on" in raw:
+                    self.ready_ms = (time.perf_counter() - t0) * 1000
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + 20
+        while not accepts(port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{argv[0]} did not accept on port {port}")
+            time.sleep(0.001)
+        self.accept_ms = (time.perf_counter() - t0) * 1000
+        time.sleep(1)
+        self.rss_kib = rss_kib(self.proc.pid) + sum(rss_kib(c) for c in children(self.proc.pid))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def blipmq(binary: str) -> Callable[[Path, int], tuple[list[str], Path]]:
+    def argv(data: Path, port: int) -> tuple[list[str], Path]:
+        return ([binary, "start", "--data-dir", str(data / "blipmq"),
+                 "--bind", f"127.0.0.1:{port}", "--metrics-bind", f"127.0.0.1:{free_port()}",
+                 "--mqtt-bind", "off", "--log-format", "plain"], data)
+    return argv
+
+
+def mosquitto(binary: str) -> Callable[[Path, int], tuple[list[str], Path]]:
+    def argv(data: Path, port: int) -> tuple[list[str], Path]:
+        conf = data / "mosquitto.conf"
+        conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n")
+        return [binary, "-c", str(conf)], data
+    return argv
+
+
+def nats(binary: str) -> Callable[[Path, int], tuple[list[str], Path]]:
+    def argv(data: Path, port: int) -> tuple[list[str], Path]:
+        return [binary, "-a", "127.0.0.1", "-p", str(port)], data
+    return argv
+
+
+def measure(label: str, make: Callable[[Path, int], tuple[list[str], Path]], runs: int,
+            env: dict[str, str]) -> None:
+    accept, ready, rss = [], [], []
+    for i in range(runs + 1):  # the first is an untimed warm-up (page cache, pyc files)
+        with tempfile.TemporaryDirectory(prefix="blipmq-startup-") as tmp:
+            port = free_port()
+            argv, cwd = make(Path(tmp), port)
+            run = Run(argv, port, env, cwd)
+            run.stop()
+            if i:
+                accept.append(run.accept_ms)
+                rss.append(run.rss_kib / 1024)
+                if run.ready_ms is not None:
+                    ready.append(run.ready_ms)
+
+    def fmt(xs: list[float], unit: str) -> str:
+        return (f"{statistics.median(xs):6.1f} {unit} (min {min(xs):.1f}, max {max(xs):.1f})"
+                if xs else "-")
+
+    print(f"{label:<34} accepting {fmt(accept, 'ms')}  ready line {fmt(ready, 'ms')}  "
+          f"idle RSS {fmt(rss, 'MiB')}  n={len(accept)}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=15)
+    p.add_argument("--blipmq", default=str(PIP_BLIPMQ), help="the pip-installed blipmq")
+    p.add_argument("--binary", default=None, help="a onefile executable to measure too")
+    args = p.parse_args()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("BLIPMQ_", "PYTHONDONTWRITEBYTECODE"))}
+    for package in ("blipmq_cli", "blipmq_server"):  # as pip does on install
+        compileall.compile_dir(str(TOP / package), quiet=1)
+    print(f"{args.runs} runs each, after one warm-up; load average "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    measure("blipmq start (pip install)", blipmq(args.blipmq), args.runs, env)
+    if args.binary:
+        with tempfile.TemporaryDirectory(prefix="blipmq-unpack-") as unpack:
+            measure("blipmq start (onefile)", blipmq(args.binary), args.runs,
+                    {**env, "TMPDIR": unpack})
+    for label, name, make in (("mosquitto", "mosquitto", mosquitto),
+                              ("nats-server", "nats-server", nats)):
+        found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
+        if found:
+            measure(label, make(found), args.runs, env)
+        else:
+            print(f"{label:<34} not installed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
