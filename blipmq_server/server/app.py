@@ -733,7 +733,11 @@ def _keepalive(stream: trio.SocketStream, keepalive_ms: int) -> None:
 
 async def run(config: Config, reload: Callable[[], Config] | None = None) -> None:
     """Serve until SIGINT/SIGTERM; a second signal ends the process at once. SIGHUP reads
-    the configuration again (``reload``) and applies what can change while running."""
+    the configuration again (``reload``) and applies what can change while running.
+
+    The same signal again within ``SAME_SIGNAL_S`` is one signal delivered twice, not a
+    second one: a signal to the process group of the onefile executable reaches the broker
+    directly and once more forwarded by the bootloader parent (docs/OPERATIONS.md)."""
     # Worker threads (log writes, log reads for consumers) decode and copy with the GIL
     # held; the event loop gets it back within this long instead of the default 5 ms
     # (0.1 ms: unrelated traffic's p99 during a backlog drain fell about 0.7 ms against
@@ -747,9 +751,19 @@ async def run(config: Config, reload: Callable[[], Config] | None = None) -> Non
             nursery.cancel_scope.cancel()
 
 
+# Long enough for the bootloader's forwarded copy to arrive even on a busy Pi, short enough
+# that a person pressing Ctrl-C again because shutdown is slow is heard.
+SAME_SIGNAL_S = 0.5
+
+
 async def _watch_signals(signals: AsyncIterator[int], server: Server,
                          reload: Callable[[], Config] | None) -> None:
+    last: dict[int, float] = {}  # signal -> when it was last acted on (trio's clock)
     async for signum in signals:
+        now = trio.current_time()
+        if now - last.get(signum, -math.inf) < SAME_SIGNAL_S:
+            continue  # the same delivery again (the group's and the forwarded one)
+        last[signum] = now
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             _reload(server, reload)
