@@ -565,3 +565,68 @@ def test_random_bytes_never_raise_anything_but_remote_protocol_error(data: bytes
         conn.receive_data(data, 0.0)
     except RemoteProtocolError:
         assert conn.closed is not None and conn.closed.reason is CloseReason.MALFORMED
+
+
+# ------------------------------------------------------------- tickets, resume, credit
+
+
+def test_tickets_say_confirmed_or_refused_by_the_pub_ack_count() -> None:
+    conn = ready()
+    assert conn.publish(Message("t", b"zero")) == 0  # QoS 0: no ticket
+    tickets = [conn.publish(Message("t", b"%d" % i, qos=1)) for i in range(3)]
+    assert tickets == [1, 2, 3] and conn.backlog == (4, conn.backlog[1])
+    (publish,) = sent(conn)
+    assert [conn.outcome(t) for t in tickets] == [None, None, None]
+    assert conn.backlog[0] == 3  # the QoS 0 message left with the frame, the rest wait
+    # the broker refused the third: its ERROR first, then a PUB_ACK counting two
+    conn.receive_data(encode(Error(ErrorCode.LIMIT, "full", publish.request_id))
+                      + encode(PubAck(2, publish.request_id)), 0.0)
+    assert [conn.outcome(t) for t in tickets] == [True, True, False]
+    assert conn.outcome(tickets[2]) is True  # a refusal is reported once
+    assert conn.refusal() is not None and conn.backlog == (0, 0)
+
+
+def test_resume_sends_unconfirmed_qos1_and_held_messages_on_the_new_connection() -> None:
+    old = ready()
+    first = old.publish(Message("t", b"confirmed", qos=1))
+    (frame,) = sent(old)
+    old.receive_data(encode(PubAck(1, frame.request_id)), 0.0)
+    lost = old.publish(Message("t", b"unconfirmed", qos=1))
+    old.publish(Message("t", b"qos0 sent"))
+    sent(old)  # written, and then the connection broke before a PUB_ACK
+    old.receive_data(b"", 0.0)
+    assert old.closed is not None and old.closed.reason is CloseReason.EOF
+    held = old.publish(Message("t", b"while down", qos=1))
+    old.publish(Message("t", b"qos0 while down"))
+    assert sent(old) == []  # a closed connection holds its batch
+    assert old.backlog[0] == 3
+    new = ready()
+    assert new.resume(old) == 3 and old.backlog == (0, 0)
+    (publish,) = sent(new)
+    assert [m.record[-len(b"unconfirmed"):] for m in publish.messages[:1]] == [b"unconfirmed"]
+    assert [m.qos for m in publish.messages] == [1, 1, 0]
+    assert new.outcome(first) is True and new.outcome(lost) is None
+    new.receive_data(encode(PubAck(2, publish.request_id)), 0.0)
+    assert (new.outcome(lost), new.outcome(held)) == (True, True)
+    assert new.publish(Message("t", b"next", qos=1)) == held + 1  # tickets go on
+    with pytest.raises(LocalProtocolError):
+        ready().resume(new)  # not closed
+
+
+def test_credit_is_remembered_and_queued_deliveries_are_counted() -> None:
+    conn = ready()
+    rid = conn.subscribe("t", "g", qos=1, credit=7)
+    conn.receive_data(encode(Subscribed(5, rid)), 0.0)
+    sent(conn)
+    assert conn.credit_of(5) == 7
+    conn.credit(5, 2)
+    assert conn.credit_of(5) == 2 and conn.credit_of(99) == 0
+    assert typed(sent(conn)) == typed([codec.Credit(5, 2)])
+    conn.receive_data(encode(Deliver(5, (delivery(1), delivery(2)))), 0.0)
+    assert conn.queued == 2
+    assert conn.next_batch(5) is not None and conn.queued == 0
+    conn.receive_data(encode(Deliver(5, (delivery(3),))), 0.0)
+    conn.unsubscribe(5)
+    (unsub,) = sent(conn)
+    conn.receive_data(encode(Unsubscribed(1, unsub.request_id)), 0.0)
+    assert conn.queued == 0

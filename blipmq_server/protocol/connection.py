@@ -8,7 +8,10 @@
   answers which request;
 - PUBLISH batching: message records sealed into frames within ``max_frame`` and
   ``MAX_BATCH``, the frames still waiting for their PUB_ACK, the QoS 1 messages confirmed;
-- DELIVER batches, queued per subscription;
+- a ticket for each QoS 1 message, and its outcome (confirmed, refused, still open), which
+  survives a reconnect: ``resume`` carries the unconfirmed QoS 1 messages, the messages not
+  yet sent and the ones published while the connection was down over to a new connection;
+- DELIVER batches, queued per subscription, and the credit window asked for each;
 - refusals: ERROR frames that answer no waiting request, kept until the caller asks;
 - why the connection closed (GOODBYE, end of stream, malformed bytes, silence);
 - the PONG that answers a PING from the broker, and the keepalive decision.
@@ -33,11 +36,19 @@ from typing import NamedTuple
 
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
 from blipmq_server.protocol import codec
-from blipmq_server.protocol.codec import MSG_HEAD, Delivery, ErrorCode, FrameType, Message
+from blipmq_server.protocol.codec import (
+    FLAG_QOS1,
+    MSG_HEAD,
+    Delivery,
+    ErrorCode,
+    FrameType,
+    Message,
+)
 from blipmq_server.protocol.names import WIRE_TOPIC_BYTES, topic_problem
 
 PUBLISH_OVERHEAD = 7  # a PUBLISH frame's length beyond its records: type, request id, count
 _TOPIC_CACHE = 4096  # validated topics remembered (a publisher rarely uses more)
+_REFUSED_KEPT = 4096  # refused tickets remembered for ``outcome``
 _REPLIES = (codec.Welcome, codec.AuthOk, codec.Subscribed, codec.Unsubscribed, codec.Pong,
             codec.StatsReport)
 
@@ -91,13 +102,26 @@ class _Request:
 class _Sub:
     """A live subscription and its queued DELIVER batches."""
 
-    __slots__ = ("batches", "group", "request_id", "topic_filter")
+    __slots__ = ("batches", "credit", "group", "request_id", "topic_filter")
 
-    def __init__(self, topic_filter: str, group: str, request_id: int) -> None:
+    def __init__(self, topic_filter: str, group: str, request_id: int, credit: int) -> None:
         self.topic_filter = topic_filter
         self.group = group
         self.request_id = request_id  # of its SUBSCRIBE: a GROUP_DELETED error carries it
+        self.credit = credit  # the window last asked for (0: the broker's default)
         self.batches: deque[tuple[Delivery, ...]] = deque()
+
+
+class _Batch:
+    """The QoS 1 messages of a PUBLISH frame waiting for its PUB_ACK: their tickets and
+    records (kept to be sent again on a new connection if the PUB_ACK never comes)."""
+
+    __slots__ = ("records", "size", "tickets")
+
+    def __init__(self, tickets: list[int], records: list[bytes], size: int) -> None:
+        self.tickets = tickets
+        self.records = records
+        self.size = size
 
 
 class ClientConnection:
@@ -121,7 +145,14 @@ class ClientConnection:
         self._handshake_error: codec.Error | None = None
         self._authenticated = False  # AUTH_OK came (the connection may have closed since)
         self._subs: dict[int, _Sub] = {}
-        self._awaiting: dict[int, int] = {}  # PUBLISH request id -> QoS 1 messages in it
+        self._awaiting: dict[int, _Batch] = {}  # PUBLISH request id -> its QoS 1 messages
+        self._awaiting_size = 0  # record bytes in _awaiting
+        self._awaiting_count = 0  # messages in _awaiting
+        self._ticket = 0  # the last ticket given to a QoS 1 message
+        self._tickets: list[int] = []  # tickets of the QoS 1 records in _records, in order
+        self._open: set[int] = set()  # tickets neither confirmed nor refused yet
+        self._refused: dict[int, None] = {}  # tickets refused, until ``outcome`` reports them
+        self.queued = 0  # delivered messages queued here, not yet taken by ``next_batch``
         self._out: list[bytes] = []  # encoded frames, in order
         self._out_size = 0
         self._records: list[bytes] = []  # message records not yet sealed into a PUBLISH
@@ -250,7 +281,17 @@ class ClientConnection:
         self._queue(codec.encode(codec.Nack(sub_id, offsets, delay_ms, 0, reason)))
 
     def credit(self, sub_id: int, credit: int) -> None:
+        """Queue a CREDIT: the subscription's new window of unacked deliveries (QoS 1)."""
+        sub = self._subs.get(sub_id)
+        if sub is not None:
+            sub.credit = credit
         self._queue(codec.encode(codec.Credit(sub_id, credit)))
+
+    def credit_of(self, sub_id: int) -> int:
+        """The window last asked for a subscription (0: the broker's
+        ``delivery.default_credit``)."""
+        sub = self._subs.get(sub_id)
+        return 0 if sub is None else sub.credit
 
     def ack_at_close(self, sub_id: int, offsets: tuple[int, ...]) -> None:
         """Hold CREDIT 0 and this ACK until ``goodbye``: the broker then sends nothing that
@@ -268,11 +309,13 @@ class ClientConnection:
 
     # ------------------------------------------------------------------------- publishing
 
-    def publish(self, msg: Message) -> None:
-        """Add one message to the open PUBLISH batch (sealed when the next would not fit).
+    def publish(self, msg: Message) -> int:
+        """Add one message to the open PUBLISH batch (sealed when the next would not fit);
+        returns the QoS 1 message's ticket (``outcome``), 0 for QoS 0.
 
         Raises LocalProtocolError with MESSAGE_TOO_LARGE, INVALID_TOPIC or FRAME_TOO_LARGE
-        for a message the broker would refuse; nothing is added then.
+        for a message the broker would refuse; nothing is added then. On a closed
+        connection the message is held (``backlog``) for ``resume`` to take over.
         """
         payload = msg.payload
         if len(payload) > self.max_message:
@@ -295,6 +338,11 @@ class ClientConnection:
         self._records_size += size
         if msg.qos:
             self._records_qos1 += 1
+            ticket = self._ticket = self._ticket + 1
+            self._tickets.append(ticket)
+            self._open.add(ticket)
+            return ticket
+        return 0
 
     def publish_pairs(self, pairs: Iterable[tuple[str, bytes]]) -> int:
         """``publish`` of plain QoS 0 messages (no key, TTL or retain) given as (topic,
@@ -320,7 +368,7 @@ class ClientConnection:
                 if records and (gathered + size > room or len(records) >= most):
                     self._records_size = gathered
                     self.seal()
-                    records, gathered = self._records, 0
+                    records, gathered = self._records, self._records_size
                 records.append(record)
                 gathered += size
                 n += 1
@@ -351,18 +399,88 @@ class ClientConnection:
         return data
 
     def seal(self) -> None:
-        """Close the open batch into one PUBLISH frame, queued for sending."""
-        if not self._records:
+        """Close the open batch into one PUBLISH frame, queued for sending (on a closed
+        connection the batch stays open, held for ``resume``)."""
+        records = self._records
+        if not records or self.closed is not None:
             return
         rid = self._next_rid()
-        frame = codec.encode_publish(self._records, rid)
+        frame = codec.encode_publish(records, rid)
         self._out.append(frame)
         self._out_size += len(frame)
-        if self._records_qos1:
-            self._awaiting[rid] = self._records_qos1
-            self.qos1_sent += self._records_qos1
+        qos1 = self._records_qos1
+        if qos1:
+            if qos1 != len(records):
+                records = [r for r in records if r[0] & FLAG_QOS1]
+            size = sum(map(len, records))
+            self._awaiting[rid] = _Batch(self._tickets, records, size)
+            self._awaiting_size += size
+            self._awaiting_count += qos1
+            self._tickets = []
+            self.qos1_sent += qos1
             self._records_qos1 = 0
         self._records, self._records_size = [], 0
+
+    def outcome(self, ticket: int) -> bool | None:
+        """What became of a QoS 1 message (its ticket from ``publish``): True once the broker
+        confirmed it durable, False if it refused it (once: the refusal itself comes from
+        ``refusal``), None while neither came."""
+        if ticket in self._open:
+            return None
+        return self._refused.pop(ticket, True) is not None
+
+    @property
+    def backlog(self) -> tuple[int, int]:
+        """Messages (and their record bytes) the broker has not taken for good: the open
+        batch, and QoS 1 messages not confirmed yet. On a closed connection that is what
+        ``resume`` sends again."""
+        return (len(self._records) + self._awaiting_count,
+                self._records_size + self._awaiting_size)
+
+    def resume(self, old: ClientConnection) -> int:
+        """Take over what ``old`` (closed) had not delivered for good: its QoS 1 messages
+        still unconfirmed (sent again: the broker may have stored them already, so a
+        consumer can see them twice), then its open batch and what was published while it
+        was down, in their order; returns how many messages. Call once this connection is
+        ready. The tickets stay valid: ``outcome`` answers for them here."""
+        if self.state is not State.READY or old.closed is None:
+            raise LocalProtocolError("resume takes a closed connection over to a ready one")
+        old.seal()  # a no-op: it is closed
+        self._ticket = old._ticket
+        self._open = old._open
+        self._refused = old._refused
+        n = 0
+        for batch in old._awaiting.values():
+            for record, ticket in zip(batch.records, batch.tickets, strict=True):
+                self._carry(record, ticket)
+            n += len(batch.records)
+        old._awaiting.clear()
+        old._awaiting_count = old._awaiting_size = 0
+        tickets = iter(old._tickets)
+        for record in old._records:
+            self._carry(record, next(tickets) if record[0] & FLAG_QOS1 else 0)
+        n += len(old._records)
+        old._records, old._records_size, old._tickets = [], 0, []
+        return n
+
+    def _carry(self, record: bytes, ticket: int) -> None:
+        """Add an encoded record (from another connection) to the open batch."""
+        size = len(record)
+        if size > self._room:  # this broker's frames are smaller: refused as it would
+            if ticket:
+                self._open.discard(ticket)
+                self._refused[ticket] = None
+            self._refusals.append(codec.Error(ErrorCode.FRAME_TOO_LARGE, str(self._too_big(size))))
+            return
+        if self._records and (
+            self._records_size + size > self._room or len(self._records) >= codec.MAX_BATCH
+        ):
+            self.seal()
+        self._records.append(record)
+        self._records_size += size
+        if ticket:
+            self._records_qos1 += 1
+            self._tickets.append(ticket)
 
     @property
     def unconfirmed(self) -> int:
@@ -376,7 +494,9 @@ class ClientConnection:
         sub = self._subs.get(sub_id)
         if sub is None or not sub.batches:
             return None
-        return sub.batches.popleft()
+        batch = sub.batches.popleft()
+        self.queued -= len(batch)
+        return batch
 
     def subscribed(self, sub_id: int) -> bool:
         """Whether the subscription is live on this connection (not ended by UNSUBSCRIBE or
@@ -420,6 +540,7 @@ class ClientConnection:
             if sub is not None:  # late deliveries of an ended one: dropped
                 # an empty batch is the end mark of a SUBSCRIBE_UNTIL_END: queued in order
                 sub.batches.append(frame.messages)
+                self.queued += len(frame.messages)
         elif kind is codec.PubAck:
             self._confirm(frame)
         elif kind is codec.Ping:
@@ -439,16 +560,29 @@ class ClientConnection:
             )
 
     def _confirm(self, frame: codec.PubAck) -> None:
-        expected = self._awaiting.pop(frame.request_id, None)
-        if expected is None:
+        batch = self._awaiting.pop(frame.request_id, None)
+        if batch is None:
             raise RemoteProtocolError(
                 f"PUB_ACK for request {frame.request_id}, which has no QoS 1 message waiting"
             )
-        if frame.count > expected:
+        tickets = batch.tickets
+        count = frame.count
+        self._awaiting_size -= batch.size
+        self._awaiting_count -= len(tickets)
+        if count > len(tickets):
             raise RemoteProtocolError(
-                f"PUB_ACK confirms {frame.count} messages of a PUBLISH that had {expected}"
+                f"PUB_ACK confirms {count} messages of a PUBLISH that had {len(tickets)}"
             )
-        self.confirmed += frame.count
+        self.confirmed += count
+        opened = self._open
+        for ticket in tickets[:count]:
+            opened.discard(ticket)
+        # the first ``count`` are stored; an ERROR came for the rest (docs/PROTOCOL.md)
+        for ticket in tickets[count:]:
+            opened.discard(ticket)
+            self._refused[ticket] = None
+        if len(self._refused) > _REFUSED_KEPT:  # nobody asks about them: forget the oldest
+            del self._refused[next(iter(self._refused))]
 
     def _reply(self, frame: codec.Frame) -> None:
         rid = frame.request_id
@@ -470,7 +604,7 @@ class ClientConnection:
         elif kind is codec.Subscribed:
             sub = request.frame
             if request.keep and isinstance(sub, codec.Subscribe):
-                self._subs[frame.sub_id] = _Sub(sub.topic_filter, sub.group, rid)
+                self._subs[frame.sub_id] = _Sub(sub.topic_filter, sub.group, rid, sub.credit)
         elif kind is codec.Unsubscribed and isinstance(request.frame, codec.Unsubscribe):
             self._ended(request.frame)
         if request.keep and kind is not codec.Welcome and kind is not codec.AuthOk:
@@ -495,11 +629,16 @@ class ClientConnection:
     def _ended(self, request: codec.Unsubscribe) -> None:
         """Forget the subscriptions an UNSUBSCRIBED reply ended (docs/PROTOCOL.md)."""
         if request.sub_id:
-            self._subs.pop(request.sub_id, None)
+            self._drop(request.sub_id)
             return
         for sub_id, sub in list(self._subs.items()):
             if sub.topic_filter == request.topic_filter and sub.group == request.group:
-                del self._subs[sub_id]
+                self._drop(sub_id)
+
+    def _drop(self, sub_id: int) -> None:
+        sub = self._subs.pop(sub_id, None)
+        if sub is not None:
+            self.queued -= sum(map(len, sub.batches))
 
     def _error(self, frame: codec.Error) -> None:
         rid = frame.request_id
@@ -513,7 +652,7 @@ class ClientConnection:
         if frame.code == ErrorCode.GROUP_DELETED and rid:
             for sub_id, sub in list(self._subs.items()):
                 if sub.request_id == rid:
-                    del self._subs[sub_id]
+                    self._drop(sub_id)
         self._refusals.append(frame)
 
     def _close(self, closed: Closed) -> None:
