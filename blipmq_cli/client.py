@@ -52,7 +52,7 @@ from blipmq_server.errors import (
 )
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import Delivery, Message
-from blipmq_server.protocol.connection import ClientConnection, Closed, CloseReason
+from blipmq_server.protocol.connection import ClientConnection, CloseReason
 
 if TYPE_CHECKING:
     import ssl
@@ -172,6 +172,12 @@ class Subscription:
         go out with the GOODBYE of ``close()``, so the broker does not refill the window
         (deliveries it sent then would go back to the group counted once more)."""
         self.client._conn.ack_at_close(self.sub_id, tuple(d.offset for d in deliveries))
+
+    @property
+    def credit(self) -> int:
+        """The window of unacked deliveries last asked for (QoS 1; 0: the broker's
+        ``delivery.default_credit``)."""
+        return self.client._conn.credit_of(self.sub_id)
 
     def set_credit(self, credit: int) -> None:
         """Change this QoS 1 subscription's window of unacked deliveries (0: pause)."""
@@ -719,25 +725,8 @@ class Client:
         raise ConnectError(f"connection to {self.addr} lost: {exc.strerror or exc}") from None
 
     def _raise_closed(self) -> NoReturn:
-        """Raise why the connection is over: the refusal that explains an end of stream or a
-        GOODBYE, the GOODBYE, a malformed frame, silence."""
-        conn = self._conn
-        closed = conn.closed or Closed(CloseReason.EOF)
-        reason = closed.reason
-        if reason is CloseReason.MALFORMED:
-            raise ConnectError(f"the broker at {self.addr} sent a malformed frame: {closed.text}")
-        if reason is CloseReason.SILENT:
-            raise ConnectError(
-                f"no answer from the broker at {self.addr} for {2 * self.timeout:g} s"
-            )
-        refusal = conn.refusal()
-        if refusal is not None:
-            raise BrokerError(refusal.code, refusal.text)
-        if reason is CloseReason.GOODBYE:
-            raise BrokerError(closed.code, closed.text or "the broker said goodbye")
-        if reason is CloseReason.LOCAL:
-            raise ConnectError(f"the connection to {self.addr} is closed")
-        raise ConnectError(f"the broker at {self.addr} closed the connection")
+        """Raise why the connection is over (``ClientConnection.failure``)."""
+        raise self._conn.failure(self.addr, 2 * self.timeout)
 
 
 def _env_timeout() -> float:

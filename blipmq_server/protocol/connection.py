@@ -34,7 +34,13 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import NamedTuple
 
-from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
+from blipmq_server.errors import (
+    BlipError,
+    BrokerError,
+    ConnectError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import (
     FLAG_QOS1,
@@ -654,6 +660,25 @@ class ClientConnection:
                 if sub.request_id == rid:
                     self._drop(sub_id)
         self._refusals.append(frame)
+
+    def failure(self, addr: str, silence: float) -> BlipError:
+        """The exception that says why this connection is over, for a person: the refusal
+        that explains an end of stream or a GOODBYE, the GOODBYE, a malformed frame, silence
+        (``silence``: the seconds the keepalive waited)."""
+        closed = self.closed or Closed(CloseReason.EOF)
+        reason = closed.reason
+        if reason is CloseReason.MALFORMED:
+            return ConnectError(f"the broker at {addr} sent a malformed frame: {closed.text}")
+        if reason is CloseReason.SILENT:
+            return ConnectError(f"no answer from the broker at {addr} for {silence:g} s")
+        refusal = self.refusal()
+        if refusal is not None:
+            return BrokerError(refusal.code, refusal.text)
+        if reason is CloseReason.GOODBYE:
+            return BrokerError(closed.code, closed.text or "the broker said goodbye")
+        if reason is CloseReason.LOCAL:
+            return ConnectError(f"the connection to {addr} is closed")
+        return ConnectError(f"the broker at {addr} closed the connection")
 
     def _close(self, closed: Closed) -> None:
         if self.closed is None:
