@@ -165,6 +165,8 @@ class Config:
     tls: TlsOptions = field(default_factory=TlsOptions)
     storage: StorageOptions = field(default_factory=StorageOptions)
     log: LogOptions = field(default_factory=LogOptions)
+    # [[bridge]] tables (blipmq_server.bridge.spec.BridgeSpec), in the file's order
+    bridges: tuple[Any, ...] = ()
 
 
 # ----------------------------------------------------------------------------------- schema
@@ -443,6 +445,11 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
         raise ConfigError(f"{p}: {_syntax_error(str(exc))}") from None
     out: dict[str, dict[str, object]] = {}
     for section, table in doc.items():
+        if section == "bridge":  # [[bridge]]: an array of tables
+            from blipmq_server.bridge.spec import parse_bridges
+
+            out["bridge"] = {"bridges": parse_bridges(table)}
+            continue
         if section not in _SECTIONS:
             raise ConfigError(f"unknown section (known: {', '.join(_SECTIONS)})", f"[{section}]")
         if not isinstance(table, dict):
@@ -550,7 +557,8 @@ def load(
     auth = values.get("auth", {})
     if auth.get("api_keys"):  # kept hashed from here on, like [[auth.keys]] (never in clear)
         auth["api_keys"] = tuple(_hashed(k) for k in auth["api_keys"])  # type: ignore[union-attr]
-    config = Config(**{s: factory(**values.get(s, {})) for s, factory in _SECTIONS.items()})
+    config = Config(**{s: factory(**values.get(s, {})) for s, factory in _SECTIONS.items()},
+                    bridges=values.get("bridge", {}).get("bridges", ()))  # type: ignore[arg-type]
     _check_together(config)
     return config
 
@@ -682,5 +690,6 @@ def write_default(path: str | os.PathLike[str]) -> None:
 def option_fields() -> list[str]:
     """Every dotted key of ``Config`` but ``auth.keys`` (an array of tables, read apart and
     documented in docs/SECURITY.md); tests check SCHEMA covers exactly these."""
-    return [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(_SECTIONS[s.name])
+    return [f"{s.name}.{f.name}" for s in fields(Config) if s.name in _SECTIONS
+            for f in fields(_SECTIONS[s.name])
             if (s.name, f.name) != ("auth", "keys")]

@@ -358,6 +358,7 @@ class Broker:
         until_end: bool = False,
         retained: bool | None = None,
         access: Access | None = None,
+        patient: bool = False,
     ) -> SubscribeResult:
         """Attach connection ``conn`` to a new subscription or to a group.
 
@@ -372,6 +373,9 @@ class Broker:
         all it held (delivered, and acked with QoS 1) ``deliver`` hands it one empty batch,
         its end mark. A queue (live only) has nothing in the log: its end comes once the
         retained values it started with are taken.
+
+        ``patient``: its log deliveries never come due for redelivery; it acks them, nacks
+        them or gives them back (``requeue``) itself.
 
         ``access``: the subscriber's permissions (None: no limits). A filter that could match
         a topic it may not read is refused (FORBIDDEN), and so is a group another identity
@@ -418,6 +422,7 @@ class Broker:
             return SubscribeResult(0, refusal=target)
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
         consumer = registry.add(conn, target, qos, credit, request_id)
+        consumer.patient = patient
         if ((not group) if retained is None else retained) and start == Start.LATEST:
             # QoS 1 here: LATEST at QoS 0 is a queue
             values = self.retained.matching(topic_filter, timestamp_ms)
@@ -584,18 +589,25 @@ class Broker:
 
     def nack(
         self, conn: int, sub_id: int, offsets: tuple[int, ...], delay_ms: int, now_ms: int,
-        timestamp_ms: int, reason: str = "",
+        timestamp_ms: int, reason: str = "", give_up: bool = False,
     ) -> frozenset[int]:
         """A QoS 1 consumer gives deliveries back, to be redelivered now or after
-        ``delay_ms``; one delivered ``max_retries`` times goes to ``$dlq/<topic>`` instead,
-        with the consumer's ``reason`` if it gave one. Returns the connections to wake."""
+        ``delay_ms``; one delivered ``max_retries`` times (any, with ``give_up``) goes to
+        ``$dlq/<topic>`` instead, with the consumer's ``reason`` if it gave one. Returns
+        the connections to wake."""
         found = self._cursor_of(conn, sub_id)
         if found is None:
             return frozenset()
         dead: list[RawMessage] = []
         wake = self.cursors.nack(*found, offsets, delay_ms, now_ms,  # type: ignore[union-attr]
-                                 timestamp_ms, dead, reason)
+                                 timestamp_ms, dead, reason, give_up)
         return wake | self._publish_dead(dead, now_ms, timestamp_ms)
+
+    def requeue(self, conn: int, sub_id: int) -> int:
+        """A log consumer gives back every delivery it holds, as if it had left: no retry is
+        spent (its link dropped; nobody refused them). Returns how many went back."""
+        found = self._cursor_of(conn, sub_id)
+        return 0 if found is None else found[1].requeue(sub_id)
 
     # ---------------------------------------------------------------------------- delivery
 

@@ -29,6 +29,11 @@ _CACHE_READ_RECORDS = 512  # records a cursor decodes from the log's cache in on
 _ROUNDS = 8  # read-aheads one take may look through (a filter that matches little)
 
 
+def _never(count: int) -> int:
+    """The redelivery delay of a patient consumer's deliveries: none comes due."""
+    return 1 << 62
+
+
 def _late(count: int) -> str:
     return f"not acked in time ({count} deliveries)"
 
@@ -190,7 +195,8 @@ class Cursors:
             target.load_pending([r for o in sorted(target.pending)
                                  for r in log.read(o, max_records=1)
                                  if r.kind == Kind.MESSAGE])
-        out, size = target.take_ready(consumer.sub_id, room, max_bytes, now_ms, self._backoff)
+        backoff = _never if consumer.patient else self._backoff
+        out, size = target.take_ready(consumer.sub_id, room, max_bytes, now_ms, backoff)
         self.counters.redelivered += len(out)
         for _ in range(_ROUNDS):
             if len(out) >= room or size >= max_bytes or target.next > log.written_offset:
@@ -208,8 +214,7 @@ class Cursors:
                     target.move_to(log.written_offset + 1)
                     break
             new, size, expired, full = target.take_new(
-                consumer.sub_id, room - len(out), max_bytes, size, now_ms, wall_ms,
-                self._backoff)
+                consumer.sub_id, room - len(out), max_bytes, size, now_ms, wall_ms, backoff)
             self.counters.dropped_ttl += expired
             out += new
             if full:
@@ -277,11 +282,12 @@ class Cursors:
     def nack(
         self, consumer: Consumer, target: DurableGroup, offsets: tuple[int, ...], delay_ms: int,
         now_ms: int, timestamp_ms: int, dead: list[RawMessage], why: str = "",
+        give_up: bool = False,
     ) -> frozenset[int]:
         mine = target.held_by(consumer.sub_id, offsets)
         self.counters.nacked += len(mine)
         reason = why or (f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked")
-        target.back(self._spend(target, mine, lambda _: reason, timestamp_ms, dead),
+        target.back(self._spend(target, mine, lambda _: reason, timestamp_ms, dead, give_up),
                     now_ms, delay_ms)
         return frozenset(c.conn for c in target.consumers) if mine else frozenset()
 
@@ -297,15 +303,16 @@ class Cursors:
 
     def _spend(
         self, target: DurableGroup, offsets: list[int], reason: Callable[[int], str],
-        timestamp_ms: int, dead: list[RawMessage],
+        timestamp_ms: int, dead: list[RawMessage], give_up: bool = False,
     ) -> list[int]:
-        """Those of ``offsets`` delivered ``max_retries`` times become dead letters (added to
-        ``dead``; a durable group logs them as done, so a restart does not deliver them
-        again); returns the others, in order, to be given back."""
+        """Those of ``offsets`` delivered ``max_retries`` times (all of them: ``give_up``)
+        become dead letters (added to ``dead``; a durable group logs them as done, so a
+        restart does not deliver them again); returns the others, in order, to be given
+        back."""
         back = []
         for offset in offsets:
             count = target.inflight[offset].count
-            if count < self.limits.max_retries:
+            if count < self.limits.max_retries and not give_up:
                 back.append(offset)
                 continue
             flight = target.drop(offset)

@@ -31,7 +31,7 @@ def _queue_id(queue: Queue) -> int:
 class Consumer:
     """One subscriber attachment: a connection's subscription id on a queue or a cursor."""
 
-    __slots__ = ("conn", "credit", "qos", "queue", "request_id", "sub_id", "until")
+    __slots__ = ("conn", "credit", "patient", "qos", "queue", "request_id", "sub_id", "until")
 
     def __init__(
         self, sub_id: int, queue: Queue | DurableGroup, conn: int, qos: int, credit: int,
@@ -46,6 +46,9 @@ class Consumer:
         # asked to be told when it is at the end (SUBSCRIBE_UNTIL_END), None otherwise or
         # once told: a log cursor's end offset, or for a queue the retained values left
         self.until: int | None = None
+        # its log deliveries never time out: it acks them or gives them back itself (a
+        # bridge, whose upstream may take longer than a retry's backoff to answer)
+        self.patient = False
 
     def __repr__(self) -> str:
         return f"Consumer({self.sub_id}, {self.queue!r})"

@@ -10,7 +10,8 @@ stores as a MESSAGE body, and what DELIVER forwards behind a delivery prefix::
     the payload is followed by | deliveries u16 | reason_len u8 | reason (UTF-8) |),
     bit 3 retain (the topic's last value: kept and handed to new subscribers),
     bit 4 QoS 2 (an MQTT client published it at QoS 2; bit 0 is set too, so to everything
-    but MQTT subscribers it is a QoS 1 message)
+    but MQTT subscribers it is a QoS 1 message), bit 5 bridged in (a bridge wrote it from
+    its upstream broker: bridges that bring its topic in do not send it back out)
 
     delivery record: | offset u64 | delivery_count u16 | timestamp_ms u64 | dflags u8 |
                      | message record |                                   (prefix: 19 bytes)
@@ -38,6 +39,7 @@ FLAG_KEY = 0x02
 FLAG_DEAD = 0x04
 FLAG_RETAIN = 0x08
 FLAG_QOS2 = 0x10
+FLAG_BRIDGED = 0x20
 FLAGS_PUBLISHABLE = FLAG_QOS1 | FLAG_KEY | FLAG_RETAIN  # what a client may set
 DELIVERED_RETAINED = 0x01  # dflags: the topic's retained value, sent on subscribing
 DEAD_HEAD = struct.Struct(">HB")  # dead-letter trailer head: deliveries, reason_len

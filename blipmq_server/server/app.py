@@ -56,6 +56,7 @@ from blipmq_server.wal import policy
 from blipmq_server.wal.log import Log, LogOptions, Recovery
 
 if TYPE_CHECKING:
+    from blipmq_server.server.bridge import Bridge
     from blipmq_server.server.tls import Tls
 
 log = logging.getLogger("blipmq")
@@ -149,6 +150,7 @@ class Server:
         self.mqtt_max_packet = max(config.server.max_message_bytes + 0xFFFF + 16,
                                    5 * 0xFFFF + 64)
         self.keys = Keyring(config.auth)
+        self.bridges: dict[int, Bridge] = {}  # by the connection id each consumes as
 
     def authenticate(self, session: Session, given: bytes) -> Identity | None:
         """The identity of the key a session offers (None: refused); the session keeps the
@@ -260,6 +262,7 @@ class Server:
         cfg = self.config
         if self.wal is not None:
             self._open_log()
+        self._attach_bridges()
         # What start-up made (modules, recovered state) lives as long as the process: keep it
         # out of every later full collection, whose pauses stall every connection.
         gc.collect()
@@ -278,6 +281,12 @@ class Server:
             maintenance: trio.CancelScope = await root.start(self._maintain, maintained)
             if self.flusher is not None:
                 root.start_soon(self.flusher.run)
+            bridging = trio.CancelScope()
+            bridged = trio.Event()
+            if self.bridges:
+                root.start_soon(self._run_bridges, bridging, bridged)
+            else:
+                bridged.set()
             metrics_port = None
             if cfg.metrics.enabled:
                 from blipmq_server.server.http import serve_http
@@ -302,6 +311,8 @@ class Server:
                 task_status.started(Bound(port, metrics_port, mqtt_port, mqtts_port, tls_port))
                 await self.shutdown.wait()
                 await self._drain(accept_scope, listeners, conns)
+            bridging.cancel()  # links close; their last state goes to the log
+            await bridged.wait()
             maintenance.cancel()  # no more expiry, retention, redelivery: nothing appends
             await maintained.wait()
             if self.flusher is not None:
@@ -309,6 +320,38 @@ class Server:
             root.cancel_scope.cancel()
         log.info("stopped")
         self.stopped.set()
+
+    def _attach_bridges(self) -> None:
+        """Open each bridge's durable group (once the log is recovered, before anyone
+        publishes): from here on it holds what the bridge has to forward."""
+        if not self.config.bridges:
+            return
+        from blipmq_server.server.bridge import Bridge, LinkDown
+
+        if self.wal is None:
+            raise ConfigError("bridges forward from the write-ahead log: wal.enabled must be "
+                              "true", "bridge")
+        for spec in self.config.bridges:
+            bridge = Bridge(self, spec, self._next_conn_id)
+            self._next_conn_id += 1
+            try:
+                bridge.attach()
+            except LinkDown as exc:
+                raise ConfigError(str(exc), f"bridge {spec.name}") from None
+            self.bridges[bridge.conn_id] = bridge
+        if not self.config.wal.include_qos0 and any(
+                r.sends for spec in self.config.bridges for r in spec.rules):
+            log.warning("wal.include_qos0 is false: bridges forward only what the log holds, "
+                        "so QoS 0 messages are not bridged out")
+
+    async def _run_bridges(self, scope: trio.CancelScope, done: trio.Event) -> None:
+        try:
+            with scope:
+                async with trio.open_nursery() as nursery:
+                    for bridge in self.bridges.values():
+                        nursery.start_soon(bridge.run)
+        finally:
+            done.set()
 
     async def _maintain(
         self, stopped: trio.Event, *, task_status: trio.TaskStatus[trio.CancelScope]
@@ -392,6 +435,9 @@ class Server:
                 log.info("wal retention removed %s", ", ".join(result.removed))
             if result.forced_below is not None:
                 for group, skipped in broker.skip_to(wal.first_offset):
+                    for bridge in self.bridges.values():
+                        if group.group == bridge.spec.group:
+                            bridge.counters["dropped"] += skipped
                     log.warning("wal retention: the size cap (wal.retention_bytes) removed %d "
                                 "record(s) durable group %r on %r had not consumed",
                                 skipped, group.group, group.filter)
@@ -418,6 +464,7 @@ class Server:
             connections=self.counters.open,
             mqtt=dict(self.mqtt_sessions.stats(),
                       protocol_errors=dict(self.counters.mqtt_errors)),
+            bridges=[b.status() for b in self.bridges.values()],
             log=None if wal is None else {
                 "bytes": wal.total_bytes, "segments": len(wal.segments),
                 "first_offset": wal.first_offset, "next_offset": wal.next_offset},
@@ -436,6 +483,8 @@ class Server:
             session = sessions.get(conn)
             if session is not None:
                 session.wake()
+            elif conn in self.bridges:
+                self.bridges[conn].wake()
 
     def routed(self, conns: set[int] | frozenset[int]) -> None:
         """A reader routed messages to these connections: ``deliver_routed`` sends them."""

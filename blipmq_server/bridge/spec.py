@@ -1,0 +1,221 @@
+"""``[[bridge]]`` tables: one upstream broker, its addresses and credentials, and topic
+rules in mosquitto.conf's vocabulary (docs/CONFIG.md, "Bridges").
+
+A rule is ``<pattern> [out|in|both [<qos> [<local-prefix> <remote-prefix>]]]``, as
+mosquitto's ``topic`` line: the local topic is ``local-prefix + pattern`` and the remote
+one ``remote-prefix + pattern``; ``""`` writes an empty prefix, and an empty pattern maps
+the one topic the prefixes name. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from blipmq_server.errors import ConfigError
+from blipmq_server.protocol.names import WIRE_TOPIC_BYTES, filter_problem, topic_problem
+
+DIRECTIONS = ("out", "in", "both")
+PROTOCOLS = ("mqtt", "blipmq")
+BACKLOG_POLICIES = ("drop_oldest", "block")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    pattern: str
+    direction: str = "out"
+    qos: int = 0
+    local_prefix: str = ""
+    remote_prefix: str = ""
+
+    @property
+    def local_filter(self) -> str:
+        return self.local_prefix + self.pattern
+
+    @property
+    def remote_filter(self) -> str:
+        return self.remote_prefix + self.pattern
+
+    @property
+    def sends(self) -> bool:
+        return self.direction in ("out", "both")
+
+    @property
+    def receives(self) -> bool:
+        return self.direction in ("in", "both")
+
+    def to_remote(self, topic: str) -> str:
+        """A local topic this rule's local filter matched, as the upstream names it."""
+        return self.remote_prefix + topic[len(self.local_prefix):]
+
+    def to_local(self, topic: str) -> str:
+        """An upstream topic this rule's remote filter matched, as the local log names it."""
+        return self.local_prefix + topic[len(self.remote_prefix):]
+
+    def text(self) -> str:
+        return " ".join([self.pattern or '""', self.direction, str(self.qos),
+                         self.local_prefix or '""', self.remote_prefix or '""'])
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeSpec:
+    name: str
+    addresses: tuple[tuple[str, int], ...]
+    rules: tuple[Rule, ...]
+    protocol: str = "mqtt"
+    client_id: str = ""  # MQTT; "" = "blipmq-bridge-<name>"
+    username: str = ""
+    password: str = field(default="", repr=False)  # MQTT password, or the native API key
+    keepalive_s: int = 60
+    inflight: int = 100
+    max_rate: int = 0  # messages per second out, 0 = as fast as acks come
+    max_retries: int = 5
+    backoff_min_ms: int = 1000
+    backoff_max_ms: int = 60000
+    connect_timeout_ms: int = 10000
+    outgoing_retain: bool = True
+    backlog: str = "drop_oldest"
+    state_topic: str = ""  # upstream topic for "1"/"0" (birth and will); "" = none
+    tls: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    server_name: str = ""
+    insecure: bool = False
+    alpn: tuple[str, ...] = ()
+
+    @property
+    def mqtt_client_id(self) -> str:
+        return self.client_id or f"blipmq-bridge-{self.name}"
+
+    @property
+    def group(self) -> str:
+        """The durable group whose cursor is this bridge's backlog."""
+        return f"bridge.{self.name}"
+
+
+_INTS = {"keepalive_s": (0, 65535), "inflight": (1, 65535), "max_rate": (0, 10_000_000),
+         "max_retries": (1, 1000), "backoff_min_ms": (1, 3_600_000),
+         "backoff_max_ms": (1, 3_600_000), "connect_timeout_ms": (1, 600_000)}
+_STRS = ("protocol", "client_id", "username", "password", "backlog", "state_topic",
+         "ca_file", "cert_file", "key_file", "server_name")
+_BOOLS = ("outgoing_retain", "tls", "insecure")
+_KNOWN = ("name", "addresses", "topics", "alpn", *_INTS, *_STRS, *_BOOLS)
+
+
+def parse_address(text: str, default_port: int) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad address {text!r} (HOST:PORT)")
+    return host, int(port)
+
+
+def parse_rule(text: str) -> Rule:
+    """One ``topics`` entry; ValueError says what is wrong."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: {exc}") from None
+    if not 1 <= len(words) <= 5 or len(words) == 4:
+        raise ValueError(f"{text!r}: expected '<pattern> [out|in|both [<qos> [<local-prefix> "
+                         "<remote-prefix>]]]'")
+    pattern = words[0]
+    direction = words[1] if len(words) > 1 else "out"
+    if direction not in DIRECTIONS:
+        raise ValueError(f"{text!r}: direction must be out, in or both, not {direction!r}")
+    qos_text = words[2] if len(words) > 2 else "0"
+    if qos_text not in ("0", "1"):
+        raise ValueError(f"{text!r}: qos must be 0 or 1 (QoS 2 bridging is not supported)")
+    local, remote = (words[3], words[4]) if len(words) == 5 else ("", "")
+    rule = Rule(pattern, direction, int(qos_text), local, remote)
+    if not pattern and not (local or remote):
+        raise ValueError(f"{text!r}: an empty pattern needs a prefix naming the topic")
+    for prefix in (local, remote):
+        if "+" in prefix or "#" in prefix:
+            raise ValueError(f"{text!r}: a prefix may not hold wildcards")
+    for what, name in (("local", rule.local_filter), ("remote", rule.remote_filter)):
+        problem = (filter_problem(name, WIRE_TOPIC_BYTES) if pattern
+                   else topic_problem(name, WIRE_TOPIC_BYTES))
+        if problem:
+            raise ValueError(f"{text!r}: the {what} topic {name!r}: {problem}")
+    return rule
+
+
+def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
+    """``[[bridge]]`` tables as BridgeSpecs; a ConfigError names the table and the field."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError("must be an array of tables ([[bridge]])", "bridge")
+    specs: list[BridgeSpec] = []
+    for i, table in enumerate(value):
+        where = f"bridge[{i}]"
+        unknown = sorted(set(table) - set(_KNOWN))
+        if unknown:
+            raise ConfigError(f"unknown field {unknown[0]!r} (known: {', '.join(_KNOWN)})", where)
+        name = table.get("name")
+        if not isinstance(name, str) or not name or not all(
+                c.isalnum() or c in "-_." for c in name):
+            raise ConfigError("needs a name of letters, digits, '-', '_' and '.'", where)
+        where = f"bridge[{i}] ({name})"
+        if any(s.name == name for s in specs):
+            raise ConfigError("a second bridge with this name", where)
+        options: dict[str, object] = {}
+        for key, (low, high) in _INTS.items():
+            if key in table:
+                v = table[key]
+                if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+                    raise ConfigError(f"{key} must be an integer from {low} to {high}", where)
+                options[key] = v
+        for key in _STRS:
+            if key in table:
+                if not isinstance(table[key], str):
+                    raise ConfigError(f"{key} must be a string", where)
+                options[key] = table[key]
+        for key in _BOOLS:
+            if key in table:
+                if not isinstance(table[key], bool):
+                    raise ConfigError(f"{key} must be true or false", where)
+                options[key] = table[key]
+        alpn = table.get("alpn", [])
+        if not isinstance(alpn, list) or not all(isinstance(a, str) and a for a in alpn):
+            raise ConfigError("alpn must be a list of protocol names", where)
+        protocol = options.get("protocol", "mqtt")
+        if protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}", where)
+        if options.get("backlog", "drop_oldest") not in BACKLOG_POLICIES:
+            raise ConfigError(f"backlog must be one of {', '.join(BACKLOG_POLICIES)}", where)
+        default_port = {"mqtt": 8883 if options.get("tls") else 1883,
+                        "blipmq": 7879 if options.get("tls") else 7878}[str(protocol)]
+        raw = table.get("addresses")
+        if isinstance(raw, str):
+            raw = [raw]
+        if not isinstance(raw, list) or not raw or not all(isinstance(a, str) for a in raw):
+            raise ConfigError("addresses must list one or more HOST:PORT", where)
+        try:
+            addresses = tuple(parse_address(a, default_port) for a in raw)
+        except ValueError as exc:
+            raise ConfigError(str(exc), where) from None
+        topics = table.get("topics")
+        if not isinstance(topics, list) or not topics or not all(
+                isinstance(t, str) for t in topics):
+            raise ConfigError("topics must list one or more rules, e.g. "
+                              "\"sensors/# out 1 '' site1/\"", where)
+        try:
+            rules = tuple(parse_rule(t) for t in topics)
+        except ValueError as exc:
+            raise ConfigError(str(exc), where) from None
+        if protocol == "blipmq" and any(r.receives for r in rules):
+            raise ConfigError("in and both rules need protocol = \"mqtt\" (a native upstream "
+                              "bridges out only)", where)
+        if options.get("backoff_min_ms", 1000) > options.get("backoff_max_ms", 60000):  # type: ignore[operator]
+            raise ConfigError("backoff_min_ms is larger than backoff_max_ms", where)
+        if (options.get("cert_file") or options.get("key_file")) and not (
+                options.get("cert_file") and options.get("key_file")):
+            raise ConfigError("cert_file and key_file go together (a client certificate)", where)
+        state = str(options.get("state_topic", ""))
+        if state and topic_problem(state, WIRE_TOPIC_BYTES):
+            raise ConfigError(f"state_topic: {topic_problem(state, WIRE_TOPIC_BYTES)}", where)
+        specs.append(BridgeSpec(name, addresses, rules, alpn=tuple(alpn), **options))  # type: ignore[arg-type]
+    return tuple(specs)

@@ -1,0 +1,587 @@
+"""A bridge to an upstream MQTT broker: store and forward from the log (docs/BRIDGE.md).
+
+``out`` rules are one durable group, ``bridge.<name>``, over their local filters: the
+upstream broker is its consumer. A delivery leaves the group's bookkeeping only when the
+upstream PUBACKs it (QoS 1 rules) or once it is written to the socket (QoS 0 rules: best
+effort). While the link is down the group holds everything in the log; when the link drops,
+what was in flight goes back to the group without spending a retry and is sent again, with
+DUP, first thing after the reconnect. ``in`` rules are a persistent upstream session
+(clean session 0) whose messages are written to the local log and PUBACKed once durable.
+
+One task per bridge owns its link: connect (with failover across the addresses and
+decorrelated-jitter backoff), then a reader and a writer (the only one that writes the
+socket). A link silent for 1.5 x the keepalive, or whose oldest PUBLISH waited as long for
+its PUBACK, is dropped and made again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import struct
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
+from blipmq_server.bridge.spec import BridgeSpec, Rule
+from blipmq_server.errors import LocalProtocolError, WalError
+from blipmq_server.mqtt import codec as mqtt
+from blipmq_server.mqtt.packets import (
+    ConnAck,
+    Connect,
+    Disconnect,
+    PingReq,
+    PingResp,
+    PubAck,
+    Publish,
+    SubAck,
+    Subscribe,
+    Will,
+)
+from blipmq_server.protocol.codec import Start
+from blipmq_server.protocol.message import (
+    FLAG_BRIDGED,
+    FLAG_RETAIN,
+    MSG_HEAD,
+    PREFIX_SIZE,
+    Message,
+    RawMessage,
+    message_record,
+)
+from blipmq_server.server.session import now_ms, wall_ms
+
+if TYPE_CHECKING:
+    import ssl
+
+    from blipmq_server.server.app import Server
+
+log = logging.getLogger("blipmq.bridge")
+_HEAD = struct.Struct(">QHQBBIHHI")  # a delivery record's prefix and message head together
+_BODY = PREFIX_SIZE + MSG_HEAD.size
+_MAX_BATCH = 256
+_MAX_BATCH_BYTES = 1 << 20
+
+
+class LinkDown(Exception):
+    """The link ended; the text says why (for the log and ``blipmq bridges``)."""
+
+
+class Bridge:
+    def __init__(self, server: Server, spec: BridgeSpec, conn_id: int) -> None:
+        self.server = server
+        self.spec = spec
+        self.conn_id = conn_id
+        self.broker = server.broker
+        self.rules_by_sub: dict[int, Rule] = {}
+        self.connected = False
+        self.address = ""  # the upstream in use (host:port)
+        self.last_error = ""
+        self.counters = {"forwarded": 0, "redelivered": 0, "reconnects": 0, "refused": 0,
+                         "dropped": 0, "received": 0, "dead_lettered": 0, "skipped": 0}
+        self.oldest_ms: int | None = None  # timestamp of the oldest record not forwarded
+        self._kick = trio.Event()
+        self._link: _Link | None = None
+        self._strikes: dict[int, int] = {}  # offset -> links that died with it unanswered
+        self._ssl: ssl.SSLContext | None = None
+
+    # ------------------------------------------------------------------ the core's side
+
+    def attach(self) -> None:
+        """Open the out rules' durable group (it starts at the log's end when new, and then
+        holds every matching message from here on, link or no link). Nothing is taken
+        until a link is up: the credit is 0."""
+        spec = self.spec
+        for rule in spec.rules:
+            if not rule.sends:
+                continue
+            result = self.broker.subscribe(
+                self.conn_id, rule.local_filter, group=spec.group, qos=1,
+                credit=spec.inflight, start=Start.LATEST, timestamp_ms=wall_ms(),
+                retained=False, patient=True)
+            if result.refusal is not None:
+                raise LinkDown(f"cannot bridge {rule.local_filter!r}: {result.refusal.text}")
+            self.rules_by_sub[result.sub_id] = rule
+            self.broker.set_credit(self.conn_id, result.sub_id, 0)
+        self._publish_state(b"0")
+
+    def wake(self) -> None:
+        """The core has deliveries for the link (or room opened)."""
+        self._kick.set()
+
+    def groups(self) -> list[Any]:
+        cursors = self.broker.cursors
+        if cursors is None:
+            return []
+        found = (cursors.durable.get((r.local_filter, self.spec.group))
+                 for r in self.rules_by_sub.values())
+        return [g for g in found if g is not None]
+
+    def status(self) -> dict[str, Any]:
+        """What ``blipmq bridges`` and the metrics show."""
+        groups = self.groups()
+        backlog = sum(max(0, g.backlog) + len(g.inflight) for g in groups)
+        wal = self.server.wal
+        floor = min((g.floor for g in groups), default=None)
+        held = 0
+        if wal is not None and floor is not None and backlog:
+            held = sum(s.size for s in wal.segments if s is wal.segments[-1]
+                       or _next_base(wal.segments, s) > floor)
+        age = (None if self.oldest_ms is None or not backlog
+               else max(0.0, (wall_ms() - self.oldest_ms) / 1000))
+        link = self._link
+        return {"name": self.spec.name, "protocol": self.spec.protocol,
+                "connected": self.connected, "address": self.address,
+                "addresses": [f"{h}:{p}" for h, p in self.spec.addresses],
+                "rules": [r.text() for r in self.spec.rules],
+                "backlog_messages": backlog, "backlog_bytes": held,
+                "oldest_age_s": None if age is None else round(age, 3),
+                "in_flight": 0 if link is None else len(link.inflight),
+                "last_error": self.last_error, **self.counters}
+
+    # --------------------------------------------------------------------- the link
+
+    async def run(self) -> None:
+        """Keep a link up until cancelled (shutdown)."""
+        spec = self.spec
+        backoff = Backoff(spec.backoff_min_ms / 1000, spec.backoff_max_ms / 1000,
+                          random.uniform)
+        turn = 0
+        status = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_oldest, status)
+            try:
+                while True:
+                    host, port = spec.addresses[turn % len(spec.addresses)]
+                    self.address = f"{host}:{port}"
+                    reason = await self._one_link(host, port, backoff)
+                    if reason is not None:  # it was up: the primary first again
+                        turn = 0
+                        self.counters["reconnects"] += 1
+                        log.warning("bridge %s: link to %s lost: %s", spec.name,
+                                    self.address, reason)
+                    else:
+                        turn += 1
+                    self.last_error = reason or self.last_error
+                    await trio.sleep(backoff.next())
+            finally:
+                status.cancel()
+                nursery.cancel_scope.cancel()
+
+    async def _one_link(self, host: str, port: int, backoff: Backoff) -> str | None:
+        """Connect and serve one link; None when it never came up, else why it ended."""
+        spec = self.spec
+        try:
+            with trio.fail_after(spec.connect_timeout_ms / 1000):
+                stream = await self._connect(host, port)
+                link = _Link(self, stream)
+                await link.handshake()
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
+                mqtt.MqttError) as exc:
+            self.last_error = f"{host}:{port}: {_why(exc)}"
+            log.info("bridge %s: cannot connect to %s:%d: %s", spec.name, host, port,
+                     _why(exc))
+            return None
+        backoff.reset()
+        self._link = link
+        self.connected = True
+        self.last_error = ""
+        self._publish_state(b"1")
+        log.info("bridge %s: connected to %s:%d", spec.name, host, port)
+        for sub_id in self.rules_by_sub:
+            self.broker.set_credit(self.conn_id, sub_id, spec.inflight)
+        self._kick.set()
+        try:
+            return await link.serve()
+        finally:
+            self._link = None
+            self.connected = False
+            self._give_back(link)
+            with trio.CancelScope(shield=True):
+                await link.close()
+            self._publish_state(b"0")
+
+    async def _connect(self, host: str, port: int) -> trio.abc.Stream:
+        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+        if not self.spec.tls:
+            return stream
+        if self._ssl is None:
+            self._ssl = _client_context(self.spec)
+        tls = trio.SSLStream(stream, self._ssl,
+                             server_hostname=self.spec.server_name or host, https_compatible=True)
+        await tls.do_handshake()
+        return tls
+
+    def _give_back(self, link: _Link) -> None:
+        """The link is gone: what it had in flight goes back to the group (sent again first
+        on the next link, with DUP). A message the upstream cut the link on every time it
+        was sent, ``max_retries`` links in a row, goes to the dead letters."""
+        broker, conn = self.broker, self.conn_id
+        if link.inflight and not link.acked and link.peer_closed:
+            first_pid = next(iter(link.inflight))
+            sub_id, offset, _ = link.inflight[first_pid]
+            strikes = self._strikes[offset] = self._strikes.get(offset, 0) + 1
+            if strikes >= self.spec.max_retries:
+                del self._strikes[offset]
+                why = (f"bridge {self.spec.name}: the upstream closed the link each of "
+                       f"{strikes} times this message was sent")
+                self.server.wake(broker.nack(conn, sub_id, (offset,), 0, now_ms(), wall_ms(),
+                                             why, give_up=True))
+                self.counters["dead_lettered"] += 1
+                self.server.log_touched()
+        if len(self._strikes) > 1024:
+            self._strikes.clear()
+        for sub_id in self.rules_by_sub:
+            broker.requeue(conn, sub_id)
+            broker.set_credit(conn, sub_id, 0)
+
+    def _publish_state(self, value: bytes) -> None:
+        """The retained local topic ``$SYS/bridge/<name>/state``: 1 up, 0 down."""
+        topic = f"$SYS/bridge/{self.spec.name}/state"
+        record = message_record(Message(topic, value, 0, retain=True))
+        raw = RawMessage(topic.encode(), 0, 0, len(value), record, FLAG_RETAIN)
+        result = self.broker.publish([raw], now_ms(), wall_ms(), internal=True)
+        self.server.wake(result.wake)
+        self.server.log_touched()
+
+    async def _watch_oldest(self, scope: trio.CancelScope) -> None:
+        """Every second: the timestamp of the oldest record the bridge has not forwarded
+        (read off the event loop: during an outage it is on disk)."""
+        wal = self.server.wal
+        if wal is None or not self.rules_by_sub:
+            return
+        with scope:
+            while True:
+                groups = self.groups()
+                floor = min((g.floor for g in groups), default=None)
+                if not any(g.backlog > 0 or g.inflight for g in groups):
+                    self.oldest_ms = None
+                elif floor is not None and floor >= wal.first_offset:
+                    try:
+                        records = await trio.to_thread.run_sync(wal.read_files, floor, 1, 4096)
+                    except (OSError, WalError):  # retention removed it: next time
+                        records = []
+                    if records:
+                        self.oldest_ms = records[0].timestamp_ms
+                await trio.sleep(1)
+
+    # --------------------------------------------------------------- messages coming in
+
+    def received(self, link: _Link, packet: Publish) -> None:
+        """A PUBLISH from the upstream (an ``in`` rule): into the local log, PUBACKed once
+        durable (the flusher calls ``confirmed``)."""
+        rule = inbound_rule(self.spec.rules, packet.topic)
+        if rule is None:
+            return
+        topic = rule.to_local(packet.topic)
+        qos = min(packet.qos, 1)
+        record = message_record(Message(topic, packet.payload, qos, retain=packet.retain))
+        record = bytes((record[0] | FLAG_BRIDGED,)) + record[1:]
+        raw = RawMessage(topic.encode(), qos, 0, len(packet.payload), record,
+                         FLAG_RETAIN if packet.retain else 0)
+        server = self.server
+        result = self.broker.publish([raw], now_ms(), wall_ms(), internal=True)
+        server.wake(result.wake)
+        server.log_touched()
+        self.counters["received"] += 1
+        if result.refusal is not None:
+            self.counters["refused"] += 1
+            log.warning("bridge %s: message from the upstream on %r not stored: %s",
+                        self.spec.name, packet.topic, result.refusal.text)
+        if not packet.qos:
+            return
+        if result.refusal is not None or not result.last_offset or server.flusher is None:
+            link.ack(packet.packet_id)
+            return
+        server.flusher.confirm_later(result.last_offset, link, packet.packet_id, 1)  # type: ignore[arg-type]
+
+
+class _Link:
+    """One connection to the upstream: its reader, its writer and what it has in flight."""
+
+    def __init__(self, bridge: Bridge, stream: trio.abc.Stream) -> None:
+        self.bridge = bridge
+        self.stream = stream
+        self.decoder = mqtt.Decoder(bridge.server.mqtt_max_packet)
+        self.inflight: dict[int, tuple[int, int, float]] = {}  # pid -> sub, offset, sent at
+        self.outbox: list[bytes] = []
+        self.acked = 0  # PUBACKs this link had
+        self.peer_closed = False
+        self.open = True
+        self._next_pid = 0
+        self.heard_at = trio.current_time()
+        self.pinged = False
+        self.pending: list[object] = []  # packets that came with the CONNACK
+        self.reason: str | None = None
+
+    def _pid(self) -> int:
+        for _ in range(65536):
+            self._next_pid = self._next_pid % 65535 + 1
+            if self._next_pid not in self.inflight:
+                return self._next_pid
+        raise LinkDown("no free packet id")  # pragma: no cover - inflight <= 65535
+
+    async def _read_packets(self) -> list[object]:
+        while True:
+            packets = self.decoder.packets()
+            if packets:
+                return packets  # type: ignore[return-value]
+            data = await self.stream.receive_some(65536)
+            if not data:
+                self.peer_closed = True
+                raise LinkDown("the upstream closed the connection")
+            self.heard_at = trio.current_time()
+            self.decoder.feed(data)
+
+    async def handshake(self) -> None:
+        spec = self.bridge.spec
+        will = (Will(spec.state_topic, b"0", 1, True) if spec.state_topic else None)
+        connect = Connect("MQTT", 4, clean_session=not any(r.receives for r in spec.rules),
+                          keepalive=spec.keepalive_s, client_id=spec.mqtt_client_id,
+                          will=will, username=spec.username or None,
+                          password=spec.password.encode() if spec.password else None)
+        await self.stream.send_all(mqtt.encode(connect))
+        packets = await self._read_packets()
+        first = packets[0]
+        if not isinstance(first, ConnAck):
+            raise LinkDown(f"expected CONNACK, got {type(first).__name__}")
+        if first.code:
+            raise LinkDown(f"the upstream refused the connection: CONNACK {first.code:#04x} "
+                           f"({_CONNACK.get(first.code, 'unknown')})")
+        self.pending = packets[1:]
+        filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
+        if filters:
+            self.outbox.append(mqtt.encode(Subscribe(self._pid(), filters)))
+        if spec.state_topic:
+            self.outbox.append(mqtt.encode(Publish(spec.state_topic, b"1", 0, True)))
+
+    async def serve(self) -> str:
+        """Run the reader and the writer until either ends; returns why."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._guard, self._writer, nursery)
+            nursery.start_soon(self._guard, self._reader, nursery)
+        return self.reason or "closed"
+
+    async def _guard(self, work: Any, nursery: trio.Nursery) -> None:
+        """Run the reader or the writer; the first to end ends the link and says why."""
+        try:
+            await work()
+            reason = "closed"
+        except LinkDown as exc:
+            reason = str(exc)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.peer_closed = True
+            reason = _why(exc)
+        except mqtt.MqttError as exc:
+            reason = f"protocol error from the upstream: {exc}"
+        except Exception as exc:  # a defect here ends this link, never the broker
+            log.exception("bridge %s: the link failed", self.bridge.spec.name)
+            reason = f"internal error: {exc!r}"
+        if self.reason is None:
+            self.reason = reason
+        nursery.cancel_scope.cancel()
+
+    def ack(self, packet_id: int) -> None:
+        """A PUBACK for a message from the upstream."""
+        if self.open:
+            self.outbox.append(mqtt.encode(PubAck(packet_id)))
+            self.bridge._kick.set()
+
+    # the flusher's confirm interface (``Flusher.confirm_later``)
+    def confirmed(self, request_id: int, count: int) -> None:
+        self.ack(request_id)
+
+    def confirm_failed(self, request_id: int, count: int, text: str) -> None:
+        # not stored: no PUBACK, and the link ends, so the upstream sends it again
+        log.warning("bridge %s: %s", self.bridge.spec.name, text)
+        self.open = False
+        self.bridge._kick.set()
+
+    async def _reader(self) -> None:
+        bridge = self.bridge
+        broker = bridge.broker
+        conn = bridge.conn_id
+        for packet in self.pending:
+            self._handle(packet, broker, conn)
+        while True:
+            for packet in await self._read_packets():
+                self._handle(packet, broker, conn)
+
+    def _handle(self, packet: object, broker: Any, conn: int) -> None:
+        bridge = self.bridge
+        if packet.__class__ is PubAck:
+            found = self.inflight.pop(packet.packet_id, None)  # type: ignore[attr-defined]
+            if found is not None:
+                self.acked += 1
+                bridge.counters["forwarded"] += 1
+                broker.ack(conn, found[0], (found[1],), wall_ms())
+                bridge._kick.set()  # room in the window
+                if bridge._strikes:
+                    bridge._strikes.pop(found[1], None)
+            return
+        if packet.__class__ is Publish:
+            bridge.received(self, packet)  # type: ignore[arg-type]
+            return
+        if isinstance(packet, SubAck):
+            refused = [f for f, c in zip(
+                [r.remote_filter for r in bridge.spec.rules if r.receives], packet.codes,
+                strict=False) if c == 0x80]
+            if refused:
+                log.warning("bridge %s: the upstream refused the subscription(s) %s",
+                            bridge.spec.name, ", ".join(map(repr, refused)))
+                bridge.last_error = f"subscription refused: {', '.join(refused)}"
+            return
+        if isinstance(packet, PingResp):
+            self.pinged = False
+            return
+        raise LinkDown(f"unexpected {type(packet).__name__} from the upstream")
+
+    async def _writer(self) -> None:
+        bridge = self.bridge
+        spec = bridge.spec
+        broker = bridge.broker
+        server = bridge.server
+        conn = bridge.conn_id
+        keepalive = spec.keepalive_s
+        window = spec.inflight
+        rate = spec.max_rate
+        tokens = float(min(rate, window)) if rate else math.inf
+        refilled = trio.current_time()
+        while True:
+            if not self.open:
+                raise LinkDown("a message from the upstream could not be stored")
+            now = trio.current_time()
+            if keepalive:
+                if now - self.heard_at >= 1.5 * keepalive:
+                    raise LinkDown(f"nothing from the upstream for 1.5 x the keepalive "
+                                   f"({keepalive} s)")
+                if self.inflight:
+                    oldest = next(iter(self.inflight.values()))[2]
+                    if now - oldest >= 1.5 * keepalive:
+                        raise LinkDown(f"no PUBACK for {now - oldest:.0f} s")
+                if now - self.heard_at >= keepalive / 2 and not self.pinged:
+                    self.outbox.append(_PINGREQ)
+                    self.pinged = True
+            if rate:
+                tokens = min(float(rate), tokens + (now - refilled) * rate)
+                refilled = now
+            room = min(window - len(self.inflight), _MAX_BATCH)
+            if rate:
+                room = min(room, int(tokens))
+            parts = self.outbox
+            self.outbox = []
+            if room > 0 and bridge.rules_by_sub:
+                taken = broker.deliver(conn, room, _MAX_BATCH_BYTES, int(now * 1000),
+                                       wall_ms())
+                if taken.batches:
+                    sent = self._encode(taken.batches, parts, now)
+                    if rate:
+                        tokens -= sent
+                if taken.released and server.room:
+                    server.release(taken.released)
+                if taken.fetches and server.prefetcher is not None:
+                    server.prefetcher.request(taken.fetches)
+                server.log_touched()
+            if parts:
+                await self.stream.send_all(b"".join(parts))
+                continue
+            bridge._kick = trio.Event()
+            wait = keepalive / 4 if keepalive else math.inf
+            if rate and tokens < 1:
+                wait = min(wait, (1 - tokens) / rate)
+            with trio.move_on_after(wait):
+                await bridge._kick.wait()
+
+    def _encode(self, batches: list[tuple[int, list[bytes]]], parts: list[bytes],
+                now: float) -> int:
+        bridge = self.bridge
+        rules = bridge.rules_by_sub
+        every = bridge.spec.rules
+        retain_out = bridge.spec.outgoing_retain
+        counters = bridge.counters
+        done: dict[int, list[int]] = {}
+        sent = 0
+        for sub_id, records in batches:
+            rule = rules[sub_id]
+            for rec in records:
+                offset, count, _, _, flags, _, tlen, klen, plen = _HEAD.unpack_from(rec)
+                topic = rec[_BODY:_BODY + tlen].decode("utf-8", "replace")
+                if flags & FLAG_BRIDGED and imports(every, topic):
+                    counters["skipped"] += 1  # it came from the upstream: not back to it
+                    done.setdefault(sub_id, []).append(offset)
+                    continue
+                at = _BODY + tlen + klen
+                qos = rule.qos
+                pid = 0
+                if qos:
+                    pid = self._pid()
+                    self.inflight[pid] = (sub_id, offset, now)
+                    if count > 1:
+                        counters["redelivered"] += 1
+                else:
+                    done.setdefault(sub_id, []).append(offset)
+                    counters["forwarded"] += 1
+                try:
+                    parts.append(mqtt.encode_publish(
+                        rule.to_remote(topic).encode(), rec[at:at + plen], qos,
+                        retain_out and bool(flags & FLAG_RETAIN), count > 1 and qos > 0, pid))
+                except LocalProtocolError as exc:  # a remote topic MQTT cannot carry
+                    self.inflight.pop(pid, None)
+                    counters["refused"] += 1
+                    bridge.server.wake(bridge.broker.nack(
+                        bridge.conn_id, sub_id, (offset,), 0, now_ms(), wall_ms(),
+                        f"bridge {bridge.spec.name}: {exc}", give_up=True))
+                    counters["dead_lettered"] += 1
+                    continue
+                sent += 1
+        if done:
+            wall = wall_ms()
+            for sub_id, offsets in done.items():
+                bridge.broker.ack(bridge.conn_id, sub_id, tuple(offsets), wall)
+        return sent
+
+    async def close(self) -> None:
+        self.open = False
+        try:
+            with trio.move_on_after(1):
+                if not self.peer_closed:
+                    await self.stream.send_all(mqtt.encode(Disconnect()))
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        await trio.aclose_forcefully(self.stream)
+
+
+_PINGREQ = mqtt.encode(PingReq())
+_CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
+            3: "server unavailable", 4: "bad user name or password", 5: "not authorized"}
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc) or type(exc).__name__
+    return str(exc) or type(exc).__name__
+
+
+def _next_base(segments: list[Any], seg: Any) -> int:
+    i = segments.index(seg)
+    return segments[i + 1].base if i + 1 < len(segments) else 1 << 62
+
+
+def _client_context(spec: BridgeSpec) -> ssl.SSLContext:
+    """TLS to the upstream: its certificate verified (CA file, or the system's), its name
+    checked unless ``insecure``, a client certificate when given (mTLS), ALPN when asked."""
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=spec.ca_file or None)
+    if spec.cert_file:
+        ctx.load_cert_chain(spec.cert_file, spec.key_file)
+    if spec.insecure:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if spec.alpn:
+        ctx.set_alpn_protocols(list(spec.alpn))
+    return ctx
+
