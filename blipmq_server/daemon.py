@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import signal
 import sys
 from typing import IO, Any
 
@@ -108,6 +109,13 @@ def start(config: str | None = None, **flags: str | None) -> int:
     def reload() -> Any:  # SIGHUP: the same file, environment and flags, read again
         return config_module.load(config, overrides=overrides(**flags))
 
+    # From here on the broker's own handling (app.run) decides what a signal does. Outside
+    # it, at the start of trio.run and after the server has stopped, these are ignored: in
+    # the onefile executable a signal to the process group arrives twice, and the forwarded
+    # copy can come after the broker has stopped, where the default action would turn a
+    # clean exit 0 into death by signal.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     try:
         trio.run(run, cfg, reload)
     except (OSError, BaseExceptionGroup) as exc:

@@ -150,14 +150,16 @@ class Broker:
 
 
 def start_broker(runner: Runner, config: Path, data_dir: Path,
-                 env: dict[str, str] | None = None) -> Broker:
+                 env: dict[str, str] | None = None, under: tuple[str, ...] = ()) -> Broker:
     """``blipmq start`` on free loopback ports, returned once its ready line says where.
 
     MQTT too (``config init`` turns it on at 1883): ``--mqtt-bind`` serves it on a free port
     whatever the file says, and ``Broker.mqtt_port`` is the one the ready line names. ``env``
     adds settings (``BLIPMQ_SERVER_TLS=true``, ...); the TLS ports are read the same way.
+    ``under`` runs it under another program (``unshare --pid --fork``: as a PID 1).
     """
-    proc = runner.spawn(
+    proc = runner.spawn_program(
+        *under, str(runner.binary),
         "start", "--config", str(config), "--data-dir", str(data_dir),
         "--bind", "127.0.0.1:0", "--metrics-bind", "127.0.0.1:0",
         "--mqtt-bind", "127.0.0.1:0", "--log-format", "plain", env=env,

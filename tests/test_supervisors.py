@@ -1,0 +1,143 @@
+"""The onefile executable stopped the ways supervisors and people stop it.
+
+A onefile executable is two processes: the bootloader, whose PID a supervisor knows, and the
+broker, its child. supervisord, runit, start-stop-daemon and ``docker stop`` signal that one
+PID; systemd (KillMode=control-group) and a terminal's Ctrl-C signal every process of the
+group; an operator may signal the broker's own PID. Each way must end in one graceful
+shutdown (drain, final log sync, the "stopped" line) and exit 0; a second Ctrl-C pressed
+while the broker drains ends it at once with 130 (128 + SIGINT), as documented in
+docs/OPERATIONS.md. Runs the built executable (tests/frozen.py builds it when needed).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from frozen import SLOW, Broker, Runner, executable, group_alive, runner, start_broker
+
+pytestmark = pytest.mark.slow
+__all__ = ["executable", "runner"]  # fixtures, used by name
+
+
+def child_of(pid: int) -> int:
+    """The one child of ``pid`` (the bootloader's broker), waiting for it to exist."""
+    deadline = time.monotonic() + SLOW
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if children:
+            (child,) = children
+            return int(child)
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} has no child")
+
+
+def wait_for_line(broker: Broker, text: str) -> None:
+    deadline = time.monotonic() + SLOW
+    while not any(text in line for line in broker.log):
+        assert not broker.log_ended.is_set(), f"no {text!r} in:\n" + "\n".join(broker.log)
+        assert time.monotonic() < deadline, f"no {text!r} after {SLOW} s"
+        time.sleep(0.01)
+
+
+def started(runner: Runner, tmp_path: Path, under: tuple[str, ...] = ()) -> Broker:
+    config = tmp_path / "blipmq.toml"
+    config.write_text("")  # the defaults
+    return start_broker(runner, config, tmp_path / "data", under=under)
+
+
+def stopped_once(broker: Broker, signame: str = "SIGTERM") -> str:
+    """Waits for the exit; asserts it was one graceful shutdown with exit 0."""
+    assert broker.proc.wait(SLOW) == 0, "\n".join(broker.log)
+    assert broker.log_ended.wait(SLOW)
+    log = "\n".join(broker.log)
+    assert log.count(f"received {signame}") == 1, log  # the copy forwarded was not a second
+    assert "second" not in log and "stopped" in log.splitlines()[-1], log
+    assert not group_alive(broker.proc.pid)
+    return log
+
+
+def publish_qos1(runner: Runner, broker: Broker, payload: str) -> None:
+    done = runner.run("pub", "--qos", "1", "orders", payload, "--addr", broker.addr)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_signal_to_the_bootloader_alone_drains_the_broker(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """supervisord, runit, start-stop-daemon: SIGTERM to the PID they started."""
+    broker = started(runner, tmp_path)
+    publish_qos1(runner, broker, "#1")
+    os.kill(broker.proc.pid, signal.SIGTERM)
+    stopped_once(broker)
+    # what the broker confirmed is in the log it closed
+    done = runner.run("wal", "cat", str(tmp_path / "data"), "--format", "lines")
+    assert (done.returncode, done.stdout) == (0, b"#1\n"), done.stderr
+
+
+def test_a_signal_to_the_process_group_is_one_shutdown(runner: Runner, tmp_path: Path) -> None:
+    """systemd's KillMode=control-group: both processes get it, the broker twice."""
+    broker = started(runner, tmp_path)
+    publish_qos1(runner, broker, "#2")
+    os.killpg(broker.proc.pid, signal.SIGTERM)
+    stopped_once(broker)
+
+
+def test_a_signal_to_the_broker_alone(runner: Runner, tmp_path: Path) -> None:
+    broker = started(runner, tmp_path)
+    os.kill(child_of(broker.proc.pid), signal.SIGTERM)
+    stopped_once(broker)
+
+
+def test_ctrl_c_twice_with_a_pause_exits_at_once(runner: Runner, tmp_path: Path) -> None:
+    """The first Ctrl-C (SIGINT to the group) drains; one pressed again later, while the
+    broker waits on a consumer that takes nothing, ends it at once with 130."""
+    broker = started(runner, tmp_path)
+    sub = runner.spawn("sub", "big", "-N", "--addr", broker.addr)
+    broker.wait_metric("blipmq_subscriptions", 1)
+    os.killpg(sub.pid, signal.SIGSTOP)  # a consumer that stopped reading
+    line = b"x" * 3_000_000 + b"\n"  # 12 MB: more than the socket buffers between them
+    done = runner.run("pub", "big", "-", "--lines", "--addr", broker.addr, input=line * 4)
+    assert done.returncode == 0, done.stderr
+
+    os.killpg(broker.proc.pid, signal.SIGINT)
+    wait_for_line(broker, "draining 1 connection(s)")
+    time.sleep(1.0)  # the pause: a person waiting for the drain, then pressing again
+    again = time.monotonic()
+    os.killpg(broker.proc.pid, signal.SIGINT)
+    assert broker.proc.wait(SLOW) == 128 + signal.SIGINT, "\n".join(broker.log)
+    assert time.monotonic() - again < 3  # not the 5 s drain: at once
+    assert broker.log_ended.wait(SLOW)
+    log = "\n".join(broker.log)
+    assert log.count("received SIGINT") == 1 and "second SIGINT: exiting at once" in log, log
+    os.killpg(sub.pid, signal.SIGKILL)
+
+
+def _pid_namespaces() -> str | None:
+    """Why ``unshare --pid --fork`` cannot run here, or None when it can."""
+    try:
+        done = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True,
+                              timeout=SLOW)
+    except FileNotFoundError:
+        return "no unshare(1) here (util-linux)"
+    if done.returncode:
+        return f"unshare --pid --fork: {done.stderr.decode(errors='replace').strip()}"
+    return None
+
+
+def test_as_pid_1_of_a_container(runner: Runner, tmp_path: Path) -> None:
+    """A Dockerfile's ``exec blipmq start``: the bootloader is PID 1 of a PID namespace,
+    and ``docker stop`` signals it from outside. PID 1 gets only the signals it handles."""
+    why = _pid_namespaces()
+    if why:
+        pytest.skip(why)
+    broker = started(runner, tmp_path, under=("unshare", "--pid", "--fork"))
+    init = child_of(broker.proc.pid)  # the bootloader: PID 1 inside
+    status = Path(f"/proc/{init}/status").read_text()
+    assert [ln.split()[-1] for ln in status.splitlines() if ln.startswith("NSpid:")] == ["1"]
+    os.kill(init, signal.SIGTERM)
+    stopped_once(broker)
