@@ -288,6 +288,25 @@ def groups(
 
 
 @app.command()
+def bridges(
+    as_json: Json = False,
+    addr: Addr = None,
+    api_key: ApiKey = None,
+    tls: Tls = False,
+    cafile: CaFile = None,
+    cert: Cert = None,
+    cert_key: CertKey = None,
+    insecure: Insecure = False,
+) -> None:
+    """Bridges to upstream brokers: link state, backlog, forwarded, reconnects."""
+    addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
+    from blipmq_cli import introspect
+
+    _exit(commands.guarded(lambda: introspect.bridges(addr=addr, api_key=api_key,
+                                                      as_json=as_json)))
+
+
+@app.command()
 def ping(
     count: Annotated[int, typer.Option("--count", "-c", help="Pings to send, 1 s apart")] = 1,
     addr: Addr = None,

@@ -159,6 +159,43 @@ def groups(*, addr: str | None, api_key: str | None, as_json: bool = False) -> i
     return Exit.OK
 
 
+def _bridges_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="bridges", title_justify="left")
+    right = ("backlog", "bytes", "oldest", "in flight", "forwarded", "redelivered",
+             "reconnects", "dropped", "dead")
+    for name in ("bridge", "link", *right, "last error"):
+        table.add_column(name, justify="right" if name in right else "left")
+    for b in report.get("bridges", []):
+        age = b["oldest_age_s"]
+        table.add_row(
+            b["name"], f"up {b['address']}" if b["connected"] else "down",
+            str(b["backlog_messages"]), str(b["backlog_bytes"]),
+            "-" if age is None else f"{age:.1f} s", str(b["in_flight"]), str(b["forwarded"]),
+            str(b["redelivered"]), str(b["reconnects"]), str(b["dropped"]),
+            str(b["dead_lettered"]), b["last_error"] or "-")
+    return table
+
+
+def bridges(*, addr: str | None, api_key: str | None, as_json: bool = False) -> int:
+    with connect_from_env(addr, api_key) as client:
+        report = client.stats()
+    if _restricted(report):
+        return Exit.AUTH
+    if as_json:
+        _json_line({"bridges": report.get("bridges", [])})
+        return Exit.OK
+    found = report.get("bridges", [])
+    if not found:
+        sys.stdout.write("no bridges configured ([[bridge]] in the broker's config file)\n")
+        return Exit.OK
+    from rich.console import Console
+
+    Console(width=200).print(_bridges_table(report))
+    return Exit.OK
+
+
 def ping(*, addr: str | None, api_key: str | None, count: int = 1) -> int:
     if count < 1:
         from blipmq_cli.commands import say

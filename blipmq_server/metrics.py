@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from blipmq_server.broker.core import Broker
 from blipmq_server.counters import ConnectionCounters, WalCounters
@@ -73,6 +74,8 @@ class Sources:
     recovery: Recovery | None = None
     # the MQTT front end's figures (server.sessions.MqttSessions.stats), read at scrape time
     mqtt: Callable[[], dict[str, int]] | None = None
+    # each bridge's status (server.bridge.Bridge.status), read at scrape time
+    bridges: Callable[[], list[dict[str, Any]]] | None = None
 
 
 class BrokerCollector:
@@ -128,6 +131,7 @@ class BrokerCollector:
             tls.add([reason], n)
         yield tls
         yield from self._mqtt()
+        yield from self._bridges()
         yield from self._wal()
         queues = broker.queues
         yield gauge("blipmq_subscriptions", "Subscriptions of connected clients "
@@ -166,6 +170,19 @@ class BrokerCollector:
         for reason, n in sorted(self.sources.connections.mqtt_errors.items()):
             errors.add([reason], n)
         yield errors
+
+    def _bridges(self) -> Iterator[Family]:
+        read = self.sources.bridges
+        if read is None:
+            return
+        found = read()
+        for key, kind, name, doc in _BRIDGE_FAMILIES:
+            family = Family(name, kind, doc, ("bridge",))
+            for b in found:
+                value = b[key]
+                if value is not None:
+                    family.add([b["name"]], float(value))
+            yield family
 
     def _groups(self) -> Iterator[Family]:
         broker = self.sources.broker
@@ -232,3 +249,31 @@ def render(sources: Sources) -> bytes:
     """The /metrics page: every family in the Prometheus text format."""
     lines = [line for family in BrokerCollector(sources).collect() for line in family.lines()]
     return ("\n".join(lines) + "\n").encode()
+
+
+_BRIDGE_FAMILIES = (
+    ("connected", "gauge", "blipmq_bridge_connected", "1 while the bridge's link to its "
+     "upstream is up"),
+    ("backlog_messages", "gauge", "blipmq_bridge_backlog_messages", "Messages the bridge has "
+     "not had acknowledged by its upstream yet (in flight included)"),
+    ("backlog_bytes", "gauge", "blipmq_bridge_backlog_bytes", "Bytes of log segments the "
+     "bridge's backlog keeps (from its oldest unforwarded record on)"),
+    ("oldest_age_s", "gauge", "blipmq_bridge_oldest_age_seconds", "Age of the oldest message "
+     "not forwarded yet"),
+    ("in_flight", "gauge", "blipmq_bridge_in_flight", "Messages sent upstream, not yet "
+     "acknowledged"),
+    ("forwarded", "counter", "blipmq_bridge_forwarded", "Messages the upstream acknowledged "
+     "(QoS 1 rules) or that were written to it (QoS 0 rules)"),
+    ("redelivered", "counter", "blipmq_bridge_redelivered", "Messages sent again (with DUP) "
+     "after a link was lost with them in flight"),
+    ("received", "counter", "blipmq_bridge_received", "Messages from the upstream (in rules)"),
+    ("reconnects", "counter", "blipmq_bridge_reconnects", "Links lost after they were up"),
+    ("refused", "counter", "blipmq_bridge_refused", "Messages one side could not take "
+     "(a topic MQTT cannot carry out, a message the local broker refused in)"),
+    ("dropped", "counter", "blipmq_bridge_dropped", "Unforwarded messages the log's size cap "
+     "(wal.retention_bytes) removed (backlog = \"drop_oldest\")"),
+    ("dead_lettered", "counter", "blipmq_bridge_dead_lettered", "Messages the upstream "
+     "refused max_retries times, moved to $dlq/<topic>"),
+    ("skipped", "counter", "blipmq_bridge_skipped", "Bridged-in messages not sent back out "
+     "(loop prevention)"),
+)

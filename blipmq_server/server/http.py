@@ -30,7 +30,8 @@ async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> No
     sources = metrics.Sources(
         server.broker, server.counters, server.wal,
         None if server.flusher is None else server.flusher.counters, server.recovery,
-        server.mqtt_sessions.stats if server.config.mqtt.enabled else None)
+        server.mqtt_sessions.stats if server.config.mqtt.enabled else None,
+        (lambda: [b.status() for b in server.bridges.values()]) if server.bridges else None)
     task_status.started(listeners[0].socket.getsockname()[1])
     await trio.serve_listeners(partial(_handle, server, sources), listeners)
 
