@@ -1,0 +1,814 @@
+"""The Trio client: a thin async shell over the sans-IO ``ClientConnection``, with reconnects.
+
+    async with AsyncClient("127.0.0.1:7878") as c:
+        await c.publish("sensors/temp", b"21.5", qos=1)    # returns once it is durable
+        async for msg in await c.subscribe("alerts/#", group="pager", qos=1):
+            ...
+            await sub.ack(msg)
+
+The protocol (handshake, request ids, batching, QoS 1 tickets, what a reconnect sends again,
+why a connection ended) lives in ``blipmq_server.protocol.connection``, shared with the sync
+``Client``; this module moves bytes with Trio streams and decides when to dial again.
+
+Tasks, all in the nursery that ``async with`` opens: a supervisor that dials, and per live
+connection one reader (feeds the connection; stops reading while ``prefetch`` deliveries wait
+to be taken, so a slow application slows the broker down instead of filling memory), one
+writer (the only task that writes the socket: it sends whatever the callers queued since its
+last write, so many publishes go out in one ``send_all``) and a keepalive ticker.
+
+Reconnects (on unless ``reconnect=False``): after a lost connection the supervisor dials the
+addresses in turn with exponential backoff and jitter (``Reconnect``), sends again the QoS 1
+messages not yet confirmed (at least once: a consumer may see one twice) and what was
+published meanwhile (at most ``max_pending`` messages and ``max_pending_bytes``; past that
+``publish`` waits, or raises with ``block=False``), and subscribes again: a durable group
+resumes at its cursor (unacked deliveries come again), a replaying subscription at the offset
+after the last one delivered, and a live one at the log's end, reporting a ``Gap``. The first
+connection is not retried: a wrong address or key fails ``async with`` at once.
+
+Trio only (it does not run under asyncio). Imports trio; the sync client does not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import ssl
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import trio
+
+from blipmq_cli.client import DEFAULT_ADDR, DEFAULT_TIMEOUT, parse_addr, split_scheme
+from blipmq_server.errors import (
+    BlipError,
+    BrokerError,
+    ConnectError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+from blipmq_server.protocol import codec
+from blipmq_server.protocol.codec import Delivery, Message, Start
+from blipmq_server.protocol.connection import ClientConnection, CloseReason
+
+_RECV = 1 << 16
+_HIGH_WATER = 1 << 20  # bytes queued for the writer before a publish waits for it
+_CHUNK = 1024  # messages publish_many adds between looks at the writer and the bounds
+_LOST = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """How to dial again after a lost connection: ``attempts`` in a row (each address
+    tried counts as one) before giving up; before attempt n (from 0) a wait of
+    ``min(maximum, initial * 2**n)`` seconds, less a random part of up to ``jitter`` of it
+    (so that many clients of a restarted broker do not all come back at once)."""
+
+    attempts: int = 60
+    initial: float = 0.1
+    maximum: float = 5.0
+    jitter: float = 0.5
+
+    def delay(self, attempt: int, draw: float) -> float:
+        """The wait before ``attempt``; ``draw`` is uniform in [0, 1)."""
+        base = min(self.maximum, self.initial * 2 ** min(attempt, 32))
+        return base * (1 - self.jitter * draw)
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """A live subscription (no group, start LATEST) was restored after a lost connection:
+    messages that matched it after ``last_offset`` (None: it had delivered nothing) and
+    before it was restored may be missing. Replay them with
+    ``subscribe(topic_filter, start=Start.OFFSET, start_offset=last_offset + 1)``."""
+
+    topic_filter: str
+    group: str
+    last_offset: int | None
+
+
+class AsyncSubscription:
+    """The deliveries of one subscription: ``async for``, or ``next_batch``."""
+
+    def __init__(self, client: AsyncClient, topic_filter: str, group: str, qos: int,
+                 credit: int, start: int, start_offset: int, flags: int) -> None:
+        self.client = client
+        self.topic_filter = topic_filter
+        self.group = group
+        self.qos = qos
+        self._credit = credit
+        self._start = start
+        self._start_offset = start_offset
+        self._flags = flags
+        self.end: int | None = None  # asked with until_end: the log's next offset then
+        self.at_end = False
+        self.ended = False
+        self.last_offset: int | None = None  # of the last delivery handed out
+        self.gaps: list[Gap] = []  # what reconnects may have cost it (live subscriptions)
+        self.sub_id = 0
+        # where deliveries are read: the connection of each subscribe, oldest first (an old
+        # one is read to its end before the next); acks go to the newest
+        self._reads: deque[tuple[ClientConnection, int]] = deque()
+        self._error: BlipError | None = None
+        self._batch: tuple[Delivery, ...] = ()
+        self._index = 0
+
+    def _attach(self, conn: ClientConnection, sub_id: int, end: int | None) -> None:
+        self._reads.append((conn, sub_id))
+        self.sub_id = sub_id
+        if end is not None:
+            self.end = end
+
+    @property
+    def credit(self) -> int:
+        """The window of unacked deliveries last asked for (QoS 1; 0: the broker's
+        ``delivery.default_credit``); it is asked again after a reconnect."""
+        return self._credit
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        if self._index >= len(self._batch):
+            batch = await self.next_batch()
+            if batch is None or self.at_end:
+                raise StopAsyncIteration
+            self._batch, self._index = batch, 0
+        self._index += 1
+        return self._batch[self._index - 1]
+
+    async def next_batch(self, timeout: float | None = None) -> tuple[Delivery, ...] | None:
+        """The next DELIVER batch; None once the stream ended (unsubscribed, its group
+        deleted, the client closed, or the broker stopped with reconnects off). Raises
+        TimeoutError after ``timeout`` seconds without one, and why the client gave up
+        when it did."""
+        client = self.client
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:  # each pass takes a batch, moves on, ends, or waits for a change
+                if self._error is not None:
+                    raise self._error
+                if self.ended or not self._reads:
+                    return None
+                conn, sub_id = self._reads[0]
+                got = conn.next_batch(sub_id)
+                if got is not None:
+                    client._taken()
+                    if got:
+                        self.last_offset = got[-1].offset
+                    else:
+                        self.at_end = True  # the end mark of an until_end subscription
+                    return got
+                closed = conn.closed
+                if closed is None:
+                    if not conn.subscribed(sub_id):
+                        self.ended = True  # unsubscribed, or its group deleted
+                        return None
+                elif len(self._reads) > 1:
+                    self._reads.popleft()  # read to its end: on to the new connection
+                    continue
+                elif client._dead is not None or client._closing:
+                    if client._closing or closed.ends_streams:
+                        return None
+                    raise client._dead  # type: ignore[misc]
+                await client._changed.wait()
+        raise TimeoutError(f"timed out after {timeout:g} s waiting for a delivery from the "
+                           f"broker at {client.addr}")
+
+    def _live(self) -> tuple[ClientConnection, int] | None:
+        if not self._reads:
+            return None
+        conn, sub_id = self._reads[-1]
+        return (conn, sub_id) if conn.closed is None else None
+
+    async def ack(self, *deliveries: Delivery) -> None:
+        """Acknowledge deliveries (QoS 1). While the connection is down an ack is dropped:
+        the broker sends those deliveries again."""
+        live = self._live()
+        if live is not None:
+            live[0].ack(live[1], tuple(d.offset for d in deliveries))
+            self.client._kick()
+        await trio.lowlevel.checkpoint()
+
+    async def nack(self, *deliveries: Delivery, delay_ms: int = 0, reason: str = "") -> None:
+        """Give deliveries back: sent again at once, or after ``delay_ms``; ``reason`` is
+        what a dead letter made by this NACK says."""
+        live = self._live()
+        if live is not None:
+            live[0].nack(live[1], tuple(d.offset for d in deliveries), delay_ms, reason)
+            self.client._kick()
+        await trio.lowlevel.checkpoint()
+
+    async def set_credit(self, credit: int) -> None:
+        """Change the window of unacked deliveries (QoS 1; 0 pauses the subscription)."""
+        self._credit = credit
+        live = self._live()
+        if live is not None:
+            live[0].credit(live[1], credit)
+            self.client._kick()
+        await trio.lowlevel.checkpoint()
+
+    async def unsubscribe(self) -> None:
+        """End this subscription (a group's other members go on)."""
+        client = self.client
+        if self in client._subs:
+            client._subs.remove(self)
+        live = self._live()
+        self.ended = True
+        if live is not None:
+            conn, sub_id = live
+            await client._ask(conn, conn.unsubscribe(sub_id), "UNSUBSCRIBED", None)
+
+
+class AsyncClient:
+    """A BlipMQ client for Trio. See the module docstring and docs/CLIENT.md."""
+
+    def __init__(
+        self,
+        addr: str | Sequence[str] = DEFAULT_ADDR,
+        api_key: str = "",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        name: str = "blipmq-py-async",
+        ssl_context: ssl.SSLContext | None = None,
+        reconnect: Reconnect | bool = True,
+        max_pending: int = 10_000,
+        max_pending_bytes: int = 64 << 20,
+        block: bool = True,
+        prefetch: int = 10_000,
+        on_disconnect: Callable[[BlipError], object] | None = None,
+        on_reconnect: Callable[[str], object] | None = None,
+        on_gap: Callable[[Gap], object] | None = None,
+    ) -> None:
+        """``addr``: one address or several (``[tls://|tcp://]host[:port]``), dialled in
+        turn when reconnecting. ``ssl_context`` as for ``Client``."""
+        addrs = [addr] if isinstance(addr, str) else list(addr)
+        if not addrs:
+            raise ValueError("no broker address given")
+        self._targets: list[tuple[str, int, bool, str]] = []
+        for one in addrs:
+            scheme = split_scheme(one)[0]
+            host, port = parse_addr(one)
+            secure = scheme == "tls" or (scheme is None and ssl_context is not None)
+            label = ("tls://" if secure else "") + (
+                f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+            self._targets.append((host, port, secure, label))
+        self.addr = self._targets[0][3]  # the address of the current (or last) connection
+        self.api_key = api_key
+        self.timeout = timeout
+        self.name = name
+        self._ssl_context = ssl_context
+        if reconnect is True:
+            reconnect = Reconnect()
+        self.reconnect: Reconnect | None = reconnect or None
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.block = block
+        self.prefetch = prefetch  # deliveries read ahead of the application, at most
+        self.on_disconnect = on_disconnect
+        self.on_reconnect = on_reconnect
+        self.on_gap = on_gap
+        self.reconnects = 0  # connections made again after a loss
+        self._conn = ClientConnection()
+        self._next_target = 1
+        self._subs: list[AsyncSubscription] = []
+        self._up = False  # a connection is ready and its tasks run
+        self._dead: BlipError | None = None  # why the client gave up
+        self._closing = False
+        self._changed = trio.Event()  # set (and replaced) on every change waiters look at
+        self._dirty = trio.Event()  # the writer has something to send
+        self._gated = False  # the reader waits for the application to take deliveries
+        self._nursery_cm: Any = None
+        self._nursery: trio.Nursery | None = None
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if et is None:
+            await self.close()
+        else:
+            await self._shutdown()
+
+    async def connect(self) -> None:
+        """Connect to the first address that answers (each is tried once) and start the
+        client's tasks; ``close`` ends them. ``async with`` does both."""
+        if self._nursery is not None:
+            raise ConnectError(f"the client for {self.addr} is already connected")
+        error: BlipError | None = None
+        for target in self._targets:
+            try:
+                stream, conn = await self._open(target)
+            except BlipError as exc:
+                error = error or exc
+                continue
+            self._conn, self.addr = conn, target[3]
+            self._nursery_cm = trio.open_nursery()
+            self._nursery = await self._nursery_cm.__aenter__()
+            self._nursery.start_soon(self._supervise, stream)
+            self._up = True
+            return
+        assert error is not None
+        raise error
+
+    async def close(self) -> None:
+        """Flush (within ``timeout``), say GOODBYE and end the client's tasks; raises the
+        first refusal not yet reported."""
+        if self._nursery is None or self._closing:
+            return
+        error: BlipError | None = None
+        if self._up:
+            try:
+                await self.flush()
+            except (BlipError, TimeoutError) as exc:
+                error = exc if isinstance(exc, BlipError) else ConnectError(str(exc))
+        self._closing = True
+        conn = self._conn
+        if self._up and conn.closed is None:
+            conn.goodbye()
+            self._kick()
+            with trio.move_on_after(self.timeout):
+                while self._up:  # until the broker closed after our GOODBYE
+                    await self._changed.wait()
+        await self._shutdown()
+        if error is not None and not isinstance(error, ConnectError):
+            raise error
+
+    async def _shutdown(self) -> None:
+        self._closing = True
+        self._notify()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+            await self._nursery_cm.__aexit__(None, None, None)
+            self._nursery = None
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is up now."""
+        return self._up
+
+    @property
+    def max_message(self) -> int:
+        """The largest payload the broker accepts (from WELCOME)."""
+        return self._conn.max_message
+
+    @property
+    def pending(self) -> tuple[int, int]:
+        """Messages (and bytes) not yet taken for good by the broker: unsent, and QoS 1
+        unconfirmed. While disconnected, what ``max_pending`` bounds."""
+        return self._conn.backlog
+
+    # ------------------------------------------------------------------------ publishing
+
+    async def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 0,
+        ttl_ms: int = 0,
+        key: bytes | None = None,
+        retain: bool = False,
+    ) -> None:
+        """Send one message; with ``qos=1``, return once the broker confirmed it durable
+        (across reconnects: it is sent again if the connection broke first). A QoS 0
+        publish returns once the message is queued for the writer."""
+        conn = await self._room(1, len(payload) + len(topic))
+        try:
+            if qos or ttl_ms or key is not None or retain:
+                ticket = conn.publish(Message(topic, payload, qos, ttl_ms, key, retain))
+            else:
+                conn.publish_pairs(((topic, payload),))
+                ticket = 0
+        except LocalProtocolError as exc:
+            raise BrokerError(exc.code, str(exc)) from None
+        self._kick()
+        if conn.outgoing >= _HIGH_WATER:
+            await self._drain(conn)
+        if ticket:
+            await self._confirmed(ticket)
+
+    async def publish_many(self, messages: Iterable[Message | tuple[str, bytes]]) -> int:
+        """Send many messages in PUBLISH batches; returns how many. QoS 1 ones are not
+        waited for: ``flush`` does that."""
+        n = 0
+        chunk: list[Message | tuple[str, bytes]] = []
+        for m in messages:
+            chunk.append(m)
+            if len(chunk) >= _CHUNK:
+                n += await self._publish_chunk(chunk)
+                chunk = []
+        if chunk:
+            n += await self._publish_chunk(chunk)
+        return n
+
+    async def _publish_chunk(self, chunk: list[Message | tuple[str, bytes]]) -> int:
+        size = sum(len(m[0]) + len(m[1]) for m in chunk)
+        conn = await self._room(len(chunk), size)
+        try:
+            for m in chunk:
+                if isinstance(m, Message):
+                    conn.publish(m)
+                else:
+                    conn.publish_pairs((m,))
+        except LocalProtocolError as exc:
+            raise BrokerError(exc.code, str(exc)) from None
+        self._kick()
+        if conn.outgoing >= _HIGH_WATER:
+            await self._drain(conn)
+        else:
+            await trio.lowlevel.checkpoint()
+        return len(chunk)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Send everything, wait until the broker processed it (PING/PONG) and confirmed
+        every QoS 1 message so far; raise the first refusal."""
+        limit = self.timeout if timeout is None else timeout
+        with trio.move_on_after(limit):
+            conn = await self._until_up()
+            await self._ask(conn, conn.ping(), "PONG", limit)
+            while self._conn.unconfirmed or self._conn.closed is not None:
+                if self._dead is not None:
+                    raise self._dead
+                await self._changed.wait()
+            refusal = self._conn.refusal()
+            if refusal is not None:
+                raise BrokerError(refusal.code, refusal.text)
+            return
+        raise TimeoutError(f"timed out after {limit:g} s waiting for the broker at "
+                           f"{self.addr} to confirm")
+
+    # ----------------------------------------------------------------------- subscribing
+
+    async def subscribe(
+        self,
+        topic_filter: str,
+        *,
+        group: str = "",
+        qos: int = 0,
+        credit: int = 0,
+        start: Start = Start.LATEST,
+        start_offset: int = 0,
+        start_time_ms: int = 0,
+        until_end: bool = False,
+    ) -> AsyncSubscription:
+        """Subscribe; the options are those of ``Client.subscribe``. ``credit`` is the QoS 1
+        window of unacked deliveries (0: the broker's default)."""
+        if start == Start.TIME and start_time_ms:
+            start_offset = start_time_ms
+        flags = codec.SUBSCRIBE_UNTIL_END if until_end else 0
+        sub = AsyncSubscription(self, topic_filter, group, qos, credit, start, start_offset,
+                                flags)
+        with trio.move_on_after(self.timeout):
+            conn = await self._until_up()
+            reply = await self._ask(conn, conn.subscribe(topic_filter, group, qos, credit,
+                                                         start, start_offset, flags),
+                                    "SUBSCRIBED", None)
+            assert isinstance(reply, codec.Subscribed)
+            if until_end and reply.end is None:
+                raise BrokerError(codec.ErrorCode.UNSUPPORTED,
+                                  f"the broker at {self.addr} does not mark the end of the log")
+            sub._attach(conn, reply.sub_id, reply.end)
+            self._subs.append(sub)
+            return sub
+        raise TimeoutError(f"timed out after {self.timeout:g} s waiting for the broker at "
+                           f"{self.addr}")
+
+    async def unsubscribe(self, topic_filter: str, *, group: str = "") -> int:
+        """End this client's subscriptions on a filter, or delete a consumer group."""
+        conn = await self._until_up_within()
+        reply = await self._ask(conn, conn.unsubscribe(0, topic_filter, group),
+                                "UNSUBSCRIBED", None)
+        for sub in list(self._subs):
+            if sub.topic_filter == topic_filter and sub.group == group:
+                self._subs.remove(sub)
+        assert isinstance(reply, codec.Unsubscribed)
+        return reply.count
+
+    # --------------------------------------------------------------------- request/reply
+
+    async def stats(self, timeout: float | None = None) -> dict:
+        """The broker's statistics (docs/PROTOCOL.md, "Statistics"), as a dict."""
+        conn = await self._until_up_within(timeout)
+        reply = await self._ask(conn, conn.stats(), "STATS_REPORT", timeout)
+        assert isinstance(reply, codec.StatsReport)
+        try:
+            data = json.loads(reply.data)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise ConnectError(f"the broker at {self.addr} sent statistics that are not "
+                               "a JSON object")
+        return data
+
+    async def ping(self, timeout: float | None = None) -> float:
+        """Round-trip time to the broker in seconds (a PING and its PONG)."""
+        conn = await self._until_up_within(timeout)
+        began = trio.current_time()
+        await self._ask(conn, conn.ping(), "PONG", timeout)
+        return trio.current_time() - began
+
+    # --------------------------------------------------------------------------- waiting
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _kick(self) -> None:
+        self._dirty.set()
+
+    def _taken(self) -> None:
+        if self._gated and self._conn.queued < self.prefetch:
+            self._notify()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._closing or self._nursery is None:
+            raise ConnectError(f"the client for {self.addr} is closed")
+
+    async def _until_up(self) -> ClientConnection:
+        """The ready connection, once there is one (waiting through a reconnect)."""
+        while True:  # each pass returns, raises, or waits for a change
+            self._check_alive()
+            if self._up and self._conn.closed is None:
+                return self._conn
+            await self._changed.wait()
+
+    async def _until_up_within(self, timeout: float | None = None) -> ClientConnection:
+        limit = self.timeout if timeout is None else timeout
+        with trio.move_on_after(limit):
+            return await self._until_up()
+        raise TimeoutError(f"timed out after {limit:g} s waiting for a connection to "
+                           f"{self.addr}")
+
+    async def _ask(self, conn: ClientConnection, rid: int, what: str,
+                   timeout: float | None) -> codec.Frame:
+        """Send the request ``rid`` queued on ``conn`` and wait for its reply."""
+        self._kick()
+        limit = self.timeout if timeout is None else timeout
+        with trio.move_on_after(limit):
+            while (reply := conn.reply(rid)) is None:
+                if conn.closed is not None:
+                    raise ConnectError(f"the connection to {self.addr} broke while waiting "
+                                       f"for {what}")
+                await self._changed.wait()
+            if isinstance(reply, codec.Error):
+                raise BrokerError(reply.code, reply.text)
+            return reply
+        conn.forget(rid)
+        raise TimeoutError(f"timed out after {limit:g} s waiting for {what} from the broker "
+                           f"at {self.addr}")
+
+    async def _room(self, count: int, size: int) -> ClientConnection:
+        """The connection to publish on, once ``max_pending`` leaves room for ``count``
+        messages of ``size`` bytes (or at once with nothing pending)."""
+        while True:  # each pass returns, raises, or waits for a change
+            self._check_alive()
+            conn = self._conn
+            held, held_size = conn.backlog
+            if not held or (held + count <= self.max_pending
+                            and held_size + size <= self.max_pending_bytes):
+                return conn
+            if not self.block:
+                state = "connected to" if self._up else "disconnected from"
+                raise ConnectError(f"{held} messages ({held_size} bytes) wait, {state} the "
+                                   f"broker at {self.addr}: max_pending reached")
+            self._kick()
+            await self._changed.wait()
+
+    async def _drain(self, conn: ClientConnection) -> None:
+        """Wait until the writer took what is queued on ``conn`` (or it closed)."""
+        while conn.outgoing >= _HIGH_WATER and conn.closed is None:
+            self._kick()
+            await self._changed.wait()
+
+    async def _confirmed(self, ticket: int) -> None:
+        while True:  # each pass returns, raises, or waits for a change
+            outcome = self._conn.outcome(ticket)
+            if outcome:
+                return
+            if outcome is False:
+                refusal = self._conn.refusal()
+                if refusal is not None:
+                    raise BrokerError(refusal.code, refusal.text)
+                raise BrokerError(codec.ErrorCode.INVALID_REQUEST,
+                                  "the broker refused the message")
+            self._check_alive()
+            await self._changed.wait()
+
+    # ------------------------------------------------------------------- the connection
+
+    async def _open(self, target: tuple[str, int, bool, str]) -> tuple[trio.abc.Stream,
+                                                                         ClientConnection]:
+        """Dial one address and complete the handshake, within ``timeout``."""
+        host, port, secure, label = target
+        with trio.move_on_after(self.timeout):
+            try:
+                tcp = await trio.open_tcp_stream(host, port)
+            except OSError as exc:
+                raise ConnectError(f"cannot connect to {label}: {exc.strerror or exc}") from None
+            stream: trio.abc.Stream = tcp
+            try:
+                if secure:
+                    stream = await self._tls(tcp, host, label)
+                conn = ClientConnection()
+                conn.hello(self.name, self.api_key)
+                await stream.send_all(conn.data_to_send())
+                while (outcome := conn.handshake()) is None:
+                    try:
+                        data = await stream.receive_some(_RECV)
+                    except _LOST:
+                        data = b""
+                    try:
+                        conn.receive_data(data, trio.current_time())
+                    except RemoteProtocolError:
+                        pass
+                    if conn.closed is not None and conn.handshake() is None:
+                        if conn.closed.reason is CloseReason.EOF and not secure:
+                            raise ConnectError(f"the broker at {label} closed the connection "
+                                               "during the handshake (if it is a TLS port, "
+                                               f"connect to tls://{label})")
+                        raise conn.failure(label, self.timeout)
+                if isinstance(outcome, codec.Error):
+                    raise BrokerError(outcome.code, outcome.text)
+                return stream, conn
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+        raise ConnectError(f"cannot connect to {label}: no handshake within {self.timeout:g} s")
+
+    async def _tls(self, tcp: trio.SocketStream, host: str, label: str) -> trio.SSLStream:
+        from blipmq_cli import tls
+
+        context = self._ssl_context or tls.context()
+        stream = trio.SSLStream(tcp, context, server_hostname=host)
+        try:
+            await stream.do_handshake()
+        except trio.BrokenResourceError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ssl.SSLError):
+                raise tls.problem(cause, label) from None
+            raise ConnectError(f"{label} closed the connection during the TLS handshake: "
+                               "is it the broker's TLS port?") from None
+        return stream
+
+    async def _supervise(self, stream: trio.abc.Stream) -> None:
+        """Run connections one after another until the client closes or gives up."""
+        restore = False
+        try:
+            while True:  # one pass per connection; bounded by Reconnect.attempts
+                await self._run(stream, self._conn, restore)
+                if self._closing:
+                    return
+                error = self._conn.failure(self.addr, 2 * self.timeout)
+                if self.reconnect is None:
+                    self._dead = error
+                    return
+                if self.on_disconnect is not None:
+                    self.on_disconnect(error)
+                dialled = await self._redial(error)
+                if dialled is None:
+                    return
+                stream, restore = dialled, True
+        finally:
+            self._up = False
+            self._notify()
+
+    async def _redial(self, error: BlipError) -> trio.abc.Stream | None:
+        """A new connection that took the old one's messages over, or None (given up)."""
+        assert self.reconnect is not None
+        old = self._conn
+        last: BlipError = error
+        for attempt in range(self.reconnect.attempts):
+            await trio.sleep(self.reconnect.delay(attempt, random.random()))
+            target = self._targets[self._next_target % len(self._targets)]
+            self._next_target += 1
+            try:
+                stream, conn = await self._open(target)
+            except BlipError as exc:
+                last = exc
+                continue
+            conn.resume(old)
+            self._conn, self.addr = conn, target[3]
+            self.reconnects += 1
+            return stream
+        self._dead = ConnectError(f"gave up reconnecting after {self.reconnect.attempts} "
+                                  f"attempts: {last}")
+        return None
+
+    async def _run(self, stream: trio.abc.Stream, conn: ClientConnection,
+                   restore: bool) -> None:
+        """One connection's reader, writer and keepalive, until it is over."""
+        self._up = True
+        self._notify()
+        try:
+            async with trio.open_nursery() as nursery:
+                scope = nursery.cancel_scope
+                nursery.start_soon(self._writer, stream, conn, scope)
+                nursery.start_soon(self._keepalive, conn, scope)
+                nursery.start_soon(self._reader, stream, conn, scope)
+                if restore:
+                    nursery.start_soon(self._restore, conn)
+                self._kick()
+        finally:
+            self._up = False
+            if conn.closed is None:
+                conn.receive_data(b"", trio.current_time())
+            await trio.aclose_forcefully(stream)
+            self._notify()
+
+    async def _reader(self, stream: trio.abc.Stream, conn: ClientConnection,
+                      scope: trio.CancelScope) -> None:
+        try:
+            while conn.closed is None:  # each pass takes one read
+                while conn.queued >= self.prefetch and conn.closed is None:
+                    self._gated = True  # let the application catch up: TCP pushes back
+                    await self._changed.wait()
+                self._gated = False
+                try:
+                    data = await stream.receive_some(_RECV)
+                except _LOST:
+                    data = b""
+                try:
+                    conn.receive_data(data, trio.current_time())
+                except RemoteProtocolError:
+                    pass  # closed as MALFORMED: failure() says so
+                if conn.outgoing:
+                    self._kick()  # the PONG for the broker's PING
+                self._notify()
+        finally:
+            self._gated = False
+            scope.cancel()
+
+    async def _writer(self, stream: trio.abc.Stream, conn: ClientConnection,
+                      scope: trio.CancelScope) -> None:
+        try:
+            while True:  # each pass sends what was queued since the last one
+                await self._dirty.wait()
+                self._dirty = trio.Event()
+                data = conn.data_to_send()
+                if data:
+                    await stream.send_all(data)
+                    self._notify()
+                closed = conn.closed
+                if closed is not None and closed.reason is CloseReason.LOCAL:
+                    return  # our GOODBYE went out; the reader waits for the broker's end
+        except _LOST:
+            if conn.closed is None:
+                conn.receive_data(b"", trio.current_time())
+            scope.cancel()
+
+    async def _keepalive(self, conn: ClientConnection, scope: trio.CancelScope) -> None:
+        while True:  # one pass per keepalive decision
+            if self._gated:
+                wait = self.timeout  # we are not reading: silence proves nothing
+            else:
+                wait = conn.tick(trio.current_time(), self.timeout)
+            if conn.closed is not None:
+                if conn.closed.reason is not CloseReason.LOCAL:
+                    scope.cancel()
+                return
+            if conn.outgoing:
+                self._kick()
+            await trio.sleep(max(wait, 0.01))
+
+    async def _restore(self, conn: ClientConnection) -> None:
+        """Subscribe again on a new connection, then tell ``on_reconnect``."""
+        for sub in list(self._subs):
+            if sub.ended:
+                continue
+            start, offset, gap = sub._start, sub._start_offset, None
+            if not (sub.group and sub.qos):  # not a durable group: it has no cursor
+                if start != Start.LATEST and sub.last_offset is not None:
+                    start, offset = Start.OFFSET, sub.last_offset + 1  # replay on from there
+                elif start == Start.LATEST:
+                    gap = Gap(sub.topic_filter, sub.group, sub.last_offset)
+            try:
+                reply = await self._ask(conn, conn.subscribe(sub.topic_filter, sub.group,
+                                                             sub.qos, sub.credit, start,
+                                                             offset, sub._flags),
+                                        "SUBSCRIBED", None)
+            except BrokerError as exc:
+                sub._error = exc  # refused now (its key lost the right, say): it ends so
+                self._subs.remove(sub)
+                self._notify()
+                continue
+            except (ConnectError, TimeoutError):
+                return  # this connection is going too; the next one restores them
+            assert isinstance(reply, codec.Subscribed)
+            sub._attach(conn, reply.sub_id, reply.end)
+            if gap is not None:
+                sub.gaps.append(gap)
+                if self.on_gap is not None:
+                    self.on_gap(gap)
+            self._notify()
+        if self.on_reconnect is not None:
+            self.on_reconnect(self.addr)
