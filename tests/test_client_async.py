@@ -1,0 +1,186 @@
+"""The Trio client (``AsyncClient``) against a real broker process: publish and subscribe,
+QoS 1 confirms, acks and nacks in a durable group, request/reply, refusals, flow control
+(credit and prefetch) and the slow-consumer cut, and TLS with the same addresses as the
+sync client."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from pki import Pki, broker_tls, make_pki
+
+import blipmq_cli
+from blipmq_cli import (
+    AsyncClient,
+    BrokerError,
+    Client,
+    ConnectError,
+    ErrorCode,
+    Message,
+    Start,
+    TlsError,
+)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def test_the_public_names_come_from_one_place() -> None:
+    from blipmq_server.protocol import codec
+
+    assert blipmq_cli.Start is codec.Start and blipmq_cli.Message is codec.Message
+    for name in blipmq_cli.__all__:
+        assert getattr(blipmq_cli, name) is not None
+    # the same calls on both clients
+    for name in ("publish", "publish_many", "flush", "subscribe", "unsubscribe", "stats",
+                 "ping", "close", "max_message"):
+        assert hasattr(Client, name) and hasattr(AsyncClient, name), name
+    for name in ("next_batch", "ack", "nack", "set_credit", "credit", "unsubscribe"):
+        assert hasattr(blipmq_cli.Subscription, name), name
+        assert hasattr(blipmq_cli.AsyncSubscription, name), name
+
+
+async def test_publish_subscribe_and_async_for(start_broker) -> None:
+    b = start_broker()
+    async with AsyncClient(b.addr) as sub_client, AsyncClient(b.addr) as pub:
+        sub = await sub_client.subscribe("data/#")
+        sent = await pub.publish_many((f"data/{i % 3}", b"%d" % i) for i in range(3000))
+        await pub.publish("data/x", b"last", ttl_ms=60000, key=b"k")
+        await pub.flush()
+        got = []
+        with trio.fail_after(10):
+            async for d in sub:
+                got.append(d)
+                if len(got) == sent + 1:
+                    break
+        assert [d.payload for d in got[:-1]] == [b"%d" % i for i in range(3000)]
+        assert got[-1].key == b"k" and got[-1].ttl_ms == 60000 and got[-1].topic == "data/x"
+        assert sub.last_offset == got[-1].offset
+        await sub.unsubscribe()
+        assert await sub.next_batch() is None
+        assert await pub.ping() >= 0
+        stats = await pub.stats()
+        assert stats["connections"] >= 2
+
+
+async def test_qos1_confirms_and_a_durable_group_with_acks_and_nacks(start_broker) -> None:
+    b = start_broker()
+    async with AsyncClient(b.addr) as c:
+        sub = await c.subscribe("jobs", group="workers", qos=1, start=Start.EARLIEST)
+        for i in range(5):
+            await c.publish("jobs", b"job %d" % i, qos=1)  # returns once durable
+        assert c.pending == (0, 0)
+        batch = []
+        with trio.fail_after(10):
+            while len(batch) < 5:
+                got = await sub.next_batch()
+                assert got is not None
+                batch.extend(got)
+        await sub.nack(batch[0], reason="later")
+        await sub.ack(*batch[1:])
+        with trio.fail_after(10):
+            again = await sub.next_batch()
+        assert again is not None and again[0].payload == b"job 0"
+        assert again[0].delivery_count == 2
+        await sub.ack(*again)
+        await c.flush()
+    # the group's cursor is past all five: a new member gets nothing of them
+    async with AsyncClient(b.addr) as c:
+        stats = await c.stats()
+        groups = {g["group"]: g for g in stats["groups"]}
+        assert groups["workers"]["backlog"] == 0 and groups["workers"]["in_flight"] == 0
+
+
+async def test_refusals_are_one_clear_error(start_broker) -> None:
+    b = start_broker({"server": {"max_message_bytes": 100}, "wal": {"enabled": False}})
+    async with AsyncClient(b.addr) as c:
+        with pytest.raises(BrokerError) as info:
+            await c.publish("t", b"x" * 101)  # checked against WELCOME before sending
+        assert info.value.code == ErrorCode.MESSAGE_TOO_LARGE
+        with pytest.raises(BrokerError) as info:
+            await c.publish("bad/+", b"x")
+        assert info.value.code == ErrorCode.INVALID_TOPIC
+        with pytest.raises(BrokerError) as info:
+            await c.publish("ok", b"1", qos=1)  # no log: the broker refuses QoS 1
+        assert info.value.code == ErrorCode.UNSUPPORTED
+        await c.publish_many([Message("ok", b"2")])
+        await c.flush()
+        with pytest.raises(BrokerError) as info:
+            await c.unsubscribe("t", group="missing")
+        assert info.value.code == ErrorCode.NOT_FOUND
+    with pytest.raises(ConnectError, match=r"cannot connect to 127\.0\.0\.1:1"):
+        async with AsyncClient("127.0.0.1:1"):
+            pass
+
+
+async def test_credit_bounds_what_a_qos1_consumer_holds(start_broker) -> None:
+    b = start_broker()
+    async with AsyncClient(b.addr) as c:
+        sub = await c.subscribe("work", group="g", qos=1, credit=3)
+        assert sub.credit == 3
+        await c.publish_many(Message("work", b"%d" % i, qos=1) for i in range(10))
+        await c.flush()
+        held = []
+        with trio.fail_after(10):
+            while len(held) < 3:
+                held.extend(await sub.next_batch() or ())
+        await c.ping()  # any delivery the broker had sent is here now
+        with pytest.raises(TimeoutError):
+            await sub.next_batch(timeout=0.2)  # the window is full: nothing more comes
+        assert len(held) == 3
+        await sub.set_credit(10)
+        assert sub.credit == 10
+        await sub.ack(*held)
+        with trio.fail_after(10):
+            while len(held) < 10:
+                held.extend(await sub.next_batch() or ())
+        assert sorted(int(d.payload) for d in held) == list(range(10))
+
+
+async def test_a_consumer_that_takes_nothing_is_cut_as_a_slow_consumer(start_broker) -> None:
+    """The client reads at most ``prefetch`` deliveries ahead of the application; past that
+    TCP pushes back, the broker's queue fills, and after queues.block_timeout_ms the broker
+    closes the connection as a slow consumer (docs/OPERATIONS.md, "Slow consumers")."""
+    b = start_broker({"queues": {"capacity": 50, "overflow": "block",
+                                 "block_timeout_ms": 300}})
+    lost: list[str] = []
+    async with AsyncClient(b.addr, prefetch=20, reconnect=False,
+                           on_disconnect=lambda e: lost.append(str(e))) as slow, \
+            AsyncClient(b.addr) as pub:
+        sub = await slow.subscribe("firehose")
+        payload = b"x" * 2000
+        with trio.fail_after(30):
+            while "slow consumer" not in "\n".join(b.log):
+                await pub.publish_many(("firehose", payload) for _ in range(500))
+                await pub.flush()
+        assert slow.prefetch == 20
+        with trio.fail_after(10), pytest.raises(ConnectError):
+            while True:  # what was read before the cut, then the error
+                await sub.next_batch()
+        assert not slow.connected
+
+
+async def test_async_client_over_tls(start_broker, pki: Pki) -> None:
+    b = start_broker(broker_tls(pki))
+    tls = f"tls://127.0.0.1:{b.tls_port}"
+    async with AsyncClient(tls, ssl_context=pki.client_context()) as c:
+        sub = await c.subscribe("secure/#")
+        big = bytes(range(256)) * 800  # crosses TLS records
+        await c.publish("secure/a", big, qos=1)
+        await c.publish_many(("secure/b", b"%d" % i) for i in range(2000))
+        got = []
+        with trio.fail_after(10):
+            async for d in sub:
+                got.append(d)
+                if len(got) == 2001:
+                    break
+        assert got[0].payload == big and got[-1].payload == b"1999"
+        assert c.addr == f"tls://127.0.0.1:{b.tls_port}"
+    with pytest.raises(TlsError, match="not trusted"):
+        async with AsyncClient(tls, ssl_context=pki.client_context(pki.other_ca)):
+            pass
+    with pytest.raises(ConnectError, match="tls://"):
+        async with AsyncClient(f"127.0.0.1:{b.tls_port}", timeout=3):
+            pass
