@@ -26,7 +26,7 @@ import trio
 
 from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
 from blipmq_server.bridge.spec import BridgeSpec, Rule
-from blipmq_server.errors import LocalProtocolError, WalError
+from blipmq_server.errors import LocalProtocolError, RemoteProtocolError, WalError
 from blipmq_server.mqtt import codec as mqtt
 from blipmq_server.mqtt.packets import (
     ConnAck,
@@ -175,10 +175,15 @@ class Bridge:
         try:
             with trio.fail_after(spec.connect_timeout_ms / 1000):
                 stream = await self._connect(host, port)
-                link = _Link(self, stream)
+                if spec.protocol == "blipmq":
+                    from blipmq_server.server.uplink import NativeLink
+
+                    link: _Link = NativeLink(self, stream)
+                else:
+                    link = _Link(self, stream)
                 await link.handshake()
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
-                mqtt.MqttError) as exc:
+                RemoteProtocolError) as exc:
             self.last_error = f"{host}:{port}: {_why(exc)}"
             log.info("bridge %s: cannot connect to %s:%d: %s", spec.name, host, port,
                      _why(exc))
@@ -332,6 +337,7 @@ class _Link:
                 self.peer_closed = True
                 raise LinkDown("the upstream closed the connection")
             self.heard_at = trio.current_time()
+            self.pinged = False
             self.decoder.feed(data)
 
     async def handshake(self) -> None:
@@ -373,7 +379,7 @@ class _Link:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.peer_closed = True
             reason = _why(exc)
-        except mqtt.MqttError as exc:
+        except RemoteProtocolError as exc:
             reason = f"protocol error from the upstream: {exc}"
         except Exception as exc:  # a defect here ends this link, never the broker
             log.exception("bridge %s: the link failed", self.bridge.spec.name)
@@ -461,7 +467,7 @@ class _Link:
                     if now - oldest >= 1.5 * keepalive:
                         raise LinkDown(f"no PUBACK for {now - oldest:.0f} s")
                 if now - self.heard_at >= keepalive / 2 and not self.pinged:
-                    self.outbox.append(_PINGREQ)
+                    self.outbox.append(self._ping())
                     self.pinged = True
             if rate:
                 tokens = min(float(rate), tokens + (now - refilled) * rate)
@@ -483,6 +489,7 @@ class _Link:
                 if taken.fetches and server.prefetcher is not None:
                     server.prefetcher.request(taken.fetches)
                 server.log_touched()
+            self._flush(parts)
             if parts:
                 await self.stream.send_all(b"".join(parts))
                 continue
@@ -493,60 +500,80 @@ class _Link:
             with trio.move_on_after(wait):
                 await bridge._kick.wait()
 
+    def _ping(self) -> bytes:
+        return _PINGREQ
+
+    def _flush(self, parts: list[bytes]) -> None:
+        """Bytes the protocol's own state has queued (none for MQTT: all in ``parts``)."""
+
     def _encode(self, batches: list[tuple[int, list[bytes]]], parts: list[bytes],
                 now: float) -> int:
+        """The core's deliveries as the upstream's PUBLISHes; returns how many were sent.
+        Bridged-in messages whose topic this bridge brings in are not sent back."""
         bridge = self.bridge
         rules = bridge.rules_by_sub
         every = bridge.spec.rules
-        retain_out = bridge.spec.outgoing_retain
         counters = bridge.counters
+        inflight = self.inflight
         done: dict[int, list[int]] = {}
         sent = 0
         for sub_id, records in batches:
             rule = rules[sub_id]
             for rec in records:
-                offset, count, _, _, flags, _, tlen, klen, plen = _HEAD.unpack_from(rec)
+                offset, count, _, _, flags, ttl, tlen, klen, plen = _HEAD.unpack_from(rec)
                 topic = rec[_BODY:_BODY + tlen].decode("utf-8", "replace")
                 if flags & FLAG_BRIDGED and imports(every, topic):
                     counters["skipped"] += 1  # it came from the upstream: not back to it
                     done.setdefault(sub_id, []).append(offset)
                     continue
-                at = _BODY + tlen + klen
-                qos = rule.qos
-                pid = 0
-                if qos:
-                    pid = self._pid()
-                    self.inflight[pid] = (sub_id, offset, now)
+                try:
+                    at = _BODY + tlen + klen  # the payload's start
+                    key = self._put(rule, rule.to_remote(topic), rec, flags, ttl, at, klen,
+                                    plen, count, offset, parts)
+                except LocalProtocolError as exc:  # the upstream could never take it
+                    counters["refused"] += 1
+                    counters["dead_lettered"] += 1
+                    bridge.server.wake(bridge.broker.nack(
+                        bridge.conn_id, sub_id, (offset,), 0, now_ms(), wall_ms(),
+                        f"bridge {bridge.spec.name}: {exc}", give_up=True))
+                    bridge.server.log_touched()
+                    continue
+                sent += 1
+                if rule.qos:
+                    inflight[key] = (sub_id, offset, now)
                     if count > 1:
                         counters["redelivered"] += 1
                 else:
                     done.setdefault(sub_id, []).append(offset)
                     counters["forwarded"] += 1
-                try:
-                    parts.append(mqtt.encode_publish(
-                        rule.to_remote(topic).encode(), rec[at:at + plen], qos,
-                        retain_out and bool(flags & FLAG_RETAIN), count > 1 and qos > 0, pid))
-                except LocalProtocolError as exc:  # a remote topic MQTT cannot carry
-                    self.inflight.pop(pid, None)
-                    counters["refused"] += 1
-                    bridge.server.wake(bridge.broker.nack(
-                        bridge.conn_id, sub_id, (offset,), 0, now_ms(), wall_ms(),
-                        f"bridge {bridge.spec.name}: {exc}", give_up=True))
-                    counters["dead_lettered"] += 1
-                    continue
-                sent += 1
         if done:
             wall = wall_ms()
             for sub_id, offsets in done.items():
                 bridge.broker.ack(bridge.conn_id, sub_id, tuple(offsets), wall)
         return sent
 
+    def _put(self, rule: Rule, topic: str, rec: bytes, flags: int, ttl: int, at: int,
+             klen: int, plen: int, count: int, offset: int, parts: list[bytes]) -> int:
+        """One delivery record (its payload at ``at``, after a key of ``klen`` bytes) onto
+        ``parts`` as ``topic``; returns its packet id (0 at QoS 0). Raises
+        LocalProtocolError for one the protocol cannot carry."""
+        qos = rule.qos
+        pid = self._pid() if qos else 0
+        parts.append(mqtt.encode_publish(
+            topic.encode(), rec[at:at + plen], qos,
+            self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN),
+            count > 1 and qos > 0, pid))
+        return pid
+
+    def _goodbye(self) -> bytes:
+        return mqtt.encode(Disconnect())
+
     async def close(self) -> None:
         self.open = False
         try:
             with trio.move_on_after(1):
                 if not self.peer_closed:
-                    await self.stream.send_all(mqtt.encode(Disconnect()))
+                    await self.stream.send_all(self._goodbye())
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         await trio.aclose_forcefully(self.stream)

@@ -1,0 +1,156 @@
+"""A bridge link whose upstream is another BlipMQ broker, over the native protocol.
+
+The link is a ``ClientConnection`` (the same sans-IO client core as ``blipmq_cli``): the
+forwarded messages go out as PUBLISH batches, and each batch's PUB_ACK confirms them, in
+order, once the upstream's log holds them. A message the upstream refuses (an ERROR frame:
+too large, forbidden, a bad topic) goes back to the bridge's group to be tried again after
+``backoff_min_ms``, alone in its batch; refused ``max_retries`` times, it goes to the local
+dead letters with the upstream's reason, and the rest flow on.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from blipmq_server.bridge.spec import Rule
+from blipmq_server.protocol import codec
+from blipmq_server.protocol.codec import FLAG_KEY, FLAG_RETAIN, Message
+from blipmq_server.protocol.connection import ClientConnection
+from blipmq_server.server.bridge import Bridge, LinkDown, _Link
+from blipmq_server.server.session import now_ms, wall_ms
+
+
+class NativeLink(_Link):
+    def __init__(self, bridge: Bridge, stream: trio.abc.Stream) -> None:
+        super().__init__(bridge, stream)
+        self.conn = ClientConnection()
+        self.suspects: set[int] = set()  # offsets refused before: sent alone
+        self._ping_rid = 0
+
+    async def handshake(self) -> None:
+        conn = self.conn
+        spec = self.bridge.spec
+        conn.hello(spec.mqtt_client_id, spec.password)
+        await self.stream.send_all(conn.data_to_send())
+        while True:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                self.peer_closed = True
+                raise LinkDown("the upstream closed the connection")
+            conn.receive_data(data, trio.current_time())
+            outcome = conn.handshake()
+            if isinstance(outcome, codec.Error):
+                raise LinkDown(f"the upstream refused the connection: {outcome.text}")
+            if outcome is not None:
+                return
+            if conn.closed is not None:
+                raise LinkDown(str(conn.failure(self.bridge.address, 0)))
+
+    async def _reader(self) -> None:
+        conn = self.conn
+        receive = self.stream.receive_some
+        while True:
+            data = await receive(65536)
+            if not data:
+                self.peer_closed = True
+                raise LinkDown("the upstream closed the connection")
+            self.heard_at = trio.current_time()
+            self.pinged = False
+            conn.receive_data(data, self.heard_at)  # RemoteProtocolError ends the link
+            self._settle()
+            if conn.closed is not None:
+                self.peer_closed = True
+                raise LinkDown(str(conn.failure(self.bridge.address, 0)))
+            if conn.outgoing:  # a PONG for the upstream's PING
+                self.bridge._kick.set()
+
+    def _settle(self) -> None:
+        """Confirmed messages leave the group; refused ones go back (or to the dead
+        letters), in the order they were sent."""
+        bridge = self.bridge
+        broker, conn_id, conn = bridge.broker, bridge.conn_id, self.conn
+        inflight = self.inflight
+        acks: dict[int, list[int]] = {}
+        refused: list[tuple[int, int]] = []
+        while inflight:
+            ticket = next(iter(inflight))
+            outcome = conn.outcome(ticket)
+            if outcome is None:
+                break
+            sub_id, offset, _ = inflight.pop(ticket)
+            if outcome:
+                acks.setdefault(sub_id, []).append(offset)
+            else:
+                refused.append((sub_id, offset))
+        if acks:
+            wall = wall_ms()
+            n = 0
+            for sub_id, offsets in acks.items():
+                broker.ack(conn_id, sub_id, tuple(offsets), wall)
+                n += len(offsets)
+                if bridge._strikes:
+                    for offset in offsets:
+                        bridge._strikes.pop(offset, None)
+                        self.suspects.discard(offset)
+            self.acked += n
+            bridge.counters["forwarded"] += n
+            bridge._kick.set()
+        reason = ""
+        while (error := conn.refusal()) is not None:
+            reason = reason or f"{error.text} (error {error.code})"
+        if refused:
+            self._refused(refused, reason or "refused by the upstream")
+            bridge._kick.set()
+
+    def _refused(self, refused: list[tuple[int, int]], reason: str) -> None:
+        """The first refused message of a batch is the one the upstream named; the rest of
+        its batch were refused with it and go straight back."""
+        bridge = self.bridge
+        broker, conn_id = bridge.broker, bridge.conn_id
+        (sub_id, offset), rest = refused[0], refused[1:]
+        strikes = bridge._strikes[offset] = bridge._strikes.get(offset, 0) + 1
+        bridge.counters["refused"] += 1
+        wake: set[int] = set()
+        if strikes >= bridge.spec.max_retries:
+            del bridge._strikes[offset]
+            self.suspects.discard(offset)
+            wake |= broker.nack(conn_id, sub_id, (offset,), 0, now_ms(), wall_ms(),
+                                f"bridge {bridge.spec.name}: {reason}", give_up=True)
+            bridge.counters["dead_lettered"] += 1
+        else:
+            self.suspects.add(offset)
+            wake |= broker.nack(conn_id, sub_id, (offset,), bridge.spec.backoff_min_ms,
+                                now_ms(), wall_ms(), reason)
+        for sub, off in rest:
+            wake |= broker.nack(conn_id, sub, (off,), 0, now_ms(), wall_ms(), reason)
+        bridge.server.wake(wake)
+        bridge.server.log_touched()
+
+    def _put(self, rule: Rule, topic: str, rec: bytes, flags: int, ttl: int, at: int,
+             klen: int, plen: int, count: int, offset: int, parts: list[bytes]) -> int:
+        conn = self.conn
+        alone = offset in self.suspects
+        if alone:
+            conn.seal()
+        ticket = conn.publish(Message(
+            topic, rec[at:at + plen], rule.qos, ttl,
+            rec[at - klen:at] if flags & FLAG_KEY else None,
+            self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN)))
+        if alone:
+            conn.seal()
+        return ticket
+
+    def _flush(self, parts: list[bytes]) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            parts.append(data)
+
+    def _ping(self) -> bytes:
+        if self._ping_rid:
+            self.conn.forget(self._ping_rid)
+        self._ping_rid = self.conn.ping()
+        return b""
+
+    def _goodbye(self) -> bytes:
+        self.conn.goodbye()
+        return self.conn.data_to_send()
