@@ -9,9 +9,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import paho.mqtt.client as mqtt
 import pytest
 
 from tests.faultproxy import FaultProxy
+from tests.upstream import Collector, Mosquitto, mqtt_client, numbered, wait_until
 
 QUIET = 0.3  # s a socket waits to show that nothing arrives (a recv timeout, not a sleep)
 
@@ -217,3 +219,63 @@ def test_close_resets_connections_and_frees_the_port(echo: tuple[str, int]) -> N
 def test_only_loopback_targets() -> None:
     with pytest.raises(ValueError):
         FaultProxy(("192.0.2.1", 1883))
+
+
+# --- with a real mosquitto behind the proxy (tests/upstream.py) ----------------------------
+
+
+@pytest.fixture
+def upstream() -> Iterator[Mosquitto]:
+    with Mosquitto(persistence=True) as m:
+        yield m
+
+
+def publish_numbers(client: mqtt.Client, topic: str, numbers: range) -> list[mqtt.MQTTMessageInfo]:
+    """QoS 1 publishes, queued by paho while it is disconnected and sent when it is back."""
+    return [client.publish(topic, numbered(n), qos=1) for n in numbers]
+
+
+def stop(client: mqtt.Client) -> None:
+    client.disconnect()
+    client.loop_stop()
+
+
+def test_qos1_through_a_cut_link_all_arrive(upstream: Mosquitto) -> None:
+    with Collector(upstream.port, "seq/#") as collector, FaultProxy(upstream.address) as proxy:
+        pub = mqtt_client(proxy.port, "pub-cut", clean_session=False)
+        try:
+            first = publish_numbers(pub, "seq/a", range(300))
+            first[-1].wait_for_publish(10)  # PUBACKed by mosquitto, through the proxy
+            proxy.cut()
+            publish_numbers(pub, "seq/a", range(300, 600))  # while paho notices and reconnects
+            assert collector.wait_distinct(600, 20), collector.tally(600)
+        finally:
+            stop(pub)
+        result = collector.tally(600)
+        assert result.complete and result.unexpected == 0
+        assert result.duplicates <= 100  # at most paho's in-flight window is sent again
+        stats = proxy.stats()
+        assert stats.accepted >= 2 and stats.resets >= 1
+
+
+def test_blackhole_refuse_and_an_upstream_restart_lose_nothing(upstream: Mosquitto) -> None:
+    with Collector(upstream.port, "seq/#") as collector, FaultProxy(upstream.address) as proxy:
+        pub = mqtt_client(proxy.port, "pub-dark", clean_session=False, keepalive=1)
+        try:
+            publish_numbers(pub, "seq/b", range(100))[-1].wait_for_publish(10)
+            proxy.blackhole()
+            lost = publish_numbers(pub, "seq/b", range(100, 200))
+            # paho's keepalive (1 s) notices the silent link: its connection is given up
+            assert wait_until(lambda: not pub.is_connected(), 10)
+            assert not lost[-1].is_published()
+            proxy.refuse()
+            upstream.restart()  # SIGTERM: the collector's session and queue are saved
+            proxy.restore()
+            publish_numbers(pub, "seq/b", range(200, 300))
+            assert collector.wait_distinct(300, 20), collector.tally(300)
+        finally:
+            stop(pub)
+        result = collector.tally(300)
+        assert result.complete and result.unexpected == 0
+        assert collector.connects >= 2  # it came back after the restart on its own
+        assert proxy.stats().bytes_dropped > 0
