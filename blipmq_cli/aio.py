@@ -271,6 +271,7 @@ class AsyncClient:
         self.on_reconnect = on_reconnect
         self.on_gap = on_gap
         self.reconnects = 0  # connections made again after a loss
+        self.resent = 0  # messages a reconnect sent again (QoS 1 unconfirmed, or held)
         self._conn = ClientConnection()
         self._next_target = 1
         self._subs: list[AsyncSubscription] = []
@@ -696,7 +697,7 @@ class AsyncClient:
             except BlipError as exc:
                 last = exc
                 continue
-            conn.resume(old)
+            self.resent += conn.resume(old)
             self._conn, self.addr = conn, target[3]
             self.reconnects += 1
             return stream

@@ -1,0 +1,158 @@
+"""``AsyncClient`` reconnects against a real broker killed with SIGKILL and restarted on the
+same port and data directory: no confirmed message lost (each one a QoS 1 ``publish()``
+returned for is read back from the log), subscriptions restored (a durable group at its
+cursor, a live one with a ``Gap``), several addresses, the bounded buffer while
+disconnected, and giving up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+import trio
+
+from blipmq_cli import AsyncClient, ConnectError, Gap, Reconnect, Start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fast() -> Reconnect:
+    return Reconnect(attempts=200, initial=0.02, maximum=0.2)
+
+
+async def restart(start_broker, old, port: int):
+    """SIGKILL the broker, then start a new one on the same port and data directory."""
+    old.proc.kill()
+    old.proc.wait()
+    return await trio.to_thread.run_sync(
+        lambda: start_broker({"server": {"port": port}}, data_dir=old.data_dir))
+
+
+async def read_log(addr: str, topic_filter: str) -> list[bytes]:
+    """Every payload the log holds on ``topic_filter``, oldest first."""
+    async with AsyncClient(addr, reconnect=False) as c:
+        sub = await c.subscribe(topic_filter, start=Start.EARLIEST, until_end=True)
+        with trio.fail_after(30):
+            return [d.payload async for d in sub]
+
+
+def test_backoff_grows_to_its_cap_with_jitter_below_it() -> None:
+    r = Reconnect(initial=0.1, maximum=2.0, jitter=0.5)
+    assert [r.delay(n, 0.0) for n in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0]
+    assert r.delay(3, 0.999) == pytest.approx(0.8 * 0.5005)
+    assert r.delay(10_000, 0.5) == 1.5
+
+
+async def test_sigkill_mid_stream_loses_no_confirmed_message(start_broker) -> None:
+    port = free_port()
+    b = start_broker({"server": {"port": port}})
+    events: list[str] = []
+    gaps: list[Gap] = []
+    confirmed: set[int] = set()
+    n, tasks = 600, 4
+
+    async with AsyncClient(b.addr, reconnect=fast(),
+                           on_disconnect=lambda e: events.append("down"),
+                           on_reconnect=lambda a: events.append("up"),
+                           on_gap=gaps.append) as c:
+        group = await c.subscribe("orders", group="billing", qos=1, credit=50)
+        live = await c.subscribe("orders")
+        seen_by_group: set[int] = set()
+
+        async def publisher(first: int) -> None:
+            for seq in range(first, n, tasks):
+                await c.publish("orders", b"%d" % seq, qos=1)
+                confirmed.add(seq)  # publish() returned: the broker said it is durable
+
+        async def consumer() -> None:
+            while len(seen_by_group) < n:
+                batch = await group.next_batch()
+                assert batch is not None
+                seen_by_group.update(int(d.payload) for d in batch)
+                await group.ack(*batch)
+
+        async def drain_live() -> None:
+            async for _ in live:
+                pass
+
+        with trio.fail_after(90):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consumer)
+                nursery.start_soon(drain_live)
+                async with trio.open_nursery() as pubs:
+                    for first in range(tasks):
+                        pubs.start_soon(publisher, first)
+                    while len(confirmed) < n // 3:  # mid-stream
+                        await trio.sleep(0.005)
+                    # stopped first, so that QoS 1 messages are surely unconfirmed when
+                    # it dies: they must be sent again
+                    os.kill(b.proc.pid, signal.SIGSTOP)
+                    while c.pending[0] < tasks:
+                        await trio.sleep(0.005)
+                    b = await restart(start_broker, b, port)
+                assert len(confirmed) == n  # every publish() returned, none raised
+                while len(seen_by_group) < n:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        assert events[:2] == ["down", "up"] and c.reconnects >= 1
+        assert c.resent >= tasks  # the unconfirmed ones went out again
+        # the live subscription was restored at the log's end and said what it may miss
+        assert gaps and gaps[0].topic_filter == "orders" and gaps[0].group == ""
+        assert live.gaps == gaps
+    # every confirmed message is in the log of the restarted broker (duplicates allowed)
+    logged = {int(p) for p in await read_log(b.addr, "orders")}
+    assert confirmed - logged == set()
+    assert seen_by_group == set(range(n))  # the durable group resumed at its cursor
+
+
+async def test_several_addresses_and_the_bounded_buffer_while_down(start_broker) -> None:
+    port = free_port()
+    b = start_broker({"server": {"port": port}})
+    down, up = trio.Event(), trio.Event()
+    dead = f"127.0.0.1:{free_port()}"  # nobody listens there: dialled, refused, skipped
+    async with AsyncClient([dead, b.addr], reconnect=fast(), max_pending=100, block=False,
+                           on_disconnect=lambda e: down.set(),
+                           on_reconnect=lambda a: up.set()) as c:
+        assert c.addr == b.addr
+        b.proc.kill()
+        b.proc.wait()
+        with trio.fail_after(10):
+            await down.wait()
+        for i in range(100):
+            await c.publish("held", b"%d" % i)  # held while disconnected
+        assert c.pending[0] == 100 and not c.connected
+        with pytest.raises(ConnectError, match="max_pending reached"):
+            await c.publish("held", b"one too many")
+        # block=True: publish waits for room (here: for the reconnect), not raises
+        c.block = True
+        with trio.move_on_after(0.3) as waited:
+            await c.publish("held", b"waits")
+        assert waited.cancelled_caught
+        b = await restart(start_broker, b, port)
+        with trio.fail_after(20):
+            await up.wait()
+            await c.publish("held", b"after", qos=1)
+            await c.flush()
+        assert c.addr == b.addr and c.pending == (0, 0)
+    logged = await read_log(b.addr, "held")
+    assert logged == [b"%d" % i for i in range(100)] + [b"after"]
+
+
+async def test_it_gives_up_after_the_attempts_and_says_why(start_broker, tmp_path: Path) -> None:
+    b = start_broker()
+    async with AsyncClient(b.addr, reconnect=Reconnect(attempts=3, initial=0.01)) as c:
+        sub = await c.subscribe("t")
+        b.proc.kill()
+        b.proc.wait()
+        with trio.fail_after(20), pytest.raises(ConnectError, match="gave up reconnecting "
+                                                                     "after 3 attempts"):
+            await sub.next_batch()
+        with pytest.raises(ConnectError, match="gave up"):
+            await c.publish("t", b"x")
