@@ -264,3 +264,23 @@ def test_a_quiet_subscription_on_a_real_broker_survives_keepalive(start_broker) 
         with pytest.raises(TimeoutError):  # not ConnectError: every probe got its PONG
             sub.next_batch(1.5)
         assert c.ping() >= 0
+
+
+def test_the_client_benchmark_runs_and_prints_figures() -> None:
+    """bench/clientbench.py end to end with a tiny count (figures printed, never judged)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "clientbench.py"
+    done = subprocess.run([sys.executable, str(script), "-n", "300", "--latency-n", "50",
+                           "--rate", "1000", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert {"blipmq-async", "blipmq-sync"} <= set(report["results"])
+    assert set(report["results"]) | set(report["skipped"]) == {"blipmq-async", "blipmq-sync",
+                                                              "nats-async"}
+    for row in report["results"].values():
+        assert row["msg_s"] > 0 and row["p50_ms"] > 0
