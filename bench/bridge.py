@@ -1,0 +1,314 @@
+"""Store and forward: how fast a bridge empties a backlog queued while its uplink was down,
+and how long it takes to forward a message with the link up. Prints figures, asserts none.
+
+    .venv/bin/python bench/bridge.py [--count 100000] [--size 100] [--rate 1000]
+                                     [--seconds 5] [--system mosquitto] [--json]
+
+Each system runs on one loopback layout, built the same way for all:
+
+    publisher -> local broker --bridge--> FaultProxy (tests/faultproxy.py) -> upstream mosquitto
+                                                                              -> mosquitto_sub
+
+The upstream is a stock mosquitto 2.0 (``max_queued_messages 0``, so it never drops for its
+subscriber); the subscriber is ``mosquitto_sub -q 1`` and its own clock stamps arrivals.
+
+Drain: with the bridge connected (a probe went through), the proxy refuses the link (the
+bridge's connection is reset, reconnects are refused); ``--count`` numbered QoS 1 messages of
+``--size`` bytes are published locally with ``mosquitto_pub -q 1 -l -M 100`` (every one
+PUBACKed by the local broker); then the link comes back and the clock runs until every number
+arrived upstream. Figures: seconds from link-up to the first arrival (the bridge's reconnect),
+seconds to empty (link-up to the last new number) and msg/s over those seconds, msg/s of the
+drain itself (first to last arrival), duplicates and missing numbers, and the local broker's
+CPU seconds meanwhile.
+
+Latency: the link up, ``--rate`` msg/s for ``--seconds`` s, QoS 1, from a paho publisher to
+the local broker; each payload carries ``time.time_ns()`` at publish, arrival minus that is the
+forwarding latency (publisher -> local -> bridge -> proxy -> upstream -> subscriber).
+
+Adding a system: write ``def blipmq_bridge(opts: Options) -> dict[str, Any]`` that enters
+``uplink(opts)``, starts its local broker with a bridge to ``link.proxy.port`` (topic
+``bench/#`` out, QoS 1, reconnect delay ``opts.restart_timeout`` s) and an MQTT listener, and
+returns ``measure("blipmq bridge", link, local_mqtt_port, local_pid, opts)``; then add it to
+``SYSTEMS``. Everything else (publishers, proxy, subscriber, figures, table) is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.faultproxy import FaultProxy  # noqa: E402
+from tests.upstream import (  # noqa: E402
+    Mosquitto,
+    Received,
+    SubCollector,
+    mqtt_client,
+    numbered,
+    sent_ns_of,
+    tally,
+    wait_until,
+)
+
+DRAIN_TOPIC = "bench/drain"
+LATENCY_TOPIC = "bench/latency"
+MOSQUITTO_PUB_INFLIGHT = 100  # mosquitto_pub -M (its default is 20), as bench/compare.py
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    count: int = 100_000  # the backlog, messages
+    size: int = 100  # payload bytes
+    rate: int = 1000  # latency run, msg/s
+    seconds: float = 5.0  # latency run, duration
+    restart_timeout: float = 1.0  # the bridge's reconnect delay, s
+    drain_timeout: float = 300.0  # give up waiting for the backlog after this long, s
+
+
+@dataclass
+class Link:
+    """The shared half: the upstream, the proxy in front of it, the subscriber on it."""
+
+    upstream: Mosquitto
+    proxy: FaultProxy
+    collector: SubCollector
+    directory: Path
+
+
+@contextmanager
+def uplink(opts: Options) -> Iterator[Link]:
+    with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp, \
+            Mosquitto(name="upstream", directory=Path(tmp) / "upstream",
+                      extra=["max_queued_messages 0"]) as upstream, \
+            FaultProxy(upstream.address) as proxy, \
+            SubCollector(upstream.port, "bench/#", client_id="bench-upstream-sub") as collector:
+        yield Link(upstream, proxy, collector, Path(tmp))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return math.nan
+    return sorted_values[max(0, math.ceil(p / 100 * len(sorted_values)) - 1)]
+
+
+def first_arrivals(messages: list[Received]) -> list[Received]:
+    """Each number's first arrival, in arrival order."""
+    seen: set[bytes] = set()
+    out = []
+    for m in sorted(messages, key=lambda m: m.at_ns):
+        key = m.payload[:10]
+        if key not in seen:
+            seen.add(key)
+            out.append(m)
+    return out
+
+
+def wait_bridged(link: Link, local_port: int, timeout: float = 30) -> None:
+    """Publish probes locally until one arrives upstream: the bridge is connected."""
+    topic = f"bench/ready/{uuid.uuid4().hex[:8]}"
+    client = mqtt_client(local_port)
+    try:
+        def arrived() -> bool:
+            client.publish(topic, b"probe", qos=0)
+            return any(m.topic == topic for m in link.collector.messages())
+
+        if not wait_until(arrived, timeout, interval=0.2):
+            raise RuntimeError(f"the bridge forwarded no probe within {timeout} s")
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def drain(link: Link, local_port: int, local_pid: int, opts: Options) -> dict[str, Any]:
+    col = link.collector
+    link.proxy.refuse()
+    col.clear()
+    backlog = link.directory / "backlog.txt"
+    with open(backlog, "wb") as f:
+        for n in range(opts.count):
+            f.write(numbered(n, opts.size) + b"\n")
+    started = time.monotonic()
+    with open(backlog, "rb") as f:
+        pub = subprocess.run(
+            ["mosquitto_pub", "-h", "127.0.0.1", "-p", str(local_port), "-V", "mqttv311",
+             "-t", DRAIN_TOPIC, "-q", "1", "-l", "-M", str(MOSQUITTO_PUB_INFLIGHT)],
+            stdin=f, capture_output=True, timeout=opts.drain_timeout, check=False)
+    published_s = time.monotonic() - started
+    if pub.returncode != 0:
+        raise RuntimeError(f"mosquitto_pub failed: {pub.stderr.decode(errors='replace')}")
+    leaked = sum(1 for m in col.messages() if m.topic == DRAIN_TOPIC)
+
+    cpu_before = cpu_seconds(local_pid)
+    up_ns = time.time_ns()
+    link.proxy.restore()
+    complete = col.wait_distinct(opts.count, opts.drain_timeout)
+    cpu = cpu_seconds(local_pid) - cpu_before
+    col.wait_quiet(0.5, 5)  # late redeliveries still count as duplicates
+    got = [m for m in col.messages() if m.topic == DRAIN_TOPIC]
+    result = tally(got, opts.count)
+    firsts = first_arrivals(got)
+    out: dict[str, Any] = {
+        "backlog": opts.count, "published_msg_per_s": round(opts.count / published_s),
+        "arrived_while_down": leaked, "complete": complete, "missing": len(result.missing),
+        "duplicates": result.duplicates, "out_of_order": result.out_of_order,
+        "local_cpu_s": round(cpu, 2),
+    }
+    if firsts:
+        first_s = (firsts[0].at_ns - up_ns) / 1e9
+        empty_s = (firsts[-1].at_ns - up_ns) / 1e9
+        span_s = (firsts[-1].at_ns - firsts[0].at_ns) / 1e9
+        out |= {
+            "reconnect_s": round(first_s, 3),
+            "to_empty_s": round(empty_s, 3),
+            "msg_per_s": round(len(firsts) / empty_s) if empty_s > 0 else None,
+            "drain_msg_per_s": round(len(firsts) / span_s) if span_s > 0 else None,
+        }
+    return out
+
+
+def latency(link: Link, local_port: int, opts: Options) -> dict[str, Any]:
+    col = link.collector
+    col.clear()
+    n = max(1, int(opts.rate * opts.seconds))
+    client = mqtt_client(local_port, keepalive=60)
+    try:
+        start = time.monotonic()
+        for i in range(n):  # open loop: each message has its slot, late ones go at once
+            due = start + i / opts.rate
+            ahead = due - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+            client.publish(LATENCY_TOPIC, numbered(i, opts.size), qos=1)
+        sent_s = time.monotonic() - start
+        complete = col.wait_distinct(n, 30 + opts.seconds)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    got = [m for m in col.messages() if m.topic == LATENCY_TOPIC]
+    lat = sorted((m.at_ns - (sent_ns_of(m.payload) or m.at_ns)) / 1e6 for m in first_arrivals(got))
+    return {
+        "latency_messages": n, "latency_sent_msg_per_s": round(n / sent_s),
+        "latency_complete": complete,
+        "p50_ms": round(percentile(lat, 50), 3), "p99_ms": round(percentile(lat, 99), 3),
+        "max_ms": round(lat[-1], 3) if lat else None,
+    }
+
+
+def measure(system: str, link: Link, local_port: int, local_pid: int,
+            opts: Options) -> dict[str, Any]:
+    """The drain, then the latency run, against a local broker already bridged to
+    ``link.proxy.port``."""
+    wait_bridged(link, local_port)
+    return {"system": system, **drain(link, local_port, local_pid, opts),
+            **latency(link, local_port, opts)}
+
+
+# --- the systems ------------------------------------------------------------------------
+
+
+def mosquitto_bridge(opts: Options) -> dict[str, Any]:
+    """mosquitto 2.0's own bridge, mosquitto -> mosquitto: the bridge's session is kept in the
+    local broker's memory (``cleansession false``) with no limit on queued messages."""
+    with uplink(opts) as link:
+        bridge = [
+            "max_queued_messages 0",  # the default (1000) would drop most of the backlog
+            "connection bench-uplink",
+            f"address 127.0.0.1:{link.proxy.port}",
+            "bridge_protocol_version mqttv311",
+            "topic bench/# out 1",
+            "cleansession false",
+            "clientid bench-bridge",
+            f"restart_timeout {max(1, round(opts.restart_timeout))}",
+            "notifications false",
+            "try_private false",
+        ]
+        with Mosquitto(name="local", directory=link.directory / "local",
+                       extra=bridge) as local:
+            assert local.pid is not None
+            return measure("mosquitto bridge", link, local.port, local.pid, opts)
+
+
+SYSTEMS: dict[str, Callable[[Options], dict[str, Any]]] = {
+    "mosquitto": mosquitto_bridge,
+}
+
+COLUMNS = [  # (heading, key, format)
+    ("system", "system", "{}"),
+    ("backlog", "backlog", "{:,}"),
+    ("reconnect s", "reconnect_s", "{:.2f}"),
+    ("to empty s", "to_empty_s", "{:.2f}"),
+    ("msg/s", "msg_per_s", "{:,}"),
+    ("drain msg/s", "drain_msg_per_s", "{:,}"),
+    ("missing", "missing", "{:,}"),
+    ("dups", "duplicates", "{:,}"),
+    ("local CPU s", "local_cpu_s", "{:.2f}"),
+    ("p50 ms", "p50_ms", "{:.2f}"),
+    ("p99 ms", "p99_ms", "{:.2f}"),
+]
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    def cell(row: dict[str, Any], key: str, fmt: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else fmt.format(value)
+
+    rows = [[h for h, _, _ in COLUMNS]]
+    rows += [[cell(r, k, f) for _, k, f in COLUMNS] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(row, widths, strict=True))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    d = Options()
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=d.count, help="backlog messages")
+    ap.add_argument("--size", type=int, default=d.size, help="payload bytes (>= 31)")
+    ap.add_argument("--rate", type=int, default=d.rate, help="latency run, msg/s")
+    ap.add_argument("--seconds", type=float, default=d.seconds,
+                    help="latency run, seconds")
+    ap.add_argument("--restart-timeout", type=float, default=d.restart_timeout,
+                    help="the bridges' reconnect delay, s")
+    ap.add_argument("--system", action="append", choices=sorted(SYSTEMS),
+                    help="run only this one (repeatable); all by default")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON as well")
+    args = ap.parse_args()
+    if args.size < 31:
+        ap.error("--size must be at least 31 bytes (number, timestamp, separators)")
+    opts = Options(count=args.count, size=args.size, rate=args.rate, seconds=args.seconds,
+                   restart_timeout=args.restart_timeout)
+    print(f"bridge bench: {asdict(opts)}", flush=True)
+    results = []
+    for name in args.system or list(SYSTEMS):
+        print(f"running {name} ...", flush=True)
+        results.append(SYSTEMS[name](opts))
+    print(table(results))
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
