@@ -168,6 +168,9 @@ def launch_broker(where: Path, started: list[BrokerProcess], config: dict | None
     n = len(started)
     settings: dict = {"server": {"port": 0}, "metrics": {"port": 0}}
     for section, values in (config or {}).items():
+        if isinstance(values, list):  # an array of tables: [[bridge]]
+            settings[section] = values
+            continue
         settings.setdefault(section, {}).update(values)
     path = where / f"blipmq-{n}.toml"
     path.write_text(tomlkit.dumps(settings))

@@ -74,6 +74,10 @@ class BridgeSpec:
     backoff_max_ms: int = 60000
     connect_timeout_ms: int = 10000
     outgoing_retain: bool = True
+    # MQTT: CONNECT as a bridge (protocol level 0x84, as mosquitto's bridges do): a mosquitto
+    # upstream then sends the bridge none of its own messages back; one that refuses it is
+    # asked again with plain 3.1.1
+    try_private: bool = True
     backlog: str = "drop_oldest"
     state_topic: str = ""  # upstream topic for "1"/"0" (birth and will); "" = none
     tls: bool = False
@@ -99,7 +103,7 @@ _INTS = {"keepalive_s": (0, 65535), "inflight": (1, 65535), "max_rate": (0, 10_0
          "backoff_max_ms": (1, 3_600_000), "connect_timeout_ms": (1, 600_000)}
 _STRS = ("protocol", "client_id", "username", "password", "backlog", "state_topic",
          "ca_file", "cert_file", "key_file", "server_name")
-_BOOLS = ("outgoing_retain", "tls", "insecure")
+_BOOLS = ("outgoing_retain", "try_private", "tls", "insecure")
 _KNOWN = ("name", "addresses", "topics", "alpn", *_INTS, *_STRS, *_BOOLS)
 
 

@@ -68,6 +68,10 @@ class LinkDown(Exception):
     """The link ended; the text says why (for the log and ``blipmq bridges``)."""
 
 
+class NotPrivate(LinkDown):
+    """The upstream refused a bridge's CONNECT (level 0x84): ask again with plain 3.1.1."""
+
+
 class Bridge:
     def __init__(self, server: Server, spec: BridgeSpec, conn_id: int) -> None:
         self.server = server
@@ -85,6 +89,9 @@ class Bridge:
         self._link: _Link | None = None
         self._strikes: dict[int, int] = {}  # offset -> links that died with it unanswered
         self._ssl: ssl.SSLContext | None = None
+        self.private = spec.try_private  # CONNECT as a bridge (level 0x84)
+        self.subscribed = False  # the upstream session holds the in rules' subscriptions
+        self._retry_plain = False
 
     # ------------------------------------------------------------------ the core's side
 
@@ -156,6 +163,9 @@ class Bridge:
                     host, port = spec.addresses[turn % len(spec.addresses)]
                     self.address = f"{host}:{port}"
                     reason = await self._one_link(host, port, backoff)
+                    if reason is None and self._retry_plain:
+                        self._retry_plain = False
+                        reason = await self._one_link(host, port, backoff)
                     if reason is not None:  # it was up: the primary first again
                         turn = 0
                         self.counters["reconnects"] += 1
@@ -182,6 +192,11 @@ class Bridge:
                 else:
                     link = _Link(self, stream)
                 await link.handshake()
+        except NotPrivate as exc:
+            self.private = False
+            self._retry_plain = True
+            log.info("bridge %s: %s", spec.name, exc)
+            return None
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
                 RemoteProtocolError) as exc:
             self.last_error = f"{host}:{port}: {_why(exc)}"
@@ -343,7 +358,9 @@ class _Link:
     async def handshake(self) -> None:
         spec = self.bridge.spec
         will = (Will(spec.state_topic, b"0", 1, True) if spec.state_topic else None)
-        connect = Connect("MQTT", 4, clean_session=not any(r.receives for r in spec.rules),
+        bridge = self.bridge
+        connect = Connect("MQTT", 0x84 if bridge.private else 4,
+                          clean_session=not any(r.receives for r in spec.rules),
                           keepalive=spec.keepalive_s, client_id=spec.mqtt_client_id,
                           will=will, username=spec.username or None,
                           password=spec.password.encode() if spec.password else None)
@@ -352,13 +369,19 @@ class _Link:
         first = packets[0]
         if not isinstance(first, ConnAck):
             raise LinkDown(f"expected CONNACK, got {type(first).__name__}")
+        if first.code == 1 and bridge.private:
+            raise NotPrivate("the upstream does not take a bridge's CONNECT (level 0x84); "
+                             "connecting as a plain MQTT 3.1.1 client")
         if first.code:
             raise LinkDown(f"the upstream refused the connection: CONNACK {first.code:#04x} "
                            f"({_CONNACK.get(first.code, 'unknown')})")
         self.pending = packets[1:]
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
-        if filters:
+        # a session the upstream kept holds them: subscribing again would bring every
+        # retained value once more (the first link of a start subscribes: rules may change)
+        if filters and not (first.session_present and bridge.subscribed):
             self.outbox.append(mqtt.encode(Subscribe(self._pid(), filters)))
+        bridge.subscribed = True
         if spec.state_topic:
             self.outbox.append(mqtt.encode(Publish(spec.state_topic, b"1", 0, True)))
 
@@ -566,7 +589,10 @@ class _Link:
         return pid
 
     def _goodbye(self) -> bytes:
-        return mqtt.encode(Disconnect())
+        """DISCONNECT (no will), after the state topic's "0" when there is one."""
+        state = self.bridge.spec.state_topic
+        down = mqtt.encode(Publish(state, b"0", 0, True)) if state else b""
+        return down + mqtt.encode(Disconnect())
 
     async def close(self) -> None:
         self.open = False

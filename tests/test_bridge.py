@@ -1,0 +1,269 @@
+"""Bridges against real upstreams (mosquitto 2.0, a second BlipMQ) through a proxy that
+refuses, cuts and blackholes the link; the local broker SIGKILLed mid-drain."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BrokerProcess
+from tests.faultproxy import FaultProxy
+from tests.upstream import Collector, Mosquitto, free_port, mqtt_client, numbered, wait_until
+
+KEEPALIVE = 2  # seconds: a blackholed link must be noticed within 1.5 x this
+
+
+def bridge_table(name: str, addresses: list[str], topics: list[str], **extra: object) -> dict:
+    return {"name": name, "addresses": addresses, "topics": topics, "keepalive_s": KEEPALIVE,
+            "backoff_min_ms": 100, "backoff_max_ms": 1000, "connect_timeout_ms": 2000,
+            **extra}
+
+
+def status(bp: BrokerProcess, name: str) -> dict:
+    out = bp.cli("bridges", "--json")
+    assert out.returncode == 0, out.stderr
+    found = [b for b in json.loads(out.stdout)["bridges"] if b["name"] == name]
+    assert found, out.stdout
+    return found[0]
+
+
+def wait_status(bp: BrokerProcess, name: str, check, timeout: float = 20) -> dict:
+    last: dict = {}
+
+    def ok() -> bool:
+        nonlocal last
+        last = status(bp, name)
+        return bool(check(last))
+
+    assert wait_until(ok, timeout, interval=0.05), last
+    return last
+
+
+def publish_numbers(bp: BrokerProcess, first: int, last: int, topics: int = 4) -> None:
+    """Numbers first..last-1 as QoS 1 messages on sensors/t0..t<topics-1>, each number on
+    topic n % topics, every one confirmed by the broker."""
+    for t in range(topics):
+        lines = b"\n".join(numbered(n, 60) for n in range(first, last) if n % topics == t)
+        if not lines:
+            continue
+        out = bp.cli("pub", f"sensors/t{t}", "-q", "1", "-l", input=lines + b"\n", timeout=60)
+        assert out.returncode == 0, out.stderr
+
+
+def local_numbers(bp: BrokerProcess, topic_filter: str, expected: int) -> set[bytes]:
+    """The distinct payloads the broker's log holds on ``topic_filter`` once there are
+    ``expected`` of them (read from the start, again until then; at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        out = bp.cli("sub", topic_filter, "--from", "earliest", "-W", "1", timeout=60)
+        assert out.returncode in (0, 4), out.stderr
+        got = set(out.stdout.splitlines())
+        if len(got) >= expected or time.monotonic() > deadline:
+            return got
+
+
+def test_a_bad_bridge_table_stops_the_start_with_one_line(start_broker) -> None:
+    for table, says in (
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/# sideways 1"]},
+         "direction must be out, in or both"),
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/# out 2"]},
+         "QoS 2 bridging is not supported"),
+        ({"name": "x", "addresses": ["nowhere"], "topics": ["a/#"], "colour": "red"},
+         "unknown field 'colour'"),
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "protocol": "blipmq",
+          "topics": ["a/# in 1"]}, "in and both rules need protocol"),
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/# out 1 a/+/ b/"]},
+         "a prefix may not hold wildcards"),
+    ):
+        bp = start_broker({"bridge": [table]}, expect_ready=False)
+        assert bp.proc.wait(20) == 2
+        bp.log_ended.wait(5)
+        text = "\n".join(bp.log)
+        assert says in text and "config error: bridge[0]" in text, text
+        assert "Traceback" not in text
+
+
+def test_out_and_in_through_mosquitto_with_state_and_no_loops(start_broker) -> None:
+    with Mosquitto() as up, Collector(up.port, "#") as seen:
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{up.port}"],
+            ["sensors/# out 1 '' site1/", "cmd/# in 1 '' site1/",
+             "shared/# both 1", "'' out 0 status/local status/remote"],
+            state_topic="bridges/site1/state")]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        assert seen.wait_count(1, 10)  # the birth message on the state topic
+        assert any(m.topic == "bridges/site1/state" and m.payload == b"1"
+                   for m in seen.messages())
+        state = bp.cli("sub", "$SYS/bridge/cloud/state", "-C", "1", "-W", "5")
+        assert state.stdout == b"1\n", state  # retained, up
+        seen.clear()
+        # out, with the prefixes mapped; one topic through an empty pattern
+        assert bp.cli("pub", "sensors/hall", "21.5", "-q", "1").returncode == 0
+        assert bp.cli("pub", "status/local", "ok").returncode == 0
+        assert seen.wait_count(2, 10)
+        got = {(m.topic, m.payload) for m in seen.messages()}
+        assert got == {("site1/sensors/hall", b"21.5"), ("status/remote", b"ok")}
+        # in: written to the local log under the local prefix
+        pub = mqtt_client(up.port)
+        pub.publish("site1/cmd/lamp", b"on", qos=1).wait_for_publish(5)
+        assert local_numbers(bp, "cmd/#", 1) == {b"on"}
+        # both: a local message goes up once; an upstream one comes in and not back out
+        seen.clear()
+        assert bp.cli("pub", "shared/a", "from-edge", "-q", "1").returncode == 0
+        pub.publish("shared/b", b"from-cloud", qos=1).wait_for_publish(5)
+        assert local_numbers(bp, "shared/#", 2) == {b"from-edge", b"from-cloud"}
+        wait_status(bp, "cloud", lambda b: b["skipped"] >= 1)
+        assert seen.wait_quiet(1.0, 10)
+        topics = sorted(m.topic for m in seen.messages())
+        assert topics == ["shared/a", "shared/b"], topics  # each once: no echo, no loop
+        pub.disconnect()
+        # the table a person reads
+        table = bp.cli("bridges")
+        assert table.returncode == 0, table.stderr
+        assert b"cloud" in table.stdout and b"up 127.0.0.1" in table.stdout
+        metrics = bp.metrics()
+        assert 'blipmq_bridge_connected{bridge="cloud"} 1.0' in metrics
+        assert 'blipmq_bridge_received_total{bridge="cloud"}' in metrics
+        # the bridge stops: its state upstream says so before it leaves
+        seen.clear()
+        assert bp.stop() == 0
+        assert seen.wait_count(1, 10)
+        assert [(m.topic, m.payload) for m in seen.messages()] == [
+            ("bridges/site1/state", b"0")]
+
+
+@pytest.mark.slow
+def test_mosquitto_upstream_100k_through_outages_restart_and_sigkill(
+        start_broker, tmp_path: Path) -> None:
+    total = 100_000
+    up = Mosquitto(persistence=True, directory=tmp_path / "up")
+    up.start()
+    try:
+        with FaultProxy(up.address) as proxy, Collector(up.port, "site1/#",
+                                                        client_id="collector") as seen:
+            table = bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
+                                 ["sensors/# out 1 '' site1/"], inflight=100)
+            config = {"bridge": [table]}
+            data = tmp_path / "edge"
+            bp = start_broker(config, data_dir=data)
+            wait_status(bp, "cloud", lambda b: b["connected"])
+            publish_numbers(bp, 0, 20_000)  # link up
+            proxy.refuse()  # connections refused, the current one reset
+            publish_numbers(bp, 20_000, 40_000)
+            wait_status(bp, "cloud", lambda b: not b["connected"])
+            proxy.restore()
+            wait_status(bp, "cloud", lambda b: b["forwarded"] > 0 and b["connected"])
+            proxy.cut()  # RST mid-drain
+            publish_numbers(bp, 40_000, 60_000)
+            wait_status(bp, "cloud", lambda b: b["connected"])
+            proxy.blackhole()  # silent: no FIN, no RST
+            cut_at = time.monotonic()
+            publish_numbers(bp, 60_000, 80_000)
+            wait_status(bp, "cloud", lambda b: not b["connected"], timeout=3 * KEEPALIVE + 5)
+            noticed = time.monotonic() - cut_at
+            proxy.restore()
+            up.restart()  # SIGTERM: mosquitto keeps the collector's session
+            wait_status(bp, "cloud", lambda b: b["connected"] and b["forwarded"] > 1000,
+                        timeout=30)
+            bp.proc.send_signal(signal.SIGKILL)  # mid-drain
+            bp.proc.wait(10)
+            bp = start_broker(config, data_dir=data)
+            publish_numbers(bp, 80_000, total)
+            assert seen.wait_distinct(total, 120), seen.tally(total)
+            result = seen.tally(total)
+            reconnects = 6  # refuse, cut, blackhole, upstream restart, SIGKILL, slack
+            assert result.complete, result.missing[:20]
+            assert result.duplicates <= 100 * reconnects, result
+            assert noticed <= 1.5 * KEEPALIVE + 2 + 10, noticed  # publishing overlapped it
+            final = status(bp, "cloud")
+            assert final["backlog_messages"] == 0 and final["dead_lettered"] == 0
+    finally:
+        up.close()
+
+
+@pytest.mark.slow
+def test_inflight_one_keeps_per_topic_order_through_cuts(start_broker, tmp_path: Path) -> None:
+    total = 3_000
+    with Mosquitto() as up, FaultProxy(up.address) as proxy, \
+            Collector(up.port, "site1/#") as seen:
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{proxy.port}"], ["sensors/# out 1 '' site1/"],
+            inflight=1)]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        publish_numbers(bp, 0, total, topics=2)
+        for _ in range(3):
+            wait_status(bp, "cloud", lambda b: b["in_flight"] > 0 or b["backlog_messages"] == 0)
+            proxy.cut()
+            wait_status(bp, "cloud", lambda b: b["connected"], timeout=10)
+        assert seen.wait_distinct(total, 60), seen.tally(total)
+        result = seen.tally(total)
+        assert result.complete and result.out_of_order == 0, result
+        assert result.duplicates <= 3, result  # one in flight per cut
+
+
+def test_blipmq_upstream_native_outage_restart_and_dead_letter(start_broker,
+                                                               tmp_path: Path) -> None:
+    port = free_port()
+    up_config = {"server": {"port": port, "max_message_bytes": 2048}}
+    up = start_broker(up_config, data_dir=tmp_path / "up")
+    with FaultProxy(("127.0.0.1", port)) as proxy:
+        bp = start_broker({"server": {"max_topic_bytes": 4096}, "bridge": [bridge_table(
+            "site", [f"127.0.0.1:{proxy.port}"], ["sensors/# out 1 '' gw1/"],
+            protocol="blipmq", inflight=500, max_retries=2)]})
+        wait_status(bp, "site", lambda b: b["connected"])
+        publish_numbers(bp, 0, 3_000)
+        # two messages the upstream refuses for good, among the rest: one larger than it
+        # announces (never sent), one whose topic is longer than it takes (its ERROR)
+        big = bp.cli("pub", "sensors/t0", "-", "-q", "1", input=b"x" * 5000)
+        assert big.returncode == 0, big.stderr
+        long_topic = "sensors/" + "y" * 1100
+        long = bp.cli("pub", long_topic, "too long upstream", "-q", "1")
+        assert long.returncode == 0, long.stderr
+        proxy.refuse()
+        publish_numbers(bp, 3_000, 6_000)
+        wait_status(bp, "site", lambda b: not b["connected"])
+        up.stop()
+        proxy.restore()
+        up = start_broker(up_config, data_dir=tmp_path / "up")
+        publish_numbers(bp, 6_000, 9_000)
+        final = wait_status(bp, "site", lambda b: b["backlog_messages"] == 0
+                            and b["dead_lettered"] == 2, timeout=30)
+        assert final["forwarded"] >= 9_000
+        got = local_numbers(up, "gw1/#", 9_000)
+        assert len({int(line.split()[0]) for line in got}) == 9_000
+        dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "2", "-W", "10",
+                      "-F", "json")
+        assert dead.returncode == 0, dead.stderr
+        letters = [json.loads(line) for line in dead.stdout.splitlines()]
+        assert sorted(x["topic"] for x in letters) == sorted(
+            ["$dlq/sensors/t0", f"$dlq/{long_topic}"])
+        assert all("bridge site" in json.dumps(x) for x in letters), letters
+
+
+def test_in_rule_across_local_sigkill_loses_nothing_the_upstream_saw_acked(
+        start_broker, tmp_path: Path) -> None:
+    total = 2_000
+    with Mosquitto(persistence=True) as up:
+        config = {"bridge": [bridge_table("cloud", [f"127.0.0.1:{up.port}"],
+                                          ["cmd/# in 1 '' site1/"])]}
+        data = tmp_path / "edge"
+        bp = start_broker(config, data_dir=data)
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        pub = mqtt_client(up.port)
+        infos = [pub.publish("site1/cmd/x", numbered(n, 40), qos=1) for n in range(total // 2)]
+        wait_status(bp, "cloud", lambda b: b["received"] > 100)
+        bp.proc.send_signal(signal.SIGKILL)
+        bp.proc.wait(10)
+        infos += [pub.publish("site1/cmd/x", numbered(n, 40), qos=1)
+                  for n in range(total // 2, total)]
+        bp = start_broker(config, data_dir=data)
+        for info in infos:
+            info.wait_for_publish(20)
+        pub.disconnect()
+        got = local_numbers(bp, "cmd/#", total)
+        numbers = {int(line.split()[0]) for line in got}
+        assert numbers == set(range(total))
