@@ -1,6 +1,7 @@
 """Start-up of ``blipmq start`` with an empty data directory, beside mosquitto and nats-server.
 
     .venv/bin/python bench/startup.py [--runs 15] [--blipmq PATH] [--binary dist/blipmq-...]
+    .venv/bin/python bench/startup.py --stages [--runs 15]
 
 For each broker, each run: spawn it on a free loopback port with a fresh empty data
 directory, then time spawn -> the first TCP connection it accepts (and, for BlipMQ, spawn ->
@@ -12,12 +13,18 @@ from the onefile executable too (the RSS then is the broker child's plus the boo
 mosquitto and nats-server run when they are on the PATH, with no persistence configured.
 Metrics stay on (the default): the HTTP listener is part of what ``start`` brings up.
 Loopback only; it ends everything it starts. Not a test: it gates nothing.
+
+``--stages`` says where the time goes instead: the bare interpreter (``python -c pass``),
+then, in a fresh interpreter each run, the start path's imports one group at a time in the
+order ``blipmq start`` needs them, the part of it spent making classes (dataclasses: code
+generated and compiled per class; attrs, for trio, the same), and the RSS each group adds.
 """
 
 from __future__ import annotations
 
 import argparse
 import compileall
+import json
 import os
 import shutil
 import signal
@@ -143,16 +150,102 @@ def measure(label: str, make: Callable[[Path, int], tuple[list[str], Path]], run
           f"idle RSS {fmt(rss, 'MiB')}  n={len(accept)}", flush=True)
 
 
+# The start path's imports, grouped as ``blipmq start`` first needs them.
+_STAGES = """
+import gc, json, re, sys, time
+import dataclasses
+made = {"dataclasses": 0.0, "attrs": 0.0}
+def timed(kind, fn):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            made[kind] += time.perf_counter() - t
+    return wrapper
+dataclasses._process_class = timed("dataclasses", dataclasses._process_class)
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+rows = []
+def stage(name, t0, r0):
+    rows.append([name, (time.perf_counter() - t0) * 1000, (rss() - r0) / 1024])
+t, r = time.perf_counter(), rss()
+from blipmq_cli import main, fast
+fast.parser("start")
+stage("argument parsing (blipmq_cli.main, fast: argparse, enum, the codec)", t, r)
+t, r = time.perf_counter(), rss()
+from blipmq_server import daemon, logs
+stage("daemon, logging", t, r)
+t, r = time.perf_counter(), rss()
+from blipmq_server import config
+stage("config (tomllib, dataclasses, inspect)", t, r)
+t, r = time.perf_counter(), rss()
+from blipmq_server import deferred
+deferred.defer()
+import attr._make
+attr._make._ClassBuilder.build_class = timed("attrs", attr._make._ClassBuilder.build_class)
+import trio
+stage("trio (attrs, ctypes, subprocess, idna; ssl and hmac deferred)", t, r)
+t, r = time.perf_counter(), rss()
+import blipmq_server.wal.log, blipmq_server.broker.core
+stage("write-ahead log, broker core", t, r)
+t, r = time.perf_counter(), rss()
+from blipmq_server.server import app
+stage("server shell (sessions, MQTT front end: sessions.py needs it)", t, r)
+t, r = time.perf_counter(), rss()
+from blipmq_server.server import http
+stage("metrics HTTP listener", t, r)
+t = time.perf_counter()
+gc.collect()
+rows.append(["gc.collect() before listening (server/app.py, serve)",
+             (time.perf_counter() - t) * 1000, 0.0])
+print(json.dumps({"rows": rows, "made_ms": {k: v * 1000 for k, v in made.items()},
+                  "modules": len(sys.modules)}))
+"""
+
+
+def stages(runs: int, env: dict[str, str]) -> None:
+    bare = []
+    for _ in range(runs + 1):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+        bare.append((time.perf_counter() - t0) * 1000)
+    samples = []
+    for _ in range(runs + 1):
+        out = subprocess.run([sys.executable, "-c", _STAGES], env=env, check=True,
+                             capture_output=True, text=True, cwd=TOP).stdout
+        samples.append(json.loads(out))
+    samples = samples[1:]
+    med = statistics.median
+    print(f"{runs} runs each, medians; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'bare interpreter (python -c pass, spawn to exit)':<70} {med(bare[1:]):6.1f} ms")
+    total = 0.0
+    for i, (name, _ms, _mb) in enumerate(samples[0]["rows"]):
+        ms = med(s["rows"][i][1] for s in samples)
+        mb = med(s["rows"][i][2] for s in samples)
+        total += ms
+        print(f"{name:<70} {ms:6.1f} ms  +{mb:4.1f} MiB")
+    print(f"{'total in Python, before the server runs':<70} {total:6.1f} ms")
+    for kind in ("dataclasses", "attrs"):
+        ms = med(s["made_ms"][kind] for s in samples)
+        print(f"  of which making {kind} classes{'':<39} {ms:6.1f} ms")
+    print(f"  modules loaded: {samples[0]['modules']}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--blipmq", default=str(PIP_BLIPMQ), help="the pip-installed blipmq")
     p.add_argument("--binary", default=None, help="a onefile executable to measure too")
+    p.add_argument("--stages", action="store_true", help="where the start-up time goes")
     args = p.parse_args()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("BLIPMQ_", "PYTHONDONTWRITEBYTECODE"))}
     for package in ("blipmq_cli", "blipmq_server"):  # as pip does on install
         compileall.compile_dir(str(TOP / package), quiet=1)
+    if args.stages:
+        stages(args.runs, env)
+        return 0
     print(f"{args.runs} runs each, after one warm-up; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     measure("blipmq start (pip install)", blipmq(args.blipmq), args.runs, env)
