@@ -185,7 +185,7 @@ deferred.defer()
 import attr._make
 attr._make._ClassBuilder.build_class = timed("attrs", attr._make._ClassBuilder.build_class)
 import trio
-stage("trio (attrs, ctypes, subprocess, idna; ssl and hmac deferred)", t, r)
+stage("trio (attrs, ctypes, subprocess; ssl, hmac, idna, tempfile deferred)", t, r)
 t, r = time.perf_counter(), rss()
 import blipmq_server.wal.log, blipmq_server.broker.core
 stage("write-ahead log, broker core", t, r)
