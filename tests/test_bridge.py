@@ -140,7 +140,10 @@ def test_out_and_in_through_mosquitto_with_state_and_no_loops(start_broker) -> N
 def test_mosquitto_upstream_100k_through_outages_restart_and_sigkill(
         start_broker, tmp_path: Path) -> None:
     total = 100_000
-    up = Mosquitto(persistence=True, directory=tmp_path / "up")
+    # the collector's session must not drop what waits for it (mosquitto's default keeps
+    # 1,000 queued messages per client and drops the rest)
+    up = Mosquitto(persistence=True, directory=tmp_path / "up",
+                   extra=["max_queued_messages 0"])
     up.start()
     try:
         with FaultProxy(up.address) as proxy, Collector(up.port, "site1/#",
@@ -175,10 +178,12 @@ def test_mosquitto_upstream_100k_through_outages_restart_and_sigkill(
             publish_numbers(bp, 80_000, total)
             assert seen.wait_distinct(total, 120), seen.tally(total)
             result = seen.tally(total)
+            print(f"\n100k through outages: {result.distinct} distinct, {result.duplicates} "
+                  f"duplicates, blackhole noticed after {noticed:.1f} s")
             reconnects = 6  # refuse, cut, blackhole, upstream restart, SIGKILL, slack
             assert result.complete, result.missing[:20]
             assert result.duplicates <= 100 * reconnects, result
-            assert noticed <= 1.5 * KEEPALIVE + 2 + 10, noticed  # publishing overlapped it
+            assert noticed <= 1.5 * KEEPALIVE + 2.5, noticed  # (the publishing overlaps it)
             final = status(bp, "cloud")
             assert final["backlog_messages"] == 0 and final["dead_lettered"] == 0
     finally:
@@ -188,7 +193,7 @@ def test_mosquitto_upstream_100k_through_outages_restart_and_sigkill(
 @pytest.mark.slow
 def test_inflight_one_keeps_per_topic_order_through_cuts(start_broker, tmp_path: Path) -> None:
     total = 3_000
-    with Mosquitto() as up, FaultProxy(up.address) as proxy, \
+    with Mosquitto(extra=["max_queued_messages 0"]) as up, FaultProxy(up.address) as proxy, \
             Collector(up.port, "site1/#") as seen:
         bp = start_broker({"bridge": [bridge_table(
             "cloud", [f"127.0.0.1:{proxy.port}"], ["sensors/# out 1 '' site1/"],
