@@ -5,14 +5,16 @@
 
 For each broker, each run: spawn it on a free loopback port with a fresh empty data
 directory, then time spawn -> the first TCP connection it accepts (and, for BlipMQ, spawn ->
-its "listening on" line), read its idle RSS once it accepts plus 1 s, and end it with
-SIGTERM. Prints the median, min and max of each. BlipMQ runs from the pip install next to
-this interpreter (``--blipmq`` names another), with its bytecode cached (this script
-compiles blipmq's modules once first, as a pip install does) and, if ``--binary`` is given,
-from the onefile executable too (the RSS then is the broker child's plus the bootloader's).
-mosquitto and nats-server run when they are on the PATH, with no persistence configured.
-Metrics stay on (the default): the HTTP listener is part of what ``start`` brings up.
-Loopback only; it ends everything it starts. Not a test: it gates nothing.
+its "listening on" line), read its idle memory once it accepts plus 1 s (RSS; of it the
+anonymous part, the process's own; and PSS, shared pages divided among their sharers), and
+end it with SIGTERM. Prints the median, min and max of the times, the medians of memory.
+BlipMQ runs from the pip install next to this interpreter (``--blipmq`` names another),
+with its bytecode cached (this script compiles blipmq's modules once first, as a pip
+install does) and, if ``--binary`` is given, from the onefile executable too (its memory is
+the broker child's plus the bootloader's). mosquitto and nats-server run when they are on
+the PATH, with no persistence configured. Metrics stay on (the default): the HTTP listener
+is part of what ``start`` brings up. Loopback only; it ends everything it starts. Not a
+test: it gates nothing.
 
 ``--stages`` says where the time goes instead: the bare interpreter (``python -c pass``),
 then, in a fresh interpreter each run, the start path's imports one group at a time in the
@@ -55,6 +57,17 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def rollup_kib(pid: int) -> tuple[int, int]:
+    """(anonymous, PSS) in KiB: the process's own memory, and its fair share of what it
+    shares with other processes (the interpreter and libraries, mapped from files)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except FileNotFoundError:
+        return 0, 0
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in text.splitlines()[1:]}
+    return fields.get("Anonymous", 0), fields.get("Pss", 0)
+
+
 def children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
@@ -93,7 +106,10 @@ class Run:
             time.sleep(0.001)
         self.accept_ms = (time.perf_counter() - t0) * 1000
         time.sleep(1)
-        self.rss_kib = rss_kib(self.proc.pid) + sum(rss_kib(c) for c in children(self.proc.pid))
+        pids = [self.proc.pid, *children(self.proc.pid)]
+        self.rss_kib = sum(rss_kib(pid) for pid in pids)
+        self.anon_kib = sum(rollup_kib(pid)[0] for pid in pids)
+        self.pss_kib = sum(rollup_kib(pid)[1] for pid in pids)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -129,7 +145,7 @@ def nats(binary: str) -> Callable[[Path, int], tuple[list[str], Path]]:
 
 def measure(label: str, make: Callable[[Path, int], tuple[list[str], Path]], runs: int,
             env: dict[str, str]) -> None:
-    accept, ready, rss = [], [], []
+    accept, ready, rss, anon, pss = [], [], [], [], []
     for i in range(runs + 1):  # the first is an untimed warm-up (page cache, pyc files)
         with tempfile.TemporaryDirectory(prefix="blipmq-startup-") as tmp:
             port = free_port()
@@ -139,6 +155,8 @@ def measure(label: str, make: Callable[[Path, int], tuple[list[str], Path]], run
             if i:
                 accept.append(run.accept_ms)
                 rss.append(run.rss_kib / 1024)
+                anon.append(run.anon_kib / 1024)
+                pss.append(run.pss_kib / 1024)
                 if run.ready_ms is not None:
                     ready.append(run.ready_ms)
 
@@ -146,8 +164,10 @@ def measure(label: str, make: Callable[[Path, int], tuple[list[str], Path]], run
         return (f"{statistics.median(xs):6.1f} {unit} (min {min(xs):.1f}, max {max(xs):.1f})"
                 if xs else "-")
 
-    print(f"{label:<34} accepting {fmt(accept, 'ms')}  ready line {fmt(ready, 'ms')}  "
-          f"idle RSS {fmt(rss, 'MiB')}  n={len(accept)}", flush=True)
+    med = statistics.median
+    print(f"{label:<28} accepting {fmt(accept, 'ms')}  ready line {fmt(ready, 'ms')}\n"
+          f"{'':<28} idle RSS {med(rss):.1f} MiB (anonymous {med(anon):.1f}, "
+          f"PSS {med(pss):.1f})  n={len(accept)}", flush=True)
 
 
 # The start path's imports, grouped as ``blipmq start`` first needs them.
@@ -235,8 +255,10 @@ def stages(runs: int, env: dict[str, str]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=15)
-    p.add_argument("--blipmq", default=str(PIP_BLIPMQ), help="the pip-installed blipmq")
-    p.add_argument("--binary", default=None, help="a onefile executable to measure too")
+    p.add_argument("--blipmq", default=str(PIP_BLIPMQ), type=lambda s: str(Path(s).resolve()),
+                   help="the pip-installed blipmq")
+    p.add_argument("--binary", default=None, type=lambda s: str(Path(s).resolve()),
+                   help="a onefile executable to measure too")
     p.add_argument("--stages", action="store_true", help="where the start-up time goes")
     args = p.parse_args()
     env = {k: v for k, v in os.environ.items()
@@ -259,7 +281,7 @@ def main() -> int:
         if found:
             measure(label, make(found), args.runs, env)
         else:
-            print(f"{label:<34} not installed")
+            print(f"{label:<28} not installed")
     return 0
 
 
