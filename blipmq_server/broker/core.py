@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from blipmq_server.broker.access import Access
+from blipmq_server.broker.access import Access, matches
 from blipmq_server.broker.cursors import Cursors
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow, Queue
@@ -81,6 +81,8 @@ class Broker:
         self.states: dict[bytes, bytes] = {}
         self._state_at: dict[bytes, int] = {}
         self._group_owners: dict[bytes, str] = {}  # by _owner_key, while the broker runs
+        # publishers held back (``hold``): by hold id, its name and topic filters
+        self.holds: dict[int, tuple[str, tuple[str, ...]]] = {}
 
     # ----------------------------------------------------------------------------- publish
 
@@ -128,6 +130,7 @@ class Broker:
         refusal: Refusal | None = None
         blocked: Queue | None = None
         block, drop_oldest = _BLOCK, _DROP_OLDEST
+        blocked_hold: Blocked | None = None
         usage = self.usage
         entries = usage.entries
         if self.cursors is not None and self.cursors.generation != self._generation:
@@ -138,7 +141,13 @@ class Broker:
         run_route: Route | Refusal | None = None
         run_entry = None
         run_from = run_bytes = run_unlogged = 0
+        holds = None if internal or not self.holds else self.holds
         for m in messages:
+            if holds is not None:
+                held = self._held(m.topic, holds)
+                if held is not None:
+                    blocked_hold = held
+                    break
             route = None if internal else routes.get(m.topic)
             if route is None:
                 route = resolve(m.topic, internal)
@@ -279,9 +288,29 @@ class Broker:
                 wake.add(consumer.conn)
         return PublishResult(
             accepted, wake,
-            None if blocked is None else Blocked(
+            blocked_hold if blocked is None else Blocked(
                 blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
             refusal, confirms, last_logged, first_logged)
+
+    @staticmethod
+    def _held(topic: bytes, holds: dict[int, tuple[str, tuple[str, ...]]]) -> Blocked | None:
+        name = topic.decode("utf-8", "replace")
+        for hold_id, (what, filters) in holds.items():
+            if any(matches(f, name) for f in filters):
+                return Blocked(hold_id, what, ())
+        return None
+
+    def hold(self, hold_id: int, name: str, filters: tuple[str, ...]) -> None:
+        """Hold back client publishes to topics under ``filters`` (not broker-made ones):
+        ``publish`` stops a batch at the first such message with ``Blocked(hold_id, name)``,
+        until ``unhold``. A bridge whose backlog reached the log's size cap uses it (its
+        ``block`` policy): the records it has not forwarded are not lost, and no new ones
+        are taken that the cap would have to delete."""
+        self.holds[hold_id] = (name, filters)
+
+    def unhold(self, hold_id: int) -> bool:
+        """End a hold; True if there was one (its publishers may try again)."""
+        return self.holds.pop(hold_id, None) is not None
 
     def _publish_one(self, m: RawMessage, now_ms: int, timestamp_ms: int,
                      access: Access | None) -> PublishResult | None:
@@ -291,6 +320,7 @@ class Broker:
         route = self.registry.routes.get(m.topic)
         log = self.log
         if (route is None or route.__class__ is Refusal or m.retain or log is None
+                or self.holds
                 or (access is not None and not access.may_publish(m.topic))
                 or m.payload_len > self.limits.max_message_bytes
                 or (self.cursors is not None and self.cursors.generation != self._generation)):

@@ -425,7 +425,10 @@ class Server:
                     or broker.retained.newest_anchor() > written
                     or broker.newest_state() > written):
                 continue  # a checkpoint or carried value is not on disk yet: retain next time
-            result = wal.retain(wall, broker.durable_floor(), delete=False)
+            holds = [b.floor() for b in self.bridges.values() if b.spec.backlog == "block"]
+            result = wal.retain(wall, broker.durable_floor(), delete=False,
+                                hold_from=min((f for f in holds if f is not None),
+                                              default=None))
             if result.paths:  # unlinking big files takes milliseconds: not on the event loop
                 try:
                     await trio.to_thread.run_sync(wal.delete, result.paths)
@@ -433,6 +436,8 @@ class Server:
                     log.warning("wal retention could not delete a segment file: %s", exc)
             if result.removed:
                 log.info("wal retention removed %s", ", ".join(result.removed))
+            for bridge in self.bridges.values():
+                bridge.check_hold()
             if result.forced_below is not None:
                 for group, skipped in broker.skip_to(wal.first_offset):
                     for bridge in self.bridges.values():

@@ -117,6 +117,41 @@ class Bridge:
         """The core has deliveries for the link (or room opened)."""
         self._kick.set()
 
+    @property
+    def hold_id(self) -> int:
+        """The id the core's hold and the shell's room event use (negative: no queue's)."""
+        return -self.conn_id
+
+    def floor(self) -> int | None:
+        """The oldest log offset this bridge has not had acknowledged."""
+        return min((g.floor for g in self.groups()), default=None)
+
+    def check_hold(self) -> None:
+        """``backlog = "block"``: while the log is over ``wal.retention_bytes`` and this
+        bridge's backlog reaches back into a sealed segment (so retention would have to
+        delete what it has not forwarded), client publishes to its out topics wait for
+        room; they go on once retention brought the log back under the cap."""
+        wal = self.server.wal
+        if self.spec.backlog != "block" or wal is None:
+            return
+        cap = self.server.config.wal.retention_bytes
+        floor = self.floor()
+        over = bool(cap) and wal.total_bytes > cap and floor is not None and (
+            len(wal.segments) > 1 and floor < wal.segments[-1].base)
+        held = self.hold_id in self.broker.holds
+        if over and not held:
+            filters = tuple(r.local_filter for r in self.spec.rules if r.sends)
+            self.broker.hold(self.hold_id, f"bridge {self.spec.name}'s backlog at "
+                             "wal.retention_bytes (backlog = \"block\")", filters)
+            log.warning("bridge %s: its backlog holds the log at wal.retention_bytes (%d "
+                        "bytes): publishers to its topics wait until it drains",
+                        self.spec.name, cap)
+        elif held and not over:
+            self.broker.unhold(self.hold_id)
+            self.server.release((self.hold_id,))
+            log.info("bridge %s: the log is under wal.retention_bytes again: publishers go "
+                     "on", self.spec.name)
+
     def groups(self) -> list[Any]:
         cursors = self.broker.cursors
         if cursors is None:
@@ -145,6 +180,7 @@ class Bridge:
                 "backlog_messages": backlog, "backlog_bytes": held,
                 "oldest_age_s": None if age is None else round(age, 3),
                 "in_flight": 0 if link is None else len(link.inflight),
+                "backlog_policy": self.spec.backlog, "holding": self.hold_id in self.broker.holds,
                 "last_error": self.last_error, **self.counters}
 
     # --------------------------------------------------------------------- the link
@@ -273,6 +309,7 @@ class Bridge:
             return
         with scope:
             while True:
+                self.check_hold()
                 groups = self.groups()
                 floor = min((g.floor for g in groups), default=None)
                 if not any(g.backlog > 0 or g.inflight for g in groups):
