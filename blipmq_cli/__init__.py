@@ -16,7 +16,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from blipmq_cli.aio import AsyncClient, AsyncSubscription, Gap, Reconnect
+    from blipmq_cli.aio import AsyncClient, AsyncSubscription
     from blipmq_cli.client import Client, Subscription
     from blipmq_server.errors import (
         BlipError,
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         TlsError,
     )
     from blipmq_server.protocol.codec import DeadLetter, Delivery, ErrorCode, Message, Start
+    from blipmq_server.protocol.connection import Gap, Reconnect
 
 __all__ = [
     "AsyncClient", "AsyncSubscription", "BlipError", "BrokerError", "Client", "ConfigError",
@@ -36,7 +37,8 @@ __all__ = [
 
 _HOME = {
     "AsyncClient": "blipmq_cli.aio", "AsyncSubscription": "blipmq_cli.aio",
-    "Gap": "blipmq_cli.aio", "Reconnect": "blipmq_cli.aio",
+    "Gap": "blipmq_server.protocol.connection",
+    "Reconnect": "blipmq_server.protocol.connection",
     "Client": "blipmq_cli.client", "Subscription": "blipmq_cli.client",
     "BlipError": "blipmq_server.errors", "BrokerError": "blipmq_server.errors",
     "ConfigError": "blipmq_server.errors", "ConnectError": "blipmq_server.errors",

@@ -36,7 +36,6 @@ import random
 import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -52,42 +51,18 @@ from blipmq_server.errors import (
 )
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import Delivery, Message, Start
-from blipmq_server.protocol.connection import ClientConnection, CloseReason
+from blipmq_server.protocol.connection import (
+    ClientConnection,
+    CloseReason,
+    Gap,
+    Reconnect,
+    restart_point,
+)
 
 _RECV = 1 << 16
 _HIGH_WATER = 1 << 20  # bytes queued for the writer before a publish waits for it
 _CHUNK = 1024  # messages publish_many adds between looks at the writer and the bounds
 _LOST = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
-
-
-@dataclass(frozen=True, slots=True)
-class Reconnect:
-    """How to dial again after a lost connection: ``attempts`` in a row (each address
-    tried counts as one) before giving up; before attempt n (from 0) a wait of
-    ``min(maximum, initial * 2**n)`` seconds, less a random part of up to ``jitter`` of it
-    (so that many clients of a restarted broker do not all come back at once)."""
-
-    attempts: int = 60
-    initial: float = 0.1
-    maximum: float = 5.0
-    jitter: float = 0.5
-
-    def delay(self, attempt: int, draw: float) -> float:
-        """The wait before ``attempt``; ``draw`` is uniform in [0, 1)."""
-        base = min(self.maximum, self.initial * 2 ** min(attempt, 32))
-        return base * (1 - self.jitter * draw)
-
-
-@dataclass(frozen=True, slots=True)
-class Gap:
-    """A live subscription (no group, start LATEST) was restored after a lost connection:
-    messages that matched it after ``last_offset`` (None: it had delivered nothing) and
-    before it was restored may be missing. Replay them with
-    ``subscribe(topic_filter, start=Start.OFFSET, start_offset=last_offset + 1)``."""
-
-    topic_filter: str
-    group: str
-    last_offset: int | None
 
 
 class AsyncSubscription:
@@ -786,12 +761,9 @@ class AsyncClient:
         for sub in list(self._subs):
             if sub.ended:
                 continue
-            start, offset, gap = sub._start, sub._start_offset, None
-            if not (sub.group and sub.qos):  # not a durable group: it has no cursor
-                if start != Start.LATEST and sub.last_offset is not None:
-                    start, offset = Start.OFFSET, sub.last_offset + 1  # replay on from there
-                elif start == Start.LATEST:
-                    gap = Gap(sub.topic_filter, sub.group, sub.last_offset)
+            start, offset, missed = restart_point(sub.group, sub.qos, sub._start,
+                                                  sub._start_offset, sub.last_offset)
+            gap = Gap(sub.topic_filter, sub.group, sub.last_offset) if missed else None
             try:
                 reply = await self._ask(conn, conn.subscribe(sub.topic_filter, sub.group,
                                                              sub.qos, sub.credit, start,

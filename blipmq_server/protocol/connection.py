@@ -90,6 +90,51 @@ class Closed(NamedTuple):
         )
 
 
+class Reconnect(NamedTuple):
+    """How a client dials again after a lost connection: ``attempts`` in a row (each
+    address tried counts as one) before it gives up; before attempt n (from 0) a wait of
+    ``min(maximum, initial * 2**n)`` seconds, less a random part of up to ``jitter`` of it
+    (so that many clients of a restarted broker do not all come back at once)."""
+
+    attempts: int = 60
+    initial: float = 0.1
+    maximum: float = 5.0
+    jitter: float = 0.5
+
+    def delay(self, attempt: int, draw: float) -> float:
+        """The wait before ``attempt``; ``draw`` is uniform in [0, 1)."""
+        base = min(self.maximum, self.initial * 2 ** min(attempt, 32))
+        return base * (1 - self.jitter * draw)
+
+
+class Gap(NamedTuple):
+    """A subscription restored after a lost connection at the log's end (no group, start
+    LATEST; or a QoS 0 group, whose queue lives in the broker's memory): messages that
+    matched it after ``last_offset`` (None: it had delivered nothing) and before it was
+    restored may be missing. Replay them with ``start=Start.OFFSET, start_offset=
+    last_offset + 1``."""
+
+    topic_filter: str
+    group: str
+    last_offset: int | None
+
+
+def restart_point(
+    group: str, qos: int, start: int, start_offset: int, last_offset: int | None
+) -> tuple[int, int, bool]:
+    """Where a subscription starts again on a new connection: (start, start_offset, whether
+    it may have missed messages). A durable group resumes at its cursor whatever it asks; a
+    replaying subscription goes on after the last offset it delivered; a live one starts at
+    the log's end, with a gap."""
+    if group and qos:
+        return start, start_offset, False
+    if start != codec.Start.LATEST:
+        if last_offset is None:
+            return start, start_offset, False
+        return codec.Start.OFFSET, last_offset + 1, False
+    return codec.Start.LATEST, 0, True
+
+
 # The two private records below are plain slotted classes: a NamedTuple costs several times as
 # much to define, and this module is imported by every one-shot `blipmq pub`.
 
