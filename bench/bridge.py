@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -50,6 +51,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import paho.mqtt.client as mqtt  # noqa: E402
 
 from tests.faultproxy import FaultProxy  # noqa: E402
 from tests.upstream import (  # noqa: E402
@@ -158,14 +161,25 @@ def publish_acked(port: int, topic: str, count: int, size: int, timeout: float) 
     every one was PUBACKed. Not ``mosquitto_pub -l``: the 2.0.11 one reads a fast stdin to its
     end and disconnects with most messages never sent (34,465 of 100,000 PUBACKed here)."""
     client = mqtt_client(port, keepalive=60)
+    deadline = time.monotonic() + timeout
+
+    def acked(info: mqtt.MQTTMessageInfo) -> None:
+        info.wait_for_publish(max(0.0, deadline - time.monotonic()))
+        if not info.is_published():
+            raise RuntimeError(f"the local broker did not PUBACK message {info.mid} "
+                               f"within {timeout} s")
+
     try:
-        infos = [client.publish(topic, numbered(n, size), qos=1) for n in range(count)]
-        deadline = time.monotonic() + timeout
-        for info in infos:  # bounded by the deadline
-            info.wait_for_publish(max(0.0, deadline - time.monotonic()))
-            if not info.is_published():
-                raise RuntimeError(f"the local broker did not PUBACK message {info.mid} "
-                                   f"within {timeout} s")
+        # at most `queued` unacknowledged in paho's queue: its 16-bit message ids must not
+        # wrap onto one still waiting
+        queued = 10_000
+        pending: deque[mqtt.MQTTMessageInfo] = deque()
+        for n in range(count):
+            if len(pending) >= queued:
+                acked(pending.popleft())
+            pending.append(client.publish(topic, numbered(n, size), qos=1))
+        while pending:  # bounded: it only shrinks
+            acked(pending.popleft())
     finally:
         client.disconnect()
         client.loop_stop()
