@@ -23,7 +23,9 @@ are in ``proxy.stats()``.
 
 Everything is bounded: at most ``max_connections`` connections (more are reset at once), one
 ``chunk``-sized read in flight per direction and ``queue`` chunks waiting per direction (the
-delay line), so a fast sender is held back rather than buffered without limit. A blackholed
+delay line), so a fast sender is held back rather than buffered without limit (with a delay,
+that caps each direction at about ``queue * chunk`` bytes per delay, as a TCP window would
+on a long link). A blackholed
 connection whose peers have all closed their side is held open ``dead_linger`` seconds (its
 FIN must not come back) and then reset; it counts towards ``max_connections`` meanwhile.
 

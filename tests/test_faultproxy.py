@@ -13,7 +13,16 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.upstream import Collector, Mosquitto, mqtt_client, numbered, wait_until
+from tests.upstream import (
+    Collector,
+    Mosquitto,
+    Received,
+    mqtt_client,
+    number_of,
+    numbered,
+    tally,
+    wait_until,
+)
 
 QUIET = 0.3  # s a socket waits to show that nothing arrives (a recv timeout, not a sleep)
 
@@ -279,3 +288,18 @@ def test_blackhole_refuse_and_an_upstream_restart_lose_nothing(upstream: Mosquit
         assert result.complete and result.unexpected == 0
         assert collector.connects >= 2  # it came back after the restart on its own
         assert proxy.stats().bytes_dropped > 0
+
+
+def test_tally_counts_missing_duplicates_and_order() -> None:
+    def got(topic: str, *numbers: int) -> list[Received]:
+        return [Received(topic, numbered(n), 0) for n in numbers]
+
+    arrivals = [*got("a", 0, 1, 2, 1, 2, 3), *got("b", 5, 4, 6), *got("a", 99),
+                Received("a", b"?", 0)]
+    t = tally(arrivals, 8)
+    assert t.missing == (7,) and not t.complete
+    assert t.distinct == 7 and t.received == 9 and t.duplicates == 2
+    assert t.unexpected == 2  # 99 is out of range, b"?" has no number
+    assert t.out_of_order == 1  # 4 first arrived after 5 on topic b; a's redeliveries are not
+    assert t.regressions == 2  # 2 -> 1 on a (a redelivery), 5 -> 4 on b
+    assert number_of(numbered(12, 40)) == 12 and len(numbered(12, 40)) == 40
