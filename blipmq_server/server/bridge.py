@@ -650,6 +650,13 @@ _CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
 def _why(exc: BaseException) -> str:
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
+    if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ is not None:
+        exc = exc.__cause__  # TLS: the ssl module's error behind trio's
+    verify = getattr(exc, "verify_message", None)
+    if verify:
+        return f"TLS: certificate verify failed: {verify}"
+    if exc.__class__.__module__ == "ssl" and getattr(exc, "reason", None):
+        return f"TLS: {exc.reason}"  # type: ignore[attr-defined]
     if isinstance(exc, OSError):
         return exc.strerror or str(exc) or type(exc).__name__
     return str(exc) or type(exc).__name__

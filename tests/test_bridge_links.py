@@ -1,0 +1,155 @@
+"""Bridge links: the rule vocabulary and backoff (pure), TLS to the upstream (mutual, wrong CA,
+wrong name, insecure), failover across addresses, paced sending."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
+from blipmq_server.bridge.spec import parse_bridges, parse_rule
+from blipmq_server.errors import ConfigError
+from tests.pki import broker_tls, make_pki
+from tests.test_bridge import bridge_table, local_numbers, wait_status
+from tests.upstream import free_port
+
+
+@pytest.mark.parametrize(("text", "local", "remote", "direction", "qos"), [
+    ("sensors/#", "sensors/#", "sensors/#", "out", 0),
+    ("sensors/# out 1 '' site1/", "sensors/#", "site1/sensors/#", "out", 1),
+    ('# in 1 edge/ cloud/', "edge/#", "cloud/#", "in", 1),
+    ("'' out 0 status/local site1/status", "status/local", "site1/status", "out", 0),
+    ("a/+/b both", "a/+/b", "a/+/b", "both", 0),
+])
+def test_rules_read_as_mosquitto_reads_them(text: str, local: str, remote: str,
+                                            direction: str, qos: int) -> None:
+    rule = parse_rule(text)
+    assert (rule.local_filter, rule.remote_filter, rule.direction, rule.qos) == (
+        local, remote, direction, qos)
+
+
+def test_prefixes_map_topics_both_ways() -> None:
+    rule = parse_rule("# both 1 edge/ cloud/")
+    assert rule.to_remote("edge/hall/temp") == "cloud/hall/temp"
+    assert rule.to_local("cloud/hall/temp") == "edge/hall/temp"
+    rules = (rule, parse_rule("sensors/# out 1"))
+    assert inbound_rule(rules, "cloud/x") is rule
+    assert inbound_rule(rules, "sensors/x") is None  # out only
+    assert imports(rules, "edge/x") and not imports(rules, "sensors/x")
+    single = parse_rule("'' in 0 status/local site1/status")
+    assert inbound_rule((single,), "site1/status") is single
+    assert inbound_rule((single,), "site1/status/x") is None
+
+
+@pytest.mark.parametrize(("table", "says"), [
+    ({"name": "a b", "addresses": ["h:1"], "topics": ["x"]}, "needs a name"),
+    ({"name": "a", "addresses": [], "topics": ["x"]}, "addresses must list"),
+    ({"name": "a", "addresses": ["h:99999"], "topics": ["x"]}, "bad address"),
+    ({"name": "a", "addresses": ["h:1"], "topics": []}, "topics must list"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x out 1 only-one-prefix"]},
+     "expected '<pattern>"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["''"]}, "empty pattern needs a prefix"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "inflight": 0}, "inflight must be"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "backlog": "keep"}, "backlog must"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "cert_file": "c.pem"},
+     "cert_file and key_file go together"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "backoff_min_ms": 5000,
+      "backoff_max_ms": 10}, "backoff_min_ms is larger"),
+])
+def test_bad_tables_are_named(table: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match="bridge\\[0\\]") as caught:
+        parse_bridges([table])
+    assert says in str(caught.value)
+
+
+def test_two_bridges_with_one_name_are_refused() -> None:
+    table = {"name": "a", "addresses": ["h:1"], "topics": ["x"]}
+    with pytest.raises(ConfigError, match="a second bridge with this name"):
+        parse_bridges([table, table])
+
+
+def test_default_ports_follow_protocol_and_tls() -> None:
+    specs = parse_bridges([
+        {"name": "a", "addresses": ["h"], "topics": ["x"]},
+        {"name": "b", "addresses": ["h"], "topics": ["x"], "tls": True},
+        {"name": "c", "addresses": ["h"], "topics": ["x"], "protocol": "blipmq"},
+    ])
+    assert [s.addresses[0][1] for s in specs] == [1883, 8883, 7878]
+
+
+def test_backoff_is_jittered_within_its_bounds_and_resets() -> None:
+    rng = random.Random(7)
+    backoff = Backoff(1.0, 60.0, rng.uniform)
+    waits = [backoff.next() for _ in range(200)]
+    assert all(1.0 <= w <= 60.0 for w in waits)
+    assert max(waits) > 30 and len({round(w, 3) for w in waits}) > 100  # spread, not fixed
+    backoff.reset()
+    assert backoff.next() <= 3.0  # from the minimum again
+
+
+# --------------------------------------------------------------------- real links
+
+
+def test_tls_to_the_upstream_verifies_it_and_offers_a_client_certificate(
+        start_broker, tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki")
+    up = start_broker(broker_tls(pki, tls={"ca_file": str(pki.ca),
+                                           "require_client_cert": True}))
+    address = [f"127.0.0.1:{up.mqtts_port}"]
+    rule = ["sensors/# out 1 '' gw/"]
+    mutual = {"tls": True, "ca_file": str(pki.ca), "cert_file": str(pki.client_cert),
+              "key_file": str(pki.client_key)}
+    bp = start_broker({"bridge": [
+        bridge_table("good", address, rule, **mutual),
+        bridge_table("no-cert", address, ["x/# out 1"], tls=True, ca_file=str(pki.ca)),
+        bridge_table("wrong-ca", address, ["y/# out 1"], tls=True,
+                     ca_file=str(pki.other_ca)),
+        bridge_table("wrong-name", address, ["z/# out 1"], **mutual,
+                     server_name="cloud.example.net"),
+        bridge_table("insecure", address, ["w/# out 1 '' insecure/"], tls=True,
+                     cert_file=str(pki.client_cert), key_file=str(pki.client_key),
+                     ca_file=str(pki.other_ca), insecure=True),
+    ]})
+    wait_status(bp, "good", lambda b: b["connected"])
+    wait_status(bp, "insecure", lambda b: b["connected"])
+    assert bp.cli("pub", "sensors/a", "over tls", "-q", "1").returncode == 0
+    assert bp.cli("pub", "w/a", "unverified", "-q", "1").returncode == 0
+    assert local_numbers(up, "gw/#", 1) == {b"over tls"}
+    assert local_numbers(up, "insecure/#", 1) == {b"unverified"}
+    wrong_ca = wait_status(bp, "wrong-ca", lambda b: "certificate verify failed"
+                           in b["last_error"])
+    wrong_name = wait_status(bp, "wrong-name", lambda b: "certificate verify failed"
+                             in b["last_error"])
+    no_cert = wait_status(bp, "no-cert", lambda b: b["last_error"] != "")
+    assert not (wrong_ca["connected"] or wrong_name["connected"] or no_cert["connected"])
+    assert "Hostname mismatch" in wrong_name["last_error"], wrong_name
+
+
+def test_failover_to_the_next_address_and_back_to_the_first(start_broker) -> None:
+    dead = free_port()
+    backup = start_broker({"mqtt": {"enabled": True, "port": 0}})
+    bp = start_broker({"bridge": [bridge_table(
+        "cloud", [f"127.0.0.1:{dead}", f"127.0.0.1:{backup.mqtt_port}"],
+        ["sensors/# out 1"])]})
+    up = wait_status(bp, "cloud", lambda b: b["connected"])
+    assert up["address"] == f"127.0.0.1:{backup.mqtt_port}"
+    assert bp.cli("pub", "sensors/a", "via backup", "-q", "1").returncode == 0
+    assert local_numbers(backup, "sensors/#", 1) == {b"via backup"}
+    bp.wait_log(f"cannot connect to 127.0.0.1:{dead}")
+
+
+def test_max_rate_paces_the_drain(start_broker) -> None:
+    up = start_broker()
+    bp = start_broker({"bridge": [bridge_table(
+        "slow", [f"127.0.0.1:{up.port}"], ["sensors/# out 1"], protocol="blipmq",
+        max_rate=200, inflight=10)]})
+    wait_status(bp, "slow", lambda b: b["connected"])
+    lines = b"".join(b"%d\n" % n for n in range(300))
+    started = time.monotonic()
+    assert bp.cli("pub", "sensors/a", "-q", "1", "-l", input=lines).returncode == 0
+    wait_status(bp, "slow", lambda b: b["forwarded"] == 300, timeout=20)
+    took = time.monotonic() - started
+    assert took >= 1.0, took  # 300 at 200/s: at least 1.5 s less the first burst of 10
