@@ -41,7 +41,7 @@ from typing import Any, Self
 
 import trio
 
-from blipmq_cli.client import DEFAULT_ADDR, DEFAULT_TIMEOUT, parse_addr, split_scheme
+from blipmq_cli.client import DEFAULT_ADDR, DEFAULT_TIMEOUT, targets
 from blipmq_server.errors import (
     BlipError,
     BrokerError,
@@ -219,17 +219,7 @@ class AsyncClient:
     ) -> None:
         """``addr``: one address or several (``[tls://|tcp://]host[:port]``), dialled in
         turn when reconnecting. ``ssl_context`` as for ``Client``."""
-        addrs = [addr] if isinstance(addr, str) else list(addr)
-        if not addrs:
-            raise ValueError("no broker address given")
-        self._targets: list[tuple[str, int, bool, str]] = []
-        for one in addrs:
-            scheme = split_scheme(one)[0]
-            host, port = parse_addr(one)
-            secure = scheme == "tls" or (scheme is None and ssl_context is not None)
-            label = ("tls://" if secure else "") + (
-                f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-            self._targets.append((host, port, secure, label))
+        self._targets = targets(addr, ssl_context)
         self.addr = self._targets[0][3]  # the address of the current (or last) connection
         self.api_key = api_key
         self.timeout = timeout

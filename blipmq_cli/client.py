@@ -38,11 +38,13 @@ import os
 import select
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from blipmq_server.errors import (
+    BlipError,
     BrokerError,
     ConfigError,
     ConnectError,
@@ -52,7 +54,13 @@ from blipmq_server.errors import (
 )
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import Delivery, Message
-from blipmq_server.protocol.connection import ClientConnection, CloseReason
+from blipmq_server.protocol.connection import (
+    ClientConnection,
+    CloseReason,
+    Gap,
+    Reconnect,
+    restart_point,
+)
 
 if TYPE_CHECKING:
     import ssl
@@ -75,6 +83,8 @@ _PROGRESS_CHUNK = 1 << 16
 _POLL_READS = 4  # reads of what already arrived before a write; more waits for the next wait
 _KEEPCNT = 3
 _ENDED, _WOKE = object(), object()  # next_of: every stream ended; a wake fd, no delivery
+_MOVED = object()  # a request's connection was replaced by a reconnect: ask again
+_ASKS = 8  # times a request is asked again across reconnects before giving up
 
 _T = TypeVar("_T")
 
@@ -131,14 +141,20 @@ class Subscription:
     """An iterator over the deliveries of one subscription."""
 
     def __init__(self, client: Client, sub_id: int, topic_filter: str, group: str,
-                 end: int | None = None) -> None:
+                 end: int | None = None, qos: int = 0, start: int = 0, start_offset: int = 0,
+                 flags: int = 0) -> None:
         self.client = client
         self.sub_id = sub_id
         self.topic_filter = topic_filter
         self.group = group
+        self.qos = qos
         self.ended = False
         self.end = end  # asked with until_end: the log's next offset when it subscribed
         self.at_end = False  # the broker marked it past ``end`` (an empty batch came)
+        self.last_offset: int | None = None  # of the last delivery handed out
+        self.gaps: list[Gap] = []  # what reconnects may have cost it (live subscriptions)
+        self._start, self._start_offset, self._flags = start, start_offset, flags
+        self._carry: deque[tuple[Delivery, ...]] = deque()  # read before a reconnect
 
     def __iter__(self) -> Iterator[Delivery]:
         while True:
@@ -190,36 +206,94 @@ class Subscription:
         self.client.nack(self.sub_id, *deliveries, delay_ms=delay_ms, reason=reason)
 
     def unsubscribe(self) -> None:
-        conn = self.client._conn
-        self.client._request(lambda: conn.unsubscribe(self.sub_id), "UNSUBSCRIBED")
+        self.client._request(lambda conn: conn.unsubscribe(self.sub_id), "UNSUBSCRIBED")
         self.ended = True
+        self.client._forget(self)
+
+
+def targets(addr: str | Sequence[str], ssl_context: ssl.SSLContext | None
+            ) -> list[tuple[str, int, bool, str]]:
+    """The addresses to dial, each as (host, port, TLS or not, the address as shown):
+    ``tls://`` means TLS, and so does an ``ssl_context`` with no scheme; ``tcp://`` is plain
+    TCP. Raises ValueError for an address that is not one."""
+    addrs = [addr] if isinstance(addr, str) else list(addr)
+    if not addrs:
+        raise ValueError("no broker address given")
+    out = []
+    for one in addrs:
+        scheme = split_scheme(one)[0]
+        host, port = parse_addr(one)
+        secure = scheme == "tls" or (scheme is None and ssl_context is not None)
+        out.append((host, port, secure, ("tls://" if secure else "") + (
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}")))
+    return out
 
 
 class Client:
     def __init__(
         self,
-        addr: str = DEFAULT_ADDR,
+        addr: str | Sequence[str] = DEFAULT_ADDR,
         api_key: str = "",
         *,
         timeout: float = DEFAULT_TIMEOUT,
         name: str = "blipmq-py",
         ssl_context: ssl.SSLContext | None = None,
+        reconnect: Reconnect | bool = False,
+        on_disconnect: Callable[[BlipError], object] | None = None,
+        on_reconnect: Callable[[str], object] | None = None,
+        on_gap: Callable[[Gap], object] | None = None,
     ) -> None:
-        """``addr``: ``[tls://|tcp://]host[:port]``. TLS with ``tls://`` (verifying the
-        broker's certificate with the system's CAs unless ``ssl_context`` says otherwise),
-        or with an ``ssl_context`` and no scheme; ``tcp://`` is plain TCP."""
-        scheme = split_scheme(addr)[0]
-        host, port = parse_addr(addr)
-        secure = scheme == "tls" or (scheme is None and ssl_context is not None)
-        self.addr = ("tls://" if secure else "") + (
-            f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        """``addr``: ``[tls://|tcp://]host[:port]``, or several, dialled in turn when
+        reconnecting (the first that answers is used at first). TLS with ``tls://``
+        (verifying the broker's certificate with the system's CAs unless ``ssl_context``
+        says otherwise), or with an ``ssl_context`` and no scheme; ``tcp://`` is plain TCP.
+
+        ``reconnect`` (off by default; True for ``Reconnect()``'s policy): the call that
+        finds the connection lost dials again, sends the unconfirmed QoS 1 messages again,
+        subscribes again (``on_gap`` and ``Subscription.gaps`` for a live subscription),
+        then goes on; ``on_disconnect(error)`` and ``on_reconnect(address)`` are told."""
+        self._targets = targets(addr, ssl_context)
+        self.addr = self._targets[0][3]
         self.timeout = timeout
+        self.name = name
+        self.api_key = api_key
+        self._ssl_context = ssl_context
+        self.reconnect: Reconnect | None = Reconnect() if reconnect is True else (
+            reconnect or None)
+        self.on_disconnect = on_disconnect
+        self.on_reconnect = on_reconnect
+        self.on_gap = on_gap
+        self.reconnects = 0  # connections made again after a loss
+        self.resent = 0  # messages a reconnect sent again
+        self._subs: list[Subscription] = []  # live subscriptions, restored by a reconnect
+        self._next_target = 1
+        self._recovering = True  # no reconnects before the first connection is up
+        self._closing = False
         self._tls: TlsSocket | None = None  # the TLS layer (None: plain TCP)
         # while waiting for deliveries: wake when one of these fds is readable, and raise
         # BrokenPipeError when ``hangup_fd`` (stdout) reports that its reader went away
         self.wake_fds: tuple[int, ...] = ()
         self.hangup_fd: int | None = None
         self._woken = False
+        self._conn = ClientConnection()
+        error: BlipError | None = None
+        for target in self._targets:
+            try:
+                self._dial(target)
+                break
+            except BlipError as exc:
+                error = error or exc
+        else:
+            assert error is not None
+            raise error
+        self._recovering = False
+
+    def _dial(self, target: tuple[str, int, bool, str]) -> None:
+        """Connect to one address and finish the handshake: the client's socket and
+        connection are the new ones from here (a failure closes the socket and raises)."""
+        host, port, secure, self.addr = target
+        timeout = self.timeout
+        self._tls = None
         self._conn = ClientConnection()
         deadline = time.monotonic() + timeout
         try:
@@ -235,7 +309,7 @@ class Client:
             if secure:
                 from blipmq_cli import tls
 
-                context = ssl_context or tls.context()
+                context = self._ssl_context or tls.context()
                 self.sock = self._tls = tls.connect(  # type: ignore[assignment]
                     self.sock, context, host, self.addr, deadline)
             # non-blocking from here on: waits are this client's own poll() calls (a socket
@@ -244,7 +318,7 @@ class Client:
             self._poller: tuple[tuple[int, ...], int | None, select.poll] | None = None
             self._arrived = select.poll()  # whether anything came, without waiting
             self._arrived.register(self.sock, select.POLLIN)
-            self._conn.hello(name, api_key)
+            self._conn.hello(self.name, self.api_key)
             self._send_out()
             try:
                 outcome = self._wait(self._conn.handshake, deadline - time.monotonic(),
@@ -307,6 +381,7 @@ class Client:
     def close(self) -> None:
         """Flush, say GOODBYE and close; raises the first refusal not yet reported."""
         conn = self._conn
+        self._closing = self.reconnect is None  # with reconnects, the flush may need one
         try:
             if conn.closed is not None:
                 # the broker ended the connection: nothing to flush, but say why it refused
@@ -315,9 +390,12 @@ class Client:
                     raise BrokerError(refusal.code, refusal.text)
             else:
                 self.flush()
+                self._closing = True
+                conn = self._conn
                 conn.goodbye()
                 self._write(conn.data_to_send())
         finally:
+            self._closing = True
             self.abort()
 
     def abort(self) -> None:
@@ -381,6 +459,7 @@ class Client:
                     pairs = []
                 if conn.outgoing >= _SEND_CHUNK:
                     self._send_out()
+                    conn = self._conn  # a new one after a reconnect
             n += conn.publish_pairs(pairs)
         except LocalProtocolError as exc:
             raise _refused(exc) from None
@@ -401,16 +480,15 @@ class Client:
         client's) bounds the whole wait."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        conn = self._conn
-        self._request(conn.ping, "PONG", limit)
+        self._request(lambda conn: conn.ping(), "PONG", limit)
         self.wait_confirms(max(0.0, deadline - time.monotonic()))
 
     def wait_confirms(self, timeout: float | None = None) -> None:
         """Wait for the PUB_ACK of every QoS 1 publish sent; raise the first refusal."""
-        conn = self._conn
         self._send_out()
 
         def confirmed() -> bool | None:
+            conn = self._conn  # a new one after a reconnect: the unconfirmed went with it
             refusal = conn.refusal()
             if refusal is not None:
                 raise BrokerError(refusal.code, refusal.text)
@@ -445,23 +523,30 @@ class Client:
         """
         if start == codec.Start.TIME and start_time_ms:
             start_offset = start_time_ms  # the wire carries the time in start_offset
-        conn = self._conn
+        flags = codec.SUBSCRIBE_UNTIL_END if until_end else 0
         reply = self._request(
-            lambda: conn.subscribe(topic_filter, group, qos, credit, start, start_offset,
-                                   codec.SUBSCRIBE_UNTIL_END if until_end else 0),
+            lambda conn: conn.subscribe(topic_filter, group, qos, credit, start, start_offset,
+                                        flags),
             "SUBSCRIBED",
         )
         assert isinstance(reply, codec.Subscribed)
         if until_end and reply.end is None:
             raise BrokerError(codec.ErrorCode.UNSUPPORTED,
                               f"the broker at {self.addr} does not mark the end of the log")
-        return Subscription(self, reply.sub_id, topic_filter, group, reply.end)
+        sub = Subscription(self, reply.sub_id, topic_filter, group, reply.end, qos, start,
+                           start_offset, flags)
+        if self.reconnect is not None:
+            self._subs.append(sub)
+        return sub
 
     def unsubscribe(self, topic_filter: str, *, group: str = "") -> int:
         """End this connection's subscriptions on a filter, or delete a consumer group."""
-        conn = self._conn
-        reply = self._request(lambda: conn.unsubscribe(0, topic_filter, group), "UNSUBSCRIBED")
+        reply = self._request(lambda conn: conn.unsubscribe(0, topic_filter, group),
+                              "UNSUBSCRIBED")
         assert isinstance(reply, codec.Unsubscribed)
+        for sub in list(self._subs):
+            if sub.topic_filter == topic_filter and sub.group == group:
+                self._forget(sub)
         return reply.count
 
     def ack(self, sub_id: int, *deliveries: Delivery) -> None:
@@ -480,8 +565,7 @@ class Client:
         """The broker's statistics (docs/PROTOCOL.md, "Statistics"), as a dict."""
         import json
 
-        conn = self._conn
-        reply = self._request(conn.stats, "STATS_REPORT", timeout)
+        reply = self._request(lambda conn: conn.stats(), "STATS_REPORT", timeout)
         assert isinstance(reply, codec.StatsReport)
         try:
             data = json.loads(reply.data)
@@ -502,22 +586,34 @@ class Client:
     # --------------------------------------------------------------------------- plumbing
 
     def _request(
-        self, make: Callable[[], int], what: str, timeout: float | None = None
+        self, make: Callable[[ClientConnection], int], what: str, timeout: float | None = None
     ) -> codec.Frame:
-        """Queue a request with ``make``, send it and wait for its reply."""
-        if self._conn.closed is not None:
-            self._raise_closed()
-        rid = make()
-        self._send_out()
-        try:
-            reply = self._wait(lambda: self._conn.reply(rid),
-                               self.timeout if timeout is None else timeout, what)
-        except TimeoutError:
-            self._conn.forget(rid)
-            raise
-        if isinstance(reply, codec.Error):
-            raise BrokerError(reply.code, reply.text)
-        return reply
+        """Queue a request with ``make``, send it and wait for its reply (asked again on the
+        new connection when a reconnect came in between)."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        for _ in range(_ASKS):
+            if self._conn.closed is not None:
+                self._raise_closed()
+            conn = self._conn
+            rid = make(conn)
+            self._send_out()
+
+            def reply(conn: ClientConnection = conn, rid: int = rid) -> object | None:
+                return conn.reply(rid) if self._conn is conn else _MOVED
+
+            try:
+                got = self._wait(reply, max(0.0, deadline - time.monotonic()), what)
+            except TimeoutError:
+                conn.forget(rid)
+                raise
+            if got is _MOVED:
+                continue
+            if isinstance(got, codec.Error):
+                raise BrokerError(got.code, got.text)
+            return got  # type: ignore[return-value]
+        raise ConnectError(f"the connection to {self.addr} kept breaking while waiting for "
+                           f"{what}")
 
     def next_of(
         self, subs: list[Subscription], timeout: float | None = None
@@ -525,14 +621,15 @@ class Client:
         """The next DELIVER batch of any of ``subs`` (taken in turn), with its subscription;
         None once all their streams ended; ``(None, ())`` when a wake fd became readable
         first. Raises like ``Subscription.next_batch``."""
-        conn = self._conn
-
         def batch() -> object | None:
+            conn = self._conn  # a new one after a reconnect
             live = 0
             for sub in subs:
-                got = conn.next_batch(sub.sub_id)
+                got = sub._carry.popleft() if sub._carry else conn.next_batch(sub.sub_id)
                 if got is not None:
-                    if not got:
+                    if got:
+                        sub.last_offset = got[-1].offset
+                    else:
                         sub.at_end = True  # the end mark of an until_end subscription
                     subs.append(subs.pop(subs.index(sub)))  # the others go first next time
                     return sub, got
@@ -541,7 +638,8 @@ class Client:
             if refusal is not None:
                 raise BrokerError(refusal.code, refusal.text)
             closed = conn.closed
-            if not live or (closed is not None and closed.ends_streams):
+            if not live or (closed is not None and closed.ends_streams
+                            and self.reconnect is None):
                 return _ENDED
             if self._woken:
                 self._woken = False
@@ -565,14 +663,15 @@ class Client:
         ``timeout`` None means no deadline, only with ``keepalive``: the connection's
         keepalive then decides when the broker has been silent for too long.
         """
-        conn = self._conn
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # each pass receives, or moves towards the deadline or the keepalive
             result = ready()
             if result is not None:
                 return result
+            conn = self._conn
             if conn.closed is not None:
-                self._raise_closed()
+                self._raise_closed()  # or reconnects, and the next pass asks again
+                continue
             now = time.monotonic()
             wait = self.timeout
             if keepalive:
@@ -601,6 +700,7 @@ class Client:
             return
         except OSError as exc:
             self._lost(exc)
+            return  # reconnected
         self._feed(data)
         conn = self._conn
         if conn.outgoing and conn.closed is None:
@@ -677,8 +777,9 @@ class Client:
         self._poll()
         closed = self._conn.closed
         if closed is not None:
-            if not closed.ends_streams:
-                self._raise_closed()
+            if not closed.ends_streams or self.reconnect is not None:
+                self._raise_closed()  # or reconnects: what was queued went with the old one
+                return
             self._conn.data_to_send()
             return
         data = self._conn.data_to_send()
@@ -710,23 +811,103 @@ class Client:
                 continue
             except OSError as exc:
                 self._lost(exc)
+                return  # reconnected: the old connection's bytes are moot
             if progress is not None:
                 progress(sent)
 
-    def _lost(self, exc: OSError) -> NoReturn:
+    def _lost(self, exc: OSError) -> None:
         """A read or write failed: report the refusal or GOODBYE that explains it, if one
-        came, else the failure itself."""
+        came, else the failure itself; returns only after a reconnect."""
         self._poll()
         conn = self._conn
         conn.receive_data(b"", time.monotonic())
+        if self._recover():
+            return
         closed = conn.closed
         if conn.unreported or (closed is not None and closed.reason is not CloseReason.EOF):
             self._raise_closed()
         raise ConnectError(f"connection to {self.addr} lost: {exc.strerror or exc}") from None
 
-    def _raise_closed(self) -> NoReturn:
-        """Raise why the connection is over (``ClientConnection.failure``)."""
+    def _raise_closed(self) -> None:
+        """Raise why the connection is over (``ClientConnection.failure``); with reconnects
+        on, return once a new connection took over instead."""
+        if self._recover():
+            return
         raise self._conn.failure(self.addr, 2 * self.timeout)
+
+    def _forget(self, sub: Subscription) -> None:
+        if sub in self._subs:
+            self._subs.remove(sub)
+
+    def _recover(self) -> bool:
+        """After the connection was lost: False when reconnects are off (the caller raises
+        why); else dial again (``Reconnect``), hand the unconfirmed and unsent messages and
+        the subscriptions over to the new connection, and return True; raise ConnectError
+        on giving up."""
+        old = self._conn
+        closed = old.closed
+        policy = self.reconnect
+        if (policy is None or self._recovering or self._closing or closed is None
+                or closed.reason is CloseReason.LOCAL):
+            return False
+        import random
+
+        error = old.failure(self.addr, 2 * self.timeout)
+        if self.on_disconnect is not None:
+            self.on_disconnect(error)
+        self._recovering = True
+        try:
+            for attempt in range(policy.attempts):
+                self.abort()
+                time.sleep(policy.delay(attempt, random.random()))
+                target = self._targets[self._next_target % len(self._targets)]
+                self._next_target += 1
+                taken: ClientConnection | None = None
+                try:
+                    self._dial(target)
+                    taken = self._conn
+                    self._take_over(old)
+                except (BlipError, TimeoutError) as exc:
+                    error = exc if isinstance(exc, BlipError) else ConnectError(str(exc))
+                    if taken is not None:  # it took the messages over, then failed too
+                        if taken.closed is None:
+                            taken.receive_data(b"", time.monotonic())
+                        old = taken
+                    continue
+                self.reconnects += 1
+                if self.on_reconnect is not None:
+                    self.on_reconnect(self.addr)
+                return True
+            self._conn = old
+            raise ConnectError(f"gave up reconnecting after {policy.attempts} attempts: "
+                               f"{error}")
+        finally:
+            self._recovering = False
+
+    def _take_over(self, old: ClientConnection) -> None:
+        """On the new connection: send ``old``'s messages again, subscribe again."""
+        conn = self._conn
+        self.resent += conn.resume(old)
+        self._send_out()
+        for sub in list(self._subs):
+            while (batch := old.next_batch(sub.sub_id)) is not None:
+                sub._carry.append(batch)  # read before the loss: still handed out
+            start, offset, missed = restart_point(sub.group, sub.qos, sub._start,
+                                                  sub._start_offset, sub.last_offset)
+            rid = conn.subscribe(sub.topic_filter, sub.group, sub.qos,
+                                 old.credit_of(sub.sub_id), start, offset, sub._flags)
+            self._send_out()
+            reply = self._wait(lambda rid=rid: conn.reply(rid), self.timeout, "SUBSCRIBED")
+            if isinstance(reply, codec.Error):
+                raise ConnectError(f"the broker at {self.addr} refused to restore the "
+                                   f"subscription to {sub.topic_filter!r}: {reply.text}")
+            assert isinstance(reply, codec.Subscribed)
+            sub.sub_id = reply.sub_id
+            if missed:
+                gap = Gap(sub.topic_filter, sub.group, sub.last_offset)
+                sub.gaps.append(gap)
+                if self.on_gap is not None:
+                    self.on_gap(gap)
 
 
 def _env_timeout() -> float:

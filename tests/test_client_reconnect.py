@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import trio
 
-from blipmq_cli import AsyncClient, ConnectError, Gap, Reconnect, Start
+from blipmq_cli import AsyncClient, Client, ConnectError, Gap, Message, Reconnect, Start
 
 
 def free_port() -> int:
@@ -156,3 +158,56 @@ async def test_it_gives_up_after_the_attempts_and_says_why(start_broker, tmp_pat
             await sub.next_batch()
         with pytest.raises(ConnectError, match="gave up"):
             await c.publish("t", b"x")
+
+
+def test_the_sync_client_reconnects_when_asked(start_broker) -> None:
+    """``Client(reconnect=...)``: the call that finds the connection lost (here a flush
+    after SIGKILL) dials again, sends the unconfirmed QoS 1 messages again and restores
+    the subscriptions, then returns as if nothing happened."""
+    port = free_port()
+    b = start_broker({"server": {"port": port}})
+    down = threading.Event()
+    brokers = [b]
+    events: list[str] = []
+    gaps: list[Gap] = []
+
+    def restart_once_down() -> None:
+        if down.wait(30):
+            brokers.append(start_broker({"server": {"port": port}}, data_dir=b.data_dir))
+
+    def lost(error: Exception) -> None:
+        events.append("down")
+        down.set()
+
+    helper = threading.Thread(target=restart_once_down)
+    helper.start()
+    try:
+        with Client(b.addr, reconnect=fast(), on_disconnect=lost,
+                    on_reconnect=lambda a: events.append("up"), on_gap=gaps.append) as c:
+            group = c.subscribe("sync/orders", group="g", qos=1, credit=500)
+            live = c.subscribe("sync/orders")
+            for i in range(50):
+                c.publish("sync/orders", b"%d" % i, qos=1)
+            os.kill(b.proc.pid, signal.SIGSTOP)  # these reach it, unconfirmed
+            c.publish_many(Message("sync/orders", b"%d" % i, qos=1) for i in range(50, 200))
+            b.proc.kill()
+            b.proc.wait()
+            c.flush()  # reconnects, sends the 150 again, waits for their confirms
+            assert events == ["down", "up"] and c.reconnects == 1 and c.resent == 150
+            assert live.gaps == gaps and gaps[0] == Gap("sync/orders", "", None)
+            assert group.credit == 500
+            seen: set[int] = set()
+            deadline = time.monotonic() + 30
+            while len(seen) < 200 and time.monotonic() < deadline:
+                batch = group.next_batch(timeout=10)
+                assert batch is not None
+                seen.update(int(d.payload) for d in batch)
+                group.ack(*batch)
+            assert seen == set(range(200))  # the durable group resumed at its cursor
+    finally:
+        down.set()
+        helper.join()
+    with Client(brokers[-1].addr) as c:
+        logged = {int(d.payload) for d in c.subscribe("sync/orders", start=Start.EARLIEST,
+                                                      until_end=True)}
+    assert logged == set(range(200))
