@@ -25,6 +25,11 @@ PING, and if nothing at all arrives for another ``timeout`` it gives up (Connect
 keepalive is on too. Before writing, the client reads whatever already arrived without
 waiting, so a long-idle publisher answers the broker's PINGs and notices a closed connection.
 
+Reconnects are off unless ``reconnect`` asks for them: then the call that finds the
+connection lost dials the addresses again in turn (``Reconnect``'s backoff with jitter),
+and the new connection takes over the unconfirmed QoS 1 messages and the subscriptions
+(``ClientConnection.resume``, ``restart_point``) before the call goes on (docs/CLIENT.md).
+
 TLS: an address ``tls://host:port`` (or an ``ssl_context``) wraps the socket in TLS after it
 connects (``blipmq_cli.tls``, imported only then); the broker's certificate is verified.
 

@@ -12,6 +12,8 @@
   survives a reconnect: ``resume`` carries the unconfirmed QoS 1 messages, the messages not
   yet sent and the ones published while the connection was down over to a new connection;
 - DELIVER batches, queued per subscription, and the credit window asked for each;
+- what both clients decide alike about reconnecting: the backoff (``Reconnect``) and where
+  a subscription starts again (``restart_point``, a ``Gap`` when it may have missed some);
 - refusals: ERROR frames that answer no waiting request, kept until the caller asks;
 - why the connection closed (GOODBYE, end of stream, malformed bytes, silence);
 - the PONG that answers a PING from the broker, and the keepalive decision.
