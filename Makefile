@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-## bench: the issue-2 benchmark (starts its own brokers, prints figures)
+## bench: one broker with its own clients: throughput, fan-out, latency, CLI pipe (prints figures)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 

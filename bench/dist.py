@@ -1,4 +1,4 @@
-"""Start-up figures of the frozen executable against the pip install (issue 9).
+"""Start-up figures of the frozen executable against the pip install: one-shot commands and `start`.
 
     .venv/bin/python bench/dist.py [--binary dist/blipmq-V-linux-ARCH] [--runs 31]
 

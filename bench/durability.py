@@ -1,4 +1,4 @@
-"""Durability benchmark (issue 3); prints figures, never fails on them.
+"""What durability costs: fsync rate, QoS 1 group commit, log on/off, restart; prints figures.
 
     .venv/bin/python bench/durability.py [--records 1000000]
 

@@ -1,4 +1,4 @@
-"""Idle memory of the broker (issue 12); prints figures, never fails on them.
+"""Idle memory of the broker and where it goes; prints figures, never fails on them.
 
     .venv/bin/python bench/memory.py [--blipmq PATH] [--runs 3]
 

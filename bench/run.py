@@ -1,4 +1,4 @@
-"""BlipMQ benchmark for the foundation issue; prints figures, never fails on them.
+"""One broker, its own clients: throughput, fan-out, latency, CLI pipe; prints figures.
 
     .venv/bin/python bench/run.py [--messages N] [--skip-mosquitto]
 

@@ -1,4 +1,4 @@
-"""Shutdown stress (issue: SIGTERM under QoS 1 load with redelivery active); prints a summary.
+"""Shutdown stress: SIGTERM under QoS 1 load with redelivery active; prints a summary.
 
     .venv/bin/python bench/shutdown.py [--trials 50] [--publishers 3]
 

@@ -1,4 +1,4 @@
-"""Topic resolution micro-benchmark (issue 12); prints figures, never fails on them.
+"""Topic resolution micro-benchmark: the cost of a new topic as subscriptions grow; prints figures.
 
     .venv/bin/python bench/topics.py [--topics 1000] [--subscriptions 1,100,10000]
 
