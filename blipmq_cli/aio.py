@@ -285,12 +285,13 @@ class AsyncClient:
         raise error
 
     async def close(self) -> None:
-        """Flush (within ``timeout``), say GOODBYE and end the client's tasks; raises the
-        first refusal not yet reported."""
+        """Flush (within ``timeout``: while disconnected with messages pending, that
+        includes waiting for the reconnect), say GOODBYE and end the client's tasks; raises
+        the first refusal not yet reported."""
         if self._nursery is None or self._closing:
             return
         error: BlipError | None = None
-        if self._up:
+        if self._dead is None and (self._up or self._conn.backlog[0]):
             try:
                 await self.flush()
             except (BlipError, TimeoutError) as exc:
