@@ -112,8 +112,6 @@ class _Conn:
         self.scope.cancel()
 
 
-_EOF = b""
-
 
 class FaultProxy:
     """A TCP proxy from 127.0.0.1:``port`` to ``target`` whose link can be broken on demand.
