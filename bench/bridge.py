@@ -295,8 +295,80 @@ def mosquitto_bridge(opts: Options) -> dict[str, Any]:
             return measure("mosquitto bridge", link, local.port, local.pid, opts)
 
 
+@contextmanager
+def blipmq_broker(directory: Path, config: str, name: str) -> Iterator[tuple[int, int, int]]:
+    """A BlipMQ broker process (the pip-installed ``blipmq``) with ``config`` added to an MQTT
+    listener on a free port; yields (native port, MQTT port, pid) once it listens."""
+    import subprocess
+
+    from tests.upstream import free_port
+
+    directory.mkdir(parents=True, exist_ok=True)
+    native, mqtt_port = free_port(), free_port()
+    path = directory / f"{name}.toml"
+    path.write_text(f"[server]\nport = {native}\n[mqtt]\nenabled = true\nport = {mqtt_port}\n"
+                    f"[metrics]\nenabled = false\n[storage]\ndata_dir = \"{directory}/data\"\n"
+                    + config)
+    blipmq = str(Path(sys.executable).parent / "blipmq")
+    proc = subprocess.Popen([blipmq, "start", "--config", str(path), "--log-format", "plain"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=(directory / f"{name}.log").open("wb"))
+    try:
+        import socket
+
+        def listening() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", mqtt_port), timeout=1).close()
+                return True
+            except OSError:
+                return proc.poll() is not None
+
+        if not wait_until(listening, 20) or proc.poll() is not None:
+            raise RuntimeError(f"blipmq {name} did not start: "
+                               f"{(directory / f'{name}.log').read_text()}")
+        yield native, mqtt_port, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _bridge_toml(opts: Options, port: int, protocol: str) -> str:
+    return (f"[[bridge]]\nname = \"bench\"\naddresses = [\"127.0.0.1:{port}\"]\n"
+            f"protocol = \"{protocol}\"\ntopics = [\"bench/# out 1\"]\ninflight = 1000\n"
+            f"backoff_min_ms = {round(opts.reconnect_min * 1000)}\n"
+            f"backoff_max_ms = {round(opts.reconnect_max * 1000)}\n")
+
+
+def blipmq_bridge(opts: Options) -> dict[str, Any]:
+    """BlipMQ's bridge to the same mosquitto upstream over MQTT 3.1.1: the backlog is the
+    local log, forwarded with up to 1,000 PUBLISHes awaiting their PUBACK."""
+    with uplink(opts) as link, blipmq_broker(
+            link.directory / "local", _bridge_toml(opts, link.proxy.port, "mqtt"),
+            "local") as (_, mqtt_port, pid):
+        return measure("blipmq bridge (mqtt)", link, mqtt_port, pid, opts)
+
+
+def blipmq_native(opts: Options) -> dict[str, Any]:
+    """BlipMQ -> BlipMQ over the native protocol (PUBLISH batches, one PUB_ACK each from the
+    upstream's log); the subscriber is the same mosquitto_sub, on the upstream's MQTT port."""
+    with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp, \
+            blipmq_broker(Path(tmp) / "upstream", "", "upstream") as (up_native, up_mqtt, _), \
+            FaultProxy(("127.0.0.1", up_native)) as proxy, \
+            SubCollector(up_mqtt, "bench/#", client_id="bench-upstream-sub") as collector, \
+            blipmq_broker(Path(tmp) / "local", _bridge_toml(opts, proxy.port, "blipmq"),
+                          "local") as (_, mqtt_port, pid):
+        link = Link(None, proxy, collector, Path(tmp))  # type: ignore[arg-type]
+        return measure("blipmq bridge (native)", link, mqtt_port, pid, opts)
+
+
 SYSTEMS: dict[str, Callable[[Options], dict[str, Any]]] = {
     "mosquitto": mosquitto_bridge,
+    "blipmq": blipmq_bridge,
+    "blipmq-native": blipmq_native,
 }
 
 COLUMNS = [  # (heading, key, format)

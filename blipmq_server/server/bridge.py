@@ -465,27 +465,45 @@ class _Link:
         self.bridge._kick.set()
 
     async def _reader(self) -> None:
-        bridge = self.bridge
-        broker = bridge.broker
-        conn = bridge.conn_id
         for packet in self.pending:
-            self._handle(packet, broker, conn)
+            self._handle(packet)
         while True:
-            for packet in await self._read_packets():
-                self._handle(packet, broker, conn)
+            self._handle_all(await self._read_packets())
 
-    def _handle(self, packet: object, broker: Any, conn: int) -> None:
+    def _handle_all(self, packets: list[object]) -> None:
+        """The packets of one read; their PUBACKs become one ack per rule (one ACK record
+        in the log for the lot, not one per message)."""
+        done: dict[int, list[int]] | None = None
+        inflight = self.inflight
+        for packet in packets:
+            if packet.__class__ is PubAck:
+                found = inflight.pop(packet.packet_id, None)  # type: ignore[attr-defined]
+                if found is not None:
+                    if done is None:
+                        done = {}
+                    done.setdefault(found[0], []).append(found[1])
+                continue
+            self._handle(packet)
+        if done is not None:
+            self._acked(done)
+
+    def _acked(self, done: dict[int, list[int]]) -> None:
+        """The upstream acknowledged these (rule's sub id -> offsets): they leave the group."""
         bridge = self.bridge
-        if packet.__class__ is PubAck:
-            found = self.inflight.pop(packet.packet_id, None)  # type: ignore[attr-defined]
-            if found is not None:
-                self.acked += 1
-                bridge.counters["forwarded"] += 1
-                broker.ack(conn, found[0], (found[1],), wall_ms())
-                bridge._kick.set()  # room in the window
-                if bridge._strikes:
-                    bridge._strikes.pop(found[1], None)
-            return
+        broker, conn, wall = bridge.broker, bridge.conn_id, wall_ms()
+        n = 0
+        for sub_id, offsets in done.items():
+            broker.ack(conn, sub_id, tuple(offsets), wall)
+            n += len(offsets)
+            if bridge._strikes:
+                for offset in offsets:
+                    bridge._strikes.pop(offset, None)
+        self.acked += n
+        bridge.counters["forwarded"] += n
+        bridge._kick.set()  # room in the window
+
+    def _handle(self, packet: object) -> None:
+        bridge = self.bridge
         if packet.__class__ is Publish:
             bridge.received(self, packet)  # type: ignore[arg-type]
             return

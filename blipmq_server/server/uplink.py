@@ -68,7 +68,7 @@ class NativeLink(_Link):
         """Confirmed messages leave the group; refused ones go back (or to the dead
         letters), in the order they were sent."""
         bridge = self.bridge
-        broker, conn_id, conn = bridge.broker, bridge.conn_id, self.conn
+        conn = self.conn
         inflight = self.inflight
         acks: dict[int, list[int]] = {}
         refused: list[tuple[int, int]] = []
@@ -83,18 +83,10 @@ class NativeLink(_Link):
             else:
                 refused.append((sub_id, offset))
         if acks:
-            wall = wall_ms()
-            n = 0
-            for sub_id, offsets in acks.items():
-                broker.ack(conn_id, sub_id, tuple(offsets), wall)
-                n += len(offsets)
-                if bridge._strikes:
-                    for offset in offsets:
-                        bridge._strikes.pop(offset, None)
-                        self.suspects.discard(offset)
-            self.acked += n
-            bridge.counters["forwarded"] += n
-            bridge._kick.set()
+            for offsets in acks.values() if self.suspects else ():
+                for offset in offsets:
+                    self.suspects.discard(offset)
+            self._acked(acks)
         reason = ""
         while (error := conn.refusal()) is not None:
             reason = reason or f"{error.text} (error {error.code})"
