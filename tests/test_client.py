@@ -284,3 +284,16 @@ def test_the_client_benchmark_runs_and_prints_figures() -> None:
                                                               "nats-async"}
     for row in report["results"].values():
         assert row["msg_s"] > 0 and row["p50_ms"] > 0
+
+
+def test_several_addresses_the_first_that_answers_is_used(start_broker) -> None:
+    b = start_broker()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nobody listens there once closed
+    with Client([dead, b.addr]) as c:
+        assert c.addr == b.addr and c.ping() >= 0
+    with pytest.raises(ConnectError, match="cannot connect to"):
+        Client([dead, dead], timeout=2)
+    with pytest.raises(ValueError, match="no broker address"):
+        Client([])
