@@ -750,6 +750,8 @@ class AsyncClient:
     async def _restore(self, conn: ClientConnection) -> None:
         """Subscribe again on a new connection, then tell ``on_reconnect``."""
         for sub in list(self._subs):
+            if conn.closed is not None:
+                return  # this connection went too; the next one restores them
             if sub.ended:
                 continue
             start, offset, missed = restart_point(sub.group, sub.qos, sub._start,
