@@ -322,6 +322,15 @@ class _Recorder:
                 self._numbers.add(n)
             self._lock.notify_all()
 
+    def _record_many(self, messages: list[Received]) -> None:
+        """``_record`` of one read's worth, under the lock once."""
+        kept = [m for m in messages if not self._ignore(m.topic)]
+        numbers = [n for m in kept if (n := number_of(m.payload)) is not None]
+        with self._lock:
+            self._messages += kept
+            self._numbers.update(numbers)
+            self._lock.notify_all()
+
     @property
     def count(self) -> int:
         with self._lock:

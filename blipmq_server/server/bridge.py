@@ -92,6 +92,8 @@ class Bridge:
         self.private = spec.try_private  # CONNECT as a bridge (level 0x84)
         self.subscribed = False  # the upstream session holds the in rules' subscriptions
         self._retry_plain = False
+        # (rule's sub id, local topic) -> the upstream's topic, UTF-8 (bounded)
+        self.remotes: dict[tuple[int, bytes], bytes] = {}
 
     # ------------------------------------------------------------------ the core's side
 
@@ -390,6 +392,10 @@ class _Link:
                 raise LinkDown("the upstream closed the connection")
             self.heard_at = trio.current_time()
             self.pinged = False
+            if not len(data) % 4 and not self.decoder.buffered:
+                acks = _pubacks(data)  # a drain's usual read: nothing but PUBACKs
+                if acks is not None:
+                    return acks
             self.decoder.feed(data)
 
     async def handshake(self) -> None:
@@ -476,6 +482,13 @@ class _Link:
         done: dict[int, list[int]] | None = None
         inflight = self.inflight
         for packet in packets:
+            if packet.__class__ is int:  # a PUBACK's packet id (``_pubacks``)
+                found = inflight.pop(packet, None)  # type: ignore[call-overload]
+                if found is not None:
+                    if done is None:
+                        done = {}
+                    done.setdefault(found[0], []).append(found[1])
+                continue
             if packet.__class__ is PubAck:
                 found = inflight.pop(packet.packet_id, None)  # type: ignore[attr-defined]
                 if found is not None:
@@ -593,21 +606,28 @@ class _Link:
         every = bridge.spec.rules
         counters = bridge.counters
         inflight = self.inflight
+        remotes = bridge.remotes
         done: dict[int, list[int]] = {}
         sent = 0
         for sub_id, records in batches:
             rule = rules[sub_id]
             for rec in records:
                 offset, count, _, _, flags, ttl, tlen, klen, plen = _HEAD.unpack_from(rec)
-                topic = rec[_BODY:_BODY + tlen].decode("utf-8", "replace")
-                if flags & FLAG_BRIDGED and imports(every, topic):
+                local = rec[_BODY:_BODY + tlen]
+                if flags & FLAG_BRIDGED and imports(every, local.decode("utf-8", "replace")):
                     counters["skipped"] += 1  # it came from the upstream: not back to it
                     done.setdefault(sub_id, []).append(offset)
                     continue
+                remote = remotes.get((sub_id, local))
+                if remote is None:
+                    if len(remotes) >= 4096:
+                        remotes.clear()
+                    remote = remotes[sub_id, local] = rule.to_remote(
+                        local.decode("utf-8", "replace")).encode()
                 try:
                     at = _BODY + tlen + klen  # the payload's start
-                    key = self._put(rule, rule.to_remote(topic), rec, flags, ttl, at, klen,
-                                    plen, count, offset, parts)
+                    key = self._put(rule, remote, rec, flags, ttl, at, klen, plen, count,
+                                    offset, parts)
                 except LocalProtocolError as exc:  # the upstream could never take it
                     counters["refused"] += 1
                     counters["dead_lettered"] += 1
@@ -630,15 +650,15 @@ class _Link:
                 bridge.broker.ack(bridge.conn_id, sub_id, tuple(offsets), wall)
         return sent
 
-    def _put(self, rule: Rule, topic: str, rec: bytes, flags: int, ttl: int, at: int,
+    def _put(self, rule: Rule, topic: bytes, rec: bytes, flags: int, ttl: int, at: int,
              klen: int, plen: int, count: int, offset: int, parts: list[bytes]) -> int:
         """One delivery record (its payload at ``at``, after a key of ``klen`` bytes) onto
-        ``parts`` as ``topic``; returns its packet id (0 at QoS 0). Raises
-        LocalProtocolError for one the protocol cannot carry."""
+        ``parts`` as ``topic`` (the upstream's name, UTF-8); returns its packet id (0 at
+        QoS 0). Raises LocalProtocolError for one the protocol cannot carry."""
         qos = rule.qos
         pid = self._pid() if qos else 0
         parts.append(mqtt.encode_publish(
-            topic.encode(), rec[at:at + plen], qos,
+            topic, rec[at:at + plen], qos,
             self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN),
             count > 1 and qos > 0, pid))
         return pid
@@ -663,6 +683,21 @@ class _Link:
 _PINGREQ = mqtt.encode(PingReq())
 _CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
             3: "server unavailable", 4: "bad user name or password", 5: "not authorized"}
+
+
+_PUBACK = struct.Struct(">BBH")
+
+
+def _pubacks(data: bytes) -> list[object] | None:
+    """The packet ids of ``data`` when it holds PUBACKs only (4 bytes each), else None (the
+    decoder takes it): a drain reads thousands of them at a time."""
+    pids: list[object] = []
+    append = pids.append
+    for kind, length, pid in _PUBACK.iter_unpack(data):
+        if kind != 0x40 or length != 2:
+            return None
+        append(pid)
+    return pids
 
 
 def _why(exc: BaseException) -> str:

@@ -118,14 +118,14 @@ class NativeLink(_Link):
         bridge.server.wake(wake)
         bridge.server.log_touched()
 
-    def _put(self, rule: Rule, topic: str, rec: bytes, flags: int, ttl: int, at: int,
+    def _put(self, rule: Rule, topic: bytes, rec: bytes, flags: int, ttl: int, at: int,
              klen: int, plen: int, count: int, offset: int, parts: list[bytes]) -> int:
         conn = self.conn
         alone = offset in self.suspects
         if alone:
             conn.seal()
         ticket = conn.publish(Message(
-            topic, rec[at:at + plen], rule.qos, ttl,
+            topic.decode("utf-8"), rec[at:at + plen], rule.qos, ttl,
             rec[at - klen:at] if flags & FLAG_KEY else None,
             self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN)))
         if alone:
