@@ -333,3 +333,21 @@ def test_retention_pressure_block_holds_publishers_and_loses_nothing(
         assert final["dropped"] == 0
         got = {int(line.split()[0]) for line in local_numbers(up, "gw1/#", 2000)}
         assert got == set(range(2000))
+
+
+@pytest.mark.slow
+def test_bridge_bench_runs_every_system() -> None:
+    """bench/bridge.py end to end with a small backlog: figures, no assertions on them."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "bench" / "bridge.py"), "--count", "2000",
+                          "--rate", "200", "--seconds", "0.5", "--json"],
+                         capture_output=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    text = out.stdout.decode()
+    results = json.loads(text[text.index("\n["):])
+    assert [r["system"] for r in results] == [
+        "mosquitto bridge", "blipmq bridge (mqtt)", "blipmq bridge (native)"]
+    assert all(r["missing"] == 0 and r["complete"] for r in results), results
