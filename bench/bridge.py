@@ -3,7 +3,7 @@ and how long it takes to forward a message with the link up. Prints figures, ass
 
     .venv/bin/python bench/bridge.py [--count 100000] [--size 100] [--rate 1000]
                                      [--seconds 5] [--reconnect-min 1] [--reconnect-max 2]
-                                     [--stall 30] [--system mosquitto] [--json]
+                                     [--stall 30] [--idle 5] [--system mosquitto] [--json]
 
 Each system runs on one loopback layout, built the same way for all:
 
@@ -25,6 +25,9 @@ nothing new arrived for ``--stall`` s). Figures: seconds from link-up to the fir
 (the bridge's reconnect), seconds to empty (link-up to the last new number) and msg/s over
 those seconds, msg/s of the drain itself (first to last arrival), duplicates and missing
 numbers, and the local broker's CPU seconds meanwhile.
+
+Idle cost: the local broker's CPU per second and RSS over ``--idle`` s with the link up and
+nothing to send, then as long with the upstream refusing connections (an outage).
 
 Latency: the link up, ``--rate`` msg/s for ``--seconds`` s, QoS 1, from a paho publisher to
 the local broker; each payload carries ``time.time_ns()`` at publish, arrival minus that is the
@@ -91,6 +94,7 @@ class Options:
     reconnect_max: float = 2.0
     drain_timeout: float = 300.0  # give up waiting for the backlog after this long, s
     stall: float = 30.0  # ... or once nothing new arrived for this long, s
+    idle: float = 5.0  # idle cost: seconds with the link up and idle, then as long down
 
 
 @dataclass
@@ -344,7 +348,30 @@ def measure(system: str, link: Link, local_port: int, local_pid: int,
     ``link.proxy.port``."""
     wait_bridged(link, local_port)
     return {"system": system, **drain(link, local_port, local_pid, opts),
-            **latency(link, local_port, opts)}
+            **latency(link, local_port, opts), **idle(link, local_pid, opts)}
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return math.nan
+
+
+def idle(link: Link, local_pid: int, opts: Options) -> dict[str, Any]:
+    """The local broker's CPU (ms per second) and RSS with the link up and nothing to send,
+    then with the upstream unreachable (connections refused) for as long."""
+    out: dict[str, Any] = {}
+    for state in ("up", "down"):
+        if state == "down":
+            link.proxy.refuse()
+        before = cpu_seconds(local_pid)
+        time.sleep(opts.idle)  # the measurement itself: a fixed window of doing nothing
+        out[f"idle_{state}_cpu_ms_per_s"] = round(
+            (cpu_seconds(local_pid) - before) * 1000 / opts.idle, 2)
+        out[f"idle_{state}_rss_mb"] = rss_mb(local_pid)
+    link.proxy.restore()
+    return out
 
 
 # --- the systems ------------------------------------------------------------------------
@@ -462,6 +489,9 @@ COLUMNS = [  # (heading, key, format)
     ("local CPU s", "local_cpu_s", "{:.2f}"),
     ("p50 ms", "p50_ms", "{:.2f}"),
     ("p99 ms", "p99_ms", "{:.2f}"),
+    ("idle CPU ms/s", "idle_up_cpu_ms_per_s", "{:.1f}"),
+    ("down CPU ms/s", "idle_down_cpu_ms_per_s", "{:.1f}"),
+    ("RSS MB up/down", "rss", "{}"),
 ]
 
 
@@ -470,6 +500,8 @@ def table(results: list[dict[str, Any]]) -> str:
         value = row.get(key)
         return "-" if value is None else fmt.format(value)
 
+    results = [dict(r, rss=f"{r.get('idle_up_rss_mb')}/{r.get('idle_down_rss_mb')}")
+               for r in results]
     rows = [[h for h, _, _ in COLUMNS]]
     rows += [[cell(r, k, f) for _, k, f in COLUMNS] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -496,13 +528,15 @@ def main() -> None:
                     help="give up on a drain once nothing new arrived for this long, s")
     ap.add_argument("--system", action="append", choices=sorted(SYSTEMS),
                     help="run only this one (repeatable); all by default")
+    ap.add_argument("--idle", type=float, default=d.idle,
+                    help="seconds of the idle cost runs (link up, then down)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON as well")
     args = ap.parse_args()
     if args.size < 31:
         ap.error("--size must be at least 31 bytes (number, timestamp, separators)")
     opts = Options(count=args.count, size=args.size, rate=args.rate, seconds=args.seconds,
                    reconnect_min=args.reconnect_min, reconnect_max=args.reconnect_max,
-                   stall=args.stall)
+                   stall=args.stall, idle=args.idle)
     print(f"bridge bench: {asdict(opts)}", flush=True)
     results = []
     for name in args.system or list(SYSTEMS):

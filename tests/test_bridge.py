@@ -343,7 +343,7 @@ def test_bridge_bench_runs_every_system() -> None:
 
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, str(root / "bench" / "bridge.py"), "--count", "2000",
-                          "--rate", "200", "--seconds", "0.5", "--json"],
+                          "--rate", "200", "--seconds", "0.5", "--idle", "0.5", "--json"],
                          capture_output=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     text = out.stdout.decode()
