@@ -698,6 +698,8 @@ class AsyncClient:
             while conn.closed is None:  # each pass takes one read
                 while conn.queued >= self.prefetch and conn.closed is None:
                     self._gated = True  # let the application catch up: TCP pushes back
+                    # (a broker that cut us off meanwhile is noticed once the application
+                    # takes deliveries again: its FIN waits behind what we have not read)
                     await self._changed.wait()
                 self._gated = False
                 try:

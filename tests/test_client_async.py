@@ -16,7 +16,9 @@ from blipmq_cli import (
     Client,
     ConnectError,
     ErrorCode,
+    Gap,
     Message,
+    Reconnect,
     Start,
     TlsError,
 )
@@ -160,6 +162,40 @@ async def test_a_consumer_that_takes_nothing_is_cut_as_a_slow_consumer(start_bro
             while True:  # what was read before the cut, then the error
                 await sub.next_batch()
         assert not slow.connected
+
+
+async def test_a_slow_consumer_cut_with_reconnects_on_comes_back_with_a_gap(
+        start_broker) -> None:
+    """A consumer that stalls is cut; once it reads again it takes what it had, notices
+    the cut, reconnects and reports the gap; what is published after that reaches it."""
+    b = start_broker({"queues": {"capacity": 50, "overflow": "block",
+                                 "block_timeout_ms": 300}})
+    gaps: list[Gap] = []
+    back = trio.Event()
+    async with AsyncClient(b.addr, prefetch=20, on_gap=gaps.append,
+                           on_reconnect=lambda a: back.set(),
+                           reconnect=Reconnect(initial=0.01, maximum=0.1)) as slow, \
+            AsyncClient(b.addr) as pub:
+        sub = await slow.subscribe("firehose")
+        with trio.fail_after(30):
+            while "slow consumer" not in "\n".join(b.log):  # the application is stuck
+                await pub.publish_many(("firehose", b"x" * 2000) for _ in range(500))
+                await pub.flush()
+        seen: list[bytes] = []
+
+        async def reads() -> None:  # the application goes on
+            async for d in sub:
+                seen.append(d.payload)
+                if d.payload == b"after":
+                    return
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reads)
+                await back.wait()
+                await pub.publish("firehose", b"after")
+        assert gaps == sub.gaps and gaps[0].topic_filter == "firehose"
+        assert slow.reconnects == 1 and len(seen) > 1
 
 
 async def test_async_client_over_tls(start_broker, pki: Pki) -> None:
