@@ -351,3 +351,14 @@ def test_bridge_bench_runs_every_system() -> None:
     assert [r["system"] for r in results] == [
         "mosquitto bridge", "blipmq bridge (mqtt)", "blipmq bridge (native)"]
     assert all(r["missing"] == 0 and r["complete"] for r in results), results
+
+
+def test_no_client_joins_or_deletes_a_bridge_group(start_broker) -> None:
+    bp = start_broker({"bridge": [bridge_table("cloud", [f"127.0.0.1:{free_port()}"],
+                                               ["sensors/# out 1"])]})
+    assert bp.cli("pub", "sensors/a", "kept", "-q", "1").returncode == 0
+    joined = bp.cli("sub", "sensors/#", "--group", "bridge.cloud", "-q", "1", "-W", "2")
+    assert joined.returncode != 0 and b"belong to bridges" in joined.stderr, joined
+    deleted = bp.cli("unsub", "sensors/#", "--group", "bridge.cloud")
+    assert deleted.returncode != 0 and b"belong to bridges" in deleted.stderr, deleted
+    assert status(bp, "cloud")["backlog_messages"] == 1  # still the bridge's to forward

@@ -55,6 +55,11 @@ _MESSAGE = Kind.MESSAGE
 _STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
 
 
+BRIDGE_GROUPS = "bridge."  # the durable groups of bridges: no client joins or deletes one
+_BRIDGES_ONLY = ("group names starting with 'bridge.' belong to bridges (docs/BRIDGE.md): "
+                 "no client may join or delete one")
+
+
 def _owner_key(topic_filter: str, group: str) -> bytes:
     """The STATE key of a group's owner: ``owner/<group>`` NUL ``<filter>``."""
     return b"owner/" + group.encode("utf-8") + b"\x00" + topic_filter.encode("utf-8")
@@ -414,7 +419,9 @@ class Broker:
         """
         cap = self.limits.max_topic_bytes
         problem = (filter_problem(topic_filter, cap)
-                   or (group_problem(group) if group else None))
+                   or (group_problem(group) if group else None)
+                   or (_BRIDGES_ONLY if group.startswith(BRIDGE_GROUPS) and not patient
+                       else None))
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return refused(code, problem)
@@ -535,7 +542,8 @@ class Broker:
             return UnsubscribeResult(1, self._detach([consumer], timestamp_ms))
         if group:
             problem = (filter_problem(topic_filter, self.limits.max_topic_bytes)
-                       or group_problem(group))
+                       or group_problem(group)
+                       or (_BRIDGES_ONLY if group.startswith(BRIDGE_GROUPS) else None))
             if problem:  # refused as SUBSCRIBE refuses it, not "no such group"
                 code = (ErrorCode.INVALID_TOPIC if "filter" in problem
                         else ErrorCode.INVALID_REQUEST)
