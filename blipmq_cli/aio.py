@@ -754,7 +754,9 @@ class AsyncClient:
         for sub in list(self._subs):
             if conn.closed is not None:
                 return  # this connection went too; the next one restores them
-            if sub.ended:
+            last, last_id = sub._reads[-1]
+            if sub.ended or not last.subscribed(last_id):
+                self._subs.remove(sub)  # unsubscribed, or its group deleted: not restored
                 continue
             start, offset, missed = restart_point(sub.group, sub.qos, sub._start,
                                                   sub._start_offset, sub.last_offset)

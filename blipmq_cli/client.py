@@ -160,6 +160,7 @@ class Subscription:
         self.gaps: list[Gap] = []  # what reconnects may have cost it (live subscriptions)
         self._start, self._start_offset, self._flags = start, start_offset, flags
         self._carry: deque[tuple[Delivery, ...]] = deque()  # read before a reconnect
+        self._on = client._conn  # the connection it is subscribed on
 
     def __iter__(self) -> Iterator[Delivery]:
         while True:
@@ -895,19 +896,22 @@ class Client:
         self.resent += conn.resume(old)
         self._send_out()
         for sub in list(self._subs):
-            while (batch := old.next_batch(sub.sub_id)) is not None:
+            if sub.ended or not sub._on.subscribed(sub.sub_id):
+                self._forget(sub)  # unsubscribed, or its group deleted: not restored
+                continue
+            while (batch := sub._on.next_batch(sub.sub_id)) is not None:
                 sub._carry.append(batch)  # read before the loss: still handed out
             start, offset, missed = restart_point(sub.group, sub.qos, sub._start,
                                                   sub._start_offset, sub.last_offset)
             rid = conn.subscribe(sub.topic_filter, sub.group, sub.qos,
-                                 old.credit_of(sub.sub_id), start, offset, sub._flags)
+                                 sub._on.credit_of(sub.sub_id), start, offset, sub._flags)
             self._send_out()
             reply = self._wait(lambda rid=rid: conn.reply(rid), self.timeout, "SUBSCRIBED")
             if isinstance(reply, codec.Error):
                 raise ConnectError(f"the broker at {self.addr} refused to restore the "
                                    f"subscription to {sub.topic_filter!r}: {reply.text}")
             assert isinstance(reply, codec.Subscribed)
-            sub.sub_id = reply.sub_id
+            sub.sub_id, sub._on = reply.sub_id, conn
             if missed:
                 gap = Gap(sub.topic_filter, sub.group, sub.last_offset)
                 sub.gaps.append(gap)

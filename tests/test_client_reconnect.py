@@ -211,3 +211,28 @@ def test_the_sync_client_reconnects_when_asked(start_broker) -> None:
         logged = {int(d.payload) for d in c.subscribe("sync/orders", start=Start.EARLIEST,
                                                       until_end=True)}
     assert logged == set(range(200))
+
+
+async def test_a_deleted_group_is_not_brought_back_by_a_reconnect(start_broker) -> None:
+    port = free_port()
+    b = start_broker({"server": {"port": port}})
+    up = trio.Event()
+    sync = Client(b.addr, reconnect=fast())
+    try:
+        async with AsyncClient(b.addr, reconnect=fast(), on_reconnect=lambda a: up.set()) as c:
+            await c.subscribe("jobs", group="gone", qos=1)
+            sync.subscribe("jobs", group="gone-too", qos=1)
+            kept = await c.subscribe("jobs", group="kept", qos=1)
+            async with AsyncClient(b.addr) as admin:
+                await admin.unsubscribe("jobs", group="gone")
+                await admin.unsubscribe("jobs", group="gone-too")
+            await c.ping()
+            b = await restart(start_broker, b, port)
+            with trio.fail_after(20):
+                await up.wait()
+            await trio.to_thread.run_sync(sync.ping)  # the sync client reconnects here
+            assert sync.reconnects == 1
+            groups = {g["group"] for g in (await c.stats())["groups"]}
+            assert groups == {"kept"} and kept.sub_id
+    finally:
+        sync.close()
