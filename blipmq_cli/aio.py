@@ -167,6 +167,14 @@ class AsyncSubscription:
             self.client._kick()
         await trio.lowlevel.checkpoint()
 
+    async def ack_at_close(self, *deliveries: Delivery) -> None:
+        """Acknowledge the last deliveries this connection will take: CREDIT 0 and the ACK
+        go out with the GOODBYE of ``close()``, so the broker does not refill the window."""
+        live = self._live()
+        if live is not None:
+            live[0].ack_at_close(live[1], tuple(d.offset for d in deliveries))
+        await trio.lowlevel.checkpoint()
+
     async def nack(self, *deliveries: Delivery, delay_ms: int = 0, reason: str = "") -> None:
         """Give deliveries back: sent again at once, or after ``delay_ms``; ``reason`` is
         what a dead letter made by this NACK says."""

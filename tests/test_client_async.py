@@ -39,7 +39,8 @@ def test_the_public_names_come_from_one_place() -> None:
     for name in ("publish", "publish_many", "flush", "subscribe", "unsubscribe", "stats",
                  "ping", "close", "max_message"):
         assert hasattr(Client, name) and hasattr(AsyncClient, name), name
-    for name in ("next_batch", "ack", "nack", "set_credit", "credit", "unsubscribe"):
+    for name in ("next_batch", "ack", "ack_at_close", "nack", "set_credit", "credit",
+                 "unsubscribe"):
         assert hasattr(blipmq_cli.Subscription, name), name
         assert hasattr(blipmq_cli.AsyncSubscription, name), name
 
@@ -93,6 +94,26 @@ async def test_qos1_confirms_and_a_durable_group_with_acks_and_nacks(start_broke
         stats = await c.stats()
         groups = {g["group"]: g for g in stats["groups"]}
         assert groups["workers"]["backlog"] == 0 and groups["workers"]["in_flight"] == 0
+
+
+async def test_ack_at_close_takes_no_more_than_it_acks(start_broker) -> None:
+    b = start_broker()
+    async with AsyncClient(b.addr) as c:
+        await c.publish_many(Message("q", b"%d" % i, qos=1) for i in range(20))
+        await c.flush()
+    async with AsyncClient(b.addr) as c:
+        sub = await c.subscribe("q", group="one-at-a-time", qos=1, credit=1,
+                                start=Start.EARLIEST)
+        with trio.fail_after(10):
+            (first,) = await sub.next_batch() or ()
+        await sub.ack_at_close(first)
+    async with AsyncClient(b.addr) as c:
+        groups = {g["group"]: g for g in (await c.stats())["groups"]}
+        assert groups["one-at-a-time"]["backlog"] == 19  # one taken and acked, none again
+        sub = await c.subscribe("q", group="one-at-a-time", qos=1)
+        with trio.fail_after(10):
+            batch = await sub.next_batch()
+        assert batch and batch[0].payload == b"1" and batch[0].delivery_count == 1
 
 
 async def test_refusals_are_one_clear_error(start_broker) -> None:
