@@ -60,7 +60,7 @@ CLIENT_NAME = {"blipmq": "blipmq client", "paho": "paho-mqtt", "nats": "nats-py"
                "redis": "redis-py"}
 SIZES = {"full": {100: 100_000, 4096: 25_000, 65536: 3_000},
          "quick": {100: 3_000, 4096: 1_000, 65536: 200}}
-WORKLOADS = ("throughput", "latency", "durable", "pipe", "curve", "mqtt")
+WORKLOADS = ("throughput", "latency", "durable", "pipe", "curve", "mqtt", "clients")
 
 
 def find(exe: str) -> str | None:
@@ -861,10 +861,61 @@ def summary(rows: list[Row], meta: dict) -> str:
     out += [*lines, ""]
     out += durable_table(rows)
     out += mqtt_table(rows)
+    out += clients_table(rows)
     out += curve_table(rows)
     if meta["skipped"]:
         out += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in meta["skipped"].items()), ""]
     return "\n".join(out)
+
+
+def clients(work: Path, quick: bool, rows: list[Row], skipped: dict[str, str]) -> None:
+    """The Python clients 1 -> 1 (bench/clientbench.py): BlipMQ's AsyncClient and sync
+    Client, and nats-py's asyncio client against nats-server."""
+    import clientbench
+
+    messages, latency_n = (2_000, 500) if quick else (100_000, 5_000)
+    for client in clientbench.CLIENTS:
+        kind = "nats" if client.startswith("nats") else "blipmq"
+        if kind == "nats" and find("nats-server") is None:
+            skipped[client] = "nats-server is not installed"
+            continue
+        try:
+            broker = start_broker(kind, work)
+        except RuntimeError as exc:
+            skipped[client] = str(exc)
+            continue
+        try:
+            thr = clientbench.one_run(client, broker.url, messages, 100, 0)
+            lat = clientbench.one_run(client, broker.url, latency_n, 100, 2_000.0)
+        finally:
+            broker.stop()
+        seconds = thr["last"] - thr["began"]
+        rows.append({"workload": "clients 1->1", "broker": kind, "client": client,
+                     "size": 100, "messages": messages,
+                     "msg_per_s": round(messages / seconds),
+                     "p50_us": round(lat["lat"][0] * 1000, 1),
+                     "p99_us": round(lat["lat"][1] * 1000, 1)})
+        print(f"  {client}: {rows[-1]['msg_per_s']:,} msg/s, p50 {rows[-1]['p50_us']} us",
+              file=sys.stderr)
+
+
+def clients_table(rows: list[Row]) -> list[str]:
+    got = {r["client"]: r for r in rows if r["workload"] == "clients 1->1"}
+    if not got:
+        return []
+    out = ["| Python client, 1 -> 1, 100 B (one-message publish) | msg/s | p50 at 2,000 msg/s "
+           "| p99 |", "|---|---:|---:|---:|"]
+    for name, label in (("blipmq-async", "BlipMQ AsyncClient (Trio)"),
+                        ("blipmq-sync", "BlipMQ Client (sync)"),
+                        ("nats-async", "nats-py (asyncio) to nats-server")):
+        r = got.get(name)
+        if r is not None:
+            out.append(f"| {label} | {r['msg_per_s']:,} | {r['p50_us']} us | {r['p99_us']} us |")
+    a, b = got.get("blipmq-async"), got.get("nats-async")
+    if a and b:
+        out.append(f"| AsyncClient / nats-py | {ratio(a['msg_per_s'], b['msg_per_s'])} | "
+                   f"{ratio(a['p50_us'], b['p50_us'])} | {ratio(a['p99_us'], b['p99_us'])} |")
+    return [*out, ""]
 
 
 def curve_table(rows: list[Row]) -> list[str]:
@@ -1071,6 +1122,9 @@ def main() -> None:
             print("mqtt (BlipMQ's MQTT listener and mosquitto, the same clients):",
                   file=sys.stderr)
             mqtt(kinds, work, args.quick, rows, repeat, skipped)
+        if "clients" in workloads:
+            print("clients (bench/clientbench.py):", file=sys.stderr)
+            clients(work, args.quick, rows, skipped)
     meta["loadavg_end"] = os.getloadavg()[0]
     write(rows, meta, args.out)
     print(summary(rows, meta))
