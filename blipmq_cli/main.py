@@ -39,8 +39,19 @@ def _one_interrupt_per_press() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     # only the frozen executable has a forwarding parent; the broker handles its own signals
-    if getattr(sys, "frozen", False) and args[:1] != ["start"]:
-        _one_interrupt_per_press()
+    if not getattr(sys, "frozen", False) or args[:1] == ["start"]:
+        return _run(args)
+    _one_interrupt_per_press()
+    try:
+        return _run(args)
+    finally:
+        # The copy the bootloader forwards can come after the command has ended: Python's
+        # shutdown puts the default handler back, which would turn exit 130 into death by
+        # SIGINT. (An uncaught KeyboardInterrupt still ends the process by SIGINT.)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run(args: list[str]) -> int:
     if args == ["--version"]:
         from blipmq_cli.version import describe
 

@@ -6,7 +6,8 @@ PID; systemd (KillMode=control-group) and a terminal's Ctrl-C signal every proce
 group; an operator may signal the broker's own PID. Each way must end in one graceful
 shutdown (drain, final log sync, the "stopped" line) and exit 0; a second Ctrl-C pressed
 while the broker drains ends it at once with 130 (128 + SIGINT), as documented in
-docs/OPERATIONS.md. Runs the built executable (tests/frozen.py builds it when needed).
+docs/OPERATIONS.md; Ctrl-C ends a one-shot command with its documented code. Runs the built
+executable (tests/frozen.py builds it when needed).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 from frozen import SLOW, Broker, Runner, executable, group_alive, runner, start_broker
+
+from blipmq_cli.exits import Exit
 
 pytestmark = pytest.mark.slow
 __all__ = ["executable", "runner"]  # fixtures, used by name
@@ -114,6 +117,23 @@ def test_ctrl_c_twice_with_a_pause_exits_at_once(runner: Runner, tmp_path: Path)
     assert log.count("received SIGINT") == 1 and "second SIGINT: exiting at once" in log, log
     assert "stopped" not in log  # it did not wait for the drain (5 s) to end
     os.killpg(sub.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_ends_a_one_shot_command_with_its_code(runner: Runner, tmp_path: Path) -> None:
+    """``blipmq sub`` in a terminal: Ctrl-C reaches it twice (its own and the forwarded copy)
+    and must still end it with 130 (Exit.INTERRUPTED), never by the signal. Three times:
+    the forwarded copy may come while the command is already exiting."""
+    broker = started(runner, tmp_path)
+    for _ in range(3):
+        sub = runner.spawn("sub", "t", "--addr", broker.addr)
+        broker.wait_metric("blipmq_subscriptions", 1)
+        os.killpg(sub.pid, signal.SIGINT)
+        _out, err = sub.communicate(timeout=SLOW)
+        assert sub.returncode == Exit.INTERRUPTED, err
+        assert b"Traceback" not in err
+        broker.wait_metric("blipmq_subscriptions", 0)
+    os.kill(broker.proc.pid, signal.SIGTERM)
+    stopped_once(broker)
 
 
 def _pid_namespaces() -> str | None:
