@@ -153,3 +153,60 @@ def test_max_rate_paces_the_drain(start_broker) -> None:
     wait_status(bp, "slow", lambda b: b["forwarded"] == 300, timeout=20)
     took = time.monotonic() - started
     assert took >= 1.0, took  # 300 at 200/s: at least 1.5 s less the first burst of 10
+
+
+def test_credentials_reach_the_upstream_and_a_refusal_is_named(start_broker) -> None:
+    up = start_broker({"mqtt": {"enabled": True, "port": 0},
+                       "auth": {"api_keys": ["gateway-secret"], "failure_delay_ms": 0}})
+    address = [f"127.0.0.1:{up.mqtt_port}"]
+    bp = start_broker({"bridge": [
+        bridge_table("good", address, ["sensors/# out 1"], username="gw-17",
+                     password="gateway-secret"),
+        bridge_table("bad", address, ["other/# out 1"], username="gw-17", password="guess"),
+    ]})
+    wait_status(bp, "good", lambda b: b["connected"])
+    bad = wait_status(bp, "bad", lambda b: "CONNACK 0x05" in b["last_error"])
+    assert not bad["connected"] and "not authorized" in bad["last_error"], bad
+    assert bp.cli("pub", "sensors/a", "with a key", "-q", "1").returncode == 0
+    env = {"BLIPMQ_API_KEY": "gateway-secret"}
+    got = up.cli("sub", "sensors/#", "--from", "earliest", "-C", "1", "-W", "10", **env)
+    assert got.stdout == b"with a key\n", got
+
+
+def test_a_message_the_mqtt_upstream_cuts_the_link_on_is_dead_lettered(start_broker) -> None:
+    # a BlipMQ upstream closes an MQTT connection on a QoS 1 PUBLISH larger than it takes:
+    # MQTT 3.1.1's only way to refuse one
+    up = start_broker({"mqtt": {"enabled": True, "port": 0},
+                       "server": {"max_message_bytes": 2048}})
+    bp = start_broker({"bridge": [bridge_table(
+        "cloud", [f"127.0.0.1:{up.mqtt_port}"], ["sensors/# out 1 '' gw/"], max_retries=2,
+        inflight=10)]})
+    wait_status(bp, "cloud", lambda b: b["connected"])
+    assert bp.cli("pub", "sensors/big", "-", "-q", "1", input=b"x" * 5000).returncode == 0
+    lines = b"".join(b"small %d\n" % n for n in range(50))
+    assert bp.cli("pub", "sensors/small", "-q", "1", "-l", input=lines).returncode == 0
+    final = wait_status(bp, "cloud", lambda b: b["dead_lettered"] == 1
+                        and b["backlog_messages"] == 0, timeout=30)
+    assert final["reconnects"] >= 2
+    assert len(local_numbers(up, "gw/#", 50)) == 50  # the rest flowed
+    dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10", "-F", "json")
+    assert b"closed the link each of 2 times" in dead.stdout, dead
+
+
+def test_outgoing_retain_false_forwards_without_the_retain_flag(start_broker) -> None:
+    up = start_broker({"mqtt": {"enabled": True, "port": 0}})
+    address = [f"127.0.0.1:{up.mqtt_port}"]
+    bp = start_broker({"bridge": [
+        bridge_table("kept", address, ["a/# out 1"]),
+        bridge_table("plain", address, ["b/# out 1"], outgoing_retain=False),
+    ]})
+    wait_status(bp, "kept", lambda b: b["connected"])
+    wait_status(bp, "plain", lambda b: b["connected"])
+    for topic in ("a/x", "b/x"):
+        assert bp.cli("pub", topic, "last value", "-q", "1", "--retain").returncode == 0
+    wait_status(bp, "kept", lambda b: b["forwarded"] >= 1)
+    wait_status(bp, "plain", lambda b: b["forwarded"] >= 1)
+    kept = up.cli("sub", "a/x", "-C", "1", "-W", "5")  # a new subscriber: retained first
+    assert kept.stdout == b"last value\n", kept
+    plain = up.cli("sub", "b/x", "-C", "1", "-W", "1")
+    assert plain.returncode == 4 and plain.stdout == b"", plain  # nothing retained there
