@@ -103,7 +103,7 @@ class Link:
 
     upstream: Mosquitto
     proxy: FaultProxy
-    collector: FastCollector
+    collector: FastCollector | NativeCollector
     directory: Path
 
 
@@ -183,6 +183,55 @@ class FastCollector(_Recorder):
         self.stop()
 
 
+class NativeCollector(_Recorder):
+    """The same record over BlipMQ's native protocol (the sync ``Client`` in a thread), for a
+    BlipMQ upstream: its deliveries come in batches, where an MQTT subscriber of it would
+    cap the drain at what the upstream's MQTT front end delivers."""
+
+    def __init__(self, port: int, topic_filter: str) -> None:
+        super().__init__(lambda t: False)
+        self.port = port
+        self.topic_filter = topic_filter
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def start(self, timeout: float = 10) -> NativeCollector:
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"no native subscription on port {self.port} in {timeout} s")
+        return self
+
+    def _read(self) -> None:
+        from blipmq_cli import Client
+
+        with Client(f"127.0.0.1:{self.port}") as client:
+            sub = client.subscribe(self.topic_filter)
+            self._ready.set()
+            while not self._stop.is_set():  # until stop()
+                try:
+                    batch = sub.next_batch(timeout=0.2)
+                except TimeoutError:
+                    continue
+                if batch is None:
+                    return  # the upstream went away
+                if batch:
+                    at = time.time_ns()
+                    self._record_many([Received(d.topic, d.payload, at) for d in batch])
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join(5)
+
+    def __enter__(self) -> NativeCollector:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @contextmanager
 def uplink(opts: Options) -> Iterator[Link]:
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp, \
@@ -233,7 +282,7 @@ def wait_bridged(link: Link, local_port: int, timeout: float = 30) -> None:
         client.loop_stop()
 
 
-def wait_progress(col: FastCollector, n: int, stall: float, timeout: float) -> bool:
+def wait_progress(col: _Recorder, n: int, stall: float, timeout: float) -> bool:
     """Whether ``n`` different numbers arrived, waiting while new ones keep coming: at most
     ``timeout`` s, and no more than ``stall`` s without a new one."""
     deadline = time.monotonic() + timeout
@@ -460,11 +509,11 @@ def blipmq_bridge(opts: Options) -> dict[str, Any]:
 
 def blipmq_native(opts: Options) -> dict[str, Any]:
     """BlipMQ -> BlipMQ over the native protocol (PUBLISH batches, one PUB_ACK each from the
-    upstream's log); the subscriber is the same, on the upstream's MQTT port."""
+    upstream's log); the upstream's subscriber reads it natively (``NativeCollector``)."""
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp, \
-            blipmq_broker(Path(tmp) / "upstream", "", "upstream") as (up_native, up_mqtt, _), \
+            blipmq_broker(Path(tmp) / "upstream", "", "upstream") as (up_native, _, _), \
             FaultProxy(("127.0.0.1", up_native)) as proxy, \
-            FastCollector(up_mqtt, "bench/#") as collector, \
+            NativeCollector(up_native, "bench/#") as collector, \
             blipmq_broker(Path(tmp) / "local", _bridge_toml(opts, proxy.port, "blipmq"),
                           "local") as (_, mqtt_port, pid):
         link = Link(None, proxy, collector, Path(tmp))  # type: ignore[arg-type]

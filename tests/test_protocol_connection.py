@@ -630,3 +630,30 @@ def test_credit_is_remembered_and_queued_deliveries_are_counted() -> None:
     (unsub,) = sent(conn)
     conn.receive_data(encode(Unsubscribed(1, unsub.request_id)), 0.0)
     assert conn.queued == 0
+
+
+def test_a_record_from_a_log_is_published_as_it_is() -> None:
+    conn = ready()
+    record = codec.message_record(Message("up/t", b"payload", qos=1, key=b"k", retain=True))
+    ticket = conn.publish_record(record, len(b"payload"))
+    plain = codec.message_record(Message("up/u", b"zero"))
+    assert conn.publish_record(plain, 4) == 0
+    (frame,) = sent(conn)
+    first, second = frame.decoded()
+    assert (first.topic, first.payload, first.qos, first.key, first.retain) == (
+        "up/t", b"payload", 1, b"k", True)
+    assert (second.topic, second.qos) == ("up/u", 0)
+    assert conn.outcome(ticket) is None
+    conn.receive_data(encode(PubAck(1, frame.request_id)), 0.0)
+    assert conn.outcome(ticket) is True
+
+
+def test_a_record_with_broker_made_flags_or_too_large_is_refused() -> None:
+    conn = ready(max_message=10)
+    dead = bytearray(codec.message_record(Message("t", b"x")))
+    dead[0] |= 0x04  # a dead letter: the broker's to make
+    with pytest.raises(LocalProtocolError, match="may not be published"):
+        conn.publish_record(bytes(dead), 1)
+    with pytest.raises(LocalProtocolError):
+        conn.publish_record(codec.message_record(Message("t", b"y" * 11)), 11)
+    assert conn.data_to_send() == b""

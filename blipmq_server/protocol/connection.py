@@ -410,6 +410,20 @@ class ClientConnection:
             record = MSG_HEAD.pack(0, 0, len(topic), 0, len(payload)) + topic + payload
         else:
             record = codec.message_record(msg, topic)
+        return self._add(record, msg.qos)
+
+    def publish_record(self, record: bytes, payload_len: int) -> int:
+        """``publish`` of a message already in the record layout (``protocol/message.py``),
+        as a bridge forwards it from its log: its flags byte says QoS 1, key and retain and
+        may set nothing else; its topic is not checked again (the upstream refuses one it
+        does not take, with an ERROR). Returns the ticket (0 at QoS 0)."""
+        if payload_len > self.max_message:
+            raise self._too_large(payload_len)
+        if record[0] & ~codec.FLAGS_PUBLISHABLE:
+            raise LocalProtocolError(f"record flags {record[0]:#04x} may not be published")
+        return self._add(record, record[0] & FLAG_QOS1)
+
+    def _add(self, record: bytes, qos: int) -> int:
         size = len(record)
         if size > self._room:
             raise self._too_big(size)
@@ -419,7 +433,7 @@ class ClientConnection:
             self.seal()
         self._records.append(record)
         self._records_size += size
-        if msg.qos:
+        if qos:
             self._records_qos1 += 1
             ticket = self._ticket = self._ticket + 1
             self._tickets.append(ticket)

@@ -14,10 +14,12 @@ import trio
 
 from blipmq_server.bridge.spec import Rule
 from blipmq_server.protocol import codec
-from blipmq_server.protocol.codec import FLAG_KEY, FLAG_RETAIN, Message
+from blipmq_server.protocol.codec import FLAG_KEY, FLAG_QOS1, FLAG_RETAIN, MSG_HEAD
 from blipmq_server.protocol.connection import ClientConnection
 from blipmq_server.server.bridge import Bridge, LinkDown, _Link
 from blipmq_server.server.session import now_ms, wall_ms
+
+_KEEP_RETAIN = FLAG_KEY | FLAG_RETAIN
 
 
 class NativeLink(_Link):
@@ -124,10 +126,12 @@ class NativeLink(_Link):
         alone = offset in self.suspects
         if alone:
             conn.seal()
-        ticket = conn.publish(Message(
-            topic.decode("utf-8"), rec[at:at + plen], rule.qos, ttl,
-            rec[at - klen:at] if flags & FLAG_KEY else None,
-            self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN)))
+        # the record as the upstream takes it: the rule's QoS, the key, retain unless
+        # outgoing_retain is off, the upstream's topic; no broker-made flags or trailer
+        keep = _KEEP_RETAIN if self.bridge.spec.outgoing_retain else FLAG_KEY
+        head = MSG_HEAD.pack((flags & keep) | (FLAG_QOS1 if rule.qos else 0), ttl, len(topic),
+                             klen, plen)
+        ticket = conn.publish_record(head + topic + rec[at - klen:at + plen], plen)
         if alone:
             conn.seal()
         return ticket
