@@ -268,8 +268,9 @@ _BRIDGE_FAMILIES = (
      "after a link was lost with them in flight"),
     ("received", "counter", "blipmq_bridge_received", "Messages from the upstream (in rules)"),
     ("reconnects", "counter", "blipmq_bridge_reconnects", "Links lost after they were up"),
-    ("refused", "counter", "blipmq_bridge_refused", "Messages one side could not take "
-     "(a topic MQTT cannot carry out, a message the local broker refused in)"),
+    ("refused", "counter", "blipmq_bridge_refused", "Refusals: an upstream's ERROR for a "
+     "message (each time), a message the upstream's protocol cannot carry, a message from "
+     "the upstream the local broker could not store"),
     ("dropped", "counter", "blipmq_bridge_dropped", "Unforwarded messages the log's size cap "
      "(wal.retention_bytes) removed (backlog = \"drop_oldest\")"),
     ("dead_lettered", "counter", "blipmq_bridge_dead_lettered", "Messages the upstream "
