@@ -210,3 +210,23 @@ def test_outgoing_retain_false_forwards_without_the_retain_flag(start_broker) ->
     assert kept.stdout == b"last value\n", kept
     plain = up.cli("sub", "b/x", "-C", "1", "-W", "1")
     assert plain.returncode == 4 and plain.stdout == b"", plain  # nothing retained there
+
+
+def test_failed_handshakes_leave_no_open_sockets(start_broker, tmp_path: Path) -> None:
+    import os
+
+    pki = make_pki(tmp_path / "pki")
+    up = start_broker(broker_tls(pki, tls={"ca_file": str(pki.ca)},
+                                 auth={"api_keys": ["right"], "failure_delay_ms": 0}))
+    bp = start_broker({"bridge": [
+        bridge_table("refused", [f"127.0.0.1:{up.mqtt_port}"], ["a/# out 1"],
+                     username="x", password="wrong", backoff_min_ms=20, backoff_max_ms=40),
+        bridge_table("untrusted", [f"127.0.0.1:{up.mqtts_port}"], ["b/# out 1"], tls=True,
+                     ca_file=str(pki.other_ca), backoff_min_ms=20, backoff_max_ms=40),
+    ]})
+    fds = f"/proc/{bp.proc.pid}/fd"
+    wait_status(bp, "refused", lambda b: "CONNACK" in b["last_error"])
+    wait_status(bp, "untrusted", lambda b: "certificate verify failed" in b["last_error"])
+    before = len(os.listdir(fds))
+    time.sleep(2)  # the window itself: about 50 more failed attempts of each bridge
+    assert len(os.listdir(fds)) <= before + 4, (before, len(os.listdir(fds)))

@@ -220,9 +220,10 @@ class Bridge:
     async def _one_link(self, host: str, port: int, backoff: Backoff) -> str | None:
         """Connect and serve one link; None when it never came up, else why it ended."""
         spec = self.spec
+        opened: list[trio.abc.Stream] = []  # closed again if the link does not come up
         try:
             with trio.fail_after(spec.connect_timeout_ms / 1000):
-                stream = await self._connect(host, port)
+                stream = await self._connect(host, port, opened)
                 if spec.protocol == "blipmq":
                     from blipmq_server.server.uplink import NativeLink
 
@@ -231,12 +232,14 @@ class Bridge:
                     link = _Link(self, stream)
                 await link.handshake()
         except NotPrivate as exc:
+            await self._close_all(opened)
             self.private = False
             self._retry_plain = True
             log.info("bridge %s: %s", spec.name, exc)
             return None
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
                 RemoteProtocolError) as exc:
+            await self._close_all(opened)
             self.last_error = f"{host}:{port}: {_why(exc)}"
             log.info("bridge %s: cannot connect to %s:%d: %s", spec.name, host, port,
                      _why(exc))
@@ -260,8 +263,11 @@ class Bridge:
                 await link.close()
             self._publish_state(b"0")
 
-    async def _connect(self, host: str, port: int) -> trio.abc.Stream:
+    async def _connect(self, host: str, port: int, opened: list[trio.abc.Stream]
+                       ) -> trio.abc.Stream:
+        """TCP, and TLS when asked; what it opened is in ``opened`` (to close on failure)."""
         stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+        opened.append(stream)
         if not self.spec.tls:
             return stream
         if self._ssl is None:
@@ -270,6 +276,12 @@ class Bridge:
                              server_hostname=self.spec.server_name or host, https_compatible=True)
         await tls.do_handshake()
         return tls
+
+    @staticmethod
+    async def _close_all(opened: list[trio.abc.Stream]) -> None:
+        with trio.CancelScope(shield=True):
+            for stream in opened:
+                await trio.aclose_forcefully(stream)
 
     def _give_back(self, link: _Link) -> None:
         """The link is gone: what it had in flight goes back to the group (sent again first
