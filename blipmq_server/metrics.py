@@ -268,6 +268,8 @@ _BRIDGE_FAMILIES = (
      "after a link was lost with them in flight"),
     ("received", "counter", "blipmq_bridge_received", "Messages from the upstream (in rules)"),
     ("reconnects", "counter", "blipmq_bridge_reconnects", "Links lost after they were up"),
+    ("connect_failures", "counter", "blipmq_bridge_connect_failures", "Connection attempts "
+     "that failed (refused, timed out, TLS, the upstream's CONNACK or handshake)"),
     ("refused", "counter", "blipmq_bridge_refused", "Refusals: an upstream's ERROR for a "
      "message (each time), a message the upstream's protocol cannot carry, a message from "
      "the upstream the local broker could not store"),

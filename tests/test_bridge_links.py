@@ -13,7 +13,7 @@ from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
 from blipmq_server.bridge.spec import parse_bridges, parse_rule
 from blipmq_server.errors import ConfigError
 from tests.pki import broker_tls, make_pki
-from tests.test_bridge import bridge_table, local_numbers, wait_status
+from tests.test_bridge import bridge_table, local_numbers, status, wait_status
 from tests.upstream import free_port
 
 
@@ -228,5 +228,7 @@ def test_failed_handshakes_leave_no_open_sockets(start_broker, tmp_path: Path) -
     wait_status(bp, "refused", lambda b: "CONNACK" in b["last_error"])
     wait_status(bp, "untrusted", lambda b: "certificate verify failed" in b["last_error"])
     before = len(os.listdir(fds))
-    time.sleep(2)  # the window itself: about 50 more failed attempts of each bridge
+    for name in ("refused", "untrusted"):
+        tried = status(bp, name)["connect_failures"]
+        wait_status(bp, name, lambda b, n=tried: b["connect_failures"] >= n + 30)
     assert len(os.listdir(fds)) <= before + 4, (before, len(os.listdir(fds)))

@@ -83,7 +83,8 @@ class Bridge:
         self.address = ""  # the upstream in use (host:port)
         self.last_error = ""
         self.counters = {"forwarded": 0, "redelivered": 0, "reconnects": 0, "refused": 0,
-                         "dropped": 0, "received": 0, "dead_lettered": 0, "skipped": 0}
+                         "dropped": 0, "received": 0, "dead_lettered": 0, "skipped": 0,
+                         "connect_failures": 0}
         self.oldest_ms: int | None = None  # timestamp of the oldest record not forwarded
         self._kick = trio.Event()
         self._link: _Link | None = None
@@ -240,6 +241,7 @@ class Bridge:
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
                 RemoteProtocolError) as exc:
             await self._close_all(opened)
+            self.counters["connect_failures"] += 1
             self.last_error = f"{host}:{port}: {_why(exc)}"
             log.info("bridge %s: cannot connect to %s:%d: %s", spec.name, host, port,
                      _why(exc))
