@@ -483,3 +483,34 @@ def test_usage_and_backlog_count_runs_of_topics_and_only_logged_messages(tmp_pat
     s.commit()
     assert [p for _, _, p in s.take(g)] == [b"1", b"4444", b"5"]
     assert group.backlog == 0
+
+
+def test_a_patient_consumer_keeps_its_deliveries_and_counts_its_own_retries(
+        tmp_path: Path) -> None:
+    """A bridge's consumer: no deadline makes its deliveries come back; a dropped link gives
+    them back without spending a retry; nacks without ``spend`` never dead-letter, and
+    ``give_up`` dead-letters at once."""
+    s = Setup(tmp_path, retry_backoff_ms=100, max_retries=2)
+    c = s.sub("bridge", "t", "bridge.up", qos=1, patient=True)
+    dlq = s.sub("ops", "$dlq/#")
+    s.publish("t", b"a", b"b")
+    s.commit()
+    a, b = (offset for offset, _, _ in s.take(c))
+    assert not s.broker.redeliver(10**9, 0) and s.take(c, now=10**9) == []  # never due
+    for count in (2, 3, 4):  # the link drops: back, and taken again with DUP's count
+        assert s.broker.requeue("bridge", c.sub_id) == 2
+        assert [(o, n) for o, n, _ in s.take(c)] == [(a, count), (b, count)]
+    s.broker.nack("bridge", c.sub_id, (b,), 0, 0, 0, "refused", spend=False)
+    assert [(o, n) for o, n, _ in s.take(c)] == [(b, 5)]  # past max_retries: still back
+    assert s.take(dlq) == []
+    s.broker.nack("bridge", c.sub_id, (a,), 0, 0, 0, "refused for good", give_up=True)
+    assert [(d.payload, tuple(d.dead)) for d in dead_letters(s, dlq)] == [
+        (b"a", (4, "refused for good"))]
+
+
+def test_bridge_groups_are_closed_to_clients(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    joined = s.broker.subscribe("client", "t", "bridge.up", qos=1)
+    assert joined.refusal is not None and "belong to bridges" in joined.refusal.text
+    gone = s.broker.unsubscribe("client", topic_filter="t", group="bridge.up")
+    assert gone.refusal is not None and "belong to bridges" in gone.refusal.text

@@ -627,18 +627,19 @@ class Broker:
 
     def nack(
         self, conn: int, sub_id: int, offsets: tuple[int, ...], delay_ms: int, now_ms: int,
-        timestamp_ms: int, reason: str = "", give_up: bool = False,
+        timestamp_ms: int, reason: str = "", give_up: bool = False, spend: bool = True,
     ) -> frozenset[int]:
         """A QoS 1 consumer gives deliveries back, to be redelivered now or after
         ``delay_ms``; one delivered ``max_retries`` times (any, with ``give_up``) goes to
-        ``$dlq/<topic>`` instead, with the consumer's ``reason`` if it gave one. Returns
+        ``$dlq/<topic>`` instead, with the consumer's ``reason`` if it gave one. Without
+        ``spend`` none does (a consumer that counts its own retries: a bridge). Returns
         the connections to wake."""
         found = self._cursor_of(conn, sub_id)
         if found is None:
             return frozenset()
         dead: list[RawMessage] = []
         wake = self.cursors.nack(*found, offsets, delay_ms, now_ms,  # type: ignore[union-attr]
-                                 timestamp_ms, dead, reason, give_up)
+                                 timestamp_ms, dead, reason, give_up, spend)
         return wake | self._publish_dead(dead, now_ms, timestamp_ms)
 
     def requeue(self, conn: int, sub_id: int) -> int:

@@ -282,13 +282,14 @@ class Cursors:
     def nack(
         self, consumer: Consumer, target: DurableGroup, offsets: tuple[int, ...], delay_ms: int,
         now_ms: int, timestamp_ms: int, dead: list[RawMessage], why: str = "",
-        give_up: bool = False,
+        give_up: bool = False, spend: bool = True,
     ) -> frozenset[int]:
         mine = target.held_by(consumer.sub_id, offsets)
         self.counters.nacked += len(mine)
         reason = why or (f"nacked with a delay of {delay_ms} ms" if delay_ms else "nacked")
-        target.back(self._spend(target, mine, lambda _: reason, timestamp_ms, dead, give_up),
-                    now_ms, delay_ms)
+        back = (self._spend(target, mine, lambda _: reason, timestamp_ms, dead, give_up)
+                if spend or give_up else mine)
+        target.back(back, now_ms, delay_ms)
         return frozenset(c.conn for c in target.consumers) if mine else frozenset()
 
     def redeliver(self, now_ms: int, timestamp_ms: int, dead: list[RawMessage]

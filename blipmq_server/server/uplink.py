@@ -114,9 +114,10 @@ class NativeLink(_Link):
         else:
             self.suspects.add(offset)
             wake |= broker.nack(conn_id, sub_id, (offset,), bridge.spec.backoff_min_ms,
-                                now_ms(), wall_ms(), reason)
-        for sub, off in rest:
-            wake |= broker.nack(conn_id, sub, (off,), 0, now_ms(), wall_ms(), reason)
+                                now_ms(), wall_ms(), reason, spend=False)
+        for sub, off in rest:  # the bridge's strikes decide, not the delivery counts
+            wake |= broker.nack(conn_id, sub, (off,), 0, now_ms(), wall_ms(), reason,
+                                spend=False)
         bridge.server.wake(wake)
         bridge.server.log_touched()
 
