@@ -232,3 +232,49 @@ def test_failed_handshakes_leave_no_open_sockets(start_broker, tmp_path: Path) -
         tried = status(bp, name)["connect_failures"]
         wait_status(bp, name, lambda b, n=tried: b["connect_failures"] >= n + 30)
     assert len(os.listdir(fds)) <= before + 4, (before, len(os.listdir(fds)))
+
+
+def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_broker) -> None:
+    """A broken upstream: CONNACK, then random bytes (or a packet length of 256 MiB). The link
+    ends with a protocol error, the bridge tries again, and the broker serves the rest."""
+    import random
+    import socket
+    import threading
+
+    from blipmq_server.mqtt import codec
+    from blipmq_server.mqtt.packets import ConnAck
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    rng = random.Random(5)
+    served = threading.Semaphore(0)
+
+    def upstream() -> None:
+        for n in range(4):  # four links, then the test is done with it
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)  # CONNECT
+                tail = (bytes(rng.getrandbits(8) for _ in range(64)) if n % 2
+                        else b"\x30\xff\xff\xff\x7f")  # a PUBLISH of 256 MiB announced
+                conn.sendall(codec.encode(ConnAck(False, 0)) + tail)
+                conn.settimeout(5)
+                try:
+                    while conn.recv(65536):  # until the bridge closes its side
+                        pass
+                except OSError:
+                    pass
+            served.release()
+
+    thread = threading.Thread(target=upstream, daemon=True)
+    thread.start()
+    bp = start_broker({"bridge": [bridge_table("broken", [f"127.0.0.1:{port}"],
+                                               ["a/# out 1"], backoff_min_ms=20,
+                                               backoff_max_ms=40)]})
+    for _ in range(4):
+        assert served.acquire(timeout=20)
+    thread.join(5)
+    listener.close()
+    wait_status(bp, "broken", lambda b: b["reconnects"] >= 3)
+    assert "protocol error from the upstream" in bp.wait_log("link to 127.0.0.1")
+    assert bp.cli("pub", "a/x", "still serving", "-q", "1").returncode == 0
+    assert bp.proc.poll() is None
