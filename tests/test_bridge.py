@@ -165,9 +165,9 @@ def test_mosquitto_upstream_100k_through_outages_restart_and_sigkill(
             wait_status(bp, "cloud", lambda b: b["connected"])
             proxy.blackhole()  # silent: no FIN, no RST
             cut_at = time.monotonic()
-            publish_numbers(bp, 60_000, 80_000)
             wait_status(bp, "cloud", lambda b: not b["connected"], timeout=3 * KEEPALIVE + 5)
             noticed = time.monotonic() - cut_at
+            publish_numbers(bp, 60_000, 80_000)  # during the outage that follows
             proxy.restore()
             up.restart()  # SIGTERM: mosquitto keeps the collector's session
             wait_status(bp, "cloud", lambda b: b["connected"] and b["forwarded"] > 1000,
@@ -183,7 +183,7 @@ def test_mosquitto_upstream_100k_through_outages_restart_and_sigkill(
             reconnects = 6  # refuse, cut, blackhole, upstream restart, SIGKILL, slack
             assert result.complete, result.missing[:20]
             assert result.duplicates <= 100 * reconnects, result
-            assert noticed <= 1.5 * KEEPALIVE + 2.5, noticed  # (the publishing overlaps it)
+            assert noticed <= 1.5 * KEEPALIVE + 2, noticed  # + the polling's own time
             final = status(bp, "cloud")
             assert final["backlog_messages"] == 0 and final["dead_lettered"] == 0
     finally:
