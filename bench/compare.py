@@ -885,16 +885,21 @@ def clients(work: Path, quick: bool, rows: list[Row], skipped: dict[str, str]) -
             skipped[client] = str(exc)
             continue
         try:
+            cpu = broker.cpu_s()
             thr = clientbench.one_run(client, broker.url, messages, 100, 0)
+            cpu = broker.cpu_s() - cpu
             lat = clientbench.one_run(client, broker.url, latency_n, 100, 2_000.0)
         finally:
             broker.stop()
         seconds = thr["last"] - thr["began"]
         rows.append({"workload": "clients 1->1", "broker": kind, "client": client,
-                     "size": 100, "messages": messages,
+                     "size": 100, "messages": messages, "subscribers": 1,
+                     "delivered": thr["got"], "lost": messages - thr["got"],
+                     "seconds": round(seconds, 3), "broker_cpu_s": round(cpu, 3),
                      "msg_per_s": round(messages / seconds),
                      "p50_us": round(lat["lat"][0] * 1000, 1),
-                     "p99_us": round(lat["lat"][1] * 1000, 1)})
+                     "p99_us": round(lat["lat"][1] * 1000, 1),
+                     "max_us": round(lat["lat"][2] * 1000, 1)})
         print(f"  {client}: {rows[-1]['msg_per_s']:,} msg/s, p50 {rows[-1]['p50_us']} us",
               file=sys.stderr)
 
