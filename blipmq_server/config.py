@@ -664,7 +664,7 @@ def default_text() -> str:
         lines.append(f"{key.name} = {_toml_value(value)}")
         if key.dotted == "auth.api_keys":
             lines += _KEYS_EXAMPLE
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *_BRIDGE_EXAMPLE]) + "\n"
 
 
 _KEYS_EXAMPLE = [
@@ -676,6 +676,20 @@ _KEYS_EXAMPLE = [
     "# publish = [\"sensors/hall/#\"]",
     "# subscribe = [\"cmd/hall/#\"]",
     "# admin = false",
+]
+
+
+_BRIDGE_EXAMPLE = [
+    "# Bridges to upstream brokers: store and forward through outages (docs/BRIDGE.md).",
+    "# Rules in mosquitto's vocabulary: <pattern> [out|in|both [qos [local-prefix",
+    "# remote-prefix]]]. Any number of [[bridge]] tables, such as:",
+    "# [[bridge]]",
+    "# name = \"cloud\"",
+    "# addresses = [\"mqtt.example.net:8883\"]",
+    "# tls = true",
+    "# username = \"gateway-17\"",
+    "# password = \"secret\"",
+    "# topics = [\"sensors/# out 1 '' site17/\", \"cmd/# in 1 '' site17/\"]",
 ]
 
 

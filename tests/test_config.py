@@ -173,3 +173,16 @@ def test_mqtt_bind_flag() -> None:
     assert (cfg.mqtt.enabled, cfg.mqtt.host, cfg.mqtt.port) == (True, "::1", 1884)
     with pytest.raises(ConfigError):
         overrides(mqtt_bind="1883")
+
+
+def test_the_written_bridge_example_is_a_valid_bridge(tmp_path: Path) -> None:
+    text = config.default_text()
+    example = text[text.index("# [[bridge]]"):]
+    path = tmp_path / "bridge.toml"
+    path.write_text("\n".join(line[2:] for line in example.splitlines()))
+    loaded = config.load(path, env={})
+    (bridge,) = loaded.bridges
+    assert (bridge.name, bridge.addresses, bridge.tls) == (
+        "cloud", (("mqtt.example.net", 8883),), True)
+    assert [r.text() for r in bridge.rules] == ['sensors/# out 1 "" site17/',
+                                                'cmd/# in 1 "" site17/']
