@@ -192,7 +192,8 @@ def bridges(*, addr: str | None, api_key: str | None, as_json: bool = False) -> 
         return Exit.OK
     from rich.console import Console
 
-    Console(width=200).print(_bridges_table(report))
+    # a terminal: its width; a pipe or a file: wide enough for every column on one line
+    Console(width=None if sys.stdout.isatty() else 200).print(_bridges_table(report))
     return Exit.OK
 
 
