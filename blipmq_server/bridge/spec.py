@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from blipmq_server.broker.core import BRIDGE_GROUPS
 from blipmq_server.errors import ConfigError
 from blipmq_server.protocol.names import WIRE_TOPIC_BYTES, filter_problem, topic_problem
 
@@ -95,7 +96,7 @@ class BridgeSpec:
     @property
     def group(self) -> str:
         """The durable group whose cursor is this bridge's backlog."""
-        return f"bridge.{self.name}"
+        return BRIDGE_GROUPS + self.name
 
 
 _INTS = {"keepalive_s": (0, 65535), "inflight": (1, 65535), "max_rate": (0, 10_000_000),

@@ -125,9 +125,11 @@ class Bridge:
         """The id the core's hold and the shell's room event use (negative: no queue's)."""
         return -self.conn_id
 
-    def floor(self) -> int | None:
-        """The oldest log offset this bridge has not had acknowledged."""
-        return min((g.floor for g in self.groups()), default=None)
+    def floor(self, groups: list[Any] | None = None) -> int | None:
+        """The oldest log offset this bridge has not had acknowledged (of ``groups``, its
+        groups, when the caller has them already)."""
+        return min((g.floor for g in (self.groups() if groups is None else groups)),
+                   default=None)
 
     def check_hold(self) -> None:
         """``backlog = "block"``: while the log is over ``wal.retention_bytes`` and this
@@ -168,11 +170,15 @@ class Bridge:
         groups = self.groups()
         backlog = sum(max(0, g.backlog) + len(g.inflight) for g in groups)
         wal = self.server.wal
-        floor = min((g.floor for g in groups), default=None)
+        floor = self.floor(groups)
         held = 0
         if wal is not None and floor is not None and backlog:
-            held = sum(s.size for s in wal.segments if s is wal.segments[-1]
-                       or _next_base(wal.segments, s) > floor)
+            # a segment counts when anything in it is at or past the floor: the next one
+            # starts after the floor (the newest always counts)
+            segments = wal.segments
+            after = [s.base for s in segments[1:]] + [math.inf]
+            held = sum(s.size for s, next_base in zip(segments, after, strict=True)
+                       if next_base > floor)
         age = (None if self.oldest_ms is None or not backlog
                else max(0.0, (wall_ms() - self.oldest_ms) / 1000))
         link = self._link
@@ -327,7 +333,7 @@ class Bridge:
             while True:
                 self.check_hold()
                 groups = self.groups()
-                floor = min((g.floor for g in groups), default=None)
+                floor = self.floor(groups)
                 if not any(g.backlog > 0 or g.inflight for g in groups):
                     self.oldest_ms = None
                 elif floor is not None and floor >= wal.first_offset:
@@ -395,17 +401,22 @@ class _Link:
                 return self._next_pid
         raise LinkDown("no free packet id")  # pragma: no cover - inflight <= 65535
 
+    async def _receive(self) -> bytes:
+        """One read from the upstream; its end of the stream ends the link."""
+        data = await self.stream.receive_some(65536)
+        if not data:
+            self.peer_closed = True
+            raise LinkDown("the upstream closed the connection")
+        self.heard_at = trio.current_time()
+        self.pinged = False
+        return data
+
     async def _read_packets(self) -> list[object]:
         while True:
             packets = self.decoder.packets()
             if packets:
                 return packets  # type: ignore[return-value]
-            data = await self.stream.receive_some(65536)
-            if not data:
-                self.peer_closed = True
-                raise LinkDown("the upstream closed the connection")
-            self.heard_at = trio.current_time()
-            self.pinged = False
+            data = await self._receive()
             if not len(data) % 4 and not self.decoder.buffered:
                 acks = _pubacks(data)  # a drain's usual read: nothing but PUBACKs
                 if acks is not None:
@@ -496,15 +507,10 @@ class _Link:
         done: dict[int, list[int]] | None = None
         inflight = self.inflight
         for packet in packets:
-            if packet.__class__ is int:  # a PUBACK's packet id (``_pubacks``)
-                found = inflight.pop(packet, None)  # type: ignore[call-overload]
-                if found is not None:
-                    if done is None:
-                        done = {}
-                    done.setdefault(found[0], []).append(found[1])
-                continue
-            if packet.__class__ is PubAck:
-                found = inflight.pop(packet.packet_id, None)  # type: ignore[attr-defined]
+            kind = packet.__class__
+            if kind is int or kind is PubAck:  # ``_pubacks`` gives bare packet ids
+                pid = packet if kind is int else packet.packet_id  # type: ignore[attr-defined]
+                found = inflight.pop(pid, None)  # type: ignore[call-overload]
                 if found is not None:
                     if done is None:
                         done = {}
@@ -727,11 +733,6 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return exc.strerror or str(exc) or type(exc).__name__
     return str(exc) or type(exc).__name__
-
-
-def _next_base(segments: list[Any], seg: Any) -> int:
-    i = segments.index(seg)
-    return segments[i + 1].base if i + 1 < len(segments) else 1 << 62
 
 
 def _client_context(spec: BridgeSpec) -> ssl.SSLContext:

@@ -26,7 +26,6 @@ class NativeLink(_Link):
     def __init__(self, bridge: Bridge, stream: trio.abc.Stream) -> None:
         super().__init__(bridge, stream)
         self.conn = ClientConnection()
-        self.suspects: set[int] = set()  # offsets refused before: sent alone
         self._ping_rid = 0
 
     async def handshake(self) -> None:
@@ -35,11 +34,7 @@ class NativeLink(_Link):
         conn.hello(spec.mqtt_client_id, spec.password)
         await self.stream.send_all(conn.data_to_send())
         while True:
-            data = await self.stream.receive_some(65536)
-            if not data:
-                self.peer_closed = True
-                raise LinkDown("the upstream closed the connection")
-            conn.receive_data(data, trio.current_time())
+            conn.receive_data(await self._receive(), trio.current_time())
             outcome = conn.handshake()
             if isinstance(outcome, codec.Error):
                 raise LinkDown(f"the upstream refused the connection: {outcome.text}")
@@ -50,14 +45,8 @@ class NativeLink(_Link):
 
     async def _reader(self) -> None:
         conn = self.conn
-        receive = self.stream.receive_some
         while True:
-            data = await receive(65536)
-            if not data:
-                self.peer_closed = True
-                raise LinkDown("the upstream closed the connection")
-            self.heard_at = trio.current_time()
-            self.pinged = False
+            data = await self._receive()
             conn.receive_data(data, self.heard_at)  # RemoteProtocolError ends the link
             self._settle()
             if conn.closed is not None:
@@ -85,9 +74,6 @@ class NativeLink(_Link):
             else:
                 refused.append((sub_id, offset))
         if acks:
-            for offsets in acks.values() if self.suspects else ():
-                for offset in offsets:
-                    self.suspects.discard(offset)
             self._acked(acks)
         reason = ""
         while (error := conn.refusal()) is not None:
@@ -107,12 +93,10 @@ class NativeLink(_Link):
         wake: set[int] = set()
         if strikes >= bridge.spec.max_retries:
             del bridge._strikes[offset]
-            self.suspects.discard(offset)
             wake |= broker.nack(conn_id, sub_id, (offset,), 0, now_ms(), wall_ms(),
                                 f"bridge {bridge.spec.name}: {reason}", give_up=True)
             bridge.counters["dead_lettered"] += 1
         else:
-            self.suspects.add(offset)
             wake |= broker.nack(conn_id, sub_id, (offset,), bridge.spec.backoff_min_ms,
                                 now_ms(), wall_ms(), reason, spend=False)
         for sub, off in rest:  # the bridge's strikes decide, not the delivery counts
@@ -124,7 +108,7 @@ class NativeLink(_Link):
     def _put(self, rule: Rule, topic: bytes, rec: bytes, flags: int, ttl: int, at: int,
              klen: int, plen: int, count: int, offset: int, parts: list[bytes]) -> int:
         conn = self.conn
-        alone = offset in self.suspects
+        alone = offset in self.bridge._strikes  # refused before: alone in its batch
         if alone:
             conn.seal()
         # the record as the upstream takes it: the rule's QoS, the key, retain unless
