@@ -205,6 +205,20 @@ class AsyncSubscription:
             await client._ask(conn, conn.unsubscribe(sub_id), "UNSUBSCRIBED", None)
 
 
+async def _read_into(stream: trio.abc.Stream, conn: ClientConnection) -> None:
+    """One read from the broker into ``conn``. A lost stream is its end of stream, and bytes
+    that break the protocol close it as MALFORMED: either way ``conn.closed`` and
+    ``conn.failure()`` say so."""
+    try:
+        data = await stream.receive_some(_RECV)
+    except _LOST:
+        data = b""
+    try:
+        conn.receive_data(data, trio.current_time())
+    except RemoteProtocolError:
+        pass
+
+
 class AsyncClient:
     """A BlipMQ client for Trio. See the module docstring and docs/CLIENT.md."""
 
@@ -598,14 +612,7 @@ class AsyncClient:
                 conn.hello(self.name, self.api_key)
                 await stream.send_all(conn.data_to_send())
                 while (outcome := conn.handshake()) is None:
-                    try:
-                        data = await stream.receive_some(_RECV)
-                    except _LOST:
-                        data = b""
-                    try:
-                        conn.receive_data(data, trio.current_time())
-                    except RemoteProtocolError:
-                        pass
+                    await _read_into(stream, conn)
                     if conn.closed is not None and conn.handshake() is None:
                         if conn.closed.reason is CloseReason.EOF and not secure:
                             raise ConnectError(f"the broker at {label} closed the connection "
@@ -710,14 +717,7 @@ class AsyncClient:
                     # takes deliveries again: its FIN waits behind what we have not read)
                     await self._changed.wait()
                 self._gated = False
-                try:
-                    data = await stream.receive_some(_RECV)
-                except _LOST:
-                    data = b""
-                try:
-                    conn.receive_data(data, trio.current_time())
-                except RemoteProtocolError:
-                    pass  # closed as MALFORMED: failure() says so
+                await _read_into(stream, conn)
                 if conn.outgoing:
                     self._kick()  # the PONG for the broker's PING
                 self._notify()

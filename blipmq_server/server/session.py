@@ -104,7 +104,7 @@ class Session:
         # the client certificate's name (tls.client_identity), when it sent one
         self.tls_identity = tls_identity
         self.conn_id = conn_id
-        self.peer = _peer(stream)
+        self.peer = peer_of(stream)
         self.outbox: list[bytes] = []
         # bytes this connection owes its peer: the outbox plus the send in progress; past
         # server.max_pending_bytes the reader stops until the writer has caught up
@@ -688,7 +688,8 @@ class _Held:
         self.confirms = self.first_offset = self.last_offset = 0
 
 
-def _peer(stream: trio.SocketStream) -> str:
+def peer_of(stream: trio.SocketStream) -> str:
+    """``host:port`` of a connection's far end ("?" once it is gone)."""
     try:
         host, port = stream.socket.getpeername()[:2]
         return f"{host}:{port}"

@@ -33,6 +33,7 @@ import trio
 
 from blipmq_server.config import TlsOptions
 from blipmq_server.errors import ConfigError
+from blipmq_server.server.session import peer_of
 
 log = logging.getLogger("blipmq.tls")
 
@@ -191,7 +192,7 @@ class Tls:
         ``https_compatible``: a peer that closes without TLS's close_notify has ended the
         stream, not been cut off: both protocols frame their messages, so a truncated
         one is incomplete and never taken."""
-        peer = _peer(stream)  # now: a client that gave up is no longer connected
+        peer = peer_of(stream)  # now: a client that gave up is no longer connected
         tls = trio.SSLStream(stream, self.context, server_side=True, https_compatible=True)
         reason = text = ""
         with trio.move_on_after(timeout or math.inf) as waited:
@@ -229,11 +230,3 @@ def _alert(tls: trio.SSLStream[trio.SocketStream]) -> bytes:
     attribute: without it (another trio), the client sees the connection close instead."""
     outgoing = getattr(tls, "_outgoing", None)
     return outgoing.read() if isinstance(outgoing, ssl.MemoryBIO) else b""
-
-
-def _peer(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "?"
