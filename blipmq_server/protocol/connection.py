@@ -423,7 +423,9 @@ class ClientConnection:
             raise LocalProtocolError(f"record flags {record[0]:#04x} may not be published")
         return self._add(record, record[0] & FLAG_QOS1)
 
-    def _add(self, record: bytes, qos: int) -> int:
+    def _add(self, record: bytes, qos: int, ticket: int = 0) -> int:
+        """Add an encoded record to the open batch; a QoS 1 one keeps ``ticket`` (carried
+        over from another connection) or gets a new one, which is returned."""
         size = len(record)
         if size > self._room:
             raise self._too_big(size)
@@ -435,9 +437,10 @@ class ClientConnection:
         self._records_size += size
         if qos:
             self._records_qos1 += 1
-            ticket = self._ticket = self._ticket + 1
+            if not ticket:
+                ticket = self._ticket = self._ticket + 1
+                self._open.add(ticket)
             self._tickets.append(ticket)
-            self._open.add(ticket)
             return ticket
         return 0
 
@@ -561,7 +564,8 @@ class ClientConnection:
         return n
 
     def _carry(self, record: bytes, ticket: int) -> None:
-        """Add an encoded record (from another connection) to the open batch."""
+        """Add an encoded record (from another connection) to the open batch, with its
+        ticket (0: QoS 0)."""
         size = len(record)
         if size > self._room:  # this broker's frames are smaller: refused as it would
             if ticket:
@@ -569,15 +573,7 @@ class ClientConnection:
                 self._refused[ticket] = None
             self._refusals.append(codec.Error(ErrorCode.FRAME_TOO_LARGE, str(self._too_big(size))))
             return
-        if self._records and (
-            self._records_size + size > self._room or len(self._records) >= codec.MAX_BATCH
-        ):
-            self.seal()
-        self._records.append(record)
-        self._records_size += size
-        if ticket:
-            self._records_qos1 += 1
-            self._tickets.append(ticket)
+        self._add(record, ticket, ticket)
 
     @property
     def unconfirmed(self) -> int:
