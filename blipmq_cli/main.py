@@ -14,6 +14,7 @@ handler in place when it starts.)
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import time
@@ -39,7 +40,13 @@ def _one_interrupt_per_press() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     # only the frozen executable has a forwarding parent; the broker handles its own signals
-    if not getattr(sys, "frozen", False) or args[:1] == ["start"]:
+    if args[:1] == ["start"]:
+        # Imports make hundreds of thousands of objects and hardly any garbage: with the
+        # collector on they pay for dozens of collections. The broker turns it back on
+        # (Server.serve) before it recovers its log.
+        gc.disable()
+        return _run(args)
+    if not getattr(sys, "frozen", False):
         return _run(args)
     _one_interrupt_per_press()
     try:

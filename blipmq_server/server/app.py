@@ -73,6 +73,18 @@ class Bound:
     tls_port: int | None = None  # the native protocol over TLS (server.tls)
 
 
+def _settle_heap() -> None:
+    """What start-up made (modules, recovered state) lives as long as the process: one
+    collection, then keep
+    what survives out of every later full collection, whose pauses stall every connection,
+    and give the freed memory back. Run once the listeners accept: it takes a few ms that
+    no connection needs to wait for before the broker is reachable."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*_GC_THRESHOLDS)
+    _trim_heap()
+
+
 def _trim_heap() -> None:
     """Give the C heap's free pages back to the system once start-up is over (imports,
     compiling, recovery leave freed memory that glibc keeps): about 0.7 MB of an idle
@@ -260,15 +272,10 @@ class Server:
         self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
     ) -> None:
         cfg = self.config
+        gc.enable()  # `blipmq start` imports with it off (blipmq_cli/main.py)
         if self.wal is not None:
             self._open_log()
         self._attach_bridges()
-        # What start-up made (modules, recovered state) lives as long as the process: keep it
-        # out of every later full collection, whose pauses stall every connection.
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(*_GC_THRESHOLDS)
-        _trim_heap()
         groups = await self._listen()
         port, mqtt_port, mqtts_port, tls_port = (
             None if g is None else g.listeners[0].socket.getsockname()[1] for g in groups)
@@ -309,6 +316,7 @@ class Server:
                     else "disabled (no keys configured)",
                 )
                 task_status.started(Bound(port, metrics_port, mqtt_port, mqtts_port, tls_port))
+                _settle_heap()
                 await self.shutdown.wait()
                 await self._drain(accept_scope, listeners, conns)
             bridging.cancel()  # links close; their last state goes to the log
