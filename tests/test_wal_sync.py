@@ -407,6 +407,24 @@ async def test_a_tail_reader_a_big_batch_or_shutdown_ends_the_linger(
     await written(flusher, LINGER_RECORDS if why == "big" else 1)
 
 
+async def test_bookkeeping_lingers_even_for_a_tail_reader_until_a_message_comes(
+    nursery: trio.Nursery, tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    # A tail reader waits for messages, not for a consumer's ack records: a bridge draining
+    # a backlog acks all the time, and each of those batches used to cost a trip to a worker
+    # thread. The clock never moves: only the message hurries the batch.
+    flusher, log = await flusher_running(nursery, tmp_path, tailing=True)
+    for _ in range(3):
+        log.append(rec.Kind.ACK, b"acks", 0)
+        flusher.appended()
+        await wait_all_tasks_blocked()
+    assert flusher.counters.records == 0 and log.pending_records == 3  # lingering
+    assert log.pending_messages == 0
+    await appended(flusher)
+    await written(flusher, 4)
+    assert flusher.counters.batches == 1 and log.pending_messages == 0
+
+
 async def test_a_publisher_that_waits_ends_the_linger(
     nursery: trio.Nursery, tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:

@@ -16,8 +16,10 @@ When a batch is synced (docs/OPERATIONS.md, "Durability"):
   ack records);
 - ``every_n:N`` / ``interval_ms:M``: as the policy says; ``none``: only at shutdown.
 
-A batch nobody waits for (no QoS 1 publisher, no sync wanted, no consumer reading the log's
-tail: ``tailing``) is held back up to ``LINGER_S`` while it stays small: a trip to a worker
+A batch nobody waits for (no QoS 1 publisher, no sync wanted, and no message in it for a
+consumer reading the log's tail, ``tailing``: a batch of only group and ack records, such as
+a bridge's acks while it drains a backlog, waits for nobody) is held back up to ``LINGER_S``
+while it stays small: a trip to a worker
 thread costs the process 200-600 us of CPU on a small machine (``trio.to_thread``, the
 thread's wake-up, the report back through the event loop), so at low rates QoS 0 traffic
 would otherwise pay it every few messages. A publisher that starts waiting, or a batch that
@@ -78,12 +80,14 @@ class Flusher:
         self._last_sync = 0.0
         self._unsynced_since: float | None = None  # first write not synced yet
         self._sync_wanted = False  # a waiter's records are written but not synced yet
+        self._lingering = False  # run() holds a small batch back (ended by _hurry)
         self.failing = False
 
     def appended(self) -> None:
         self._wake.set()
-        if self._grown():
-            self._hurry.set()
+        if self._grown() or (self._lingering and self.wal.pending_messages
+                             and self.tailing is not None and self.tailing()):
+            self._hurry.set()  # a message now waits in a lingering batch of bookkeeping
 
     def _grown(self) -> bool:
         """What is pending is big enough to go without lingering."""
@@ -125,7 +129,8 @@ class Flusher:
         """Nobody waits for what is pending, and it is small: let it grow a little."""
         return (not self._waiters and not self._sync_wanted and not self._closing
                 and not self._grown()
-                and not (self.tailing is not None and self.tailing()))
+                and not (self.wal.pending_messages and self.tailing is not None
+                         and self.tailing()))
 
     def _sync_due(self) -> float:
         """When what is written but not synced must be synced (trio time; inf: not by time)."""
@@ -165,8 +170,10 @@ class Flusher:
                 self._wake = trio.Event()
             if self.wal.pending_records and self._may_linger():
                 self._hurry = trio.Event()  # what hurried an earlier batch is settled
+                self._lingering = True
                 with trio.move_on_after(LINGER_S):
                     await self._hurry.wait()
+                self._lingering = False
             if self._closing:
                 return
             # Not ``async with``: acquiring yields, and the batch should be taken now. Only

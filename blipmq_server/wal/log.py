@@ -28,12 +28,15 @@ from itertools import accumulate
 from operator import itemgetter
 
 from blipmq_server.errors import WalError
+from blipmq_server.kinds import Kind
 from blipmq_server.wal import record as rec
 from blipmq_server.wal.batch import Batch, Part, Sync
 from blipmq_server.wal.cache import RecentCache
 from blipmq_server.wal.disk import Disk
 from blipmq_server.wal.recovery import Recovery, recover
 from blipmq_server.wal.segment import SUFFIX, Segment, segment_name
+
+_MESSAGE = int(Kind.MESSAGE)
 
 MiB = 1024 * 1024
 _READ_CHUNK = 256 * 1024
@@ -83,6 +86,7 @@ class Log:
         self._batch_tail: Segment | None = None  # the tail when the last batch was taken
         self._pending = 0  # records appended and not yet taken into a batch
         self._pending_bytes = 0  # ... and their bytes
+        self._pending_messages = 0  # ... of them MESSAGE records (the rest: bookkeeping)
         # Written and not fsynced: segments (by path, in log order) and the directory
         self._unsynced: dict[str, Segment] = {}
         self._dir_unsynced = False
@@ -148,6 +152,8 @@ class Log:
         self.next_offset = first + len(records)
         self._pending += len(records)
         self._pending_bytes += size
+        if kind == _MESSAGE:
+            self._pending_messages += len(records)
         return first
 
     def _spread(self, seg: Segment, offset: int, records: list[bytes], timestamp_ms: int
@@ -177,6 +183,12 @@ class Log:
     @property
     def pending_bytes(self) -> int:
         return self._pending_bytes
+
+    @property
+    def pending_messages(self) -> int:
+        """Pending MESSAGE records: what a consumer reading the log's tail waits for (group,
+        ack and state records only keep the books)."""
+        return self._pending_messages
 
     def take_batch(self) -> Batch | None:
         """Everything appended since the last batch, or None. Call ``commit`` or ``abort``."""
@@ -212,7 +224,7 @@ class Log:
         self._in_flight = Batch(parts, parts[0].first_offset,
                                 last.first_offset + len(last.starts) - 1, self._pending,
                                 self.directory, plan, sealed)
-        self._pending = self._pending_bytes = 0
+        self._pending = self._pending_bytes = self._pending_messages = 0
         return self._in_flight
 
     def commit(self, batch: Batch) -> None:
