@@ -75,10 +75,11 @@ class Bound:
 
 def _settle_heap() -> None:
     """What start-up made (modules, recovered state) lives as long as the process: one
-    collection, then keep
-    what survives out of every later full collection, whose pauses stall every connection,
-    and give the freed memory back. Run once the listeners accept: it takes a few ms that
-    no connection needs to wait for before the broker is reachable."""
+    collection (of the imports' objects too, set aside until now: ``Server.serve``), then
+    keep what survives out of every later full collection, whose pauses stall every
+    connection, and give the freed memory back. Run once the listeners accept: its few ms
+    come before the accept loop first runs, not before the kernel accepts connections."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     gc.set_threshold(*_GC_THRESHOLDS)
@@ -272,7 +273,12 @@ class Server:
         self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
     ) -> None:
         cfg = self.config
-        gc.enable()  # `blipmq start` imports with it off (blipmq_cli/main.py)
+        if not gc.isenabled():  # `blipmq start` imports with it off (blipmq_cli/main.py)
+            # The imports' objects all sit in the youngest generation: turned on as they are,
+            # the collector's first run would traverse every one of them (~10 ms) before the
+            # log is open. Set aside untraversed instead; _settle_heap collects them once.
+            gc.freeze()
+            gc.enable()
         if self.wal is not None:
             self._open_log()
         self._attach_bridges()
