@@ -584,6 +584,8 @@ class _Link:
                 tokens = min(float(rate), tokens + (now - refilled) * rate)
                 refilled = now
             room = min(window - len(self.inflight), _MAX_BATCH)
+            if room < min(_MAX_BATCH, window // 4) and self.inflight:
+                room = 0  # the window is still full enough: wait for a bigger batch's room
             if rate:
                 room = min(room, int(tokens))
             parts = self.outbox

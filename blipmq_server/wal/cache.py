@@ -76,10 +76,8 @@ class RecentCache:
                     first, pos = offset, at - start
                 for _ in range(from_offset - first):
                     pos += 4 + rec.PREFIX.unpack_from(data, pos)[0]
-            while pos < len(data):
-                record, pos = rec.decode_at(data, pos)
-                out.append(record)
-                size += len(record.body)
-                if len(out) >= max_records or size >= max_bytes:
-                    return out
+            pos, added = rec.decode_run(data, pos, out, max_records, max_bytes - size)
+            size += added
+            if len(out) >= max_records or size >= max_bytes:
+                return out
         return out

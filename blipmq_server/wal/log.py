@@ -401,22 +401,15 @@ class Log:
             stop = seg.size  # committed bytes now (a commit on the event loop may add more)
             while pos < stop and len(out) < max_records and size < max_bytes:
                 chunk = self.disk.pread(seg.path, pos, min(stop - pos, _READ_CHUNK))
-                at = 0
-                while at + rec.RECORD_OVERHEAD <= len(chunk):
-                    length, _ = rec.PREFIX.unpack_from(chunk, at)
-                    if at + 4 + length > len(chunk):
-                        if at == 0:  # one record larger than the chunk: read it whole
-                            chunk = self.disk.pread(seg.path, pos, 4 + length)
-                            continue
-                        break
-                    record, end = rec.decode_at(chunk, at)
-                    at = end
-                    if record.offset < from_offset:
-                        continue
-                    out.append(record)
-                    size += len(record.body)
-                    if len(out) >= max_records or size >= max_bytes:
-                        break
+                at, added = rec.decode_run(chunk, 0, out, max_records, max_bytes - size,
+                                           from_offset)
+                if at == 0 and len(chunk) >= rec.RECORD_OVERHEAD:
+                    length, _ = rec.PREFIX.unpack_from(chunk)
+                    if 4 + length > len(chunk):  # one record larger than the chunk: read it
+                        chunk = self.disk.pread(seg.path, pos, 4 + length)
+                        at, added = rec.decode_run(chunk, 0, out, max_records,
+                                                   max_bytes - size, from_offset)
+                size += added
                 if at == 0:
                     raise WalError(f"{seg.path}: unreadable record at byte {pos}")
                 pos += at

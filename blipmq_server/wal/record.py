@@ -213,6 +213,36 @@ def offset_bound(data: bytes, start: int, end: int, last_offset: int) -> int:
     return best
 
 
+_WHOLE = struct.Struct(PREFIX.format + FIXED.format[1:])  # both at once: the read path's
+_new_record = tuple.__new__  # Record(...) without the Python-level __new__ of a NamedTuple
+
+
+def decode_run(data: bytes, pos: int, out: list[Record], max_records: int, max_bytes: int,
+               from_offset: int = 0) -> tuple[int, int]:
+    """Records of ``data`` (already validated by ``scan``) from ``pos`` onto ``out``, those
+    at ``from_offset`` or later, until ``out`` holds ``max_records`` records or this call
+    added ``max_bytes`` bytes of bodies, or the next record does not end within ``data``.
+    Returns the position after the last record decoded and the bodies' bytes it added.
+    The log's read path (one unpack per record; ``decode_at`` reads one)."""
+    unpack = _WHOLE.unpack_from
+    limit = len(data) - RECORD_OVERHEAD
+    size = 0
+    count = len(out)
+    append = out.append
+    while pos <= limit and count < max_records and size < max_bytes:
+        length, _, kind, offset, ts = unpack(data, pos)
+        end = pos + 4 + length
+        if end > len(data):
+            break
+        if offset >= from_offset:
+            body = data[pos + RECORD_OVERHEAD:end]
+            append(_new_record(Record, (kind, offset, ts, body)))
+            size += len(body)
+            count += 1
+        pos = end
+    return pos, size
+
+
 def decode_at(data: bytes | memoryview, pos: int) -> tuple[Record, int]:
     """The record at ``pos`` (already validated by ``scan``) and the position after it."""
     length, _ = PREFIX.unpack_from(data, pos)
