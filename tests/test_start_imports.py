@@ -2,12 +2,17 @@
 
 Idle memory is a product figure on a Pi (docs/PERFORMANCE.md, "Idle memory"): every module
 the start path imports stays in the broker's memory for its whole life. This runs the start
-path's imports in a fresh interpreter and names what must not be among them.
+path's imports in a fresh interpreter and names what must not be among them, then runs
+``blipmq start`` itself without MQTT (the MQTT front end stays unloaded) and with it.
 """
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
+
+from tests.upstream import free_port
 
 # what `blipmq start` imports up to serving (metrics on: the HTTP module too)
 _START_PATH = """
@@ -21,6 +26,9 @@ standing = [n for n in deferred.UNUSED_BY_THE_BROKER if "__file__" not in vars(s
 print(json.dumps({"loaded": sorted(sys.modules), "standing": standing}))
 """
 
+# the MQTT front end: loaded by a broker that serves MQTT, and only by one
+_MQTT_FRONT_END = {"blipmq_server.server.mqtt", "blipmq_server.mqtt.codec",
+                   "blipmq_server.mqtt.packets"}
 _NOT_IN_THE_BROKER = [
     "typer", "rich", "click", "pydantic",  # the Typer front end
     "blipmq_cli.commands", "blipmq_cli.client", "blipmq_cli.output",  # the client
@@ -32,6 +40,7 @@ _NOT_IN_THE_BROKER = [
     "pydoc", "pdb", "unittest", "asyncio", "email", "http.client", "xml",  # nothing here
     "blipmq_server.server.tls",  # only with a TLS listener
     "blipmq_server.protocol.connection", "blipmq_server.wal.reader",  # client, `wal cat`
+    *_MQTT_FRONT_END,  # only with an MQTT listener (server/app.py, _listen)
 ]
 # of the CLI, the broker process runs only the entry point and the lean parser
 _CLI_IN_THE_BROKER = {"blipmq_cli", "blipmq_cli.main", "blipmq_cli.fast", "blipmq_cli.exits"}
@@ -84,3 +93,56 @@ def test_a_deferred_module_loads_on_first_use_and_works() -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# `blipmq start` itself, in a fresh interpreter: a thread waits for the native listener,
+# speaks MQTT when it is on (CONNECT -> CONNACK), names what is loaded, then stops the broker
+_RUNNING = """
+import json, os, signal, socket, sys, threading, time
+from blipmq_cli.main import main
+data_dir, port, metrics_port, mqtt_port = sys.argv[1], *map(int, sys.argv[2:])
+CONNECT = bytes.fromhex("100d00044d5154540402003c000174")  # MQTT 3.1.1, clean, client id "t"
+
+def watch():
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                os._exit(3)
+            time.sleep(0.01)
+    connack = None
+    if mqtt_port:
+        with socket.create_connection(("127.0.0.1", mqtt_port), timeout=10) as s:
+            s.sendall(CONNECT)
+            connack = s.recv(4).hex()
+    print(json.dumps({"loaded": list(sys.modules), "connack": connack}), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=watch, daemon=True).start()
+sys.exit(main(["start", "--data-dir", data_dir, "--bind", f"127.0.0.1:{port}",
+               "--metrics-bind", f"127.0.0.1:{metrics_port}", "--log-format", "plain",
+               "--mqtt-bind", f"127.0.0.1:{mqtt_port}" if mqtt_port else "off"]))
+"""
+
+
+def _start(tmp_path: Path, mqtt: bool) -> dict[str, Any]:
+    ports = [free_port(), free_port(), free_port() if mqtt else 0]
+    out = subprocess.run([sys.executable, "-c", _RUNNING, str(tmp_path), *map(str, ports)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_a_broker_without_mqtt_does_not_load_the_mqtt_front_end(tmp_path: Path) -> None:
+    loaded = set(_start(tmp_path, mqtt=False)["loaded"])
+    assert "blipmq_server.server.sessions" in loaded  # persistent sessions: still kept
+    assert sorted(_MQTT_FRONT_END & loaded) == []
+
+
+def test_a_broker_with_mqtt_loads_it_and_serves_it(tmp_path: Path) -> None:
+    result = _start(tmp_path, mqtt=True)
+    assert result["connack"] == "20020000"  # CONNACK: accepted
+    assert _MQTT_FRONT_END <= set(result["loaded"])

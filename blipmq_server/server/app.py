@@ -48,7 +48,6 @@ from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.flusher import Flusher
 from blipmq_server.server.keys import Keyring
 from blipmq_server.server.listeners import open_listeners
-from blipmq_server.server.mqtt import MqttSession
 from blipmq_server.server.prefetch import Prefetcher
 from blipmq_server.server.session import CloseReason, Session, now_ms, wall_ms
 from blipmq_server.server.sessions import MqttSessions
@@ -84,6 +83,13 @@ def _settle_heap() -> None:
     gc.freeze()
     gc.set_threshold(*_GC_THRESHOLDS)
     _trim_heap()
+
+
+def _is_mqtt(session: Session) -> bool:
+    """Whether ``session`` is an MQTT client's. The MQTT front end is imported only when an
+    MQTT listener opens (``Server._listen``): until it is, no session can be one."""
+    front_end = sys.modules.get("blipmq_server.server.mqtt")
+    return front_end is not None and isinstance(session, front_end.MqttSession)
 
 
 def _trim_heap() -> None:
@@ -183,7 +189,7 @@ class Server:
     async def auth_failed(self, session: Session) -> None:
         """A session offered a refused key: counted, logged rarely, answered late."""
         self.counters.auth_failures += 1
-        reason = "mqtt" if isinstance(session, MqttSession) else "native"
+        reason = "mqtt" if _is_mqtt(session) else "native"
         refused = self.counters.auth_refused
         refused[reason] = refused.get(reason, 0) + 1
         await self.keys.refused(session.peer, reason)
@@ -244,7 +250,7 @@ class Server:
             if identity.may_subscribe(topic_filter):
                 continue
             ended += 1
-            if isinstance(session, MqttSession):
+            if _is_mqtt(session):
                 session.revoke()
                 continue
             self.detached(self.broker.unsubscribe(session.conn_id, consumer.sub_id).detached)
@@ -605,6 +611,8 @@ class Server:
         """Open the listeners: native, MQTT, MQTT over TLS, native over TLS (None: off).
         If one cannot bind, those opened before it are closed again."""
         cfg = self.config
+        if cfg.mqtt.enabled:  # the MQTT front end is imported only to serve MQTT
+            from blipmq_server.server.mqtt import MqttSession
         wanted = [(cfg.server.host, cfg.server.port, "client listener", Session, False),
                   (cfg.mqtt.host, cfg.mqtt.port, "MQTT listener", MqttSession, False)
                   if cfg.mqtt.enabled else None,
@@ -663,7 +671,7 @@ class Server:
         if len(self.sessions) + self.handshaking >= self.config.server.max_connections:
             self.counters.refused += 1
             limit = self.config.server.max_connections
-            refusal = (_CONNACK_UNAVAILABLE if kind is MqttSession else codec.encode(
+            refusal = (_CONNACK_UNAVAILABLE if kind is not Session else codec.encode(
                 codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
                             f"the broker is at max_connections ({limit})")))
             # a TLS client would read the plain refusal as a broken handshake: closed only

@@ -15,7 +15,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from blipmq_server.mqtt import state
-from blipmq_server.server.mqtt import raw_message
 from blipmq_server.server.session import CloseReason, now_ms, wall_ms
 
 if TYPE_CHECKING:
@@ -184,6 +183,10 @@ class MqttSessions:
         session.will = None
         if will is None:
             return
+        # loaded already: a will comes from an MQTT session (the module is imported only
+        # to serve MQTT, so a broker without it never loads it: server/app.py, _listen)
+        from blipmq_server.server.mqtt import raw_message
+
         raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain)
         result = self.broker.publish((raw,), now_ms(), wall_ms())
         self.server.wake(result.wake)
