@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -431,6 +430,9 @@ def _parse_text(key: Key, text: str, name: str) -> object:
 
 
 def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
+    import tomllib  # only with a file: a broker on its defaults, flags and environment
+    # never loads it (nor the datetime module it brings)
+
     p = os.fspath(path)  # not pathlib: the broker process does not need it otherwise
     try:
         with open(p, encoding="utf-8") as f:
