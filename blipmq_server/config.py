@@ -21,6 +21,9 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
+    """``[server]``: the native protocol's listener, its TLS twin, and per-connection
+    limits and timeouts."""
+
     host: str = "127.0.0.1"
     port: int = 7878
     tls: bool = False
@@ -52,6 +55,9 @@ class KeySpec:
 
 @dataclass(frozen=True, slots=True)
 class AuthOptions:
+    """``[auth]``: the keys clients present (both empty: authentication is off) and how
+    long a refusal waits."""
+
     api_keys: tuple[str, ...] = ()
     keys: tuple[KeySpec, ...] = ()
     failure_delay_ms: int = 1000
@@ -63,6 +69,9 @@ class AuthOptions:
 
 @dataclass(frozen=True, slots=True)
 class MqttOptions:
+    """``[mqtt]``: the MQTT front end (off unless enabled), its listeners and session
+    limits."""
+
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = 1883
@@ -78,6 +87,8 @@ class MqttOptions:
 
 @dataclass(frozen=True, slots=True)
 class QueueOptions:
+    """``[queues]``: what each subscription or group may hold, and what a full one does."""
+
     capacity: int = 8192
     capacity_bytes: int = 64 * MiB
     overflow: str = "block"
@@ -88,6 +99,8 @@ class QueueOptions:
 
 @dataclass(frozen=True, slots=True)
 class DeliveryOptions:
+    """``[delivery]``: batching, credit, redelivery and dead letters, group expiry."""
+
     max_batch: int = 256
     max_batch_bytes: int = 262144
     flush_interval_ms: int = 0
@@ -100,6 +113,8 @@ class DeliveryOptions:
 
 @dataclass(frozen=True, slots=True)
 class WalOptions:
+    """``[wal]``: the write-ahead log: fsync policy, segments, retention, cache, shutdown."""
+
     enabled: bool = True
     fsync: str = "always"
     include_qos0: bool = True
@@ -114,12 +129,16 @@ class WalOptions:
 
 @dataclass(frozen=True, slots=True)
 class RetainedOptions:
+    """``[retained]``: how many retained values, and how many bytes of them, are kept."""
+
     max_topics: int = 10_000
     max_bytes: int = 16 * MiB
 
 
 @dataclass(frozen=True, slots=True)
 class MetricsOptions:
+    """``[metrics]``: the HTTP listener of /metrics, /health and /ready."""
+
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 9090
@@ -142,17 +161,23 @@ class TlsOptions:
 
 @dataclass(frozen=True, slots=True)
 class StorageOptions:
+    """``[storage]``: where the lock file and the log live."""
+
     data_dir: str = "./data"
 
 
 @dataclass(frozen=True, slots=True)
 class LogOptions:
+    """``[log]``: the broker's own log on stderr: level and format."""
+
     level: str = "info"
     format: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    """The whole configuration, one frozen section per TOML table (``load`` builds it)."""
+
     server: ServerOptions = field(default_factory=ServerOptions)
     auth: AuthOptions = field(default_factory=AuthOptions)
     mqtt: MqttOptions = field(default_factory=MqttOptions)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class ConnectionCounters:
+    """What the listeners and connections count (read by ``metrics`` at scrape time)."""
+
     accepted: int = 0
     refused: int = 0  # at max_connections
     auth_failures: int = 0
@@ -25,6 +27,8 @@ class ConnectionCounters:
 
 @dataclass(slots=True)
 class WalCounters:
+    """What the log writer (``server/flusher.py``) counts."""
+
     batches: int = 0
     records: int = 0
     bytes: int = 0

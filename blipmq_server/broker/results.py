@@ -61,6 +61,9 @@ class Counters:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
+    """Why the core refused something: the error code the native protocol sends, and a
+    sentence."""
+
     code: ErrorCode
     text: str
 
@@ -125,6 +128,9 @@ class Detached:
 
 @dataclass(frozen=True, slots=True)
 class UnsubscribeResult:
+    """How many subscriptions ended (0: none matched), what that changed for other
+    queues and connections, or why it was refused."""
+
     count: int
     detached: Detached = Detached()
     ended: tuple[Ended, ...] = ()  # other connections' subscriptions ended (group deleted)
