@@ -199,7 +199,7 @@ from blipmq_server import daemon, logs
 stage("daemon, logging", t, r)
 t, r = time.perf_counter(), rss()
 from blipmq_server import config
-stage("config (tomllib, dataclasses, inspect)", t, r)
+stage("config (dataclasses; tomllib only with a file)", t, r)
 t, r = time.perf_counter(), rss()
 from blipmq_server import deferred
 deferred.defer()
@@ -212,7 +212,7 @@ import blipmq_server.wal.log, blipmq_server.broker.core
 stage("write-ahead log, broker core", t, r)
 t, r = time.perf_counter(), rss()
 from blipmq_server.server import app
-stage("server shell (sessions, MQTT front end: sessions.py needs it)", t, r)
+stage("server shell (the MQTT front end only with MQTT on: not here)", t, r)
 t, r = time.perf_counter(), rss()
 from blipmq_server.server import http
 stage("metrics HTTP listener", t, r)

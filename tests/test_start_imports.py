@@ -37,6 +37,7 @@ _NOT_IN_THE_BROKER = [
     "_ssl", "_hashlib", "hashlib",  # OpenSSL, which trio's TLS and DTLS import (deferred)
     "idna.core",  # trio.socket's, for host names that are not ASCII (deferred)
     "prometheus_client", "tomlkit",  # /metrics and the config file need neither
+    "tomllib",  # only to read a config file (the defaults, flags and environment: none)
     "pydoc", "pdb", "unittest", "asyncio", "email", "http.client", "xml",  # nothing here
     "blipmq_server.server.tls",  # only with a TLS listener
     "blipmq_server.protocol.connection", "blipmq_server.wal.reader",  # client, `wal cat`
