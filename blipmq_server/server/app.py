@@ -72,13 +72,14 @@ class Bound:
     tls_port: int | None = None  # the native protocol over TLS (server.tls)
 
 
-def _settle_heap() -> None:
+def _settle_heap(imports_set_aside: bool) -> None:
     """What start-up made (modules, recovered state) lives as long as the process: one
-    collection (of the imports' objects too, set aside until now: ``Server.serve``), then
+    collection (of the imports' objects too, when ``Server.serve`` set them aside), then
     keep what survives out of every later full collection, whose pauses stall every
     connection, and give the freed memory back. Run once the listeners accept: its few ms
     come before the accept loop first runs, not before the kernel accepts connections."""
-    gc.unfreeze()
+    if imports_set_aside:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
     gc.set_threshold(*_GC_THRESHOLDS)
@@ -279,7 +280,8 @@ class Server:
         self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
     ) -> None:
         cfg = self.config
-        if not gc.isenabled():  # `blipmq start` imports with it off (blipmq_cli/main.py)
+        set_aside = not gc.isenabled()  # `blipmq start` imports with it off (blipmq_cli/main.py)
+        if set_aside:
             # The imports' objects all sit in the youngest generation: turned on as they are,
             # the collector's first run would traverse every one of them (~10 ms) before the
             # log is open. Set aside untraversed instead; _settle_heap collects them once.
@@ -328,7 +330,7 @@ class Server:
                     else "disabled (no keys configured)",
                 )
                 task_status.started(Bound(port, metrics_port, mqtt_port, mqtts_port, tls_port))
-                _settle_heap()
+                _settle_heap(set_aside)
                 await self.shutdown.wait()
                 await self._drain(accept_scope, listeners, conns)
             bridging.cancel()  # links close; their last state goes to the log
