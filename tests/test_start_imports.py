@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.upstream import free_port
-
 # what `blipmq start` imports up to serving (metrics on: the HTTP module too)
 _START_PATH = """
 import json, sys
@@ -96,42 +94,49 @@ def test_a_deferred_module_loads_on_first_use_and_works() -> None:
     assert out.stdout.strip() == "ok"
 
 
-# `blipmq start` itself, in a fresh interpreter: a thread waits for the native listener,
-# speaks MQTT when it is on (CONNECT -> CONNACK), names what is loaded, then stops the broker
+# `blipmq start` itself, in a fresh interpreter, on ports it picks: once its listening line
+# is out, a thread speaks MQTT when it is on (CONNECT -> CONNACK), names what is loaded,
+# then stops the broker
 _RUNNING = """
-import json, os, signal, socket, sys, threading, time
+import json, os, re, signal, socket, sys, threading
 from blipmq_cli.main import main
-data_dir, port, metrics_port, mqtt_port = sys.argv[1], *map(int, sys.argv[2:])
+data_dir, mqtt = sys.argv[1], sys.argv[2] == "mqtt"
 CONNECT = bytes.fromhex("100d00044d5154540402003c000174")  # MQTT 3.1.1, clean, client id "t"
+listening = []
+ready = threading.Event()
+
+class Log:  # stderr, watched for the listening line
+    def write(self, text):
+        if "listening on" in text:
+            listening.append(text)
+            ready.set()
+        return sys.__stderr__.write(text)
+
+    def flush(self):
+        sys.__stderr__.flush()
 
 def watch():
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                os._exit(3)
-            time.sleep(0.01)
+    if not ready.wait(30):
+        os._exit(3)
     connack = None
-    if mqtt_port:
-        with socket.create_connection(("127.0.0.1", mqtt_port), timeout=10) as s:
+    if mqtt:
+        port = int(re.search(r"mqtt on [\\d.]+:(\\d+)", listening[0]).group(1))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(CONNECT)
             connack = s.recv(4).hex()
     print(json.dumps({"loaded": list(sys.modules), "connack": connack}), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
+sys.stderr = Log()
 threading.Thread(target=watch, daemon=True).start()
-sys.exit(main(["start", "--data-dir", data_dir, "--bind", f"127.0.0.1:{port}",
-               "--metrics-bind", f"127.0.0.1:{metrics_port}", "--log-format", "plain",
-               "--mqtt-bind", f"127.0.0.1:{mqtt_port}" if mqtt_port else "off"]))
+sys.exit(main(["start", "--data-dir", data_dir, "--bind", "127.0.0.1:0",
+               "--metrics-bind", "127.0.0.1:0", "--log-format", "plain",
+               "--mqtt-bind", "127.0.0.1:0" if mqtt else "off"]))
 """
 
 
 def _start(tmp_path: Path, mqtt: bool) -> dict[str, Any]:
-    ports = [free_port(), free_port(), free_port() if mqtt else 0]
-    out = subprocess.run([sys.executable, "-c", _RUNNING, str(tmp_path), *map(str, ports)],
+    out = subprocess.run([sys.executable, "-c", _RUNNING, str(tmp_path), "mqtt" if mqtt else "-"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
