@@ -300,22 +300,24 @@ class DurableGroup:
         acked = self.acked
         wants = self.wants
         pack = DELIVERY_PREFIX.pack
+        nxt = self.next
+        taken = 0  # matching records passed (the backlog counts them)
+        popleft = ahead.popleft
+        append = out.append
         while ahead:
-            record = ahead[0]
-            offset = record.offset
-            if offset < self.next:
-                ahead.popleft()
+            kind, offset, ts, body = ahead[0]
+            if offset < nxt:
+                popleft()
                 continue
             if len(out) >= room:
                 full = True
                 break
-            body = record.body
-            if size and size + PREFIX_SIZE + len(body) > max_bytes and record.kind == _MESSAGE:
+            if size and size + PREFIX_SIZE + len(body) > max_bytes and kind == _MESSAGE:
                 full = True
                 break
-            ahead.popleft()
-            self.next = offset + 1
-            if record.kind != _MESSAGE:
+            popleft()
+            nxt = offset + 1
+            if kind != _MESSAGE:
                 continue
             _, ttl, tlen, _, _ = _unpack_head(body)
             if not wants(body[_HEAD : _HEAD + tlen]):
@@ -323,15 +325,16 @@ class DurableGroup:
             if acked and offset in acked:  # acked before a restart: never counted
                 acked.discard(offset)
                 continue
-            self.backlog -= 1
-            if ttl and record.timestamp_ms + ttl <= wall_ms:
+            taken += 1
+            if ttl and ts + ttl <= wall_ms:
                 expired += 1
                 continue
-            ts = record.timestamp_ms
             if acks:
                 inflight[offset] = Flight(body, sub_id, due, ts)
-            out.append(pack(offset, 1, ts, 0) + body)
+            append(pack(offset, 1, ts, 0) + body)
             size += PREFIX_SIZE + len(body)
+        self.next = nxt
+        self.backlog -= taken
         if acks and out:
             self.held[sub_id] = self.held.get(sub_id, 0) + len(out)
         return out, size, expired, full

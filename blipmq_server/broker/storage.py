@@ -9,7 +9,7 @@ Pure: no trio, no clock, no files.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 READ_AHEAD_RECORDS = 1024  # one disk read for a log cursor: at most this many records
@@ -17,6 +17,11 @@ READ_AHEAD_BYTES = 256 * 1024  # ... and about this many bytes (at least one rec
 
 
 class StoredRecord(Protocol):
+    """A record read back: also a 4-tuple in this order (both logs' records are named
+    tuples), which the cursors' hot loop unpacks at once (``DurableGroup.take_new``)."""
+
+    def __iter__(self) -> Iterator[int | bytes]: ...
+
     @property
     def kind(self) -> int: ...
 
