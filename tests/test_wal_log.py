@@ -123,6 +123,25 @@ def test_a_record_larger_than_the_read_chunk(tmp_path: Path) -> None:
     assert [r.body for r in log.read(1)] == [b"small", big, b"after"]
 
 
+def test_decode_run_stops_at_a_cut_record_and_at_its_limits() -> None:
+    records = [rec.Record(1, 10 + i, 1000 + i, bytes([i]) * (i + 1)) for i in range(5)]
+    data = b"".join(rec.encode(*r) for r in records)
+    ends = [sum(len(rec.encode(*r)) for r in records[:i + 1]) for i in range(5)]
+    out: list[rec.Record] = []
+    assert rec.decode_run(data[:ends[2] + 3], 0, out, 100, 1 << 20) == (ends[2], 6)
+    assert out == records[:3]  # the cut fourth record is left for the next read
+    out = []
+    assert rec.decode_run(data, 0, out, 100, 1 << 20, from_offset=12) == (ends[4], 12)
+    assert out == records[2:]  # records before from_offset are passed over
+    out = [records[0]]  # a call adds to what the list holds: max_records counts it
+    assert rec.decode_run(data, ends[0], out, 3, 1 << 20) == (ends[2], 5)
+    assert out == records[:3]
+    out = []
+    assert rec.decode_run(data, 0, out, 100, 3) == (ends[1], 3)  # the budget is reached
+    assert out == records[:2]
+    assert rec.decode_run(data, 0, [], 100, 0) == (0, 0)  # nothing asked, nothing read
+
+
 def test_torn_tail_at_every_byte_of_the_last_records(tmp_path: Path) -> None:
     src = tmp_path / "src"
     write_log(src, 20).close()
