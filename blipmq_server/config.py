@@ -7,7 +7,6 @@ Must not import trio, typer or rich.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -593,6 +592,8 @@ def load(
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
+    import ipaddress  # here, not at the top: the broker defers it (deferred.py)
+
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

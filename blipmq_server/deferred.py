@@ -23,8 +23,10 @@ import types
 
 # trio imports them; the broker never calls into them without TLS (tests/test_start_imports.py).
 # Likewise idna (trio.socket: only for a host name that is not ASCII) and tempfile
-# (ctypes.util, for trio: only when ldconfig cannot name a library): 0.2 MB and ~2 ms.
-UNUSED_BY_THE_BROKER = ("ssl", "hmac", "idna", "tempfile")
+# (ctypes.util, for trio: only when ldconfig cannot name a library): 0.2 MB and ~2 ms. And
+# ipaddress (urllib.parse, for trio's pathlib: only for a URL with a bracketed host; the
+# config's check of an MQTT address without authentication): ~0.7 ms.
+UNUSED_BY_THE_BROKER = ("ssl", "hmac", "idna", "tempfile", "ipaddress")
 
 
 class _Deferred(types.ModuleType):
