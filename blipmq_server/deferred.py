@@ -25,8 +25,9 @@ import types
 # Likewise idna (trio.socket: only for a host name that is not ASCII) and tempfile
 # (ctypes.util, for trio: only when ldconfig cannot name a library): 0.2 MB and ~2 ms. And
 # ipaddress (urllib.parse, for trio's pathlib: only for a URL with a bracketed host; the
-# config's check of an MQTT address without authentication): ~0.7 ms.
-UNUSED_BY_THE_BROKER = ("ssl", "hmac", "idna", "tempfile", "ipaddress")
+# config's check of an MQTT address without authentication): ~0.7 ms. ntpath (pathlib's
+# Windows paths) and array (socket.py, for passing file descriptors): ~0.5 ms.
+UNUSED_BY_THE_BROKER = ("ssl", "hmac", "idna", "tempfile", "ipaddress", "ntpath", "array")
 
 
 class _Deferred(types.ModuleType):
