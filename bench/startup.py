@@ -195,18 +195,18 @@ from blipmq_cli import main, fast
 fast.parser("start")
 stage("argument parsing (blipmq_cli.main, fast: argparse, enum, the codec)", t, r)
 t, r = time.perf_counter(), rss()
-from blipmq_server import daemon, logs
+from blipmq_server import daemon, deferred
+deferred.defer()  # as daemon.start does, first
+from blipmq_server import logs
 stage("daemon, logging", t, r)
 t, r = time.perf_counter(), rss()
 from blipmq_server import config
 stage("config (dataclasses; tomllib only with a file)", t, r)
 t, r = time.perf_counter(), rss()
-from blipmq_server import deferred
-deferred.defer()
 import attr._make
 attr._make._ClassBuilder.build_class = timed("attrs", attr._make._ClassBuilder.build_class)
 import trio
-stage("trio (attrs, ctypes, subprocess; ssl, hmac, idna, tempfile deferred)", t, r)
+stage("trio (attrs, ctypes, subprocess; ssl, hmac, shutil, ... deferred)", t, r)
 t, r = time.perf_counter(), rss()
 import blipmq_server.wal.log, blipmq_server.broker.core
 stage("write-ahead log, broker core", t, r)

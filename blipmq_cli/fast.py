@@ -18,6 +18,15 @@ COMMANDS = ("pub", "pubfile", "sub", "unsub", "start")
 _TLS_OPTIONS = ("tls", "cafile", "cert", "cert_key", "insecure")  # commands.tls_options
 
 
+class _Formatter(argparse.HelpFormatter):
+    """These parsers print no help or usage (``--help`` goes to the Typer app, an error is
+    one line), yet argparse makes a formatter for each argument it adds: with a width given,
+    it does not ask for the terminal's, which imports shutil (and with it bz2 and lzma)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=80)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: {message} (see '{self.prog} --help')\n")
@@ -42,7 +51,7 @@ def _pub_opts(p: argparse.ArgumentParser) -> None:
 
 
 def parser(command: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=f"blipmq {command}", add_help=False)
+    p = _Parser(prog=f"blipmq {command}", add_help=False, formatter_class=_Formatter)
     if command == "pub":
         p.add_argument("topic", nargs="?", default=None)
         p.add_argument("message", nargs="?", default=None)

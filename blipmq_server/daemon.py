@@ -76,6 +76,9 @@ def lock_data_dir(path: str) -> IO[str]:
 
 
 def start(config: str | None = None, **flags: str | None) -> int:
+    from blipmq_server import deferred
+
+    deferred.defer()  # before the broker's modules and trio: what they need only later waits
     from blipmq_server import config as config_module
     from blipmq_server import logs
 
@@ -99,9 +102,6 @@ def start(config: str | None = None, **flags: str | None) -> int:
         sys.stderr.write(f"blipmq: cannot use data directory: {exc.strerror or exc}\n")
         return 1
 
-    from blipmq_server import deferred
-
-    deferred.defer()  # before trio: its TLS and DTLS imports stay unloaded
     import trio
 
     from blipmq_server.server.app import run

@@ -1,18 +1,21 @@
-"""Modules trio imports for features the broker does not use, loaded on first use instead.
+"""Modules trio imports for features the broker does not use, and modules the broker uses
+only on request, loaded on first use instead.
 
 ``import trio`` imports ``ssl`` (for ``trio.SSLStream``: OpenSSL's libssl and libcrypto)
 and ``hmac`` (for DTLS cookies: ``hashlib``, and libcrypto again). Unless a listener serves
 TLS (docs/SECURITY.md; then ``server/tls.py`` loads ssl on purpose), the broker speaks plain
 TCP and HTTP, so these 5 MB of an idle broker's memory (docs/PERFORMANCE.md, "Idle
 memory") would sit unused for its whole life. ``defer`` puts a stand-in module into
-``sys.modules`` for each name before trio is imported: ``import ssl`` gets the stand-in,
-and the first attribute anybody reads from it (``ssl.SSLContext``, ``from ssl import X``)
-imports the real module and copies its contents into the stand-in, so references taken
-earlier see the real thing from then on.
+``sys.modules`` for each name before the broker's modules and trio are imported
+(``daemon.start``): ``import ssl`` gets the stand-in, and the first attribute anybody reads
+from it (``ssl.SSLContext``, ``from ssl import X``) imports the real module and copies its
+contents into the stand-in, so references taken earlier see the real thing from then on.
 
 What differs from a plain import until then: the stand-in has no ``__file__``,
 ``__path__`` or ``__spec__`` (reading a double-underscore name does not load it, so tools
-that walk ``sys.modules``, such as ``inspect.getmodule``, do not load every stand-in).
+that walk ``sys.modules``, such as ``inspect.getmodule``, do not load every stand-in). So a
+module somebody star-imports (``from X import *`` reads ``__all__``) must not be deferred:
+the star import would copy nothing.
 """
 
 from __future__ import annotations
@@ -22,12 +25,18 @@ import sys
 import types
 
 # trio imports them; the broker never calls into them without TLS (tests/test_start_imports.py).
-# Likewise idna (trio.socket: only for a host name that is not ASCII) and tempfile
-# (ctypes.util, for trio: only when ldconfig cannot name a library): 0.2 MB and ~2 ms. And
-# ipaddress (urllib.parse, for trio's pathlib: only for a URL with a bracketed host; the
-# config's check of an MQTT address without authentication): ~0.7 ms. ntpath (pathlib's
-# Windows paths) and array (socket.py, for passing file descriptors): ~0.5 ms.
-UNUSED_BY_THE_BROKER = ("ssl", "hmac", "idna", "tempfile", "ipaddress", "ntpath", "array")
+# Likewise idna (trio.socket: only for a host name that is not ASCII), and tempfile and
+# shutil (ctypes.util, for trio: only when ldconfig cannot name a library; shutil brings
+# bz2, lzma and zlib): 0.2 MB and ~3.5 ms. And ipaddress (urllib.parse, for trio's pathlib:
+# only for a URL with a bracketed host; the config's check of an MQTT address without
+# authentication): ~0.7 ms. ntpath (pathlib's Windows paths) and array (socket.py, for
+# passing file descriptors): ~0.5 ms.
+UNUSED_BY_THE_BROKER = ("ssl", "hmac", "idna", "tempfile", "shutil", "ipaddress", "ntpath",
+                        "array")
+# Imported at the top of the broker's modules, used only on request: json (the JSON log
+# format, logs.py; introspection answers, server/session.py). ~1 ms, paid by the first use.
+USED_ON_REQUEST = ("json",)
+DEFERRED = UNUSED_BY_THE_BROKER + USED_ON_REQUEST
 
 
 class _Deferred(types.ModuleType):
@@ -53,7 +62,7 @@ def load(stand_in: types.ModuleType) -> types.ModuleType:
     return real
 
 
-def defer(names: tuple[str, ...] = UNUSED_BY_THE_BROKER) -> list[str]:
+def defer(names: tuple[str, ...] = DEFERRED) -> list[str]:
     """Stand-ins for those of ``names`` not imported yet; returns the names deferred."""
     deferred = [name for name in names if name not in sys.modules]
     for name in deferred:
