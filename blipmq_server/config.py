@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from blipmq_server.errors import ConfigError
 from blipmq_server.wal import policy
@@ -38,10 +38,10 @@ class ServerOptions:
     shutdown_grace_ms: int = 5000
 
 
-@dataclass(frozen=True, slots=True)
-class KeySpec:
+class KeySpec(NamedTuple):
     """One ``[[auth.keys]]`` entry: a named key, stored as its hash, and its permissions
-    (docs/SECURITY.md)."""
+    (docs/SECURITY.md). Immutable like the sections; a NamedTuple, as ``Key``: defining one
+    costs a fifth of what a frozen dataclass does, on every start."""
 
     name: str
     hash: str  # "blake2b:" + the hex BLAKE2b-512 digest of the key (what `b2sum` prints)
@@ -195,9 +195,9 @@ class Config:
 # ----------------------------------------------------------------------------------- schema
 
 
-@dataclass(frozen=True, slots=True)
-class Key:
-    """One configuration key: its type, allowed values and documentation."""
+class Key(NamedTuple):
+    """One configuration key (a row of ``SCHEMA``): its type, allowed values and
+    documentation."""
 
     section: str
     name: str
