@@ -4,6 +4,10 @@ The core names connections and queues by id (ints the shell chose or the core ha
 and never holds a shell object: a result says whom to wake, what was appended to the log,
 who is blocked and on what, and the shell turns that into wake-ups and frames.
 Pure: no trio.
+
+The frozen ones are NamedTuples, read by attribute and compared only with their own kind:
+defining a NamedTuple class costs a fifth of what a frozen dataclass does (on every start
+of the broker), and making one about half. ``Counters`` changes, so it stays a dataclass.
 """
 
 from __future__ import annotations
@@ -15,8 +19,7 @@ from blipmq_server.broker.queue import Overflow
 from blipmq_server.protocol.codec import ErrorCode
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
+class Limits(NamedTuple):
     """The broker options the core needs (built from the config by the shell)."""
 
     capacity: int = 8192
@@ -59,8 +62,7 @@ class Counters:
     groups_expired: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
+class Refusal(NamedTuple):
     """Why the core refused something: the error code the native protocol sends, and a
     sentence."""
 
@@ -68,8 +70,7 @@ class Refusal:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
-class Blocked:
+class Blocked(NamedTuple):
     """A full queue with the ``block`` policy, and the connections consuming from it."""
 
     queue: int  # Queue.id
@@ -96,8 +97,7 @@ class PublishResult(NamedTuple):  # one per PUBLISH frame: a tuple costs a third
     first_offset: int = 0  # the first log record appended (0: none)
 
 
-@dataclass(frozen=True, slots=True)
-class SubscribeResult:
+class SubscribeResult(NamedTuple):
     """A new subscription's id and whether it has something to take already (a group's
     backlog), or why there is none (``sub_id`` 0)."""
 
@@ -107,8 +107,7 @@ class SubscribeResult:
     end: int | None = None  # asked for (until_end): the log's next offset, 0 without a log
 
 
-@dataclass(frozen=True, slots=True)
-class Ended:
+class Ended(NamedTuple):
     """Another connection's subscription that ended because its group was deleted."""
 
     conn: int
@@ -116,8 +115,7 @@ class Ended:
     name: str  # "group 'g' on 't'"
 
 
-@dataclass(frozen=True, slots=True)
-class Detached:
+class Detached(NamedTuple):
     """What ending subscriptions changed: ``released`` queues (by id) no longer hold
     publishers back the way they did (gone, or one consumer fewer); ``wake`` connections
     have deliveries again (the unacked ones of a consumer that left)."""
@@ -126,8 +124,7 @@ class Detached:
     wake: frozenset[int] = frozenset()
 
 
-@dataclass(frozen=True, slots=True)
-class UnsubscribeResult:
+class UnsubscribeResult(NamedTuple):
     """How many subscriptions ended (0: none matched), what that changed for other
     queues and connections, or why it was refused."""
 
@@ -137,8 +134,7 @@ class UnsubscribeResult:
     refusal: Refusal | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Fetch:
+class Fetch(NamedTuple):
     """A log cursor needs records the log holds only on disk: read them off the event loop
     (from ``offset``, up to the ``storage.READ_AHEAD`` limits) and hand them to
     ``Broker.fill(key, records)``."""
@@ -147,8 +143,7 @@ class Fetch:
     offset: int
 
 
-@dataclass(frozen=True, slots=True)
-class Count:
+class Count(NamedTuple):
     """A durable group's backlog before it was counted on appends (a group created to
     replay the log, every group after a restart, a group retention skipped): count the
     MESSAGE records of its topics from ``first`` to ``last`` off the event loop
