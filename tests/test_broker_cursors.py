@@ -242,3 +242,26 @@ def drain(b: Broker, conn: int, sub_id: int, into: list[bytes], limit: int) -> N
             msgs = decode_one(encode_deliver(1, records)).messages  # type: ignore[union-attr]
             into.extend(m.payload for m in msgs)
             b.ack(conn, sub_id, tuple(m.offset for m in msgs), 0)
+
+
+def test_acks_are_due_once_they_ack_half_the_consumers_window() -> None:
+    # A consumer's acks may wait to be written with others (a bridge acks hundreds of times
+    # a second), but never more than half its window: a crash loses what is unwritten, and
+    # each of those deliveries comes again.
+    log = MemoryLog()
+    b = Broker(Limits(), log=log)
+    sub = b.subscribe(7, "t", "g", qos=1, credit=10)
+    publish(b, "t", *[bytes([i]) for i in range(10)])
+    log.store()
+    [(_, batch)] = b.deliver(7, 100, 1 << 20, 0, 0).batches
+    offsets = [r.offset for r in log.records if r.kind == Kind.MESSAGE]
+    assert len(batch) == len(offsets) == 10 and not b.acks_due()
+    for offset in offsets[:4]:
+        b.ack(7, sub.sub_id, (offset,), 1000)
+    assert not b.acks_due()  # 4 of a window of 10: they may wait
+    b.ack(7, sub.sub_id, (offsets[4],), 1000)
+    assert b.acks_due()  # 5: half the window
+    log.store()
+    assert not b.acks_due()  # written
+    b.ack(7, sub.sub_id, tuple(offsets[5:]), 1000)
+    assert b.acks_due()

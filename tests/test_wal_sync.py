@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -340,12 +341,12 @@ async def start_server(
     return server, disk, bound.port
 
 
-async def flusher_running(nursery: trio.Nursery, tmp_path: Path, tailing: bool = False
-                          ) -> tuple[Flusher, Log]:
+async def flusher_running(nursery: trio.Nursery, tmp_path: Path, tailing: bool = False,
+                          acks_due: Callable[[], bool] | None = None) -> tuple[Flusher, Log]:
     log, _ = make_log(tmp_path)
     parsed = policy.parse("none")
     assert not isinstance(parsed, str)
-    flusher = Flusher(log, parsed, tailing=lambda: tailing)
+    flusher = Flusher(log, parsed, tailing=lambda: tailing, acks_due=acks_due)
     nursery.start_soon(flusher.run)
     await wait_all_tasks_blocked()
     return flusher, log
@@ -423,6 +424,24 @@ async def test_bookkeeping_lingers_even_for_a_tail_reader_until_a_message_comes(
     await appended(flusher)
     await written(flusher, 4)
     assert flusher.counters.batches == 1 and log.pending_messages == 0
+
+
+async def test_acks_the_core_wants_written_end_the_linger(
+    nursery: trio.Nursery, tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    # ... unless they ack half a consumer's window (Cursors.acks_due): a crash then
+    # delivers no more than that again. The clock never moves.
+    due = False
+    flusher, log = await flusher_running(nursery, tmp_path, tailing=True,
+                                         acks_due=lambda: due)
+    log.append(rec.Kind.ACK, b"acks", 0)
+    flusher.appended()
+    await wait_all_tasks_blocked()
+    assert flusher.counters.records == 0  # lingering
+    due = True
+    log.append(rec.Kind.ACK, b"more acks", 0)
+    flusher.appended()
+    await written(flusher, 2)
 
 
 async def test_a_publisher_that_waits_ends_the_linger(

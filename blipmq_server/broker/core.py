@@ -990,6 +990,10 @@ class Broker:
         written, so the log should not hold a batch back)."""
         return self.registry.reads_cursors()
 
+    def acks_due(self) -> bool:
+        """Whether the log should write the acks it holds now (``Cursors.acks_due``)."""
+        return self.cursors is not None and self.cursors.acks_due()
+
     def cursor_conns(self) -> set[int]:
         """Connections consuming from a log cursor (they may deliver once the log grows)."""
         return self.registry.cursor_conns()

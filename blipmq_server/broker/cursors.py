@@ -11,6 +11,7 @@ Pure and synchronous; no trio, no clock.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 _CACHE_READ_RECORDS = 512  # records a cursor decodes from the log's cache in one go
 _ROUNDS = 8  # read-aheads one take may look through (a filter that matches little)
+_UNWRITTEN_KEPT = 1024  # ACK records acks_due looks at, at most (plenty to be due)
 
 
 def _never(count: int) -> int:
@@ -53,6 +55,9 @@ class Cursors:
         self._buried: list[tuple[DurableGroup, int]] = []  # dead-lettered, ACK not yet logged
         self.generation = 0  # grows whenever a durable group is added or forgotten
         self._counts: list[Count] = []  # backlogs to count off the event loop
+        # ACK records not written yet: (record's offset, offsets it acks, half the acking
+        # consumer's window), oldest first (``acks_due``)
+        self._unwritten: deque[tuple[int, int, int]] = deque()
 
     @property
     def all(self) -> tuple[DurableGroup, ...]:
@@ -275,9 +280,26 @@ class Cursors:
         if done:
             self.counters.acked += len(done)
             if target.persistent:
-                self.log.append(Kind.ACK, durable.ack_body(target.id, target.floor, done),
-                                timestamp_ms)
+                at = self.log.append(Kind.ACK, durable.ack_body(target.id, target.floor, done),
+                                     timestamp_ms)
+                if len(self._unwritten) >= _UNWRITTEN_KEPT:  # the disk fails for long
+                    self._unwritten.popleft()
+                self._unwritten.append((at, len(done), max(1, consumer.credit // 2)))
         return bool(done)
+
+    def acks_due(self) -> bool:
+        """Whether acks not yet written should be written without waiting for more: once
+        they ack half the window of a consumer among theirs. A crash loses what is not
+        written, and each of those deliveries comes again: this keeps the duplicates of a
+        crash within about one window (a bridge's ``inflight``), as the delivery window
+        bounds them anyway, while a consumer acking fast does not cost a write per ack."""
+        unwritten = self._unwritten
+        written = self.log.written_offset
+        while unwritten and unwritten[0][0] <= written:
+            unwritten.popleft()
+        if not unwritten:
+            return False
+        return sum(n for _, n, _ in unwritten) >= min(half for _, _, half in unwritten)
 
     def nack(
         self, consumer: Consumer, target: DurableGroup, offsets: tuple[int, ...], delay_ms: int,

@@ -120,7 +120,8 @@ class Server:
             fsync = policy.parse(w.fsync)
             assert not isinstance(fsync, str)  # the config loader validated it
             self.flusher = Flusher(self.wal, fsync, self._wake_durable, w.unconfirmed_sync_ms,
-                                   tailing=lambda: self.broker.tailing())
+                                   tailing=lambda: self.broker.tailing(),
+                                   acks_due=lambda: self.broker.acks_due())
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,

@@ -16,10 +16,10 @@ When a batch is synced (docs/OPERATIONS.md, "Durability"):
   ack records);
 - ``every_n:N`` / ``interval_ms:M``: as the policy says; ``none``: only at shutdown.
 
-A batch nobody waits for (no QoS 1 publisher, no sync wanted, and no message in it for a
-consumer reading the log's tail, ``tailing``: a batch of only group and ack records, such as
-a bridge's acks while it drains a backlog, waits for nobody) is held back up to ``LINGER_S``
-while it stays small: a trip to a worker
+A batch nobody waits for (no QoS 1 publisher, no sync wanted, no message in it for a
+consumer reading the log's tail, ``tailing``, and acks of less than half a consumer's window,
+``acks_due``: a bridge draining a backlog acks hundreds of times a second) is held back up
+to ``LINGER_S`` while it stays small: a trip to a worker
 thread costs the process 200-600 us of CPU on a small machine (``trio.to_thread``, the
 thread's wake-up, the report back through the event loop), so at low rates QoS 0 traffic
 would otherwise pay it every few messages. A publisher that starts waiting, or a batch that
@@ -65,11 +65,13 @@ class Flusher:
         on_commit: Callable[[], None] | None = None,
         unconfirmed_sync_ms: int = 1000,
         tailing: Callable[[], bool] | None = None,
+        acks_due: Callable[[], bool] | None = None,
     ) -> None:
         self.wal = wal
         self.policy = policy
         self.on_commit = on_commit  # new records are readable (durable groups may deliver)
         self.tailing = tailing  # does a consumer wait for new records to become readable?
+        self.acks_due = acks_due  # do the pending acks hold enough to go now (the core says)?
         self.unconfirmed_sync = unconfirmed_sync_ms / 1000
         self.counters = WalCounters()
         self._wake = trio.Event()
@@ -85,9 +87,8 @@ class Flusher:
 
     def appended(self) -> None:
         self._wake.set()
-        if self._grown() or (self._lingering and self.wal.pending_messages
-                             and self.tailing is not None and self.tailing()):
-            self._hurry.set()  # a message now waits in a lingering batch of bookkeeping
+        if self._grown() or (self._lingering and self._awaited()):
+            self._hurry.set()  # a lingering batch now holds what somebody waits for
 
     def _grown(self) -> bool:
         """What is pending is big enough to go without lingering."""
@@ -125,12 +126,16 @@ class Flusher:
         wal = self.wal
         return wal.synced_offset if self.policy.confirms_after_fsync else wal.written_offset
 
+    def _awaited(self) -> bool:
+        """Pending messages a consumer reading the log's tail waits for, or acks the core
+        wants written now."""
+        return bool((self.wal.pending_messages and self.tailing is not None and self.tailing())
+                    or (self.acks_due is not None and self.acks_due()))
+
     def _may_linger(self) -> bool:
         """Nobody waits for what is pending, and it is small: let it grow a little."""
         return (not self._waiters and not self._sync_wanted and not self._closing
-                and not self._grown()
-                and not (self.wal.pending_messages and self.tailing is not None
-                         and self.tailing()))
+                and not self._grown() and not self._awaited())
 
     def _sync_due(self) -> float:
         """When what is written but not synced must be synced (trio time; inf: not by time)."""
