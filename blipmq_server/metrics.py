@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from blipmq_server.broker.core import Broker
 from blipmq_server.counters import ConnectionCounters, WalCounters
@@ -62,8 +62,7 @@ def gauge(name: str, doc: str, value: float) -> Family:
     return Family(name, "gauge", doc, samples=[((), value)])
 
 
-@dataclass(frozen=True, slots=True)
-class Sources:
+class Sources(NamedTuple):
     """What /metrics reads: the core (its counters and views), the connections' counters,
     and, with the log, the log itself, its writer's counters and what recovery found."""
 

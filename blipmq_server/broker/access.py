@@ -20,7 +20,7 @@ Pure, standard library only: no clock, no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 try:  # hashlib's blake2b without importing hashlib, which loads OpenSSL's libcrypto
     from _blake2 import blake2b
@@ -99,8 +99,7 @@ def overlaps(one: str, other: str) -> bool:
     return len(longer) == min(len(a), len(b)) + 1 and longer[-1] == "#"
 
 
-@dataclass(frozen=True, slots=True)
-class Identity:
+class Identity(NamedTuple):
     name: str
     publish: tuple[str, ...] = ()
     publish_deny: tuple[str, ...] = ()

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
+from typing import NamedTuple
 
 from blipmq_server.errors import WalError
 from blipmq_server.kinds import Kind
@@ -46,8 +47,7 @@ __all__ = ["SUFFIX", "Batch", "Log", "LogOptions", "MiB", "Recovery", "Retention
            "Sync", "segment_name"]
 
 
-@dataclass(frozen=True, slots=True)
-class LogOptions:
+class LogOptions(NamedTuple):
     segment_bytes: int = 64 * MiB
     retention_bytes: int = 0  # 0: no size cap
     retention_ms: int = 0  # 0: keep forever

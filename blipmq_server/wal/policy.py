@@ -12,11 +12,10 @@ What each can lose on power failure is in docs/OPERATIONS.md. Pure; no clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class FsyncPolicy:
+class FsyncPolicy(NamedTuple):
     kind: str  # always | every_n | interval_ms | none
     value: int = 0
 
