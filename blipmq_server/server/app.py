@@ -86,13 +86,6 @@ def _settle_heap(imports_set_aside: bool) -> None:
     _trim_heap()
 
 
-def _is_mqtt(session: Session) -> bool:
-    """Whether ``session`` is an MQTT client's. The MQTT front end is imported only when an
-    MQTT listener opens (``Server._listen``): until it is, no session can be one."""
-    front_end = sys.modules.get("blipmq_server.server.mqtt")
-    return front_end is not None and isinstance(session, front_end.MqttSession)
-
-
 def _trim_heap() -> None:
     """Give the C heap's free pages back to the system once start-up is over (imports,
     compiling, recovery leave freed memory that glibc keeps): about 0.7 MB of an idle
@@ -191,7 +184,7 @@ class Server:
     async def auth_failed(self, session: Session) -> None:
         """A session offered a refused key: counted, logged rarely, answered late."""
         self.counters.auth_failures += 1
-        reason = "mqtt" if _is_mqtt(session) else "native"
+        reason = session.protocol
         refused = self.counters.auth_refused
         refused[reason] = refused.get(reason, 0) + 1
         await self.keys.refused(session.peer, reason)
@@ -252,7 +245,7 @@ class Server:
             if identity.may_subscribe(topic_filter):
                 continue
             ended += 1
-            if _is_mqtt(session):
+            if session.protocol == "mqtt":
                 session.revoke()
                 continue
             self.detached(self.broker.unsubscribe(session.conn_id, consumer.sub_id).detached)
@@ -674,7 +667,7 @@ class Server:
         if len(self.sessions) + self.handshaking >= self.config.server.max_connections:
             self.counters.refused += 1
             limit = self.config.server.max_connections
-            refusal = (_CONNACK_UNAVAILABLE if kind is not Session else codec.encode(
+            refusal = (_CONNACK_UNAVAILABLE if kind.protocol == "mqtt" else codec.encode(
                 codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
                             f"the broker is at max_connections ({limit})")))
             # a TLS client would read the plain refusal as a broken handshake: closed only

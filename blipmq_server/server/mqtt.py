@@ -83,6 +83,8 @@ _RESERVED = ("$",)
 
 
 class MqttSession(Session):
+    protocol = "mqtt"
+
     def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int,
                  tls: trio.SSLStream[trio.SocketStream] | None = None,
                  tls_identity: str | None = None) -> None:

@@ -94,6 +94,8 @@ _TLS_PIECE = 1 << 16  # a TLS send's piece, after which the watchdog sees progre
 
 
 class Session:
+    protocol = "native"  # the front end's name, in counters ("mqtt": server/mqtt.py)
+
     def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int,
                  tls: trio.SSLStream[trio.SocketStream] | None = None,
                  tls_identity: str | None = None) -> None:
