@@ -75,7 +75,7 @@ def test_a_bad_bridge_table_stops_the_start_with_one_line(start_broker) -> None:
         ({"name": "x", "addresses": ["nowhere"], "topics": ["a/#"], "colour": "red"},
          "unknown field 'colour'"),
         ({"name": "x", "addresses": ["127.0.0.1:1"], "protocol": "blipmq",
-          "topics": ["a/# in 1"]}, "in and both rules need protocol"),
+          "topics": ["a/# both 1"]}, "goes both ways: over the native protocol"),
         ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/# out 1 a/+/ b/"]},
          "a prefix may not hold wildcards"),
     ):

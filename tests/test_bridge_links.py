@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
-from blipmq_server.bridge.spec import parse_bridges, parse_rule
+from blipmq_server.bridge.spec import filters_meet, parse_bridges, parse_rule
 from blipmq_server.errors import ConfigError
 from tests.pki import broker_tls, make_pki
 from tests.test_bridge import bridge_table, local_numbers, status, wait_status
@@ -58,11 +58,32 @@ def test_prefixes_map_topics_both_ways() -> None:
      "cert_file and key_file go together"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "backoff_min_ms": 5000,
       "backoff_max_ms": 10}, "backoff_min_ms is larger"),
+    ({"name": "a", "addresses": ["h:1"], "protocol": "blipmq",
+      "topics": ["cmd/# in 1 '' site/", "# out 1 '' site/"]}, "meet on the upstream"),
+    ({"name": "a", "addresses": ["h:1"], "protocol": "blipmq", "client_id": "bridge.a",
+      "topics": ["cmd/# in 1"]}, "names the upstream's group"),
+    ({"name": "a", "addresses": ["h:1"], "protocol": "blipmq", "client_id": "a b",
+      "topics": ["cmd/# in 1"]}, "names the upstream's group"),
 ])
 def test_bad_tables_are_named(table: dict, says: str) -> None:
     with pytest.raises(ConfigError, match="bridge\\[0\\]") as caught:
         parse_bridges([table])
     assert says in str(caught.value)
+
+
+@pytest.mark.parametrize(("a", "b", "meet"), [
+    ("a/b", "a/b", True), ("a/b", "a/c", False), ("a/+", "a/b", True), ("+/b", "a/+", True),
+    ("a/#", "a", True), ("a/#", "b/#", False), ("#", "x/y/z", True), ("a/b", "a/b/c", False),
+    ("a/+/c", "a/b", False), ("a/+/c", "+/+/d", False), ("site/cmd/#", "site/+/x", True),
+])
+def test_filters_meet_when_some_topic_matches_both(a: str, b: str, meet: bool) -> None:
+    assert filters_meet(a, b) is meet and filters_meet(b, a) is meet
+
+
+def test_native_in_rules_that_do_not_meet_the_out_rules_are_taken() -> None:
+    (spec,) = parse_bridges([{"name": "a", "addresses": ["h:1"], "protocol": "blipmq",
+                              "topics": ["cmd/# in 1 '' site/", "sensors/# out 1 '' site/"]}])
+    assert [r.direction for r in spec.rules] == ["in", "out"]
 
 
 def test_two_bridges_with_one_name_are_refused() -> None:

@@ -315,12 +315,24 @@ def test_layout_deliver_one_message() -> None:
 
 def test_layout_deliver_retained_value() -> None:
     """dflags bit 0 marks a retained value sent on subscribing; the record keeps bit 3."""
-    frame = Deliver(2, (Delivery(5, 1, "t", b"on", 0, 0, None, None, 7, True),), 0)
+    frame = Deliver(2, (Delivery(5, 1, "t", b"on", 0, 0, None, None, 7, True, True),), 0)
     data = encode(frame)
     prefix = data[15 : 15 + 19]
     assert prefix == bytes.fromhex("0000000000000005" "0001" "0000000000000007" "01")
     assert data[15 + 19] == 0x08  # FLAG_RETAIN
     assert decode_one(data) == frame
+
+
+def test_a_live_delivery_says_whether_it_was_published_with_retain() -> None:
+    """A live message published with retain (the topic's new retained value) keeps the
+    record's bit 3 and no delivery flag: ``retain`` without ``retained``."""
+    frame = Deliver(2, (Delivery(6, 1, "t", b"off", 0, 0, None, None, 7, False, True),
+                        Delivery(7, 1, "t", b"x", 0, 0, None, None, 7)), 0)
+    data = encode(frame)
+    assert data[15 + 18] == 0 and data[15 + 19] == 0x08
+    decoded = decode_one(data)
+    assert decoded == frame
+    assert [(d.retain, d.retained) for d in decoded.messages] == [(True, False), (False, False)]
 
 
 def test_deliver_with_unknown_delivery_flags_is_malformed() -> None:
@@ -733,7 +745,8 @@ deliveries_st = st.builds(
     dead=st.none() | st.builds(DeadLetter, st.integers(0, 2**16 - 1), st.text(max_size=20)),
     timestamp_ms=st.integers(0, 2**64 - 1),
     retained=st.booleans(),
-)
+    retain=st.booleans(),
+).map(lambda d: d._replace(retain=d.retain or d.retained))  # a retained value is one
 deliver_st = st.builds(
     Deliver,
     sub_id=u32,

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 
 from blipmq_server.broker.core import BRIDGE_GROUPS
 from blipmq_server.errors import ConfigError
-from blipmq_server.protocol.names import WIRE_TOPIC_BYTES, filter_problem, topic_problem
+from blipmq_server.protocol.names import (
+    WIRE_TOPIC_BYTES,
+    filter_problem,
+    group_problem,
+    topic_problem,
+)
 
 DIRECTIONS = ("out", "in", "both")
 PROTOCOLS = ("mqtt", "blipmq")
@@ -97,6 +102,45 @@ class BridgeSpec:
     def group(self) -> str:
         """The durable group whose cursor is this bridge's backlog."""
         return BRIDGE_GROUPS + self.name
+
+
+def native_problem(rules: tuple[Rule, ...], client_id: str) -> str | None:
+    """Why these rules cannot run over the native protocol, or None. Its in rules read a
+    durable group on the upstream named by the client id; and as a native upstream cannot
+    tell the bridge's own messages from others', an in rule may not meet an out rule there
+    (what went out would come straight back in)."""
+    receiving = [r for r in rules if r.receives]
+    if not receiving:
+        return None
+    for r in receiving:
+        for s in rules:
+            if s.sends and filters_meet(r.remote_filter, s.remote_filter):
+                what = (f"the rule {r.text()!r} goes both ways" if r is s else
+                        f"the rules {r.text()!r} and {s.text()!r} meet on the upstream")
+                return (f"{what}: over the native protocol what goes out would come back in "
+                        "(use protocol = \"mqtt\", or in and out rules that do not overlap)")
+    problem = group_problem(client_id)
+    if problem is None and client_id.startswith(BRIDGE_GROUPS):
+        problem = f"names starting with {BRIDGE_GROUPS!r} are the upstream's own bridges'"
+    if problem:
+        return (f"client_id {client_id!r} names the upstream's group for the in rules "
+                f"over the native protocol: {problem}")
+    return None
+
+
+def filters_meet(a: str, b: str) -> bool:
+    """Whether some topic matches both filters."""
+    left, right = a.split("/"), b.split("/")
+    for i in range(max(len(left), len(right))):
+        x = left[i] if i < len(left) else None
+        y = right[i] if i < len(right) else None
+        if x == "#" or y == "#":
+            return True
+        if x is None or y is None:
+            return False
+        if x != y and x != "+" and y != "+":
+            return False
+    return True
 
 
 _INTS = {"keepalive_s": (0, 65535), "inflight": (1, 65535), "max_rate": (0, 10_000_000),
@@ -211,9 +255,11 @@ def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
             rules = tuple(parse_rule(t) for t in topics)
         except ValueError as exc:
             raise ConfigError(str(exc), where) from None
-        if protocol == "blipmq" and any(r.receives for r in rules):
-            raise ConfigError("in and both rules need protocol = \"mqtt\" (a native upstream "
-                              "bridges out only)", where)
+        if protocol == "blipmq":
+            problem = native_problem(rules, str(options.get("client_id") or
+                                                f"blipmq-bridge-{name}"))
+            if problem:
+                raise ConfigError(problem, where)
         if options.get("backoff_min_ms", 1000) > options.get("backoff_max_ms", 60000):  # type: ignore[operator]
             raise ConfigError("backoff_min_ms is larger than backoff_max_ms", where)
         if (options.get("cert_file") or options.get("key_file")) and not (

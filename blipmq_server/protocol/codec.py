@@ -351,7 +351,8 @@ def _deliveries(data: bytes, pos: int, end: int) -> tuple[int, tuple[Delivery, .
                 raise RemoteProtocolError("DELIVER topic is not valid UTF-8") from None
         if not (dflags or flags & _KEY_OR_DEAD):
             out.append(new(delivery, (offset, dcount, topic, data[p + tlen : pos],
-                                      flags & FLAG_QOS1, ttl, None, None, ts, False)))
+                                      flags & FLAG_QOS1, ttl, None, None, ts, False,
+                                      flags & FLAG_RETAIN != 0)))
             continue
         if dflags and dflags != DELIVERED_RETAINED:
             raise RemoteProtocolError(f"DELIVER record has invalid delivery flags {dflags:#04x}")
@@ -365,7 +366,7 @@ def _deliveries(data: bytes, pos: int, end: int) -> tuple[int, tuple[Delivery, .
         else:
             payload = data[p:pos]
         out.append(new(delivery, (offset, dcount, topic, payload, flags & FLAG_QOS1, ttl, key,
-                                  dead, ts, dflags != 0)))
+                                  dead, ts, dflags != 0, flags & FLAG_RETAIN != 0)))
     if pos != end:
         raise RemoteProtocolError(f"{end - pos} unexpected bytes after frame body")
     return sub_id, tuple(out)

@@ -89,6 +89,7 @@ class Delivery(NamedTuple):
     dead: DeadLetter | None = None
     timestamp_ms: int = 0  # the log record's timestamp (receive time without the log)
     retained: bool = False  # the topic's retained value, sent because we subscribed
+    retain: bool = False  # published with retain (live: it is now the topic's retained value)
 
 
 # ---------------------------------------------------------------------------------- making
@@ -136,7 +137,8 @@ def delivery_record(offset: int, delivery_count: int, record: bytes, timestamp_m
 
 def delivery_message(d: Delivery) -> bytes:
     """The message record a Delivery was decoded from (trailer included)."""
-    record = message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key, d.retained))
+    record = message_record(Message(d.topic, d.payload, d.qos, d.ttl_ms, d.key,
+                                    d.retain or d.retained))
     if d.dead is None:
         return record
     return bytes((record[0] | FLAG_DEAD,)) + record[1:] + dead_trailer(d.dead)

@@ -6,6 +6,13 @@ order, once the upstream's log holds them. A message the upstream refuses (an ER
 too large, forbidden, a bad topic) goes back to the bridge's group to be tried again after
 ``backoff_min_ms``, alone in its batch; refused ``max_retries`` times, it goes to the local
 dead letters with the upstream's reason, and the rest flow on.
+
+The ``in`` rules subscribe on the upstream to a durable QoS 1 group each, named by the
+bridge's client id, so what is published there while the link is down waits in the
+upstream's log. A DELIVER batch is written to the local log (marked as bridged in, so no
+out rule sends it back) in one core call, and ACKed to the upstream once the local log
+holds it under ``wal.fsync``; a link lost before that leaves the batch with the upstream's
+group, which sends it again: at least once.
 """
 
 from __future__ import annotations
@@ -16,7 +23,14 @@ from blipmq_server.bridge.spec import Rule
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import FLAG_KEY, FLAG_QOS1, FLAG_RETAIN, MSG_HEAD
 from blipmq_server.protocol.connection import ClientConnection
-from blipmq_server.server.bridge import Bridge, LinkDown, _Link
+from blipmq_server.protocol.message import (
+    FLAG_BRIDGED,
+    Delivery,
+    Message,
+    RawMessage,
+    message_record,
+)
+from blipmq_server.server.bridge import Bridge, LinkDown, _Link, log
 from blipmq_server.server.session import now_ms, wall_ms
 
 _KEEP_RETAIN = FLAG_KEY | FLAG_RETAIN
@@ -27,6 +41,11 @@ class NativeLink(_Link):
         super().__init__(bridge, stream)
         self.conn = ClientConnection()
         self._ping_rid = 0
+        self.in_subs: dict[int, Rule] = {}  # the upstream's subscription id -> its in rule
+        # the flusher's confirm key -> the upstream subscription and offsets to ACK then
+        self._in_acks: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._in_key = 0
+        self._refusal = ""  # why an in rule's subscription was refused (the status says)
 
     async def handshake(self) -> None:
         conn = self.conn
@@ -39,16 +58,52 @@ class NativeLink(_Link):
             if isinstance(outcome, codec.Error):
                 raise LinkDown(f"the upstream refused the connection: {outcome.text}")
             if outcome is not None:
-                return
+                break
             if conn.closed is not None:
                 raise LinkDown(str(conn.failure(self.bridge.address, 0)))
+        await self._subscribe_in()
+
+    async def _subscribe_in(self) -> None:
+        """Join the in rules' groups on the upstream (made at its log's end the first time,
+        resumed from their cursor after that). A refused one is logged and named in the
+        status; the rest of the bridge goes on."""
+        bridge = self.bridge
+        spec = bridge.spec
+        conn = self.conn
+        asked = {conn.subscribe(rule.remote_filter, group=spec.mqtt_client_id, qos=1,
+                                credit=spec.inflight): rule
+                 for rule in spec.rules if rule.receives}
+        if not asked:
+            return
+        await self.stream.send_all(conn.data_to_send())
+        while asked:
+            for rid in list(asked):
+                reply = conn.reply(rid)
+                if reply is None:
+                    continue
+                rule = asked.pop(rid)
+                if isinstance(reply, codec.Subscribed):
+                    self.in_subs[reply.sub_id] = rule
+                else:
+                    text = getattr(reply, "text", type(reply).__name__)
+                    log.warning("bridge %s: the upstream refused the subscription %r: %s",
+                                spec.name, rule.remote_filter, text)
+                    self._refusal = f"subscription refused: {rule.remote_filter}: {text}"
+            if asked:
+                conn.receive_data(await self._receive(), trio.current_time())
+                if conn.closed is not None:
+                    raise LinkDown(str(conn.failure(bridge.address, 0)))
 
     async def _reader(self) -> None:
         conn = self.conn
+        if self._refusal:  # once the link is up (which clears the last error)
+            self.bridge.last_error = self._refusal
         while True:
             data = await self._receive()
             conn.receive_data(data, self.heard_at)  # RemoteProtocolError ends the link
             self._settle()
+            if self.in_subs:
+                self._take_in()
             if conn.closed is not None:
                 self.peer_closed = True
                 raise LinkDown(str(conn.failure(self.bridge.address, 0)))
@@ -81,6 +136,57 @@ class NativeLink(_Link):
         if refused:
             self._refused(refused, reason or "refused by the upstream")
             bridge._kick.set()
+
+    def _take_in(self) -> None:
+        """Store what the upstream delivered to the in rules' groups."""
+        conn = self.conn
+        for sub_id, rule in self.in_subs.items():
+            if not conn.subscribed(sub_id):  # its group was deleted on the upstream
+                raise LinkDown(f"the upstream ended the subscription {rule.remote_filter!r} "
+                               "(its group was deleted): subscribing again")
+            while (batch := conn.next_batch(sub_id)) is not None:
+                if batch:
+                    self._store(sub_id, rule, batch)
+
+    def _store(self, sub_id: int, rule: Rule, batch: tuple[Delivery, ...]) -> None:
+        """One DELIVER batch into the local log in one core call; its ACK goes to the
+        upstream once the log holds the last of it (a message the local broker refuses,
+        too large or a topic too long, is logged, counted and ACKed too: it could never
+        be stored)."""
+        bridge = self.bridge
+        server = bridge.server
+        raws = [_inbound(rule, d) for d in batch]
+        last = 0
+        at = 0
+        while at < len(raws):
+            result = bridge.broker.publish(raws[at:], now_ms(), wall_ms(), internal=True)
+            server.wake(result.wake)
+            last = result.last_offset or last
+            at += result.accepted
+            if result.refusal is None:
+                break
+            bridge.counters["refused"] += 1
+            log.warning("bridge %s: message from the upstream on %r not stored: %s",
+                        bridge.spec.name, batch[at].topic, result.refusal.text)
+            at += 1
+        server.log_touched()
+        bridge.counters["received"] += len(batch)
+        offsets = tuple(d.offset for d in batch)
+        if not last or server.flusher is None:
+            self.conn.ack(sub_id, offsets)
+            bridge._kick.set()
+            return
+        self._in_key = key = self._in_key % _IN_KEYS + 1
+        self._in_acks[key] = (sub_id, offsets)
+        server.flusher.confirm_later(last, self, key, len(offsets))  # type: ignore[arg-type]
+
+    def confirmed(self, request_id: int, count: int) -> None:
+        """The local log holds a stored batch: ACK it upstream (not on a link that ended:
+        the upstream's group already took it back, to send again)."""
+        found = self._in_acks.pop(request_id, None)
+        if found is not None and self.open:
+            self.conn.ack(*found)
+            self.bridge._kick.set()
 
     def _refused(self, refused: list[tuple[int, int]], reason: str) -> None:
         """The first refused message of a batch is the one the upstream named; the rest of
@@ -135,3 +241,16 @@ class NativeLink(_Link):
     def _goodbye(self) -> bytes:
         self.conn.goodbye()
         return self.conn.data_to_send()
+
+
+_IN_KEYS = 1 << 30  # confirm keys of stored batches, taking turns
+
+
+def _inbound(rule: Rule, d: Delivery) -> RawMessage:
+    """A delivery from the upstream as the local log stores it: the local topic, marked
+    as bridged in, retained if it was published so."""
+    topic = rule.to_local(d.topic)
+    record = message_record(Message(topic, d.payload, d.qos, d.ttl_ms, d.key, d.retain))
+    record = bytes((record[0] | FLAG_BRIDGED,)) + record[1:]
+    return RawMessage(topic.encode(), d.qos, d.ttl_ms, len(d.payload), record,
+                      FLAG_RETAIN if d.retain else 0)

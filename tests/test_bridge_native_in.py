@@ -1,0 +1,96 @@
+"""In rules over the native protocol: a second BlipMQ as the upstream, its durable group
+holding what comes while the link is cut or the local broker is down (SIGKILLed)."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BrokerProcess
+from tests.faultproxy import FaultProxy
+from tests.test_bridge import bridge_table, local_numbers, wait_status
+from tests.upstream import free_port, numbered
+
+
+def _publish_up(up: BrokerProcess, first: int, last: int) -> None:
+    lines = b"".join(numbered(n, 40) + b"\n" for n in range(first, last))
+    out = up.cli("pub", "site1/cmd/x", "-q", "1", "-l", input=lines, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow
+def test_native_in_rule_loses_nothing_through_cuts_and_a_local_sigkill(
+        start_broker, tmp_path: Path) -> None:
+    total = 3_000
+    port = free_port()
+    up = start_broker({"server": {"port": port}}, data_dir=tmp_path / "up")
+    with FaultProxy(("127.0.0.1", port)) as proxy:
+        config = {"bridge": [bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
+                                          ["cmd/# in 1 '' site1/"], protocol="blipmq")]}
+        data = tmp_path / "edge"
+        bp = start_broker(config, data_dir=data)
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        _publish_up(up, 0, 1_000)
+        wait_status(bp, "cloud", lambda b: b["received"] > 100)
+        proxy.cut()  # mid-stream: what was not ACKed yet comes again on the next link
+        _publish_up(up, 1_000, 2_000)
+        wait_status(bp, "cloud", lambda b: b["connected"] and b["received"] >= 1_500)
+        bp.proc.send_signal(signal.SIGKILL)
+        bp.proc.wait(10)
+        _publish_up(up, 2_000, total)  # the upstream's group keeps them meanwhile
+        bp = start_broker(config, data_dir=data)
+        got = local_numbers(bp, "cmd/#", total)
+        assert {int(line.split()[0]) for line in got} == set(range(total))
+        st = wait_status(bp, "cloud", lambda b: b["connected"])
+        assert st["refused"] == 0
+
+
+def test_native_in_keeps_retain_and_out_rules_forward_only_local_messages(
+        start_broker, tmp_path: Path) -> None:
+    port = free_port()
+    up = start_broker({"server": {"port": port}}, data_dir=tmp_path / "up")
+    bp = start_broker({"bridge": [bridge_table(
+        "cloud", [f"127.0.0.1:{port}"], ["cmd/# in 1 '' site1/", "sensors/# out 1 '' site1/"],
+        protocol="blipmq")]})
+    wait_status(bp, "cloud", lambda b: b["connected"])
+    out = up.cli("pub", "site1/cmd/lamp", "on", "-q", "1", "-r")
+    assert out.returncode == 0, out.stderr
+    wait_status(bp, "cloud", lambda b: b["received"] == 1)
+    # a new local subscriber gets the value as the topic's retained one
+    got = bp.cli("sub", "cmd/lamp", "-C", "1", "-W", "10", "-v")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == b"cmd/lamp on"
+    # the out rule forwards local messages, never the one that came in
+    pub = bp.cli("pub", "sensors/t", "local", "-q", "1")
+    assert pub.returncode == 0, pub.stderr
+    wait_status(bp, "cloud", lambda b: b["forwarded"] == 1 and b["backlog_messages"] == 0)
+    seen = up.cli("sub", "site1/#", "--from", "earliest", "-W", "1", "-v")
+    assert sorted(seen.stdout.splitlines()) == [b"site1/cmd/lamp on", b"site1/sensors/t local"]
+    # the upstream's group deleted under the bridge: it subscribes again and goes on
+    gone = up.cli("unsub", "site1/cmd/#", "--group", "blipmq-bridge-cloud")
+    assert gone.returncode == 0, gone.stderr
+    wait_status(bp, "cloud", lambda b: b["reconnects"] == 1 and b["connected"])
+    out = up.cli("pub", "site1/cmd/lamp", "off", "-q", "1")
+    assert out.returncode == 0, out.stderr
+    wait_status(bp, "cloud", lambda b: b["received"] == 2)
+
+
+def test_a_refused_native_in_subscription_is_named_and_the_out_rules_still_flow(
+        start_broker, tmp_path: Path) -> None:
+    port = free_port()
+    digest = "blake2b:" + hashlib.blake2b(b"k-edge").hexdigest()
+    keys = {"auth": {"keys": [{"name": "edge", "hash": digest, "publish": ["site1/#"],
+                               "subscribe": ["site1/sensors/#"]}]}}
+    up = start_broker({"server": {"port": port}, **keys}, data_dir=tmp_path / "up")
+    bp = start_broker({"bridge": [bridge_table(
+        "cloud", [f"127.0.0.1:{port}"], ["cmd/# in 1 '' site1/", "sensors/# out 1 '' site1/"],
+        protocol="blipmq", password="k-edge")]})
+    st = wait_status(bp, "cloud", lambda b: b["connected"] and "refused" in b["last_error"])
+    assert "site1/cmd/#" in st["last_error"]
+    pub = bp.cli("pub", "sensors/t", "still flows", "-q", "1")
+    assert pub.returncode == 0, pub.stderr
+    wait_status(bp, "cloud", lambda b: b["forwarded"] == 1)
+    assert up.proc.poll() is None
