@@ -299,6 +299,8 @@ def reap() -> None:
         proc = _children.pop()
         if proc.poll() is None:
             proc.kill()
+        if proc.stdin is not None and proc.stdin.closed:  # the test closed it: nothing to flush
+            proc.stdin = None
         proc.communicate(timeout=WAIT)
 
 

@@ -408,6 +408,9 @@ def test_a_bad_filter_gets_0x80_and_the_others_are_granted(start_broker) -> None
     assert raw.expect(SubAck) == SubAck(9, (0x80, 2, 0x80, 0x80, 0))
     raw.send(PingReq())
     assert raw.recv() == PingResp()
+    # the refused share is named in one line, which does not say the connection closed
+    lines = [x for x in b.log if "$share/g" in x]
+    assert len(lines) == 1 and "refused (0x80)" in lines[0] and "closed" not in lines[0], lines
 
 
 
@@ -641,6 +644,20 @@ def test_mqtt5_connect_gets_connack_0x01(start_broker) -> None:
     assert res.returncode != 0
     assert b"protocol version" in (res.stderr + res.stdout).lower(), res
     _still_served(bystander, 1)
+
+
+def test_a_protocol_name_with_the_other_ones_level_gets_connack_0x01(start_broker) -> None:
+    """MQTT-3.1.2-2: "MQTT" comes with level 4 and "MQIsdp" (3.1) with level 3; a CONNECT
+    that mixes them gets CONNACK 0x01 and the close, counted as a protocol version, and no
+    session is made under its client id."""
+    b = start_broker(MQTT)
+    for name, level in (("MQIsdp", 4), ("MQTT", 3)):
+        raw = Raw(b.mqtt_port)
+        raw.send(Connect(name, level, False, 0, f"mixed-{level}"))
+        assert raw.wait_closed() == [ConnAck(False, 1)], (name, level)
+    assert mqtt_stats(b)["protocol_errors"].get("protocol_version") == 2
+    client = Paho(b.mqtt_port, "mixed-4", clean=False)
+    assert client.session_present is False
 
 
 def test_api_keys_are_mqtt_passwords(start_broker) -> None:

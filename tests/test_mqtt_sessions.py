@@ -9,10 +9,12 @@ resend a QoS 2 PUBLISH with DUP). Each test names the statements of MQTT 3.1.1 i
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
-from mqttpeer import Paho, Raw, mosquitto, reap
+from mqttpeer import Paho, Raw, mosquitto, mosquitto_spawn, reap
+from upstream import free_port
 
 from blipmq_server.mqtt.codec import (
     ConnAck,
@@ -190,6 +192,117 @@ def test_an_unreceived_qos2_delivery_comes_again_with_dup_and_its_packet_id(star
     raw = Raw(b.mqtt_port)
     assert raw.connect("dup2-1", clean=False) == ConnAck(True, 0)
     _nothing_more(raw)
+
+
+FAST_RETRY = {**MQTT, "delivery": {"retry_backoff_ms": 300, "retry_backoff_max_ms": 300,
+                                    "max_retries": 100}}
+
+
+def _publishes(raw: Raw, n: int) -> list[Publish]:
+    return [raw.expect(Publish) for _ in range(n)]
+
+
+def test_a_delivery_keeps_its_packet_id_through_retries_reconnects_and_a_sigkill(
+        start_broker) -> None:
+    """MQTT-4.4.0-1 and MQTT-2.3.1-3: a QoS 2 PUBLISH sent again (the retry on a live
+    connection, the reconnect, and a reconnect after the broker was SIGKILLed and restarted,
+    which forgets what was in flight) carries its original packet id and DUP 1, so the
+    client that stored it knows it for the same message; the flow then completes once."""
+    b = start_broker(FAST_RETRY)
+    pub = Paho(b.mqtt_port, "pid-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("pid-1", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "pid/t", 2)
+    for i in range(2):  # two done first, so that packet ids handed out in turn would differ
+        pub.publish("pid/t", f"done {i}", 2)
+        done = raw.expect(Publish)
+        raw.send(PubRec(done.packet_id))
+        assert raw.expect(PubRel) == PubRel(done.packet_id)
+        raw.send(PubComp(done.packet_id))
+    for i in range(3):
+        pub.publish("pid/t", f"held {i}", 2)
+    first = _publishes(raw, 3)  # never PUBRECed
+    ids = {m.payload: m.packet_id for m in first}
+    assert [m.dup for m in first] == [False] * 3 and len(set(ids.values())) == 3
+
+    def again(raw: Raw) -> None:
+        resent = _publishes(raw, 3)
+        assert {m.payload: m.packet_id for m in resent} == ids
+        assert all(m.dup and m.qos == 2 for m in resent), resent
+
+    again(raw)  # the retry on the same connection
+    raw.close()
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("pid-1", clean=False) == ConnAck(True, 0)
+    again(raw)
+    raw.close()
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    b = start_broker(FAST_RETRY, data_dir=b.data_dir)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("pid-1", clean=False) == ConnAck(True, 0)
+    again(raw)
+    for pid in sorted(ids.values()):
+        raw.send(PubRec(pid))
+        got = raw.recv()
+        while isinstance(got, Publish):  # a retry that crossed our PUBREC
+            assert got.packet_id in ids.values() and got.dup
+            got = raw.recv()
+        assert got == PubRel(pid)
+        raw.send(PubComp(pid))
+    _nothing_more(raw)
+    assert b.metric("blipmq_mqtt_inflight") == 0
+
+
+def test_a_retry_after_pubrec_is_a_pubrel_not_the_publish(start_broker) -> None:
+    """MQTT-4.3.3-1: once the client PUBRECed a QoS 2 message, the server sends it PUBREL,
+    again when the PUBCOMP is slow, and never that PUBLISH again (a clean session, whose
+    cursor moves on at PUBCOMP)."""
+    b = start_broker(FAST_RETRY)
+    pub = Paho(b.mqtt_port, "rr-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("rr-1", clean=True) == ConnAck(False, 0)
+    _subscribe(raw, "rr/t", 2)
+    pub.publish("rr/t", "once", 2)
+    first = raw.expect(Publish)
+    raw.send(PubRec(first.packet_id))
+    assert raw.recv() == PubRel(first.packet_id)
+    assert raw.recv() == PubRel(first.packet_id)  # the retry, ~300 ms later
+    raw.send(PubComp(first.packet_id))
+    _nothing_more(raw)
+
+
+@pytest.mark.slow
+def test_qos2_through_mosquitto_clients_across_a_sigkill_is_exactly_once(start_broker) -> None:
+    """mosquitto_pub -q 2 -l into a persistent mosquitto_sub -q 2, the broker SIGKILLed
+    mid-stream and restarted on the same port and data: both clients reconnect by
+    themselves, and the subscriber prints every line exactly once."""
+    port = free_port()
+    config = {"mqtt": {"enabled": True, "port": port}}
+    b = start_broker(config)
+    sub = mosquitto_spawn("mosquitto_sub", port, "-c", "-i", "x2-sub", "-q", "2", "-t", "x2/#")
+    deadline = time.monotonic() + 10
+    while b.metric("blipmq_subscriptions") < 1:
+        assert time.monotonic() < deadline, "mosquitto_sub did not subscribe"
+        time.sleep(0.02)
+    n = 5_000
+    lines = [f"E{i:06d}" for i in range(n)]
+    pub = mosquitto_spawn("mosquitto_pub", port, "-c", "-i", "x2-pub", "-q", "2",
+                          "-t", "x2/t", "-l")
+    assert pub.stdin is not None and sub.stdout is not None
+    pub.stdin.write("".join(x + "\n" for x in lines).encode())
+    pub.stdin.close()
+    got = [sub.stdout.readline().decode().strip() for _ in range(1_000)]  # mid-stream
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    b = start_broker(config, data_dir=b.data_dir)
+    assert pub.wait(60) == 0
+    # one more line once the publisher is done: it comes after everything the log held
+    # before it, duplicates included
+    end = mosquitto("mosquitto_pub", port, "-q", "2", "-t", "x2/t", "-m", "END")
+    assert end.returncode == 0, end.stderr
+    while (line := sub.stdout.readline().decode().strip()) != "END":
+        assert line, "mosquitto_sub ended"
+        got.append(line)
+    assert sorted(got) == lines, (len(got), len(set(got)))
 
 
 def test_a_pubrel_not_completed_is_sent_again_not_the_publish(start_broker) -> None:

@@ -101,6 +101,9 @@ class MqttSession(Session):
         # outbound QoS 1/2 deliveries awaiting PUBACK / PUBREC, then PUBCOMP
         self.inflight: dict[int, tuple[int, int, int]] = {}  # pid -> (sub id, offset, qos)
         self.released: dict[int, tuple[int, int]] = {}  # pid -> (sub id, offset), PUBREL sent
+        # log offsets below this one may have been sent to the client before the broker
+        # restarted: their first delivery in this run carries DUP (``MqttSessions.attach``)
+        self.sent_before = 0
         # packets that go out once the log holds what they confirm (PUBACK, PUBREC, PUBCOMP,
         # SUBACK, UNSUBACK by the client's packet id; PUBREL by ours + _OUTBOUND)
         self.confirming: dict[int, bytes] = {}
@@ -184,13 +187,20 @@ class MqttSession(Session):
                     qos = sub_qos
                 pid = 0
                 if qos:
-                    pid = self._pid()
+                    pid = self._pid_for(sub_id, offset, count)
+                    if self.released.get(pid) == (sub_id, offset):
+                        # its PUBREC came: from here on only PUBREL is sent (MQTT-4.3.3)
+                        parts.append(_PUBREL + pid.to_bytes(2, "big"))
+                        continue
                     inflight[pid] = (sub_id, offset, qos)
                 elif cursor and offset:  # a cursor's delivery sent at QoS 0: done at once
                     acks.setdefault(sub_id, []).append(offset)
+                # DUP: sent before on this connection or an earlier one, or maybe before the
+                # broker restarted (a message the restored session's cursor held then)
                 parts.append(_encode_publish(
                     rec[_BODY:_BODY + tlen], rec[at:at + plen], qos,
-                    bool(dflags & DELIVERED_RETAINED), count > 1 and qos > 0, pid))
+                    bool(dflags & DELIVERED_RETAINED),
+                    qos > 0 and (count > 1 or offset < self.sent_before), pid))
         if acks:
             wall = int(_time() * 1000)
             for sub_id, offsets in acks.items():
@@ -215,6 +225,33 @@ class MqttSession(Session):
             self._owners.clear()
         self._owners[key] = owner
         return owner
+
+    def _pid_for(self, sub_id: int, offset: int, count: int) -> int:
+        """The packet id of a QoS 1 or 2 delivery. Each time the same message goes to this
+        client (a retry, a reconnect, a restart of the broker, which forgets what was in
+        flight) it gets the same id, so the client knows it again (MQTT-4.4.0-1): the id
+        follows from the log offset, or, when another message in flight holds that one,
+        the next free id after it (``count``: the delivery count, more than 1 when it was
+        sent before in this run)."""
+        if not offset:  # not from the log: nothing to send again
+            return self._pid()
+        inflight = self.inflight
+        pid = offset % 65535 + 1
+        entry = inflight.get(pid)
+        if entry is not None and entry[0] == sub_id and entry[1] == offset:
+            return pid
+        if count > 1:  # sent before in this run: perhaps moved on by a collision then
+            for other, held in inflight.items():
+                if held[1] == offset and held[0] == sub_id:
+                    return other
+        released = self.released
+        if released.get(pid) == (sub_id, offset):
+            return pid
+        for _ in range(65535):
+            if pid not in inflight and pid not in released:
+                return pid
+            pid = pid % 65535 + 1
+        raise RuntimeError("no free packet id")  # pragma: no cover - at most 65535 in flight
 
     def _pid(self) -> int:
         pid = self._next_pid
@@ -373,10 +410,11 @@ class MqttSession(Session):
 
     def _connect(self, packet: Connect) -> CloseReason | None:
         server = self.server
-        if packet.level not in (3, 4):
+        if _LEVELS.get(packet.protocol_name) != packet.level:  # MQTT/4, MQIsdp/3
             self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.BAD_PROTOCOL_VERSION)))
             self._protocol_error("protocol_version",
-                                 f"protocol level {packet.level} is not supported (3 and 4 are)")
+                                 f"protocol {packet.protocol_name} level {packet.level} is not "
+                                 "supported (MQTT 4 and MQIsdp 3 are)")
             return CloseReason.PROTOCOL_ERROR
         self.level = packet.level
         identity = server.authenticate(self, packet.password or b"")
@@ -583,7 +621,9 @@ class MqttSession(Session):
         """One filter of a SUBSCRIBE (or of a session restored): (SUBACK code, ready)."""
         share = share_of(topic_filter)
         if share is None:
-            self._protocol_error("bad_share", f"bad shared subscription {topic_filter!r}")
+            self.server.mqtt_error("bad_share")
+            log.info("MQTT client %r: shared subscription %r refused (0x80): expected "
+                     "$share/<name>/<filter>", self.client_id, topic_filter)
             return SUBACK_FAILURE, False
         group, core_filter = share
         if filter_problem(core_filter, self.broker.limits.max_topic_bytes):
@@ -661,4 +701,6 @@ _OUTBOUND = 0x10000  # ``confirming`` keys of our packet ids (the client's are b
 _BATCHES = 0x20000  # ... and of a batch's PUBACKs, taking turns through _BATCH_KEYS
 _BATCH_KEYS = 1 << 20
 _PUBACK = b"\x40\x02"  # a PUBACK's fixed header
+_PUBREL = b"\x62\x02"  # a PUBREL's
+_LEVELS = {"MQTT": 4, "MQIsdp": 3}  # the protocol level each name comes with
 

@@ -38,6 +38,10 @@ class MqttSessions:
         self.owners: dict[str, str] = {}
         self.wills = 0
         self.expired = 0
+        # persistent sessions restored at start, and the log's end then: what they had not
+        # acknowledged below it may have reached them before the restart (DUP)
+        self.restored: set[str] = set()
+        self.restored_end = 0
 
     def recover(self, wall: int) -> None:
         """The log is open: the persistent sessions it holds are offline (since they were
@@ -60,6 +64,9 @@ class MqttSessions:
                 log.warning("MQTT session %r not restored: %s", key, exc)
         if self.offline:
             log.info("MQTT: %d persistent session(s) restored", len(self.offline))
+        self.restored = set(self.offline)
+        wal = self.server.wal
+        self.restored_end = 0 if wal is None else wal.next_offset
 
     # --------------------------------------------------------------------------- connects
 
@@ -103,6 +110,8 @@ class MqttSessions:
             self._save(session)
             return False
         session.qos2_in = set(self.qos2.get(cid, ()))
+        if cid in self.restored:
+            session.sent_before = self.restored_end
         if old is not None and not old.clean:  # outbound QoS 2 owed PUBCOMP moves along
             session.released = dict.fromkeys(old.released, (0, 0))
         else:  # sent PUBREL again once CONNACK is out (MqttSession._connect)
@@ -226,6 +235,7 @@ class MqttSessions:
         self.qos2.pop(cid, None)
         self.pubrel.pop(cid, None)
         self.owners.pop(cid, None)
+        self.restored.discard(cid)  # a new session by that id starts afresh
         for key in (state.subs_key(cid), state.qos2_key(cid), state.pubrel_key(cid),
                     state.owner_key(cid)):
             self.broker.put_state(key, b"", wall)
