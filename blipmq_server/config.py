@@ -607,12 +607,29 @@ def _check_together(config: Config) -> None:
             f"MQTT over TLS would listen on {m.tls_host} with authentication disabled: set "
             "auth.api_keys or tls.require_client_cert, listen on loopback, or set "
             "mqtt.allow_anonymous = true to allow it", "mqtt.tls_host")
+    _check_bridges(config)
     largest = config.server.max_message_bytes
     if config.queues.capacity_bytes < largest:
         raise ConfigError(
             f"{config.queues.capacity_bytes} is less than server.max_message_bytes ({largest}): "
             "a queue could never hold the largest message", "queues.capacity_bytes")
     check_tls(config)
+
+
+def _check_bridges(config: Config) -> None:
+    """Bridges read the log, and their rules' filters must be ones the broker takes."""
+    if not config.bridges:
+        return
+    if not config.wal.enabled:
+        raise ConfigError("bridges forward from the write-ahead log: wal.enabled must be true "
+                          "(or remove the [[bridge]] tables)", "bridge")
+    cap = config.server.max_topic_bytes
+    for i, spec in enumerate(config.bridges):
+        for rule in spec.rules:
+            size = len(rule.local_filter.encode("utf-8"))
+            if size > cap:
+                raise ConfigError(f"{rule.text()!r}: the local filter is {size} bytes long, "
+                                  f"server.max_topic_bytes is {cap}", f"bridge[{i}]")
 
 
 def tls_listeners(config: Config) -> tuple[str, ...]:

@@ -118,24 +118,29 @@ def start(config: str | None = None, **flags: str | None) -> int:
         signal.signal(signum, signal.SIG_IGN)
     try:
         trio.run(run, cfg, reload)
-    except (OSError, BaseExceptionGroup) as exc:
-        failure = _os_error(exc)
+    except (OSError, ConfigError, BaseExceptionGroup) as exc:
+        refusal = _inner(exc, ConfigError)
+        if refusal is not None:  # found only once the log was open (a bridge's group)
+            sys.stderr.write(f"blipmq: config error: {refusal}\n")
+            return 2
+        failure = _inner(exc, OSError)
         if failure is None:
             raise
-        sys.stderr.write(f"blipmq: cannot start: {failure.strerror or failure}\n")
+        sys.stderr.write(f"blipmq: cannot start: {failure.strerror or failure}\n")  # type: ignore[attr-defined]
         return 1
     finally:
         lock.close()
     return 0
 
 
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError inside what trio raised (nurseries wrap errors in exception groups)."""
-    if isinstance(exc, OSError):
+def _inner(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The ``kind`` of error inside what trio raised (nurseries wrap errors in exception
+    groups), or None."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            found = _os_error(inner)
+            found = _inner(inner, kind)
             if found is not None:
                 return found
     return None

@@ -78,12 +78,22 @@ def test_a_bad_bridge_table_stops_the_start_with_one_line(start_broker) -> None:
           "topics": ["a/# both 1"]}, "goes both ways: over the native protocol"),
         ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/# out 1 a/+/ b/"]},
          "a prefix may not hold wildcards"),
+        ({"name": "x", "addresses": ["mqtt.example..net:1883"], "topics": ["a/#"]},
+         "bad address 'mqtt.example..net:1883'"),
+        ({"name": "x", "addresses": ["127.0.0.1:1", "backup.example.net:1883:1883"],
+          "topics": ["a/#"]}, "bad address 'backup.example.net:1883:1883'"),
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": [f"{'a' * 80}/# out 1"]},
+         "server.max_topic_bytes is 64"),
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/#"], "wal": False},
+         "wal.enabled must be true"),
     ):
-        bp = start_broker({"bridge": [table]}, expect_ready=False)
+        wal = table.pop("wal", True)
+        bp = start_broker({"bridge": [table], "server": {"max_topic_bytes": 64},
+                           "wal": {"enabled": wal}}, expect_ready=False)
         assert bp.proc.wait(20) == 2
         bp.log_ended.wait(5)
         text = "\n".join(bp.log)
-        assert says in text and "config error: bridge[0]" in text, text
+        assert says in text and "config error: bridge" in text, text
         assert "Traceback" not in text
 
 
@@ -275,6 +285,25 @@ def test_in_rule_across_local_sigkill_and_upstream_restart_loses_nothing(
         assert numbers == set(range(total))
 
 
+def test_an_in_message_on_a_local_topic_too_long_is_refused_counted_and_acked(
+        start_broker) -> None:
+    """What comes in is bound by what local clients may publish: a local topic longer than
+    server.max_topic_bytes is not stored (counted, logged, PUBACKed), and the rest flows."""
+    with Mosquitto() as up:
+        bp = start_broker({"server": {"max_topic_bytes": 40}, "bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{up.port}"], ["# in 1 long/ r2/"])]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        pub = mqtt_client(up.port)
+        pub.publish("r2/" + "x" * 60, b"too long here", qos=1).wait_for_publish(10)
+        pub.publish("r2/ok", b"fine", qos=1).wait_for_publish(10)
+        pub.disconnect()
+        st = wait_status(bp, "cloud", lambda b: b["received"] == 1 and b["refused"] == 1)
+        assert st["connected"]
+        got = bp.cli("sub", "#", "--from", "earliest", "-W", "1", "-v")
+        assert got.stdout.splitlines() == [b"long/ok fine"], got.stdout
+        assert any("server.max_topic_bytes is 40" in line for line in bp.log)
+
+
 def _pressure_config(proxy_port: int, policy: str) -> dict:
     return {"wal": {"segment_bytes": 16384, "retention_bytes": 65536,
                     "maintenance_interval_ms": 100},
@@ -362,3 +391,22 @@ def test_no_client_joins_or_deletes_a_bridge_group(start_broker) -> None:
     deleted = bp.cli("unsub", "sensors/#", "--group", "bridge.cloud")
     assert deleted.returncode != 0 and b"belong to bridges" in deleted.stderr, deleted
     assert status(bp, "cloud")["backlog_messages"] == 1  # still the bridge's to forward
+
+
+def test_the_group_of_a_bridge_taken_out_of_the_config_is_named_and_may_be_deleted(
+        start_broker) -> None:
+    config = {"bridge": [bridge_table("gone", [f"127.0.0.1:{free_port()}"], ["g/# out 1"])]}
+    bp = start_broker(config)
+    for n in range(3):
+        assert bp.cli("pub", "g/a", f"m{n}", "-q", "1").returncode == 0
+    bp.stop()
+    bp = start_broker({}, data_dir=bp.data_dir)  # the [[bridge]] table removed
+    said = [line for line in bp.log if "bridge.gone" in line]
+    assert len(said) == 1 and "belongs to no configured bridge" in said[0], said
+    assert "blipmq unsub 'g/#' --group bridge.gone" in said[0]
+    joined = bp.cli("sub", "g/#", "--group", "bridge.gone", "-q", "1", "-W", "1")
+    assert joined.returncode != 0 and b"belong to bridges" in joined.stderr, joined
+    deleted = bp.cli("unsub", "g/#", "--group", "bridge.gone")
+    assert deleted.returncode == 0, deleted.stderr
+    groups = bp.cli("groups", "--json")
+    assert json.loads(groups.stdout)["groups"] == [], groups.stdout

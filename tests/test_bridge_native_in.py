@@ -4,6 +4,7 @@ holding what comes while the link is cut or the local broker is down (SIGKILLed)
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 from pathlib import Path
 
@@ -94,3 +95,24 @@ def test_a_refused_native_in_subscription_is_named_and_the_out_rules_still_flow(
     assert pub.returncode == 0, pub.stderr
     wait_status(bp, "cloud", lambda b: b["forwarded"] == 1)
     assert up.proc.poll() is None
+
+
+def test_a_native_in_message_on_a_local_topic_too_long_is_refused_and_acked(
+        start_broker, tmp_path: Path) -> None:
+    port = free_port()
+    up = start_broker({"server": {"port": port}}, data_dir=tmp_path / "up")
+    bp = start_broker({"server": {"max_topic_bytes": 40}, "bridge": [bridge_table(
+        "cloud", [f"127.0.0.1:{port}"], ["# in 1 long/ r2/"], protocol="blipmq")]})
+    wait_status(bp, "cloud", lambda b: b["connected"])
+    for topic, payload in (("r2/" + "x" * 60, "too long here"), ("r2/ok", "fine")):
+        out = up.cli("pub", topic, payload, "-q", "1")
+        assert out.returncode == 0, out.stderr
+    wait_status(bp, "cloud", lambda b: b["received"] == 2 and b["refused"] == 1)
+    got = bp.cli("sub", "#", "--from", "earliest", "-W", "1", "-v")
+    assert got.stdout.splitlines() == [b"long/ok fine"], got.stdout
+    # both were acked upstream: the group there holds nothing more for the bridge
+    groups = up.cli("groups", "--json")
+    assert groups.returncode == 0, groups.stderr
+    (group,) = json.loads(groups.stdout)["groups"]
+    assert (group["group"], group["backlog"], group["in_flight"]) == (
+        "blipmq-bridge-cloud", 0, 0), group

@@ -9,6 +9,7 @@ the one topic the prefixes name. Pure: no I/O.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -156,10 +157,36 @@ def parse_address(text: str, default_port: int) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep:
         host, port = text, str(default_port)
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad address {text!r} (HOST:PORT)")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if (not host or not port.isdigit() or not 0 < int(port) < 65536
+            or not (_ipv6(host) if bracketed or ":" in host else _host_name(host))):
+        raise ValueError(f"bad address {text!r} (HOST:PORT, HOST a name or an IP address)")
     return host, int(port)
+
+
+def _host_name(host: str) -> bool:
+    """A DNS name (labels of 1-63 letters, digits, hyphens or non-ASCII letters, as IDNA
+    encodes them) or an IPv4 address."""
+    try:
+        ascii_name = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return False
+    labels = ascii_name.rstrip(".").split(".")
+    return len(ascii_name) <= 253 and all(_LABEL.fullmatch(label) for label in labels)
+
+
+def _ipv6(host: str) -> bool:
+    import ipaddress  # here: the broker defers it (deferred.py)
+
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
+
+
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 def parse_rule(text: str) -> Rule:

@@ -55,9 +55,9 @@ _MESSAGE = Kind.MESSAGE
 _STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
 
 
-BRIDGE_GROUPS = "bridge."  # the durable groups of bridges: no client joins or deletes one
+BRIDGE_GROUPS = "bridge."  # the durable groups of bridges: no client joins one
 _BRIDGES_ONLY = ("group names starting with 'bridge.' belong to bridges (docs/BRIDGE.md): "
-                 "no client may join or delete one")
+                 "no client may join one, or delete a configured bridge's")
 
 
 def _owner_key(topic_filter: str, group: str) -> bytes:
@@ -88,6 +88,9 @@ class Broker:
         self._group_owners: dict[bytes, str] = {}  # by _owner_key, while the broker runs
         # publishers held back (``hold``): by hold id, its name and topic filters
         self.holds: dict[int, tuple[str, tuple[str, ...]]] = {}
+        # the groups of the configured bridges (``bridge.<name>``): nobody deletes these;
+        # one whose bridge is gone from the configuration may be deleted like any group
+        self.bridged: frozenset[str] = frozenset()
 
     # ----------------------------------------------------------------------------- publish
 
@@ -543,7 +546,7 @@ class Broker:
         if group:
             problem = (filter_problem(topic_filter, self.limits.max_topic_bytes)
                        or group_problem(group)
-                       or (_BRIDGES_ONLY if group.startswith(BRIDGE_GROUPS) else None))
+                       or (_BRIDGES_ONLY if group in self.bridged else None))
             if problem:  # refused as SUBSCRIBE refuses it, not "no such group"
                 code = (ErrorCode.INVALID_TOPIC if "filter" in problem
                         else ErrorCode.INVALID_REQUEST)

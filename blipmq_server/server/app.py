@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import trio
 
 from blipmq_server.broker.access import Identity
-from blipmq_server.broker.core import Blocked, Broker, Detached, Ended, Limits
+from blipmq_server.broker.core import BRIDGE_GROUPS, Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.config import Config, check_tls, tls_listeners
 from blipmq_server.counters import ConnectionCounters
@@ -337,9 +337,24 @@ class Server:
         log.info("stopped")
         self.stopped.set()
 
+    def _orphan_bridge_groups(self) -> None:
+        """Say so when the log holds the group of a bridge that is no longer configured: it
+        keeps what that bridge never forwarded, and with it the log, until it is deleted."""
+        cursors = self.broker.cursors
+        if cursors is None:
+            return
+        for (topic_filter, group), target in cursors.durable.items():
+            if group.startswith(BRIDGE_GROUPS) and group not in self.broker.bridged:
+                log.warning("group %s on %r belongs to no configured bridge: it holds the "
+                            "log from %d record(s) back; delete it with: blipmq unsub %r "
+                            "--group %s", group, topic_filter, cursors.lag(target),
+                            topic_filter, group)
+
     def _attach_bridges(self) -> None:
         """Open each bridge's durable group (once the log is recovered, before anyone
         publishes): from here on it holds what the bridge has to forward."""
+        self.broker.bridged = frozenset(spec.group for spec in self.config.bridges)
+        self._orphan_bridge_groups()
         if not self.config.bridges:
             return
         from blipmq_server.server.bridge import Bridge, LinkDown
@@ -436,6 +451,8 @@ class Server:
             broker.carry_states(wall, newest)
             self.log_touched()
             self.flusher.counters.maintenance_runs += 1
+            for bridge in self.bridges.values():  # every round: a hold must not wait for
+                bridge.check_hold()  # the checkpoints below to reach the disk
             written = wal.written_offset
             if (any(g.anchor > written for g in broker.durable_groups)
                     or broker.retained.newest_anchor() > written
@@ -452,8 +469,8 @@ class Server:
                     log.warning("wal retention could not delete a segment file: %s", exc)
             if result.removed:
                 log.info("wal retention removed %s", ", ".join(result.removed))
-            for bridge in self.bridges.values():
-                bridge.check_hold()
+                for bridge in self.bridges.values():  # under the cap again: let go now
+                    bridge.check_hold()
             if result.forced_below is not None:
                 for group, skipped in broker.skip_to(wal.first_offset):
                     for bridge in self.bridges.values():

@@ -244,8 +244,8 @@ class Bridge:
             self._retry_plain = True
             log.info("bridge %s: %s", spec.name, exc)
             return None
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
-                RemoteProtocolError) as exc:
+        except (OSError, UnicodeError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
+                RemoteProtocolError) as exc:  # UnicodeError: a name IDNA cannot encode
             await self._close_all(opened)
             self.counters["connect_failures"] += 1
             self.last_error = f"{host}:{port}: {_why(exc)}"
@@ -347,6 +347,20 @@ class Bridge:
 
     # --------------------------------------------------------------- messages coming in
 
+    def local_problem(self, topic: str) -> str | None:
+        """Why a message from the upstream cannot be stored under this local topic (logged
+        and counted as refused here), or None. What the local broker takes from its own
+        clients bounds what comes in (the core's checks of size and name follow)."""
+        size = len(topic.encode("utf-8"))
+        cap = self.broker.limits.max_topic_bytes
+        if size <= cap:
+            return None
+        problem = f"the local topic is {size} bytes long, server.max_topic_bytes is {cap}"
+        self.counters["refused"] += 1
+        log.warning("bridge %s: message from the upstream on %r not stored: %s",
+                    self.spec.name, topic[:64], problem)
+        return problem
+
     def received(self, link: _Link, packet: Publish) -> None:
         """A PUBLISH from the upstream (an ``in`` rule): into the local log, PUBACKed once
         durable (the flusher calls ``confirmed``)."""
@@ -354,6 +368,11 @@ class Bridge:
         if rule is None:
             return
         topic = rule.to_local(packet.topic)
+        problem = self.local_problem(topic)
+        if problem is not None:
+            if packet.qos:
+                link.ack(packet.packet_id)  # it could never be stored
+            return
         qos = min(packet.qos, 1)
         record = message_record(Message(topic, packet.payload, qos, retain=packet.retain))
         record = bytes((record[0] | FLAG_BRIDGED,)) + record[1:]

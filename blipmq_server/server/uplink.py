@@ -155,7 +155,8 @@ class NativeLink(_Link):
         be stored)."""
         bridge = self.bridge
         server = bridge.server
-        raws = [_inbound(rule, d) for d in batch]
+        raws = [_inbound(rule, d) for d in batch
+                if bridge.local_problem(rule.to_local(d.topic)) is None]
         last = 0
         at = 0
         while at < len(raws):
@@ -167,7 +168,7 @@ class NativeLink(_Link):
                 break
             bridge.counters["refused"] += 1
             log.warning("bridge %s: message from the upstream on %r not stored: %s",
-                        bridge.spec.name, batch[at].topic, result.refusal.text)
+                        bridge.spec.name, raws[at].topic[:64], result.refusal.text)
             at += 1
         server.log_touched()
         bridge.counters["received"] += len(batch)
