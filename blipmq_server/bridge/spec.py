@@ -19,6 +19,7 @@ from blipmq_server.protocol.names import WIRE_TOPIC_BYTES, filter_problem, topic
 DIRECTIONS = ("out", "in", "both")
 PROTOCOLS = ("mqtt", "blipmq")
 BACKLOG_POLICIES = ("drop_oldest", "block")
+QOS2_INFLIGHT = 20  # the default window of a bridge with an out rule at QoS 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +231,10 @@ def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
                               "carries QoS 0 and 1)", where)
         if options.get("backoff_min_ms", 1000) > options.get("backoff_max_ms", 60000):  # type: ignore[operator]
             raise ConfigError("backoff_min_ms is larger than backoff_max_ms", where)
+        if "inflight" not in options and any(r.sends and r.qos == 2 for r in rules):
+            # mosquitto closes the link of a 3.1.1 client with more QoS 2 messages coming
+            # in unreleased than its max_inflight_messages, 20 unless configured
+            options["inflight"] = QOS2_INFLIGHT
         if (options.get("cert_file") or options.get("key_file")) and not (
                 options.get("cert_file") and options.get("key_file")):
             raise ConfigError("cert_file and key_file go together (a client certificate)", where)
