@@ -278,4 +278,8 @@ _BRIDGE_FAMILIES = (
      "refused max_retries times, moved to $dlq/<topic>"),
     ("skipped", "counter", "blipmq_bridge_skipped", "Bridged-in messages not sent back out "
      "(loop prevention)"),
+    ("duplicates_in", "counter", "blipmq_bridge_duplicates_in", "QoS 2 messages the upstream "
+     "sent again under a packet id awaiting PUBREL: not logged twice"),
+    ("unexpected_acks", "counter", "blipmq_bridge_unexpected_acks", "PUBREC, PUBCOMP or "
+     "PUBREL for a packet id nothing waited for (ignored)"),
 )

@@ -70,8 +70,10 @@ def test_a_bad_bridge_table_stops_the_start_with_one_line(start_broker) -> None:
     for table, says in (
         ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/# sideways 1"]},
          "direction must be out, in or both"),
-        ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/# out 2"]},
-         "QoS 2 bridging is not supported"),
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/# out 3"]},
+         "qos must be 0, 1 or 2"),
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "protocol": "blipmq",
+          "topics": ["a/# out 2"]}, 'QoS 2 rules need protocol = "mqtt"'),
         ({"name": "x", "addresses": ["nowhere"], "topics": ["a/#"], "colour": "red"},
          "unknown field 'colour'"),
         ({"name": "x", "addresses": ["127.0.0.1:1"], "protocol": "blipmq",

@@ -23,6 +23,9 @@ from tests.upstream import free_port
     ('# in 1 edge/ cloud/', "edge/#", "cloud/#", "in", 1),
     ("'' out 0 status/local site1/status", "status/local", "site1/status", "out", 0),
     ("a/+/b both", "a/+/b", "a/+/b", "both", 0),
+    ("sensors/# out 2 '' site1/", "sensors/#", "site1/sensors/#", "out", 2),
+    ("cmd/# in 2 edge/ cloud/", "edge/cmd/#", "cloud/cmd/#", "in", 2),
+    ("shared/# both 2", "shared/#", "shared/#", "both", 2),
 ])
 def test_rules_read_as_mosquitto_reads_them(text: str, local: str, remote: str,
                                             direction: str, qos: int) -> None:
@@ -52,6 +55,11 @@ def test_prefixes_map_topics_both_ways() -> None:
     ({"name": "a", "addresses": ["h:1"], "topics": ["x out 1 only-one-prefix"]},
      "expected '<pattern>"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["''"]}, "empty pattern needs a prefix"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x out 3"]}, "qos must be 0, 1 or 2"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x out 2"], "protocol": "blipmq"},
+     'QoS 2 rules need protocol = "mqtt" (the native protocol carries QoS 0 and 1)'),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x in 2"], "protocol": "blipmq"},
+     "QoS 2 rules need protocol"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "inflight": 0}, "inflight must be"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "backlog": "keep"}, "backlog must"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "cert_file": "c.pem"},
@@ -90,6 +98,19 @@ def test_two_bridges_with_one_name_are_refused() -> None:
     table = {"name": "a", "addresses": ["h:1"], "topics": ["x"]}
     with pytest.raises(ConfigError, match="a second bridge with this name"):
         parse_bridges([table, table])
+
+
+def test_qos2_rules_make_the_session_persistent_and_the_window_twenty() -> None:
+    out2, in1, in2, out1, wide = parse_bridges([
+        {"name": "a", "addresses": ["h"], "topics": ["x out 2"]},
+        {"name": "b", "addresses": ["h"], "topics": ["x in 1"]},
+        {"name": "c", "addresses": ["h"], "topics": ["x in 2"]},
+        {"name": "d", "addresses": ["h"], "topics": ["x out 1"]},
+        {"name": "e", "addresses": ["h"], "topics": ["x out 2"], "inflight": 500},
+    ])
+    assert [s.persistent for s in (out2, in1, in2, out1)] == [True, True, True, False]
+    # mosquitto's max_inflight_messages (20) bounds QoS 2 messages coming in unreleased
+    assert [s.inflight for s in (out2, in1, in2, out1, wide)] == [20, 100, 100, 100, 500]
 
 
 def test_default_ports_follow_protocol_and_tls() -> None:

@@ -4,7 +4,7 @@ rules in mosquitto.conf's vocabulary (docs/CONFIG.md, "Bridges").
 A rule is ``<pattern> [out|in|both [<qos> [<local-prefix> <remote-prefix>]]]``, as
 mosquitto's ``topic`` line: the local topic is ``local-prefix + pattern`` and the remote
 one ``remote-prefix + pattern``; ``""`` writes an empty prefix, and an empty pattern maps
-the one topic the prefixes name. Pure: no I/O.
+the one topic the prefixes name. QoS 2 rules need an MQTT upstream. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from blipmq_server.protocol.names import (
 DIRECTIONS = ("out", "in", "both")
 PROTOCOLS = ("mqtt", "blipmq")
 BACKLOG_POLICIES = ("drop_oldest", "block")
+QOS2_INFLIGHT = 20  # the default window of a bridge with an out rule at QoS 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,17 @@ class BridgeSpec:
     @property
     def mqtt_client_id(self) -> str:
         return self.client_id or f"blipmq-bridge-{self.name}"
+
+    @property
+    def sends_qos2(self) -> bool:
+        """Whether an out rule forwards at QoS 2 (its exchanges outlive a link)."""
+        return any(r.sends and r.qos == 2 for r in self.rules)
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the MQTT session upstream must outlive a link (clean session 0): in rules
+        (what arrives while the link is down), out rules at QoS 2 (packet ids in flight)."""
+        return self.sends_qos2 or any(r.receives for r in self.rules)
 
     @property
     def group(self) -> str:
@@ -203,8 +215,8 @@ def parse_rule(text: str) -> Rule:
     if direction not in DIRECTIONS:
         raise ValueError(f"{text!r}: direction must be out, in or both, not {direction!r}")
     qos_text = words[2] if len(words) > 2 else "0"
-    if qos_text not in ("0", "1"):
-        raise ValueError(f"{text!r}: qos must be 0 or 1 (QoS 2 bridging is not supported)")
+    if qos_text not in ("0", "1", "2"):
+        raise ValueError(f"{text!r}: qos must be 0, 1 or 2, not {qos_text!r}")
     local, remote = (words[3], words[4]) if len(words) == 5 else ("", "")
     rule = Rule(pattern, direction, int(qos_text), local, remote)
     if not pattern and not (local or remote):
@@ -282,6 +294,9 @@ def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
             rules = tuple(parse_rule(t) for t in topics)
         except ValueError as exc:
             raise ConfigError(str(exc), where) from None
+        if protocol == "blipmq" and any(r.qos == 2 for r in rules):
+            raise ConfigError("QoS 2 rules need protocol = \"mqtt\" (the native protocol "
+                              "carries QoS 0 and 1)", where)
         if protocol == "blipmq":
             problem = native_problem(rules, str(options.get("client_id") or
                                                 f"blipmq-bridge-{name}"))
@@ -289,6 +304,10 @@ def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
                 raise ConfigError(problem, where)
         if options.get("backoff_min_ms", 1000) > options.get("backoff_max_ms", 60000):  # type: ignore[operator]
             raise ConfigError("backoff_min_ms is larger than backoff_max_ms", where)
+        if "inflight" not in options and any(r.sends and r.qos == 2 for r in rules):
+            # mosquitto closes the link of a 3.1.1 client with more QoS 2 messages coming
+            # in unreleased than its max_inflight_messages, 20 unless configured
+            options["inflight"] = QOS2_INFLIGHT
         if (options.get("cert_file") or options.get("key_file")) and not (
                 options.get("cert_file") and options.get("key_file")):
             raise ConfigError("cert_file and key_file go together (a client certificate)", where)

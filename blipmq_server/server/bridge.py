@@ -2,11 +2,16 @@
 
 ``out`` rules are one durable group, ``bridge.<name>``, over their local filters: the
 upstream broker is its consumer. A delivery leaves the group's bookkeeping only when the
-upstream PUBACKs it (QoS 1 rules) or once it is written to the socket (QoS 0 rules: best
-effort). While the link is down the group holds everything in the log; when the link drops,
-what was in flight goes back to the group without spending a retry and is sent again, with
-DUP, first thing after the reconnect. ``in`` rules are a persistent upstream session
-(clean session 0) whose messages are written to the local log and PUBACKed once durable.
+upstream PUBACKs it (QoS 1 rules), PUBCOMPs it (QoS 2) or once it is written to the socket
+(QoS 0 rules: best effort). While the link is down the group holds everything in the log;
+when the link drops, what was in flight goes back to the group without spending a retry and
+is sent again, with DUP, first thing after the reconnect. QoS 2 exchanges outlive the link
+instead (the upstream session is persistent): when the next CONNACK says the session is
+still there, what had its PUBREC gets its PUBREL again and the rest go out again under
+their old packet ids, so the upstream delivers each once; when it says not, they go back to
+the group as QoS 1's do. ``in`` rules are a persistent upstream session (clean session 0)
+whose messages are written to the local log and PUBACKed (QoS 2: PUBRECed, the packet id
+remembered until PUBREL) once durable.
 
 One task per bridge owns its link: connect (with failover across the addresses and
 decorrelated-jitter backoff), then a reader and a writer (the only one that writes the
@@ -20,6 +25,7 @@ import logging
 import math
 import random
 import struct
+from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -35,7 +41,10 @@ from blipmq_server.mqtt.packets import (
     PingReq,
     PingResp,
     PubAck,
+    PubComp,
     Publish,
+    PubRec,
+    PubRel,
     SubAck,
     Subscribe,
     Will,
@@ -43,6 +52,7 @@ from blipmq_server.mqtt.packets import (
 from blipmq_server.protocol.codec import Start
 from blipmq_server.protocol.message import (
     FLAG_BRIDGED,
+    FLAG_QOS2,
     FLAG_RETAIN,
     MSG_HEAD,
     PREFIX_SIZE,
@@ -84,7 +94,7 @@ class Bridge:
         self.last_error = ""
         self.counters = {"forwarded": 0, "redelivered": 0, "reconnects": 0, "refused": 0,
                          "dropped": 0, "received": 0, "dead_lettered": 0, "skipped": 0,
-                         "connect_failures": 0}
+                         "connect_failures": 0, "duplicates_in": 0, "unexpected_acks": 0}
         self.oldest_ms: int | None = None  # timestamp of the oldest record not forwarded
         self._kick = trio.Event()
         self._link: _Link | None = None
@@ -95,6 +105,18 @@ class Bridge:
         self._retry_plain = False
         # (rule's sub id, local topic) -> the upstream's topic, UTF-8 (bounded)
         self.remotes: dict[tuple[int, bytes], bytes] = {}
+        # out at QoS 2, between links (each bounded by the window): packet id -> (sub id,
+        # offset) of those PUBRECed, PUBCOMP owed (still in flight in the group); (sub id,
+        # offset) -> packet id of those not PUBRECed, back in the group, to go out again
+        # under that id; and those ids, which no other message may take meanwhile
+        self.owed: dict[int, tuple[int, int]] = {}
+        self.resend: dict[tuple[int, int], int] = {}
+        self.reserved: set[int] = set()
+        # in at QoS 2: the upstream's packet id -> 0 once its message is durable here, else
+        # the flusher token its PUBREC waits for (bounded by the 65,535 ids); token -> id
+        self.qos2_in: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}
+        self._token = 0
 
     # ------------------------------------------------------------------ the core's side
 
@@ -207,10 +229,10 @@ class Bridge:
                 while True:
                     host, port = spec.addresses[turn % len(spec.addresses)]
                     self.address = f"{host}:{port}"
-                    reason = await self._one_link(host, port, backoff)
+                    reason = await self._attempt(host, port, backoff)
                     if reason is None and self._retry_plain:
                         self._retry_plain = False
-                        reason = await self._one_link(host, port, backoff)
+                        reason = await self._attempt(host, port, backoff)
                     if reason is not None:  # it was up: the primary first again
                         turn = 0
                         self.counters["reconnects"] += 1
@@ -223,6 +245,15 @@ class Bridge:
             finally:
                 status.cancel()
                 nursery.cancel_scope.cancel()
+
+    async def _attempt(self, host: str, port: int, backoff: Backoff) -> str | None:
+        """``_one_link``; a defect in it ends that link (logged), never the broker."""
+        try:
+            return await self._one_link(host, port, backoff)
+        except Exception as exc:
+            log.exception("bridge %s: the link to %s:%d failed", self.spec.name, host, port)
+            self.last_error = f"internal error: {exc!r}"
+            return None
 
     async def _one_link(self, host: str, port: int, backoff: Backoff) -> str | None:
         """Connect and serve one link; None when it never came up, else why it ended."""
@@ -310,9 +341,71 @@ class Bridge:
                 self.server.log_touched()
         if len(self._strikes) > 1024:
             self._strikes.clear()
-        for sub_id in self.rules_by_sub:
-            broker.requeue(conn, sub_id)
+        rules = self.rules_by_sub
+        again: dict[int, list[int]] = {}
+        for pid, (sub_id, offset, _) in link.inflight.items():
+            if rules[sub_id].qos != 2 or offset not in self._held(sub_id):
+                continue
+            if pid in link.released:  # the upstream has it: its PUBREL is owed
+                self.owed[pid] = (sub_id, offset)
+            else:  # sent again under this id, the first thing the group hands out
+                self.resend[sub_id, offset] = pid
+                self.reserved.add(pid)
+                again.setdefault(sub_id, []).append(offset)
+        self._back(again)
+        for sub_id, rule in rules.items():
+            if rule.qos != 2:
+                broker.requeue(conn, sub_id)
             broker.set_credit(conn, sub_id, 0)
+
+    def _back(self, offsets: dict[int, list[int]]) -> None:
+        """Deliveries (rule's sub id -> offsets, in sending order) back to the front of
+        their group, no retry spent."""
+        wake: set[int] = set()
+        for sub_id, some in offsets.items():
+            wake |= self.broker.nack(self.conn_id, sub_id, tuple(some), 0, now_ms(),
+                                     wall_ms(), spend=False)
+        self.server.wake(wake)
+
+    def _held(self, sub_id: int) -> Container[int]:
+        """The offsets a rule's group holds in flight (a dead-lettered one is gone)."""
+        rule = self.rules_by_sub[sub_id]
+        cursors = self.broker.cursors
+        group = None if cursors is None else cursors.durable.get(
+            (rule.local_filter, self.spec.group))
+        return frozenset() if group is None else group.inflight
+
+    def resume(self, link: _Link, present: bool) -> None:
+        """A new link's CONNACK: the QoS 2 exchanges of the last link go on when the upstream
+        kept the session (MQTT-4.4.0-1: PUBREL again for what had its PUBREC; the others are
+        sent again under their ids as the group hands them out), else they go back to the
+        group, and the upstream's packet ids of messages coming in are forgotten. (After a
+        restart here nothing of this is known: messages not PUBCOMPed are sent again, each
+        under the packet id its offset gives, ``_Link._pid``.)"""
+        if not present:
+            back: dict[int, list[int]] = {}
+            for sub_id, offset in self.owed.values():
+                back.setdefault(sub_id, []).append(offset)
+            self._back(back)
+            self.owed.clear()
+            self.resend.clear()
+            self.reserved.clear()
+            self.qos2_in.clear()
+            self._tokens.clear()
+            return
+        now = trio.current_time()
+        for pid, (sub_id, offset) in self.owed.items():
+            link.inflight[pid] = (sub_id, offset, now)
+            link.released.add(pid)
+            link.outbox.append(mqtt.encode(PubRel(pid)))
+        self.owed.clear()
+
+    def unexpected(self, what: str, packet_id: int) -> None:
+        """An acknowledgement for a packet id not waiting for it: counted, logged once."""
+        if not self.counters["unexpected_acks"]:
+            log.warning("bridge %s: %s for packet id %d, which waits for none (ignored; "
+                        "counted as unexpected_acks)", self.spec.name, what, packet_id)
+        self.counters["unexpected_acks"] += 1
 
     def _publish_state(self, value: bytes) -> None:
         """The retained local topic ``$SYS/bridge/<name>/state``: 1 up, 0 down."""
@@ -347,6 +440,16 @@ class Bridge:
 
     # --------------------------------------------------------------- messages coming in
 
+    def _settle_unstored(self, link: _Link, packet: Publish) -> None:
+        """Acknowledge a message from the upstream that is not stored here, so that it
+        does not come again on every link nor fill the upstream's window: PUBACK, or PUBREC
+        with its packet id remembered until PUBREL."""
+        if packet.qos == 2:
+            self.qos2_in[packet.packet_id] = 0
+            link.send(mqtt.encode(PubRec(packet.packet_id)))
+        elif packet.qos:
+            link.ack(packet.packet_id)
+
     def local_problem(self, topic: str) -> str | None:
         """Why a message from the upstream cannot be stored under this local topic (logged
         and counted as refused here), or None. What the local broker takes from its own
@@ -364,18 +467,27 @@ class Bridge:
     def received(self, link: _Link, packet: Publish) -> None:
         """A PUBLISH from the upstream (an ``in`` rule): into the local log, PUBACKed once
         durable (the flusher calls ``confirmed``)."""
+        if packet.qos == 2:
+            state = self.qos2_in.get(packet.packet_id)
+            if state is not None:  # sent again: logged once, PUBRECed once that is durable
+                self.counters["duplicates_in"] += 1
+                if state == 0:
+                    link.send(mqtt.encode(PubRec(packet.packet_id)))
+                return
         rule = inbound_rule(self.spec.rules, packet.topic)
-        if rule is None:
+        if rule is None:  # a subscription the upstream session kept from older rules
+            self.counters["skipped"] += 1
+            self._settle_unstored(link, packet)
             return
         topic = rule.to_local(packet.topic)
-        problem = self.local_problem(topic)
-        if problem is not None:
-            if packet.qos:
-                link.ack(packet.packet_id)  # it could never be stored
+        if self.local_problem(topic) is not None:
+            self._settle_unstored(link, packet)  # it could never be stored
             return
         qos = min(packet.qos, 1)
         record = message_record(Message(topic, packet.payload, qos, retain=packet.retain))
-        record = bytes((record[0] | FLAG_BRIDGED,)) + record[1:]
+        # QoS 2 stays QoS 2 for the local MQTT subscribers (as the MQTT front logs it)
+        mark = FLAG_BRIDGED | (FLAG_QOS2 if packet.qos == 2 else 0)
+        record = bytes((record[0] | mark,)) + record[1:]
         raw = RawMessage(topic.encode(), qos, 0, len(packet.payload), record,
                          FLAG_RETAIN if packet.retain else 0)
         server = self.server
@@ -389,10 +501,48 @@ class Bridge:
                         self.spec.name, packet.topic, result.refusal.text)
         if not packet.qos:
             return
-        if result.refusal is not None or not result.last_offset or server.flusher is None:
+        stored = result.refusal is None and result.last_offset and server.flusher is not None
+        if packet.qos == 2:
+            pid = packet.packet_id
+            if not stored:
+                self.qos2_in[pid] = 0
+                link.send(mqtt.encode(PubRec(pid)))
+                return
+            self._token = token = self._token % 0x7FFFFFFF + 1
+            self.qos2_in[pid] = token
+            self._tokens[token] = pid
+            server.flusher.confirm_later(result.last_offset, self, token, 1)  # type: ignore[arg-type, union-attr]
+            return
+        if not stored:
             link.ack(packet.packet_id)
             return
-        server.flusher.confirm_later(result.last_offset, link, packet.packet_id, 1)  # type: ignore[arg-type]
+        server.flusher.confirm_later(result.last_offset, link, packet.packet_id, 1)  # type: ignore[arg-type, union-attr]
+
+    # the flusher's confirm interface for QoS 2 messages coming in: their packet ids belong
+    # to the upstream session, not to one link, so the PUBREC goes on the link up now
+    def confirmed(self, request_id: int, count: int) -> None:
+        pid = self._tokens.pop(request_id, None)
+        if pid is None or self.qos2_in.get(pid) != request_id:
+            return  # the upstream lost the session meanwhile
+        self.qos2_in[pid] = 0
+        if self._link is not None:  # else: PUBREC when the upstream sends it again
+            self._link.send(mqtt.encode(PubRec(pid)))
+
+    def confirm_failed(self, request_id: int, count: int, text: str) -> None:
+        # not stored: no PUBREC, and the link ends, so the upstream sends it again
+        pid = self._tokens.pop(request_id, None)
+        if pid is not None and self.qos2_in.get(pid) == request_id:
+            del self.qos2_in[pid]
+        log.warning("bridge %s: %s", self.spec.name, text)
+        if self._link is not None:
+            self._link.open = False
+        self._kick.set()
+
+    def release_in(self, link: _Link, packet_id: int) -> None:
+        """PUBREL from the upstream: the packet id may carry a new message; PUBCOMP."""
+        if self.qos2_in.pop(packet_id, None):  # a PUBREL before our PUBREC: a bad peer
+            self.unexpected("PUBREL", packet_id)
+        link.send(mqtt.encode(PubComp(packet_id)))
 
 
 class _Link:
@@ -403,6 +553,7 @@ class _Link:
         self.stream = stream
         self.decoder = mqtt.Decoder(bridge.server.mqtt_max_packet)
         self.inflight: dict[int, tuple[int, int, float]] = {}  # pid -> sub, offset, sent at
+        self.released: set[int] = set()  # QoS 2 ids of ``inflight`` PUBRECed: PUBCOMP owed
         self.outbox: list[bytes] = []
         self.acked = 0  # PUBACKs this link had
         self.peer_closed = False
@@ -413,11 +564,18 @@ class _Link:
         self.pending: list[object] = []  # packets that came with the CONNACK
         self.reason: str | None = None
 
-    def _pid(self) -> int:
+    def _pid(self, offset: int = 0) -> int:
+        """A free packet id for the message at log ``offset``: the one that follows from
+        the offset when it is free, so a message sent again after a restart of this broker
+        (which forgets what was in flight) goes out under the id it had, and an upstream
+        that still holds that id for it (QoS 2, PUBREC sent, PUBREL not had) knows it."""
+        reserved = self.bridge.reserved  # QoS 2 ids a message waits to go out under again
+        inflight = self.inflight
+        pid = offset % 65535 + 1
         for _ in range(65536):
-            self._next_pid = self._next_pid % 65535 + 1
-            if self._next_pid not in self.inflight:
-                return self._next_pid
+            if pid not in inflight and pid not in reserved:
+                return pid
+            pid = pid % 65535 + 1
         raise LinkDown("no free packet id")  # pragma: no cover - inflight <= 65535
 
     async def _receive(self) -> bytes:
@@ -447,7 +605,7 @@ class _Link:
         will = (Will(spec.state_topic, b"0", 1, True) if spec.state_topic else None)
         bridge = self.bridge
         connect = Connect("MQTT", 0x84 if bridge.private else 4,
-                          clean_session=not any(r.receives for r in spec.rules),
+                          clean_session=not spec.persistent,
                           keepalive=spec.keepalive_s, client_id=spec.mqtt_client_id,
                           will=will, username=spec.username or None,
                           password=spec.password.encode() if spec.password else None)
@@ -463,6 +621,7 @@ class _Link:
             raise LinkDown(f"the upstream refused the connection: CONNACK {first.code:#04x} "
                            f"({_CONNACK.get(first.code, 'unknown')})")
         self.pending = packets[1:]
+        bridge.resume(self, first.session_present)
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
         # a session the upstream kept holds them: subscribing again would bring every
         # retained value once more (the first link of a start subscribes: rules may change)
@@ -500,8 +659,12 @@ class _Link:
 
     def ack(self, packet_id: int) -> None:
         """A PUBACK for a message from the upstream."""
+        self.send(mqtt.encode(PubAck(packet_id)))
+
+    def send(self, data: bytes) -> None:
+        """A packet for the writer to send (none once the link is closing)."""
         if self.open:
-            self.outbox.append(mqtt.encode(PubAck(packet_id)))
+            self.outbox.append(data)
             self.bridge._kick.set()
 
     # the flusher's confirm interface (``Flusher.confirm_later``)
@@ -515,25 +678,46 @@ class _Link:
         self.bridge._kick.set()
 
     async def _reader(self) -> None:
-        for packet in self.pending:
-            self._handle(packet)
+        self._handle_all(self.pending)
         while True:
             self._handle_all(await self._read_packets())
 
     def _handle_all(self, packets: list[object]) -> None:
-        """The packets of one read; their PUBACKs become one ack per rule (one ACK record
-        in the log for the lot, not one per message)."""
+        """The packets of one read; their PUBACKs and PUBCOMPs become one ack per rule (one
+        ACK record in the log for the lot, not one per message)."""
         done: dict[int, list[int]] | None = None
         inflight = self.inflight
+        released = self.released
         for packet in packets:
             kind = packet.__class__
             if kind is int or kind is PubAck:  # ``_pubacks`` gives bare packet ids
                 pid = packet if kind is int else packet.packet_id  # type: ignore[attr-defined]
                 found = inflight.pop(pid, None)  # type: ignore[call-overload]
                 if found is not None:
+                    released.discard(pid)  # type: ignore[arg-type]
                     if done is None:
                         done = {}
                     done.setdefault(found[0], []).append(found[1])
+                continue
+            if kind is PubRec:
+                pid = packet.packet_id  # type: ignore[attr-defined]
+                found = inflight.get(pid)
+                if found is not None and self.bridge.rules_by_sub[found[0]].qos == 2:
+                    released.add(pid)  # PUBREL (again, should one have crossed ours)
+                    self.send(mqtt.encode(PubRel(pid)))
+                else:
+                    self.bridge.unexpected("PUBREC", pid)
+                continue
+            if kind is PubComp:
+                pid = packet.packet_id  # type: ignore[attr-defined]
+                if pid in released:
+                    released.discard(pid)
+                    found = inflight.pop(pid)
+                    if done is None:
+                        done = {}
+                    done.setdefault(found[0], []).append(found[1])
+                else:
+                    self.bridge.unexpected("PUBCOMP", pid)
                 continue
             self._handle(packet)
         if done is not None:
@@ -571,6 +755,9 @@ class _Link:
         if isinstance(packet, PingResp):
             self.pinged = False
             return
+        if isinstance(packet, PubRel):
+            bridge.release_in(self, packet.packet_id)
+            return
         raise LinkDown(f"unexpected {type(packet).__name__} from the upstream")
 
     async def _writer(self) -> None:
@@ -595,7 +782,7 @@ class _Link:
                 if self.inflight:
                     oldest = next(iter(self.inflight.values()))[2]
                     if now - oldest >= 1.5 * keepalive:
-                        raise LinkDown(f"no PUBACK for {now - oldest:.0f} s")
+                        raise LinkDown(f"no acknowledgement for {now - oldest:.0f} s")
                 if now - self.heard_at >= keepalive / 2 and not self.pinged:
                     self.outbox.append(self._ping())
                     self.pinged = True
@@ -648,6 +835,7 @@ class _Link:
         counters = bridge.counters
         inflight = self.inflight
         remotes = bridge.remotes
+        resend = bridge.resend
         done: dict[int, list[int]] = {}
         sent = 0
         for sub_id, records in batches:
@@ -665,10 +853,14 @@ class _Link:
                         remotes.clear()
                     remote = remotes[sub_id, local] = rule.to_remote(
                         local.decode("utf-8", "replace")).encode()
+                # a QoS 2 message sent before the last link went down keeps its packet id
+                again = resend.pop((sub_id, offset), 0) if resend else 0
+                if again:
+                    bridge.reserved.discard(again)
                 try:
                     at = _BODY + tlen + klen  # the payload's start
                     key = self._put(rule, remote, rec, flags, ttl, at, klen, plen, count,
-                                    offset, parts)
+                                    offset, parts, again)
                 except LocalProtocolError as exc:  # the upstream could never take it
                     counters["refused"] += 1
                     counters["dead_lettered"] += 1
@@ -692,12 +884,14 @@ class _Link:
         return sent
 
     def _put(self, rule: Rule, topic: bytes, rec: bytes, flags: int, ttl: int, at: int,
-             klen: int, plen: int, count: int, offset: int, parts: list[bytes]) -> int:
+             klen: int, plen: int, count: int, offset: int, parts: list[bytes],
+             pid: int = 0) -> int:
         """One delivery record (its payload at ``at``, after a key of ``klen`` bytes) onto
         ``parts`` as ``topic`` (the upstream's name, UTF-8); returns its packet id (0 at
-        QoS 0). Raises LocalProtocolError for one the protocol cannot carry."""
+        QoS 0): ``pid`` when given (a QoS 2 message sent again), else a free one. Raises
+        LocalProtocolError for one the protocol cannot carry."""
         qos = rule.qos
-        pid = self._pid() if qos else 0
+        pid = pid or (self._pid(offset) if qos else 0)
         parts.append(mqtt.encode_publish(
             topic, rec[at:at + plen], qos,
             self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN),

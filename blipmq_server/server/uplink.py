@@ -213,7 +213,8 @@ class NativeLink(_Link):
         bridge.server.log_touched()
 
     def _put(self, rule: Rule, topic: bytes, rec: bytes, flags: int, ttl: int, at: int,
-             klen: int, plen: int, count: int, offset: int, parts: list[bytes]) -> int:
+             klen: int, plen: int, count: int, offset: int, parts: list[bytes],
+             pid: int = 0) -> int:
         conn = self.conn
         alone = offset in self.bridge._strikes  # refused before: alone in its batch
         if alone:
