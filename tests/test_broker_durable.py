@@ -509,8 +509,16 @@ def test_a_patient_consumer_keeps_its_deliveries_and_counts_its_own_retries(
 
 
 def test_bridge_groups_are_closed_to_clients(tmp_path: Path) -> None:
+    """No client joins a bridge's group, nor deletes a configured bridge's (``bridged``);
+    the group of a bridge no longer configured may be deleted like any other."""
     s = Setup(tmp_path)
+    s.broker.bridged = frozenset({"bridge.up"})
     joined = s.broker.subscribe("client", "t", "bridge.up", qos=1)
     assert joined.refusal is not None and "belong to bridges" in joined.refusal.text
     gone = s.broker.unsubscribe("client", topic_filter="t", group="bridge.up")
     assert gone.refusal is not None and "belong to bridges" in gone.refusal.text
+    made = s.broker.subscribe("bridge", "t", "bridge.old", qos=1, patient=True)
+    assert made.refusal is None
+    s.broker.unsubscribe("bridge", made.sub_id)
+    deleted = s.broker.unsubscribe("client", topic_filter="t", group="bridge.old")
+    assert deleted.refusal is None, deleted
