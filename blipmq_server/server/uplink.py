@@ -171,7 +171,7 @@ class NativeLink(_Link):
                         bridge.spec.name, raws[at].topic[:64], result.refusal.text)
             at += 1
         server.log_touched()
-        bridge.counters["received"] += len(batch)
+        bridge.counters["received"] += len(raws)  # as over MQTT: those that were offered
         offsets = tuple(d.offset for d in batch)
         if not last or server.flusher is None:
             self.conn.ack(sub_id, offsets)
