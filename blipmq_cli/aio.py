@@ -10,7 +10,8 @@ The protocol (handshake, request ids, batching, QoS 1 tickets, what a reconnect 
 why a connection ended) lives in ``blipmq_server.protocol.connection``, shared with the sync
 ``Client``; this module moves bytes with Trio streams and decides when to dial again.
 
-Tasks, all in the nursery that ``async with`` opens: a supervisor that dials, and per live
+Tasks, all under one supervisor task that runs in the nursery ``async with`` opens (or the one
+given to ``connect(nursery)``): the supervisor dials, and it runs per live
 connection one reader (feeds the connection; stops reading while ``prefetch`` deliveries wait
 to be taken, so a slow application slows the broker down instead of filling memory), one
 writer (the only task that writes the socket: it sends whatever the callers queued since its
@@ -41,10 +42,12 @@ from typing import Any, Self
 
 import trio
 
+from blipmq_cli import arguments
 from blipmq_cli.client import DEFAULT_ADDR, DEFAULT_TIMEOUT, targets
 from blipmq_server.errors import (
     BlipError,
     BrokerError,
+    ConfigError,
     ConnectError,
     LocalProtocolError,
     RemoteProtocolError,
@@ -58,10 +61,11 @@ from blipmq_server.protocol.connection import (
     Reconnect,
     restart_point,
 )
+from blipmq_server.protocol.message import HEAD_SIZE
 
 _RECV = 1 << 16
 _HIGH_WATER = 1 << 20  # bytes queued for the writer before a publish waits for it
-_CHUNK = 1024  # messages publish_many adds between looks at the writer and the bounds
+_CHUNK = 1024  # messages publish_many adds between checkpoints (the writer runs then)
 _LOST = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -178,6 +182,7 @@ class AsyncSubscription:
     async def nack(self, *deliveries: Delivery, delay_ms: int = 0, reason: str = "") -> None:
         """Give deliveries back: sent again at once, or after ``delay_ms``; ``reason`` is
         what a dead letter made by this NACK says."""
+        arguments.nack(delay_ms, reason)
         live = self._live()
         if live is not None:
             live[0].nack(live[1], tuple(d.offset for d in deliveries), delay_ms, reason)
@@ -186,7 +191,7 @@ class AsyncSubscription:
 
     async def set_credit(self, credit: int) -> None:
         """Change the window of unacked deliveries (QoS 1; 0 pauses the subscription)."""
-        self._credit = credit
+        self._credit = arguments.whole("credit", credit)
         live = self._live()
         if live is not None:
             live[0].credit(live[1], credit)
@@ -219,6 +224,22 @@ async def _read_into(stream: trio.abc.Stream, conn: ClientConnection) -> None:
         pass
 
 
+def _record_size(topic: str, payload: bytes, key: bytes | None) -> int:
+    """The bytes ``pending`` counts for a message (exact for an ASCII topic)."""
+    return HEAD_SIZE + len(topic) + len(payload) + (len(key) if key else 0)
+
+
+def _under_trio() -> None:
+    """Refuse to run outside Trio with one clear line (under asyncio Trio's own calls fail
+    with "must be called from async context")."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        raise ConfigError("AsyncClient runs under Trio (trio.run), not asyncio or another "
+                          "event loop: from asyncio, run the sync Client in a thread "
+                          "(asyncio.to_thread)") from None
+
+
 class AsyncClient:
     """A BlipMQ client for Trio. See the module docstring and docs/CLIENT.md."""
 
@@ -244,16 +265,17 @@ class AsyncClient:
         self._targets = targets(addr, ssl_context)
         self.addr = self._targets[0][3]  # the address of the current (or last) connection
         self.api_key = api_key
-        self.timeout = timeout
+        self.timeout = arguments.seconds("timeout", timeout)
         self.name = name
         self._ssl_context = ssl_context
         if reconnect is True:
             reconnect = Reconnect()
         self.reconnect: Reconnect | None = reconnect or None
-        self.max_pending = max_pending
-        self.max_pending_bytes = max_pending_bytes
+        self.max_pending = arguments.count("max_pending", max_pending)
+        self.max_pending_bytes = arguments.count("max_pending_bytes", max_pending_bytes)
         self.block = block
-        self.prefetch = prefetch  # deliveries read ahead of the application, at most
+        # deliveries read ahead of the application, at most
+        self.prefetch = arguments.count("prefetch", prefetch)
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
         self.on_gap = on_gap
@@ -268,13 +290,17 @@ class AsyncClient:
         self._changed = trio.Event()  # set (and replaced) on every change waiters look at
         self._dirty = trio.Event()  # the writer has something to send
         self._gated = False  # the reader waits for the application to take deliveries
-        self._nursery_cm: Any = None
-        self._nursery: trio.Nursery | None = None
+        self._started = False  # connect() started the client's task (once per client)
+        self._scope = trio.CancelScope()  # around the client's task: close() cancels it
+        self._stopped = trio.Event()  # the client's task has ended
+        self._own: Any = None  # the nursery ``async with`` opened for the client's task
 
     # ------------------------------------------------------------------------- lifecycle
 
     async def __aenter__(self) -> Self:
-        await self.connect()
+        stream = await self._dial_first()
+        self._own = trio.open_nursery()
+        self._begin(await self._own.__aenter__(), stream)
         return self
 
     async def __aexit__(
@@ -285,10 +311,22 @@ class AsyncClient:
         else:
             await self._shutdown()
 
-    async def connect(self) -> None:
-        """Connect to the first address that answers (each is tried once) and start the
-        client's tasks; ``close`` ends them. ``async with`` does both."""
-        if self._nursery is not None:
+    async def connect(self, nursery: trio.Nursery) -> None:
+        """Connect to the first address that answers (each is tried once), then run the
+        client's task in ``nursery`` until ``close()``. The connect alone is what a
+        surrounding ``trio.fail_after`` bounds; ``nursery`` must outlive the client's use
+        (``async with AsyncClient(...)`` opens one of its own). A client connects once:
+        after ``close()``, make a new one."""
+        stream = await self._dial_first()
+        self._begin(nursery, stream)
+
+    async def _dial_first(self) -> trio.abc.Stream:
+        """The first connection's stream, from the first address that answers."""
+        _under_trio()
+        if self._closing:
+            raise ConnectError(f"the client for {self.addr} was closed: make a new "
+                               "AsyncClient to connect again")
+        if self._started:
             raise ConnectError(f"the client for {self.addr} is already connected")
         error: BlipError | None = None
         for target in self._targets:
@@ -298,19 +336,22 @@ class AsyncClient:
                 error = error or exc
                 continue
             self._conn, self.addr = conn, target[3]
-            self._nursery_cm = trio.open_nursery()
-            self._nursery = await self._nursery_cm.__aenter__()
-            self._nursery.start_soon(self._supervise, stream)
-            self._up = True
-            return
+            return stream
         assert error is not None
         raise error
 
+    def _begin(self, nursery: trio.Nursery, stream: trio.abc.Stream) -> None:
+        self._started = self._up = True
+        nursery.start_soon(self._supervise, stream)
+
     async def close(self) -> None:
         """Flush (within ``timeout``: while disconnected with messages pending, that
-        includes waiting for the reconnect), say GOODBYE and end the client's tasks; raises
-        the first refusal not yet reported."""
-        if self._nursery is None or self._closing:
+        includes waiting for the reconnect), say GOODBYE and end the client's task. Raises
+        the first refusal not yet reported, and ConnectError when messages are left that
+        the broker has not taken (held while disconnected, or QoS 1 unconfirmed): they are
+        dropped. A second ``close()`` does nothing."""
+        if not self._started or self._closing:
+            self._closing = True
             return
         error: BlipError | None = None
         if self._dead is None and (self._up or self._conn.backlog[0]):
@@ -318,6 +359,8 @@ class AsyncClient:
                 await self.flush()
             except (BlipError, TimeoutError) as exc:
                 error = exc if isinstance(exc, BlipError) else ConnectError(str(exc))
+        else:
+            error = self._dead
         self._closing = True
         conn = self._conn
         if self._up and conn.closed is None:
@@ -326,17 +369,25 @@ class AsyncClient:
             with trio.move_on_after(self.timeout):
                 while self._up:  # until the broker closed after our GOODBYE
                     await self._changed.wait()
+        held, held_size = self._conn.backlog
         await self._shutdown()
         if error is not None and not isinstance(error, ConnectError):
             raise error
+        if held:
+            raise ConnectError(f"closed with {held} messages ({held_size} bytes) that the "
+                               f"broker at {self.addr} has not taken, now dropped: {error}")
 
     async def _shutdown(self) -> None:
+        """End the client's task and wait for it (its nursery too, if it is ours)."""
         self._closing = True
         self._notify()
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-            await self._nursery_cm.__aexit__(None, None, None)
-            self._nursery = None
+        self._scope.cancel()
+        if self._started:
+            with trio.CancelScope(shield=True):  # cancelled itself: ends at once
+                await self._stopped.wait()
+        own, self._own = self._own, None
+        if own is not None:
+            await own.__aexit__(None, None, None)
 
     @property
     def connected(self) -> bool:
@@ -369,7 +420,8 @@ class AsyncClient:
         """Send one message; with ``qos=1``, return once the broker confirmed it durable
         (across reconnects: it is sent again if the connection broke first). A QoS 0
         publish returns once the message is queued for the writer."""
-        conn = await self._room(1, len(payload) + len(topic))
+        arguments.message(topic, payload, qos, ttl_ms, key)
+        conn = await self._room(1, _record_size(topic, payload, key))
         try:
             if qos or ttl_ms or key is not None or retain:
                 ticket = conn.publish(Message(topic, payload, qos, ttl_ms, key, retain))
@@ -385,36 +437,41 @@ class AsyncClient:
             await self._confirmed(ticket)
 
     async def publish_many(self, messages: Iterable[Message | tuple[str, bytes]]) -> int:
-        """Send many messages in PUBLISH batches; returns how many. QoS 1 ones are not
-        waited for: ``flush`` does that."""
+        """Send many messages in PUBLISH batches, in order; returns how many. Each counts
+        against ``max_pending`` and ``max_pending_bytes`` as a ``publish`` does: past the
+        bound this waits for room (``block=True``) or raises ConnectError (``block=False``)
+        at the first message that does not fit. The messages before it are queued and go
+        out, and the error says how many; that one and the rest are not taken. A bad
+        message raises likewise (ConfigError or BrokerError). QoS 1 ones are not waited
+        for: ``flush`` does that."""
         n = 0
-        chunk: list[Message | tuple[str, bytes]] = []
         for m in messages:
-            chunk.append(m)
-            if len(chunk) >= _CHUNK:
-                n += await self._publish_chunk(chunk)
-                chunk = []
-        if chunk:
-            n += await self._publish_chunk(chunk)
-        return n
-
-    async def _publish_chunk(self, chunk: list[Message | tuple[str, bytes]]) -> int:
-        size = sum(len(m[0]) + len(m[1]) for m in chunk)
-        conn = await self._room(len(chunk), size)
-        try:
-            for m in chunk:
+            try:
+                size = _record_size(m[0], m[1], m.key if isinstance(m, Message) else None)
+            except (TypeError, IndexError, KeyError):
+                arguments.given(m)
+                raise
+            conn = await self._room(1, size, n)
+            try:
                 if isinstance(m, Message):
                     conn.publish(m)
                 else:
                     conn.publish_pairs((m,))
-        except LocalProtocolError as exc:
-            raise BrokerError(exc.code, str(exc)) from None
+            except LocalProtocolError as exc:
+                arguments.given(m)
+                raise BrokerError(exc.code, str(exc)) from None
+            except (TypeError, ValueError):
+                arguments.given(m)
+                raise
+            n += 1
+            if conn.outgoing >= _HIGH_WATER:
+                await self._drain(conn)
+            elif not n % _CHUNK:
+                self._kick()
+                await trio.lowlevel.checkpoint()
         self._kick()
-        if conn.outgoing >= _HIGH_WATER:
-            await self._drain(conn)
-        else:
-            await trio.lowlevel.checkpoint()
-        return len(chunk)
+        await trio.lowlevel.checkpoint()
+        return n
 
     async def flush(self, timeout: float | None = None) -> None:
         """Send everything, wait until the broker processed it (PING/PONG) and confirmed
@@ -452,6 +509,7 @@ class AsyncClient:
         window of unacked deliveries (0: the broker's default)."""
         if start == Start.TIME and start_time_ms:
             start_offset = start_time_ms
+        arguments.subscription(topic_filter, group, qos, credit, start_offset)
         flags = codec.SUBSCRIBE_UNTIL_END if until_end else 0
         sub = AsyncSubscription(self, topic_filter, group, qos, credit, start, start_offset,
                                 flags)
@@ -520,8 +578,11 @@ class AsyncClient:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise self._dead
-        if self._closing or self._nursery is None:
+        if self._closing:
             raise ConnectError(f"the client for {self.addr} is closed")
+        if not self._started:
+            raise ConnectError(f"the client for {self.addr} is not connected: use async "
+                               "with, or await connect(nursery)")
 
     async def _until_up(self) -> ClientConnection:
         """The ready connection, once there is one (waiting through a reconnect)."""
@@ -556,9 +617,10 @@ class AsyncClient:
         raise TimeoutError(f"timed out after {limit:g} s waiting for {what} from the broker "
                            f"at {self.addr}")
 
-    async def _room(self, count: int, size: int) -> ClientConnection:
+    async def _room(self, count: int, size: int, queued: int | None = None) -> ClientConnection:
         """The connection to publish on, once ``max_pending`` leaves room for ``count``
-        messages of ``size`` bytes (or at once with nothing pending)."""
+        messages of ``size`` bytes (or at once with nothing pending). ``queued``: how many
+        messages of a ``publish_many`` went in before, for the error."""
         while True:  # each pass returns, raises, or waits for a change
             self._check_alive()
             conn = self._conn
@@ -568,8 +630,10 @@ class AsyncClient:
                 return conn
             if not self.block:
                 state = "connected to" if self._up else "disconnected from"
+                before = ("" if queued is None else
+                          f" (publish_many queued {queued} of its messages before this one)")
                 raise ConnectError(f"{held} messages ({held_size} bytes) wait, {state} the "
-                                   f"broker at {self.addr}: max_pending reached")
+                                   f"broker at {self.addr}: max_pending reached{before}")
             self._kick()
             await self._changed.wait()
 
@@ -646,22 +710,27 @@ class AsyncClient:
         """Run connections one after another until the client closes or gives up."""
         restore = False
         try:
-            while True:  # one pass per connection; bounded by Reconnect.attempts
-                await self._run(stream, self._conn, restore)
-                if self._closing:
-                    return
-                error = self._conn.failure(self.addr, 2 * self.timeout)
-                if self.reconnect is None:
-                    self._dead = error
-                    return
-                if self.on_disconnect is not None:
-                    self.on_disconnect(error)
-                dialled = await self._redial(error)
-                if dialled is None:
-                    return
-                stream, restore = dialled, True
+            with self._scope:
+                while True:  # one pass per connection; bounded by Reconnect.attempts
+                    await self._run(stream, self._conn, restore)
+                    if self._closing:
+                        return
+                    error = self._conn.failure(self.addr, 2 * self.timeout)
+                    if self.reconnect is None:
+                        self._dead = error
+                        return
+                    if self.on_disconnect is not None:
+                        self.on_disconnect(error)
+                    dialled = await self._redial(error)
+                    if dialled is None:
+                        return
+                    stream, restore = dialled, True
         finally:
             self._up = False
+            if not self._closing and self._dead is None:
+                self._dead = ConnectError(f"the client for {self.addr} stopped: the nursery "
+                                          "it ran in was cancelled")
+            self._stopped.set()
             self._notify()
 
     async def _redial(self, error: BlipError) -> trio.abc.Stream | None:

@@ -36,6 +36,13 @@ Addr = Annotated[
     typer.Option("--addr", envvar="BLIPMQ_ADDR",
                  help="Broker HOST:PORT, tls://HOST:PORT for TLS [default: 127.0.0.1:7878]"),
 ]
+# bench reads BLIPMQ_ADDR itself: an address from the environment is not an --addr given
+# (with --start it is not used at all)
+BenchAddr = Annotated[
+    str | None,
+    typer.Option("--addr", help="Broker HOST:PORT, tls://HOST:PORT for TLS, instead of "
+                 "--start [env BLIPMQ_ADDR; default: 127.0.0.1:7878]", show_default=False),
+]
 ApiKey = Annotated[
     str | None, typer.Option("--api-key", envvar="BLIPMQ_API_KEY", help="API key for the broker")
 ]
@@ -373,7 +380,7 @@ def bench(
         "--fsync", help="With --start: always | none | every_n:N | interval_ms:M "
         "[default: always]")] = None,
     as_json: Json = False,
-    addr: Addr = None,
+    addr: BenchAddr = None,
     api_key: ApiKey = None,
     tls: Tls = False,
     cafile: CaFile = None,

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
+from blipmq_cli import arguments
 from blipmq_server.errors import (
     BlipError,
     BrokerError,
@@ -203,7 +204,7 @@ class Subscription:
 
     def set_credit(self, credit: int) -> None:
         """Change this QoS 1 subscription's window of unacked deliveries (0: pause)."""
-        self.client._conn.credit(self.sub_id, credit)
+        self.client._conn.credit(self.sub_id, arguments.whole("credit", credit))
         self.client._send_control()
 
     def nack(self, *deliveries: Delivery, delay_ms: int = 0, reason: str = "") -> None:
@@ -221,14 +222,22 @@ def targets(addr: str | Sequence[str], ssl_context: ssl.SSLContext | None
             ) -> list[tuple[str, int, bool, str]]:
     """The addresses to dial, each as (host, port, TLS or not, the address as shown):
     ``tls://`` means TLS, and so does an ``ssl_context`` with no scheme; ``tcp://`` is plain
-    TCP. Raises ValueError for an address that is not one."""
+    TCP. Raises ConfigError for an address that is not one."""
     addrs = [addr] if isinstance(addr, str) else list(addr)
     if not addrs:
-        raise ValueError("no broker address given")
+        raise ConfigError("no broker address given", "addr")
     out = []
     for one in addrs:
-        scheme = split_scheme(one)[0]
-        host, port = parse_addr(one)
+        if not isinstance(one, str):
+            raise ConfigError(f"must be a str or a list of them, not {one!r}", "addr")
+        if "," in one:
+            raise ConfigError(f"{one!r} holds a comma: give several addresses as a list, "
+                              f"{[a.strip() for a in one.split(',')]!r}", "addr")
+        try:
+            scheme = split_scheme(one)[0]
+            host, port = parse_addr(one)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         secure = scheme == "tls" or (scheme is None and ssl_context is not None)
         out.append((host, port, secure, ("tls://" if secure else "") + (
             f"[{host}]:{port}" if ":" in host else f"{host}:{port}")))
@@ -260,7 +269,7 @@ class Client:
         then goes on; ``on_disconnect(error)`` and ``on_reconnect(address)`` are told."""
         self._targets = targets(addr, ssl_context)
         self.addr = self._targets[0][3]
-        self.timeout = timeout
+        self.timeout = arguments.seconds("timeout", timeout)
         self.name = name
         self.api_key = api_key
         self._ssl_context = ssl_context
@@ -429,6 +438,7 @@ class Client:
         (an empty payload clears it). ``progress(bytes_sent)`` is called as a large message
         goes out.
         """
+        arguments.message(topic, payload, qos, ttl_ms, key)
         try:
             if qos or ttl_ms or key is not None or retain:
                 self._conn.publish(Message(topic, payload, qos, ttl_ms, key, retain))
@@ -445,15 +455,18 @@ class Client:
             self.wait_confirms()
 
     def publish_many(self, messages: Iterable[Message | tuple[str, bytes]]) -> int:
-        """Send many messages in PUBLISH batches; returns how many were sent."""
+        """Send many messages in PUBLISH batches; returns how many were sent. A bad one
+        raises (ConfigError for a bad argument, BrokerError for what the broker would
+        refuse); the ones before it are sent."""
         conn = self._conn
         n = 0
         pairs: list[tuple[str, bytes]] = []
+        m: object = None
         try:
             for m in messages:
                 if isinstance(m, Message):
                     if pairs:
-                        n += conn.publish_pairs(pairs)
+                        n += self._pairs(conn, pairs)
                         pairs = []
                     conn.publish(m)  # type: ignore[arg-type]
                     n += 1
@@ -461,16 +474,30 @@ class Client:
                     pairs.append(m)  # type: ignore[arg-type]
                     if len(pairs) < _PAIRS:
                         continue
-                    n += conn.publish_pairs(pairs)
+                    n += self._pairs(conn, pairs)
                     pairs = []
                 if conn.outgoing >= _SEND_CHUNK:
                     self._send_out()
                     conn = self._conn  # a new one after a reconnect
-            n += conn.publish_pairs(pairs)
+            n += self._pairs(conn, pairs)
         except LocalProtocolError as exc:
+            arguments.given(m)
             raise _refused(exc) from None
+        except (TypeError, ValueError):
+            arguments.given(m)
+            raise
         self._send_out()
         return n
+
+    @staticmethod
+    def _pairs(conn: ClientConnection, pairs: list[tuple[str, bytes]]) -> int:
+        """``conn.publish_pairs``; a refused pair is checked for a bad argument first."""
+        try:
+            return conn.publish_pairs(pairs)
+        except (LocalProtocolError, TypeError, ValueError):
+            for pair in pairs:
+                arguments.given(pair)
+            raise
 
     def check(self) -> None:
         """Read whatever the broker sent without waiting and answer its PINGs; raise why the
@@ -529,6 +556,7 @@ class Client:
         """
         if start == codec.Start.TIME and start_time_ms:
             start_offset = start_time_ms  # the wire carries the time in start_offset
+        arguments.subscription(topic_filter, group, qos, credit, start_offset)
         flags = codec.SUBSCRIBE_UNTIL_END if until_end else 0
         reply = self._request(
             lambda conn: conn.subscribe(topic_filter, group, qos, credit, start, start_offset,
@@ -564,6 +592,7 @@ class Client:
         self, sub_id: int, *deliveries: Delivery, delay_ms: int = 0, reason: str = ""
     ) -> None:
         """Negative ack: redeliver now (``delay_ms=0``) or once ``delay_ms`` has passed."""
+        arguments.nack(delay_ms, reason)
         self._conn.nack(sub_id, tuple(d.offset for d in deliveries), delay_ms, reason)
         self._send_control()
 

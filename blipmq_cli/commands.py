@@ -206,6 +206,10 @@ def _pub_lines(
         if isinstance(exc, BrokerError):
             raise BrokerError(exc.code, f"{exc.text}; {note}") from None
         raise ConnectError(f"{exc}; {note}") from None
+    except KeyboardInterrupt:
+        if qos:  # still exit 130, but say how far we got, as above
+            say(f"interrupted; {client.confirmed} of {client.qos1_sent} messages confirmed")
+        raise
     return Exit.OK
 
 

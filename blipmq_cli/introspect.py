@@ -136,6 +136,16 @@ def stats(*, addr: str | None, api_key: str | None, watch: bool = False,
         if not watch:
             console.print(_render(client.stats(), client.addr))
             return Exit.OK
+        if not sys.stdout.isatty():
+            # a pipe or a file: one table per refresh, each written out at once; written
+            # here, not by rich, which exits 1 when the reader goes away (`| head`): a
+            # BrokenPipeError ends the command quietly, exit 0, as `sub | head` does
+            while True:
+                with console.capture() as table:
+                    console.print(_render(client.stats(), client.addr))
+                sys.stdout.write(table.get() + "\n")
+                sys.stdout.flush()
+                time.sleep(interval)
         from rich.live import Live
 
         with Live(_render(client.stats(), client.addr), console=console,

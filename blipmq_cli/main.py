@@ -14,7 +14,10 @@ handler in place when it starts.)
 
 from __future__ import annotations
 
+import errno
 import gc
+import io
+import os
 import signal
 import sys
 import time
@@ -37,8 +40,42 @@ def _one_interrupt_per_press() -> None:
         signal.signal(signal.SIGINT, interrupt)
 
 
+class _ClosedStdout(io.RawIOBase):
+    """Stands for stdout when fd 1 is closed (``>&-``): every write fails as a write to a
+    closed descriptor does, so the command reports it like any other output error."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: object) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+    def fileno(self) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+
+def _output_error(exc: OSError) -> int:
+    """stdout cannot be written (a full disk, a closed descriptor): one line, exit 2, as
+    ``commands.guarded`` reports it; a reader that went away (``| head``) is exit 0.
+    fd 1 then points at /dev/null, so the interpreter's last flush does not fail again."""
+    from blipmq_cli.commands import say
+    from blipmq_cli.exits import Exit
+
+    devnull = os.open(os.devnull, os.O_WRONLY)  # fd 1 itself when it was closed
+    if devnull != 1:
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    sys.stdout = open(1, "w", closefd=False)
+    if isinstance(exc, BrokenPipeError):
+        return Exit.OK
+    say(exc.strerror or str(exc))
+    return Exit.USAGE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if sys.stdout is None:  # fd 1 closed
+        sys.stdout = io.TextIOWrapper(_ClosedStdout(), write_through=True)
     # only the frozen executable has a forwarding parent; the broker handles its own signals
     if args[:1] == ["start"]:
         # Imports make hundreds of thousands of objects and hardly any garbage: with the
@@ -59,6 +96,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: list[str]) -> int:
+    try:
+        code = _command(args)
+        sys.stdout.flush()
+    except OSError as exc:  # writing stdout failed outside a command's own handling (--help)
+        return _output_error(exc)
+    return code
+
+
+def _command(args: list[str]) -> int:
     if args == ["--version"]:
         from blipmq_cli.version import describe
 

@@ -11,7 +11,7 @@ import pytest
 from peer import Link, Peer, greet, silent_after_subscribe
 
 from blipmq_cli.client import Client, parse_addr
-from blipmq_server.errors import BrokerError, ConnectError
+from blipmq_server.errors import BlipError, BrokerError, ConfigError, ConnectError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode, Message
 
@@ -295,5 +295,44 @@ def test_several_addresses_the_first_that_answers_is_used(start_broker) -> None:
         assert c.addr == b.addr and c.ping() >= 0
     with pytest.raises(ConnectError, match="cannot connect to"):
         Client([dead, dead], timeout=2)
-    with pytest.raises(ValueError, match="no broker address"):
+    with pytest.raises(ConfigError, match="no broker address"):
         Client([])
+
+
+def test_bad_arguments_are_one_config_error_before_anything_is_sent(start_broker) -> None:
+    """A bad argument is a ConfigError (a BlipError) that names it, raised before anything
+    goes out: the connection stays usable and the broker sees nothing of it."""
+    b = start_broker()
+    with Client(b.addr) as c:
+        sub = c.subscribe("args/t", qos=1, group="g", start=codec.Start.EARLIEST)
+        bad = [
+            (lambda: c.publish("args/t", b"x", qos=5), "qos: must be 0 or 1, not 5"),
+            (lambda: c.publish("args/t", b"x", qos="1"), "qos: must be 0 or 1, not '1'"),
+            (lambda: c.publish("args/t", "text"), "payload: must be bytes, not str"),
+            (lambda: c.publish("args/t", b"x", key="k"), "key: must be bytes, not str"),
+            (lambda: c.publish("args/t", b"x", ttl_ms=-1), "ttl_ms: must be a whole number"),
+            (lambda: c.publish_many([("args/t", b"ok"), ("args/t", "text")]),
+             "payload: must be bytes"),
+            (lambda: c.publish_many([Message("args/t", b"x", qos=5)]), "qos: must be 0 or 1"),
+            (lambda: c.subscribe("args/t", qos=5), "qos: must be 0 or 1, not 5"),
+            (lambda: c.subscribe("args/t", qos=1, credit=-1), "credit: must be a whole"),
+            (lambda: sub.set_credit(-1), "credit: must be a whole number"),
+            (lambda: sub.nack(delay_ms=-1), "delay_ms: must be a whole number"),
+        ]
+        for call, text in bad:
+            with pytest.raises(ConfigError) as info:
+                call()
+            assert text in str(info.value) and isinstance(info.value, BlipError), text
+        c.flush()  # nothing refused: the bad calls sent nothing
+        c.publish("args/t", b"good", qos=1)
+        got: list[bytes] = []
+        while len(got) < 2:  # bounded: each wait raises after 10 s
+            got += [d.payload for d in sub.next_batch(timeout=10) or ()]
+        assert got == [b"ok", b"good"]
+    with pytest.raises(ConfigError, match="scheme must be tcp:// or tls://"):
+        Client("nats://127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"holds a comma: give several addresses as a list"):
+        Client(f"{b.addr},127.0.0.1:2")
+    for timeout in (0, -1, "5"):
+        with pytest.raises(ConfigError, match="timeout: must be a positive number"):
+            Client(b.addr, timeout=timeout)  # type: ignore[arg-type]

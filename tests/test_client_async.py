@@ -14,6 +14,7 @@ from blipmq_cli import (
     AsyncClient,
     BrokerError,
     Client,
+    ConfigError,
     ConnectError,
     ErrorCode,
     Gap,
@@ -248,3 +249,200 @@ async def test_async_client_over_tls(start_broker, pki: Pki) -> None:
     with pytest.raises(ConnectError, match="tls://"):
         async with AsyncClient(f"127.0.0.1:{b.tls_port}", timeout=3):
             pass
+
+
+def fast() -> Reconnect:
+    return Reconnect(attempts=200, initial=0.02, maximum=0.2)
+
+
+async def test_connect_under_a_cancel_scope_connects_or_times_out_cleanly(
+        start_broker) -> None:
+    """``connect(nursery)``: a surrounding fail_after bounds the connect alone; the client's
+    task runs in the nursery given, so the scope may end while the client goes on."""
+    b = start_broker()
+    async with trio.open_nursery() as nursery:
+        client = AsyncClient(b.addr)
+        with trio.fail_after(5):
+            await client.connect(nursery)
+        assert client.connected and await client.ping() < 5
+        await client.publish("scoped", b"x", qos=1)
+        await client.close()
+        assert not client.connected
+    # a listener that never answers the handshake: the scope runs out first, cleanly
+    with trio.socket.socket() as quiet:
+        await quiet.bind(("127.0.0.1", 0))
+        quiet.listen(8)
+        where = f"127.0.0.1:{quiet.getsockname()[1]}"
+        async with trio.open_nursery() as nursery:
+            client = AsyncClient(where, timeout=30)
+            with pytest.raises(trio.TooSlowError), trio.fail_after(0.3):
+                await client.connect(nursery)
+            with trio.move_on_after(0.3) as scope:
+                await client.connect(nursery)
+            assert scope.cancelled_caught and not client.connected
+            await client.close()
+        # ``async with`` inside a scope that runs out: the same
+        with trio.move_on_after(0.3) as scope:
+            async with AsyncClient(where, timeout=30):
+                raise AssertionError("connected to a listener that never answers")
+        assert scope.cancelled_caught
+
+
+async def test_a_client_whose_nursery_is_cancelled_says_so(start_broker) -> None:
+    b = start_broker()
+    client = AsyncClient(b.addr)
+    async with trio.open_nursery() as nursery:
+        await client.connect(nursery)
+        nursery.cancel_scope.cancel()
+    with pytest.raises(ConnectError, match="stopped: the nursery it ran in was cancelled"):
+        await client.ping()
+    await client.close()
+
+
+async def test_a_closed_client_does_not_connect_again(start_broker) -> None:
+    b = start_broker()
+    client = AsyncClient(b.addr)
+    async with client:
+        assert await client.ping() < 5
+    with pytest.raises(ConnectError, match="was closed: make a new AsyncClient"):
+        async with client:
+            pass
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(ConnectError, match="was closed: make a new AsyncClient"):
+            await client.connect(nursery)
+    assert not client.connected
+    await client.close()  # a second close does nothing
+    with pytest.raises(ConnectError, match="is not connected: use async with"):
+        await AsyncClient(b.addr).ping()
+
+
+async def test_close_says_when_it_drops_held_messages(start_broker) -> None:
+    """Messages held while the broker is down are lost if close() cannot hand them over
+    within ``timeout``: close() raises ConnectError saying how many, not returns."""
+    b = start_broker()
+    down = trio.Event()
+    with pytest.raises(ConnectError, match=r"closed with 5 messages \(\d+ bytes\) that "
+                                           r"the broker at .* has not taken, now dropped"):
+        async with AsyncClient(b.addr, timeout=0.5, reconnect=fast(),
+                               on_disconnect=lambda e: down.set()) as c:
+            await c.publish("held", b"before", qos=1)
+            b.proc.kill()
+            b.proc.wait()
+            with trio.fail_after(10):
+                await down.wait()
+            for i in range(5):
+                await c.publish("held", b"held-%d" % i)
+            assert c.pending[0] == 5
+    assert not c.connected
+    # nothing held: a close while the broker is down is quiet
+    b = start_broker()
+    down = trio.Event()
+    async with AsyncClient(b.addr, timeout=0.5, reconnect=fast(),
+                           on_disconnect=lambda e: down.set()) as c:
+        b.proc.kill()
+        b.proc.wait()
+        with trio.fail_after(10):
+            await down.wait()
+
+
+async def test_publish_many_keeps_to_max_pending(start_broker) -> None:
+    from test_client_reconnect import free_port, read_log, restart
+
+    port = free_port()
+    b = start_broker({"server": {"port": port}})
+    down, up = trio.Event(), trio.Event()
+    most = 0
+
+    async with AsyncClient(b.addr, max_pending=10, max_pending_bytes=1000, block=False,
+                           reconnect=fast(), on_disconnect=lambda e: down.set(),
+                           on_reconnect=lambda a: up.set()) as c:
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, c.pending[0])
+                await trio.lowlevel.checkpoint()
+
+        # connected: QoS 1 messages are pending until confirmed, and only 10 may be
+        with pytest.raises(ConnectError, match=r"max_pending reached \(publish_many queued "
+                                               r"10 of its messages before this one\)"):
+            await c.publish_many(Message("pm", b"c%d" % i, qos=1) for i in range(500))
+        await c.flush()
+        # block=True: it waits for room instead, and all go out
+        c.block = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            with trio.fail_after(20):
+                assert await c.publish_many(
+                    Message("pm", b"w%d" % i, qos=1) for i in range(300)) == 300
+                await c.flush()
+            nursery.cancel_scope.cancel()
+        assert most <= 10
+        c.block = False
+        b.proc.kill()
+        b.proc.wait()
+        with trio.fail_after(10):
+            await down.wait()
+        # disconnected: a batch far past the bound takes 10 and says so (and holds no more)
+        with pytest.raises(ConnectError, match="publish_many queued 10 of its"):
+            await c.publish_many(Message("pm", b"d%d" % i, qos=1) for i in range(100_000))
+        assert c.pending[0] == 10
+        with pytest.raises(ConnectError, match="max_pending reached"):
+            await c.publish("pm", b"one more")
+        b = await restart(start_broker, b, port)
+        with trio.fail_after(20):
+            await up.wait()
+            await c.flush()
+        # bytes: 200-byte payloads, 1000 bytes held at most
+        b.proc.kill()
+        b.proc.wait()
+        down = trio.Event()
+        with trio.fail_after(10):
+            await down.wait()
+        with pytest.raises(ConnectError, match="publish_many queued 4 of its"):
+            await c.publish_many(("pm/big", b"b" * 200) for _ in range(10))
+        assert c.pending[0] == 4 and c.pending[1] <= 1000
+        b = await restart(start_broker, b, port)
+        with trio.fail_after(20):
+            await c.flush()
+    logged = await read_log(b.addr, "pm")
+    assert logged == ([b"c%d" % i for i in range(10)] + [b"w%d" % i for i in range(300)]
+                      + [b"d%d" % i for i in range(10)])
+
+
+async def test_bad_arguments_are_one_config_error(start_broker) -> None:
+    b = start_broker()
+    async with AsyncClient(b.addr) as c:
+        sub = await c.subscribe("args", group="g", qos=1)
+        bad = [
+            (c.publish("args", "text"), "payload: must be bytes, not str"),
+            (c.publish("args", b"x", qos="1"), "qos: must be 0 or 1, not '1'"),
+            (c.publish("args", b"x", key="k"), "key: must be bytes, not str"),
+            (c.publish_many([("args", "text")]), "payload: must be bytes"),
+            (c.publish_many([Message("args", b"x", qos=5)]), "qos: must be 0 or 1, not 5"),
+            (c.subscribe("args", qos=5), "qos: must be 0 or 1, not 5"),
+            (c.subscribe("args", qos=1, credit=-1), "credit: must be a whole number"),
+            (sub.set_credit(-1), "credit: must be a whole number"),
+            (sub.nack(delay_ms=-1), "delay_ms: must be a whole number"),
+        ]
+        for call, text in bad:
+            with pytest.raises(ConfigError) as info:
+                await call
+            assert text in str(info.value), text
+        await c.flush()
+        assert sub.credit == 0 and c.pending == (0, 0)
+    with pytest.raises(ConfigError, match="timeout: must be a positive number"):
+        AsyncClient(b.addr, timeout=0)
+    with pytest.raises(ConfigError, match="holds a comma"):
+        AsyncClient("127.0.0.1:1,127.0.0.1:2")
+
+
+def test_under_asyncio_it_says_it_runs_under_trio() -> None:
+    import asyncio
+
+    async def main() -> None:
+        async with AsyncClient("127.0.0.1:1"):
+            pass
+
+    with pytest.raises(ConfigError, match="AsyncClient runs under Trio"):
+        asyncio.run(main())

@@ -38,6 +38,15 @@ def check_latency(result: dict) -> None:
     assert lat["max"] < result["seconds"] * 1e6 + 1  # nothing arrived before it was sent
 
 
+def test_start_with_blipmq_addr_set_uses_its_own_broker() -> None:
+    """BLIPMQ_ADDR is the default of --addr, not an --addr given: --start still works."""
+    env = {**os.environ, "BLIPMQ_ADDR": "127.0.0.1:1"}  # nobody there: it must not be used
+    result = report(bench("--start", "--json", "-n", "200", "-p", "1", "-s", "1", env=env))
+    assert result["broker"] == "started" and result["lost"] == 0
+    done = bench("--start", "--addr", "127.0.0.1:1", "-n", "200", env=env)
+    assert done.returncode == 2 and b"not both" in done.stderr
+
+
 def test_qos1_started_broker_every_message_confirmed_and_delivered_to_each() -> None:
     result = report(bench("--start", "--json", "-n", "2000", "-p", "2", "-s", "2", "--qos", "1",
                           "--size", "200", "--batch", "100"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -628,3 +629,64 @@ def test_sub_closed_by_the_broker_for_silence_exits_unreachable() -> None:
         res, _ = _run("sub", "t", "--addr", peer.addr)
     assert res.returncode == Exit.UNREACHABLE
     assert res.stderr.decode() == "blipmq: no answer to keepalive PING\n"
+
+
+def test_stats_watch_into_a_pipe_prints_each_refresh_and_ends_with_its_reader(
+        start_broker) -> None:
+    """Not a terminal: one table per refresh, written at once; `| head -1` ends it, exit 0."""
+    b = start_broker()
+    watch = b.spawn("stats", "--watch", "--interval", "0.1")
+    assert watch.stdout is not None
+    try:
+        out = b""
+        deadline = time.monotonic() + 20
+        while out.count(b"\nbroker ") < 2:  # two refreshes, each a table
+            left = deadline - time.monotonic()
+            assert left > 0 and select.select([watch.stdout], [], [], left)[0], out
+            chunk = os.read(watch.stdout.fileno(), 1 << 16)
+            assert chunk, "stats --watch ended"
+            out += chunk
+        assert out.startswith(b"broker ")
+    finally:
+        watch.kill()
+        watch.wait()
+    res = b.shell("timeout 15 blipmq stats --watch --interval 0.1 | head -1", timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(b"broker ") and res.stdout.count(b"\n") == 1
+    assert res.stderr == b""
+
+
+@pytest.mark.parametrize(("command", "error"), [
+    ("blipmq --help > /dev/full", "No space left on device"),
+    ("blipmq pub --help > /dev/full", "No space left on device"),
+    ("blipmq --help >&-", "stdout is closed"),
+    ("blipmq sub out/t --from earliest -C 1 >&-", "stdout is closed"),
+    ("blipmq stats --json >&-", "stdout is closed"),
+    ("blipmq version >&-", "stdout is closed"),
+])
+def test_an_unwritable_stdout_is_one_line_and_exit_2(start_broker, command: str,
+                                                      error: str) -> None:
+    b = start_broker()
+    assert b.cli("pub", "out/t", "x").returncode == 0
+    res = b.shell(command, timeout=30)
+    assert res.returncode == Exit.USAGE, res.stderr
+    assert res.stderr.decode() == f"blipmq: {error}\n"
+
+
+def test_ctrl_c_during_qos1_lines_says_how_many_were_confirmed(start_broker) -> None:
+    b = start_broker()
+    with Client(b.addr) as watcher:
+        sub = watcher.subscribe("int/t")
+        pub = b.spawn("pub", "int/t", "-l", "-q", "1")
+        assert pub.stdin is not None
+        pub.stdin.write(b"".join(b"%d\n" % i for i in range(1000)))
+        pub.stdin.flush()  # and left open: more could come
+        got = 0
+        while got < 1000:  # bounded: each wait raises after 10 s
+            got += len(sub.next_batch(timeout=10) or ())
+    pub.send_signal(signal.SIGINT)
+    _, err = pub.communicate(timeout=10)
+    assert pub.returncode == Exit.INTERRUPTED
+    text = err.decode()
+    assert text.startswith("blipmq: interrupted; ") and text.endswith(
+        " of 1000 messages confirmed\n") and text.count("\n") == 1, text
