@@ -21,8 +21,9 @@ The ``mqtt`` workloads put BlipMQ's MQTT listener beside mosquitto, both driven 
 MQTT clients: `mosquitto_pub -l` -> `mosquitto_sub` at QoS 0 (and `mosquitto_pub -q 1 -l` for
 confirmed QoS 1, BlipMQ at wal.fsync = always), paho-mqtt 1 -> 1, 1 -> 4 and latency at
 2,000 msg/s (drive.py's paho workers), 1,000 idle connections held by bench/mqttload.py, and,
-BlipMQ only, 10,000 persistent sessions restored by a restart. Writes results.csv,
-results.json, summary.md and PNG charts to --out.
+BlipMQ only, 10,000 persistent sessions restored by a restart. ``--workloads mqtt-latency``
+runs the MQTT latency rounds alone (BlipMQ's MQTT listener and mosquitto, paho at 2,000
+msg/s). Writes results.csv, results.json, summary.md and PNG charts to --out.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ CLIENT_NAME = {"blipmq": "blipmq client", "paho": "paho-mqtt", "nats": "nats-py"
 SIZES = {"full": {100: 100_000, 4096: 25_000, 65536: 3_000},
          "quick": {100: 3_000, 4096: 1_000, 65536: 200}}
 WORKLOADS = ("throughput", "latency", "durable", "pipe", "curve", "mqtt", "clients")
+# run only when named: the MQTT latency rounds alone (the "mqtt" workloads include them)
+EXTRA_WORKLOADS = ("mqtt-latency",)
 
 
 def find(exe: str) -> str | None:
@@ -1046,7 +1049,8 @@ def main() -> None:
     args = ap.parse_args()
     kinds = [k for k in args.brokers.split(",") if k]
     workloads = set(args.workloads.split(","))
-    bad = [k for k in kinds if k not in CLIENT] + [w for w in workloads if w not in WORKLOADS]
+    bad = [k for k in kinds if k not in CLIENT]
+    bad += [w for w in workloads if w not in WORKLOADS + EXTRA_WORKLOADS]
     bad += [s for s in args.sizes.split(",") if not s.isdigit() or int(s) not in SIZES["full"]]
     if bad:
         raise SystemExit(f"compare.py: unknown broker or workload: {', '.join(bad)}")
@@ -1127,6 +1131,11 @@ def main() -> None:
             print("mqtt (BlipMQ's MQTT listener and mosquitto, the same clients):",
                   file=sys.stderr)
             mqtt(kinds, work, args.quick, rows, repeat, skipped)
+        elif "mqtt-latency" in workloads and any(k in MQTT_KINDS for k in kinds):
+            print("mqtt latency, in rounds:", file=sys.stderr)
+            latency([k for k in MQTT_KINDS if k in kinds],
+                    MQTT["quick" if args.quick else "full"]["latency"], work, rows, repeat, {},
+                    skipped, workload="mqtt latency 2000 msg/s", mqtt=True)
         if "clients" in workloads:
             print("clients (bench/clientbench.py):", file=sys.stderr)
             clients(work, args.quick, rows, skipped)
