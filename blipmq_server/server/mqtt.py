@@ -196,11 +196,13 @@ class MqttSession(Session):
                 elif cursor and offset:  # a cursor's delivery sent at QoS 0: done at once
                     acks.setdefault(sub_id, []).append(offset)
                 # DUP: sent before on this connection or an earlier one, or maybe before the
-                # broker restarted (a message the restored session's cursor held then)
+                # broker restarted (a message the restored session's cursor held then; not a
+                # retained value sent for a new subscription)
+                retained = bool(dflags & DELIVERED_RETAINED)
                 parts.append(_encode_publish(
-                    rec[_BODY:_BODY + tlen], rec[at:at + plen], qos,
-                    bool(dflags & DELIVERED_RETAINED),
-                    qos > 0 and (count > 1 or offset < self.sent_before), pid))
+                    rec[_BODY:_BODY + tlen], rec[at:at + plen], qos, retained,
+                    qos > 0 and (count > 1 or (offset < self.sent_before and not retained)),
+                    pid))
         if acks:
             wall = int(_time() * 1000)
             for sub_id, offsets in acks.items():
