@@ -271,6 +271,93 @@ def test_a_retry_after_pubrec_is_a_pubrel_not_the_publish(start_broker) -> None:
     _nothing_more(raw)
 
 
+def test_overlapping_subscriptions_copies_keep_their_own_packet_ids(start_broker) -> None:
+    """One client, a plain and a shared subscription both matching, QoS 2: each copy has a
+    packet id of its own, kept through retries (PUBREL once PUBRECed, never the PUBLISH
+    again) and, for a persistent session, through a SIGKILL and restart of the broker."""
+    b = start_broker(FAST_RETRY)
+    pub = Paho(b.mqtt_port, "ov-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("ov-1", clean=False) == ConnAck(False, 0)
+    raw.send(Subscribe(1, (("ov/#", 2), ("$share/g/ov/#", 2))))
+    assert raw.expect(SubAck) == SubAck(1, (2, 2))
+    for i in range(3):
+        pub.publish("ov/t", f"m{i}", 2)
+    first = _publishes(raw, 6)
+    ids: dict[bytes, set[int]] = {}
+    for m in first:
+        ids.setdefault(m.payload, set()).add(m.packet_id)
+    assert [len(v) for v in ids.values()] == [2, 2, 2], ids
+    # the retry: every copy again under its own id
+    again = _publishes(raw, 6)
+    assert {m.packet_id for m in again} == {m.packet_id for m in first}
+    assert all(m.packet_id in ids[m.payload] and m.dup for m in again)
+    raw.close()
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    b = start_broker(FAST_RETRY, data_dir=b.data_dir)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("ov-1", clean=False) == ConnAck(True, 0)
+    after = _publishes(raw, 6)
+    assert all(m.packet_id in ids[m.payload] and m.dup for m in after), (ids, after)
+    _complete(raw, {m.packet_id for m in after}, answers=1)
+
+
+def test_overlapping_copies_of_a_clean_session_are_pubreled_on_retry(start_broker) -> None:
+    """The same in a clean session, whose cursors move on at PUBCOMP: once PUBRECed, each
+    copy's retries are PUBRELs under its own id, never the PUBLISH again (MQTT-4.3.3)."""
+    b = start_broker(FAST_RETRY)
+    pub = Paho(b.mqtt_port, "ovc-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("ovc-1", clean=True) == ConnAck(False, 0)
+    raw.send(Subscribe(1, (("ovc/#", 2), ("$share/g/ovc/#", 2))))
+    assert raw.expect(SubAck) == SubAck(1, (2, 2))
+    for i in range(3):
+        pub.publish("ovc/t", f"m{i}", 2)
+    first = _publishes(raw, 6)
+    assert len({m.packet_id for m in first}) == 6
+    _complete(raw, {m.packet_id for m in first}, answers=2)
+
+
+def _complete(raw: Raw, owed: set[int], answers: int) -> None:
+    """PUBREC each of ``owed``; expect ``answers`` PUBRELs for each (the answer, then
+    retries), a PUBLISH retry only if it crossed our PUBREC; then PUBCOMP them all."""
+    for pid in owed:
+        raw.send(PubRec(pid))
+    rels: dict[int, int] = {}
+    while sum(min(n, answers) for n in rels.values()) < answers * len(owed):
+        got = raw.recv()
+        if isinstance(got, PubRel):
+            assert got.packet_id in owed, got
+            rels[got.packet_id] = rels.get(got.packet_id, 0) + 1
+        else:
+            assert isinstance(got, Publish) and got.packet_id in owed and got.dup, got
+            assert got.packet_id not in rels, f"PUBLISH again after its PUBREL: {got}"
+    for pid in owed:
+        raw.send(PubComp(pid))
+    _nothing_more(raw)
+
+
+def test_a_dead_lettered_delivery_frees_its_packet_id(start_broker) -> None:
+    """A delivery the broker gave up on (delivery.max_retries, then the dead letters) is
+    no longer counted in flight, and its packet id is free again."""
+    b = start_broker({**MQTT, "delivery": {"retry_backoff_ms": 200,
+                                           "retry_backoff_max_ms": 200, "max_retries": 2}})
+    dead = Paho(b.mqtt_port, "dl-watch")
+    assert dead.subscribe(("$dlq/#", 0)) == [0]
+    pub = Paho(b.mqtt_port, "dl-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("dl-1") == ConnAck(False, 0)
+    _subscribe(raw, "dl/t", 1)
+    for i in range(3):
+        pub.publish("dl/t", f"m{i}", 1)
+    _publishes(raw, 6)  # each sent twice, never PUBACKed
+    assert len(dead.take(3)) == 3
+    deadline = time.monotonic() + 5
+    while b.metric("blipmq_mqtt_inflight") != 0:
+        assert time.monotonic() < deadline, b.metric("blipmq_mqtt_inflight")
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_qos2_through_mosquitto_clients_across_a_sigkill_is_exactly_once(start_broker) -> None:
     """mosquitto_pub -q 2 -l into a persistent mosquitto_sub -q 2, the broker SIGKILLed

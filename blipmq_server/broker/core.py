@@ -608,6 +608,15 @@ class Broker:
             return None
         return consumer, consumer.queue
 
+    def in_flight(self, conn: int, sub_id: int, offset: int) -> bool:
+        """Whether the delivery at ``offset`` is in flight to this conn's subscription (not
+        acked, not given up on, the subscription not ended)."""
+        found = self._cursor_of(conn, sub_id)
+        if found is None:
+            return False
+        flight = found[1].inflight.get(offset)
+        return flight is not None and flight.sub_id == sub_id
+
     def ack(self, conn: int, sub_id: int, offsets: tuple[int, ...], timestamp_ms: int) -> bool:
         """A QoS 1 consumer acked deliveries; True when that freed room in its window.
         Acks of QoS 0 deliveries, and of ids this conn does not hold, are ignored."""

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import struct
+import zlib
 from typing import TYPE_CHECKING
 
 import trio
@@ -116,6 +117,7 @@ class MqttSession(Session):
         self._shared: set[int] = set()  # sub ids of $share/ subscriptions
         self._cursors: set[int] = set()  # sub ids that read the log (not a live queue)
         self._names: dict[str, bytes] = {}  # topics published to and found fine, as UTF-8
+        self._salts: dict[int, int] = {}  # sub id -> where its packet ids start (``_pid_for``)
         self._batch_key = 0  # the last ``confirming`` key of a batch's PUBACKs
 
     # ------------------------------------------------------------- the base class's hooks
@@ -154,6 +156,8 @@ class MqttSession(Session):
         return False  # MQTT 3.1.1 has nothing to say on the way out
 
     def idle_check(self, now: float, idle: float) -> None:
+        if self.inflight or self.released:
+            self._forget_given_up()
         if self.keepalive and now - self.heard_at >= 1.5 * self.keepalive:
             log.info("MQTT client %r silent for 1.5 x its keepalive (%g s): closing",
                      self.client_id, self.keepalive)
@@ -232,28 +236,44 @@ class MqttSession(Session):
         """The packet id of a QoS 1 or 2 delivery. Each time the same message goes to this
         client (a retry, a reconnect, a restart of the broker, which forgets what was in
         flight) it gets the same id, so the client knows it again (MQTT-4.4.0-1): the id
-        follows from the log offset, or, when another message in flight holds that one,
-        the next free id after it (``count``: the delivery count, more than 1 when it was
-        sent before in this run)."""
+        follows from the log offset and the subscription's filter, or, when another message
+        in flight holds that one, the next free id after it (``count``: the delivery count,
+        more than 1 when it was sent before in this run)."""
         if not offset:  # not from the log: nothing to send again
             return self._pid()
         inflight = self.inflight
-        pid = offset % 65535 + 1
+        released = self.released
+        pid = (offset + self._salts.get(sub_id, 0)) % 65535 + 1
         entry = inflight.get(pid)
         if entry is not None and entry[0] == sub_id and entry[1] == offset:
+            return pid
+        if released.get(pid) == (sub_id, offset):
             return pid
         if count > 1:  # sent before in this run: perhaps moved on by a collision then
             for other, held in inflight.items():
                 if held[1] == offset and held[0] == sub_id:
                     return other
-        released = self.released
-        if released.get(pid) == (sub_id, offset):
-            return pid
+            for other, done in released.items():  # PUBREC had: its PUBREL goes again
+                if done == (sub_id, offset):
+                    return other
         for _ in range(65535):
             if pid not in inflight and pid not in released:
                 return pid
             pid = pid % 65535 + 1
         raise RuntimeError("no free packet id")  # pragma: no cover - at most 65535 in flight
+
+    def _forget_given_up(self) -> None:
+        """Deliveries the core no longer holds for this client (dead-lettered after
+        ``delivery.max_retries``, or their subscription ended) free their packet ids; the
+        watchdog has this looked at every second. (A persistent session's ids owed a
+        PUBCOMP, whose cursor moved on at PUBREC, stay: their PUBREL is still owed.)"""
+        held = self.broker.in_flight
+        conn = self.conn_id
+        for table in (self.inflight, self.released):
+            gone = [pid for pid, entry in table.items()
+                    if entry[1] and not held(conn, entry[0], entry[1])]
+            for pid in gone:
+                del table[pid]
 
     def _pid(self) -> int:
         pid = self._next_pid
@@ -661,6 +681,10 @@ class MqttSession(Session):
             self._shared.add(result.sub_id)
         if cursor:
             self._cursors.add(result.sub_id)
+        # its deliveries' packet ids start from the offset moved on by this, the same for
+        # the filter after a reconnect or a restart: overlapping subscriptions' copies of
+        # one message then take ids of their own
+        self._salts[result.sub_id] = zlib.crc32(topic_filter.encode("utf-8"))
         return qos, result.ready
 
     def _unsubscribe(self, packet: Unsubscribe) -> None:
