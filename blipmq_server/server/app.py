@@ -749,7 +749,12 @@ class Server:
                     self.slow_consumer(session, f"its socket took nothing for "
                                        f"{write_timeout:g} s (server.write_timeout_ms)")
                 elif session.authenticated and not (session.closing or session.paused):
-                    session.idle_check(now, idle)
+                    try:
+                        session.idle_check(now, idle)
+                    except Exception:  # a defect there costs that connection, not the broker
+                        log.exception("connection %d: its idle check failed: closing it",
+                                      session.conn_id)
+                        session.abort(CloseReason.PROTOCOL_ERROR)
 
     async def _session_expiry_loop(self) -> None:
         """Persistent MQTT sessions offline for ``mqtt.session_expiry_ms`` are deleted."""
