@@ -66,6 +66,8 @@ def test_prefixes_map_topics_both_ways() -> None:
      "cert_file and key_file go together"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "backoff_min_ms": 5000,
       "backoff_max_ms": 10}, "backoff_min_ms is larger"),
+    ({"name": "a", "addresses": ["::1:1883"], "topics": ["x"]}, "bracketed IPv6"),
+    ({"name": "a", "addresses": ["1.2.3.999:1883"], "topics": ["x"]}, "bad address"),
     ({"name": "a", "addresses": ["h:1"], "protocol": "blipmq",
       "topics": ["cmd/# in 1 '' site/", "# out 1 '' site/"]}, "meet on the upstream"),
     ({"name": "a", "addresses": ["h:1"], "protocol": "blipmq", "client_id": "bridge.a",

@@ -116,3 +116,29 @@ def test_a_native_in_message_on_a_local_topic_too_long_is_refused_and_acked(
     (group,) = json.loads(groups.stdout)["groups"]
     assert (group["group"], group["backlog"], group["in_flight"]) == (
         "blipmq-bridge-cloud", 0, 0), group
+
+
+def test_a_backlog_waiting_upstream_comes_in_once_without_a_stall(start_broker,
+                                                                 tmp_path: Path) -> None:
+    """What the upstream's group held while the link was down comes in at once, each
+    message once: deliveries that arrive with the SUBSCRIBED reply are stored, not left
+    until the upstream sends them again (after its retry backoff, a second copy)."""
+    port = free_port()
+    up = start_broker({"server": {"port": port}}, data_dir=tmp_path / "up")
+    with FaultProxy(("127.0.0.1", port)) as proxy:
+        bp = start_broker({"bridge": [bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
+                                                   ["cmd/# in 1 '' site1/"],
+                                                   protocol="blipmq", keepalive_s=60,
+                                                   backoff_max_ms=300)]})
+        # keepalive 60 s: no PING's answer wakes the reader soon after the connect, which
+        # would hide deliveries left unread since the SUBSCRIBED reply
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        proxy.refuse()
+        wait_status(bp, "cloud", lambda b: not b["connected"])
+        _publish_up(up, 0, 500)
+        proxy.restore()
+        # within the upstream's retry backoff (delivery.retry_backoff_ms, 5 s)
+        st = wait_status(bp, "cloud", lambda b: b["received"] >= 500, timeout=4)
+        assert st["received"] == 500, st
+        got = bp.cli("sub", "cmd/#", "--from", "earliest", "-W", "1")
+        assert len(got.stdout.splitlines()) == 500

@@ -52,6 +52,28 @@ def test_out_qos2_reaches_mosquitto_exactly_once(start_broker) -> None:
         assert final["unexpected_acks"] == 0 and final["redelivered"] == 0, final
 
 
+def test_the_window_covers_every_out_rule(start_broker) -> None:
+    """Four out rules (QoS 2 and 1) with a backlog each, the default window of 20: never
+    more than 20 unacknowledged in all, so mosquitto (which drops what comes past its
+    max_inflight_messages of 20, acknowledging it with reason 0x97, which a 3.1.1 client
+    reads as a success) gets every message."""
+    total = 400
+    rules = ["sensors/t0 out 2 '' site1/", "sensors/t1 out 2 '' site1/",
+             "sensors/t2 out 1 '' site1/", "sensors/t3 out 1 '' site1/"]
+    with Mosquitto(extra=_UNLIMITED) as up, FaultProxy(up.address) as proxy, \
+            QosCollector(up.port, "site1/#", qos=2) as seen:
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{proxy.port}"], rules)]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        proxy.refuse()
+        wait_status(bp, "cloud", lambda b: not b["connected"])
+        publish_numbers(bp, 0, total)  # a backlog on every rule
+        proxy.restore()
+        assert seen.wait_distinct(total, 30), seen.tally(total)
+        result = seen.tally(total)
+        assert result.complete, result.missing[:20]
+
+
 @pytest.mark.slow
 def test_out_qos2_through_cuts_and_blackholes_no_loss_no_duplicates(start_broker) -> None:
     """Within one run the upstream session outlives each link: what had its PUBREC gets

@@ -167,25 +167,38 @@ _KNOWN = ("name", "addresses", "topics", "alpn", *_INTS, *_STRS, *_BOOLS)
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep:
+    if not sep or text.endswith("]"):  # no port: HOST, or [IPv6]
         host, port = text, str(default_port)
     bracketed = host.startswith("[") and host.endswith("]")
     host = host[1:-1] if bracketed else host
     if (not host or not port.isdigit() or not 0 < int(port) < 65536
-            or not (_ipv6(host) if bracketed or ":" in host else _host_name(host))):
-        raise ValueError(f"bad address {text!r} (HOST:PORT, HOST a name or an IP address)")
+            or not (_ipv6(host) if bracketed else _host_name(host))):
+        raise ValueError(f"bad address {text!r} (HOST:PORT, HOST a name, an IPv4 address or "
+                         "a bracketed IPv6 one: [::1]:1883)")
     return host, int(port)
 
 
 def _host_name(host: str) -> bool:
     """A DNS name (labels of 1-63 letters, digits, hyphens or non-ASCII letters, as IDNA
-    encodes them) or an IPv4 address."""
+    encodes them, the last one not all digits) or an IPv4 address."""
+    if _NUMERIC.fullmatch(host):
+        return _ipv4(host)
     try:
         ascii_name = host.encode("idna").decode("ascii")
     except UnicodeError:
         return False
     labels = ascii_name.rstrip(".").split(".")
     return len(ascii_name) <= 253 and all(_LABEL.fullmatch(label) for label in labels)
+
+
+def _ipv4(host: str) -> bool:
+    import ipaddress  # here: the broker defers it (deferred.py)
+
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _ipv6(host: str) -> bool:
@@ -198,6 +211,7 @@ def _ipv6(host: str) -> bool:
     return True
 
 
+_NUMERIC = re.compile(r"[0-9.]+|.*\.[0-9]+\.?")  # dotted numbers, or a numeric last label
 _LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 

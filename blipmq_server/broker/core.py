@@ -91,6 +91,7 @@ class Broker:
         # the groups of the configured bridges (``bridge.<name>``): nobody deletes these;
         # one whose bridge is gone from the configuration may be deleted like any group
         self.bridged: frozenset[str] = frozenset()
+        self._turn = 0  # which consumer goes first in a ``deliver`` with a shared ``total``
 
     # ----------------------------------------------------------------------------- publish
 
@@ -679,17 +680,28 @@ class Broker:
 
     def deliver(
         self, conn: int, max_batch: int, max_batch_bytes: int, now_ms: int, wall_ms: int,
-        qos0_only: bool = False,
+        qos0_only: bool = False, total: int = 0,
     ) -> Deliveries:
         """One batch per subscription of this connection that has something (QoS 0 ones only
-        when ``qos0_only``: a closing connection takes no QoS 1 delivery it could not ack)."""
+        when ``qos0_only``: a closing connection takes no QoS 1 delivery it could not ack).
+        ``total``: at most this many deliveries over all the batches (0: ``max_batch`` for
+        each; a bridge's window covers all its rules)."""
         batches = []
         released = []
         behind = False
         unmark = self.registry.unmark
-        for consumer in self.registry.candidates(conn):
+        left = total
+        candidates = self.registry.candidates(conn)
+        if total and len(candidates) > 1:  # a shared window: each its turn to go first
+            self._turn = turn = (self._turn + 1) % len(candidates)
+            candidates = candidates[turn:] + candidates[:turn]
+        for consumer in candidates:
             if qos0_only and consumer.qos:
                 continue
+            if total:
+                if left <= 0:
+                    break
+                max_batch = min(max_batch, left)
             queue = consumer.queue
             if consumer.until is None and not isinstance(queue, DurableGroup):
                 # the usual: a live queue's consumer (the general way below, made short)
@@ -697,6 +709,7 @@ class Broker:
                     records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
                     if records:
                         batches.append((consumer.sub_id, records))
+                        left -= len(records)
                     released.append(queue.id)
                     if queue.items:
                         continue
@@ -714,6 +727,7 @@ class Broker:
                 records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
             if records:
                 batches.append((consumer.sub_id, records))
+                left -= len(records)
             if consumer.until is not None and self._at_end(consumer):
                 consumer.until = None
                 batches.append((consumer.sub_id, []))  # the end mark

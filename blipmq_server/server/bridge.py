@@ -797,8 +797,10 @@ class _Link:
             parts = self.outbox
             self.outbox = []
             if room > 0 and bridge.rules_by_sub:
+                # ``total``: the window covers every out rule, not each (an upstream drops
+                # what comes past its own limit, acknowledged or not)
                 taken = broker.deliver(conn, room, _MAX_BATCH_BYTES, int(now * 1000),
-                                       wall_ms())
+                                       wall_ms(), total=room)
                 if taken.batches:
                     sent = self._encode(taken.batches, parts, now)
                     if rate:

@@ -98,6 +98,8 @@ class NativeLink(_Link):
         conn = self.conn
         if self._refusal:  # once the link is up (which clears the last error)
             self.bridge.last_error = self._refusal
+        if self.in_subs:  # deliveries that came with the SUBSCRIBED replies
+            self._take_in()
         while True:
             data = await self._receive()
             conn.receive_data(data, self.heard_at)  # RemoteProtocolError ends the link
