@@ -501,8 +501,15 @@ class Client:
 
     def check(self) -> None:
         """Read whatever the broker sent without waiting and answer its PINGs; raise why the
-        connection closed, or the first refusal."""
+        connection closed, or the first refusal. Keeps the keepalive going too: a broker
+        silent for 2 x ``timeout`` is a lost connection (reconnected when that is on)."""
         self._send_out()
+        conn = self._conn
+        conn.tick(time.monotonic(), self.timeout)
+        if conn.closed is not None:
+            self._raise_closed()
+        elif conn.outgoing:
+            self._write(conn.data_to_send())  # the keepalive PING
         refusal = self._conn.refusal()
         if refusal is not None:
             raise BrokerError(refusal.code, refusal.text)
@@ -696,33 +703,54 @@ class Client:
         """Receive until ``ready()`` returns a value; raise why the connection closed.
 
         ``timeout`` None means no deadline, only with ``keepalive``: the connection's
-        keepalive then decides when the broker has been silent for too long.
+        keepalive then decides when the broker has been silent for too long. With
+        reconnects on, a wait with a deadline keeps the keepalive going too: past the
+        deadline with the broker silent since the wait began, a PING asks, and if that goes
+        unanswered the keepalive decides (a dead link: a lost connection, dialled again),
+        not the deadline; a broker that answers it but not the request is slow
+        (TimeoutError). The deadline starts again after a reconnect (the request was
+        handed to the new connection).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        began = time.monotonic()
+        deadline = None if timeout is None else began + timeout
+        current = self._conn
         while True:  # each pass receives, or moves towards the deadline or the keepalive
             result = ready()
             if result is not None:
                 return result
             conn = self._conn
+            if conn is not current:  # reconnected (a read or write found the link lost)
+                current = conn
+                began = time.monotonic()
+                if deadline is not None:
+                    deadline = began + timeout  # type: ignore[operator]
             if conn.closed is not None:
                 self._raise_closed()  # or reconnects, and the next pass asks again
                 continue
             now = time.monotonic()
             wait = self.timeout
-            if keepalive:
+            # with reconnects on, a reply's wait keeps the keepalive going too: a dead link
+            # is then a lost connection, dialled again, not a TimeoutError for ever after
+            alive = keepalive or self.reconnect is not None
+            if alive:
                 wait = conn.tick(now, self.timeout)
                 if conn.closed is not None:
-                    self._raise_closed()
+                    continue  # silent for too long: lost (the next pass raises or reconnects)
                 if conn.outgoing:
                     self._write(conn.data_to_send())  # the keepalive PING
             if deadline is not None:
                 left = deadline - now
-                if left <= 0:
+                if left <= 0 and alive and not conn.probing and not conn.heard_since(began):
+                    conn.probe(now)  # silent since we asked: a dead link, or a slow broker?
+                    if conn.outgoing:
+                        self._write(conn.data_to_send())
+                if left <= 0 and not (alive and conn.probing):
                     raise TimeoutError(
                         f"timed out after {timeout:g} s waiting for {what} from the broker "
                         f"at {self.addr}"
                     )
-                wait = min(wait, left)
+                if left > 0:
+                    wait = min(wait, left)
             self._receive(wait)
 
     def _receive(self, wait: float) -> None:

@@ -165,13 +165,14 @@ def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
     """Complete lines as they arrive (a read returns what is there, so `tail -f` streams).
 
     While stdin is quiet the client still reads its socket: it answers the broker's PINGs
-    (a broker closes connections that do not) and reports a refusal or a closed link.
+    (a broker closes connections that do not) and reports a refusal or a closed link, and
+    its keepalive finds a silent link (``Client.check``).
     """
     fd = stream.fileno()
     rest = b""
     while True:
-        while fd not in select.select([fd, client.sock], [], [])[0]:
-            client.check()  # only the socket is readable: take what came, answer PINGs
+        while fd not in select.select([fd, client.sock], [], [], client.timeout)[0]:
+            client.check()  # the socket, or stdin quiet for `timeout`: answer PINGs, keep alive
         chunk = os.read(fd, _READ)
         if not chunk:
             if rest:
@@ -206,6 +207,11 @@ def _pub_lines(
         if isinstance(exc, BrokerError):
             raise BrokerError(exc.code, f"{exc.text}; {note}") from None
         raise ConnectError(f"{exc}; {note}") from None
+    except TimeoutError as exc:  # the broker slow to confirm: how far we got, as above
+        if not qos:
+            raise
+        raise TimeoutError(f"{exc}; {client.confirmed} of {client.qos1_sent} messages "
+                           "confirmed") from None
     except KeyboardInterrupt:
         if qos:  # still exit 130, but say how far we got, as above
             say(f"interrupted; {client.confirmed} of {client.qos1_sent} messages confirmed")

@@ -236,3 +236,54 @@ async def test_a_deleted_group_is_not_brought_back_by_a_reconnect(start_broker) 
             assert groups == {"kept"} and kept.sub_id
     finally:
         sync.close()
+
+
+def _read_back(addr: str, topic: str) -> list[bytes]:
+    with Client(addr) as c:
+        sub = c.subscribe(topic, start=Start.EARLIEST, until_end=True)
+        return [d.payload for d in sub]
+
+
+def test_the_sync_client_notices_a_silent_link_and_reconnects(start_broker) -> None:
+    """A QoS 1 publish whose link went silent (no FIN, no RST: a lost NAT entry) does not
+    time out for ever: the keepalive finds the broker silent within 2 x timeout, the
+    client reconnects once the network is back, and the publish returns, its message in
+    the log."""
+    from tests.faultproxy import FaultProxy
+
+    b = start_broker()
+    events: list[str] = []
+    with FaultProxy(("127.0.0.1", b.port)) as proxy:
+        c = Client(f"127.0.0.1:{proxy.port}", timeout=1, reconnect=fast(),
+                   on_disconnect=lambda e: events.append(f"down: {e}"),
+                   on_reconnect=lambda a: events.append("up"))
+        c.publish("silent/t", b"0", qos=1)
+        proxy.blackhole()
+        threading.Timer(3.0, proxy.restore).start()
+        started = time.monotonic()
+        c.publish("silent/t", b"1", qos=1)  # returns once stored, across the reconnect
+        took = time.monotonic() - started
+        c.close()
+    assert 3.0 <= took < 10, took
+    assert events[0].startswith("down: ") and "no answer" in events[0], events
+    assert events[-1] == "up", events
+    assert _read_back(b.addr, "silent/t") == [b"0", b"1"]
+
+
+def test_a_sync_publish_waiting_for_its_ack_returns_after_the_reconnect(start_broker) -> None:
+    """The reply's deadline starts again after a reconnect: the message was handed to the
+    new connection and confirmed there, so the publish returns (no TimeoutError that would
+    have the caller send it again)."""
+    from tests.faultproxy import FaultProxy
+
+    b = start_broker()
+    with FaultProxy(("127.0.0.1", b.port)) as proxy:
+        c = Client(f"127.0.0.1:{proxy.port}", timeout=2, reconnect=fast())
+        c.publish("again/t", b"0", qos=1)
+        proxy.blackhole()
+        threading.Timer(0.5, proxy.refuse).start()
+        threading.Timer(3.5, proxy.restore).start()
+        c.publish("again/t", b"1", qos=1)
+        assert c.reconnects == 1 and c.resent == 1
+        c.close()
+    assert _read_back(b.addr, "again/t") == [b"0", b"1"]

@@ -690,3 +690,32 @@ def test_ctrl_c_during_qos1_lines_says_how_many_were_confirmed(start_broker) -> 
     text = err.decode()
     assert text.startswith("blipmq: interrupted; ") and text.endswith(
         " of 1000 messages confirmed\n") and text.count("\n") == 1, text
+
+
+def test_pub_lines_notices_a_silent_link_and_says_how_far_it_got(start_broker) -> None:
+    """`pub -q 1 -l` whose link goes silent (no FIN, no RST) while stdin is quiet: the
+    keepalive finds it within 2 x BLIPMQ_TIMEOUT, and it exits 3 saying how many lines
+    were confirmed, instead of waiting for ever for stdin or the broker."""
+    from tests.faultproxy import FaultProxy
+
+    b = start_broker()
+    with FaultProxy(("127.0.0.1", b.port)) as proxy:
+        env = {**os.environ, "BLIPMQ_TIMEOUT": "1"}
+        proc = subprocess.Popen([BLIPMQ, "pub", "silent/t", "-q", "1", "-l", "--addr",
+                                 f"127.0.0.1:{proxy.port}"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert proc.stdin is not None
+        proc.stdin.write(b"one\ntwo\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 10
+        while b.metric("blipmq_messages_published_total") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proxy.blackhole()
+        try:
+            assert proc.wait(10) == 3
+        finally:
+            proc.kill()
+            proc.stdin.close()
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        assert "no answer from the broker" in err and "2 of 2 messages confirmed" in err, err

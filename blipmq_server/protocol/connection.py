@@ -774,6 +774,24 @@ class ClientConnection:
 
     # -------------------------------------------------------------------------- keepalive
 
+    @property
+    def probing(self) -> bool:
+        """A keepalive PING is out with nothing heard from the broker since (``tick``)."""
+        return self._probe is not None
+
+    def heard_since(self, when: float) -> bool:
+        """Whether anything came from the broker at ``when`` or later."""
+        return self._heard is not None and self._heard >= when
+
+    def probe(self, now: float) -> None:
+        """Queue the keepalive PING now, unless one is out: ``tick`` then closes the
+        connection as SILENT when nothing comes within its interval."""
+        if self._probe is None and self.state is State.READY:
+            self._probe = now
+            rid = self._next_rid()
+            self._pending[rid] = _Request(codec.Pong, keep=False)
+            self._queue(codec.encode(codec.Ping(b"", rid)))
+
     def tick(self, now: float, interval: float) -> float:
         """Keepalive, for a caller waiting on the broker: after ``interval`` seconds with
         nothing from the broker, queue a PING; if nothing at all comes for another
