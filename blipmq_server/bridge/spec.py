@@ -172,7 +172,7 @@ def parse_address(text: str, default_port: int) -> tuple[str, int]:
     bracketed = host.startswith("[") and host.endswith("]")
     host = host[1:-1] if bracketed else host
     if (not host or not port.isdigit() or not 0 < int(port) < 65536
-            or not (_ipv6(host) if bracketed else _host_name(host))):
+            or not (_ip(host, 6) if bracketed else _host_name(host))):
         raise ValueError(f"bad address {text!r} (HOST:PORT, HOST a name, an IPv4 address or "
                          "a bracketed IPv6 one: [::1]:1883)")
     return host, int(port)
@@ -182,7 +182,7 @@ def _host_name(host: str) -> bool:
     """A DNS name (labels of 1-63 letters, digits, hyphens or non-ASCII letters, as IDNA
     encodes them, the last one not all digits) or an IPv4 address."""
     if _NUMERIC.fullmatch(host):
-        return _ipv4(host)
+        return _ip(host, 4)
     try:
         ascii_name = host.encode("idna").decode("ascii")
     except UnicodeError:
@@ -191,24 +191,15 @@ def _host_name(host: str) -> bool:
     return len(ascii_name) <= 253 and all(_LABEL.fullmatch(label) for label in labels)
 
 
-def _ipv4(host: str) -> bool:
+def _ip(host: str, version: int) -> bool:
+    """Whether ``host`` is an IP address of that version (4 or 6)."""
     import ipaddress  # here: the broker defers it (deferred.py)
 
     try:
-        ipaddress.IPv4Address(host)
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
-    return True
-
-
-def _ipv6(host: str) -> bool:
-    import ipaddress  # here: the broker defers it (deferred.py)
-
-    try:
-        ipaddress.IPv6Address(host)
-    except ValueError:
-        return False
-    return True
+    return address.version == version
 
 
 _NUMERIC = re.compile(r"[0-9.]+|.*\.[0-9]+\.?")  # dotted numbers, or a numeric last label
