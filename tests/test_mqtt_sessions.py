@@ -202,6 +202,33 @@ def _publishes(raw: Raw, n: int) -> list[Publish]:
     return [raw.expect(Publish) for _ in range(n)]
 
 
+def _pubreced(b, name: str, clean: bool) -> tuple[Raw, Publish]:
+    """A client ``name``-1 subscribed to ``name``/t at QoS 2 that got one message from
+    ``name``-pub and PUBRECed it; the PUBREL has come, no PUBCOMP has gone."""
+    pub = Paho(b.mqtt_port, f"{name}-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect(f"{name}-1", clean=clean) == ConnAck(False, 0)
+    _subscribe(raw, f"{name}/t", 2)
+    pub.publish(f"{name}/t", "exactly once", 2)
+    first = raw.expect(Publish)
+    raw.send(PubRec(first.packet_id))
+    assert raw.recv() == PubRel(first.packet_id)
+    return raw, first
+
+
+def _overlapping(b, name: str, clean: bool) -> tuple[Raw, list[Publish]]:
+    """A client ``name``-1 subscribed to ``name``/# and ``$share/g/name/#`` at QoS 2, and
+    the six copies of three messages published to ``name``/t, none acknowledged."""
+    pub = Paho(b.mqtt_port, f"{name}-pub")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect(f"{name}-1", clean=clean) == ConnAck(False, 0)
+    raw.send(Subscribe(1, ((f"{name}/#", 2), (f"$share/g/{name}/#", 2))))
+    assert raw.expect(SubAck) == SubAck(1, (2, 2))
+    for i in range(3):
+        pub.publish(f"{name}/t", f"m{i}", 2)
+    return raw, _publishes(raw, 6)
+
+
 def test_a_delivery_keeps_its_packet_id_through_retries_reconnects_and_a_sigkill(
         start_broker) -> None:
     """MQTT-4.4.0-1 and MQTT-2.3.1-3: a QoS 2 PUBLISH sent again (the retry on a live
@@ -257,15 +284,7 @@ def test_a_retry_after_pubrec_is_a_pubrel_not_the_publish(start_broker) -> None:
     """MQTT-4.3.3-1: once the client PUBRECed a QoS 2 message, the server sends it PUBREL,
     again when the PUBCOMP is slow, and never that PUBLISH again (a clean session, whose
     cursor moves on at PUBCOMP)."""
-    b = start_broker(FAST_RETRY)
-    pub = Paho(b.mqtt_port, "rr-pub")
-    raw = Raw(b.mqtt_port)
-    assert raw.connect("rr-1", clean=True) == ConnAck(False, 0)
-    _subscribe(raw, "rr/t", 2)
-    pub.publish("rr/t", "once", 2)
-    first = raw.expect(Publish)
-    raw.send(PubRec(first.packet_id))
-    assert raw.recv() == PubRel(first.packet_id)
+    raw, first = _pubreced(start_broker(FAST_RETRY), "rr", clean=True)
     assert raw.recv() == PubRel(first.packet_id)  # the retry, ~300 ms later
     raw.send(PubComp(first.packet_id))
     _nothing_more(raw)
@@ -276,14 +295,7 @@ def test_overlapping_subscriptions_copies_keep_their_own_packet_ids(start_broker
     packet id of its own, kept through retries (PUBREL once PUBRECed, never the PUBLISH
     again) and, for a persistent session, through a SIGKILL and restart of the broker."""
     b = start_broker(FAST_RETRY)
-    pub = Paho(b.mqtt_port, "ov-pub")
-    raw = Raw(b.mqtt_port)
-    assert raw.connect("ov-1", clean=False) == ConnAck(False, 0)
-    raw.send(Subscribe(1, (("ov/#", 2), ("$share/g/ov/#", 2))))
-    assert raw.expect(SubAck) == SubAck(1, (2, 2))
-    for i in range(3):
-        pub.publish("ov/t", f"m{i}", 2)
-    first = _publishes(raw, 6)
+    raw, first = _overlapping(b, "ov", clean=False)
     ids: dict[bytes, set[int]] = {}
     for m in first:
         ids.setdefault(m.payload, set()).add(m.packet_id)
@@ -305,15 +317,7 @@ def test_overlapping_subscriptions_copies_keep_their_own_packet_ids(start_broker
 def test_overlapping_copies_of_a_clean_session_are_pubreled_on_retry(start_broker) -> None:
     """The same in a clean session, whose cursors move on at PUBCOMP: once PUBRECed, each
     copy's retries are PUBRELs under its own id, never the PUBLISH again (MQTT-4.3.3)."""
-    b = start_broker(FAST_RETRY)
-    pub = Paho(b.mqtt_port, "ovc-pub")
-    raw = Raw(b.mqtt_port)
-    assert raw.connect("ovc-1", clean=True) == ConnAck(False, 0)
-    raw.send(Subscribe(1, (("ovc/#", 2), ("$share/g/ovc/#", 2))))
-    assert raw.expect(SubAck) == SubAck(1, (2, 2))
-    for i in range(3):
-        pub.publish("ovc/t", f"m{i}", 2)
-    first = _publishes(raw, 6)
+    raw, first = _overlapping(start_broker(FAST_RETRY), "ovc", clean=True)
     assert len({m.packet_id for m in first}) == 6
     _complete(raw, {m.packet_id for m in first}, answers=2)
 
@@ -397,14 +401,7 @@ def test_a_pubrel_not_completed_is_sent_again_not_the_publish(start_broker) -> N
     MQTT-4.3.3-1: once it has sent PUBREL it must not send that PUBLISH again (a client
     that has already handed the message on would see it twice)."""
     b = start_broker(MQTT)
-    pub = Paho(b.mqtt_port, "rel-pub")
-    raw = Raw(b.mqtt_port)
-    assert raw.connect("rel-1", clean=False) == ConnAck(False, 0)
-    _subscribe(raw, "rel/t", 2)
-    pub.publish("rel/t", "exactly once", 2)
-    first = raw.expect(Publish)
-    raw.send(PubRec(first.packet_id))
-    assert raw.recv() == PubRel(first.packet_id)
+    raw, first = _pubreced(b, "rel", clean=False)
     raw.close()  # no PUBCOMP
 
     raw = Raw(b.mqtt_port)

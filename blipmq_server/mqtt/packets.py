@@ -16,6 +16,7 @@ who may send them: that is the session's business. Standard library only; no I/O
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
@@ -171,3 +172,14 @@ Packet = (
     Connect | ConnAck | Publish | PubAck | PubRec | PubRel | PubComp | Subscribe | SubAck
     | Unsubscribe | UnsubAck | PingReq | PingResp | Disconnect
 )
+
+
+def free_packet_id(start: int, busy: Container[int], held: Container[int]) -> int:
+    """The first packet id from ``start`` on (1-65535, wrapping round) in neither ``busy``
+    nor ``held``; 0 when every id is taken."""
+    pid = start
+    for _ in range(65535):
+        if pid not in busy and pid not in held:
+            return pid
+        pid = pid % 65535 + 1
+    return 0

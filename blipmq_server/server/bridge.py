@@ -48,6 +48,7 @@ from blipmq_server.mqtt.packets import (
     SubAck,
     Subscribe,
     Will,
+    free_packet_id,
 )
 from blipmq_server.protocol.codec import Start
 from blipmq_server.protocol.message import (
@@ -501,20 +502,15 @@ class Bridge:
                         self.spec.name, packet.topic, result.refusal.text)
         if not packet.qos:
             return
-        stored = result.refusal is None and result.last_offset and server.flusher is not None
+        if result.refusal is not None or not result.last_offset or server.flusher is None:
+            self._settle_unstored(link, packet)
+            return
         if packet.qos == 2:
             pid = packet.packet_id
-            if not stored:
-                self.qos2_in[pid] = 0
-                link.send(mqtt.encode(PubRec(pid)))
-                return
             self._token = token = self._token % 0x7FFFFFFF + 1
             self.qos2_in[pid] = token
             self._tokens[token] = pid
-            server.flusher.confirm_later(result.last_offset, self, token, 1)  # type: ignore[arg-type, union-attr]
-            return
-        if not stored:
-            link.ack(packet.packet_id)
+            server.flusher.confirm_later(result.last_offset, self, token, 1)  # type: ignore[arg-type]
             return
         server.flusher.confirm_later(result.last_offset, link, packet.packet_id, 1)  # type: ignore[arg-type, union-attr]
 
@@ -569,14 +565,11 @@ class _Link:
         the offset when it is free, so a message sent again after a restart of this broker
         (which forgets what was in flight) goes out under the id it had, and an upstream
         that still holds that id for it (QoS 2, PUBREC sent, PUBREL not had) knows it."""
-        reserved = self.bridge.reserved  # QoS 2 ids a message waits to go out under again
-        inflight = self.inflight
-        pid = offset % 65535 + 1
-        for _ in range(65536):
-            if pid not in inflight and pid not in reserved:
-                return pid
-            pid = pid % 65535 + 1
-        raise LinkDown("no free packet id")  # pragma: no cover - inflight <= 65535
+        # bridge.reserved: QoS 2 ids a message waits to go out under again
+        pid = free_packet_id(offset % 65535 + 1, self.inflight, self.bridge.reserved)
+        if not pid:  # pragma: no cover - inflight <= 65535
+            raise LinkDown("no free packet id")
+        return pid
 
     async def _receive(self) -> bytes:
         """One read from the upstream; its end of the stream ends the link."""

@@ -51,6 +51,7 @@ from blipmq_server.mqtt.packets import (
     UnsubAck,
     Unsubscribe,
     Will,
+    free_packet_id,
 )
 from blipmq_server.mqtt.state import group_name, share_of, stored_subs
 from blipmq_server.protocol.codec import ErrorCode
@@ -256,11 +257,13 @@ class MqttSession(Session):
             for other, done in released.items():  # PUBREC had: its PUBREL goes again
                 if done == (sub_id, offset):
                     return other
-        for _ in range(65535):
-            if pid not in inflight and pid not in released:
-                return pid
-            pid = pid % 65535 + 1
-        raise RuntimeError("no free packet id")  # pragma: no cover - at most 65535 in flight
+        return self._free(pid)
+
+    def _free(self, start: int) -> int:
+        pid = free_packet_id(start, self.inflight, self.released)
+        if not pid:  # pragma: no cover - at most 65535 in flight
+            raise RuntimeError("no free packet id")
+        return pid
 
     def _forget_given_up(self) -> None:
         """Deliveries the core no longer holds for this client (dead-lettered after
@@ -276,14 +279,8 @@ class MqttSession(Session):
                 del table[pid]
 
     def _pid(self) -> int:
-        pid = self._next_pid
-        busy = self.inflight
-        released = self.released
-        for _ in range(65536):
-            pid = pid % 65535 + 1
-            if pid not in busy and pid not in released:
-                break
-        self._next_pid = pid
+        """The next free packet id after the last one handed out this way."""
+        self._next_pid = pid = self._free(self._next_pid % 65535 + 1)
         return pid
 
     # ----------------------------------------------------------------------------- reader

@@ -157,8 +157,11 @@ class NativeLink(_Link):
         be stored)."""
         bridge = self.bridge
         server = bridge.server
-        raws = [_inbound(rule, d) for d in batch
-                if bridge.local_problem(rule.to_local(d.topic)) is None]
+        raws = []
+        for d in batch:
+            topic = rule.to_local(d.topic)
+            if bridge.local_problem(topic) is None:
+                raws.append(_inbound(topic, d))
         last = 0
         at = 0
         while at < len(raws):
@@ -250,10 +253,9 @@ class NativeLink(_Link):
 _IN_KEYS = 1 << 30  # confirm keys of stored batches, taking turns
 
 
-def _inbound(rule: Rule, d: Delivery) -> RawMessage:
-    """A delivery from the upstream as the local log stores it: the local topic, marked
-    as bridged in, retained if it was published so."""
-    topic = rule.to_local(d.topic)
+def _inbound(topic: str, d: Delivery) -> RawMessage:
+    """A delivery from the upstream as the local log stores it: under ``topic`` (the
+    local name), marked as bridged in, retained if it was published so."""
     record = message_record(Message(topic, d.payload, d.qos, d.ttl_ms, d.key, d.retain))
     record = bytes((record[0] | FLAG_BRIDGED,)) + record[1:]
     return RawMessage(topic.encode(), d.qos, d.ttl_ms, len(d.payload), record,
