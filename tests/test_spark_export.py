@@ -200,3 +200,53 @@ def test_one_partition_per_segment_group(spark, fleet) -> None:
     manifests = [json.loads((dumps / d / "manifest.json").read_text()) for d in DEVICES]
     assert grouped.where(F.col("kind") != "damage").count() == sum(
         m["records"] for m in manifests)
+
+
+@pytest.mark.slow
+def test_mqtt_published_data_reads_and_exports_like_native(spark, tmp_path) -> None:
+    """What MQTT clients publish (every QoS, retained, empty levels, UTF-8 names, an empty
+    payload) is in the dump as ordinary message records beside the native CLI's, and a
+    persistent MQTT session's saved state reads as ``state`` records, not as damage."""
+    from mqttpeer import mosquitto
+
+    started: list = []
+    try:
+        b = launch_broker(tmp_path, started, {"mqtt": {"enabled": True, "port": 0}})
+        # a persistent session with a QoS 1 subscription: its state goes into the log
+        res = mosquitto("mosquitto_sub", b.mqtt_port, "-i", "spark-keeper", "-c", "-q", "1",
+                        "-t", "plant/#", "-E")
+        assert res.returncode == 0, res.stderr
+        sent = {("plant/a", 0): [b"zero-1", b"zero-2"], ("/plant//b", 1): [b"one"],
+                ("plant/\u00fcml\u00e4ut", 2): ["gr\u00fc\u00dfe".encode()],
+                ("plant/empty", 1): [b""]}
+        for (topic, qos), payloads in sent.items():
+            for p in payloads:
+                res = mosquitto("mosquitto_pub", b.mqtt_port, "-q", str(qos), "-t", topic,
+                                *(("-m", p.decode()) if p else ("-n",)))
+                assert res.returncode == 0, res.stderr
+        res = mosquitto("mosquitto_pub", b.mqtt_port, "-q", "1", "-r", "-t", "plant/state",
+                        "-m", "on")
+        assert res.returncode == 0, res.stderr
+        res = b.cli("pub", "-q", "1", "plant/native", "from-the-cli")
+        assert res.returncode == 0, res.stderr
+        dump = tmp_path / "dump"
+        res = b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(dump),
+                    "--device-id", "gw-mqtt")
+        assert res.returncode == 0, res.stderr
+        assert b.stop() == 0
+    finally:
+        kill_brokers(started)
+    # a QoS 2 publish is a QoS 1 message to the export (docs/MQTT.md)
+    want = Counter({(t, min(q, 1), p): 1 for (t, q), ps in sent.items() for p in ps})
+    want[("plant/state", 1, b"on")] += 1
+    want[("plant/native", 1, b"from-the-cli")] += 1
+    df = read_wal(spark, [str(dump)])
+    assert df.where("kind = 'damage'").count() == 0
+    got = Counter((r.topic, r.qos, bytes(r.payload)) for r in df.where(
+        "kind = 'message'").select("topic", "qos", "payload").collect())
+    assert got == want
+    assert df.where("kind = 'state'").count() >= 1  # the persistent session
+    done = export(spark, ExportOptions((str(dump),), str(tmp_path / "out")))
+    assert done.devices == 1 and done.damaged_parts == 0
+    traffic = {r["topic"]: r["messages"] for r in done.aggregates["traffic"]}
+    assert traffic == dict(Counter(t for (t, _, _), n in want.items() for _ in range(n)))
