@@ -1,4 +1,5 @@
-"""Issue-10 figures: the shared record decoder into Arrow batches, and `blipmq export` end to end.
+"""How fast the analytics path is: the shared record decoder into Arrow batches, and
+`blipmq export` end to end.
 
     .venv/bin/python bench/analytics.py decode [--records N] [--runs R]
     .venv/bin/python bench/analytics.py export [--mb 200] [--devices 8] [--runs R]

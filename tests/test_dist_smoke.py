@@ -40,7 +40,7 @@ from blipmq_cli.exits import Exit
 pytestmark = pytest.mark.slow
 __all__ = ["executable", "runner"]  # fixtures, used by name
 
-SIZE_BUDGET = 12_000_000  # bytes, per executable (issue 9)
+SIZE_BUDGET = 12_000_000  # bytes, per executable: what an edge box downloads and stores
 
 
 def project_version() -> str:

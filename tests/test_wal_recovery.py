@@ -61,7 +61,7 @@ def flip(path: Path, pos: int, mask: int) -> None:
 def test_length_bit_flip_mid_newest_segment_is_corruption_not_a_torn_tail(
     tmp_path: Path,
 ) -> None:
-    """The issue's case: a flipped high bit makes a record's length run past the end of the
+    """A flipped high bit makes a record's length run past the end of the
     file, which looks like a torn write; the valid records after it say otherwise."""
     write_log(tmp_path, 400)
     seg = segments(tmp_path)[-1]
