@@ -48,6 +48,40 @@ def test_a_cursor_on_records_only_on_disk_asks_once_and_waits() -> None:
     assert sub_id == sub.sub_id and payloads(batch) == [b"a", b"b"]
 
 
+def test_the_next_disk_read_starts_while_the_read_ahead_still_has_records() -> None:
+    """A cursor reading a backlog from disk asks for the next read once half of its
+    read-ahead is gone, not once all of it is (the consumer would wait for the disk between
+    reads); the two reads join up with nothing missing and nothing twice."""
+    log = MemoryLog(cached_from=10**9)
+    b = Broker(Limits(), log=log)
+    b.subscribe(7, "t", "g", qos=1, credit=10**6)
+    n = READ_AHEAD_RECORDS * 3
+    for start in range(0, n, 500):
+        publish(b, "t", *(b"%d" % i for i in range(start, min(n, start + 500))))
+    log.store()
+    [fetch] = b.deliver(7, 100, 1 << 20, 0, 0).fetches  # nothing read yet: the first read
+    got: list[bytes] = []
+    reads = 0
+    while fetch is not None:
+        reads += 1
+        assert reads <= n // 100  # bounded
+        b.fill(fetch.key, log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+        fetch = None
+        while fetch is None and len(got) < n:
+            taken = b.deliver(7, 100, 1 << 20, 0, 0)
+            batch = [r for _, records in taken.batches for r in records]
+            assert batch, f"the read-ahead ran dry after {len(got)} records"
+            got += payloads(batch)
+            assert len(taken.fetches) <= 1  # one read under way at a time
+            fetch = taken.fetches[0] if taken.fetches else None
+            if fetch is not None and len(got) < n:  # the read is under way: records remain
+                more = [r for _, rs in b.deliver(7, 100, 1 << 20, 0, 0).batches for r in rs]
+                assert more, f"the next read was asked for only after {len(got)} records"
+                got += payloads(more)
+    assert got == [b"%d" % i for i in range(n)]
+    assert b.deliver(7, 100, 1 << 20, 0, 0).batches == []
+
+
 def test_records_in_memory_are_read_at_once() -> None:
     log = MemoryLog()  # everything cached
     b = Broker(Limits(), log=log)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from blipmq_server.broker import durable
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.results import Count, Counters, Fetch, Limits, Refusal
-from blipmq_server.broker.storage import MessageLog, StoredRecord
+from blipmq_server.broker.storage import READ_AHEAD_RECORDS, MessageLog, StoredRecord
 from blipmq_server.broker.topics import FilterIndex
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import DeadLetter, ErrorCode, RawMessage, Start, dead_letter
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 _CACHE_READ_RECORDS = 512  # records a cursor decodes from the log's cache in one go
 _ROUNDS = 8  # read-aheads one take may look through (a filter that matches little)
+_READ_ON_BELOW = READ_AHEAD_RECORDS // 2  # records left ahead when the next disk read starts
 _UNWRITTEN_KEPT = 1024  # ACK records acks_due looks at, at most (plenty to be due)
 
 
@@ -224,6 +225,14 @@ class Cursors:
             out += new
             if full:
                 break
+        ahead = target.ahead
+        if ahead and not target.fetching and len(ahead) <= _READ_ON_BELOW:
+            # the read-ahead runs low: read on from disk now, while the consumer still has
+            # records, so that it does not wait for the disk when they are gone
+            after = ahead[-1][1] + 1
+            if after <= log.written_offset and not log.cached(after):
+                target.fetching = True
+                self._fetches.append(Fetch(target.key, after))
         self.counters.delivered += len(out)
         if (target.persistent and target.quiet_from is None and not target.ahead
                 and target.next == log.next_offset == log.written_offset + 1):

@@ -208,10 +208,11 @@ class DurableGroup:
             self.ahead.clear()
 
     def fill(self, records: list[Any]) -> None:
-        """Records read from the log at ``next``: the read-ahead (what ``next`` passed
-        meanwhile is dropped)."""
-        nxt = self.next
-        self.ahead.extend(r for r in records if r.offset >= nxt)
+        """Records read from the log at ``next``, or after the read-ahead's last one: onto
+        the read-ahead (what ``next`` or the read-ahead passed meanwhile is dropped)."""
+        ahead = self.ahead
+        nxt = max(self.next, ahead[-1][1] + 1) if ahead else self.next
+        ahead.extend(r for r in records if r.offset >= nxt)
 
     def restore(self, g: GroupRecord) -> None:
         """State from a checkpoint record."""

@@ -5,8 +5,9 @@ log's recent-records cache gets nothing from ``Broker.take``; the core queues a 
 instead. The session that asked hands the fetches here; one task reads them in a worker
 thread, one at a time (``Log.read_files`` is safe there), and gives the records back to the
 core with ``Broker.fill``, which names the connections to wake. Each cursor has at most one
-read under way and one read-ahead in memory (``READ_AHEAD_BYTES``), so memory stays bounded
-however far behind a consumer is.
+read under way, asked for when half a read's records are left in its read-ahead (so two
+reads of ``READ_AHEAD_BYTES`` at most in memory), so memory stays bounded however far behind
+a consumer is.
 
 The same task counts the backlog of durable groups that start behind the end of the log
 (``Count``: a group created to replay, every group after a restart), reading the segment
