@@ -37,6 +37,7 @@ from mqttpeer import Paho, Raw
 from blipmq_cli.client import Client, Subscription
 from blipmq_server.errors import BrokerError
 from blipmq_server.mqtt.codec import Will
+from blipmq_server.mqtt.packets import PubAck, PubComp, Publish, PubRec, PubRel
 from blipmq_server.protocol.codec import ErrorCode, Start
 from blipmq_server.protocol.message import Delivery
 
@@ -366,6 +367,28 @@ def test_native_subscribe_wider_than_allowed_or_overlapping_a_deny_is_refused(ke
     assert sub.returncode == 0, err
     assert out.decode().splitlines() == ["sensors/kitchen/t v-sensors/kitchen/t",
                                          "sensors/lab/open v-sensors/lab/open"]
+
+
+def test_mqtt_acknowledgements_of_denied_publishes_keep_the_order(keyed) -> None:
+    """MQTT-4.6.0-2 and -3: PUBACKs and PUBRECs go out in the order the PUBLISHes came, the
+    one of a denied publish too (it waits behind the allowed ones' fsync)."""
+    kitchen = make("kitchen", publish=["sensors/kitchen/#"], subscribe=["sensors/kitchen/#"])
+    b = keyed(kitchen, wal={"fsync": "always"})
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("order-dev", username=kitchen.name,
+                       password=kitchen.key.encode()).code == 0
+    for round_ in range(5):  # each round one write: allowed, denied, allowed, denied
+        base = round_ * 4
+        raw.send(Publish("sensors/kitchen/a", b"ok-1", 1, False, False, base + 1),
+                 Publish("sensors/hall/a", b"no-1", 1, False, False, base + 2),
+                 Publish("sensors/kitchen/b", b"ok-2", 2, False, False, base + 3),
+                 Publish("sensors/hall/b", b"no-2", 2, False, False, base + 4))
+        got = [raw.recv() for _ in range(4)]
+        assert got == [PubAck(base + 1), PubAck(base + 2), PubRec(base + 3),
+                       PubRec(base + 4)], got
+        raw.send(PubRel(base + 3), PubRel(base + 4))
+        assert [raw.recv(), raw.recv()] == [PubComp(base + 3), PubComp(base + 4)]
+    raw.close()
 
 
 def test_mqtt_subscribe_wider_than_allowed_or_overlapping_a_deny_gets_0x80(keyed) -> None:

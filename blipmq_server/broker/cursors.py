@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 _CACHE_READ_RECORDS = 512  # records a cursor decodes from the log's cache in one go
 _ROUNDS = 8  # read-aheads one take may look through (a filter that matches little)
+_RECENT_KEPT = 4096  # ``relog``'s entries kept before the written ones are pruned
 _READ_ON_BELOW = READ_AHEAD_RECORDS // 2  # records left ahead when the next disk read starts
 _UNWRITTEN_KEPT = 1024  # ACK records acks_due looks at, at most (plenty to be due)
 
@@ -59,6 +60,10 @@ class Cursors:
         # ACK records not written yet: (record's offset, offsets it acks, half the acking
         # consumer's window), oldest first (``acks_due``)
         self._unwritten: deque[tuple[int, int, int]] = deque()
+        # what may not be written yet, for ``relog``: each durable group's newest GROUP or
+        # ACK record (by group id), and the DELETE records (offset, filter, group)
+        self._recent: dict[int, int] = {}
+        self._deleted: list[tuple[int, str, str]] = []
 
     @property
     def all(self) -> tuple[DurableGroup, ...]:
@@ -92,6 +97,7 @@ class Cursors:
                 gid = log.append(Kind.GROUP, durable.group_body(
                     durable.CREATE, first, topic_filter, group), timestamp_ms)
                 target = self._add_durable(gid, topic_filter, group, first)
+                self._noted(gid, gid)
                 if first < end:  # a replay: what it starts behind is counted apart
                     self._counts.append(Count(target.key, first, end - 1))
                 else:  # from the end: nothing of its topics is in the log yet
@@ -135,8 +141,51 @@ class Cursors:
     def delete(self, target: DurableGroup, timestamp_ms: int) -> None:
         """Delete a durable group (unsubscribe, expiry): a GROUP delete record says so."""
         self._forget(target)
-        self.log.append(Kind.GROUP, durable.group_body(
+        at = self.log.append(Kind.GROUP, durable.group_body(
             durable.DELETE, 0, target.filter, target.group), timestamp_ms)
+        self._recent.pop(target.id, None)
+        deleted = self._deleted
+        if len(deleted) >= _RECENT_KEPT:
+            written = self.log.written_offset
+            deleted[:] = [d for d in deleted if d[0] > written]
+        deleted.append((at, target.filter, target.group))
+
+    def _noted(self, gid: int, at: int) -> None:
+        """Group ``gid``'s newest record is at ``at`` (see ``relog``)."""
+        recent = self._recent
+        if len(recent) >= _RECENT_KEPT:
+            written = self.log.written_offset
+            for g in [g for g, o in recent.items() if o <= written]:
+                del recent[g]
+        recent[gid] = at
+
+    def relog(self, first: int, last: int, timestamp_ms: int) -> int:
+        """The disk refused records ``first``..``last`` (see ``Broker.relog``): the DELETE
+        records among them again, then a checkpoint of each group that had a record there
+        (its CREATE, an ACK, ...), and of each group deleted there and made again since
+        (its CREATE may still be waiting to be written, before the DELETE again). Returns
+        the last offset appended (0: none)."""
+        out = 0
+        again = {g for g, at in self._recent.items() if first <= at <= last}
+        lost = [d for d in self._deleted if first <= d[0] <= last]
+        if lost:
+            self._deleted = [d for d in self._deleted if not first <= d[0] <= last]
+        for _, topic_filter, group in lost:
+            out = self.log.append(Kind.GROUP, durable.group_body(
+                durable.DELETE, 0, topic_filter, group), timestamp_ms)
+            self._deleted.append((out, topic_filter, group))
+            now = self.durable.get((topic_filter, group))
+            if now is not None:
+                again.add(now.id)
+        for gid in sorted(again):
+            target = self._ids.get(gid)
+            if target is None:  # deleted since: its DELETE is logged after
+                self._recent.pop(gid, None)
+                continue
+            out = target.anchor = self.log.append(
+                Kind.GROUP, durable.checkpoint_body(target), timestamp_ms)
+            self._noted(gid, out)
+        return out
 
     def detach(self, consumer: Consumer, timestamp_ms: int, wake: set[int]) -> None:
         """A consumer leaves its cursor: its unacked deliveries go to the others (``wake``);
@@ -149,8 +198,8 @@ class Cursors:
             self._forget(target)
         elif not target.consumers and self.durable.get((target.filter, target.group)) is target:
             target.idle_since = timestamp_ms
-            self.log.append(Kind.GROUP, durable.group_body(
-                durable.IDLE, 0, target.filter, target.group), timestamp_ms)
+            self._noted(target.id, self.log.append(Kind.GROUP, durable.group_body(
+                durable.IDLE, 0, target.filter, target.group), timestamp_ms))
         if target.requeue(consumer.sub_id):
             wake.update(c.conn for c in target.consumers)
 
@@ -294,6 +343,7 @@ class Cursors:
                 if len(self._unwritten) >= _UNWRITTEN_KEPT:  # the disk fails for long
                     self._unwritten.popleft()
                 self._unwritten.append((at, len(done), max(1, consumer.credit // 2)))
+                self._noted(target.id, at)
         return bool(done)
 
     def acks_due(self) -> bool:
@@ -359,8 +409,8 @@ class Cursors:
         originals as done for their durable groups (in this order, so a crash in between
         leaves a message delivered twice, never one lost)."""
         for target, offset in self._buried:
-            self.log.append(Kind.ACK, durable.ack_body(target.id, target.floor, [offset]),
-                            timestamp_ms)
+            self._noted(target.id, self.log.append(
+                Kind.ACK, durable.ack_body(target.id, target.floor, [offset]), timestamp_ms))
         self._buried.clear()
 
     # ---------------------------------------------------------------------- maintenance
@@ -392,6 +442,7 @@ class Cursors:
             if target.idle_since is not None and not target.consumers:
                 last = log.append(Kind.GROUP, durable.group_body(
                     durable.IDLE, 0, target.filter, target.group), target.idle_since)
+            self._noted(target.id, last)
         return last
 
     def skip_to(self, first: int) -> list[tuple[DurableGroup, int]]:

@@ -114,7 +114,9 @@ class Server:
             assert not isinstance(fsync, str)  # the config loader validated it
             self.flusher = Flusher(self.wal, fsync, self._wake_durable, w.unconfirmed_sync_ms,
                                    tailing=lambda: self.broker.tailing(),
-                                   acks_due=lambda: self.broker.acks_due())
+                                   acks_due=lambda: self.broker.acks_due(),
+                                   on_lost=lambda first, last: self.broker.relog(
+                                       first, last, wall_ms()))
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,

@@ -55,6 +55,7 @@ _offset = itemgetter(0)
 LINGER_S = 0.2  # longest a batch nobody waits for is held back to grow (docs/PERFORMANCE.md)
 LINGER_RECORDS = 256  # ... unless it holds this many records
 LINGER_BYTES = 1 << 20  # ... or this many bytes
+RETRY_S = 0.2  # after a failed write or sync, before the next try
 
 
 class Flusher:
@@ -66,12 +67,15 @@ class Flusher:
         unconfirmed_sync_ms: int = 1000,
         tailing: Callable[[], bool] | None = None,
         acks_due: Callable[[], bool] | None = None,
+        on_lost: Callable[[int, int], None] | None = None,
     ) -> None:
         self.wal = wal
         self.policy = policy
         self.on_commit = on_commit  # new records are readable (durable groups may deliver)
         self.tailing = tailing  # does a consumer wait for new records to become readable?
         self.acks_due = acks_due  # do the pending acks hold enough to go now (the core says)?
+        # the disk refused the records first..last: the core restates what they said
+        self.on_lost = on_lost
         self.unconfirmed_sync = unconfirmed_sync_ms / 1000
         self.counters = WalCounters()
         self._wake = trio.Event()
@@ -181,6 +185,12 @@ class Flusher:
                 self._lingering = False
             if self._closing:
                 return
+            if self.failing:
+                # the last write failed: the next try waits a little, so a disk that stays
+                # full is not tried in a loop (what ``on_lost`` restated is pending again)
+                await trio.sleep(RETRY_S)
+                if self._closing:
+                    return
             # Not ``async with``: acquiring yields, and the batch should be taken now. Only
             # close() takes the lock otherwise, and it sets _closing first.
             self._lock.acquire_nowait()
@@ -211,6 +221,8 @@ class Flusher:
             self.counters.failures += 1
             self.counters.records_lost += batch.records
             self._failed(exc, f"{batch.records} record(s) not stored")
+            if self.on_lost is not None:
+                self.on_lost(batch.first_offset, batch.last_offset)
             self._settle(batch.last_offset, f"the log could not be written: {exc.strerror or exc}")
             return
         if self.failing:

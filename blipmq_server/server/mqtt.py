@@ -111,6 +111,7 @@ class MqttSession(Session):
         self.confirming: dict[int, bytes] = {}
         # inbound QoS 2 packet ids awaiting PUBREL
         self.qos2_in: set[int] = set()
+        self._qos2_at: dict[int, int] = {}  # of those, PUBREC not sent yet: message's offset
         self.taken_over = False
         self.connected = False
         # topic -> the subscription that delivers it (see ``_owner``); cleared on changes
@@ -125,6 +126,8 @@ class MqttSession(Session):
 
     def confirmed(self, request_id: int, count: int) -> None:
         data = self.confirming.pop(request_id, None)
+        if self._qos2_at:
+            self._qos2_at.pop(request_id, None)
         if data is not None:
             self.send_bytes(data)
 
@@ -139,9 +142,21 @@ class MqttSession(Session):
         self.confirming[key] = data
         flusher.confirm_later(offset, self, key, count)
 
+    def _appended(self) -> int:
+        """The newest offset in the log (0: no log): an acknowledgement sent once it is
+        durable goes after every one this connection waits for."""
+        wal = self.server.wal
+        return 0 if wal is None else wal.next_offset - 1
+
     def confirm_failed(self, request_id: int, count: int, text: str) -> None:
         # MQTT 3.1.1 has no negative acknowledgement: the client resends after reconnecting
         self.confirming.pop(request_id, None)
+        at = self._qos2_at.pop(request_id, None)
+        wal = self.server.wal
+        if at is not None and wal is not None and wal.lost_between(at, at):
+            # its PUBLISH is not in the log: the copy the client sends again must be logged,
+            # not taken for a duplicate of this one
+            self.server.mqtt_sessions.qos2_forget(self, request_id)
         self.broker.counters.refused += count
         log.warning("MQTT client %r: closing, %s", self.client_id, text)
         self.server.mqtt_error("storage")
@@ -532,8 +547,9 @@ class MqttSession(Session):
                     if result.refusal.code == ErrorCode.FORBIDDEN:
                         # MQTT 3.1.1 cannot refuse a PUBLISH: acknowledged, not routed
                         server.mqtt_error("forbidden")
-                        if pid:
-                            self.send_bytes(_PUBACK + pid.to_bytes(2, "big"))
+                        if pid:  # after the earlier publishes' PUBACKs (MQTT-4.6.0-2)
+                            self._once_durable(self._appended(), pid,
+                                               _PUBACK + pid.to_bytes(2, "big"))
                         at += 1
                         messages = batch[at:]
                         continue
@@ -585,10 +601,9 @@ class MqttSession(Session):
             if refusal.code == ErrorCode.FORBIDDEN:  # type: ignore[attr-defined]
                 # acknowledged as 3.1.1 requires, not routed (docs/SECURITY.md)
                 self.server.mqtt_error("forbidden")
-                if qos == 1:
-                    self.send_bytes(mqtt.encode(PubAck(packet.packet_id)))
-                elif qos == 2:
-                    self.send_bytes(mqtt.encode(PubRec(packet.packet_id)))
+                if qos:  # after the earlier publishes' (MQTT-4.6.0-2, -3)
+                    self._once_durable(self._appended(), packet.packet_id,
+                                       (PubAck if qos == 1 else PubRec)(packet.packet_id))
                 return None
             if not qos:
                 self.server.mqtt_error("refused")
@@ -600,6 +615,8 @@ class MqttSession(Session):
             self._once_durable(offset, packet.packet_id, PubAck(packet.packet_id), 1)
         elif qos == 2:  # remembered (in a persistent session: logged) before PUBREC
             pid = packet.packet_id
+            if offset:
+                self._qos2_at[pid] = offset
             offset = max(offset, self.server.mqtt_sessions.qos2_received(self, pid))
             self._once_durable(offset, pid, PubRec(pid), 1)
         return None

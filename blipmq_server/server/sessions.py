@@ -165,9 +165,20 @@ class MqttSessions:
 
     def qos2_released(self, session: MqttSession, pid: int) -> int:
         """PUBREL: the packet id may be used again. Returns the offset the PUBCOMP must
-        wait for (0: nothing was written)."""
+        wait for (0: nothing was written). An id not remembered (a PUBREL sent again)
+        waits for the newest record of the session's ids: when the disk refused the one
+        that freed it, that is the one written again after it (``Broker.relog``), and a
+        restart before it is on disk would bring the id back."""
         if pid not in session.qos2_in:
-            return 0
+            if session.clean:
+                return 0
+            return self.broker.state_offset(state.qos2_key(session.client_id))
+        return self.qos2_forget(session, pid)
+
+    def qos2_forget(self, session: MqttSession, pid: int) -> int:
+        """The packet id is not remembered any more (released, or its PUBLISH was never
+        stored: the client sends that again). Returns the offset of the record that says
+        so (0: none)."""
         session.qos2_in.discard(pid)
         if session.clean:
             return 0

@@ -1,0 +1,220 @@
+"""MQTT sessions when the disk refuses a write: what the broker remembers of a session and
+what its log says must agree again once writes succeed, or a reconnect or a restart acts on
+state the client was never told about (an acknowledged message lost, a subscription gone).
+
+The Trio server in-process on loopback (port 0), its log on a ``FaultyDisk`` whose writes
+fail while ``fail_writes`` is set, driven by raw MQTT packets through the broker's codec.
+Each scenario ends by restarting the server on the same data directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from blipmq_server import config as config_module
+from blipmq_server.kinds import Kind
+from blipmq_server.mqtt import codec as mqtt
+from blipmq_server.mqtt.packets import (
+    ConnAck,
+    Connect,
+    Disconnect,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    UnsubAck,
+    Unsubscribe,
+)
+from blipmq_server.protocol.message import message_from_record
+from blipmq_server.server.app import Bound, Server
+from blipmq_server.wal.disk import FaultyDisk
+
+
+def _config(data_dir: Path) -> config_module.Config:
+    return config_module.load(None, env={}, overrides={
+        "server.port": 0, "metrics.enabled": False, "mqtt.enabled": True, "mqtt.port": 0,
+        "storage.data_dir": str(data_dir), "wal.fsync": "always"})
+
+
+class Client:
+    """One MQTT connection, a packet at a time."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = mqtt.Decoder()
+        self.ready: list[object] = []
+
+    async def send(self, *packets: object) -> None:
+        await self.stream.send_all(b"".join(mqtt.encode(p) for p in packets))  # type: ignore[arg-type]
+
+    async def recv(self) -> object | None:
+        """The next packet; None once the broker closed the connection."""
+        with trio.fail_after(10):
+            while not self.ready:
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    return None
+                self.decoder.feed(data)
+                self.ready += self.decoder.packets()
+        return self.ready.pop(0)
+
+
+class Broker:
+    """The server in-process, started and stopped on one data directory."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.disk = FaultyDisk()
+        self.server: Server | None = None
+        self.port = 0
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        server = self.server = Server(_config(self.data_dir))
+        assert server.wal is not None
+        server.wal.disk = self.disk
+        bound: Bound = await nursery.start(server.serve)
+        assert bound.mqtt_port is not None
+        self.port = bound.mqtt_port
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.shutdown.set()
+        await self.server.stopped.wait()
+
+    async def client(self, client_id: str, clean: bool = False) -> tuple[Client, ConnAck]:
+        c = Client(await trio.open_tcp_stream("127.0.0.1", self.port))
+        await c.send(Connect("MQTT", 4, clean, 0, client_id))
+        ack = await c.recv()
+        assert isinstance(ack, ConnAck) and ack.code == 0, ack
+        return c, ack
+
+
+def _logged(b: Broker, topic: str) -> list[bytes]:
+    """The payloads of ``topic``'s messages in the log, oldest first."""
+    assert b.server is not None and b.server.wal is not None
+    out = []
+    for r in b.server.wal.read(0, 100_000, 1 << 30):
+        if r.kind == Kind.MESSAGE:
+            m = message_from_record(r.body)
+            if m.topic == topic:
+                out.append(m.payload)
+    return out
+
+
+async def test_a_qos2_publish_the_disk_refused_is_logged_when_the_client_sends_it_again(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """The client's copy sent again after the reconnect (DUP) is the only one: it must be
+    logged, not taken for a duplicate of a copy the disk never took."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    c, _ = await b.client("q2-device")
+    b.disk.fail_writes = True
+    await c.send(Publish("t/q2", b"important", 2, False, False, 7))
+    assert await c.recv() is None  # closed without PUBREC: the client keeps the message
+    b.disk.fail_writes = False
+    c, ack = await b.client("q2-device")
+    assert ack.session_present
+    await c.send(Publish("t/q2", b"important", 2, False, True, 7))
+    assert await c.recv() == PubRec(7)
+    await c.send(PubRel(7))
+    assert await c.recv() == PubComp(7)
+    await c.send(Disconnect())
+    await b.stop()
+    await b.start(nursery)
+    assert _logged(b, "t/q2") == [b"important"]
+    await b.stop()
+
+
+async def test_a_pubrel_the_disk_refused_frees_the_packet_id_in_the_log_too(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """The PUBREL's record of the freed id was lost: once writes succeed the log must say
+    the id is free, or after a restart the client's next message under that id is taken
+    for the old one sent again and never logged."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    c, _ = await b.client("rel-device")
+    await c.send(Publish("t/rel", b"m1", 2, False, False, 7))
+    assert await c.recv() == PubRec(7)
+    b.disk.fail_writes = True
+    await c.send(PubRel(7))
+    assert await c.recv() is None  # closed without PUBCOMP
+    b.disk.fail_writes = False
+    c, _ = await b.client("rel-device")
+    await c.send(PubRel(7))
+    assert await c.recv() == PubComp(7)
+    await c.send(Disconnect())
+    await b.stop()
+    await b.start(nursery)
+    c, _ = await b.client("rel-device")
+    await c.send(Publish("t/rel", b"m2", 2, False, False, 7))  # a new message, id 7 reused
+    assert await c.recv() == PubRec(7)
+    await c.send(PubRel(7))
+    assert await c.recv() == PubComp(7)
+    await c.send(Disconnect())
+    assert _logged(b, "t/rel") == [b"m1", b"m2"]
+    await b.stop()
+
+
+async def test_a_subscription_whose_group_record_the_disk_refused_survives_a_restart(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """A SUBSCRIBE while the disk refuses writes gets no SUBACK; the one sent again after
+    the reconnect does, and then the subscription (its durable group in the log) must
+    survive a restart with what was published for it meanwhile."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    c, _ = await b.client("sub-device")
+    b.disk.fail_writes = True
+    await c.send(Subscribe(1, (("s/#", 1),)))
+    assert await c.recv() is None  # closed without SUBACK
+    b.disk.fail_writes = False
+    c, _ = await b.client("sub-device")
+    await c.send(Subscribe(2, (("s/#", 1),)))
+    assert await c.recv() == SubAck(2, (1,))
+    await c.send(Disconnect())
+    p, _ = await b.client("sub-publisher", clean=True)
+    for i in range(3):
+        await p.send(Publish("s/x", b"cmd-%d" % i, 1, False, False, i + 1))
+        assert await p.recv() == PubAck(i + 1)
+    await b.stop()
+    await b.start(nursery)
+    c, ack = await b.client("sub-device")
+    assert ack.session_present
+    got = []
+    for _ in range(3):
+        m = await c.recv()
+        assert isinstance(m, Publish), m
+        got.append(m.payload)
+        await c.send(PubAck(m.packet_id))
+    assert got == [b"cmd-0", b"cmd-1", b"cmd-2"]
+    await b.stop()
+
+
+async def test_an_unsubscribe_the_disk_refused_leaves_no_group_after_a_restart(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """The UNSUBSCRIBE's deletion of the group was lost: once writes succeed the log must
+    say the group is gone, or a restart brings back a group nobody reads, holding the log
+    and its backlog for a subscription the client cancelled."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    c, _ = await b.client("unsub-device")
+    await c.send(Subscribe(1, (("u/#", 1),)))
+    assert await c.recv() == SubAck(1, (1,))
+    b.disk.fail_writes = True
+    await c.send(Unsubscribe(2, ("u/#",)))
+    assert await c.recv() is None  # closed without UNSUBACK
+    b.disk.fail_writes = False
+    c, _ = await b.client("unsub-device")
+    await c.send(Unsubscribe(3, ("u/#",)))
+    assert await c.recv() == UnsubAck(3)
+    await c.send(Disconnect())
+    await b.stop()
+    await b.start(nursery)
+    assert b.server is not None and b.server.broker.cursors is not None
+    assert [g.filter for g in b.server.broker.cursors.durable.values()] == []
+    await b.stop()
