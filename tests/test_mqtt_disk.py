@@ -218,3 +218,38 @@ async def test_an_unsubscribe_the_disk_refused_leaves_no_group_after_a_restart(
     assert b.server is not None and b.server.broker.cursors is not None
     assert [g.filter for g in b.server.broker.cursors.durable.values()] == []
     await b.stop()
+
+
+async def test_a_retained_value_the_disk_refused_is_the_one_after_a_restart(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Subscribers were given the new retained value from memory while the disk refused
+    its record: once writes succeed it is written again, so a restart does not bring the
+    old value back."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    assert b.server is not None and b.server.flusher is not None
+    c, _ = await b.client("retainer", clean=True)
+    await c.send(Publish("r/state", b"v1", 1, True, False, 1))
+    assert await c.recv() == PubAck(1)
+    b.disk.fail_writes = True
+    failures = b.server.flusher.counters.failures
+    await c.send(Publish("r/state", b"v2", 0, True, False, 0))
+    with trio.fail_after(10):
+        while b.server.flusher.counters.failures == failures:
+            await trio.sleep(0.01)
+    b.disk.fail_writes = False
+    watcher, _ = await b.client("watcher", clean=True)
+    await watcher.send(Subscribe(1, (("r/state", 0),)))
+    assert await watcher.recv() == SubAck(1, (0,))
+    m = await watcher.recv()
+    assert isinstance(m, Publish) and (m.payload, m.retain) == (b"v2", True)
+    await c.send(Publish("r/other", b"x", 1, False, False, 2))  # written after it
+    assert await c.recv() == PubAck(2)
+    await b.stop()
+    await b.start(nursery)
+    watcher, _ = await b.client("watcher", clean=True)
+    await watcher.send(Subscribe(1, (("r/state", 0),)))
+    assert await watcher.recv() == SubAck(1, (0,))
+    m = await watcher.recv()
+    assert isinstance(m, Publish) and (m.payload, m.retain) == (b"v2", True)
+    await b.stop()

@@ -905,10 +905,10 @@ class Broker:
 
     def relog(self, first: int, last: int, timestamp_ms: int) -> int:
         """The disk refused the batch of records ``first``..``last``: what they said about
-        the broker's state (a front end's saved state, durable groups created, deleted,
-        acked) is in memory only. Appends it again, as it is now, so that the log says
-        what memory does once a write succeeds. Returns the last offset appended (0:
-        none)."""
+        the broker's state (a front end's saved state, retained values, durable groups
+        created, deleted, acked) is in memory only. Appends it again, as it is now, so
+        that the log says what memory does once a write succeeds. Returns the last offset
+        appended (0: none)."""
         out = 0
         if self.log is None:
             return 0
@@ -920,6 +920,12 @@ class Broker:
                 out = self.log.append(Kind.STATE, _STATE_KEY.pack(len(key)) + key,
                                       timestamp_ms)
                 self._state_recent[key] = out
+        retained = self.retained
+        for topic, value in [(t, v) for t, v in retained.values.items()
+                             if first <= v.anchor <= last]:
+            # a value published or carried forward there: carried again (``carry_retained``)
+            out = self.log.append(Kind.RETAINED, carry_body(value), timestamp_ms)
+            retained.moved(topic, out)
         if self.cursors is not None:
             out = max(out, self.cursors.relog(first, last, timestamp_ms))
         return out
