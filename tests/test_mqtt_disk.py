@@ -253,3 +253,27 @@ async def test_a_retained_value_the_disk_refused_is_the_one_after_a_restart(
     m = await watcher.recv()
     assert isinstance(m, Publish) and (m.payload, m.retain) == (b"v2", True)
     await b.stop()
+
+
+async def test_a_qos2_publish_whose_fsync_failed_gets_its_pubrec_once_one_succeeds(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """With ``wal.fsync = always`` a batch whose fsync fails is undone: the copies sent
+    again get no PUBREC while syncs fail, then one does, and the message is logged once."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    c, _ = await b.client("sync-device")
+    b.disk.fail_fsync = True
+    await c.send(Publish("t/sync", b"once", 2, False, False, 9))
+    assert await c.recv() is None  # no PUBREC: not synced
+    c, _ = await b.client("sync-device")
+    await c.send(Publish("t/sync", b"once", 2, False, True, 9))
+    assert await c.recv() is None  # still not synced: still no PUBREC
+    b.disk.fail_fsync = False
+    c, _ = await b.client("sync-device")
+    await c.send(Publish("t/sync", b"once", 2, False, True, 9))
+    assert await c.recv() == PubRec(9)
+    await c.send(PubRel(9))
+    assert await c.recv() == PubComp(9)
+    await c.send(Disconnect())
+    assert _logged(b, "t/sync") == [b"once"]
+    await b.stop()

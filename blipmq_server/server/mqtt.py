@@ -579,9 +579,10 @@ class MqttSession(Session):
         pid = packet.packet_id
         if qos == 2 and (pid in self.qos2_in or pid in self.confirming):
             # a resent PUBLISH whose first copy is logged: not twice. Its PUBREC goes out
-            # once that copy is durable (again, if that was before)
+            # once that copy is durable (again, if that was before; a sync that failed
+            # since is tried again first)
             if pid not in self.confirming:
-                self.send_bytes(mqtt.encode(PubRec(pid)))
+                self._once_durable(self._appended(), pid, PubRec(pid))
             return None
         raw = self._message(packet)
         if raw is None or raw.__class__ is CloseReason:
