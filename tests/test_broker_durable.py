@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from blipmq_server.broker.core import Broker, Limits
 from blipmq_server.broker.registry import Consumer
 from blipmq_server.broker.storage import READ_AHEAD_BYTES, READ_AHEAD_RECORDS
@@ -522,3 +525,50 @@ def test_bridge_groups_are_closed_to_clients(tmp_path: Path) -> None:
     s.broker.unsubscribe("bridge", made.sub_id)
     deleted = s.broker.unsubscribe("client", topic_filter="t", group="bridge.old")
     assert deleted.refusal is None, deleted
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("sub"), st.sampled_from(["a/#", "b"]), st.sampled_from(["g1", "g2"])),
+    st.tuples(st.just("del"), st.sampled_from(["a/#", "b"]), st.sampled_from(["g1", "g2"])),
+    st.tuples(st.just("state"), st.sampled_from([b"k1", b"k2"]),
+              st.sampled_from([b"", b"x", b"y"])),
+    st.tuples(st.just("pub"), st.sampled_from(["a/1", "b"]), st.just("")),
+    st.tuples(st.just("write"), st.just(""), st.just("")),
+    st.tuples(st.just("lose"), st.just(""), st.just("")),
+), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS)
+def test_after_lost_batches_the_log_says_what_memory_does(tmp_path_factory, ops) -> None:
+    """Whatever batches the disk refused (``Log.abort``, then ``Broker.relog`` as the
+    flusher does), once a write succeeds a restart finds the durable groups and the saved
+    states the broker had in memory."""
+    path = tmp_path_factory.mktemp("relog")
+    s = Setup(path)
+    conn = 1
+    for op, a, b in ops:
+        if op == "sub":
+            assert s.broker.subscribe(conn, a, b, qos=1).refusal is None
+        elif op == "del":
+            s.broker.unsubscribe(conn, topic_filter=a, group=b, timestamp_ms=1)
+        elif op == "state":
+            s.broker.put_state(a, b, 1)  # type: ignore[arg-type]
+        elif op == "pub":
+            s.publish(a, b"m")
+        elif op == "write":
+            s.commit()
+        else:
+            batch = s.log.take_batch()
+            if batch is not None:
+                s.log.abort(batch)
+                s.broker.relog(batch.first_offset, batch.last_offset, 2)
+    s.commit()
+    groups = {(g.filter, g.group) for g in s.broker.durable_groups}
+    states = dict(s.broker.states)
+    s.log.close()
+    again = Setup(path)
+    again.broker.recovered(3)
+    assert {(g.filter, g.group) for g in again.broker.durable_groups} == groups
+    assert again.broker.states == states
+    again.log.close()
