@@ -37,7 +37,7 @@ from blipmq_server.broker.results import (
     refused,
 )
 from blipmq_server.broker.retained import Retained, carry_body, parse_carry, topic_of
-from blipmq_server.broker.storage import MessageLog, StoredRecord
+from blipmq_server.broker.storage import MessageLog, StoredRecord, Unwritten
 from blipmq_server.broker.usage import Usage
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import ErrorCode, RawMessage, Start
@@ -53,7 +53,6 @@ _pack_prefix = DELIVERY_PREFIX.pack
 _BLOCK, _DROP_OLDEST = Overflow.BLOCK, Overflow.DROP_OLDEST  # an enum member costs a lookup
 _MESSAGE = Kind.MESSAGE
 _STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
-_RECENT_KEPT = 4096  # unwritten-record entries kept before the written ones are pruned
 
 
 BRIDGE_GROUPS = "bridge."  # the durable groups of bridges: no client joins one
@@ -88,7 +87,7 @@ class Broker:
         self._state_at: dict[bytes, int] = {}
         # each key's newest STATE record, a value or a deletion, while it may be unwritten
         # (``relog`` restates those of a batch the disk refused; pruned once written)
-        self._state_recent: dict[bytes, int] = {}
+        self._state_recent: Unwritten[bytes] = Unwritten(self.log)
         self._group_owners: dict[bytes, str] = {}  # by _owner_key, while the broker runs
         # publishers held back (``hold``): by hold id, its name and topic filters
         self.holds: dict[int, tuple[str, tuple[str, ...]]] = {}
@@ -890,18 +889,13 @@ class Broker:
             self._state_at[key] = at
         else:
             self._state_at.pop(key, None)
-        recent = self._state_recent
-        if len(recent) >= _RECENT_KEPT:
-            written = self.log.written_offset
-            for k in [k for k, o in recent.items() if o <= written]:
-                del recent[k]
-        recent[key] = at
+        self._state_recent.note(key, at)
         return at
 
     def state_offset(self, key: bytes) -> int:
         """The offset of the newest STATE record of ``key`` (its value or its deletion)
         that may not be written yet; 0 when there is none."""
-        return max(self._state_recent.get(key, 0), self._state_at.get(key, 0))
+        return max(self._state_recent.get(key), self._state_at.get(key, 0))
 
     def relog(self, first: int, last: int, timestamp_ms: int) -> int:
         """The disk refused the batch of records ``first``..``last``: what they said about
@@ -912,14 +906,14 @@ class Broker:
         out = 0
         if self.log is None:
             return 0
-        for key in [k for k, o in self._state_recent.items() if first <= o <= last]:
+        for key in self._state_recent.between(first, last):
             value = self.states.get(key)
             if value is not None:
                 out = self.put_state(key, value, timestamp_ms)
             else:  # a deletion
                 out = self.log.append(Kind.STATE, _STATE_KEY.pack(len(key)) + key,
                                       timestamp_ms)
-                self._state_recent[key] = out
+                self._state_recent.note(key, out)
         retained = self.retained
         for topic, value in [(t, v) for t, v in retained.values.items()
                              if first <= v.anchor <= last]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from blipmq_server.broker import durable
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.results import Count, Counters, Fetch, Limits, Refusal
-from blipmq_server.broker.storage import READ_AHEAD_RECORDS, MessageLog, StoredRecord
+from blipmq_server.broker.storage import READ_AHEAD_RECORDS, MessageLog, StoredRecord, Unwritten
 from blipmq_server.broker.topics import FilterIndex
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import DeadLetter, ErrorCode, RawMessage, Start, dead_letter
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 _CACHE_READ_RECORDS = 512  # records a cursor decodes from the log's cache in one go
 _ROUNDS = 8  # read-aheads one take may look through (a filter that matches little)
-_RECENT_KEPT = 4096  # ``relog``'s entries kept before the written ones are pruned
 _READ_ON_BELOW = READ_AHEAD_RECORDS // 2  # records left ahead when the next disk read starts
 _UNWRITTEN_KEPT = 1024  # ACK records acks_due looks at, at most (plenty to be due)
 
@@ -62,8 +61,8 @@ class Cursors:
         self._unwritten: deque[tuple[int, int, int]] = deque()
         # what may not be written yet, for ``relog``: each durable group's newest GROUP or
         # ACK record (by group id), and the DELETE records (offset, filter, group)
-        self._recent: dict[int, int] = {}
-        self._deleted: list[tuple[int, str, str]] = []
+        self._recent: Unwritten[int] = Unwritten(log)
+        self._deleted: Unwritten[tuple[str, str]] = Unwritten(log)
 
     @property
     def all(self) -> tuple[DurableGroup, ...]:
@@ -143,21 +142,12 @@ class Cursors:
         self._forget(target)
         at = self.log.append(Kind.GROUP, durable.group_body(
             durable.DELETE, 0, target.filter, target.group), timestamp_ms)
-        self._recent.pop(target.id, None)
-        deleted = self._deleted
-        if len(deleted) >= _RECENT_KEPT:
-            written = self.log.written_offset
-            deleted[:] = [d for d in deleted if d[0] > written]
-        deleted.append((at, target.filter, target.group))
+        self._recent.forget(target.id)
+        self._deleted.note((target.filter, target.group), at)
 
     def _noted(self, gid: int, at: int) -> None:
         """Group ``gid``'s newest record is at ``at`` (see ``relog``)."""
-        recent = self._recent
-        if len(recent) >= _RECENT_KEPT:
-            written = self.log.written_offset
-            for g in [g for g, o in recent.items() if o <= written]:
-                del recent[g]
-        recent[gid] = at
+        self._recent.note(gid, at)
 
     def relog(self, first: int, last: int, timestamp_ms: int) -> int:
         """The disk refused records ``first``..``last`` (see ``Broker.relog``): the DELETE
@@ -166,21 +156,18 @@ class Cursors:
         (its CREATE may still be waiting to be written, before the DELETE again). Returns
         the last offset appended (0: none)."""
         out = 0
-        again = {g for g, at in self._recent.items() if first <= at <= last}
-        lost = [d for d in self._deleted if first <= d[0] <= last]
-        if lost:
-            self._deleted = [d for d in self._deleted if not first <= d[0] <= last]
-        for _, topic_filter, group in lost:
+        again = set(self._recent.between(first, last))
+        for topic_filter, group in self._deleted.between(first, last):
             out = self.log.append(Kind.GROUP, durable.group_body(
                 durable.DELETE, 0, topic_filter, group), timestamp_ms)
-            self._deleted.append((out, topic_filter, group))
+            self._deleted.note((topic_filter, group), out)
             now = self.durable.get((topic_filter, group))
             if now is not None:
                 again.add(now.id)
         for gid in sorted(again):
             target = self._ids.get(gid)
             if target is None:  # deleted since: its DELETE is logged after
-                self._recent.pop(gid, None)
+                self._recent.forget(gid)
                 continue
             out = target.anchor = self.log.append(
                 Kind.GROUP, durable.checkpoint_body(target), timestamp_ms)

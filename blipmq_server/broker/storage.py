@@ -9,11 +9,14 @@ Pure: no trio, no clock, no files.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 READ_AHEAD_RECORDS = 1024  # one disk read for a log cursor: at most this many records
 READ_AHEAD_BYTES = 256 * 1024  # ... and about this many bytes (at least one record)
+_PRUNE_FROM = 1024  # ``Unwritten`` entries before the written ones are first pruned
+
+K = TypeVar("K", bound=Hashable)
 
 
 class StoredRecord(Protocol):
@@ -147,3 +150,35 @@ def _offset(record: MemoryRecord) -> int:
 
 def _timestamp(record: MemoryRecord) -> int:
     return record.timestamp_ms
+
+
+class Unwritten(Generic[K]):
+    """Each key's newest record offset while the log may not have written it: what the
+    core restates after a batch the disk refused (``Broker.relog``). Entries the log has
+    written are pruned whenever the map doubled since the last pruning, so it stays about
+    as large as what is unwritten, at a cost per note that does not grow with it."""
+
+    def __init__(self, log: MessageLog | None) -> None:
+        self.log = log
+        self.at: dict[K, int] = {}
+        self._prune_at = _PRUNE_FROM
+
+    def note(self, key: K, offset: int) -> None:
+        at = self.at
+        at[key] = offset
+        if len(at) >= self._prune_at and self.log is not None:
+            written = self.log.written_offset
+            for k in [k for k, o in at.items() if o <= written]:
+                del at[k]
+            self._prune_at = max(_PRUNE_FROM, 2 * len(at))
+
+    def get(self, key: K) -> int:
+        return self.at.get(key, 0)
+
+    def forget(self, key: K) -> None:
+        self.at.pop(key, None)
+
+    def between(self, first: int, last: int) -> list[K]:
+        """The keys whose newest record is one of ``first``..``last``, oldest first."""
+        return sorted((k for k, o in self.at.items() if first <= o <= last),
+                      key=self.at.__getitem__)
