@@ -23,6 +23,7 @@ import json
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
+import tomlkit
 from conftest import BLIPMQ, BrokerProcess
 from mqttpeer import Paho, Raw
 
@@ -854,6 +856,42 @@ def test_a_malformed_hash_is_a_config_error_naming_the_entry(start_broker) -> No
         assert len(lines) == 1, lines
         assert "auth.keys[1]" in lines[0], lines[0]
         assert victim.key not in lines[0]
+
+
+def test_a_key_listed_twice_is_refused_at_start_and_on_reload(start_broker) -> None:
+    """The same key in api_keys and in a named entry, or in two named entries, would have
+    two sets of permissions: refused with one line naming both entries, at start (exit 2)
+    and on SIGHUP (the configuration in force stays)."""
+    dev = make("dev", publish=["a/#"], subscribe=["a/#"])
+    twin = Key("twin", dev.key, dev.perms)
+    for auth, names in (({"api_keys": [dev.key], "keys": [dev.stanza()]},
+                         ("auth.keys[0] (dev)", "auth.api_keys[0]")),
+                        ({"keys": [make("x").stanza(), dev.stanza(), twin.stanza()]},
+                         ("auth.keys[2] (twin)", "auth.keys[1] (dev)"))):
+        b = start_broker({"auth": auth}, expect_ready=False)
+        assert b.proc.wait(WAIT) == 2
+        assert b.log_ended.wait(WAIT)
+        lines = [line for line in b.log if line.strip()]
+        assert len(lines) == 1 and all(n in lines[0] for n in names), lines
+        assert dev.key not in lines[0]
+
+    b = start_broker({"auth": {"keys": [dev.stanza()]}, "mqtt": {"enabled": True, "port": 0}})
+    d = mqtt_client(b, dev, "dev-1")
+    assert d.subscribe(("#", 0), ("a/#", 0)) == [SUBACK_FAILURE, 0]
+    doc = tomllib.loads(b.config_path.read_text())
+    doc["auth"]["api_keys"] = [dev.key]  # pasted while migrating, still listed there
+    b.config_path.write_text(tomlkit.dumps(doc))
+    b.proc.send_signal(signal.SIGHUP)
+    line = b.wait_log("reload refused")
+    assert "auth.keys[0] (dev)" in line and "auth.api_keys[0]" in line, line
+    assert dev.key not in line
+    # the connection kept its key's permissions, and so does a new one
+    assert d.subscribe(("#", 0), ("$SYS/#", 0)) == [SUBACK_FAILURE, SUBACK_FAILURE]
+    d.disconnect()
+    again = mqtt_client(b, dev, "dev-2")
+    assert again.subscribe(("#", 0), ("a/#", 0)) == [SUBACK_FAILURE, 0]
+    again.disconnect()
+    assert b.proc.poll() is None
 
 
 # =========================================================== found on the way: -e

@@ -320,7 +320,7 @@ class Server:
                     f", mqtts on {cfg.mqtt.tls_host}:{mqtts_port}" if mqtts_port else "",
                     f", tls on {cfg.server.tls_host}:{tls_port}" if tls_port else "",
                     cfg.queues.capacity, cfg.queues.overflow,
-                    f"{len(self.keys.entries)} key(s)" if self.keys.enabled
+                    f"{len(self.keys.identities)} key(s)" if self.keys.enabled
                     else "disabled (no keys configured)",
                 )
                 task_status.started(Bound(port, metrics_port, mqtt_port, mqtts_port, tls_port))
