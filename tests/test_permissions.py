@@ -894,6 +894,64 @@ def test_a_key_listed_twice_is_refused_at_start_and_on_reload(start_broker) -> N
     assert b.proc.poll() is None
 
 
+# ===================================================================== 11. reloading
+
+
+def reload_keys(b: BrokerProcess, *keys: Key, api_keys: Sequence[str] = ()) -> None:
+    """Rewrite the config's keys and SIGHUP; returns once the broker says it reloaded."""
+    doc = tomlkit.parse(b.config_path.read_text())
+    auth = tomlkit.table()
+    if api_keys:
+        auth["api_keys"] = list(api_keys)
+    auth["keys"] = [k.stanza() for k in keys]
+    doc["auth"] = auth
+    b.config_path.write_text(tomlkit.dumps(doc))
+    b.log.clear()
+    b.proc.send_signal(signal.SIGHUP)
+    b.wait_log("reloaded: ")
+
+
+def test_a_will_is_published_with_the_keys_permissions_of_the_moment(keyed) -> None:
+    """CONNECT checks a will's topic; a reload that narrows the key afterwards makes the
+    will one the key may no longer publish (dropped, counted), one still allowed goes out,
+    and a connection closed because its key was revoked publishes no will at all (though
+    its topic was allowed until then)."""
+    hall = make("hall", publish=["sensors/hall/#"], subscribe=["cmd/hall/#"])
+    admin = root()
+    b = keyed(hall, admin)
+    watcher = mqtt_client(b, admin, "watcher")
+    assert watcher.subscribe(("sensors/#", 1)) == [1]
+    devices = {}
+    for cid, topic in (("narrowed", "sensors/hall/narrowed"), ("kept", "sensors/hall/temp"),
+                       ("revoked", "sensors/hall/temp")):
+        devices[cid] = Raw(b.mqtt_port)
+        ack = devices[cid].connect(cid, will=Will(topic, f"will of {cid}".encode(), 1, False),
+                                   username="hall", password=hall.key.encode())
+        assert ack.code == 0
+    narrow = Key("hall", hall.key, {**hall.perms, "publish": ["sensors/hall/temp"]})
+    reload_keys(b, narrow, admin)
+    before = metric(b, "blipmq_mqtt_protocol_errors_total", reason="forbidden_will")
+    devices["narrowed"].close()  # the network connection is lost: the will is due
+    devices["kept"].close()
+    assert pairs_of(watcher.take(1)) == [("sensors/hall/temp", b"will of kept")]
+    b.wait_metric("blipmq_mqtt_protocol_errors_total", before + 1, reason="forbidden_will")
+    assert "will to 'sensors/hall/narrowed' not published" in b.wait_log("narrowed")
+    reload_keys(b, admin)  # hall's key leaked: revoked
+    devices["revoked"].wait_closed()
+    b.wait_metric("blipmq_connections_closed_total", 1, reason="revoked")
+    marker = mqtt_client(b, admin, "marker")
+    marker.publish("sensors/marker", "after", 1)
+    marker.disconnect()
+    assert pairs_of(watcher.take(1)) == [("sensors/marker", b"after")]
+    watcher.sync()
+    assert watcher.drained() == []
+    watcher.disconnect()
+
+
+def pairs_of(messages: Sequence) -> list[tuple[str, bytes]]:
+    return [(m.topic, m.payload) for m in messages]
+
+
 # =========================================================== found on the way: -e
 
 

@@ -246,7 +246,9 @@ class Server:
                 continue
             ended += 1
             if session.protocol == "mqtt":
-                session.revoke()
+                # not revoke(): the key stays, and so does the will (published if the key's
+                # new permissions allow it)
+                session.stop_reading(CloseReason.REVOKED)
                 continue
             self.detached(self.broker.unsubscribe(session.conn_id, consumer.sub_id).detached)
             session.error(ErrorCode.FORBIDDEN, f"this key may no longer read {topic_filter!r}"

@@ -148,6 +148,8 @@ class MqttSession(Session):
         self.stop_reading(CloseReason.PROTOCOL_ERROR)
 
     def revoke(self) -> None:
+        # its key is gone: nothing more goes out on that key's authority, the will neither
+        self.will = None
         self.stop_reading(CloseReason.REVOKED)  # 3.1.1 has no word for it: the close says it
 
     def closed(self) -> None:
