@@ -515,6 +515,9 @@ def _key_specs(value: object) -> tuple[KeySpec, ...]:
         if not isinstance(name, str) or not name.strip():
             raise ConfigError("needs a name (a non-empty string)", where)
         where = f"auth.keys[{i}] ({name})"
+        if name == "*":  # what the api_keys keys make belongs to "*": not a named key's
+            raise ConfigError("the name '*' is the identity of auth.api_keys (full access): "
+                              "choose another", where)
         if name in seen:
             raise ConfigError("a second key with this name", where)
         seen.add(name)

@@ -700,6 +700,59 @@ def test_legacy_api_keys_keep_full_access(keyed) -> None:
     m.disconnect()
 
 
+def test_what_an_api_keys_key_makes_is_not_a_named_keys_across_a_restart(keyed, start_broker
+                                                                        ) -> None:
+    """With authentication on, an api_keys key's MQTT session and groups belong to its
+    identity ("*"): a named key that may read the same topics can neither take the session
+    over nor use or delete the groups, before and after a restart; an admin can."""
+    legacy = "legacy-" + secrets.token_hex(16)
+    hall = make("hall", publish=["jobs/#"], subscribe=["jobs/#", "cmd/hall/#"])
+    admin = root()
+    b = keyed(hall, admin, api_keys=[legacy])
+    dev = Paho(b.mqtt_port, "z2m", clean=False, username="z", password=legacy,
+               will=Will("z2m/bridge/state", b"offline", 1, True))
+    assert dev.subscribe(("jobs/#", 1)) == [1]
+    ok(run(b, legacy, "sub", "jobs/#", "--group", "billing", "-q", "1", "-e"))
+    live = Client(b.addr, legacy)  # and a QoS 0 group, in memory
+    try:
+        live.subscribe("jobs/#", group="live")
+        for clean in (False, True):
+            thief = Raw(b.mqtt_port)
+            assert thief.connect("z2m", clean=clean, username="hall",
+                                 password=hall.key.encode()).code == CONNACK_NOT_AUTHORIZED
+            thief.close()
+        results = run_many(b, [
+            (hall, ("sub", "jobs/#", "--group", "billing", "-q", "1", "-e")),
+            (hall, ("unsub", "jobs/#", "--group", "billing")),
+            (hall, ("sub", "jobs/#", "--group", "live", "-e")),
+            (hall, ("unsub", "jobs/#", "--group", "live"))])
+        for res in results:
+            forbidden(res, "group")
+        ok(run(b, legacy, "pub", "jobs/1", "job-1", "-q", "1"))
+        assert dev.get().payload == b"job-1"  # never taken over
+        assert not dev.disconnected.is_set()
+    finally:
+        live.close()
+    dev.disconnect()
+    assert b.stop() == 0
+
+    again = start_broker(tomllib.loads(b.config_path.read_text()), data_dir=b.data_dir)
+    thief = Raw(again.mqtt_port)
+    assert thief.connect("z2m", clean=False, username="hall",
+                         password=hall.key.encode()).code == CONNACK_NOT_AUTHORIZED
+    thief.close()
+    forbidden(run(again, hall, "sub", "jobs/#", "--group", "billing", "-q", "1", "-e"),
+              "'billing'")
+    forbidden(run(again, hall, "unsub", "jobs/#", "--group", "billing"), "'billing'")
+    assert ok(run(again, admin, "sub", "jobs/#", "--group", "billing", "-q", "1", "-C", "1",
+                  "-v")) == ["jobs/1 job-1"]
+    ok(run(again, admin, "unsub", "jobs/#", "--group", "billing"))
+    dev = Paho(again.mqtt_port, "z2m", clean=False, username="z", password=legacy)
+    assert dev.session_present
+    dev.disconnect()
+    assert_nowhere(again, [hall.key, admin.key], [legacy])
+
+
 # ========================================================== 9. refused keys and floods
 
 
@@ -856,6 +909,16 @@ def test_a_malformed_hash_is_a_config_error_naming_the_entry(start_broker) -> No
         assert len(lines) == 1, lines
         assert "auth.keys[1]" in lines[0], lines[0]
         assert victim.key not in lines[0]
+
+
+def test_a_named_key_cannot_be_called_star(start_broker) -> None:
+    """'*' is the identity of the api_keys keys (the owner of what they make)."""
+    star = Key("*", make("x").key, {"subscribe": ["a/#"]})
+    b = start_broker({"auth": {"keys": [star.stanza()]}}, expect_ready=False)
+    assert b.proc.wait(WAIT) == 2
+    assert b.log_ended.wait(WAIT)
+    lines = [line for line in b.log if line.strip()]
+    assert len(lines) == 1 and "auth.keys[0] (*)" in lines[0], lines
 
 
 def test_a_key_listed_twice_is_refused_at_start_and_on_reload(start_broker) -> None:

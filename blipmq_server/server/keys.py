@@ -74,10 +74,12 @@ class Keyring:
     def names(self) -> dict[str, Identity]:
         return {identity.name: identity for identity in self.identities.values()}
 
-    @staticmethod
-    def access_for(identity: Identity) -> Access | None:
-        """What a session passes to the core: None for no limits (the fast path)."""
-        return None if identity is FULL else Access(identity)
+    def access_for(self, identity: Identity) -> Access | None:
+        """What a session passes to the core: None while authentication is off (no limits,
+        and what it makes belongs to nobody in particular). With authentication on, a full
+        access key (``api_keys``) has an unlimited ``Access`` (the core's fast path too), so
+        that the sessions and groups it makes belong to its identity (``*``)."""
+        return Access(identity) if self.enabled else None
 
     async def refused(self, peer: str, reason: str) -> None:
         """Count and (rarely) log a refused key, then make its sender wait."""

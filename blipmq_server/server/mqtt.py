@@ -444,7 +444,7 @@ class MqttSession(Session):
             return CloseReason.AUTH_FAILED
         access = self.access
         will = packet.will
-        if (will is not None and access is not None
+        if (will is not None and access is not None and not access.unlimited
                 and not access.may_publish(will.topic.encode("utf-8"))):
             self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED)))
             self._protocol_error("forbidden_will", f"key {identity.name!r} may not publish "
