@@ -1011,6 +1011,45 @@ def test_a_will_is_published_with_the_keys_permissions_of_the_moment(keyed) -> N
     watcher.disconnect()
 
 
+@pytest.mark.parametrize("how", ["renamed", "from api_keys"])
+def test_a_reload_rechecks_subscriptions_whatever_the_keys_name(keyed, how: str) -> None:
+    """The same key (hash) under a new name, or moved from api_keys to a named entry, with
+    narrower permissions: its subscriptions it may no longer make end as when a key keeps
+    its name (native: FORBIDDEN; MQTT: the connection closes, and SUBSCRIBE again gets
+    0x80); one it may still make goes on."""
+    reader = make("reader", publish=["a/#"], subscribe=["a/#"])
+    admin = root()
+    if how == "renamed":
+        b = keyed(reader, admin)
+    else:
+        b = keyed(admin, api_keys=[reader.key])
+    wide = b.spawn("sub", "a/#", "--no-reconnect", **reader.env)
+    fine = b.spawn("sub", "a/public/x", "--count", "1", **reader.env)
+    try:
+        m = mqtt_client(b, reader, "reader-dev")
+        assert m.subscribe(("a/#", 0)) == [0]
+        b.wait_metric("blipmq_subscriptions", 3)
+        narrowed = Key("reader-v2" if how == "renamed" else "reader", reader.key,
+                       {"publish": ["a/#"], "subscribe": ["a/public/#"]})
+        reload_keys(b, narrowed, admin)
+        assert "2 subscription(s) ended" in b.wait_log("reloaded: keys: 2")
+        _, err = wide.communicate(timeout=WAIT)
+        assert wide.returncode == FORBIDDEN_EXIT and b"may no longer read 'a/#'" in err, err
+        m.wait_closed()
+        m = mqtt_client(b, narrowed, "reader-dev")
+        assert m.subscribe(("a/#", 0), ("a/public/#", 0)) == [SUBACK_FAILURE, 0]
+        ok(run(b, admin, "pub", "a/public/x", "still"))
+        assert m.get().payload == b"still"
+        m.disconnect()
+        out, err = fine.communicate(timeout=WAIT)
+        assert (fine.returncode, out) == (0, b"still\n"), err
+    finally:
+        for proc in (wide, fine):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def pairs_of(messages: Sequence) -> list[tuple[str, bytes]]:
     return [(m.topic, m.payload) for m in messages]
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
-from blipmq_server.broker.access import Identity
+from blipmq_server.broker.access import FULL, Identity
 from blipmq_server.broker.core import BRIDGE_GROUPS, Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.config import Config, check_tls, tls_listeners
@@ -193,7 +193,8 @@ class Server:
         """Apply a new configuration's keys, permissions, log level (and TLS certificates,
         when the TLS listeners can reload) while running; returns what changed, one
         phrase each. A connection whose key is gone is closed; the others keep their
-        connections and subscriptions, with their key's new permissions."""
+        connections, with their key's new permissions, and the subscriptions those still
+        allow (``_recheck``)."""
         old = self.config
         # certificates first: a file that cannot be used raises ConfigError here, before
         # anything changed, and the reload is refused whole
@@ -216,8 +217,11 @@ class Server:
                              session.conn_id, session.peer)
                     session.revoke()
                 else:
+                    # compared whole, not by name: the same key renamed, or moved from
+                    # api_keys to a named entry, may have lost permissions too
+                    before = None if session.access is None else session.access.identity
                     session.access = keys.access_for(identity)
-                    if identity.name in changed:
+                    if identity != before:
                         narrowed += self._recheck(session, identity)
             names = ", ".join([*(f"+{n}" for n in added), *(f"-{n}" for n in removed),
                                *(f"~{n}" for n in changed)])
@@ -236,9 +240,11 @@ class Server:
         return [s for s in said if s]
 
     def _recheck(self, session: Session, identity: Identity) -> int:
-        """A key's permissions changed: its session's subscriptions the key may no longer
-        make end (native: with ERROR FORBIDDEN; MQTT, which has no word for it: the
-        connection closes). Returns how many ended."""
+        """A session's identity changed (its permissions, or its name): its subscriptions
+        the key may no longer make end (native: with ERROR FORBIDDEN; MQTT, which has no
+        word for it: the connection closes). Returns how many ended."""
+        if identity is FULL:  # full access: nothing it subscribed to was ever checked
+            return 0
         ended = 0
         for consumer in list(self.broker.registry.of(session.conn_id)):
             topic_filter = consumer.queue.filter
