@@ -530,6 +530,24 @@ def test_a_durable_group_cannot_be_taken_over_by_another_key(keyed) -> None:
     assert b.metric("blipmq_durable_groups") == 0
 
 
+def test_a_refused_group_is_not_said_to_be_another_keys(keyed) -> None:
+    """SUBSCRIBE and UNSUBSCRIBE refuse another key's group in the same neutral words;
+    UNSUBSCRIBE says the same of a group that does not exist."""
+    alice = make("alice", publish=["jobs/#"], subscribe=["jobs/#"])
+    mallory = make("mallory", publish=["jobs/#"], subscribe=["jobs/#"])
+    b = keyed(alice, mallory)
+    ok(run(b, alice, "sub", "jobs/#", "--group", "g", "-q", "1", "-e"))
+    sub, unsub, unsub_none = (forbidden(res, "'g'" if i < 2 else "'none'", "'jobs/#'")
+                              for i, res in enumerate(run_many(b, [
+                                  (mallory, ("sub", "jobs/#", "--group", "g", "-q", "1", "-e")),
+                                  (mallory, ("unsub", "jobs/#", "--group", "g")),
+                                  (mallory, ("unsub", "jobs/#", "--group", "none"))])))
+    assert unsub.replace("'g'", "'none'") == unsub_none
+    for line in (sub, unsub):
+        assert "another" not in line and "belongs" not in line, line
+    assert "this key may not use group 'g' on 'jobs/#'" in sub, sub
+
+
 def test_mqtt_share_cannot_join_another_keys_group(keyed) -> None:
     alice = make("alice", publish=["jobs/#"], subscribe=["jobs/#"])
     mallory = make("mallory", publish=["jobs/#"], subscribe=["jobs/#"])

@@ -436,8 +436,9 @@ class Broker:
                 return refused(ErrorCode.FORBIDDEN, f"this key may not subscribe to "
                                f"{topic_filter!r}: it could match topics the key may not read")
             if group and not self._may_use_group(access, topic_filter, group, bool(qos)):
-                return refused(ErrorCode.FORBIDDEN, f"group {group!r} on {topic_filter!r} "
-                               "belongs to another key")
+                # as UNSUBSCRIBE says it: not whose the group is
+                return refused(ErrorCode.FORBIDDEN, f"this key may not use group {group!r} "
+                               f"on {topic_filter!r}")
         registry = self.registry
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
