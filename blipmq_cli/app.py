@@ -421,7 +421,9 @@ def config_init(
 
 @keys_app.command("new")
 def keys_new(
-    name: Annotated[str, typer.Argument(help="The key's name (logs, stats, MQTT username)")],
+    name: Annotated[str, typer.Argument(
+        help="The key's name: its identity in logs and stats, and the owner of its groups "
+             "and MQTT sessions (an MQTT client's username is only a label)")],
     publish: Annotated[list[str] | None, typer.Option(
         "--publish", help="A topic filter it may publish to (repeat for more)")] = None,
     subscribe: Annotated[list[str] | None, typer.Option(

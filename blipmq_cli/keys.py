@@ -18,6 +18,8 @@ def problem(name: str, publish: list[str], subscribe: list[str]) -> str | None:
     """Why these arguments cannot make a key, or None."""
     if not name.strip():
         return "the key needs a name"
+    if name == "*":
+        return "the name '*' is the identity of auth.api_keys (full access): choose another"
     for f in [*publish, *subscribe]:
         found = filter_problem(f, WIRE_TOPIC_BYTES)
         if found:

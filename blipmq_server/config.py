@@ -515,6 +515,9 @@ def _key_specs(value: object) -> tuple[KeySpec, ...]:
         if not isinstance(name, str) or not name.strip():
             raise ConfigError("needs a name (a non-empty string)", where)
         where = f"auth.keys[{i}] ({name})"
+        if name == "*":  # what the api_keys keys make belongs to "*": not a named key's
+            raise ConfigError("the name '*' is the identity of auth.api_keys (full access): "
+                              "choose another", where)
         if name in seen:
             raise ConfigError("a second key with this name", where)
         seen.add(name)
@@ -593,8 +596,24 @@ def _loopback(host: str) -> bool:
         return False  # a name: it may resolve to anything
 
 
+def _check_keys(auth: AuthOptions) -> None:
+    """One key is one identity: a hash listed twice (in ``api_keys``, in ``[[auth.keys]]``
+    or across the two) is refused, naming both entries; otherwise which entry's permissions
+    the key had would depend on the order of the entries."""
+    first: dict[str, str] = {}
+    entries = [*((f"auth.api_keys[{i}]", h) for i, h in enumerate(auth.api_keys)),
+               *((f"auth.keys[{i}] ({spec.name})", spec.hash)
+                 for i, spec in enumerate(auth.keys))]
+    for where, key_hash in entries:
+        earlier = first.setdefault(key_hash, where)
+        if earlier != where:
+            raise ConfigError(f"the same key (hash) as {earlier}: a key is one identity, "
+                              "list it once", where)
+
+
 def _check_together(config: Config) -> None:
     """Refuse combinations of values that cannot work together."""
+    _check_keys(config.auth)
     m = config.mqtt
     if (m.enabled and not config.auth.enabled and not m.allow_anonymous
             and not _loopback(m.host)):

@@ -4,6 +4,7 @@ subscriptions, a bad new configuration is refused with one line and the old one 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 
@@ -120,6 +121,11 @@ def test_keys_new_prints_a_key_once_and_its_hash(tmp_path) -> None:
     bad = subprocess.run([BLIPMQ, "keys", "new", "x", "--publish", "a/#/b"],
                          capture_output=True, timeout=30)
     assert bad.returncode == 2 and bad.stderr.count(b"\n") == 1
+    star = subprocess.run([BLIPMQ, "keys", "new", "*"], capture_output=True, timeout=30)
+    assert star.returncode == 2 and b"'*'" in star.stderr and star.stdout == b""
+    helped = subprocess.run([BLIPMQ, "keys", "new", "--help"], capture_output=True,
+                            timeout=30, env={**os.environ, "COLUMNS": "200"})
+    assert b"only a label" in helped.stdout and b"MQTT username)" not in helped.stdout
 
 
 def test_a_narrowed_key_loses_the_subscriptions_it_may_no_longer_make(start_broker) -> None:

@@ -23,6 +23,7 @@ import json
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
+import tomlkit
 from conftest import BLIPMQ, BrokerProcess
 from mqttpeer import Paho, Raw
 
@@ -551,6 +553,24 @@ def test_a_durable_group_cannot_be_taken_over_by_another_key(keyed) -> None:
     assert b.metric("blipmq_durable_groups") == 0
 
 
+def test_a_refused_group_is_not_said_to_be_another_keys(keyed) -> None:
+    """SUBSCRIBE and UNSUBSCRIBE refuse another key's group in the same neutral words;
+    UNSUBSCRIBE says the same of a group that does not exist."""
+    alice = make("alice", publish=["jobs/#"], subscribe=["jobs/#"])
+    mallory = make("mallory", publish=["jobs/#"], subscribe=["jobs/#"])
+    b = keyed(alice, mallory)
+    ok(run(b, alice, "sub", "jobs/#", "--group", "g", "-q", "1", "-e"))
+    sub, unsub, unsub_none = (forbidden(res, "'g'" if i < 2 else "'none'", "'jobs/#'")
+                              for i, res in enumerate(run_many(b, [
+                                  (mallory, ("sub", "jobs/#", "--group", "g", "-q", "1", "-e")),
+                                  (mallory, ("unsub", "jobs/#", "--group", "g")),
+                                  (mallory, ("unsub", "jobs/#", "--group", "none"))])))
+    assert unsub.replace("'g'", "'none'") == unsub_none
+    for line in (sub, unsub):
+        assert "another" not in line and "belongs" not in line, line
+    assert "this key may not use group 'g' on 'jobs/#'" in sub, sub
+
+
 def test_mqtt_share_cannot_join_another_keys_group(keyed) -> None:
     alice = make("alice", publish=["jobs/#"], subscribe=["jobs/#"])
     mallory = make("mallory", publish=["jobs/#"], subscribe=["jobs/#"])
@@ -721,6 +741,59 @@ def test_legacy_api_keys_keep_full_access(keyed) -> None:
     m.disconnect()
 
 
+def test_what_an_api_keys_key_makes_is_not_a_named_keys_across_a_restart(keyed, start_broker
+                                                                        ) -> None:
+    """With authentication on, an api_keys key's MQTT session and groups belong to its
+    identity ("*"): a named key that may read the same topics can neither take the session
+    over nor use or delete the groups, before and after a restart; an admin can."""
+    legacy = "legacy-" + secrets.token_hex(16)
+    hall = make("hall", publish=["jobs/#"], subscribe=["jobs/#", "cmd/hall/#"])
+    admin = root()
+    b = keyed(hall, admin, api_keys=[legacy])
+    dev = Paho(b.mqtt_port, "z2m", clean=False, username="z", password=legacy,
+               will=Will("z2m/bridge/state", b"offline", 1, True))
+    assert dev.subscribe(("jobs/#", 1)) == [1]
+    ok(run(b, legacy, "sub", "jobs/#", "--group", "billing", "-q", "1", "-e"))
+    live = Client(b.addr, legacy)  # and a QoS 0 group, in memory
+    try:
+        live.subscribe("jobs/#", group="live")
+        for clean in (False, True):
+            thief = Raw(b.mqtt_port)
+            assert thief.connect("z2m", clean=clean, username="hall",
+                                 password=hall.key.encode()).code == CONNACK_NOT_AUTHORIZED
+            thief.close()
+        results = run_many(b, [
+            (hall, ("sub", "jobs/#", "--group", "billing", "-q", "1", "-e")),
+            (hall, ("unsub", "jobs/#", "--group", "billing")),
+            (hall, ("sub", "jobs/#", "--group", "live", "-e")),
+            (hall, ("unsub", "jobs/#", "--group", "live"))])
+        for res in results:
+            forbidden(res, "group")
+        ok(run(b, legacy, "pub", "jobs/1", "job-1", "-q", "1"))
+        assert dev.get().payload == b"job-1"  # never taken over
+        assert not dev.disconnected.is_set()
+    finally:
+        live.close()
+    dev.disconnect()
+    assert b.stop() == 0
+
+    again = start_broker(tomllib.loads(b.config_path.read_text()), data_dir=b.data_dir)
+    thief = Raw(again.mqtt_port)
+    assert thief.connect("z2m", clean=False, username="hall",
+                         password=hall.key.encode()).code == CONNACK_NOT_AUTHORIZED
+    thief.close()
+    forbidden(run(again, hall, "sub", "jobs/#", "--group", "billing", "-q", "1", "-e"),
+              "'billing'")
+    forbidden(run(again, hall, "unsub", "jobs/#", "--group", "billing"), "'billing'")
+    assert ok(run(again, admin, "sub", "jobs/#", "--group", "billing", "-q", "1", "-C", "1",
+                  "-v")) == ["jobs/1 job-1"]
+    ok(run(again, admin, "unsub", "jobs/#", "--group", "billing"))
+    dev = Paho(again.mqtt_port, "z2m", clean=False, username="z", password=legacy)
+    assert dev.session_present
+    dev.disconnect()
+    assert_nowhere(again, [hall.key, admin.key], [legacy])
+
+
 # ========================================================== 9. refused keys and floods
 
 
@@ -877,6 +950,149 @@ def test_a_malformed_hash_is_a_config_error_naming_the_entry(start_broker) -> No
         assert len(lines) == 1, lines
         assert "auth.keys[1]" in lines[0], lines[0]
         assert victim.key not in lines[0]
+
+
+def test_a_named_key_cannot_be_called_star(start_broker) -> None:
+    """'*' is the identity of the api_keys keys (the owner of what they make)."""
+    star = Key("*", make("x").key, {"subscribe": ["a/#"]})
+    b = start_broker({"auth": {"keys": [star.stanza()]}}, expect_ready=False)
+    assert b.proc.wait(WAIT) == 2
+    assert b.log_ended.wait(WAIT)
+    lines = [line for line in b.log if line.strip()]
+    assert len(lines) == 1 and "auth.keys[0] (*)" in lines[0], lines
+
+
+def test_a_key_listed_twice_is_refused_at_start_and_on_reload(start_broker) -> None:
+    """The same key in api_keys and in a named entry, or in two named entries, would have
+    two sets of permissions: refused with one line naming both entries, at start (exit 2)
+    and on SIGHUP (the configuration in force stays)."""
+    dev = make("dev", publish=["a/#"], subscribe=["a/#"])
+    twin = Key("twin", dev.key, dev.perms)
+    for auth, names in (({"api_keys": [dev.key], "keys": [dev.stanza()]},
+                         ("auth.keys[0] (dev)", "auth.api_keys[0]")),
+                        ({"keys": [make("x").stanza(), dev.stanza(), twin.stanza()]},
+                         ("auth.keys[2] (twin)", "auth.keys[1] (dev)"))):
+        b = start_broker({"auth": auth}, expect_ready=False)
+        assert b.proc.wait(WAIT) == 2
+        assert b.log_ended.wait(WAIT)
+        lines = [line for line in b.log if line.strip()]
+        assert len(lines) == 1 and all(n in lines[0] for n in names), lines
+        assert dev.key not in lines[0]
+
+    b = start_broker({"auth": {"keys": [dev.stanza()]}, "mqtt": {"enabled": True, "port": 0}})
+    d = mqtt_client(b, dev, "dev-1")
+    assert d.subscribe(("#", 0), ("a/#", 0)) == [SUBACK_FAILURE, 0]
+    doc = tomllib.loads(b.config_path.read_text())
+    doc["auth"]["api_keys"] = [dev.key]  # pasted while migrating, still listed there
+    b.config_path.write_text(tomlkit.dumps(doc))
+    b.proc.send_signal(signal.SIGHUP)
+    line = b.wait_log("reload refused")
+    assert "auth.keys[0] (dev)" in line and "auth.api_keys[0]" in line, line
+    assert dev.key not in line
+    # the connection kept its key's permissions, and so does a new one
+    assert d.subscribe(("#", 0), ("$SYS/#", 0)) == [SUBACK_FAILURE, SUBACK_FAILURE]
+    d.disconnect()
+    again = mqtt_client(b, dev, "dev-2")
+    assert again.subscribe(("#", 0), ("a/#", 0)) == [SUBACK_FAILURE, 0]
+    again.disconnect()
+    assert b.proc.poll() is None
+
+
+# ===================================================================== 11. reloading
+
+
+def reload_keys(b: BrokerProcess, *keys: Key, api_keys: Sequence[str] = ()) -> None:
+    """Rewrite the config's keys and SIGHUP; returns once the broker says it reloaded."""
+    doc = tomlkit.parse(b.config_path.read_text())
+    auth = tomlkit.table()
+    if api_keys:
+        auth["api_keys"] = list(api_keys)
+    auth["keys"] = [k.stanza() for k in keys]
+    doc["auth"] = auth
+    b.config_path.write_text(tomlkit.dumps(doc))
+    b.log.clear()
+    b.proc.send_signal(signal.SIGHUP)
+    b.wait_log("reloaded: ")
+
+
+def test_a_will_is_published_with_the_keys_permissions_of_the_moment(keyed) -> None:
+    """CONNECT checks a will's topic; a reload that narrows the key afterwards makes the
+    will one the key may no longer publish (dropped, counted), one still allowed goes out,
+    and a connection closed because its key was revoked publishes no will at all (though
+    its topic was allowed until then)."""
+    hall = make("hall", publish=["sensors/hall/#"], subscribe=["cmd/hall/#"])
+    admin = root()
+    b = keyed(hall, admin)
+    watcher = mqtt_client(b, admin, "watcher")
+    assert watcher.subscribe(("sensors/#", 1)) == [1]
+    devices = {}
+    for cid, topic in (("narrowed", "sensors/hall/narrowed"), ("kept", "sensors/hall/temp"),
+                       ("revoked", "sensors/hall/temp")):
+        devices[cid] = Raw(b.mqtt_port)
+        ack = devices[cid].connect(cid, will=Will(topic, f"will of {cid}".encode(), 1, False),
+                                   username="hall", password=hall.key.encode())
+        assert ack.code == 0
+    narrow = Key("hall", hall.key, {**hall.perms, "publish": ["sensors/hall/temp"]})
+    reload_keys(b, narrow, admin)
+    before = metric(b, "blipmq_mqtt_protocol_errors_total", reason="forbidden_will")
+    devices["narrowed"].close()  # the network connection is lost: the will is due
+    devices["kept"].close()
+    assert pairs_of(watcher.take(1)) == [("sensors/hall/temp", b"will of kept")]
+    b.wait_metric("blipmq_mqtt_protocol_errors_total", before + 1, reason="forbidden_will")
+    assert "will to 'sensors/hall/narrowed' not published" in b.wait_log("narrowed")
+    reload_keys(b, admin)  # hall's key leaked: revoked
+    devices["revoked"].wait_closed()
+    b.wait_metric("blipmq_connections_closed_total", 1, reason="revoked")
+    marker = mqtt_client(b, admin, "marker")
+    marker.publish("sensors/marker", "after", 1)
+    marker.disconnect()
+    assert pairs_of(watcher.take(1)) == [("sensors/marker", b"after")]
+    watcher.sync()
+    assert watcher.drained() == []
+    watcher.disconnect()
+
+
+@pytest.mark.parametrize("how", ["renamed", "from api_keys"])
+def test_a_reload_rechecks_subscriptions_whatever_the_keys_name(keyed, how: str) -> None:
+    """The same key (hash) under a new name, or moved from api_keys to a named entry, with
+    narrower permissions: its subscriptions it may no longer make end as when a key keeps
+    its name (native: FORBIDDEN; MQTT: the connection closes, and SUBSCRIBE again gets
+    0x80); one it may still make goes on."""
+    reader = make("reader", publish=["a/#"], subscribe=["a/#"])
+    admin = root()
+    if how == "renamed":
+        b = keyed(reader, admin)
+    else:
+        b = keyed(admin, api_keys=[reader.key])
+    wide = b.spawn("sub", "a/#", "--no-reconnect", **reader.env)
+    fine = b.spawn("sub", "a/public/x", "--count", "1", **reader.env)
+    try:
+        m = mqtt_client(b, reader, "reader-dev")
+        assert m.subscribe(("a/#", 0)) == [0]
+        b.wait_metric("blipmq_subscriptions", 3)
+        narrowed = Key("reader-v2" if how == "renamed" else "reader", reader.key,
+                       {"publish": ["a/#"], "subscribe": ["a/public/#"]})
+        reload_keys(b, narrowed, admin)
+        assert "2 subscription(s) ended" in b.wait_log("reloaded: keys: 2")
+        _, err = wide.communicate(timeout=WAIT)
+        assert wide.returncode == FORBIDDEN_EXIT and b"may no longer read 'a/#'" in err, err
+        m.wait_closed()
+        m = mqtt_client(b, narrowed, "reader-dev")
+        assert m.subscribe(("a/#", 0), ("a/public/#", 0)) == [SUBACK_FAILURE, 0]
+        ok(run(b, admin, "pub", "a/public/x", "still"))
+        assert m.get().payload == b"still"
+        m.disconnect()
+        out, err = fine.communicate(timeout=WAIT)
+        assert (fine.returncode, out) == (0, b"still\n"), err
+    finally:
+        for proc in (wide, fine):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def pairs_of(messages: Sequence) -> list[tuple[str, bytes]]:
+    return [(m.topic, m.payload) for m in messages]
 
 
 # =========================================================== found on the way: -e

@@ -419,10 +419,12 @@ class Broker:
         ``patient``: its log deliveries never come due for redelivery; it acks them, nacks
         them or gives them back (``requeue``) itself.
 
-        ``access``: the subscriber's permissions (None: no limits). A filter that could match
-        a topic it may not read is refused (FORBIDDEN), and so is a group another identity
-        made, unless ``access`` is an admin's; whatever the subscription then carries (live
-        messages, retained values, a replay, a group's backlog) is readable by it.
+        ``access``: the subscriber's permissions (None: no limits, and a new group belongs to
+        nobody in particular). A filter that could match a topic it may not read is refused
+        (FORBIDDEN), and so is a group another identity made, unless ``access`` is an
+        admin's or unlimited; a new group becomes its identity's; whatever the subscription
+        then carries (live messages, retained values, a replay, a group's backlog) is
+        readable by it.
         """
         cap = self.limits.max_topic_bytes
         problem = (filter_problem(topic_filter, cap)
@@ -432,13 +434,14 @@ class Broker:
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return refused(code, problem)
-        if access is not None and not access.unlimited:
-            if not access.identity.may_subscribe(topic_filter):
+        if access is not None:  # unlimited: no permission to check, but a group to own
+            if not access.unlimited and not access.identity.may_subscribe(topic_filter):
                 return refused(ErrorCode.FORBIDDEN, f"this key may not subscribe to "
                                f"{topic_filter!r}: it could match topics the key may not read")
             if group and not self._may_use_group(access, topic_filter, group, bool(qos)):
-                return refused(ErrorCode.FORBIDDEN, f"group {group!r} on {topic_filter!r} "
-                               "belongs to another key")
+                # as UNSUBSCRIBE says it: not whose the group is
+                return refused(ErrorCode.FORBIDDEN, f"this key may not use group {group!r} "
+                               f"on {topic_filter!r}")
         registry = self.registry
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
@@ -480,8 +483,8 @@ class Broker:
     # ------------------------------------------------------------------ group ownership
 
     def group_owner(self, topic_filter: str, group: str) -> str:
-        """The identity that made a group ("" when nobody in particular: made without
-        permissions in force, or by the broker)."""
+        """The identity that made a group ("" when nobody in particular: made with no
+        ``access`` (authentication off), or by the broker)."""
         key = _owner_key(topic_filter, group)
         owner = self.states.get(key)
         return owner.decode("utf-8", "replace") if owner else self._group_owners.get(key, "")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
-from blipmq_server.broker.access import Identity
+from blipmq_server.broker.access import FULL, Identity
 from blipmq_server.broker.core import BRIDGE_GROUPS, Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.config import Config, check_tls, tls_listeners
@@ -195,7 +195,8 @@ class Server:
         """Apply a new configuration's keys, permissions, log level (and TLS certificates,
         when the TLS listeners can reload) while running; returns what changed, one
         phrase each. A connection whose key is gone is closed; the others keep their
-        connections and subscriptions, with their key's new permissions."""
+        connections, with their key's new permissions, and the subscriptions those still
+        allow (``_recheck``)."""
         old = self.config
         # certificates first: a file that cannot be used raises ConfigError here, before
         # anything changed, and the reload is refused whole
@@ -218,8 +219,11 @@ class Server:
                              session.conn_id, session.peer)
                     session.revoke()
                 else:
+                    # compared whole, not by name: the same key renamed, or moved from
+                    # api_keys to a named entry, may have lost permissions too
+                    before = None if session.access is None else session.access.identity
                     session.access = keys.access_for(identity)
-                    if identity.name in changed:
+                    if identity != before:
                         narrowed += self._recheck(session, identity)
             names = ", ".join([*(f"+{n}" for n in added), *(f"-{n}" for n in removed),
                                *(f"~{n}" for n in changed)])
@@ -238,9 +242,11 @@ class Server:
         return [s for s in said if s]
 
     def _recheck(self, session: Session, identity: Identity) -> int:
-        """A key's permissions changed: its session's subscriptions the key may no longer
-        make end (native: with ERROR FORBIDDEN; MQTT, which has no word for it: the
-        connection closes). Returns how many ended."""
+        """A session's identity changed (its permissions, or its name): its subscriptions
+        the key may no longer make end (native: with ERROR FORBIDDEN; MQTT, which has no
+        word for it: the connection closes). Returns how many ended."""
+        if identity is FULL:  # full access: nothing it subscribed to was ever checked
+            return 0
         ended = 0
         for consumer in list(self.broker.registry.of(session.conn_id)):
             topic_filter = consumer.queue.filter
@@ -248,7 +254,9 @@ class Server:
                 continue
             ended += 1
             if session.protocol == "mqtt":
-                session.revoke()
+                # not revoke(): the key stays, and so does the will (published if the key's
+                # new permissions allow it)
+                session.stop_reading(CloseReason.REVOKED)
                 continue
             self.detached(self.broker.unsubscribe(session.conn_id, consumer.sub_id).detached)
             session.error(ErrorCode.FORBIDDEN, f"this key may no longer read {topic_filter!r}"
@@ -322,7 +330,7 @@ class Server:
                     f", mqtts on {cfg.mqtt.tls_host}:{mqtts_port}" if mqtts_port else "",
                     f", tls on {cfg.server.tls_host}:{tls_port}" if tls_port else "",
                     cfg.queues.capacity, cfg.queues.overflow,
-                    f"{len(self.keys.entries)} key(s)" if self.keys.enabled
+                    f"{len(self.keys.identities)} key(s)" if self.keys.enabled
                     else "disabled (no keys configured)",
                 )
                 task_status.started(Bound(port, metrics_port, mqtt_port, mqtts_port, tls_port))

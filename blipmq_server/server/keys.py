@@ -29,16 +29,19 @@ _SOURCES_KEPT = 4096  # source addresses whose last log line is remembered
 
 class Keyring:
     def __init__(self, auth: AuthOptions) -> None:
-        # the config hashed api_keys when it loaded them ("blake2b:<hex>")
-        entries: list[tuple[bytes, Identity]] = [
-            (bytes.fromhex(k.split(":", 1)[1]) if k.startswith("blake2b:")
-             else digest(k.encode("utf-8")), FULL) for k in auth.api_keys]
+        # digest -> identity, the one rule both check and find follow (the configuration
+        # refuses a key listed twice); the config hashed api_keys when it loaded them
+        # ("blake2b:<hex>")
+        identities: dict[bytes, Identity] = {}
+        for k in auth.api_keys:
+            identities.setdefault(bytes.fromhex(k.split(":", 1)[1]) if k.startswith("blake2b:")
+                                  else digest(k.encode("utf-8")), FULL)
         for spec in auth.keys:
-            entries.append((bytes.fromhex(spec.hash.split(":", 1)[1]), Identity(
+            identities.setdefault(bytes.fromhex(spec.hash.split(":", 1)[1]), Identity(
                 spec.name, spec.publish, spec.publish_deny, spec.subscribe,
-                spec.subscribe_deny, spec.admin)))
-        self.entries = tuple(entries)
-        self.enabled = bool(entries)
+                spec.subscribe_deny, spec.admin))
+        self.identities = identities
+        self.enabled = bool(identities)
         self.delay_s = auth.failure_delay_ms / 1000  # before a refused key is answered
         self.failures: dict[str, int] = {}  # by reason
         self._logged: dict[str, float] = {}  # source address -> when last logged
@@ -49,15 +52,15 @@ class Keyring:
         if not self.enabled:
             return b"", FULL
         offered = digest(given)
-        found = None
-        for known, identity in self.entries:  # every digest compared: no early exit
-            if hmac.compare_digest(offered, known):
-                found = identity
-        return None if found is None else (offered, found)
+        found = False
+        for known in self.identities:  # every digest compared: no early exit
+            found |= hmac.compare_digest(offered, known)
+        # looked up only once it is known to be there: the lookup tells nothing new
+        return (offered, self.identities[offered]) if found else None
 
     def named(self, name: str) -> tuple[bytes, Identity] | None:
         """The key called ``name`` (a client certificate's identity names it)."""
-        for known, identity in self.entries:
+        for known, identity in self.identities.items():
             if identity is not FULL and identity.name == name:
                 return known, identity
         return None
@@ -66,18 +69,17 @@ class Keyring:
         """The identity of a key already accepted (after a reload: None if revoked)."""
         if not self.enabled:
             return FULL
-        for known, identity in self.entries:
-            if known == key_digest:
-                return identity
-        return None
+        return self.identities.get(key_digest)
 
     def names(self) -> dict[str, Identity]:
-        return {identity.name: identity for _, identity in self.entries}
+        return {identity.name: identity for identity in self.identities.values()}
 
-    @staticmethod
-    def access_for(identity: Identity) -> Access | None:
-        """What a session passes to the core: None for no limits (the fast path)."""
-        return None if identity is FULL else Access(identity)
+    def access_for(self, identity: Identity) -> Access | None:
+        """What a session passes to the core: None while authentication is off (no limits,
+        and what it makes belongs to nobody in particular). With authentication on, a full
+        access key (``api_keys``) has an unlimited ``Access`` (the core's fast path too), so
+        that the sessions and groups it makes belong to its identity (``*``)."""
+        return Access(identity) if self.enabled else None
 
     async def refused(self, peer: str, reason: str) -> None:
         """Count and (rarely) log a refused key, then make its sender wait."""

@@ -163,6 +163,8 @@ class MqttSession(Session):
         self.stop_reading(CloseReason.PROTOCOL_ERROR)
 
     def revoke(self) -> None:
+        # its key is gone: nothing more goes out on that key's authority, the will neither
+        self.will = None
         self.stop_reading(CloseReason.REVOKED)  # 3.1.1 has no word for it: the close says it
 
     def closed(self) -> None:
@@ -457,7 +459,7 @@ class MqttSession(Session):
             return CloseReason.AUTH_FAILED
         access = self.access
         will = packet.will
-        if (will is not None and access is not None
+        if (will is not None and access is not None and not access.unlimited
                 and not access.may_publish(will.topic.encode("utf-8"))):
             self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED)))
             self._protocol_error("forbidden_will", f"key {identity.name!r} may not publish "

@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from blipmq_server.mqtt import state
+from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.session import CloseReason, now_ms, wall_ms
 
 if TYPE_CHECKING:
@@ -199,6 +200,9 @@ class MqttSessions:
     # ----------------------------------------------------------------------------- wills
 
     def publish_will(self, session: MqttSession) -> None:
+        """Publish the session's will (once), with its key's permissions as they are now:
+        a reload may have narrowed them since CONNECT checked the will's topic, and a will
+        they no longer allow is dropped and counted (``forbidden_will``)."""
         will = session.will
         session.will = None
         if will is None:
@@ -208,15 +212,17 @@ class MqttSessions:
         from blipmq_server.server.mqtt import raw_message
 
         raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain)
-        result = self.broker.publish((raw,), now_ms(), wall_ms())
+        result = self.broker.publish((raw,), now_ms(), wall_ms(), access=session.access)
         self.server.wake(result.wake)
         self.server.log_touched()
         if result.accepted:
             self.wills += 1
             log.debug("MQTT client %r: will published to %r", session.client_id, will.topic)
         else:
-            why = "a full queue" if result.blocked else (
-                result.refusal.text if result.refusal else "?")
+            refusal = result.refusal
+            if refusal is not None and refusal.code == ErrorCode.FORBIDDEN:
+                self.server.mqtt_error("forbidden_will")
+            why = "a full queue" if result.blocked else (refusal.text if refusal else "?")
             log.warning("MQTT client %r: will to %r not published: %s", session.client_id,
                         will.topic, why)
 
