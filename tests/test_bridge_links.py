@@ -217,6 +217,37 @@ def test_a_bridge_with_tls_options_and_no_tls_key_speaks_tls_never_plain_text(
     bp.wait_log("bridge cloud: cannot connect")
 
 
+@pytest.mark.parametrize(("files", "option", "says"), [
+    ({"ca_file": "missing.pem"}, "ca_file", "cannot read {dir}/missing.pem: No such file"),
+    ({"ca_file": "{key}"}, "ca_file", "cannot load {key}"),
+    ({"cert_file": "missing.pem", "key_file": "{key}"}, "cert_file",
+     "cannot read {dir}/missing.pem: No such file"),
+    ({"cert_file": "{cert}", "key_file": "missing.key"}, "key_file",
+     "cannot read {dir}/missing.key: No such file"),
+    ({"cert_file": "{cert}", "key_file": "{other_key}"}, "key_file",
+     "{other_key} is not the key of cert_file's certificate"),
+], ids=["no-ca", "ca-not-pem", "no-cert", "no-key", "key-of-another-cert"])
+def test_a_tls_bridge_whose_files_cannot_be_used_stops_the_start_with_one_line(
+        start_broker, tmp_path: Path, files: dict, option: str, says: str) -> None:
+    pki = make_pki(tmp_path / "pki")
+    names = {"dir": str(tmp_path / "pki"), "key": str(pki.client_key),
+             "cert": str(pki.client_cert), "other_key": str(pki.key)}
+
+    def place(text: str) -> str:
+        text = text.format(**names)
+        return text if text.startswith("/") else str(tmp_path / "pki" / text)
+
+    table = bridge_table("cloud", ["127.0.0.1:1"], ["s/# out 1"], tls=True,
+                         **{k: place(v) for k, v in files.items()})
+    bp = start_broker({"bridge": [bridge_table("first", ["127.0.0.1:1"], ["a/# out 1"]),
+                                  table]}, expect_ready=False)
+    assert bp.proc.wait(20) == 2
+    bp.log_ended.wait(5)
+    assert len(bp.log) == 1, bp.log
+    assert f"config error: bridge[1] (cloud).{option}: {says.format(**names)}" in bp.log[0], (
+        bp.log)
+
+
 def test_failover_to_the_next_address_and_back_to_the_first(start_broker) -> None:
     dead = free_port()
     backup = start_broker({"mqtt": {"enabled": True, "port": 0}})

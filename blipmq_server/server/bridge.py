@@ -84,7 +84,9 @@ class NotPrivate(LinkDown):
 
 
 class Bridge:
-    def __init__(self, server: Server, spec: BridgeSpec, conn_id: int) -> None:
+    def __init__(self, server: Server, spec: BridgeSpec, conn_id: int, where: str = "") -> None:
+        """``where`` names the bridge's table in a ConfigError (``bridge[0] (cloud)``): a
+        TLS bridge's context is built here, from its files as they are at start."""
         self.server = server
         self.spec = spec
         self.conn_id = conn_id
@@ -101,6 +103,10 @@ class Bridge:
         self._link: _Link | None = None
         self._strikes: dict[int, int] = {}  # offset -> links that died with it unanswered
         self._ssl: ssl.SSLContext | None = None
+        if spec.tls:
+            from blipmq_server.server.tls import client_context  # ssl: only with TLS
+
+            self._ssl = client_context(spec, where or f"bridge {spec.name}")
         self.private = spec.try_private  # CONNECT as a bridge (level 0x84)
         self.subscribed = False  # the upstream session holds the in rules' subscriptions
         self._retry_plain = False
@@ -308,10 +314,8 @@ class Bridge:
         """TCP, and TLS when asked; what it opened is in ``opened`` (to close on failure)."""
         stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
         opened.append(stream)
-        if not self.spec.tls:
-            return stream
         if self._ssl is None:
-            self._ssl = _client_context(self.spec)
+            return stream
         tls = trio.SSLStream(stream, self._ssl,
                              server_hostname=self.spec.server_name or host, https_compatible=True)
         await tls.do_handshake()
@@ -943,20 +947,3 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return exc.strerror or str(exc) or type(exc).__name__
     return str(exc) or type(exc).__name__
-
-
-def _client_context(spec: BridgeSpec) -> ssl.SSLContext:
-    """TLS to the upstream: its certificate verified (CA file, or the system's), its name
-    checked unless ``insecure``, a client certificate when given (mTLS), ALPN when asked."""
-    import ssl
-
-    ctx = ssl.create_default_context(cafile=spec.ca_file or None)
-    if spec.cert_file:
-        ctx.load_cert_chain(spec.cert_file, spec.key_file)
-    if spec.insecure:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    if spec.alpn:
-        ctx.set_alpn_protocols(list(spec.alpn))
-    return ctx
-
