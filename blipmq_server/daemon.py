@@ -87,11 +87,17 @@ def start(config: str | None = None, **flags: str | None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"blipmq: config error: {exc}\n")
         return 2
-    if config_module.tls_listeners(cfg):  # the certificate files' contents, before anything
-        from blipmq_server.server.tls import context  # ssl: only with TLS
+    tls_bridges = [(i, spec) for i, spec in enumerate(cfg.bridges) if spec.tls]
+    if config_module.tls_listeners(cfg) or tls_bridges:
+        # the certificate files' contents, before anything (the server builds its contexts
+        # again from the files: these are only checks)
+        from blipmq_server.server.tls import client_context, context  # ssl: only with TLS
 
         try:
-            context(cfg.tls)
+            if config_module.tls_listeners(cfg):
+                context(cfg.tls)
+            for i, spec in tls_bridges:
+                client_context(spec, f"bridge[{i}] ({spec.name})")
         except ConfigError as exc:
             sys.stderr.write(f"blipmq: config error: {exc}\n")
             return 2

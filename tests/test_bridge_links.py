@@ -64,6 +64,10 @@ def test_prefixes_map_topics_both_ways() -> None:
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "backlog": "keep"}, "backlog must"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "cert_file": "c.pem"},
      "cert_file and key_file go together"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "tls": False, "ca_file": "ca.pem"},
+     "tls = false, but ca_file is set, which means TLS"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "tls": False, "insecure": True},
+     "tls = false, but insecure is set"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "backoff_min_ms": 5000,
       "backoff_max_ms": 10}, "backoff_min_ms is larger"),
     ({"name": "a", "addresses": ["::1:1883"], "topics": ["x"]}, "bracketed IPv6"),
@@ -124,6 +128,23 @@ def test_default_ports_follow_protocol_and_tls() -> None:
     assert [s.addresses[0][1] for s in specs] == [1883, 8883, 7878]
 
 
+def test_a_tls_option_means_tls_as_for_the_cli_and_mosquitto() -> None:
+    specs = parse_bridges([
+        {"name": "ca", "addresses": ["h"], "topics": ["x"], "ca_file": "ca.pem"},
+        {"name": "mutual", "addresses": ["h:1"], "topics": ["x"], "cert_file": "c.pem",
+         "key_file": "c.key"},
+        {"name": "insecure", "addresses": ["h:1"], "topics": ["x"], "insecure": True},
+        {"name": "alpn", "addresses": ["h:1"], "topics": ["x"], "alpn": ["x-amzn-mqtt-ca"]},
+        {"name": "sni", "addresses": ["h:1"], "topics": ["x"], "server_name": "cloud.example"},
+        {"name": "both", "addresses": ["h:1"], "topics": ["x"], "tls": True, "ca_file": "a"},
+        {"name": "plain", "addresses": ["h:1"], "topics": ["x"], "tls": False,
+         "insecure": False, "alpn": [], "server_name": ""},
+    ])
+    assert [s.tls for s in specs] == [True] * 6 + [False]
+    assert specs[0].addresses == (("h", 8883),)  # TLS's default port
+    assert specs[3].alpn == ("x-amzn-mqtt-ca",)
+
+
 def test_backoff_is_jittered_within_its_bounds_and_resets() -> None:
     rng = random.Random(7)
     backoff = Backoff(1.0, 60.0, rng.uniform)
@@ -170,6 +191,61 @@ def test_tls_to_the_upstream_verifies_it_and_offers_a_client_certificate(
     no_cert = wait_status(bp, "no-cert", lambda b: b["last_error"] != "")
     assert not (wrong_ca["connected"] or wrong_name["connected"] or no_cert["connected"])
     assert "Hostname mismatch" in wrong_name["last_error"], wrong_name
+
+
+def test_a_bridge_with_tls_options_and_no_tls_key_speaks_tls_never_plain_text(
+        start_broker, tmp_path: Path) -> None:
+    """A CA file and a client certificate without ``tls = true``: the upstream gets a TLS
+    ClientHello, not a CONNECT with the password in clear."""
+    import socket
+
+    pki = make_pki(tmp_path / "pki")
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(20)
+    port = listener.getsockname()[1]
+    with listener:
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{port}"], ["s/# out 1"], username="gateway-17",
+            password="very-secret-password", ca_file=str(pki.ca),
+            cert_file=str(pki.client_cert), key_file=str(pki.client_key))]})
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            first = conn.recv(4096)
+    assert first[:1] == b"\x16", first[:40]  # a TLS handshake record
+    assert b"very-secret-password" not in first and b"MQTT" not in first
+    bp.wait_log("bridge cloud: cannot connect")
+
+
+@pytest.mark.parametrize(("files", "option", "says"), [
+    ({"ca_file": "missing.pem"}, "ca_file", "cannot read {dir}/missing.pem: No such file"),
+    ({"ca_file": "{key}"}, "ca_file", "cannot load {key}"),
+    ({"cert_file": "missing.pem", "key_file": "{key}"}, "cert_file",
+     "cannot read {dir}/missing.pem: No such file"),
+    ({"cert_file": "{cert}", "key_file": "missing.key"}, "key_file",
+     "cannot read {dir}/missing.key: No such file"),
+    ({"cert_file": "{cert}", "key_file": "{other_key}"}, "key_file",
+     "{other_key} is not the key of cert_file's certificate"),
+], ids=["no-ca", "ca-not-pem", "no-cert", "no-key", "key-of-another-cert"])
+def test_a_tls_bridge_whose_files_cannot_be_used_stops_the_start_with_one_line(
+        start_broker, tmp_path: Path, files: dict, option: str, says: str) -> None:
+    pki = make_pki(tmp_path / "pki")
+    names = {"dir": str(tmp_path / "pki"), "key": str(pki.client_key),
+             "cert": str(pki.client_cert), "other_key": str(pki.key)}
+
+    def place(text: str) -> str:
+        text = text.format(**names)
+        return text if text.startswith("/") else str(tmp_path / "pki" / text)
+
+    table = bridge_table("cloud", ["127.0.0.1:1"], ["s/# out 1"], tls=True,
+                         **{k: place(v) for k, v in files.items()})
+    bp = start_broker({"bridge": [bridge_table("first", ["127.0.0.1:1"], ["a/# out 1"]),
+                                  table]}, expect_ready=False)
+    assert bp.proc.wait(20) == 2
+    bp.log_ended.wait(5)
+    assert len(bp.log) == 1, bp.log
+    assert f"config error: bridge[1] (cloud).{option}: {says.format(**names)}" in bp.log[0], (
+        bp.log)
 
 
 def test_failover_to_the_next_address_and_back_to_the_first(start_broker) -> None:

@@ -72,3 +72,51 @@ def test_full_disk_refuses_qos1_then_resumes(start_broker, tiny_fs: Path) -> Non
     assert stored[:confirmed] == list(range(confirmed))
     assert stored == sorted(set(stored))
     assert all(len(p) == 1000 for p in payloads[1:-1])
+
+
+def _fill(where: Path) -> Path:
+    """Fill the filesystem at ``where`` to the last byte."""
+    filler = where / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for block in (1 << 16, 4096, 512, 1):
+            try:
+                while os.write(fd, b"\0" * block):
+                    pass
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_an_in_bridge_on_a_full_disk_says_so_once_not_once_a_message(
+        start_broker, tiny_fs: Path) -> None:
+    """Each message from the upstream the log cannot store ends the link (the upstream sends
+    it again), on every link while the disk is full: one warning says so, and one more when
+    messages are stored again, whatever the number of messages and links meanwhile."""
+    from tests.test_bridge import bridge_table, local_numbers, wait_status
+    from tests.upstream import Mosquitto, mqtt_client
+
+    with Mosquitto() as up:
+        bp = start_broker({"wal": {"segment_bytes": 65536}, "bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{up.port}"], ["cmd/# in 1"], backoff_min_ms=100,
+            backoff_max_ms=200)]}, data_dir=tiny_fs / "data")
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        filler = _fill(tiny_fs)
+        pub = mqtt_client(up.port)
+        for info in [pub.publish("cmd/x", b"%04d " % n + b"y" * 3000, qos=1)
+                     for n in range(30)]:
+            info.wait_for_publish(10)
+        wait_status(bp, "cloud", lambda b: b["reconnects"] >= 5)
+        said = [line for line in bp.log if "blipmq.bridge" in line]
+        assert len(said) == 2, "\n".join(said)  # connected, then the one warning
+        assert "a message from the upstream could not be stored" in said[1], said
+        assert "No space left on device" in said[1], said
+        filler.unlink()
+        got = local_numbers(bp, "cmd/#", 30)
+        assert {line[:4] for line in got} == {b"%04d" % n for n in range(30)}
+        bp.wait_log("bridge cloud: messages from the upstream are stored again")
+        pub.disconnect()
+        pub.loop_stop()
+        assert bp.stop() == 0

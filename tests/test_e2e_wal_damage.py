@@ -78,3 +78,39 @@ def test_offsets_are_not_reused_after_a_damaged_end_even_across_a_second_restart
     assert got[:97] == [(i, str(i)) for i in range(1, 98)]
     assert got[-1][1] == "after" and got[-1][0] > 100  # 98-100 were used by the damaged ones
     assert b3.stop() == 0
+
+
+@pytest.mark.parametrize(("kind", "body"), [
+    (rec.Kind.STATE, b"\x00"),
+    (rec.Kind.STATE, b"\x00\x10key"),  # its key's length runs past the body
+    (rec.Kind.GROUP, b"\x01\x00\x00"),
+    (rec.Kind.ACK, b"\x00\x00\x00\x00\x01"),
+    (rec.Kind.RETAINED, b"\x00\x00\x00\x01"),
+    (rec.Kind.MESSAGE, b"\x08"),  # retained, and shorter than a message's head
+], ids=["state", "state-key", "group", "ack", "retained", "retained-message"])
+def test_a_record_with_a_valid_crc_and_a_body_that_does_not_parse_is_set_aside(
+    start_broker, kind: int, body: bytes
+) -> None:
+    b = start_broker()
+    assert b.shell("seq 1 50 | blipmq pub t --qos 1 --lines -").returncode == 0
+    assert b.stop() == 0
+    segment, = (b.data_dir / "wal").glob("*.seg")
+    data = segment.read_bytes()
+    records = records_of(segment)
+    offset, pos = records[25]
+    end = records[26][1]
+    # the 26th message's place taken by a record whose CRC holds: a writer's defect
+    crafted = rec.encode(kind, offset, rec.decode_at(data, pos)[0].timestamp_ms, body)
+    segment.write_bytes(data[:pos] + crafted + data[end:])
+    b2 = start_broker(data_dir=b.data_dir)
+    assert b2.metric("blipmq_wal_recovery_quarantined") == 1
+    line = b2.wait_log("cannot be read")
+    assert f"{segment.name}: {rec.Kind(kind).name} record {offset}" in line, line
+    assert f"at byte {pos}" in line and "set aside" in line and "kept" in line, line
+    assert not any("Traceback" in x for x in b2.log), "\n".join(b2.log)
+    aside = segment.with_name(f"{segment.name}.{pos}.corrupt")
+    assert aside.read_bytes() == crafted
+    assert read_all(b2, 49) == [(i, str(i)) for i in range(1, 51) if i != offset]
+    assert b2.cli("pub", "t", "after", "--qos", "1").returncode == 0
+    assert read_all(b2, 50)[-1] == (51, "after")
+    assert b2.stop() == 0

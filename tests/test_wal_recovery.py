@@ -147,6 +147,39 @@ def test_offsets_are_not_reused_after_the_end_of_the_newest_segment_is_set_aside
     assert third.next_offset == first_new + 1
 
 
+def test_a_record_its_owner_cannot_read_is_set_aside_and_its_offset_not_reused(
+    tmp_path: Path,
+) -> None:
+    write_log(tmp_path, 20)
+    log = Log(str(tmp_path))
+    log.open()
+    group = log.append(rec.Kind.GROUP, b"not a group", 2000)  # the last record of the log
+    b = log.take_batch()
+    assert b is not None
+    b.write(log.disk, True)
+    log.commit(b)
+    log.close()
+    taken: list[int] = []
+
+    def on_record(record: rec.Record) -> str | None:  # the broker's parser, in short
+        if record.body == b"not a group":
+            return "its body of 11 bytes ends early"
+        taken.append(record.offset)
+        return None
+
+    again = Log(str(tmp_path))
+    found = again.open(on_record=on_record)
+    assert not taken and len(found.quarantined) == 1
+    assert any(f"GROUP record {group} cannot be read (its body of 11 bytes ends early)"
+               in note for note in found.notes), found.notes
+    assert [r.offset for r in everything(again)] == list(range(1, 21))
+    assert again.next_offset == group + 1  # used, if set aside
+    again.close()
+    third, found3 = reopen(tmp_path)  # the record is in the .corrupt file now
+    assert not found3.quarantined and third.next_offset == group + 1
+    third.close()
+
+
 def test_offsets_are_not_reused_when_the_newest_segment_is_unreadable(tmp_path: Path) -> None:
     opts = LogOptions(segment_bytes=1000)
     write_log(tmp_path, 100, opts)

@@ -163,6 +163,9 @@ _STRS = ("protocol", "client_id", "username", "password", "backlog", "state_topi
          "ca_file", "cert_file", "key_file", "server_name")
 _BOOLS = ("outgoing_retain", "try_private", "tls", "insecure")
 _KNOWN = ("name", "addresses", "topics", "alpn", *_INTS, *_STRS, *_BOOLS)
+# options that mean TLS: one of them set turns ``tls`` on (as a CA file, a certificate or
+# --insecure does for the CLI, and bridge_cafile and the like do for mosquitto)
+TLS_OPTIONS = ("ca_file", "cert_file", "key_file", "server_name", "insecure", "alpn")
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
@@ -279,6 +282,14 @@ def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
             raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}", where)
         if options.get("backlog", "drop_oldest") not in BACKLOG_POLICIES:
             raise ConfigError(f"backlog must be one of {', '.join(BACKLOG_POLICIES)}", where)
+        if alpn:
+            options["alpn"] = tuple(alpn)
+        tls_set = [k for k in TLS_OPTIONS if options.get(k)]
+        if tls_set and options.get("tls") is False:
+            raise ConfigError(f"tls = false, but {tls_set[0]} is set, which means TLS "
+                              f"(remove tls = false, or {tls_set[0]})", where)
+        if tls_set:
+            options["tls"] = True
         default_port = {"mqtt": 8883 if options.get("tls") else 1883,
                         "blipmq": 7879 if options.get("tls") else 7878}[str(protocol)]
         raw = table.get("addresses")
@@ -319,5 +330,5 @@ def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
         state = str(options.get("state_topic", ""))
         if state and topic_problem(state, WIRE_TOPIC_BYTES):
             raise ConfigError(f"state_topic: {topic_problem(state, WIRE_TOPIC_BYTES)}", where)
-        specs.append(BridgeSpec(name, addresses, rules, alpn=tuple(alpn), **options))  # type: ignore[arg-type]
+        specs.append(BridgeSpec(name, addresses, rules, **options))  # type: ignore[arg-type]
     return tuple(specs)

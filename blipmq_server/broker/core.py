@@ -46,6 +46,7 @@ from blipmq_server.protocol.message import (
     DELIVERY_PREFIX,
     FLAG_RETAIN,
     PREFIX_SIZE,
+    record_size,
 )
 from blipmq_server.protocol.names import filter_problem, group_problem
 
@@ -58,6 +59,13 @@ _STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
 BRIDGE_GROUPS = "bridge."  # the durable groups of bridges: no client joins one
 _BRIDGES_ONLY = ("group names starting with 'bridge.' belong to bridges (docs/BRIDGE.md): "
                  "no client may join one, or delete a configured bridge's")
+
+
+def _check_message(record: bytes) -> None:
+    """Raise ValueError (or struct.error) unless ``record`` holds a whole message record."""
+    size = record_size(record)
+    if size > len(record):
+        raise ValueError(f"a message record of {size} bytes in {len(record)}")
 
 
 def _owner_key(topic_filter: str, group: str) -> bytes:
@@ -950,13 +958,29 @@ class Broker:
 
     # --------------------------------------------------------------------------- recovery
 
-    def recover(self, record: StoredRecord) -> None:
-        """A record met while the log is opened (the log's ``on_record``): a GROUP, ACK or
-        RETAINED record, or a MESSAGE with the retain flag (the log hands over only those)."""
+    def recover(self, record: StoredRecord) -> str | None:
+        """A record met while the log is opened (the log's ``on_record``): a GROUP, ACK,
+        RETAINED or STATE record, or a MESSAGE with the retain flag (the log hands over only
+        those). Returns None once it is applied, or why its body cannot be read (a record
+        whose CRC holds but whose body does not parse: a writer's defect, another tool):
+        then nothing of it is applied, and the log sets it aside as damaged."""
+        try:
+            self._recover(record)
+        except (struct.error, IndexError):
+            return f"its body of {len(record.body)} bytes ends early"
+        except ValueError as exc:
+            return str(exc) or type(exc).__name__
+        return None
+
+    def _recover(self, record: StoredRecord) -> None:
+        """``recover``'s work. Each kind is parsed whole before anything is applied, so a
+        body that does not parse raises and leaves the state as it was."""
         kind = record.kind
         if kind == Kind.STATE:
             body = record.body
             (n,) = _STATE_KEY.unpack_from(body)
+            if 2 + n > len(body):
+                raise ValueError(f"its key of {n} bytes runs past its {len(body)}-byte body")
             key, value = body[2:2 + n], body[2 + n:]
             if value:
                 self.states[key] = value
@@ -966,17 +990,19 @@ class Broker:
                 self._state_at.pop(key, None)
         elif kind == Kind.MESSAGE:
             body = record.body
+            _check_message(body)
             if body[0] & FLAG_RETAIN:
                 self.retained.put(topic_of(body), record.offset, record.timestamp_ms, body,
                                   record.offset)
             return
         if kind == Kind.RETAINED:
             offset, timestamp_ms, body = parse_carry(record.body)
+            _check_message(body)
             self.retained.put(topic_of(body), offset, timestamp_ms, body, record.offset)
-        first, last = self._bookkeeping
-        self._bookkeeping = (first if record.offset == last + 1 else record.offset, record.offset)
         if self.cursors is not None and kind != Kind.RETAINED and kind != Kind.STATE:
             self.cursors.recover(record)
+        first, last = self._bookkeeping
+        self._bookkeeping = (first if record.offset == last + 1 else record.offset, record.offset)
 
     def recovered(self, wall_ms: int) -> None:
         """The log is open: where the last message is, and which groups count as idle."""

@@ -372,9 +372,13 @@ class Server:
         if self.wal is None:
             raise ConfigError("bridges forward from the write-ahead log: wal.enabled must be "
                               "true", "bridge")
-        for spec in self.config.bridges:
-            bridge = Bridge(self, spec, self._next_conn_id)
+        # all made first: a TLS bridge's files are checked before any group is opened
+        made: list[Bridge] = []
+        for i, spec in enumerate(self.config.bridges):
+            made.append(Bridge(self, spec, self._next_conn_id, f"bridge[{i}] ({spec.name})"))
             self._next_conn_id += 1
+        for bridge in made:
+            spec = bridge.spec
             try:
                 bridge.attach()
             except LinkDown as exc:

@@ -73,6 +73,9 @@ _HEAD = struct.Struct(">QHQBBIHHI")  # a delivery record's prefix and message he
 _BODY = PREFIX_SIZE + MSG_HEAD.size
 _MAX_BATCH = 256
 _MAX_BATCH_BYTES = 1 << 20
+_UNSTORED_EVERY_S = 60  # while messages coming in cannot be stored: one line at most this often
+_STORED_AGAIN_S = 2  # ... until they are stored again for this long without a refusal
+_UNSTORED = "a message from the upstream could not be stored"  # why such a link ends
 
 
 class LinkDown(Exception):
@@ -84,7 +87,9 @@ class NotPrivate(LinkDown):
 
 
 class Bridge:
-    def __init__(self, server: Server, spec: BridgeSpec, conn_id: int) -> None:
+    def __init__(self, server: Server, spec: BridgeSpec, conn_id: int, where: str = "") -> None:
+        """``where`` names the bridge's table in a ConfigError (``bridge[0] (cloud)``): a
+        TLS bridge's context is built here, from its files as they are at start."""
         self.server = server
         self.spec = spec
         self.conn_id = conn_id
@@ -101,6 +106,10 @@ class Bridge:
         self._link: _Link | None = None
         self._strikes: dict[int, int] = {}  # offset -> links that died with it unanswered
         self._ssl: ssl.SSLContext | None = None
+        if spec.tls:
+            from blipmq_server.server.tls import client_context  # ssl: only with TLS
+
+            self._ssl = client_context(spec, where or f"bridge {spec.name}")
         self.private = spec.try_private  # CONNECT as a bridge (level 0x84)
         self.subscribed = False  # the upstream session holds the in rules' subscriptions
         self._retry_plain = False
@@ -118,6 +127,17 @@ class Bridge:
         self.qos2_in: dict[int, int] = {}
         self._tokens: dict[int, int] = {}
         self._token = 0
+        # messages coming in that the local log could not store (a full disk refuses each
+        # of them on every link): when the last line said so (None: they are stored again),
+        # how many more were not, and links dropped for them, since that line; when the
+        # last was refused and why; whether one was stored since
+        self._unstored_said: float | None = None
+        self._unstored = 0
+        self._unstored_links = 0
+        self._unstored_at = 0.0
+        self._unstored_why = ""
+        self._stored_after = False
+        self._quiet = False  # the last link ended so: the next connect is not logged as news
 
     # ------------------------------------------------------------------ the core's side
 
@@ -226,6 +246,7 @@ class Bridge:
         status = trio.CancelScope()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_oldest, status)
+            nursery.start_soon(self._watch_unstored)
             try:
                 while True:
                     host, port = spec.addresses[turn % len(spec.addresses)]
@@ -237,8 +258,14 @@ class Bridge:
                     if reason is not None:  # it was up: the primary first again
                         turn = 0
                         self.counters["reconnects"] += 1
-                        log.warning("bridge %s: link to %s lost: %s", spec.name,
-                                    self.address, reason)
+                        self._quiet = reason == _UNSTORED and self._unstored_said is not None
+                        if self._quiet:
+                            self._unstored_links += 1  # summed up by _watch_unstored
+                            log.debug("bridge %s: link to %s lost: %s", spec.name,
+                                      self.address, reason)
+                        else:
+                            log.warning("bridge %s: link to %s lost: %s", spec.name,
+                                        self.address, reason)
                     else:
                         turn += 1
                     self.last_error = reason or self.last_error
@@ -289,7 +316,9 @@ class Bridge:
         self.connected = True
         self.last_error = ""
         self._publish_state(b"1")
-        log.info("bridge %s: connected to %s:%d", spec.name, host, port)
+        # quiet while messages coming in cannot be stored: each link is dropped at once
+        (log.debug if self._quiet and self._unstored_said is not None else log.info)(
+            "bridge %s: connected to %s:%d", spec.name, host, port)
         for sub_id in self.rules_by_sub:
             self.broker.set_credit(self.conn_id, sub_id, spec.inflight)
         self._kick.set()
@@ -308,10 +337,8 @@ class Bridge:
         """TCP, and TLS when asked; what it opened is in ``opened`` (to close on failure)."""
         stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
         opened.append(stream)
-        if not self.spec.tls:
-            return stream
         if self._ssl is None:
-            self._ssl = _client_context(self.spec)
+            return stream
         tls = trio.SSLStream(stream, self._ssl,
                              server_hostname=self.spec.server_name or host, https_compatible=True)
         await tls.do_handshake()
@@ -400,6 +427,53 @@ class Bridge:
             link.released.add(pid)
             link.outbox.append(mqtt.encode(PubRel(pid)))
         self.owed.clear()
+
+    def unstored(self, text: str) -> None:
+        """A message from the upstream the local log could not store (``text``: why): its
+        link ends, so that the upstream sends it again. While that lasts (a full disk
+        refuses every message of every link), the first is said at once, the others are
+        counted and summed up at most once every ``_UNSTORED_EVERY_S`` seconds, and the
+        end is said too (``_watch_unstored``). The caller ends the link."""
+        self._kick.set()
+        now = trio.current_time()
+        self._unstored_at, self._unstored_why, self._stored_after = now, text, False
+        if self._unstored_said is None:
+            self._unstored_said = now
+            log.warning("bridge %s: %s: %s; the link is dropped, so that the upstream sends "
+                        "it again (until messages are stored again, this is summed up at most "
+                        "once every %d s)", self.spec.name, _UNSTORED, text, _UNSTORED_EVERY_S)
+        else:
+            self._unstored += 1
+
+    def stored(self) -> None:
+        """A message from the upstream is stored while some could not be."""
+        self._stored_after = True
+
+    async def _watch_unstored(self) -> None:
+        """Once a second while messages from the upstream could not be stored: say that
+        they are stored again, once one was and none was refused for ``_STORED_AGAIN_S``
+        seconds; else sum up the refusals since the last line, at most every
+        ``_UNSTORED_EVERY_S`` seconds."""
+        while True:
+            await trio.sleep(1)
+            said = self._unstored_said
+            if said is None:
+                continue
+            now = trio.current_time()
+            name, more, links = self.spec.name, self._unstored, self._unstored_links
+            if self._stored_after and now - self._unstored_at >= _STORED_AGAIN_S:
+                log.warning("bridge %s: messages from the upstream are stored again (%d more "
+                            "could not be, and %d link(s) were dropped for them, since the "
+                            "last line said so)", name, more, links)
+                self._unstored_said = None
+            elif more and now - said >= _UNSTORED_EVERY_S:
+                log.warning("bridge %s: %d more message(s) from the upstream could not be "
+                            "stored, and %d link(s) were dropped for them, in the last %.0f s: "
+                            "%s", name, more, links, now - said, self._unstored_why)
+                self._unstored_said = now
+            else:
+                continue
+            self._unstored = self._unstored_links = 0
 
     def unexpected(self, what: str, packet_id: int) -> None:
         """An acknowledgement for a packet id not waiting for it: counted, logged once."""
@@ -517,6 +591,8 @@ class Bridge:
     # the flusher's confirm interface for QoS 2 messages coming in: their packet ids belong
     # to the upstream session, not to one link, so the PUBREC goes on the link up now
     def confirmed(self, request_id: int, count: int) -> None:
+        if self._unstored_said is not None:
+            self.stored()
         pid = self._tokens.pop(request_id, None)
         if pid is None or self.qos2_in.get(pid) != request_id:
             return  # the upstream lost the session meanwhile
@@ -529,10 +605,9 @@ class Bridge:
         pid = self._tokens.pop(request_id, None)
         if pid is not None and self.qos2_in.get(pid) == request_id:
             del self.qos2_in[pid]
-        log.warning("bridge %s: %s", self.spec.name, text)
         if self._link is not None:
             self._link.open = False
-        self._kick.set()
+        self.unstored(text)
 
     def release_in(self, link: _Link, packet_id: int) -> None:
         """PUBREL from the upstream: the packet id may carry a new message; PUBCOMP."""
@@ -662,13 +737,14 @@ class _Link:
 
     # the flusher's confirm interface (``Flusher.confirm_later``)
     def confirmed(self, request_id: int, count: int) -> None:
+        if self.bridge._unstored_said is not None:
+            self.bridge.stored()
         self.ack(request_id)
 
     def confirm_failed(self, request_id: int, count: int, text: str) -> None:
         # not stored: no PUBACK, and the link ends, so the upstream sends it again
-        log.warning("bridge %s: %s", self.bridge.spec.name, text)
         self.open = False
-        self.bridge._kick.set()
+        self.bridge.unstored(text)
 
     async def _reader(self) -> None:
         self._handle_all(self.pending)
@@ -766,7 +842,7 @@ class _Link:
         refilled = trio.current_time()
         while True:
             if not self.open:
-                raise LinkDown("a message from the upstream could not be stored")
+                raise LinkDown(_UNSTORED)
             now = trio.current_time()
             if keepalive:
                 if now - self.heard_at >= 1.5 * keepalive:
@@ -943,20 +1019,3 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return exc.strerror or str(exc) or type(exc).__name__
     return str(exc) or type(exc).__name__
-
-
-def _client_context(spec: BridgeSpec) -> ssl.SSLContext:
-    """TLS to the upstream: its certificate verified (CA file, or the system's), its name
-    checked unless ``insecure``, a client certificate when given (mTLS), ALPN when asked."""
-    import ssl
-
-    ctx = ssl.create_default_context(cafile=spec.ca_file or None)
-    if spec.cert_file:
-        ctx.load_cert_chain(spec.cert_file, spec.key_file)
-    if spec.insecure:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    if spec.alpn:
-        ctx.set_alpn_protocols(list(spec.alpn))
-    return ctx
-

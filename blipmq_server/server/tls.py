@@ -1,10 +1,12 @@
 """TLS for the broker's listeners: the server context built from ``[tls]``, the handshake
-of an accepted connection, the client certificate's identity, and reloading the files.
+of an accepted connection, the client certificate's identity, and reloading the files; and
+the client context of a bridge to an upstream over TLS (``client_context``).
 
-Imported only when a listener serves TLS (``config.tls_listeners``): a broker without TLS
-never loads ssl, nor OpenSSL's libraries (blipmq_server/deferred.py). One context serves
-every TLS listener; ``reload`` swaps it for one built from the files as they are now, which
-new connections use while the open ones keep theirs.
+Imported only when a listener serves TLS (``config.tls_listeners``) or a bridge links over
+TLS: a broker without TLS never loads ssl, nor OpenSSL's libraries
+(blipmq_server/deferred.py). One context serves every TLS listener; ``reload`` swaps it for
+one built from the files as they are now, which new connections use while the open ones
+keep theirs.
 
 A handshake runs before the connection becomes a session and is bounded by
 ``server.handshake_timeout_ms``; a failure costs only that connection and is counted by
@@ -28,12 +30,16 @@ import logging
 import math
 import re
 import ssl
+from typing import TYPE_CHECKING
 
 import trio
 
 from blipmq_server.config import TlsOptions
 from blipmq_server.errors import ConfigError
 from blipmq_server.server.session import peer_of
+
+if TYPE_CHECKING:
+    from blipmq_server.bridge.spec import BridgeSpec
 
 log = logging.getLogger("blipmq.tls")
 
@@ -72,17 +78,7 @@ def context(options: TlsOptions) -> ssl.SSLContext:
                            else ssl.TLSVersion.TLSv1_2)
     for name in _FILES:
         _readable(options, name)
-    try:
-        ctx.load_cert_chain(options.cert_file, options.key_file or None, password=_no_password)
-    except ssl.SSLError as exc:
-        if exc.reason == "KEY_VALUES_MISMATCH":
-            raise ConfigError(f"{options.key_file} is not the key of tls.cert_file's "
-                              "certificate", "tls.key_file") from None
-        where = "tls.key_file" if options.key_file and _holds_cert(options.cert_file) else (
-            "tls.cert_file")
-        path = options.key_file if where == "tls.key_file" else options.cert_file
-        raise ConfigError(f"cannot load {path}: {_text(exc)} (a PEM certificate and an "
-                          "unencrypted PEM key are needed)", where) from None
+    _load_pair(ctx, options.cert_file, options.key_file, "tls.")
     if options.ca_file:
         try:
             ctx.load_verify_locations(cafile=options.ca_file)
@@ -93,15 +89,62 @@ def context(options: TlsOptions) -> ssl.SSLContext:
     return ctx
 
 
+def client_context(spec: BridgeSpec, where: str) -> ssl.SSLContext:
+    """A bridge's TLS to its upstream: the upstream's certificate verified (``ca_file``, or
+    the system's CAs) and its name checked unless ``insecure``, a client certificate when
+    given (mutual TLS), ALPN when asked. Raises ConfigError naming ``where``'s option
+    (``bridge[0] (cloud).ca_file``) and the file it could not use."""
+    for name in ("ca_file", "cert_file", "key_file"):
+        path = getattr(spec, name)
+        if path:
+            _read(path, f"{where}.{name}")
+    try:
+        ctx = ssl.create_default_context(cafile=spec.ca_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load {spec.ca_file}: {_why(exc)} (PEM CA certificates are "
+                          "needed)", f"{where}.ca_file") from None
+    if spec.cert_file:
+        _load_pair(ctx, spec.cert_file, spec.key_file, f"{where}.", "")
+    if spec.insecure:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if spec.alpn:
+        ctx.set_alpn_protocols(list(spec.alpn))
+    return ctx
+
+
+def _load_pair(ctx: ssl.SSLContext, cert_file: str, key_file: str, prefix: str,
+               said: str = "tls.") -> None:
+    """``cert_file`` (with ``key_file``, or a key inside it) into ``ctx``; a ConfigError
+    names ``prefix + "cert_file"`` or ``"key_file"``, whichever could not be used
+    (``said``: how the text names the certificate's option)."""
+    try:
+        ctx.load_cert_chain(cert_file, key_file or None, password=_no_password)
+    except (OSError, ssl.SSLError) as exc:
+        if isinstance(exc, ssl.SSLError) and exc.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"{key_file} is not the key of {said}cert_file's "
+                              "certificate", f"{prefix}key_file") from None
+        name = "key_file" if key_file and _holds_cert(cert_file) else "cert_file"
+        path = key_file if name == "key_file" else cert_file
+        raise ConfigError(f"cannot load {path}: {_why(exc)} (a PEM certificate and an "
+                          "unencrypted PEM key are needed)", prefix + name) from None
+
+
+def _why(exc: OSError) -> str:
+    return _text(exc) if isinstance(exc, ssl.SSLError) else str(exc.strerror or exc)
+
+
 def _readable(options: TlsOptions, name: str) -> bytes:
     path = getattr(options, name)
-    if not path:
-        return b""
+    return _read(path, f"tls.{name}") if path else b""
+
+
+def _read(path: str, key: str) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", f"tls.{name}") from None
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", key) from None
 
 
 def _holds_cert(path: str) -> bool:

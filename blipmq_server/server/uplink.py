@@ -189,6 +189,8 @@ class NativeLink(_Link):
     def confirmed(self, request_id: int, count: int) -> None:
         """The local log holds a stored batch: ACK it upstream (not on a link that ended:
         the upstream's group already took it back, to send again)."""
+        if self.bridge._unstored_said is not None:
+            self.bridge.stored()
         found = self._in_acks.pop(request_id, None)
         if found is not None and self.open:
             self.conn.ack(*found)

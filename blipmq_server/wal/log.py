@@ -99,7 +99,7 @@ class Log:
 
     # ---------------------------------------------------------------------------- recovery
 
-    def open(self, on_record: Callable[[rec.Record], None] | None = None,
+    def open(self, on_record: Callable[[rec.Record], str | None] | None = None,
              message_flags: int = 0) -> Recovery:
         """Scan every segment, cut a torn tail, set damaged bytes aside, index the rest
         (``wal/recovery.py``).
@@ -107,7 +107,8 @@ class Log:
         ``on_record`` is called, in log order, with every valid record that is not a MESSAGE
         (group, ack and retained records), so their owner can rebuild its state in the same
         pass, and with every MESSAGE whose flags byte has a bit of ``message_flags`` (the
-        broker asks for retained publishes).
+        broker asks for retained publishes). It returns None, or why it cannot read the
+        record's body: that record is set aside as damaged.
         What an earlier run wrote may not have been fsynced: every segment kept, and the
         directory, count as unsynced until the first sync.
         """

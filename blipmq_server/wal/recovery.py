@@ -4,10 +4,12 @@ Only the log's last record can be torn (an interrupted write). Damage followed b
 record is corruption: recovery finds the next valid record (``record.resync``), moves the
 damaged bytes to ``<segment>.<position>.corrupt``, and rewrites the segment without them
 (temporary file, fsync, rename, fsync of the directory), so every valid record after the
-damage is kept, in any segment. The next offset is beyond every offset the files show as
-used, damaged records included; when that is past the last valid record, an empty segment
-named after it keeps it for later restarts. Runs before the broker serves: plain blocking
-calls through the log's ``Disk``. Standard library and ``crc32c``; no trio, no clock.
+damage is kept, in any segment. A record whose CRC holds but whose body its owner cannot
+read (``on_record`` says why) is damage too, set aside the same way. The next offset is
+beyond every offset the files show as used, damaged records included; when that is past
+the last valid record, an empty segment named after it keeps it for later restarts. Runs
+before the broker serves: plain blocking calls through the log's ``Disk``. Standard library
+and ``crc32c``; no trio, no clock.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from blipmq_server.kinds import Kind
 from blipmq_server.wal import record as rec
 from blipmq_server.wal.disk import Disk
 from blipmq_server.wal.segment import CORRUPT, SUFFIX, TEMP, Segment, base_of, segment_name
@@ -44,13 +47,15 @@ def recover(
     directory: str,
     disk: Disk,
     index_every: int,
-    on_record: Callable[[rec.Record], None] | None = None,
+    on_record: Callable[[rec.Record], str | None] | None = None,
     message_flags: int = 0,
 ) -> Recovered:
     """Scan and repair every segment of ``directory`` in offset order.
 
     ``on_record`` gets every valid record that is not a MESSAGE, and every MESSAGE whose
-    flags have a bit of ``message_flags``, in log order.
+    flags have a bit of ``message_flags``, in log order. It returns None once it has taken
+    the record, or why the record's body cannot be read: that record is then set aside as
+    damaged (its offset stays used).
     """
     found = Recovery()
     names = disk.listdir(directory)
@@ -98,7 +103,7 @@ def _segment(
     below: int | None,
     found: Recovery,
     index_every: int,
-    on_record: Callable[[rec.Record], None] | None,
+    on_record: Callable[[rec.Record], str | None] | None,
     message_flags: int = 0,
 ) -> tuple[Segment | None, int]:
     """Check and repair one segment file; returns what is kept of it (None: nothing) and the
@@ -141,6 +146,15 @@ def _segment(
         if pos is None:
             break
         damaged.append((damage_at, pos, problem))
+    if on_record is not None:  # before the rewrite: a record refused is set aside with it
+        for at in others:
+            record, end = rec.decode_at(data, at)
+            refused = on_record(record)
+            if refused is not None:
+                runs = _without(runs, at, end)
+                damaged.append((at, end, f"{_kind_name(record.kind)} record {record.offset} "
+                                         f"cannot be read ({refused})"))
+                used = max(used, record.offset)
     if not runs and not header_ok:  # nothing valid in the file: set all of it aside
         aside = f"{path}.0{CORRUPT}"
         disk.rename(path, aside)
@@ -161,7 +175,7 @@ def _segment(
         else:
             damaged.append((damage_at, len(data), problem))
             used = max(used, _bound(data, damage_at, last, below))
-    for start, end, why in damaged:
+    for start, end, why in sorted(damaged):
         aside = f"{path}.{start}{CORRUPT}"
         disk.write_file(aside, data[start:end])
         found.quarantined.append(os.path.basename(aside))
@@ -190,10 +204,25 @@ def _segment(
         seg.first, seg.last = records[0][0], records[-1][0]
         seg.index = records[::index_every]
         seg.last_ts = rec.decode_at(data, records[-1][1])[0].timestamp_ms
-    if on_record is not None:
-        for at in others:
-            on_record(rec.decode_at(data, at)[0])
     return seg, used
+
+
+def _without(runs: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The byte ranges ``runs`` less ``start``..``end`` (one record inside one of them)."""
+    out: list[tuple[int, int]] = []
+    for a, b in runs:
+        if a <= start < b:
+            out += [r for r in ((a, start), (end, b)) if r[0] < r[1]]
+        else:
+            out.append((a, b))
+    return out
+
+
+def _kind_name(kind: int) -> str:
+    try:
+        return Kind(kind).name
+    except ValueError:  # pragma: no cover - scan checked the kind
+        return f"kind {kind}"
 
 
 def _bound(data: bytes, start: int, last: int, below: int | None) -> int:
