@@ -192,6 +192,12 @@ class BrokerCollector:
             "Durable groups dropped after delivery.group_expiry_ms without a consumer",
             broker.counters.groups_expired,
         )
+        yield counter(
+            "blipmq_idle_groups_dropped",
+            "QoS 0 groups dropped, with their messages, beyond queues.max_idle_groups without "
+            "a consumer",
+            broker.counters.idle_groups_dropped,
+        )
         labels = ("filter", "group")
         behind = Family(
             "blipmq_group_backlog", "gauge",

@@ -593,12 +593,21 @@ class Broker:
     def _detach(self, consumers: list[Consumer], timestamp_ms: int) -> Detached:
         released: list[int] = []
         wake: set[int] = set()
+        registry = self.registry
         for consumer in consumers:
-            self.registry.forget(consumer)
+            registry.forget(consumer)
             if isinstance(consumer.queue, DurableGroup):
                 self.cursors.detach(consumer, timestamp_ms, wake)  # type: ignore[union-attr]
             else:
-                self.registry.leave(consumer, released)
+                registry.leave(consumer, released)
+        if len(registry.idle) > self.limits.max_idle_groups:
+            c = self.counters
+            for queue in registry.drop_idle():
+                # in memory only, as its owner is: nothing to write to the log
+                self._group_owners.pop(_owner_key(queue.filter, queue.group or ""), None)
+                c.idle_groups_dropped += 1
+                c.dropped_no_consumer += len(queue.items)
+                released.append(queue.id)
         return Detached(tuple(released), frozenset(wake))
 
     # ------------------------------------------------------------------- QoS 1 consumers
