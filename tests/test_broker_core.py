@@ -11,6 +11,7 @@ from blipmq_server.protocol.codec import (
     ErrorCode,
     Message,
     RawMessage,
+    Start,
     decode_one,
     encode_deliver,
     encode_publish,
@@ -162,6 +163,17 @@ def test_a_dropped_idle_group_frees_its_name() -> None:
     assert b.group("t", "mine") is None and b.group_owner("t", "mine") == ""
     assert b.subscribe(2, "t", "mine", access=bob).refusal is None
     assert b.group_owner("t", "mine") == "bob"
+
+
+def test_a_refused_group_subscription_claims_no_name() -> None:
+    b = Broker()  # no log: a replay is refused
+    alice = Access(Identity("alice", subscribe=("#",)))
+    res = b.subscribe(1, "t", "g", start=Start.EARLIEST, access=alice)
+    assert res.refusal is not None and res.refusal.code == ErrorCode.UNSUPPORTED
+    assert b.group_owner("t", "g") == ""
+    bob = Access(Identity("bob", subscribe=("#",)))
+    assert b.subscribe(2, "t", "g", access=bob).refusal is None
+    assert b.group_owner("t", "g") == "bob"
 
 
 @pytest.mark.parametrize("policy", list(Overflow))

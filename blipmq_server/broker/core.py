@@ -429,17 +429,23 @@ class Broker:
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return refused(code, problem)
+        owner = ""  # who a group made by this call belongs to
         if access is not None and not access.unlimited:
             if not access.identity.may_subscribe(topic_filter):
                 return refused(ErrorCode.FORBIDDEN, f"this key may not subscribe to "
                                f"{topic_filter!r}: it could match topics the key may not read")
-            if group and not self._may_use_group(access, topic_filter, group, bool(qos)):
+            if group and not self._may_use_group(access, topic_filter, group):
                 return refused(ErrorCode.FORBIDDEN, f"group {group!r} on {topic_filter!r} "
                                "belongs to another key")
+            if group and not (self.group_owner(topic_filter, group)
+                              or self._group_exists(topic_filter, group)):
+                owner = access.identity.name
         registry = self.registry
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
             consumer = registry.add(conn, queue, qos, credit, request_id)
+            if owner:
+                self._owned(topic_filter, group, owner, timestamp_ms)
             if (not group) if retained is None else retained:
                 self._retained_to_queue(queue, topic_filter, timestamp_ms)
             if not until_end:
@@ -461,6 +467,8 @@ class Broker:
         target = cursors.open(topic_filter, group, qos, start, start_offset, timestamp_ms)
         if isinstance(target, Refusal):
             return SubscribeResult(0, refusal=target)
+        if owner:
+            self._owned(topic_filter, group, owner, timestamp_ms, durable=True)
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
         consumer = registry.add(conn, target, qos, credit, request_id)
         consumer.patient = patient
@@ -483,15 +491,12 @@ class Broker:
         owner = self.states.get(key)
         return owner.decode("utf-8", "replace") if owner else self._group_owners.get(key, "")
 
-    def _may_use_group(self, access: Access, topic_filter: str, group: str,
-                       durable: bool) -> bool:
-        """Whether ``access`` may consume from, ack in or delete the group; a group that
-        does not exist yet becomes its (``durable``: in the log, as a QoS 1 group is)."""
+    def _may_use_group(self, access: Access, topic_filter: str, group: str) -> bool:
+        """Whether ``access`` may consume from, ack in or delete the group: one nobody owns
+        (not made yet, or made without permissions in force), its own, or any as an admin.
+        A group a subscription makes becomes its subscriber's (``subscribe``)."""
         identity = access.identity
         owner = self.group_owner(topic_filter, group)
-        if not owner and not self._group_exists(topic_filter, group):
-            self._owned(topic_filter, group, identity.name, 0, durable)
-            return True
         return identity.admin or access.unlimited or owner in ("", identity.name)
 
     def _group_exists(self, topic_filter: str, group: str) -> bool:
@@ -554,7 +559,7 @@ class Broker:
                 return UnsubscribeResult(0, refusal=Refusal(code, problem))
             if access is not None and not access.unlimited and not access.identity.admin and (
                     not self._group_exists(topic_filter, group)
-                    or not self._may_use_group(access, topic_filter, group, False)):
+                    or not self._may_use_group(access, topic_filter, group)):
                 # the same answer whether it exists or is another key's: a key learns
                 # nothing of groups it may not use
                 return UnsubscribeResult(0, refusal=Refusal(
