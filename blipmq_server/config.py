@@ -94,6 +94,7 @@ class QueueOptions(NamedTuple):
     block_timeout_ms: int = 5000
     default_ttl_ms: int = 0
     expiry_interval_ms: int = 1000
+    max_idle_groups: int = 256
 
 
 class DeliveryOptions(NamedTuple):
@@ -304,6 +305,9 @@ SCHEMA: tuple[Key, ...] = (
         0, _U32),
     Key("queues", "expiry_interval_ms", int, "How often expired messages are purged (0 = only "
         "when taken)", 0, _U32),
+    Key("queues", "max_idle_groups", int, "QoS 0 groups kept with their messages after their "
+        "last consumer left; beyond this, the one left longest ago is dropped (0 = a QoS 0 "
+        "group goes with its last consumer)", 0, 1_000_000),
     Key("delivery", "max_batch", int, "Most messages in one DELIVER frame", 1, 65535),
     Key("delivery", "max_batch_bytes", int, "Approximate byte cap of one DELIVER frame",
         1024, 64 * MiB),

@@ -16,6 +16,7 @@ class ConnectionCounters:
 
     accepted: int = 0
     refused: int = 0  # at max_connections
+    metrics_refused: int = 0  # metrics listener connections beyond its cap (server/http.py)
     auth_failures: int = 0
     auth_refused: dict[str, int] = field(default_factory=dict)  # by where: native, mqtt, metrics
     open: int = 0

@@ -111,6 +111,9 @@ class BrokerCollector:
         yield counter("blipmq_connections", "Connections accepted", s.accepted)
         yield counter("blipmq_connections_refused", "Connections refused at max_connections",
                       s.refused)
+        yield counter("blipmq_metrics_connections_refused", "Metrics listener connections "
+                      "closed at once: it was serving as many as it serves at a time",
+                      s.metrics_refused)
         yield counter("blipmq_auth_failures", "Connections that offered a refused API key",
                       s.auth_failures)
         refused = Family("blipmq_auth_refused", "counter", "Refused keys and tokens, by "
@@ -191,6 +194,12 @@ class BrokerCollector:
             "blipmq_durable_groups_expired",
             "Durable groups dropped after delivery.group_expiry_ms without a consumer",
             broker.counters.groups_expired,
+        )
+        yield counter(
+            "blipmq_idle_groups_dropped",
+            "QoS 0 groups dropped, with their messages, beyond queues.max_idle_groups without "
+            "a consumer",
+            broker.counters.idle_groups_dropped,
         )
         labels = ("filter", "group")
         behind = Family(

@@ -2,6 +2,7 @@
 
 import pytest
 
+from blipmq_server.broker.access import Access, Identity
 from blipmq_server.broker.core import Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.broker.registry import Consumer
@@ -10,6 +11,7 @@ from blipmq_server.protocol.codec import (
     ErrorCode,
     Message,
     RawMessage,
+    Start,
     decode_one,
     encode_deliver,
     encode_publish,
@@ -109,6 +111,69 @@ def test_block_without_a_consumer_keeps_the_newest() -> None:
     b.publish([raw("t", bytes([i])) for i in range(10)], 0)
     res = b.publish([raw("t", b"more")], 0)
     assert res.blocked is not None and res.blocked.name == "group 'dash' on 't'"
+
+
+def test_qos0_groups_without_consumers_are_bounded() -> None:
+    # group names used once and left must not each keep a queue for good
+    b = Broker(Limits(capacity=10, max_idle_groups=2))
+    for i in range(50):
+        sub(b, i, "t", group=f"g{i}")
+        b.disconnect(i)
+    assert [q.group for q in b.queues] == ["g48", "g49"]  # the two left last
+    assert b.counters.idle_groups_dropped == 48
+    for _ in range(3):
+        b.publish([raw("t", bytes([i])) for i in range(20)], 0)
+    assert sum(len(q.items) for q in b.queues) == 20  # two groups, full
+    # a consumer joining an idle group keeps it; the one left longest ago goes first
+    kept = sub(b, 100, "t", group="g48")
+    sub(b, 101, "t", group="new")
+    b.disconnect(101)
+    sub(b, 102, "t", group="newer")
+    res = b.disconnect(102)
+    assert sorted(q.group for q in b.queues) == ["g48", "new", "newer"]
+    assert b.counters.idle_groups_dropped == 49
+    # the publishes' 2 x 50 made room in full groups, then g49 went with its 10
+    assert b.counters.dropped_no_consumer == 100 + 10
+    assert res.released[-1] not in {q.id for q in b.queues}  # g49's queue: gone
+    assert take_all(b, kept) == [bytes([i]) for i in range(10, 20)]  # g48 kept its newest
+    b.disconnect(100)  # g48 is idle again, now the latest: 'new' goes
+    assert sorted(q.group for q in b.queues) == ["g48", "newer"]
+
+
+def test_qos0_groups_go_with_their_last_consumer_with_max_idle_groups_0() -> None:
+    b = Broker(Limits(max_idle_groups=0))
+    a1 = sub(b, 1, "t", group="g")
+    sub(b, 2, "t", group="g")
+    b.disconnect(2)
+    assert b.group("t", "g") is a1.queue  # a consumer is left
+    b.unsubscribe(1, a1.sub_id)
+    assert b.group("t", "g") is None and b.queues == ()
+    b.publish([raw("t")], 0)
+    assert b.counters.unrouted == 1
+
+
+def test_a_dropped_idle_group_frees_its_name() -> None:
+    b = Broker(Limits(max_idle_groups=1))
+    alice, bob = (Access(Identity(n, subscribe=("#",))) for n in ("alice", "bob"))
+    assert b.subscribe(1, "t", "mine", access=alice).refusal is None
+    b.disconnect(1)
+    assert b.subscribe(2, "t", "mine", access=bob).refusal.code == ErrorCode.FORBIDDEN
+    assert b.subscribe(1, "t", "other", access=alice).refusal is None
+    b.disconnect(1)  # 'mine' was left longest ago: dropped, and its owner with it
+    assert b.group("t", "mine") is None and b.group_owner("t", "mine") == ""
+    assert b.subscribe(2, "t", "mine", access=bob).refusal is None
+    assert b.group_owner("t", "mine") == "bob"
+
+
+def test_a_refused_group_subscription_claims_no_name() -> None:
+    b = Broker()  # no log: a replay is refused
+    alice = Access(Identity("alice", subscribe=("#",)))
+    res = b.subscribe(1, "t", "g", start=Start.EARLIEST, access=alice)
+    assert res.refusal is not None and res.refusal.code == ErrorCode.UNSUPPORTED
+    assert b.group_owner("t", "g") == ""
+    bob = Access(Identity("bob", subscribe=("#",)))
+    assert b.subscribe(2, "t", "g", access=bob).refusal is None
+    assert b.group_owner("t", "g") == "bob"
 
 
 @pytest.mark.parametrize("policy", list(Overflow))

@@ -121,3 +121,44 @@ def test_metrics_can_require_a_token(start_broker) -> None:
     base = f"http://127.0.0.1:{closed.metrics_port}"
     assert status("/health") == 401
     assert status("/health", Authorization=f"Bearer {token}") == 200
+
+
+def test_metrics_connections_are_capped(start_broker) -> None:
+    """The metrics listener serves 16 connections at once (each for at most 5 s of TLS
+    handshake and 5 s for its request); one more is closed as soon as it is accepted and
+    counted, so stalled connections cannot pile up file descriptors. Client connections are
+    not affected."""
+    import http.client
+    import select
+    import time
+
+    b = start_broker({"server": {"max_connections": 2}})
+    stalled = [socket.create_connection(("127.0.0.1", b.metrics_port), timeout=10)
+               for _ in range(40)]
+    closed: set[socket.socket] = set()
+    deadline = time.monotonic() + 3  # well within the 5 s a served one may stay silent
+    while len(closed) < 24 and time.monotonic() < deadline:
+        readable, _, _ = select.select([s for s in stalled if s not in closed], [], [], 0.1)
+        for s in readable:
+            try:
+                assert s.recv(1) == b""  # closed without a word
+            except ConnectionResetError:
+                pass
+            closed.add(s)
+    assert len(closed) == 24
+    assert select.select([s for s in stalled if s not in closed], [], [], 0.2)[0] == []
+    res = b.cli("pub", "t", "still served")  # a client connection is not held back
+    assert res.returncode == 0, res.stderr
+    for s in stalled:
+        s.close()
+    deadline = time.monotonic() + 10
+    turned_away = 0
+    while True:  # the served ones end once their peers are gone
+        try:
+            refused = b.metric("blipmq_metrics_connections_refused_total")
+            break
+        except (OSError, http.client.HTTPException):
+            assert time.monotonic() < deadline, "the metrics listener stays full"
+            turned_away += 1
+            time.sleep(0.05)
+    assert refused == 24 + turned_away

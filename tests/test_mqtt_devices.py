@@ -1,8 +1,8 @@
 """MQTT end to end as real devices and deployments use it: device profiles (Tasmota,
 ESPHome, Node-RED, Shelly Gen2), mqtt.queue_qos0, wills on broker shutdown, the connection
 limit shared with the native protocol, a client that never reads, the refusal of an open
-MQTT port without authentication, shared subscriptions across both protocols, and what
-/metrics and `blipmq stats` say about MQTT.
+MQTT port without authentication, shared subscriptions across both protocols (and QoS 0
+shares left behind), and what /metrics and `blipmq stats` say about MQTT.
 
 The real broker on loopback (docs/MQTT.md is what it promises); paho-mqtt, the mosquitto
 clients, the `blipmq` CLI and a raw socket as clients. No test sleeps to wait for the
@@ -511,6 +511,33 @@ many each gets is not promised); once the MQTT members leave, the native one get
     assert sorted(everything) == sorted([f"job {i}" for i in range(n)] + ["job native"]
                                         + [f"late {i}" for i in range(10)])
     assert native_got[-10:] == [f"late {i}" for i in range(10)]
+
+
+def test_qos0_shares_left_behind_stay_bounded(start_broker) -> None:
+    """A client that takes QoS 0 shares under ever new names and leaves (a random share name
+    per run) leaves at most queues.max_idle_groups (256) groups behind: past that, the one
+    left longest ago goes with its messages, so memory does not grow with the names ever
+    used. One left recently keeps its newest messages for its next member, as any QoS 0
+    group does."""
+    b = start_broker(MQTT)
+    n, kept = 300, 256
+    roaming = Paho(b.mqtt_port, "roaming")
+    assert roaming.subscribe(*((f"$share/run{i}/t/x", 0) for i in range(n))) == [0] * n
+    b.wait_metric("blipmq_subscriptions", n)
+    roaming.disconnect()
+    b.wait_metric("blipmq_subscriptions", 0)
+    assert b.metric("blipmq_queues") == kept
+    assert b.metric("blipmq_idle_groups_dropped_total") == n - kept
+    pub = Paho(b.mqtt_port, "pub")
+    for i in range(10):
+        pub.publish("t/x", f"m{i}")
+    pub.sync()
+    b.wait_metric("blipmq_queue_depth", kept * 10)
+    back = Paho(b.mqtt_port, "back")
+    assert back.subscribe((f"$share/run{n - 1}/t/x", 0)) == [0]
+    assert [m.payload for m in back.take(10)] == [f"m{i}".encode() for i in range(10)]
+    back.sync()
+    assert back.drained() == []
 
 
 # ------------------------------------------------------------------------ 8. /metrics

@@ -442,18 +442,24 @@ class Broker:
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return refused(code, problem)
+        owner = ""  # who a group made by this call belongs to
         if access is not None:  # unlimited: no permission to check, but a group to own
             if not access.unlimited and not access.identity.may_subscribe(topic_filter):
                 return refused(ErrorCode.FORBIDDEN, f"this key may not subscribe to "
                                f"{topic_filter!r}: it could match topics the key may not read")
-            if group and not self._may_use_group(access, topic_filter, group, bool(qos)):
+            if group and not self._may_use_group(access, topic_filter, group):
                 # as UNSUBSCRIBE says it: not whose the group is
                 return refused(ErrorCode.FORBIDDEN, f"this key may not use group {group!r} "
                                f"on {topic_filter!r}")
+            if group and not (self.group_owner(topic_filter, group)
+                              or self._group_exists(topic_filter, group)):
+                owner = access.identity.name
         registry = self.registry
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
             consumer = registry.add(conn, queue, qos, credit, request_id)
+            if owner:
+                self._owned(topic_filter, group, owner, timestamp_ms)
             if (not group) if retained is None else retained:
                 self._retained_to_queue(queue, topic_filter, timestamp_ms)
             if not until_end:
@@ -475,6 +481,8 @@ class Broker:
         target = cursors.open(topic_filter, group, qos, start, start_offset, timestamp_ms)
         if isinstance(target, Refusal):
             return SubscribeResult(0, refusal=target)
+        if owner:
+            self._owned(topic_filter, group, owner, timestamp_ms, durable=True)
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
         consumer = registry.add(conn, target, qos, credit, request_id)
         consumer.patient = patient
@@ -497,15 +505,12 @@ class Broker:
         owner = self.states.get(key)
         return owner.decode("utf-8", "replace") if owner else self._group_owners.get(key, "")
 
-    def _may_use_group(self, access: Access, topic_filter: str, group: str,
-                       durable: bool) -> bool:
-        """Whether ``access`` may consume from, ack in or delete the group; a group that
-        does not exist yet becomes its (``durable``: in the log, as a QoS 1 group is)."""
+    def _may_use_group(self, access: Access, topic_filter: str, group: str) -> bool:
+        """Whether ``access`` may consume from, ack in or delete the group: one nobody owns
+        (not made yet, or made without permissions in force), its own, or any as an admin.
+        A group a subscription makes becomes its subscriber's (``subscribe``)."""
         identity = access.identity
         owner = self.group_owner(topic_filter, group)
-        if not owner and not self._group_exists(topic_filter, group):
-            self._owned(topic_filter, group, identity.name, 0, durable)
-            return True
         return identity.admin or access.unlimited or owner in ("", identity.name)
 
     def _group_exists(self, topic_filter: str, group: str) -> bool:
@@ -568,7 +573,7 @@ class Broker:
                 return UnsubscribeResult(0, refusal=Refusal(code, problem))
             if access is not None and not access.unlimited and not access.identity.admin and (
                     not self._group_exists(topic_filter, group)
-                    or not self._may_use_group(access, topic_filter, group, False)):
+                    or not self._may_use_group(access, topic_filter, group)):
                 # the same answer whether it exists or is another key's: a key learns
                 # nothing of groups it may not use
                 return UnsubscribeResult(0, refusal=Refusal(
@@ -607,12 +612,21 @@ class Broker:
     def _detach(self, consumers: list[Consumer], timestamp_ms: int) -> Detached:
         released: list[int] = []
         wake: set[int] = set()
+        registry = self.registry
         for consumer in consumers:
-            self.registry.forget(consumer)
+            registry.forget(consumer)
             if isinstance(consumer.queue, DurableGroup):
                 self.cursors.detach(consumer, timestamp_ms, wake)  # type: ignore[union-attr]
             else:
-                self.registry.leave(consumer, released)
+                registry.leave(consumer, released)
+        if len(registry.idle) > self.limits.max_idle_groups:
+            c = self.counters
+            for queue in registry.drop_idle():
+                # in memory only, as its owner is: nothing to write to the log
+                self._group_owners.pop(_owner_key(queue.filter, queue.group or ""), None)
+                c.idle_groups_dropped += 1
+                c.dropped_no_consumer += len(queue.items)
+                released.append(queue.id)
         return Detached(tuple(released), frozenset(wake))
 
     # ------------------------------------------------------------------- QoS 1 consumers

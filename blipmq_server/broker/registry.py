@@ -5,6 +5,9 @@ the queues it goes to. A topic's queues are found through an index of the queues
 
 A ``Consumer`` attaches a connection (an int the shell chose) to a queue or to a log cursor
 (``broker.durable.DurableGroup``); the registry keeps the books and never decides delivery.
+A QoS 0 group whose consumers all left keeps its queue for the next one, but only the
+``limits.max_idle_groups`` most recently left are kept: memory stays bounded however many
+group names clients use and leave.
 Pure and synchronous; no trio.
 """
 
@@ -65,6 +68,8 @@ class Registry:
         self.queues: list[Queue] = []
         self.index: FilterIndex[Queue] = FilterIndex()  # the same queues, by filter
         self.groups: dict[tuple[str, str], Queue] = {}  # QoS 0 groups
+        # the QoS 0 groups without a consumer, the one left longest ago first
+        self.idle: dict[Queue, None] = {}
         self.consumers: dict[int, Consumer] = {}
         self.by_conn: dict[int, list[Consumer]] = {}
         # per connection, what a delivery pass looks at (``candidates``): its log-cursor
@@ -126,6 +131,8 @@ class Registry:
         consumer = Consumer(self._next_sub_id, target, conn, qos, credit, request_id)
         self._next_sub_id += 1
         target.consumers.append(consumer)
+        if isinstance(target, Queue):
+            self.idle.pop(target, None)
         self.consumers[consumer.sub_id] = consumer
         self.by_conn.setdefault(conn, []).append(consumer)
         if isinstance(target, Queue):
@@ -187,7 +194,8 @@ class Registry:
             del self._marked[conn]
 
     def leave(self, consumer: Consumer, released: list[int]) -> None:
-        """A consumer leaves its in-memory queue; a subscription's own queue goes with it."""
+        """A consumer leaves its in-memory queue; a subscription's own queue goes with it,
+        a group's stays (idle once its last consumer left)."""
         queue = consumer.queue
         assert isinstance(queue, Queue)
         if consumer in queue.consumers:
@@ -195,8 +203,24 @@ class Registry:
         released.append(queue.id)
         if queue.group is None:
             self.drop(queue)
+        elif not queue.consumers:
+            self.idle[queue] = None
+
+    def drop_idle(self) -> list[Queue]:
+        """Drop the idle QoS 0 groups beyond ``limits.max_idle_groups``, those left longest
+        ago first; returns them (their messages are gone with them)."""
+        idle = self.idle
+        dropped: list[Queue] = []
+        while len(idle) > self.limits.max_idle_groups:
+            queue = next(iter(idle))
+            assert queue.group is not None
+            self.groups.pop((queue.filter, queue.group), None)
+            self.drop(queue)
+            dropped.append(queue)
+        return dropped
 
     def drop(self, queue: Queue) -> None:
+        self.idle.pop(queue, None)
         if queue in self.queues:
             self.queues.remove(queue)
             self.index.remove(queue.levels, queue)

@@ -33,6 +33,7 @@ class Limits(NamedTuple):
     max_retries: int = 5  # deliveries before a message goes to $dlq/<topic>
     default_credit: int = 256  # in-flight window of a QoS 1 consumer that asks for 0
     group_expiry_ms: int = 0  # a durable group with no consumer this long is dropped; 0 never
+    max_idle_groups: int = 256  # QoS 0 groups without a consumer kept (beyond: the oldest go)
     retained_max_topics: int = 10_000  # topics with a retained value
     retained_max_bytes: int = 16 * 1024 * 1024  # bytes of retained message records
     max_topic_bytes: int = 1024  # longest topic name or filter (at most 65,535)
@@ -60,6 +61,7 @@ class Counters:
     nacked: int = 0
     dead_lettered: int = 0
     groups_expired: int = 0
+    idle_groups_dropped: int = 0  # QoS 0 groups dropped beyond ``limits.max_idle_groups``
 
 
 class Refusal(NamedTuple):

@@ -1,5 +1,11 @@
 """A tiny HTTP/1.1 listener for /metrics, /health and /ready (one request per connection);
-HTTPS with ``metrics.tls``, with the TLS listeners' certificate (server/tls.py)."""
+HTTPS with ``metrics.tls``, with the TLS listeners' certificate (server/tls.py).
+
+At most ``MAX_CONNECTIONS`` connections are served at once, each for at most ``_WAIT_S``
+seconds of handshake and as long again for its request and answer; one more is closed as
+soon as it is accepted and counted (``ConnectionCounters.metrics_refused``). These are not
+client connections: they count neither towards ``server.max_connections`` nor against it.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("blipmq.http")
 _MAX_REQUEST = 8192
 _WAIT_S = 5  # for the TLS handshake, then for the request and the answer
+MAX_CONNECTIONS = 16  # a scraper or two and a health check need a few; stalled ones wait
 
 
 async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> None:
@@ -33,7 +40,23 @@ async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> No
         server.mqtt_sessions.stats if server.config.mqtt.enabled else None,
         (lambda: [b.status() for b in server.bridges.values()]) if server.bridges else None)
     task_status.started(listeners[0].socket.getsockname()[1])
-    await trio.serve_listeners(partial(_handle, server, sources), listeners)
+    slots = trio.Semaphore(MAX_CONNECTIONS)
+    await trio.serve_listeners(partial(_admit, server, sources, slots), listeners)
+
+
+async def _admit(server: Server, sources: metrics.Sources, slots: trio.Semaphore,
+                 socket: trio.SocketStream) -> None:
+    """Serve a connection if fewer than ``MAX_CONNECTIONS`` are; else close it at once."""
+    try:
+        slots.acquire_nowait()
+    except trio.WouldBlock:
+        server.counters.metrics_refused += 1
+        await trio.aclose_forcefully(socket)
+        return
+    try:
+        await _handle(server, sources, socket)
+    finally:
+        slots.release()
 
 
 async def _handle(server: Server, sources: metrics.Sources, socket: trio.SocketStream) -> None:
