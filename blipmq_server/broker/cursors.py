@@ -60,7 +60,7 @@ class Cursors:
         # consumer's window), oldest first (``acks_due``)
         self._unwritten: deque[tuple[int, int, int]] = deque()
         # what may not be written yet, for ``relog``: each durable group's newest GROUP or
-        # ACK record (by group id), and the DELETE records (offset, filter, group)
+        # ACK record (by group id), and the newest DELETE record of a (filter, group)
         self._recent: Unwritten[int] = Unwritten(log)
         self._deleted: Unwritten[tuple[str, str]] = Unwritten(log)
 
@@ -96,7 +96,7 @@ class Cursors:
                 gid = log.append(Kind.GROUP, durable.group_body(
                     durable.CREATE, first, topic_filter, group), timestamp_ms)
                 target = self._add_durable(gid, topic_filter, group, first)
-                self._noted(gid, gid)
+                self._recent.note(gid, gid)
                 if first < end:  # a replay: what it starts behind is counted apart
                     self._counts.append(Count(target.key, first, end - 1))
                 else:  # from the end: nothing of its topics is in the log yet
@@ -145,10 +145,6 @@ class Cursors:
         self._recent.forget(target.id)
         self._deleted.note((target.filter, target.group), at)
 
-    def _noted(self, gid: int, at: int) -> None:
-        """Group ``gid``'s newest record is at ``at`` (see ``relog``)."""
-        self._recent.note(gid, at)
-
     def relog(self, first: int, last: int, timestamp_ms: int) -> int:
         """The disk refused records ``first``..``last`` (see ``Broker.relog``): the DELETE
         records among them again, then a checkpoint of each group that had a record there
@@ -171,7 +167,7 @@ class Cursors:
                 continue
             out = target.anchor = self.log.append(
                 Kind.GROUP, durable.checkpoint_body(target), timestamp_ms)
-            self._noted(gid, out)
+            self._recent.note(gid, out)
         return out
 
     def detach(self, consumer: Consumer, timestamp_ms: int, wake: set[int]) -> None:
@@ -185,7 +181,7 @@ class Cursors:
             self._forget(target)
         elif not target.consumers and self.durable.get((target.filter, target.group)) is target:
             target.idle_since = timestamp_ms
-            self._noted(target.id, self.log.append(Kind.GROUP, durable.group_body(
+            self._recent.note(target.id, self.log.append(Kind.GROUP, durable.group_body(
                 durable.IDLE, 0, target.filter, target.group), timestamp_ms))
         if target.requeue(consumer.sub_id):
             wake.update(c.conn for c in target.consumers)
@@ -330,7 +326,7 @@ class Cursors:
                 if len(self._unwritten) >= _UNWRITTEN_KEPT:  # the disk fails for long
                     self._unwritten.popleft()
                 self._unwritten.append((at, len(done), max(1, consumer.credit // 2)))
-                self._noted(target.id, at)
+                self._recent.note(target.id, at)
         return bool(done)
 
     def acks_due(self) -> bool:
@@ -396,7 +392,7 @@ class Cursors:
         originals as done for their durable groups (in this order, so a crash in between
         leaves a message delivered twice, never one lost)."""
         for target, offset in self._buried:
-            self._noted(target.id, self.log.append(
+            self._recent.note(target.id, self.log.append(
                 Kind.ACK, durable.ack_body(target.id, target.floor, [offset]), timestamp_ms))
         self._buried.clear()
 
@@ -429,7 +425,7 @@ class Cursors:
             if target.idle_since is not None and not target.consumers:
                 last = log.append(Kind.GROUP, durable.group_body(
                     durable.IDLE, 0, target.filter, target.group), target.idle_since)
-            self._noted(target.id, last)
+            self._recent.note(target.id, last)
         return last
 
     def skip_to(self, first: int) -> list[tuple[DurableGroup, int]]:
