@@ -277,3 +277,34 @@ async def test_a_qos2_publish_whose_fsync_failed_gets_its_pubrec_once_one_succee
     await c.send(Disconnect())
     assert _logged(b, "t/sync") == [b"once"]
     await b.stop()
+
+
+async def test_a_retained_clear_the_disk_refused_stays_cleared_after_a_restart(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """A retained value cleared (an empty retained publish) while the disk refused the
+    record: once writes succeed the clear is written again, so a restart does not bring
+    the old value back."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    assert b.server is not None and b.server.flusher is not None
+    c, _ = await b.client("clearer", clean=True)
+    await c.send(Publish("r/gone", b"v1", 1, True, False, 1))
+    assert await c.recv() == PubAck(1)
+    b.disk.fail_writes = True
+    failures = b.server.flusher.counters.failures
+    await c.send(Publish("r/gone", b"", 0, True, False, 0))
+    with trio.fail_after(10):
+        while b.server.flusher.counters.failures == failures:
+            await trio.sleep(0.01)
+    b.disk.fail_writes = False
+    await c.send(Publish("r/other", b"x", 1, False, False, 2))  # written after it
+    assert await c.recv() == PubAck(2)
+    await b.stop()
+    await b.start(nursery)
+    watcher, _ = await b.client("watcher", clean=True)
+    await watcher.send(Subscribe(1, (("r/#", 0),)))
+    assert await watcher.recv() == SubAck(1, (0,))
+    await watcher.send(Publish("r/marker", b"m", 0, False, False, 0))
+    m = await watcher.recv()  # no retained value comes before it
+    assert isinstance(m, Publish) and (m.topic, m.payload) == ("r/marker", b"m"), m
+    await b.stop()

@@ -36,7 +36,7 @@ from blipmq_server.broker.results import (
     UnsubscribeResult,
     refused,
 )
-from blipmq_server.broker.retained import Retained, carry_body, parse_carry, topic_of
+from blipmq_server.broker.retained import Retained, Value, carry_body, parse_carry, topic_of
 from blipmq_server.broker.storage import MessageLog, StoredRecord, Unwritten
 from blipmq_server.broker.usage import Usage
 from blipmq_server.kinds import Kind
@@ -45,6 +45,7 @@ from blipmq_server.protocol.message import (
     DELIVERED_RETAINED,
     DELIVERY_PREFIX,
     FLAG_RETAIN,
+    MSG_HEAD,
     PREFIX_SIZE,
     record_size,
 )
@@ -96,6 +97,7 @@ class Broker:
         # each key's newest STATE record, a value or a deletion, while it may be unwritten
         # (``relog`` restates those of a batch the disk refused; pruned once written)
         self._state_recent: Unwritten[bytes] = Unwritten(self.log)
+        self._cleared: Unwritten[bytes] = Unwritten(self.log)  # retained values cleared
         self._group_owners: dict[bytes, str] = {}  # by _owner_key, while the broker runs
         # publishers held back (``hold``): by hold id, its name and topic filters
         self.holds: dict[int, tuple[str, tuple[str, ...]]] = {}
@@ -244,6 +246,8 @@ class Broker:
                     if m.qos:
                         confirms += 1
                 self.retained.put(m.topic, offset, timestamp_ms, m.record, offset)
+                if not m.payload_len and logged is not None:  # a clear (``relog``)
+                    self._cleared.note(m.topic, offset)
             elif logged is None:
                 offset += 1
             elif m.qos or log_qos0:
@@ -945,6 +949,13 @@ class Broker:
             # a value published or carried forward there: carried again (``carry_retained``)
             out = self.log.append(Kind.RETAINED, carry_body(value), timestamp_ms)
             retained.moved(topic, out)
+        for topic in self._cleared.between(first, last):
+            if topic in retained.values:  # set again since
+                continue
+            clear = MSG_HEAD.pack(FLAG_RETAIN, 0, len(topic), 0, 0) + topic
+            out = self.log.append(Kind.RETAINED, carry_body(
+                Value(0, timestamp_ms, clear, (), 0, 0)), timestamp_ms)
+            self._cleared.note(topic, out)
         if self.cursors is not None:
             out = max(out, self.cursors.relog(first, last, timestamp_ms))
         return out
