@@ -308,3 +308,35 @@ async def test_a_retained_clear_the_disk_refused_stays_cleared_after_a_restart(
     m = await watcher.recv()  # no retained value comes before it
     assert isinstance(m, Publish) and (m.topic, m.payload) == ("r/marker", b"m"), m
     await b.stop()
+
+
+async def test_failed_writes_leave_no_batch_behind_for_the_collector(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """While the disk stays full the flusher retries every 0.2 s; a failed batch (its
+    records' bytes) must be freed at once, not kept in a reference cycle until a full
+    collection (the broker runs with the cyclic collector's thresholds raised): memory
+    grew with the length of the outage."""
+    import gc
+
+    from blipmq_server.wal.batch import Batch
+
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    assert b.server is not None and b.server.flusher is not None
+    flusher = b.server.flusher
+    c, _ = await b.client("filler", clean=True)
+    gc.collect()
+    gc.disable()
+    try:
+        b.disk.fail_writes = True
+        start = flusher.counters.failures
+        with trio.fail_after(20):
+            while flusher.counters.failures < start + 5:
+                await c.send(Publish("t/big", b"x" * 100_000, 0, False, False, 0))
+                await trio.sleep(0.05)
+        alive = sum(1 for o in gc.get_objects() if isinstance(o, Batch))
+        assert alive <= 1, f"{alive} failed batches kept alive"
+    finally:
+        gc.enable()
+        b.disk.fail_writes = False
+    await b.stop()

@@ -217,6 +217,9 @@ class Flusher:
             await trio.to_thread.run_sync(batch.write, self.wal.disk, sync,
                                           abandon_on_cancel=True)
         except OSError as exc:
+            # its traceback holds the worker's frames, and through them the batch's bytes, in
+            # a reference cycle only a full collection frees: not kept, a retry at a time
+            exc.__traceback__ = None
             self.wal.abort(batch)
             self.counters.failures += 1
             self.counters.records_lost += batch.records
@@ -254,6 +257,7 @@ class Flusher:
         try:
             await trio.to_thread.run_sync(plan.run, self.wal.disk, abandon_on_cancel=True)
         except OSError as exc:
+            exc.__traceback__ = None  # as in ``flush_once``
             self.wal.sync_failed(plan)
             self.counters.failures += 1
             self._failed(exc, "written records are not synced")

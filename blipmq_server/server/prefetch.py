@@ -79,6 +79,7 @@ class Prefetcher:
                 records = await trio.to_thread.run_sync(
                     self.wal.read_files, fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES)
             except (OSError, WalError) as exc:
+                exc.__traceback__ = None  # the worker's frames, and what they read: not kept
                 # a segment retention deleted meanwhile, or a disk fault: an empty read moves
                 # a cursor that fell below the log's start; otherwise it asks again later
                 self.failures += 1
