@@ -572,3 +572,23 @@ def test_after_lost_batches_the_log_says_what_memory_does(tmp_path_factory, ops)
     assert {(g.filter, g.group) for g in again.broker.durable_groups} == groups
     assert again.broker.states == states
     again.log.close()
+
+
+def test_a_group_restated_after_a_lost_batch_keeps_its_idle_time(tmp_path: Path) -> None:
+    """A group whose records the disk refused is restated with its idle time, so
+    ``delivery.group_expiry_ms`` counts from when its last consumer left, not from the
+    next restart."""
+    s = Setup(tmp_path)
+    s.broker.subscribe(1, "jobs", "g", qos=1)
+    s.broker.disconnect(1, timestamp_ms=5_000)  # idle since 5 s
+    batch = s.log.take_batch()
+    assert batch is not None
+    s.log.abort(batch)
+    s.broker.relog(batch.first_offset, batch.last_offset, 9_000)
+    s.commit()
+    s.log.close()
+    again = Setup(tmp_path)
+    again.broker.recovered(20_000)
+    (g,) = again.broker.durable_groups
+    assert (g.filter, g.group, g.idle_since) == ("jobs", "g", 5_000)
+    again.log.close()

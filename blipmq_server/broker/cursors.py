@@ -167,6 +167,9 @@ class Cursors:
                 continue
             out = target.anchor = self.log.append(
                 Kind.GROUP, durable.checkpoint_body(target), timestamp_ms)
+            if target.idle_since is not None and not target.consumers:  # as ``checkpoint``
+                out = self.log.append(Kind.GROUP, durable.group_body(
+                    durable.IDLE, 0, target.filter, target.group), target.idle_since)
             self._recent.note(gid, out)
         return out
 
