@@ -625,3 +625,93 @@ def test_a_pubrel_owed_survives_sigkill(start_broker) -> None:
     assert raw.recv() == PubRel(first.packet_id)
     raw.send(PubComp(first.packet_id))
     _nothing_more(raw)
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_a_resumed_session_subscribing_again_keeps_its_deliveries_and_acks(
+        start_broker, qos: int) -> None:
+    """MQTT-3.8.4-3: a SUBSCRIBE to a filter the session has replaces the subscription "but
+    the flow of publications MUST NOT be interrupted". Clients (paho, mosquitto_sub -c)
+    subscribe again as soon as a resumed session's CONNACK comes, while its backlog is on
+    the way: each message comes once, under one packet id, and the acks of the copies sent
+    before the SUBSCRIBE count (a message acked is not sent again on the next connect)."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    raw.connect("resub-dev", clean=False)
+    _subscribe(raw, "rs/#", qos)
+    raw.disconnect()
+    pub = Raw(b.mqtt_port)
+    pub.connect("resub-pub")
+    for i in range(1, 4):
+        pub.send(Publish("rs/t", b"m%d" % i, 1, False, False, i))
+        assert pub.recv() == PubAck(i)
+
+    def take(raw: Raw, until: bytes) -> list[tuple[bytes, int]]:
+        """(payload, packet id) of every PUBLISH up to ``until``'s and the SUBACK, each
+        acknowledged."""
+        got: list[tuple[bytes, int]] = []
+        subacked = False
+        while not subacked or not got or got[-1][0] != until:
+            p = raw.recv()
+            if isinstance(p, SubAck):
+                subacked = True
+                continue
+            if isinstance(p, PubRel):
+                raw.send(PubComp(p.packet_id))
+                continue
+            assert isinstance(p, Publish), p
+            got.append((p.payload, p.packet_id))
+            raw.send(PubAck(p.packet_id) if p.qos == 1 else PubRec(p.packet_id))
+        return got
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("resub-dev", clean=False).session_present
+    first = raw.recv()  # the backlog starts before the client subscribes again
+    assert isinstance(first, Publish) and first.payload == b"m1", first
+    raw.send(PubAck(first.packet_id) if qos == 1 else PubRec(first.packet_id))
+    raw.send(Subscribe(2, (("rs/#", qos),)))
+    pub.send(Publish("rs/t", b"end-1", 1, False, False, 4))
+    assert pub.recv() == PubAck(4)
+    got = [(first.payload, first.packet_id), *take(raw, b"end-1")]
+    assert [p for p, _ in got] == [b"m1", b"m2", b"m3", b"end-1"], got
+    raw.send(PingReq())  # nothing more comes before its answer (PUBRELs owed aside)
+    while (p := raw.recv()) != PingResp():
+        assert isinstance(p, PubRel), p
+        raw.send(PubComp(p.packet_id))
+    raw.disconnect()
+    raw = Raw(b.mqtt_port)  # all of it was acknowledged: nothing comes again
+    assert raw.connect("resub-dev", clean=False).session_present
+    raw.send(Subscribe(3, (("rs/#", qos),)))
+    pub.send(Publish("rs/t", b"end-2", 1, False, False, 5))
+    assert pub.recv() == PubAck(5)
+    assert [p for p, _ in take(raw, b"end-2")] == [b"end-2"]
+    raw.disconnect()
+    pub.disconnect()
+
+
+@pytest.mark.parametrize("qos", [0, 1])
+def test_subscribing_again_sends_the_retained_values_again(start_broker, qos: int) -> None:
+    """MQTT-3.8.4-3: when a subscription is replaced by one to the same filter, the
+    retained messages it matches are sent again (the subscription itself goes on)."""
+    b = start_broker(MQTT)
+    pub = Raw(b.mqtt_port)
+    pub.connect("ret-pub")
+    pub.send(Publish("ra/state", b"on", 1, True, False, 1))
+    assert pub.recv() == PubAck(1)
+    raw = Raw(b.mqtt_port)
+    raw.connect("ret-again")
+    for packet_id in (1, 2):
+        raw.send(Subscribe(packet_id, (("ra/#", qos),)))
+        seen = []
+        while len(seen) < 2:
+            p = raw.recv()
+            seen.append(p)
+            if isinstance(p, Publish) and p.qos:
+                raw.send(PubAck(p.packet_id))
+        sub = [p for p in seen if isinstance(p, SubAck)]
+        ret = [p for p in seen if isinstance(p, Publish)]
+        assert sub == [SubAck(packet_id, (qos,))], seen
+        assert [(p.payload, p.retain) for p in ret] == [(b"on", True)], seen
+    _nothing_more(raw)
+    raw.disconnect()
+    pub.disconnect()

@@ -535,6 +535,24 @@ class Broker:
             self._group_owners.pop(key, None)
             self.put_state(key, b"", timestamp_ms)
 
+    def retained_again(self, conn: int, sub_id: int, wall_ms: int) -> bool:
+        """A subscription made again as it is (MQTT-3.8.4-3: the flow of its messages goes
+        on, its deliveries in flight with it): the retained values its filter matches, once
+        more. Returns whether it has something to deliver now."""
+        consumer = self.registry.owned(conn, sub_id)
+        if consumer is None:
+            return False
+        target = consumer.queue
+        if isinstance(target, DurableGroup):
+            values = self.retained.matching(target.filter, wall_ms)
+            target.offer_retained(values, DELIVERED_RETAINED)
+            self.counters.retained_sent += len(values)
+        else:
+            self._retained_to_queue(target, target.filter, wall_ms)
+            if target.items:
+                self.registry.mark(consumer)  # what a delivery pass looks at
+        return self.has_work(consumer)
+
     def _retained_to_queue(self, queue: Queue, topic_filter: str, wall_ms: int) -> None:
         """A new subscription's queue starts with the retained values its filter matches,
         within the queue's bounds (what does not fit is dropped as drop_new)."""

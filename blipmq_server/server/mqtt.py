@@ -668,18 +668,32 @@ class MqttSession(Session):
         if filter_problem(core_filter, self.broker.limits.max_topic_bytes):
             return SUBACK_FAILURE, False
         self._owners.clear()
-        old = self.subs.pop(topic_filter, None)
-        if old is not None:  # MQTT-3.8.4-3: a subscription to the same filter is replaced
-            self.granted.pop(old[0], None)
-            self._shared.discard(old[0])
-            self._cursors.discard(old[0])
-            self.server.detached(self.broker.unsubscribe(self.conn_id, old[0]).detached)
         if self.server.wal is None:
             qos = 0  # QoS 1 and 2 need the log: granted QoS 0
         # a log cursor for QoS 1/2; in a persistent session also for QoS 0 with
         # mqtt.queue_qos0 (what arrives while the client is away waits in the log)
         cursor = self.server.wal is not None and (
             qos > 0 or (not self.clean and self.server.config.mqtt.queue_qos0))
+        old = self.subs.pop(topic_filter, None)
+        access = self.access
+        if (old is not None and (old[0] in self._cursors) == cursor
+                and (access is None or access.unlimited
+                     or access.identity.may_subscribe(core_filter))):
+            # MQTT-3.8.4-3: replaced by one to the same filter, "but the flow of
+            # publications MUST NOT be interrupted": the same subscription goes on at the
+            # QoS granted now, what it has in flight with it (a session resumed and
+            # subscribed again, as clients do, keeps its PUBACKs and packet ids), and its
+            # retained values come again
+            sub_id = old[0]
+            self.subs[topic_filter] = (sub_id, qos)
+            self.granted[sub_id] = qos
+            return qos, (self.broker.retained_again(self.conn_id, sub_id, wall_ms())
+                         if retained else False)
+        if old is not None:  # another kind of subscription (a log cursor or not): a new one
+            self.granted.pop(old[0], None)
+            self._shared.discard(old[0])
+            self._cursors.discard(old[0])
+            self.server.detached(self.broker.unsubscribe(self.conn_id, old[0]).detached)
         if not group and cursor and not self.clean:
             group = group_name(self.client_id)
         credit = self.server.config.mqtt.max_inflight
