@@ -605,11 +605,15 @@ class AsyncClient:
         self._kick()
         limit = self.timeout if timeout is None else timeout
         with trio.move_on_after(limit):
-            while (reply := conn.reply(rid)) is None:
-                if conn.closed is not None:
-                    raise ConnectError(f"the connection to {self.addr} broke while waiting "
-                                       f"for {what}")
-                await self._changed.wait()
+            try:
+                while (reply := conn.reply(rid)) is None:
+                    if conn.closed is not None:
+                        raise ConnectError(f"the connection to {self.addr} broke while "
+                                           f"waiting for {what}")
+                    await self._changed.wait()
+            except BaseException:  # cancelled: its reply, when it comes, is not for anyone
+                conn.forget(rid)
+                raise
             if isinstance(reply, codec.Error):
                 raise BrokerError(reply.code, reply.text)
             return reply

@@ -446,3 +446,36 @@ def test_under_asyncio_it_says_it_runs_under_trio() -> None:
 
     with pytest.raises(ConfigError, match="AsyncClient runs under Trio"):
         asyncio.run(main())
+
+
+async def test_a_subscribe_given_up_leaves_no_subscription_behind(start_broker) -> None:
+    """A subscribe() cancelled after its SUBSCRIBE went out: the broker makes the
+    subscription all the same, and the client ends it when the reply comes. Its deliveries
+    do not pile up against ``prefetch`` (which stopped the client reading its socket: every
+    PING and QoS 1 publish after it timed out), and the broker holds nothing for it."""
+    from faultproxy import FaultProxy
+
+    b = start_broker()
+    proxy = FaultProxy(("127.0.0.1", b.port))
+    await trio.to_thread.run_sync(proxy.start)  # its API blocks: it runs its own thread
+    try:
+        async with AsyncClient(f"127.0.0.1:{proxy.port}", prefetch=100, timeout=5) as c, \
+                AsyncClient(b.addr) as pub:
+            base = (await pub.stats())["subscriptions"]
+            # the SUBSCRIBE and its reply take 0.2 s each way
+            await trio.to_thread.run_sync(proxy.delay, 200)
+            with trio.move_on_after(0.05) as scope:
+                await c.subscribe("given-up/t")
+            assert scope.cancelled_caught
+            with trio.fail_after(10):
+                for want in (base + 1, base):  # the broker makes it, then ends it
+                    while (await pub.stats())["subscriptions"] != want:
+                        await trio.sleep(0.02)
+            await trio.to_thread.run_sync(proxy.delay, 0)
+            await pub.publish_many(("given-up/t", b"x" * 10) for _ in range(2000))
+            await pub.flush()
+            assert await c.ping(timeout=3) < 3
+            await c.publish("other/t", b"y", qos=1)
+            assert (await pub.stats())["subscriptions"] == base
+    finally:
+        await trio.to_thread.run_sync(proxy.close)

@@ -337,11 +337,22 @@ class ClientConnection:
         return self._replies.pop(request_id, None)
 
     def forget(self, request_id: int) -> None:
-        """Stop waiting for a request: its reply, when it comes, is dropped."""
+        """Stop waiting for a request: its reply, when it comes, is dropped. A subscription
+        it made (SUBSCRIBED came, or comes later) is ended: nobody would take its
+        deliveries."""
         request = self._pending.get(request_id)
         if request is not None:
             request.keep = False
-        self._replies.pop(request_id, None)
+        reply = self._replies.pop(request_id, None)
+        if isinstance(reply, codec.Subscribed) and reply.sub_id in self._subs:
+            self._drop(reply.sub_id)
+            self._unwanted(reply.sub_id)
+
+    def _unwanted(self, sub_id: int) -> None:
+        """End subscription ``sub_id``, which nobody waits for (its reply not awaited)."""
+        if self.state is State.READY:
+            rid = self._request(codec.Unsubscribe(sub_id, "", ""), codec.Unsubscribed)
+            self._pending[rid].keep = False
 
     def refusal(self) -> codec.Error | None:
         """The oldest ERROR that answered no waiting request (a refused PUBLISH, a deleted
@@ -698,6 +709,9 @@ class ClientConnection:
             sub = request.frame
             if request.keep and isinstance(sub, codec.Subscribe):
                 self._subs[frame.sub_id] = _Sub(sub.topic_filter, sub.group, rid, sub.credit)
+            else:  # nobody waits for it any more (given up, cancelled): the broker made it
+                # all the same; ended, or it holds deliveries (a group's credit) nobody takes
+                self._unwanted(frame.sub_id)
         elif kind is codec.Unsubscribed and isinstance(request.frame, codec.Unsubscribe):
             self._ended(request.frame)
         if request.keep and kind is not codec.Welcome and kind is not codec.AuthOk:
