@@ -21,13 +21,14 @@ the star import would copy nothing.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 
 # trio imports them; the broker never calls into them without TLS (tests/test_start_imports.py).
 # Likewise idna (trio.socket: only for a host name that is not ASCII), and tempfile and
-# shutil (ctypes.util, for trio: only when ldconfig cannot name a library; shutil brings
-# bz2, lzma and zlib): 0.2 MB and ~3.5 ms. And ipaddress (urllib.parse, for trio's pathlib:
+# shutil (the real ctypes.util's, which ``_Libraries`` keeps unloaded; shutil brings bz2,
+# lzma and zlib): 0.2 MB and ~3.5 ms. And ipaddress (urllib.parse, for trio's pathlib:
 # only for a URL with a bracketed host; the config's check of an MQTT address without
 # authentication): ~0.7 ms. ntpath (pathlib's Windows paths) and array (socket.py, for
 # passing file descriptors): ~0.5 ms.
@@ -62,9 +63,40 @@ def load(stand_in: types.ModuleType) -> types.ModuleType:
     return real
 
 
+class _Libraries(_Deferred):
+    """``ctypes.util`` for trio's one question. Importing, trio asks
+    ``find_library("pthread")`` (to name its worker threads with pthread_setname_np), which
+    runs ``ldconfig -p`` in a child process: a fork and an exec on every start, about 4 ms
+    here and more on a Pi. With glibc 2.34 and later that function is in the C library
+    itself, whose name is known; any other question loads the real module."""
+
+    def find_library(self, name: str) -> str | None:
+        if name == "pthread" and _glibc() >= (2, 34):
+            return "libc.so.6"
+        return load(self).find_library(name)  # type: ignore[no-any-return]
+
+
+def _glibc() -> tuple[int, ...]:
+    """The C library's version if it is glibc, else ()."""
+    try:
+        found = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError):
+        return ()
+    name, _, version = found.partition(" ")
+    try:
+        return tuple(int(part) for part in version.split(".")[:2]) if name == "glibc" else ()
+    except ValueError:
+        return ()
+
+
 def defer(names: tuple[str, ...] = DEFERRED) -> list[str]:
-    """Stand-ins for those of ``names`` not imported yet; returns the names deferred."""
+    """Stand-ins for those of ``names`` not imported yet, and for ``ctypes.util`` (see
+    ``_Libraries``); returns the names deferred (``ctypes.util`` not among them)."""
     deferred = [name for name in names if name not in sys.modules]
     for name in deferred:
         sys.modules[name] = _Deferred(name)
+    if "ctypes.util" not in sys.modules:
+        import ctypes  # trio's import needs it anyway
+
+        sys.modules["ctypes.util"] = ctypes.util = _Libraries("ctypes.util")  # type: ignore[attr-defined]
     return deferred

@@ -77,6 +77,13 @@ assert deferred.defer() == ["ssl", "hmac", "idna", "tempfile", "shutil", "ipaddr
                            "array", "json"]
 import trio
 assert "_ssl" not in sys.modules and "_hashlib" not in sys.modules
+# trio's question to ctypes.util was answered without running ldconfig (the real module is
+# not loaded), and its worker threads are named all the same
+assert not hasattr(sys.modules["ctypes.util"], "__file__")
+assert trio._core._thread_cache.set_os_thread_name is not None
+import ctypes.util
+assert ctypes.util.find_library("c")  # another question: the real module answers
+assert hasattr(sys.modules["ctypes.util"], "__file__")
 stand_in = sys.modules["ssl"]
 assert not hasattr(stand_in, "__file__")  # reading a dunder does not load it
 assert "_ssl" not in sys.modules
