@@ -388,3 +388,28 @@ async def test_qos1_confirms_come_in_order_and_share_fsyncs(
     assert counters.records == 400
     assert counters.fsyncs < 200  # group commit: far fewer fsyncs than publishes
     server.shutdown.set()
+
+
+async def test_a_segment_deleted_under_the_broker_is_refused_not_written_into(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    """Somebody deletes the segment being written: a QoS 1 publish after that gets ERROR
+    STORAGE, not a PUB_ACK for records written into a file that is gone (the next start
+    would not find them)."""
+    cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)})
+    server, port = await start(nursery, cfg)
+    conn = await connect(port)
+    await conn.send(publish_qos1(("t", b"stored"), rid=4))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 4)
+    for segment in (tmp_path / "wal").glob("*.seg"):
+        segment.unlink()
+    await conn.send(publish_qos1(("t", b"into-nothing"), rid=5))
+    for rid in (5, 6):  # and again: not written into a new file without its header either
+        if rid == 6:
+            await conn.send(publish_qos1(("t", b"into-a-new-file"), rid=6))
+        err = await conn.expect(codec.Error)
+        assert err.code == ErrorCode.STORAGE, err
+        assert rid == 6 or "was deleted while the broker ran" in err.text, err
+        assert (await conn.expect(codec.PubAck)) == codec.PubAck(0, rid)
+    assert list((tmp_path / "wal").glob("*.seg")) == []
+    server.shutdown.set()

@@ -20,6 +20,11 @@ from collections import OrderedDict
 READ_FDS = 8  # read descriptors kept open (least recently used closed first)
 
 
+def _deleted(path: str) -> OSError:
+    return OSError(errno.ENOENT, f"{os.path.basename(path)} was deleted while the broker ran "
+                   "(what was written to it is gone); restart the broker")
+
+
 class Disk:
     """Blocking file operations on segment files, with bounded descriptor caches."""
 
@@ -28,6 +33,7 @@ class Disk:
         self._readers: OrderedDict[str, int] = OrderedDict()
         self._read_fds = max(1, read_fds)
         self._lock = threading.Lock()  # reads run on the event loop, undo in a worker thread
+        self._gone: set[str] = set()  # segment files deleted while being written
 
     def listdir(self, directory: str) -> list[str]:
         return sorted(os.listdir(directory))
@@ -57,7 +63,15 @@ class Disk:
         return fd
 
     def append(self, path: str, data: bytes) -> None:
+        if path in self._gone:
+            raise _deleted(path)
         fd = self._fd(path)
+        if not os.fstat(fd).st_nlink:  # somebody deleted the file under the broker
+            # refused from now on: opened again, it would be a new file without its header
+            self._gone.add(path)
+            del self._fds[path]
+            os.close(fd)
+            raise _deleted(path)
         view = memoryview(data)
         while view:
             written = os.write(fd, view)
