@@ -87,6 +87,18 @@ class Broker:
         self.server.shutdown.set()
         await self.server.stopped.wait()
 
+    async def refused(self, c: Client, packet: Publish) -> None:
+        """Send a QoS 0 ``packet`` while writes fail, and wait until its batch failed."""
+        assert self.server is not None and self.server.flusher is not None
+        counters = self.server.flusher.counters
+        failures = counters.failures
+        self.disk.fail_writes = True
+        await c.send(packet)
+        with trio.fail_after(10):
+            while counters.failures == failures:
+                await trio.sleep(0.01)
+        self.disk.fail_writes = False
+
     async def client(self, client_id: str, clean: bool = False) -> tuple[Client, ConnAck]:
         c = Client(await trio.open_tcp_stream("127.0.0.1", self.port))
         await c.send(Connect("MQTT", 4, clean, 0, client_id))
@@ -227,30 +239,24 @@ async def test_a_retained_value_the_disk_refused_is_the_one_after_a_restart(
     old value back."""
     b = Broker(tmp_path)
     await b.start(nursery)
-    assert b.server is not None and b.server.flusher is not None
     c, _ = await b.client("retainer", clean=True)
     await c.send(Publish("r/state", b"v1", 1, True, False, 1))
     assert await c.recv() == PubAck(1)
-    b.disk.fail_writes = True
-    failures = b.server.flusher.counters.failures
-    await c.send(Publish("r/state", b"v2", 0, True, False, 0))
-    with trio.fail_after(10):
-        while b.server.flusher.counters.failures == failures:
-            await trio.sleep(0.01)
-    b.disk.fail_writes = False
-    watcher, _ = await b.client("watcher", clean=True)
-    await watcher.send(Subscribe(1, (("r/state", 0),)))
-    assert await watcher.recv() == SubAck(1, (0,))
-    m = await watcher.recv()
+    await b.refused(c, Publish("r/state", b"v2", 0, True, False, 0))
+
+    async def retained() -> object | None:
+        watcher, _ = await b.client("watcher", clean=True)
+        await watcher.send(Subscribe(1, (("r/state", 0),)))
+        assert await watcher.recv() == SubAck(1, (0,))
+        return await watcher.recv()
+
+    m = await retained()
     assert isinstance(m, Publish) and (m.payload, m.retain) == (b"v2", True)
     await c.send(Publish("r/other", b"x", 1, False, False, 2))  # written after it
     assert await c.recv() == PubAck(2)
     await b.stop()
     await b.start(nursery)
-    watcher, _ = await b.client("watcher", clean=True)
-    await watcher.send(Subscribe(1, (("r/state", 0),)))
-    assert await watcher.recv() == SubAck(1, (0,))
-    m = await watcher.recv()
+    m = await retained()
     assert isinstance(m, Publish) and (m.payload, m.retain) == (b"v2", True)
     await b.stop()
 
@@ -286,17 +292,10 @@ async def test_a_retained_clear_the_disk_refused_stays_cleared_after_a_restart(
     the old value back."""
     b = Broker(tmp_path)
     await b.start(nursery)
-    assert b.server is not None and b.server.flusher is not None
     c, _ = await b.client("clearer", clean=True)
     await c.send(Publish("r/gone", b"v1", 1, True, False, 1))
     assert await c.recv() == PubAck(1)
-    b.disk.fail_writes = True
-    failures = b.server.flusher.counters.failures
-    await c.send(Publish("r/gone", b"", 0, True, False, 0))
-    with trio.fail_after(10):
-        while b.server.flusher.counters.failures == failures:
-            await trio.sleep(0.01)
-    b.disk.fail_writes = False
+    await b.refused(c, Publish("r/gone", b"", 0, True, False, 0))
     await c.send(Publish("r/other", b"x", 1, False, False, 2))  # written after it
     assert await c.recv() == PubAck(2)
     await b.stop()
