@@ -3,7 +3,8 @@ and how long it takes to forward a message with the link up. Prints figures, ass
 
     .venv/bin/python bench/bridge.py [--count 100000] [--size 100] [--rate 1000]
                                      [--seconds 5] [--reconnect-min 1] [--reconnect-max 2]
-                                     [--stall 30] [--idle 5] [--system mosquitto] [--json]
+                                     [--stall 30] [--idle 5] [--system mosquitto] [--repeat 1]
+                                     [--json]
 
 Each system runs on one loopback layout, built the same way for all:
 
@@ -48,6 +49,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -560,6 +562,24 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def medians(results: list[dict[str, Any]]) -> str:
+    """Each system's median drain rate over the rounds, and its ratio to the first system's
+    (the machine's speed drifts between rounds; the systems ran in turn within each)."""
+    by: dict[str, list[float]] = {}
+    for r in results:
+        if r.get("drain_msg_per_s") is not None:
+            by.setdefault(r["system"], []).append(r["drain_msg_per_s"])
+    if not by:
+        return "no drain completed"
+    base = statistics.median(next(iter(by.values())))
+    lines = ["median drain msg/s over the rounds:"]
+    for system, rates in by.items():
+        m = statistics.median(rates)
+        lines.append(f"  {system:<24} {m:>10,.0f}  x{m / base:.2f}  "
+                     f"(rounds: {', '.join(f'{r:,.0f}' for r in rates)})")
+    return "\n".join(lines)
+
+
 def main() -> None:
     d = Options()
     ap = argparse.ArgumentParser(description=__doc__,
@@ -579,8 +599,12 @@ def main() -> None:
                     help="run only this one (repeatable); all by default")
     ap.add_argument("--idle", type=float, default=d.idle,
                     help="seconds of the idle cost runs (link up, then down)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds: every system once per round, in turn; then the medians")
     ap.add_argument("--json", action="store_true", help="print the results as JSON as well")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.size < 31:
         ap.error("--size must be at least 31 bytes (number, timestamp, separators)")
     opts = Options(count=args.count, size=args.size, rate=args.rate, seconds=args.seconds,
@@ -588,10 +612,14 @@ def main() -> None:
                    stall=args.stall, idle=args.idle)
     print(f"bridge bench: {asdict(opts)}", flush=True)
     results = []
-    for name in args.system or list(SYSTEMS):
-        print(f"running {name} ...", flush=True)
-        results.append(SYSTEMS[name](opts))
+    names = args.system or list(SYSTEMS)
+    for round_ in range(args.repeat):
+        for name in names:
+            print(f"running {name} (round {round_ + 1} of {args.repeat}) ...", flush=True)
+            results.append(SYSTEMS[name](opts))
     print(table(results))
+    if args.repeat > 1:
+        print(medians(results))
     if args.json:
         print(json.dumps(results, indent=2))
 

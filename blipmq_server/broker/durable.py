@@ -300,6 +300,7 @@ class DurableGroup:
         inflight = self.inflight
         acked = self.acked
         wants = self.wants
+        known = self._matches.get
         pack = DELIVERY_PREFIX.pack
         nxt = self.next
         taken = 0  # matching records passed (the backlog counts them)
@@ -321,7 +322,9 @@ class DurableGroup:
             if kind != _MESSAGE:
                 continue
             _, ttl, tlen, _, _ = _unpack_head(body)
-            if not wants(body[_HEAD : _HEAD + tlen]):
+            topic = body[_HEAD : _HEAD + tlen]
+            hit = known(topic)  # ``wants`` without its call for a topic seen before
+            if not (wants(topic) if hit is None else hit):
                 continue
             if acked and offset in acked:  # acked before a restart: never counted
                 acked.discard(offset)

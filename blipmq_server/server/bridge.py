@@ -962,7 +962,10 @@ class _Link:
         QoS 0): ``pid`` when given (a QoS 2 message sent again), else a free one. Raises
         LocalProtocolError for one the protocol cannot carry."""
         qos = rule.qos
-        pid = pid or (self._pid(offset) if qos else 0)
+        if qos and not pid:
+            pid = offset % 65535 + 1  # ``_pid``'s first choice, mostly free: no call for it
+            if pid in self.inflight or pid in self.bridge.reserved:
+                pid = self._pid(offset)
         parts.append(mqtt.encode_publish(
             topic, rec[at:at + plen], qos,
             self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN),
