@@ -123,6 +123,7 @@ class WalOptions(NamedTuple):
     maintenance_interval_ms: int = 5000
     unconfirmed_sync_ms: int = 1000
     shutdown_timeout_ms: int = 10000
+    max_unwritten_bytes: int = 16 * MiB
 
 
 class RetainedOptions(NamedTuple):
@@ -342,6 +343,9 @@ SCHEMA: tuple[Key, ...] = (
         "(0 = sync every batch)", 0, 3_600_000),
     Key("wal", "shutdown_timeout_ms", int, "How long shutdown waits for the log's last "
         "write and fsync", 1, _U32),
+    Key("wal", "max_unwritten_bytes", int, "Appended records waiting for the disk beyond "
+        "which the broker stops reading publishers until the log caught up (bounds memory "
+        "under a flood faster than the disk)", 1 * MiB, 1024 * MiB),
     Key("retained", "max_topics", int, "Topics that may hold a retained value; a retained "
         "publish to one more is refused (0 = retained publishes are refused)", 0, 10_000_000),
     Key("retained", "max_bytes", int, "Bytes of retained messages kept (also capped at half "

@@ -44,6 +44,7 @@ from blipmq_server.counters import ConnectionCounters
 from blipmq_server.errors import ConfigError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
+from blipmq_server.server import heap
 from blipmq_server.server.flusher import Flusher
 from blipmq_server.server.keys import Keyring
 from blipmq_server.server.listeners import open_listeners
@@ -83,19 +84,7 @@ def _settle_heap(imports_set_aside: bool) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*_GC_THRESHOLDS)
-    _trim_heap()
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system once start-up is over (imports,
-    compiling, recovery leave freed memory that glibc keeps): about 0.7 MB of an idle
-    broker. Not glibc (musl): nothing to do."""
-    try:
-        import ctypes  # loaded by trio already
-
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    heap.trim()  # what imports, compiling and recovery freed: about 0.7 MB
 
 
 class Server:

@@ -647,7 +647,11 @@ class _Link:
         return pid
 
     async def _receive(self) -> bytes:
-        """One read from the upstream; its end of the stream ends the link."""
+        """One read from the upstream; its end of the stream ends the link. While more
+        than ``wal.max_unwritten_bytes`` wait for the disk, the upstream waits too."""
+        server = self.bridge.server
+        if server.flusher is not None:
+            await server.flusher.room(server.config.wal.max_unwritten_bytes)
         data = await self.stream.receive_some(65536)
         if not data:
             self.peer_closed = True

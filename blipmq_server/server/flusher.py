@@ -25,6 +25,12 @@ thread's wake-up, the report back through the event loop), so at low rates QoS 0
 would otherwise pay it every few messages. A publisher that starts waiting, or a batch that
 grows to ``LINGER_RECORDS`` records or ``LINGER_BYTES`` bytes, ends the linger at once.
 
+Appends do not wait for the disk, so a flood of publishes faster than it would hold ever
+more records in memory. Readers ask ``room`` before each read: while more than
+``wal.max_unwritten_bytes`` of records wait for a batch, they wait until the flusher takes
+them, so memory holds at most that twice (the pending records, and the batch being written)
+plus one read per connection, and TCP pushes back on the publishers.
+
 After a batch lands (and, under ``always``, is synced), QoS 1 publishers whose records it
 held get their PUB_ACK, in offset order; if the disk fails, they get ERROR STORAGE instead
 and the broker keeps serving (the next batch tries the disk again). ``close`` waits for the
@@ -44,6 +50,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from blipmq_server.counters import WalCounters
+from blipmq_server.server import heap
 from blipmq_server.wal.log import Batch, Log
 from blipmq_server.wal.policy import FsyncPolicy
 
@@ -56,6 +63,7 @@ LINGER_S = 0.2  # longest a batch nobody waits for is held back to grow (docs/PE
 LINGER_RECORDS = 256  # ... unless it holds this many records
 LINGER_BYTES = 1 << 20  # ... or this many bytes
 RETRY_S = 0.2  # after a failed write or sync, before the next try
+TRIM_BATCH_BYTES = 4 << 20  # a batch this big: the heap is trimmed once the log is idle
 
 
 class Flusher:
@@ -87,12 +95,30 @@ class Flusher:
         self._unsynced_since: float | None = None  # first write not synced yet
         self._sync_wanted = False  # a waiter's records are written but not synced yet
         self._lingering = False  # run() holds a small batch back (ended by _hurry)
+        self._taken: trio.Event | None = None  # readers wait for the next batch (``room``)
         self.failing = False
+        self.waits = 0  # reads held back because too much waited for the disk
+        self._trim = False  # a big batch was written: trim the heap once idle
 
     def appended(self) -> None:
         self._wake.set()
         if self._grown() or (self._lingering and self._awaited()):
             self._hurry.set()  # a lingering batch now holds what somebody waits for
+
+    def full(self, limit: int) -> bool:
+        """More than ``limit`` bytes of appended records wait for a batch."""
+        return self.wal.pending_bytes > limit
+
+    async def room(self, limit: int) -> None:
+        """Wait until at most ``limit`` bytes of appended records wait for a batch (the
+        flusher took them): a reader's back-pressure when publishers outrun the disk."""
+        if self.wal.pending_bytes > limit:
+            self.waits += 1
+        while self.wal.pending_bytes > limit:  # each turn waits for a batch to be taken
+            if self._taken is None:
+                self._taken = trio.Event()
+            self.appended()  # it is past lingering's size: no reason to hold it back
+            await self._taken.wait()
 
     def _grown(self) -> bool:
         """What is pending is big enough to go without lingering."""
@@ -173,6 +199,10 @@ class Flusher:
             self._unsynced_since = self._last_sync
         while True:
             if not self.wal.pending_records and not self._sync_wanted:
+                if self._trim:  # a flood is over: what its batches held goes back
+                    self._trim = False
+                    await trio.to_thread.run_sync(heap.trim)
+                    continue  # appends may have come meanwhile
                 timeout = max(0.0, self._sync_due() - trio.current_time())
                 with trio.move_on_after(timeout):
                     await self._wake.wait()
@@ -206,6 +236,9 @@ class Flusher:
         """Write one batch (syncing it by policy, or if ``force_sync``); with nothing to
         write and ``force_sync``, sync what is written."""
         batch = self.wal.take_batch()
+        if self._taken is not None:
+            self._taken.set()  # readers held back for room may read again
+            self._taken = None
         if batch is None:
             if force_sync:
                 await self.sync()
@@ -235,7 +268,10 @@ class Flusher:
         c = self.counters
         c.batches += 1
         c.records += batch.records
-        c.bytes += sum(len(part.data) for part in batch.parts)
+        size = sum(len(part.data) for part in batch.parts)
+        c.bytes += size
+        if size >= TRIM_BATCH_BYTES:
+            self._trim = True
         if batch.synced:
             self._synced(batch.plan.calls)
         else:
