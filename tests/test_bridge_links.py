@@ -38,6 +38,10 @@ def test_prefixes_map_topics_both_ways() -> None:
     rule = parse_rule("# both 1 edge/ cloud/")
     assert rule.to_remote("edge/hall/temp") == "cloud/hall/temp"
     assert rule.to_local("cloud/hall/temp") == "edge/hall/temp"
+    # ``#`` matches the prefix's parent level too: that topic keeps its name after the other
+    # prefix, as mosquitto maps it, not the name of the prefix's own topic ("edge/")
+    assert rule.to_remote("edge") == "cloud/edge" and rule.to_remote("edge/") == "cloud/"
+    assert rule.to_local("cloud") == "edge/cloud" and rule.to_local("cloud/") == "edge/"
     rules = (rule, parse_rule("sensors/# out 1"))
     assert inbound_rule(rules, "cloud/x") is rule
     assert inbound_rule(rules, "sensors/x") is None  # out only

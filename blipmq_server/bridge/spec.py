@@ -53,12 +53,19 @@ class Rule:
         return self.direction in ("in", "both")
 
     def to_remote(self, topic: str) -> str:
-        """A local topic this rule's local filter matched, as the upstream names it."""
-        return self.remote_prefix + topic[len(self.local_prefix):]
+        """A local topic this rule's local filter matched, as the upstream names it: the
+        local prefix swapped for the remote one. A topic the filter matched without the
+        prefix (``edge`` for ``# ... edge/ cloud/``: ``#`` takes the parent level too) keeps
+        its whole name after the remote prefix, as mosquitto does, so no two topics map
+        to one."""
+        lp = self.local_prefix
+        return self.remote_prefix + (topic[len(lp):] if topic.startswith(lp) else topic)
 
     def to_local(self, topic: str) -> str:
-        """An upstream topic this rule's remote filter matched, as the local log names it."""
-        return self.local_prefix + topic[len(self.remote_prefix):]
+        """An upstream topic this rule's remote filter matched, as the local log names it
+        (``to_remote`` the other way round)."""
+        rp = self.remote_prefix
+        return self.local_prefix + (topic[len(rp):] if topic.startswith(rp) else topic)
 
     def text(self) -> str:
         return " ".join([self.pattern or '""', self.direction, str(self.qos),
