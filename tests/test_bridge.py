@@ -412,3 +412,34 @@ def test_the_group_of_a_bridge_taken_out_of_the_config_is_named_and_may_be_delet
     assert deleted.returncode == 0, deleted.stderr
     groups = bp.cli("groups", "--json")
     assert json.loads(groups.stdout)["groups"] == [], groups.stdout
+
+
+def test_a_restart_brings_no_older_retained_value_in_from_a_kept_session(start_broker) -> None:
+    """`both`: a retained value published here while the link was down must stay the newest
+    after a restart. The first link after a start used to SUBSCRIBE again to the session the
+    upstream kept, which sent its retained value back in, older than the one here."""
+    with Mosquitto() as up, FaultProxy(up.address) as proxy:
+        config = {"bridge": [bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
+                                          ["edge/# both 1"])]}
+        bp = start_broker(config)
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        assert bp.cli("pub", "-r", "edge/ret", "v1", "-q", "1").returncode == 0
+        wait_status(bp, "cloud", lambda b: b["forwarded"] >= 1)
+        proxy.refuse()
+        wait_status(bp, "cloud", lambda b: not b["connected"])
+        assert bp.cli("pub", "-r", "edge/ret", "v2", "-q", "1").returncode == 0
+        assert bp.stop() == 0
+        bp = start_broker(config, data_dir=bp.data_dir)
+        proxy.restore()
+        wait_status(bp, "cloud", lambda b: b["connected"] and b["backlog_messages"] == 0)
+        # the kept session still brings new messages in, after anything a SUBSCRIBE sent
+        pub = mqtt_client(up.port)
+        pub.publish("edge/marker", b"after", qos=1).wait_for_publish(5)
+        pub.disconnect()
+        pub.loop_stop()
+        assert local_numbers(bp, "edge/marker", 1) == {b"after"}
+        here = bp.cli("sub", "edge/ret", "-C", "1", "-W", "5")
+        assert here.stdout == b"v2\n", here
+        with Collector(up.port, "edge/ret") as there:
+            assert there.wait_count(1, 10)
+            assert [m.payload for m in there.messages()] == [b"v2"]

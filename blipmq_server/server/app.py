@@ -355,9 +355,18 @@ class Server:
         publishes): from here on it holds what the bridge has to forward."""
         self.broker.bridged = frozenset(spec.group for spec in self.config.bridges)
         self._orphan_bridge_groups()
+        remembered = [k for k in self.broker.states if k.startswith(b"bridge/")]
+        if not self.config.bridges and not remembered:
+            return
+        from blipmq_server.server.bridge import Bridge, LinkDown, subscriptions_state
+
+        # what the log remembers of bridges no longer configured (or with no kept session)
+        kept = {key for key, value in map(subscriptions_state, self.config.bridges) if value}
+        for key in remembered:
+            if key not in kept:
+                self.broker.put_state(key, b"", wall_ms())
         if not self.config.bridges:
             return
-        from blipmq_server.server.bridge import Bridge, LinkDown
 
         if self.wal is None:
             raise ConfigError("bridges forward from the write-ahead log: wal.enabled must be "

@@ -78,6 +78,17 @@ _STORED_AGAIN_S = 2  # ... until they are stored again for this long without a r
 _UNSTORED = "a message from the upstream could not be stored"  # why such a link ends
 
 
+def subscriptions_state(spec: BridgeSpec) -> tuple[bytes, bytes]:
+    """The STATE key and value saying which in rules' subscriptions the upstream session of
+    a persistent bridge holds: its client id and each remote filter with its QoS (an empty
+    value: nothing to remember, a clean session or no in rules)."""
+    key = b"bridge/" + spec.name.encode() + b"\0subscribed"
+    filters = [f"{r.remote_filter}\t{r.qos}" for r in spec.rules if r.receives]
+    if not filters or not spec.persistent:
+        return key, b""
+    return key, "\n".join([spec.mqtt_client_id, *filters]).encode()
+
+
 class LinkDown(Exception):
     """The link ended; the text says why (for the log and ``blipmq bridges``)."""
 
@@ -111,7 +122,12 @@ class Bridge:
 
             self._ssl = client_context(spec, where or f"bridge {spec.name}")
         self.private = spec.try_private  # CONNECT as a bridge (level 0x84)
-        self.subscribed = False  # the upstream session holds the in rules' subscriptions
+        # the upstream session holds the in rules' subscriptions: known from the log at a
+        # start (``subscriptions_held``), so a restart does not subscribe again to a kept
+        # session, which would bring every retained value in again, older than ours
+        self.subs_key, self.subs_value = subscriptions_state(spec)
+        self.subscribed = bool(self.subs_value) and (
+            self.broker.states.get(self.subs_key) == self.subs_value)
         self._retry_plain = False
         # (rule's sub id, local topic) -> the upstream's topic, UTF-8 (bounded)
         self.remotes: dict[tuple[int, bytes], bytes] = {}
@@ -140,6 +156,14 @@ class Bridge:
         self._quiet = False  # the last link ended so: the next connect is not logged as news
 
     # ------------------------------------------------------------------ the core's side
+
+    def subscriptions_held(self) -> None:
+        """The upstream granted every in rule's subscription: the log remembers it, so the
+        first link after a restart does not subscribe again while the upstream keeps the
+        session (the rules unchanged)."""
+        if self.subs_value and self.broker.states.get(self.subs_key) != self.subs_value:
+            self.broker.put_state(self.subs_key, self.subs_value, wall_ms())
+            self.server.log_touched()
 
     def attach(self) -> None:
         """Open the out rules' durable group (it starts at the log's end when new, and then
@@ -824,6 +848,8 @@ class _Link:
                 log.warning("bridge %s: the upstream refused the subscription(s) %s",
                             bridge.spec.name, ", ".join(map(repr, refused)))
                 bridge.last_error = f"subscription refused: {', '.join(refused)}"
+            else:
+                bridge.subscriptions_held()
             return
         if isinstance(packet, PingResp):
             self.pinged = False
