@@ -99,3 +99,21 @@ def test_sigterm_under_qos1_load_keeps_everything_confirmed(start_broker) -> Non
     stored = {codec.decode_one(codec.encode_publish([r.body])).decoded()[0].payload
               for r in wal.read(0, max_records=10**8, max_bytes=1 << 40)}
     assert {f"term:{i}".encode() for i in range(done)} <= stored
+
+
+def test_a_deleted_group_stays_deleted_after_sigkill(start_broker) -> None:
+    """`blipmq unsub --group` answered: the group is gone, and a crash right after must
+    not bring it back (with its position and backlog). The broker is SIGKILLed the moment
+    UNSUBSCRIBED arrives, before the client library even closes its connection."""
+    b = start_broker()
+    made = b.cli("sub", "jobs", "--group", "g", "--qos", "1", "--timeout", "0.3")
+    assert made.returncode == 4, made.stderr  # --timeout ran out: the group exists
+    assert b.cli("pub", "jobs", "backlog", "--qos", "1").returncode == 0  # durable
+    c = Client(b.addr)
+    assert c.unsubscribe("jobs", group="g") == 1
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    c.abort()  # the broker is gone: nothing to say goodbye to
+    b2 = start_broker(data_dir=b.data_dir)
+    assert b2.metric("blipmq_durable_groups") == 0
+    again = b2.cli("unsub", "jobs", "--group", "g")
+    assert again.returncode == 8, again.stderr  # NOT_FOUND: no such group

@@ -9,6 +9,7 @@ Each scenario ends by restarting the server on the same data directory.
 
 from __future__ import annotations
 
+import select
 from pathlib import Path
 
 import trio
@@ -21,6 +22,8 @@ from blipmq_server.mqtt.packets import (
     ConnAck,
     Connect,
     Disconnect,
+    PingReq,
+    PingResp,
     PubAck,
     PubComp,
     Publish,
@@ -64,6 +67,11 @@ class Client:
                 self.ready += self.decoder.packets()
         return self.ready.pop(0)
 
+    def nothing_came(self) -> bool:
+        """Nothing from the broker is waiting to be read (a look, no wait)."""
+        readable, _, _ = select.select([self.stream.socket.fileno()], [], [], 0)
+        return not self.ready and not readable
+
 
 class Broker:
     """The server in-process, started and stopped on one data directory."""
@@ -98,6 +106,12 @@ class Broker:
             while counters.failures == failures:
                 await trio.sleep(0.01)
         self.disk.fail_writes = False
+
+    async def fsync_held(self) -> None:
+        """Wait until an fsync waits at the disk's gate (``FaultyDisk.hold_fsync``)."""
+        with trio.fail_after(10):
+            while not self.disk.fsync_held.is_set():
+                await trio.sleep(0.01)
 
     async def client(self, client_id: str, clean: bool = False) -> tuple[Client, ConnAck]:
         c = Client(await trio.open_tcp_stream("127.0.0.1", self.port))
@@ -338,4 +352,79 @@ async def test_failed_writes_leave_no_batch_behind_for_the_collector(
     finally:
         gc.enable()
         b.disk.fail_writes = False
+    await b.stop()
+
+
+async def _offline_session(b: Broker, client_id: str, topic_filter: str) -> None:
+    """A persistent session with a QoS 1 subscription, stored and not connected."""
+    c, _ = await b.client(client_id)
+    await c.send(Subscribe(1, ((topic_filter, 1),)))
+    assert await c.recv() == SubAck(1, (1,))
+    await c.send(Disconnect())
+    assert await c.recv() is None
+    assert b.server is not None
+    with trio.fail_after(10):
+        while client_id not in b.server.mqtt_sessions.offline:
+            await trio.sleep(0.01)
+
+
+async def test_a_clean_connack_waits_until_the_end_of_the_old_session_is_durable(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """CONNECT with clean session 1 ends the stored session (its records and its group's
+    DELETE); CONNACK says session present 0, so it goes out only once those records are
+    synced (``wal.fsync = always``), and the PINGRESP to a PINGREQ sent right behind the
+    CONNECT only after it. The fsync is held: nothing may have come while it waits."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    await _offline_session(b, "held-device", "h/#")
+    c = Client(await trio.open_tcp_stream("127.0.0.1", b.port))
+    b.disk.hold_fsync()
+    try:
+        await c.send(Connect("MQTT", 4, True, 0, "held-device"), PingReq())
+        await b.fsync_held()
+        assert c.nothing_came()  # no CONNACK before the end of the session is on disk
+    finally:
+        b.disk.release_fsync()
+    assert await c.recv() == ConnAck(False, 0)
+    assert await c.recv() == PingResp()
+    await c.send(Disconnect())
+    await b.stop()
+    await b.start(nursery)
+    assert b.server is not None and b.server.broker.cursors is not None
+    assert "held-device" not in b.server.mqtt_sessions.offline
+    assert list(b.server.broker.cursors.durable) == []
+    await b.stop()
+
+
+async def test_a_clean_connect_whose_session_end_the_disk_refused_gets_no_connack(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """The records that end the stored session were refused: no CONNACK (3.1.1 has no
+    code for it), the connection closes. The broker writes them again with its next
+    batch; the client connects again and its CONNACK waits for that, and a restart then
+    finds neither the session nor its group."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    await _offline_session(b, "refused-device", "r/#")
+    b.disk.fail_writes = True
+    c = Client(await trio.open_tcp_stream("127.0.0.1", b.port))
+    await c.send(Connect("MQTT", 4, True, 0, "refused-device"))
+    assert await c.recv() is None  # closed without CONNACK
+    b.disk.fail_writes = False
+    b.disk.hold_fsync()
+    try:  # the records written again are not synced yet: neither is this CONNACK sent
+        c = Client(await trio.open_tcp_stream("127.0.0.1", b.port))
+        await c.send(Connect("MQTT", 4, True, 0, "refused-device"))
+        await b.fsync_held()
+        assert c.nothing_came()
+    finally:
+        b.disk.release_fsync()
+    assert await c.recv() == ConnAck(False, 0)
+    await c.send(Disconnect())
+    await b.stop()
+    await b.start(nursery)
+    assert b.server is not None and b.server.broker.cursors is not None
+    assert "refused-device" not in b.server.mqtt_sessions.offline
+    assert list(b.server.broker.cursors.durable) == []
+    c, ack = await b.client("refused-device")
+    assert not ack.session_present
     await b.stop()

@@ -605,6 +605,31 @@ def test_an_unsuback_means_the_subscription_is_gone_after_sigkill(start_broker) 
     _nothing_more(raw)
 
 
+def test_a_clean_connack_means_the_old_session_is_gone_after_sigkill(start_broker) -> None:
+    """MQTT-3.1.2-6 across a crash: CONNECT with clean session 1 ends the client id's
+    persistent session; once its CONNACK (session present 0) is out, a restart must not
+    bring that session back with its subscription and backlog (a later clean session 0
+    would get session present 1 and the old messages). The broker is SIGKILLed the moment
+    the CONNACK arrives."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("clean-k", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "ck/t", 1)
+    raw.disconnect()
+    b.wait_metric("blipmq_mqtt_sessions", 1, state="offline")  # stored, not connected
+    Paho(b.mqtt_port, "ck-pub").publish("ck/t", "old backlog", 1)  # its backlog
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("clean-k", clean=True) == ConnAck(False, 0)
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    raw.close()
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("clean-k", clean=False) == ConnAck(False, 0)
+    _nothing_more(raw)
+    assert b2.metric("blipmq_durable_groups") == 0
+
+
 def test_a_pubrel_owed_survives_sigkill(start_broker) -> None:
     """MQTT-4.3.3-1 across a crash: after PUBREC the broker owes PUBREL, and only that; a
     restart on the same data sends PUBREL again, never the PUBLISH."""

@@ -413,3 +413,82 @@ async def test_a_segment_deleted_under_the_broker_is_refused_not_written_into(
         assert (await conn.expect(codec.PubAck)) == codec.PubAck(0, rid)
     assert list((tmp_path / "wal").glob("*.seg")) == []
     server.shutdown.set()
+
+
+async def _durable_group(nursery: trio.Nursery, tmp_path, disk: FaultyDisk
+                         ) -> tuple[Server, Conn]:
+    """A broker on ``disk`` (``wal.fsync = always``) and a connection that made the durable
+    group ``g`` on ``jobs`` (its create record durable: a QoS 1 publish after it confirmed)."""
+    cfg = make_config(wal={"enabled": True, "fsync": "always"},
+                      storage={"data_dir": str(tmp_path)})
+    server = Server(cfg)
+    assert server.wal is not None
+    server.wal.disk = disk
+    bound: Bound = await nursery.start(server.serve)
+    conn = await connect(bound.port)
+    await conn.send(codec.Subscribe("jobs", "g", 1, request_id=3))
+    await conn.expect(codec.Subscribed)
+    await conn.send(publish_qos1(("other", b"x"), rid=4))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 4)
+    return server, conn
+
+
+async def _groups_after_restart(nursery: trio.Nursery, server: Server, tmp_path
+                                ) -> list[tuple[str, str]]:
+    """Stop ``server``, start another on its data directory: the durable groups it found."""
+    server.shutdown.set()
+    await server.stopped.wait()
+    again = Server(make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)}))
+    await nursery.start(again.serve)
+    assert again.broker.cursors is not None
+    found = list(again.broker.cursors.durable)
+    again.shutdown.set()
+    await again.stopped.wait()
+    return found
+
+
+async def test_unsubscribed_waits_until_the_group_deletion_is_durable(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    """UNSUBSCRIBE of a durable group: UNSUBSCRIBED means the group is gone, a crash
+    included, so it goes out once the DELETE record is synced, and the PONG of a PING sent
+    right behind it only after it (replies in the order of their frames). The fsync is
+    held: nothing may have come while it waits."""
+    import select
+
+    disk = FaultyDisk()
+    server, conn = await _durable_group(nursery, tmp_path, disk)
+    disk.hold_fsync()
+    try:
+        await conn.send(codec.Unsubscribe(0, "jobs", "g", request_id=5), codec.Ping(b"p", 6))
+        with trio.fail_after(10):
+            while not disk.fsync_held.is_set():
+                await trio.sleep(0.01)
+        readable, _, _ = select.select([conn.stream.socket.fileno()], [], [], 0)
+        assert not readable and not conn.frames  # no UNSUBSCRIBED before it is on disk
+    finally:
+        disk.release_fsync()
+    assert (await conn.expect(codec.Unsubscribed)) == codec.Unsubscribed(1, 5)
+    assert (await conn.expect(codec.Pong)).request_id == 6
+    assert await _groups_after_restart(nursery, server, tmp_path) == []
+
+
+async def test_a_group_deletion_the_disk_refused_is_an_error_not_unsubscribed(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    """The disk refused the DELETE record: ERROR STORAGE with the request's id, not
+    UNSUBSCRIBED, and the connection stays. The group is gone from memory and its
+    deletion is written again with the next batch, so a restart does not bring it back."""
+    disk = FaultyDisk()
+    server, conn = await _durable_group(nursery, tmp_path, disk)
+    disk.fail_writes = True
+    await conn.send(codec.Unsubscribe(0, "jobs", "g", request_id=5))
+    err = await conn.expect(codec.Error)
+    assert err.code == ErrorCode.STORAGE and err.request_id == 5, err
+    assert "is deleted" in err.text and "restart" in err.text
+    disk.fail_writes = False
+    await conn.send(publish_qos1(("other", b"y"), rid=6))  # written after the deletion
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 6)
+    await conn.send(codec.Unsubscribe(0, "jobs", "g", request_id=7))
+    assert (await conn.expect(codec.Error)).code == ErrorCode.NOT_FOUND
+    assert await _groups_after_restart(nursery, server, tmp_path) == []

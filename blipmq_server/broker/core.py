@@ -523,17 +523,18 @@ class Broker:
             self.cursors is not None and key in self.cursors.durable)
 
     def _owned(self, topic_filter: str, group: str, name: str, timestamp_ms: int,
-               durable: bool = False) -> None:
+               durable: bool = False) -> int:
         """Record (or with "", forget) a group's owner: kept in the log for a durable group,
-        in memory for a QoS 0 one (which a restart ends)."""
+        in memory for a QoS 0 one (which a restart ends). Returns the offset of the STATE
+        record written (0: none)."""
         key = _owner_key(topic_filter, group)
         if name:
             self._group_owners[key] = name
             if durable and self.log is not None:
-                self.put_state(key, name.encode("utf-8"), timestamp_ms)
-        else:
-            self._group_owners.pop(key, None)
-            self.put_state(key, b"", timestamp_ms)
+                return self.put_state(key, name.encode("utf-8"), timestamp_ms)
+            return 0
+        self._group_owners.pop(key, None)
+        return self.put_state(key, b"", timestamp_ms)
 
     def retained_again(self, conn: int, sub_id: int, wall_ms: int) -> bool:
         """A subscription made again as it is (MQTT-3.8.4-3: the flow of its messages goes
@@ -601,13 +602,13 @@ class Broker:
                 return UnsubscribeResult(0, refusal=Refusal(
                     ErrorCode.FORBIDDEN, f"no group {group!r} on {topic_filter!r} that this "
                     "key may delete"))
-            self._owned(topic_filter, group, "", timestamp_ms)
+            logged = self._owned(topic_filter, group, "", timestamp_ms)
             cursors = self.cursors
             target: Queue | DurableGroup | None = (
                 None if cursors is None else cursors.durable.get((topic_filter, group)))
             released: tuple[int, ...] = ()
             if target is not None:
-                cursors.delete(target, timestamp_ms)  # type: ignore[union-attr,arg-type]
+                logged = cursors.delete(target, timestamp_ms)  # type: ignore[union-attr,arg-type]
             else:
                 target = registry.groups.pop((topic_filter, group), None)
                 if target is None:
@@ -622,7 +623,7 @@ class Broker:
             for consumer in target.consumers:
                 registry.forget(consumer)
             target.consumers.clear()
-            return UnsubscribeResult(1, Detached(released), ended)
+            return UnsubscribeResult(1, Detached(released), ended, logged=logged)
         mine = [c for c in registry.of(conn)
                 if c.queue.filter == topic_filter and not c.queue.group]  # no group, any kind
         return UnsubscribeResult(len(mine), self._detach(mine, timestamp_ms))

@@ -137,13 +137,15 @@ class Cursors:
             self._plain.remove(target)
         self._by_key.pop(target.key, None)
 
-    def delete(self, target: DurableGroup, timestamp_ms: int) -> None:
-        """Delete a durable group (unsubscribe, expiry): a GROUP delete record says so."""
+    def delete(self, target: DurableGroup, timestamp_ms: int) -> int:
+        """Delete a durable group (unsubscribe, expiry): a GROUP delete record says so.
+        Returns its offset."""
         self._forget(target)
         at = self.log.append(Kind.GROUP, durable.group_body(
             durable.DELETE, 0, target.filter, target.group), timestamp_ms)
         self._recent.forget(target.id)
         self._deleted.note((target.filter, target.group), at)
+        return at
 
     def relog(self, first: int, last: int, timestamp_ms: int) -> int:
         """The disk refused records ``first``..``last`` (see ``Broker.relog``): the DELETE

@@ -128,12 +128,15 @@ class Detached(NamedTuple):
 
 class UnsubscribeResult(NamedTuple):
     """How many subscriptions ended (0: none matched), what that changed for other
-    queues and connections, or why it was refused."""
+    queues and connections, or why it was refused. ``logged``: the offset of the last log
+    record a deleted group's deletion appended (its DELETE, its owner's record); its reply
+    waits until the log holds it (0: nothing was written)."""
 
     count: int
     detached: Detached = Detached()
     ended: tuple[Ended, ...] = ()  # other connections' subscriptions ended (group deleted)
     refusal: Refusal | None = None
+    logged: int = 0
 
 
 class Fetch(NamedTuple):

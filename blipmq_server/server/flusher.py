@@ -45,7 +45,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
@@ -54,8 +54,15 @@ from blipmq_server.server import heap
 from blipmq_server.wal.log import Batch, Log
 from blipmq_server.wal.policy import FsyncPolicy
 
-if TYPE_CHECKING:
-    from blipmq_server.server.session import Session
+
+class Waiter(Protocol):
+    """What waits on the flusher: a session (its QoS 1 confirms) or one reply it holds
+    back until the log holds what the reply stands for (``session.HeldReply``)."""
+
+    def confirmed(self, request_id: int, count: int) -> None: ...
+
+    def confirm_failed(self, request_id: int, count: int, text: str) -> None: ...
+
 
 log = logging.getLogger("blipmq.wal")
 _offset = itemgetter(0)
@@ -88,7 +95,7 @@ class Flusher:
         self.counters = WalCounters()
         self._wake = trio.Event()
         self._hurry = trio.Event()  # ends a linger: a waiter, a big batch, shutdown
-        self._waiters: deque[tuple[int, Session, int, int]] = deque()  # by offset
+        self._waiters: deque[tuple[int, Waiter, int, int]] = deque()  # by offset
         self._lock = trio.Lock()  # one batch or sync at a time
         self._closing = False
         self._last_sync = 0.0
@@ -126,7 +133,7 @@ class Flusher:
         return wal.pending_records >= LINGER_RECORDS or wal.pending_bytes >= LINGER_BYTES
 
     def confirm_later(
-        self, offset: int, session: Session, request_id: int, count: int, first: int = 0
+        self, offset: int, session: Waiter, request_id: int, count: int, first: int = 0
     ) -> None:
         """Send PUB_ACK(count) for ``request_id`` once the log holds ``offset`` (durably,
         under ``always``). ``first`` is the publisher's first record: one that waited for
@@ -155,6 +162,11 @@ class Flusher:
         """The highest offset a confirm may be sent for."""
         wal = self.wal
         return wal.synced_offset if self.policy.confirms_after_fsync else wal.written_offset
+
+    def durable(self, offset: int) -> bool:
+        """Whether a confirm for ``offset`` may go out now (the log holds it, durably under
+        ``always``)."""
+        return offset <= self._confirmable()
 
     def _awaited(self) -> bool:
         """Pending messages a consumer reading the log's tail waits for, or acks the core

@@ -162,6 +162,17 @@ class MqttSession(Session):
         self.server.mqtt_error("storage")
         self.stop_reading(CloseReason.PROTOCOL_ERROR)
 
+    def reply_failed(self, request_id: int, what: str, text: str) -> None:
+        # the CONNACK of a clean session whose end the log could not store: 3.1.1 has no
+        # code for it, so the connection closes without CONNACK (and without its will:
+        # it never was connected). The client connects again, and that CONNACK waits for
+        # the records written again (``MqttSessions.ended_at``)
+        self.will = None
+        log.warning("MQTT client %r: closing without CONNACK, the log could not store the "
+                    "end of its persistent session: %s", self.client_id, text)
+        self.server.mqtt_error("storage")
+        self.stop_reading(CloseReason.PROTOCOL_ERROR)
+
     def revoke(self) -> None:
         # its key is gone: nothing more goes out on that key's authority, the will neither
         self.will = None
@@ -381,6 +392,8 @@ class MqttSession(Session):
                                 reason = self._handle(packet)
                             if reason is not None:
                                 return reason
+                            if self.held is not None:  # CONNACK waits for the log
+                                await self._reply_out()
                         reason = await self._publish_batch(batch, pids)
                         if reason is not None:
                             return reason
@@ -495,7 +508,10 @@ class MqttSession(Session):
         self.will = packet.will
         self.connected = self.authenticated = True
         present = server.mqtt_sessions.attach(self)
-        self.send_bytes(mqtt.encode(ConnAck(present, ConnackCode.ACCEPTED)))
+        # a clean session that ended a persistent one: CONNACK (session present 0) once
+        # that is durable; nothing is read, so nothing is answered, before it
+        self.hold_reply(server.mqtt_sessions.ended_at(self),
+                        mqtt.encode(ConnAck(present, ConnackCode.ACCEPTED)))
         for pid in self.released:  # MQTT-4.4.0-1: PUBREL again (never the PUBLISH)
             self.send_bytes(mqtt.encode(PubRel(pid)))
         if present:

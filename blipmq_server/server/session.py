@@ -140,6 +140,9 @@ class Session:
         # deliveries routed here go through the writer (``deliver_now``): with a linger, or
         # over TLS
         self._via_writer = server.config.delivery.flush_interval_ms > 0 or tls is not None
+        # a reply held back until the log holds what it stands for (``hold_reply``): the
+        # reader reads nothing more until it went out
+        self.held: HeldReply | None = None
 
     # --------------------------------------------------------------------------- plumbing
 
@@ -239,6 +242,41 @@ class Session:
 
     def error(self, code: ErrorCode, text: str, request_id: int = 0) -> None:
         self.send(codec.Error(code, text, request_id))
+
+    def hold_reply(self, offset: int, reply: bytes, request_id: int = 0, what: str = ""
+                   ) -> None:
+        """Send ``reply`` once the log holds ``offset`` (0: at once), as a QoS 1 confirm
+        waits (``Flusher.confirm_later``; durably under ``always``). Until then the reader
+        reads nothing more (``_reply_out``), so no later reply overtakes it. Should the
+        log fail to store it, ``reply_failed`` answers instead (``what``: what was done,
+        for the person reading the error)."""
+        flusher = self.server.flusher
+        if not offset or flusher is None or flusher.durable(offset):
+            self.send_bytes(reply)
+            return
+        self.held = held = HeldReply(self, reply, what)
+        flusher.confirm_later(offset, held, request_id, 0)
+
+    def reply_failed(self, request_id: int, what: str, text: str) -> None:
+        """The log could not store the records a held reply stood for; the broker's memory
+        has the change and appends them again for its next batch (``Broker.relog``), so
+        the reply is ERROR STORAGE saying so, not a success."""
+        self.error(ErrorCode.STORAGE, f"{what}, but the log could not store that ({text}); "
+                   "the broker stores it with its next successful write, and a restart of "
+                   "the broker before then undoes it", request_id)
+
+    async def _reply_out(self) -> None:
+        """The reader waits while a reply is held for the log: what its frames routed and
+        appended goes first (as at the end of a read), then nothing more is read until
+        the reply went out or failed."""
+        held = self.held
+        if held is None:
+            return
+        self.held = None
+        self.server.deliver_routed(self.read_at)
+        self.server.log_touched()
+        await held.done.wait()
+        self.read_at = self.clock()
 
     def stop_reading(self, reason: CloseReason) -> None:
         """Stop intake (shutdown, a keepalive timeout); the writer drains what is queued."""
@@ -457,6 +495,9 @@ class Session:
                                 reason = self._handle(frame)
                                 if reason is not None:
                                     return reason
+                                if self.held is not None:  # its reply waits for the log
+                                    await self._reply_out()
+                                    turn = self.read_at + _TURN_S
                             if frame is not last and clock() > turn:  # let the others in
                                 self.server.deliver_routed(self.read_at)
                                 self.server.log_touched()
@@ -683,7 +724,33 @@ class Session:
         self.server.detached(result.detached)
         for ended in result.ended:
             self.server.notify_ended(ended)
-        self.send(codec.Unsubscribed(result.count, frame.request_id))
+        # a group deleted: UNSUBSCRIBED once its deletion is durable, or a crash would
+        # bring back the group the client was told is gone
+        self.hold_reply(result.logged, codec.encode(
+            codec.Unsubscribed(result.count, frame.request_id)), frame.request_id,
+            f"group {frame.group!r} on {frame.topic_filter!r} is deleted")
+
+
+class HeldReply:
+    """A reply that waits on the flusher as a QoS 1 confirm does (``Session.hold_reply``):
+    sent when the log holds its records, or ``Session.reply_failed`` when it could not
+    store them; ``done`` either way."""
+
+    __slots__ = ("done", "reply", "session", "what")
+
+    def __init__(self, session: Session, reply: bytes, what: str) -> None:
+        self.session = session
+        self.reply = reply
+        self.what = what
+        self.done = trio.Event()
+
+    def confirmed(self, request_id: int, count: int) -> None:
+        self.session.send_bytes(self.reply)
+        self.done.set()
+
+    def confirm_failed(self, request_id: int, count: int, text: str) -> None:
+        self.session.reply_failed(request_id, self.what, text)
+        self.done.set()
 
 
 class _Held:

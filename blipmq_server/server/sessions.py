@@ -125,6 +125,23 @@ class MqttSessions:
             self.server.prefetcher.request(counts)
         return True
 
+    def ended_at(self, session: MqttSession) -> int:
+        """The offset a clean session's CONNACK waits for (0: none): the records that ended
+        its client id's persistent session, in ``attach`` just now or earlier and not
+        durable yet (the disk refused them and the core appended them again,
+        ``Broker.relog``). Session present 0 before they are durable would be undone by a
+        crash: the old session, its subscriptions and its backlog would come back."""
+        flusher = self.server.flusher
+        wal = self.server.wal
+        if not session.clean or flusher is None or wal is None:
+            return 0
+        at = self.broker.state_offset(state.subs_key(session.client_id))
+        if not at or flusher.durable(at):
+            return 0
+        # its subscriptions' record goes with its groups' DELETE records (``_forget``),
+        # and ``relog`` appends those again after it: everything appended so far
+        return wal.next_offset - 1
+
     def closed(self, session: MqttSession) -> None:
         """A connection ended (not taken over): its will, and its session offline or gone."""
         if session.taken_over or not session.connected:

@@ -6,7 +6,8 @@ descriptor per file being written (the log seals a segment once it is full, whic
 its descriptor) and a small least-recently-used set of read descriptors. ``fsync`` of a file
 without an append descriptor opens it for the call: Linux reports a writeback error that
 nobody has seen yet to a descriptor opened after it happened, so nothing is missed.
-``FaultyDisk`` raises ``OSError(EIO)`` or ``OSError(ENOSPC)`` on demand.
+``FaultyDisk`` raises ``OSError(EIO)`` or ``OSError(ENOSPC)`` on demand, or holds fsyncs
+until it is told to let them go (a slow disk, made observable).
 Standard library only; no trio.
 """
 
@@ -144,7 +145,8 @@ class Disk:
 
 class FaultyDisk(Disk):
     """A Disk whose writes, fsyncs and truncates fail while ``fail_writes`` / ``fail_fsync`` /
-    ``fail_truncate`` are set."""
+    ``fail_truncate`` are set, and whose fsyncs wait between ``hold_fsync`` and
+    ``release_fsync`` (``fsync_held`` is set once one waits)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,6 +154,17 @@ class FaultyDisk(Disk):
         self.fail_fsync = False
         self.fail_truncate = False
         self.partial = 0  # bytes a failing write still puts on disk (a torn write)
+        self._gate = threading.Event()  # fsyncs pass while it is set
+        self._gate.set()
+        self.fsync_held = threading.Event()
+
+    def hold_fsync(self) -> None:
+        """From now on every fsync waits (in its worker thread) for ``release_fsync``."""
+        self.fsync_held.clear()
+        self._gate.clear()
+
+    def release_fsync(self) -> None:
+        self._gate.set()
 
     def append(self, path: str, data: bytes) -> None:
         if self.fail_writes:
@@ -166,6 +179,9 @@ class FaultyDisk(Disk):
         super().truncate(path, size)
 
     def fsync(self, path: str) -> None:
+        if not self._gate.is_set():
+            self.fsync_held.set()
+            self._gate.wait()
         if self.fail_fsync:
             raise OSError(errno.EIO, "Input/output error (injected)")
         super().fsync(path)
