@@ -39,6 +39,7 @@ class ServerOptions(NamedTuple):
     write_timeout_ms: int = 10000
     max_pending_bytes: int = 4 * MiB
     shutdown_grace_ms: int = 5000
+    max_subscriptions: int = 10_000
 
 
 class KeySpec(NamedTuple):
@@ -95,6 +96,7 @@ class QueueOptions(NamedTuple):
     default_ttl_ms: int = 0
     expiry_interval_ms: int = 1000
     max_idle_groups: int = 256
+    max_durable_groups: int = 100_000
 
 
 class DeliveryOptions(NamedTuple):
@@ -271,6 +273,8 @@ SCHEMA: tuple[Key, ...] = (
         "stops reading from it until it catches up", 64 * 1024, 1024 * MiB),
     Key("server", "shutdown_grace_ms", int, "How long shutdown waits to drain deliveries",
         0, _U32),
+    Key("server", "max_subscriptions", int, "Subscriptions one connection (native or MQTT) may "
+        "hold at once; one more is refused", 1, 10_000_000),
     Key("auth", "api_keys", tuple, "Accepted API keys, each with full access (the older way: "
         "prefer [[auth.keys]], named and hashed, with permissions); both empty = "
         "authentication disabled"),
@@ -309,6 +313,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("queues", "max_idle_groups", int, "QoS 0 groups kept with their messages after their "
         "last consumer left; beyond this, the one left longest ago is dropped (0 = a QoS 0 "
         "group goes with its last consumer)", 0, 1_000_000),
+    Key("queues", "max_durable_groups", int, "Durable groups (and MQTT persistent sessions' "
+        "subscriptions) the broker holds; a subscription that would make one more is "
+        "refused", 1, 10_000_000),
     Key("delivery", "max_batch", int, "Most messages in one DELIVER frame", 1, 65535),
     Key("delivery", "max_batch_bytes", int, "Approximate byte cap of one DELIVER frame",
         1024, 64 * MiB),

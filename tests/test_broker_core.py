@@ -374,3 +374,15 @@ def test_the_topic_cap_is_the_configured_one() -> None:
     sub = wide.subscribe(1, long_topic[:-5] + "#")
     assert sub.refusal is None
     assert wide.publish([raw(long_topic)], 0).wake == {1}
+
+
+def test_a_connection_holds_at_most_max_subscriptions() -> None:
+    b = Broker(Limits(max_subscriptions=3))
+    ids = [b.subscribe(1, f"t/{n}").sub_id for n in range(3)]
+    assert all(ids)
+    over = b.subscribe(1, "t/3")
+    assert over.refusal is not None and over.refusal.code == ErrorCode.LIMIT
+    assert "server.max_subscriptions" in over.refusal.text
+    assert b.subscribe(2, "t/3").sub_id  # another connection has its own
+    b.unsubscribe(1, ids[0])
+    assert b.subscribe(1, "t/3").sub_id  # room again

@@ -592,3 +592,17 @@ def test_a_group_restated_after_a_lost_batch_keeps_its_idle_time(tmp_path: Path)
     (g,) = again.broker.durable_groups
     assert (g.filter, g.group, g.idle_since) == ("jobs", "g", 5_000)
     again.log.close()
+
+
+def test_the_broker_holds_at_most_max_durable_groups(tmp_path: Path) -> None:
+    s = Setup(tmp_path, max_durable_groups=2)
+    b = s.broker
+    assert b.subscribe(1, "a/#", group="g1", qos=1).sub_id
+    assert b.subscribe(1, "a/#", group="g2", qos=1).sub_id
+    over = b.subscribe(1, "a/#", group="g3", qos=1)
+    assert over.refusal is not None and over.refusal.code == ErrorCode.LIMIT
+    assert "queues.max_durable_groups" in over.refusal.text
+    assert b.subscribe(2, "a/#", group="g1", qos=1).sub_id  # joining one that exists
+    assert b.subscribe(2, "b/#", qos=1).sub_id  # a cursor of its own is no group
+    assert b.unsubscribe(1, 0, "a/#", "g2", 0).count
+    assert b.subscribe(1, "a/#", group="g3", qos=1).sub_id  # room again

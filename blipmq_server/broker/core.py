@@ -446,6 +446,10 @@ class Broker:
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return refused(code, problem)
+        held = len(self.registry.of(conn))
+        if held >= self.limits.max_subscriptions:
+            return refused(ErrorCode.LIMIT, f"this connection holds {held} subscriptions, "
+                           "the most server.max_subscriptions allows")
         owner = ""  # who a group made by this call belongs to
         if access is not None:  # unlimited: no permission to check, but a group to own
             if not access.unlimited and not access.identity.may_subscribe(topic_filter):
@@ -482,6 +486,11 @@ class Broker:
         if (topic_filter, group) in registry.groups:
             return refused(ErrorCode.INVALID_REQUEST,
                            f"group {group!r} on {topic_filter!r} already exists as a QoS 0 group")
+        if (group and (topic_filter, group) not in cursors.durable
+                and len(cursors.durable) >= self.limits.max_durable_groups):
+            return refused(ErrorCode.LIMIT, f"the broker holds {len(cursors.durable)} durable "
+                           "groups, the most queues.max_durable_groups allows: delete unused "
+                           "ones (blipmq unsub --group) or raise it")
         target = cursors.open(topic_filter, group, qos, start, start_offset, timestamp_ms)
         if isinstance(target, Refusal):
             return SubscribeResult(0, refusal=target)

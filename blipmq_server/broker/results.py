@@ -37,6 +37,8 @@ class Limits(NamedTuple):
     retained_max_topics: int = 10_000  # topics with a retained value
     retained_max_bytes: int = 16 * 1024 * 1024  # bytes of retained message records
     max_topic_bytes: int = 1024  # longest topic name or filter (at most 65,535)
+    max_subscriptions: int = 10_000  # subscriptions one connection may hold at once
+    max_durable_groups: int = 100_000  # durable groups in the broker (each a log cursor)
 
 
 @dataclass(slots=True)

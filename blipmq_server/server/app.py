@@ -121,6 +121,8 @@ class Server:
                 default_credit=config.delivery.default_credit,
                 group_expiry_ms=config.delivery.group_expiry_ms,
                 max_idle_groups=q.max_idle_groups,
+                max_subscriptions=config.server.max_subscriptions,
+                max_durable_groups=q.max_durable_groups,
                 retained_max_topics=config.retained.max_topics,
                 # carried forward at once, retained values must fit in half a segment
                 retained_max_bytes=min(config.retained.max_bytes,

@@ -1,0 +1,54 @@
+"""What one client may make the broker hold: subscriptions per connection
+(``server.max_subscriptions``) and durable groups in all (``queues.max_durable_groups``),
+through the real broker process, over MQTT and the native protocol. Without them a client
+subscribing to distinct filters grew the broker by about 3 KB each (630 MB for 200,000)."""
+
+from __future__ import annotations
+
+import pytest
+from mqttpeer import Raw
+
+from blipmq_cli import BrokerError, Client
+from blipmq_server.mqtt.packets import SubAck, Subscribe
+from blipmq_server.protocol.codec import ErrorCode
+
+LIMITS = {"mqtt": {"enabled": True, "port": 0},
+          "server": {"max_subscriptions": 5}, "queues": {"max_durable_groups": 3}}
+
+
+def test_mqtt_filters_past_the_limit_get_the_failure_code(start_broker) -> None:
+    bp = start_broker(LIMITS)
+    assert bp.mqtt_port is not None
+    c = Raw(bp.mqtt_port)
+    c.connect("many", clean=True)
+    c.send(Subscribe(1, tuple((f"t/{n}", 1) for n in range(7))))
+    ack = c.recv()
+    assert isinstance(ack, SubAck) and ack.codes == (1, 1, 1, 1, 1, 0x80, 0x80), ack
+    bp.wait_log("server.max_subscriptions")
+    # a persistent session's QoS 1 subscriptions are durable groups: the broker-wide cap
+    p = Raw(bp.mqtt_port)
+    p.connect("kept", clean=False)
+    p.send(Subscribe(1, tuple((f"k/{n}", 1) for n in range(4))))
+    ack = p.recv()
+    assert isinstance(ack, SubAck) and ack.codes == (1, 1, 1, 0x80), ack
+
+
+def test_native_subscriptions_past_the_limits_are_refused_with_limit(start_broker) -> None:
+    bp = start_broker(LIMITS)
+    with Client(bp.addr) as client:
+        for n in range(5):
+            client.subscribe(f"t/{n}")
+        with pytest.raises(BrokerError) as refused:
+            client.subscribe("t/5")
+        assert refused.value.code == ErrorCode.LIMIT, refused.value
+        assert "server.max_subscriptions" in str(refused.value)
+    with Client(bp.addr) as client:
+        for n in range(3):
+            client.subscribe("jobs", group=f"g{n}", qos=1)
+        with pytest.raises(BrokerError) as refused:
+            client.subscribe("jobs", group="g3", qos=1)
+        assert refused.value.code == ErrorCode.LIMIT, refused.value
+        assert "queues.max_durable_groups" in str(refused.value)
+    sub = bp.cli("sub", "jobs", "--group", "g4", "-q", "1", "-W", "1")
+    assert sub.returncode != 0 and b"queues.max_durable_groups" in sub.stderr, sub
+    assert len(sub.stderr.strip().splitlines()) == 1, sub.stderr  # one line, no traceback
