@@ -106,6 +106,7 @@ class Bridge:
         self.conn_id = conn_id
         self.broker = server.broker
         self.rules_by_sub: dict[int, Rule] = {}
+        self.qos2_subs: set[int] = set()  # out rules at QoS 2: done on PUBCOMP, not PUBACK
         self.connected = False
         self.address = ""  # the upstream in use (host:port)
         self.last_error = ""
@@ -180,6 +181,8 @@ class Bridge:
             if result.refusal is not None:
                 raise LinkDown(f"cannot bridge {rule.local_filter!r}: {result.refusal.text}")
             self.rules_by_sub[result.sub_id] = rule
+            if rule.qos == 2:
+                self.qos2_subs.add(result.sub_id)
             self.broker.set_credit(self.conn_id, result.sub_id, 0)
         self._publish_state(b"0")
 
@@ -785,16 +788,21 @@ class _Link:
         done: dict[int, list[int]] | None = None
         inflight = self.inflight
         released = self.released
+        qos2 = self.bridge.qos2_subs
         for packet in packets:
             kind = packet.__class__
             if kind is int or kind is PubAck:  # ``_pubacks`` gives bare packet ids
                 pid = packet if kind is int else packet.packet_id  # type: ignore[attr-defined]
-                found = inflight.pop(pid, None)  # type: ignore[call-overload]
-                if found is not None:
-                    released.discard(pid)  # type: ignore[arg-type]
-                    if done is None:
-                        done = {}
-                    done.setdefault(found[0], []).append(found[1])
+                found = inflight.get(pid)  # type: ignore[call-overload]
+                if found is None or (qos2 and found[0] in qos2):
+                    # nothing waits for it, or a QoS 2 message (which a PUBACK cannot end)
+                    self.bridge.unexpected("PUBACK", pid)  # type: ignore[arg-type]
+                    continue
+                del inflight[pid]  # type: ignore[arg-type]
+                released.discard(pid)  # type: ignore[arg-type]
+                if done is None:
+                    done = {}
+                done.setdefault(found[0], []).append(found[1])
                 continue
             if kind is PubRec:
                 pid = packet.packet_id  # type: ignore[attr-defined]
