@@ -73,6 +73,22 @@ class Bound(NamedTuple):
     tls_port: int | None = None  # the native protocol over TLS (server.tls)
 
 
+class _Written:
+    """What retention waits on (``Flusher.confirm_later``): the log holds its records, or
+    the disk refused them."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+
+    def confirmed(self, request_id: int, count: int) -> None:
+        self.done.set()
+
+    def confirm_failed(self, request_id: int, count: int, text: str) -> None:
+        self.done.set()
+
+
 def _settle_heap(imports_set_aside: bool) -> None:
     """What start-up made (modules, recovered state) lives as long as the process: one
     collection (of the imports' objects too, when ``Server.serve`` set them aside), then
@@ -468,11 +484,18 @@ class Server:
             self.flusher.counters.maintenance_runs += 1
             for bridge in self.bridges.values():  # every round: a hold must not wait for
                 bridge.check_hold()  # the checkpoints below to reach the disk
-            written = wal.written_offset
-            if (any(g.anchor > written for g in broker.durable_groups)
-                    or broker.retained.newest_anchor() > written
-                    or broker.newest_state() > written):
-                continue  # a checkpoint or carried value is not on disk yet: retain next time
+            # retention needs the checkpoints and carried values just appended on disk:
+            # wait for their batch (a group that moves, as a draining bridge's does, has a
+            # new checkpoint every round, so looking once would skip retention for good)
+            anchors = max(max((g.anchor for g in broker.durable_groups), default=0),
+                          broker.retained.newest_anchor(), broker.newest_state())
+            if anchors > wal.written_offset:
+                written = _Written()
+                self.flusher.confirm_later(anchors, written, 0, 0)
+                with trio.move_on_after(self.config.wal.maintenance_interval_ms / 1000):
+                    await written.done.wait()
+            if anchors > wal.written_offset:
+                continue  # not on disk yet (the disk refuses writes): retain next time
             holds = [b.floor() for b in self.bridges.values() if b.spec.backlog == "block"]
             result = wal.retain(wall, broker.durable_floor(), delete=False,
                                 hold_from=min((f for f in holds if f is not None),
