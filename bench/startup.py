@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/startup.py [--runs 15] [--blipmq PATH] [--binary dist/blipmq-...]
     .venv/bin/python bench/startup.py --stages [--runs 15]
+    .venv/bin/python bench/startup.py --against OLD [--blipmq NEW] [--runs 21]
 
 For each broker, each run: spawn it on a free loopback port with a fresh empty data
 directory, then time spawn -> the first TCP connection it accepts (and, for BlipMQ, spawn ->
@@ -20,6 +21,11 @@ test: it gates nothing.
 then, in a fresh interpreter each run, the start path's imports one group at a time in the
 order ``blipmq start`` needs them, the part of it spent making classes (dataclasses: code
 generated and compiled per class; attrs, for trio, the same), and the RSS each group adds.
+
+``--against`` compares two BlipMQ commands (each a ``blipmq`` executable or script, say of
+a checkout before a change and one after) in turn, run by run, so both see the same
+machine: its speed drifts by 10-20% within the hour, more than most changes save. Prints
+each one's median, min and max and the median of the per-pair differences; nothing else.
 """
 
 from __future__ import annotations
@@ -84,7 +90,8 @@ def accepts(port: int) -> bool:
 class Run:
     """One start of one broker: the times to its ready line and first accept, its RSS."""
 
-    def __init__(self, argv: list[str], port: int, env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, argv: list[str], port: int, env: dict[str, str], cwd: Path,
+                 settle_s: float = 1) -> None:
         self.ready_ms: float | None = None
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
@@ -105,7 +112,7 @@ class Run:
                 raise RuntimeError(f"{argv[0]} did not accept on port {port}")
             time.sleep(0.001)
         self.accept_ms = (time.perf_counter() - t0) * 1000
-        time.sleep(1)
+        time.sleep(settle_s)
         pids = [self.proc.pid, *children(self.proc.pid)]
         self.rss_kib = sum(rss_kib(pid) for pid in pids)
         self.anon_kib = sum(rollup_kib(pid)[0] for pid in pids)
@@ -141,6 +148,28 @@ def nats(binary: str) -> Callable[[Path, int], tuple[list[str], Path]]:
     def argv(data: Path, port: int) -> tuple[list[str], Path]:
         return [binary, "-a", "127.0.0.1", "-p", str(port)], data
     return argv
+
+
+def compare(old: str, new: str, runs: int, env: dict[str, str]) -> None:
+    """Start ``old`` and ``new`` in turn (which goes first alternates), ``runs`` pairs after
+    one untimed pair; print both medians and the median per-pair difference."""
+    times: dict[str, list[float]] = {old: [], new: []}
+    for i in range(runs + 1):
+        for binary in (old, new) if i % 2 else (new, old):
+            with tempfile.TemporaryDirectory(prefix="blipmq-startup-") as tmp:
+                port = free_port()
+                argv, cwd = blipmq(binary)(Path(tmp), port)
+                run = Run(argv, port, env, cwd, settle_s=0)
+                run.stop()
+                if i:
+                    times[binary].append(run.accept_ms)
+    med = statistics.median
+    for label, binary in (("old", old), ("new", new)):
+        xs = times[binary]
+        print(f"{label} {binary}: accepting {med(xs):6.1f} ms (min {min(xs):.1f}, "
+              f"max {max(xs):.1f})  n={len(xs)}")
+    diffs = [a - b for a, b in zip(times[old], times[new], strict=True)]
+    print(f"old - new, median of the {len(diffs)} pairs: {med(diffs):.1f} ms")
 
 
 def measure(label: str, make: Callable[[Path, int], tuple[list[str], Path]], runs: int,
@@ -263,6 +292,8 @@ def main() -> int:
     p.add_argument("--binary", default=None, type=lambda s: str(Path(s).resolve()),
                    help="a onefile executable to measure too")
     p.add_argument("--stages", action="store_true", help="where the start-up time goes")
+    p.add_argument("--against", default=None, type=lambda s: str(Path(s).resolve()),
+                   help="another blipmq to start in turn with --blipmq (before/after)")
     args = p.parse_args()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("BLIPMQ_", "PYTHONDONTWRITEBYTECODE"))}
@@ -270,6 +301,11 @@ def main() -> int:
         compileall.compile_dir(str(TOP / package), quiet=1)
     if args.stages:
         stages(args.runs, env)
+        return 0
+    if args.against:
+        print(f"{args.runs} pairs, after one warm-up; load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        compare(args.against, args.blipmq, args.runs, env)
         return 0
     print(f"{args.runs} runs each, after one warm-up; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
