@@ -76,6 +76,17 @@ class _Libraries(_Deferred):
         return load(self).find_library(name)  # type: ignore[no-any-return]
 
 
+class _Platform(_Deferred):
+    """``platform`` for attrs' one question (trio's classes are attrs classes): importing,
+    attrs asks ``python_implementation()`` (is this PyPy?). The module, which compiles a
+    dozen regular expressions to answer, costs 1.2 ms of every start; the interpreter
+    knows the answer (``sys.implementation``). Any other question loads the real module."""
+
+    def python_implementation(self) -> str:
+        known = {"cpython": "CPython", "pypy": "PyPy"}.get(sys.implementation.name)
+        return known if known is not None else load(self).python_implementation()  # type: ignore[no-any-return]
+
+
 def _glibc() -> tuple[int, ...]:
     """The C library's version if it is glibc, else ()."""
     try:
@@ -90,11 +101,14 @@ def _glibc() -> tuple[int, ...]:
 
 
 def defer(names: tuple[str, ...] = DEFERRED) -> list[str]:
-    """Stand-ins for those of ``names`` not imported yet, and for ``ctypes.util`` (see
-    ``_Libraries``); returns the names deferred (``ctypes.util`` not among them)."""
+    """Stand-ins for those of ``names`` not imported yet, and for ``ctypes.util`` and
+    ``platform`` (see ``_Libraries``, ``_Platform``); returns the names deferred (those two
+    not among them)."""
     deferred = [name for name in names if name not in sys.modules]
     for name in deferred:
         sys.modules[name] = _Deferred(name)
+    if "platform" not in sys.modules:
+        sys.modules["platform"] = _Platform("platform")
     if "ctypes.util" not in sys.modules:
         import ctypes  # trio's import needs it anyway
 

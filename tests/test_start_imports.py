@@ -81,6 +81,12 @@ assert "_ssl" not in sys.modules and "_hashlib" not in sys.modules
 # not loaded), and its worker threads are named all the same
 assert not hasattr(sys.modules["ctypes.util"], "__file__")
 assert trio._core._thread_cache.set_os_thread_name is not None
+# attrs' question to platform (PyPy?) was answered without loading it; another loads it
+import platform
+assert not hasattr(platform, "__file__")
+assert platform.python_implementation() == "CPython" and not hasattr(platform, "__file__")
+assert platform.machine() and hasattr(sys.modules["platform"], "__file__")
+assert platform.python_implementation() == "CPython"
 import ctypes.util
 assert ctypes.util.find_library("c")  # another question: the real module answers
 assert hasattr(sys.modules["ctypes.util"], "__file__")
@@ -157,6 +163,8 @@ def test_a_broker_without_mqtt_does_not_load_the_mqtt_front_end(tmp_path: Path) 
     loaded = set(_start(tmp_path, mqtt=False)["loaded"])
     assert "blipmq_server.server.sessions" in loaded  # persistent sessions: still kept
     assert sorted(_MQTT_FRONT_END & loaded) == []
+    # the listeners' addresses reach getaddrinfo as bytes: no idna codec (listeners.py)
+    assert "encodings.idna" not in loaded
 
 
 def test_a_broker_with_mqtt_loads_it_and_serves_it(tmp_path: Path) -> None:
