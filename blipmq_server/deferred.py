@@ -31,12 +31,15 @@ import types
 # lzma and zlib): 0.2 MB and ~3.5 ms. And ipaddress (urllib.parse, for trio's pathlib:
 # only for a URL with a bracketed host; the config's check of an MQTT address without
 # authentication): ~0.7 ms. ntpath (pathlib's Windows paths) and array (socket.py, for
-# passing file descriptors): ~0.5 ms.
+# passing file descriptors): ~0.5 ms. subprocess (trio's, for run_process): ~0.9 ms.
 UNUSED_BY_THE_BROKER = ("ssl", "hmac", "idna", "tempfile", "shutil", "ipaddress", "ntpath",
-                        "array")
+                        "array", "subprocess")
 # Imported at the top of the broker's modules, used only on request: json (the JSON log
 # format, logs.py; introspection answers, server/session.py). ~1 ms, paid by the first use.
-USED_ON_REQUEST = ("json",)
+# traceback (logging's, to print an exception) and tokenize (linecache's and inspect's, to
+# read a source file's lines for one): ~1.2 ms, paid by the first traceback printed. (Not
+# token: tokenize star-imports it.)
+USED_ON_REQUEST = ("json", "traceback", "tokenize")
 DEFERRED = UNUSED_BY_THE_BROKER + USED_ON_REQUEST
 
 

@@ -58,7 +58,8 @@ def test_the_start_path_does_not_import_the_heavy_modules() -> None:
     # every deferred module is still a stand-in once the server's modules are in: none of
     # them was needed on the way (one that is should leave UNUSED_BY_THE_BROKER)
     assert result["standing"] == ["ssl", "hmac", "idna", "tempfile", "shutil", "ipaddress",
-                                  "ntpath", "array", "json"]
+                                  "ntpath", "array", "subprocess", "json", "traceback",
+                                  "tokenize"]
 
 
 def test_the_checksum_is_crc32c_however_it_was_loaded() -> None:
@@ -74,7 +75,7 @@ _STAND_IN = """
 import sys
 from blipmq_server import deferred
 assert deferred.defer() == ["ssl", "hmac", "idna", "tempfile", "shutil", "ipaddress", "ntpath",
-                           "array", "json"]
+                           "array", "subprocess", "json", "traceback", "tokenize"]
 import trio
 assert "_ssl" not in sys.modules and "_hashlib" not in sys.modules
 # trio's question to ctypes.util was answered without running ldconfig (the real module is
@@ -99,6 +100,19 @@ assert stand_in.SSLContext is SSLContext is sys.modules["ssl"].SSLContext
 assert trio._ssl._stdlib_ssl.SSLContext is SSLContext  # references taken before work
 import hmac
 assert hmac.new(b"k", b"m", "sha256").hexdigest().startswith("b60090e3")
+# logging prints an exception with the real traceback module, loaded then
+import io, logging
+out = io.StringIO()
+logger = logging.getLogger("t")
+logger.addHandler(logging.StreamHandler(out))
+try:
+    1 / 0
+except ZeroDivisionError:
+    logger.exception("boom")
+assert "Traceback" in out.getvalue() and "ZeroDivisionError" in out.getvalue()
+assert hasattr(sys.modules["traceback"], "__file__")
+import subprocess
+assert subprocess.run(["true"]).returncode == 0
 assert deferred.defer() == []  # nothing left to defer
 print("ok")
 """
