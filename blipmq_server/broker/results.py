@@ -11,7 +11,8 @@ of the broker), and making one about half. ``Counters`` changes: a plain slotted
 cheaper still to define.
 """
 
-from __future__ import annotations
+# Annotations are evaluated here (no `from __future__ import annotations`): as strings,
+# typing compiles each NamedTuple field's into a ForwardRef, ~5 us a field on every start.
 
 from typing import NamedTuple
 
