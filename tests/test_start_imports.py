@@ -21,7 +21,8 @@ from blipmq_server import daemon, deferred
 deferred.defer()
 from blipmq_server import config, logs
 from blipmq_server.server import app, http
-standing = [n for n in deferred.DEFERRED if "__file__" not in vars(sys.modules[n])]
+standing = [n for n in deferred.DEFERRED + ("platform", "urllib.parse")
+            if "__file__" not in vars(sys.modules[n])]
 import json  # deferred itself: loaded by the first use, here
 print(json.dumps({"loaded": sorted(sys.modules), "standing": standing}))
 """
@@ -59,7 +60,7 @@ def test_the_start_path_does_not_import_the_heavy_modules() -> None:
     # them was needed on the way (one that is should leave UNUSED_BY_THE_BROKER)
     assert result["standing"] == ["ssl", "hmac", "idna", "tempfile", "shutil", "ipaddress",
                                   "ntpath", "array", "subprocess", "json", "traceback",
-                                  "tokenize"]
+                                  "tokenize", "platform", "urllib.parse"]
 
 
 def test_the_checksum_is_crc32c_however_it_was_loaded() -> None:
@@ -88,6 +89,14 @@ assert not hasattr(platform, "__file__")
 assert platform.python_implementation() == "CPython" and not hasattr(platform, "__file__")
 assert platform.machine() and hasattr(sys.modules["platform"], "__file__")
 assert platform.python_implementation() == "CPython"
+# pathlib's one function from urllib.parse is the stand-in's until called
+import pathlib
+assert not hasattr(sys.modules["urllib.parse"], "__file__")
+assert pathlib.Path("/a b").as_uri() == "file:///a%20b"
+assert hasattr(sys.modules["urllib.parse"], "__file__")
+assert pathlib.Path("/c d").as_uri() == "file:///c%20d"
+import urllib.parse
+assert urllib.parse.urlsplit("http://h:1/p").port == 1
 import ctypes.util
 assert ctypes.util.find_library("c")  # another question: the real module answers
 assert hasattr(sys.modules["ctypes.util"], "__file__")
