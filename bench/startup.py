@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/startup.py [--runs 15] [--blipmq PATH] [--binary dist/blipmq-...]
     .venv/bin/python bench/startup.py --stages [--runs 15]
+    .venv/bin/python bench/startup.py --against OLD [--blipmq NEW] [--runs 21]
 
 For each broker, each run: spawn it on a free loopback port with a fresh empty data
 directory, then time spawn -> the first TCP connection it accepts (and, for BlipMQ, spawn ->
@@ -18,8 +19,13 @@ test: it gates nothing.
 
 ``--stages`` says where the time goes instead: the bare interpreter (``python -c pass``),
 then, in a fresh interpreter each run, the start path's imports one group at a time in the
-order ``blipmq start`` needs them, the part of it spent making classes (dataclasses: code
-generated and compiled per class; attrs, for trio, the same), and the RSS each group adds.
+order ``blipmq start`` needs them, the part of it spent making trio's attrs classes (code
+generated and compiled per class), and the RSS each group adds.
+
+``--against`` compares two BlipMQ commands (each a ``blipmq`` executable or script, say of
+a checkout before a change and one after) in turn, run by run, so both see the same
+machine: its speed drifts by 10-20% within the hour, more than most changes save. Prints
+each one's median, min and max and the median of the per-pair differences; nothing else.
 """
 
 from __future__ import annotations
@@ -84,7 +90,8 @@ def accepts(port: int) -> bool:
 class Run:
     """One start of one broker: the times to its ready line and first accept, its RSS."""
 
-    def __init__(self, argv: list[str], port: int, env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, argv: list[str], port: int, env: dict[str, str], cwd: Path,
+                 settle_s: float = 1) -> None:
         self.ready_ms: float | None = None
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
@@ -105,7 +112,7 @@ class Run:
                 raise RuntimeError(f"{argv[0]} did not accept on port {port}")
             time.sleep(0.001)
         self.accept_ms = (time.perf_counter() - t0) * 1000
-        time.sleep(1)
+        time.sleep(settle_s)
         pids = [self.proc.pid, *children(self.proc.pid)]
         self.rss_kib = sum(rss_kib(pid) for pid in pids)
         self.anon_kib = sum(rollup_kib(pid)[0] for pid in pids)
@@ -143,6 +150,28 @@ def nats(binary: str) -> Callable[[Path, int], tuple[list[str], Path]]:
     return argv
 
 
+def compare(old: str, new: str, runs: int, env: dict[str, str]) -> None:
+    """Start ``old`` and ``new`` in turn (which goes first alternates), ``runs`` pairs after
+    one untimed pair; print both medians and the median per-pair difference."""
+    times: dict[str, list[float]] = {old: [], new: []}
+    for i in range(runs + 1):
+        for binary in (old, new) if i % 2 else (new, old):
+            with tempfile.TemporaryDirectory(prefix="blipmq-startup-") as tmp:
+                port = free_port()
+                argv, cwd = blipmq(binary)(Path(tmp), port)
+                run = Run(argv, port, env, cwd, settle_s=0)
+                run.stop()
+                if i:
+                    times[binary].append(run.accept_ms)
+    med = statistics.median
+    for label, binary in (("old", old), ("new", new)):
+        xs = times[binary]
+        print(f"{label} {binary}: accepting {med(xs):6.1f} ms (min {min(xs):.1f}, "
+              f"max {max(xs):.1f})  n={len(xs)}")
+    diffs = [a - b for a, b in zip(times[old], times[new], strict=True)]
+    print(f"old - new, median of the {len(diffs)} pairs: {med(diffs):.1f} ms")
+
+
 def measure(label: str, make: Callable[[Path, int], tuple[list[str], Path]], runs: int,
             env: dict[str, str]) -> None:
     accept, ready, rss, anon, pss = [], [], [], [], []
@@ -174,8 +203,7 @@ def measure(label: str, make: Callable[[Path, int], tuple[list[str], Path]], run
 _STAGES = """
 import gc, json, re, sys, time
 gc.disable()  # as blipmq_cli/main.py does for `start`
-import dataclasses
-made = {"dataclasses": 0.0, "attrs": 0.0}
+made = {"attrs": 0.0}
 def timed(kind, fn):
     def wrapper(*a, **k):
         t = time.perf_counter()
@@ -184,7 +212,6 @@ def timed(kind, fn):
         finally:
             made[kind] += time.perf_counter() - t
     return wrapper
-dataclasses._process_class = timed("dataclasses", dataclasses._process_class)
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 rows = []
@@ -201,7 +228,7 @@ from blipmq_server import logs
 stage("daemon, logging", t, r)
 t, r = time.perf_counter(), rss()
 from blipmq_server import config
-stage("config (dataclasses; tomllib only with a file)", t, r)
+stage("config (NamedTuples; tomllib only with a file)", t, r)
 t, r = time.perf_counter(), rss()
 import attr._make
 attr._make._ClassBuilder.build_class = timed("attrs", attr._make._ClassBuilder.build_class)
@@ -220,7 +247,8 @@ t = time.perf_counter()
 gc.collect()
 after = (time.perf_counter() - t) * 1000
 print(json.dumps({"rows": rows, "after_ms": after, "modules": len(sys.modules),
-                  "made_ms": {k: v * 1000 for k, v in made.items()}}))
+                  "made_ms": {k: v * 1000 for k, v in made.items()},
+                  "dataclasses": "dataclasses" in sys.modules}))
 """
 
 
@@ -249,10 +277,10 @@ def stages(runs: int, env: dict[str, str]) -> None:
     after = med(s["after_ms"] for s in samples)
     print(f"{'then, once accepting: gc.collect() (server/app.py, _settle_heap)':<70} "
           f"{after:6.1f} ms")
-    for kind in ("dataclasses", "attrs"):
-        ms = med(s["made_ms"][kind] for s in samples)
-        print(f"  of which making {kind} classes{'':<39} {ms:6.1f} ms")
-    print(f"  modules loaded: {samples[0]['modules']}")
+    ms = med(s["made_ms"]["attrs"] for s in samples)
+    print(f"  of which making attrs classes (trio's){'':<31} {ms:6.1f} ms")
+    print(f"  modules loaded: {samples[0]['modules']}; dataclasses among them: "
+          f"{'yes' if samples[0]['dataclasses'] else 'no'}")
 
 
 def main() -> int:
@@ -263,6 +291,8 @@ def main() -> int:
     p.add_argument("--binary", default=None, type=lambda s: str(Path(s).resolve()),
                    help="a onefile executable to measure too")
     p.add_argument("--stages", action="store_true", help="where the start-up time goes")
+    p.add_argument("--against", default=None, type=lambda s: str(Path(s).resolve()),
+                   help="another blipmq to start in turn with --blipmq (before/after)")
     args = p.parse_args()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("BLIPMQ_", "PYTHONDONTWRITEBYTECODE"))}
@@ -270,6 +300,11 @@ def main() -> int:
         compileall.compile_dir(str(TOP / package), quiet=1)
     if args.stages:
         stages(args.runs, env)
+        return 0
+    if args.against:
+        print(f"{args.runs} pairs, after one warm-up; load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        compare(args.against, args.blipmq, args.runs, env)
         return 0
     print(f"{args.runs} runs each, after one warm-up; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)

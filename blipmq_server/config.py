@@ -4,16 +4,16 @@ One schema table (``SCHEMA``) drives validation, environment parsing, the commen
 file (``default_text``) and the docs test. Every refusal is a ``ConfigError`` naming the key.
 Must not import trio, typer or rich.
 
-The sections are NamedTuples (immutable, compared by value): defining one costs a fifth of
-what a frozen dataclass does, and every ``blipmq start`` defines them all. ``Config`` is a
-dataclass, whose sections a reload swaps with ``dataclasses.replace``.
+The sections and ``Config`` itself are NamedTuples (immutable, compared by value, and only
+with their own kind): defining one costs a fifth of what a frozen dataclass does, and every
+``blipmq start`` defines them all. A reload swaps sections with ``Config._replace``.
 """
 
-from __future__ import annotations
+# Annotations are evaluated here (no `from __future__ import annotations`): as strings,
+# typing compiles each NamedTuple field's into a ForwardRef, ~5 us a field on every start.
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from blipmq_server.errors import ConfigError
@@ -170,21 +170,20 @@ class LogOptions(NamedTuple):
     format: str = "auto"
 
 
-@dataclass(frozen=True, slots=True)
-class Config:
+class Config(NamedTuple):
     """The whole configuration, one frozen section per TOML table (``load`` builds it)."""
 
-    server: ServerOptions = field(default_factory=ServerOptions)
-    auth: AuthOptions = field(default_factory=AuthOptions)
-    mqtt: MqttOptions = field(default_factory=MqttOptions)
-    queues: QueueOptions = field(default_factory=QueueOptions)
-    delivery: DeliveryOptions = field(default_factory=DeliveryOptions)
-    wal: WalOptions = field(default_factory=WalOptions)
-    retained: RetainedOptions = field(default_factory=RetainedOptions)
-    metrics: MetricsOptions = field(default_factory=MetricsOptions)
-    tls: TlsOptions = field(default_factory=TlsOptions)
-    storage: StorageOptions = field(default_factory=StorageOptions)
-    log: LogOptions = field(default_factory=LogOptions)
+    server: ServerOptions = ServerOptions()
+    auth: AuthOptions = AuthOptions()
+    mqtt: MqttOptions = MqttOptions()
+    queues: QueueOptions = QueueOptions()
+    delivery: DeliveryOptions = DeliveryOptions()
+    wal: WalOptions = WalOptions()
+    retained: RetainedOptions = RetainedOptions()
+    metrics: MetricsOptions = MetricsOptions()
+    tls: TlsOptions = TlsOptions()
+    storage: StorageOptions = StorageOptions()
+    log: LogOptions = LogOptions()
     # [[bridge]] tables (blipmq_server.bridge.spec.BridgeSpec), in the file's order
     bridges: tuple[Any, ...] = ()
 
@@ -776,6 +775,6 @@ def write_default(path: str | os.PathLike[str]) -> None:
 def option_fields() -> list[str]:
     """Every dotted key of ``Config`` but ``auth.keys`` (an array of tables, read apart and
     documented in docs/SECURITY.md); tests check SCHEMA covers exactly these."""
-    return [f"{s.name}.{f}" for s in fields(Config) if s.name in _SECTIONS
-            for f in _SECTIONS[s.name]._fields
-            if (s.name, f) != ("auth", "keys")]
+    return [f"{s}.{f}" for s in Config._fields if s in _SECTIONS
+            for f in _SECTIONS[s]._fields
+            if (s, f) != ("auth", "keys")]

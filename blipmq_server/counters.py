@@ -3,39 +3,47 @@
 They live here, not beside the Trio code that updates them, so that ``metrics`` can read
 them without importing the server (the broker core's counters are in ``broker.results``).
 Standard library only.
+
+Plain slotted classes, not dataclasses: they are defined on every ``blipmq start``, where a
+dataclass costs about 0.4 ms of generated code each (docs/PERFORMANCE.md, "Start-up").
+Nothing compares or prints them whole.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
-
-@dataclass(slots=True)
 class ConnectionCounters:
     """What the listeners and connections count (read by ``metrics`` at scrape time)."""
 
-    accepted: int = 0
-    refused: int = 0  # at max_connections
-    metrics_refused: int = 0  # metrics listener connections beyond its cap (server/http.py)
-    auth_failures: int = 0
-    auth_refused: dict[str, int] = field(default_factory=dict)  # by where: native, mqtt, metrics
-    open: int = 0
-    closed: dict[str, int] = field(default_factory=dict)  # by close reason
-    mqtt_errors: dict[str, int] = field(default_factory=dict)  # by reason (docs/MQTT.md)
-    # TLS handshakes that failed, by reason (docs/SECURITY.md); never became a connection
-    tls_errors: dict[str, int] = field(default_factory=dict)
+    __slots__ = ("accepted", "auth_failures", "auth_refused", "closed", "metrics_refused",
+                 "mqtt_errors", "open", "refused", "tls_errors")
+
+    def __init__(self, closed: dict[str, int] | None = None) -> None:
+        self.accepted = 0
+        self.refused = 0  # at max_connections
+        self.metrics_refused = 0  # metrics listener connections beyond its cap (server/http.py)
+        self.auth_failures = 0
+        self.auth_refused: dict[str, int] = {}  # by where: native, mqtt, metrics
+        self.open = 0
+        self.closed: dict[str, int] = {} if closed is None else closed  # by close reason
+        self.mqtt_errors: dict[str, int] = {}  # by reason (docs/MQTT.md)
+        # TLS handshakes that failed, by reason (docs/SECURITY.md); never became a connection
+        self.tls_errors: dict[str, int] = {}
 
 
-@dataclass(slots=True)
 class WalCounters:
     """What the log writer (``server/flusher.py``) counts."""
 
-    batches: int = 0
-    records: int = 0
-    bytes: int = 0
-    syncs: int = 0  # sync rounds: each made everything written so far durable
-    fsyncs: int = 0  # fsync calls those rounds made (segment files and the directory)
-    failures: int = 0
-    records_lost: int = 0  # appended but never written because the disk failed
-    unsynced: int = 0  # records written since the last sync (a gauge)
-    maintenance_runs: int = 0  # rounds of group expiry, checkpoints and retention
+    __slots__ = ("batches", "bytes", "failures", "fsyncs", "maintenance_runs", "records",
+                 "records_lost", "syncs", "unsynced")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.records = 0
+        self.bytes = 0
+        self.syncs = 0  # sync rounds: each made everything written so far durable
+        self.fsyncs = 0  # fsync calls those rounds made (segment files and the directory)
+        self.failures = 0
+        self.records_lost = 0  # appended but never written because the disk failed
+        self.unsynced = 0  # records written since the last sync (a gauge)
+        self.maintenance_runs = 0  # rounds of group expiry, checkpoints and retention

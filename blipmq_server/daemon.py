@@ -8,7 +8,6 @@ stderr.
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 import signal
 import sys
@@ -16,7 +15,7 @@ from typing import IO, Any
 
 from blipmq_server.errors import ConfigError
 
-log = logging.getLogger("blipmq")
+# logging is imported by ``logs``, after ``deferred.defer``: it imports traceback, deferred.
 
 
 def _split_bind(value: str, key: str) -> dict[str, object]:

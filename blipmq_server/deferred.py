@@ -31,12 +31,15 @@ import types
 # lzma and zlib): 0.2 MB and ~3.5 ms. And ipaddress (urllib.parse, for trio's pathlib:
 # only for a URL with a bracketed host; the config's check of an MQTT address without
 # authentication): ~0.7 ms. ntpath (pathlib's Windows paths) and array (socket.py, for
-# passing file descriptors): ~0.5 ms.
+# passing file descriptors): ~0.5 ms. subprocess (trio's, for run_process): ~0.9 ms.
 UNUSED_BY_THE_BROKER = ("ssl", "hmac", "idna", "tempfile", "shutil", "ipaddress", "ntpath",
-                        "array")
+                        "array", "subprocess")
 # Imported at the top of the broker's modules, used only on request: json (the JSON log
 # format, logs.py; introspection answers, server/session.py). ~1 ms, paid by the first use.
-USED_ON_REQUEST = ("json",)
+# traceback (logging's, to print an exception) and tokenize (linecache's and inspect's, to
+# read a source file's lines for one): ~1.2 ms, paid by the first traceback printed. (Not
+# token: tokenize star-imports it.)
+USED_ON_REQUEST = ("json", "traceback", "tokenize")
 DEFERRED = UNUSED_BY_THE_BROKER + USED_ON_REQUEST
 
 
@@ -76,6 +79,28 @@ class _Libraries(_Deferred):
         return load(self).find_library(name)  # type: ignore[no-any-return]
 
 
+class _Platform(_Deferred):
+    """``platform`` for attrs' one question (trio's classes are attrs classes): importing,
+    attrs asks ``python_implementation()`` (is this PyPy?). The module, which compiles a
+    dozen regular expressions to answer, costs 1.2 ms of every start; the interpreter
+    knows the answer (``sys.implementation``). Any other question loads the real module."""
+
+    def python_implementation(self) -> str:
+        known = {"cpython": "CPython", "pypy": "PyPy"}.get(sys.implementation.name)
+        return known if known is not None else load(self).python_implementation()  # type: ignore[no-any-return]
+
+
+class _UrlParse(_Deferred):
+    """``urllib.parse`` for pathlib, which trio imports: pathlib takes one function from it
+    when imported (``quote_from_bytes``, for ``Path.as_uri``), and the module costs 0.8 ms
+    of every start. The stand-in's function loads the real one when first called (the
+    broker never calls it); any other name loads the module at once."""
+
+    def quote_from_bytes(self, bs: bytes, safe: str = "/") -> str:
+        real = self.__dict__.get("quote_from_bytes") or load(self).quote_from_bytes
+        return real(bs, safe)  # type: ignore[no-any-return]
+
+
 def _glibc() -> tuple[int, ...]:
     """The C library's version if it is glibc, else ()."""
     try:
@@ -90,11 +115,18 @@ def _glibc() -> tuple[int, ...]:
 
 
 def defer(names: tuple[str, ...] = DEFERRED) -> list[str]:
-    """Stand-ins for those of ``names`` not imported yet, and for ``ctypes.util`` (see
-    ``_Libraries``); returns the names deferred (``ctypes.util`` not among them)."""
+    """Stand-ins for those of ``names`` not imported yet, and for ``ctypes.util``,
+    ``platform`` and ``urllib.parse`` (see ``_Libraries``, ``_Platform``, ``_UrlParse``);
+    returns the names deferred (those three not among them)."""
     deferred = [name for name in names if name not in sys.modules]
     for name in deferred:
         sys.modules[name] = _Deferred(name)
+    if "platform" not in sys.modules:
+        sys.modules["platform"] = _Platform("platform")
+    if "urllib.parse" not in sys.modules:
+        import urllib  # the package: an empty __init__
+
+        sys.modules["urllib.parse"] = urllib.parse = _UrlParse("urllib.parse")  # type: ignore[attr-defined]
     if "ctypes.util" not in sys.modules:
         import ctypes  # trio's import needs it anyway
 

@@ -21,7 +21,8 @@ from blipmq_server import daemon, deferred
 deferred.defer()
 from blipmq_server import config, logs
 from blipmq_server.server import app, http
-standing = [n for n in deferred.DEFERRED if "__file__" not in vars(sys.modules[n])]
+standing = [n for n in deferred.DEFERRED + ("platform", "urllib.parse")
+            if "__file__" not in vars(sys.modules[n])]
 import json  # deferred itself: loaded by the first use, here
 print(json.dumps({"loaded": sorted(sys.modules), "standing": standing}))
 """
@@ -58,7 +59,8 @@ def test_the_start_path_does_not_import_the_heavy_modules() -> None:
     # every deferred module is still a stand-in once the server's modules are in: none of
     # them was needed on the way (one that is should leave UNUSED_BY_THE_BROKER)
     assert result["standing"] == ["ssl", "hmac", "idna", "tempfile", "shutil", "ipaddress",
-                                  "ntpath", "array", "json"]
+                                  "ntpath", "array", "subprocess", "json", "traceback",
+                                  "tokenize", "platform", "urllib.parse"]
 
 
 def test_the_checksum_is_crc32c_however_it_was_loaded() -> None:
@@ -74,13 +76,27 @@ _STAND_IN = """
 import sys
 from blipmq_server import deferred
 assert deferred.defer() == ["ssl", "hmac", "idna", "tempfile", "shutil", "ipaddress", "ntpath",
-                           "array", "json"]
+                           "array", "subprocess", "json", "traceback", "tokenize"]
 import trio
 assert "_ssl" not in sys.modules and "_hashlib" not in sys.modules
 # trio's question to ctypes.util was answered without running ldconfig (the real module is
 # not loaded), and its worker threads are named all the same
 assert not hasattr(sys.modules["ctypes.util"], "__file__")
 assert trio._core._thread_cache.set_os_thread_name is not None
+# attrs' question to platform (PyPy?) was answered without loading it; another loads it
+import platform
+assert not hasattr(platform, "__file__")
+assert platform.python_implementation() == "CPython" and not hasattr(platform, "__file__")
+assert platform.machine() and hasattr(sys.modules["platform"], "__file__")
+assert platform.python_implementation() == "CPython"
+# pathlib's one function from urllib.parse is the stand-in's until called
+import pathlib
+assert not hasattr(sys.modules["urllib.parse"], "__file__")
+assert pathlib.Path("/a b").as_uri() == "file:///a%20b"
+assert hasattr(sys.modules["urllib.parse"], "__file__")
+assert pathlib.Path("/c d").as_uri() == "file:///c%20d"
+import urllib.parse
+assert urllib.parse.urlsplit("http://h:1/p").port == 1
 import ctypes.util
 assert ctypes.util.find_library("c")  # another question: the real module answers
 assert hasattr(sys.modules["ctypes.util"], "__file__")
@@ -93,6 +109,19 @@ assert stand_in.SSLContext is SSLContext is sys.modules["ssl"].SSLContext
 assert trio._ssl._stdlib_ssl.SSLContext is SSLContext  # references taken before work
 import hmac
 assert hmac.new(b"k", b"m", "sha256").hexdigest().startswith("b60090e3")
+# logging prints an exception with the real traceback module, loaded then
+import io, logging
+out = io.StringIO()
+logger = logging.getLogger("t")
+logger.addHandler(logging.StreamHandler(out))
+try:
+    1 / 0
+except ZeroDivisionError:
+    logger.exception("boom")
+assert "Traceback" in out.getvalue() and "ZeroDivisionError" in out.getvalue()
+assert hasattr(sys.modules["traceback"], "__file__")
+import subprocess
+assert subprocess.run(["true"]).returncode == 0
 assert deferred.defer() == []  # nothing left to defer
 print("ok")
 """
@@ -157,6 +186,8 @@ def test_a_broker_without_mqtt_does_not_load_the_mqtt_front_end(tmp_path: Path) 
     loaded = set(_start(tmp_path, mqtt=False)["loaded"])
     assert "blipmq_server.server.sessions" in loaded  # persistent sessions: still kept
     assert sorted(_MQTT_FRONT_END & loaded) == []
+    # the listeners' addresses reach getaddrinfo as bytes: no idna codec (listeners.py)
+    assert "encodings.idna" not in loaded
 
 
 def test_a_broker_with_mqtt_loads_it_and_serves_it(tmp_path: Path) -> None:

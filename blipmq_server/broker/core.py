@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from blipmq_server.broker.access import Access, matches
@@ -74,12 +73,12 @@ def _owner_key(topic_filter: str, group: str) -> bytes:
     return b"owner/" + group.encode("utf-8") + b"\x00" + topic_filter.encode("utf-8")
 
 
-@dataclass
 class Broker:
-    limits: Limits = field(default_factory=Limits)
-    log: MessageLog | None = None
+    """The core (see the module's docstring); ``log`` None: no durability, nothing logged."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, limits: Limits | None = None, log: MessageLog | None = None) -> None:
+        self.limits = Limits() if limits is None else limits
+        self.log = log
         self.counters = Counters()
         # offset of the last message: the last accepted one without a log, else the last
         # MESSAGE record logged (group and ack records come after it)

@@ -21,7 +21,6 @@ disconnects slow consumers.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import gc
 import logging
@@ -246,7 +245,7 @@ class Server:
                       and k not in ("auth", "log", "tls"))
         if rest:
             said.append(f"not applied until a restart: [{'], ['.join(rest)}]")
-        self.config = dataclasses.replace(old, auth=new.auth, log=new.log, tls=new.tls)
+        self.config = old._replace(auth=new.auth, log=new.log, tls=new.tls)
         return [s for s in said if s]
 
     def _recheck(self, session: Session, identity: Identity) -> int:
@@ -285,7 +284,7 @@ class Server:
             return ""
         if new is None or new.tls == self.tls.options:
             return self.tls.reload()
-        check_tls(dataclasses.replace(self.config, tls=new.tls))  # named, and they exist
+        check_tls(self.config._replace(tls=new.tls))  # named, and they exist
         return self.tls.reload(new.tls)
 
     async def serve(
@@ -811,8 +810,8 @@ class Server:
                 log.debug("expired %d message(s)", removed)
 
 
-def _sections(config: Config) -> list[str]:
-    return [f.name for f in dataclasses.fields(config)]
+def _sections(config: Config) -> tuple[str, ...]:
+    return config._fields
 
 
 def _reload(server: Server, reload: Callable[[], Config] | None) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
 from typing import NamedTuple
@@ -62,11 +61,17 @@ def _last_ts(seg: Segment) -> int:
     return seg.last_ts
 
 
-@dataclass(slots=True)
 class Retention:
-    removed: list[str] = field(default_factory=list)  # segment file names, for the log line
-    forced_below: int | None = None  # offsets below this were needed but removed (size cap)
-    paths: list[str] = field(default_factory=list)  # files still to delete (``delete=False``)
+    """What one round of retention removed (a plain class: cheaper to define than a
+    dataclass, on every start)."""
+
+    __slots__ = ("forced_below", "paths", "removed")
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []  # segment file names, for the log line
+        # offsets below this were needed but removed (size cap)
+        self.forced_below: int | None = None
+        self.paths: list[str] = []  # files still to delete (``delete=False``)
 
 
 class Log:

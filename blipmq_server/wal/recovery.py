@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from blipmq_server.kinds import Kind
 from blipmq_server.wal import record as rec
@@ -24,19 +24,24 @@ from blipmq_server.wal.disk import Disk
 from blipmq_server.wal.segment import CORRUPT, SUFFIX, TEMP, Segment, base_of, segment_name
 
 
-@dataclass(slots=True)
 class Recovery:
-    """What opening the log found; logged by the broker and counted in its metrics."""
+    """What opening the log found; logged by the broker and counted in its metrics. (A
+    plain class, ``Recovered`` a NamedTuple: a dataclass costs 0.3 ms to define, on every
+    start.)"""
 
-    segments: int = 0
-    records: int = 0
-    torn_bytes: int = 0  # bytes cut off a torn tail
-    quarantined: list[str] = field(default_factory=list)  # files set aside
-    notes: list[str] = field(default_factory=list)
+    __slots__ = ("notes", "quarantined", "records", "segments", "torn_bytes")
+
+    def __init__(self) -> None:
+        self.segments = 0
+        self.records = 0
+        self.torn_bytes = 0  # bytes cut off a torn tail
+        self.quarantined: list[str] = []  # files set aside
+        self.notes: list[str] = []
 
 
-@dataclass(slots=True)
-class Recovered:
+class Recovered(NamedTuple):
+    """The segments recovery kept, the log's offsets, and what it found."""
+
     segments: list[Segment]
     last_offset: int  # of the newest valid record, 0 if none
     next_offset: int
