@@ -34,8 +34,8 @@ class ConnectionCounters:
 class WalCounters:
     """What the log writer (``server/flusher.py``) counts."""
 
-    __slots__ = ("batches", "bytes", "failures", "fsyncs", "maintenance_runs", "records",
-                 "records_lost", "syncs", "unsynced")
+    __slots__ = ("batches", "bytes", "failures", "fsyncs", "maintenance_runs", "read_waits",
+                 "records", "records_lost", "syncs", "unsynced")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -47,3 +47,4 @@ class WalCounters:
         self.records_lost = 0  # appended but never written because the disk failed
         self.unsynced = 0  # records written since the last sync (a gauge)
         self.maintenance_runs = 0  # rounds of group expiry, checkpoints and retention
+        self.read_waits = 0  # reads held back while too much waited for the disk (``room``)

@@ -237,6 +237,8 @@ class BrokerCollector:
              w.records_lost),
             ("maintenance_runs", "Rounds of group expiry, checkpoints and retention",
              w.maintenance_runs),
+            ("read_waits", "Reads of a connection held back while more than "
+             "wal.max_unwritten_bytes waited for the disk", w.read_waits),
         ):
             yield counter(f"blipmq_wal_{name}", doc, value)
         yield counter("blipmq_wal_cache_hits", "Log reads served from the recent-records cache",

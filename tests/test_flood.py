@@ -71,7 +71,7 @@ async def _flooded(tmp_path: Path, flood: Callable[[Bound], Awaitable[None]],
         nursery.start_soon(publisher)
         peak = 0
         with trio.fail_after(20):  # until the reader stops: it waits for room, or not at all
-            while not (disk.waiting and flusher.waits) and not done.is_set():
+            while not (disk.waiting and flusher.counters.read_waits) and not done.is_set():
                 peak = max(peak, wal.pending_bytes)
                 if peak > LIMIT + SLACK:
                     break
@@ -184,6 +184,7 @@ def test_memory_a_flood_held_goes_back_once_it_is_written(start_broker) -> None:
             sock.sendall(chunk)
         sock.sendall(b"\xc0\x00")  # PINGREQ: its PINGRESP comes once the flood was read
         assert sock.recv(2) == b"\xd0\x00"
+    assert "blipmq_wal_read_waits_total" in bp.metrics()
     deadline = time.monotonic() + 20
     while _rss_anon_kib(bp.proc.pid) > 48 << 10:  # bounded by the deadline
         assert time.monotonic() < deadline, f"{_rss_anon_kib(bp.proc.pid)} KiB after the flood"

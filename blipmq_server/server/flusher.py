@@ -104,7 +104,6 @@ class Flusher:
         self._lingering = False  # run() holds a small batch back (ended by _hurry)
         self._taken: trio.Event | None = None  # readers wait for the next batch (``room``)
         self.failing = False
-        self.waits = 0  # reads held back because too much waited for the disk
         self._trim = False  # a big batch was written: trim the heap once idle
 
     def appended(self) -> None:
@@ -120,7 +119,7 @@ class Flusher:
         """Wait until at most ``limit`` bytes of appended records wait for a batch (the
         flusher took them): a reader's back-pressure when publishers outrun the disk."""
         if self.wal.pending_bytes > limit:
-            self.waits += 1
+            self.counters.read_waits += 1
         while self.wal.pending_bytes > limit:  # each turn waits for a batch to be taken
             if self._taken is None:
                 self._taken = trio.Event()
