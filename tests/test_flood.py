@@ -189,3 +189,16 @@ def test_memory_a_flood_held_goes_back_once_it_is_written(start_broker) -> None:
     while _rss_anon_kib(bp.proc.pid) > 48 << 10:  # bounded by the deadline
         assert time.monotonic() < deadline, f"{_rss_anon_kib(bp.proc.pid)} KiB after the flood"
         time.sleep(0.1)
+
+
+def test_the_flood_bench_runs() -> None:
+    """bench/flood.py end to end, briefly: figures, no assertions on them."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    for args in (["--seconds", "0.5", "--size", "1024"], ["--subscriptions", "300"]):
+        out = subprocess.run([sys.executable, str(root / "bench" / "flood.py"), *args],
+                             capture_output=True, timeout=120, cwd=root)
+        assert out.returncode == 0, out.stderr.decode()[-2000:]
+        assert b"RSS" in out.stdout, out.stdout

@@ -1,0 +1,155 @@
+"""What a flooding client costs the broker in memory. Prints figures, asserts none.
+
+    .venv/bin/python bench/flood.py [--seconds 6] [--size 8192] [--subscriptions 0]
+                                    [--keep-limit] [--fsync none] [--max-unwritten-bytes B]
+
+Starts ``blipmq start`` (the pip install beside this interpreter) with MQTT on free loopback
+ports and an empty data directory, then, from one raw MQTT socket:
+
+- publish flood: QoS 0 PUBLISHes of ``--size`` bytes as fast as the socket takes them for
+  ``--seconds`` s; the broker's RSS and anonymous RSS are sampled every 0.25 s during the
+  flood and for 3 s after it (a PINGREQ answered says it read everything), and the peak and
+  the last sample are printed, with how much was sent;
+- ``--subscriptions N``: instead, N distinct QoS 1 filters in SUBSCRIBEs of 100 on a clean
+  session, each SUBACK awaited; RSS before and after, per subscription, and how many the
+  broker refused (0x80: ``server.max_subscriptions`` is raised to N for the run unless
+  ``--keep-limit``).
+
+Loopback only; it ends the broker it started, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from ports import free_port, wait_port  # noqa: E402  (bench/ports.py)
+
+from blipmq_server.mqtt import codec  # noqa: E402
+from blipmq_server.mqtt.packets import Connect, Publish, Subscribe  # noqa: E402
+
+
+def memory(pid: int) -> tuple[int, int]:
+    """(RSS, anonymous RSS) in KiB."""
+    rss = anon = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1])
+        elif line.startswith("RssAnon:"):
+            anon = int(line.split()[1])
+    return rss, anon
+
+
+def mib(kib: int) -> str:
+    return f"{kib / 1024:.1f} MiB"
+
+
+def connect(port: int, client_id: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(codec.encode(Connect("MQTT", 4, True, 0, client_id)))
+    if sock.recv(4)[:1] != b"\x20":
+        raise RuntimeError("no CONNACK")
+    return sock
+
+
+def publish_flood(pid: int, port: int, seconds: float, size: int) -> None:
+    sock = connect(port, "flooder")
+    chunk = codec.encode(Publish("flood/x", b"p" * size)) * max(1, (1 << 20) // (size + 12))
+    sent = peak = peak_anon = 0
+    deadline = next_sample = time.monotonic()
+    deadline += seconds
+    while time.monotonic() < deadline:  # bounded by --seconds
+        sock.sendall(chunk)
+        sent += len(chunk)
+        if time.monotonic() >= next_sample:
+            rss, anon = memory(pid)
+            peak, peak_anon = max(peak, rss), max(peak_anon, anon)
+            next_sample += 0.25
+    sock.sendall(b"\xc0\x00")  # PINGREQ: answered once everything before it was read
+    sock.recv(2)
+    read_s = time.monotonic() - deadline + seconds
+    for _ in range(12):  # 3 s after the flood
+        rss, anon = memory(pid)
+        peak, peak_anon = max(peak, rss), max(peak_anon, anon)
+        time.sleep(0.25)
+    sock.close()
+    print(f"sent {sent / 1e6:,.0f} MB of {size}-byte QoS 0 PUBLISHes, read in {read_s:.1f} s "
+          f"({sent / 1e6 / read_s:,.0f} MB/s)")
+    print(f"peak RSS {mib(peak)} (anonymous {mib(peak_anon)}); 3 s after: RSS {mib(rss)} "
+          f"(anonymous {mib(anon)})")
+
+
+def subscription_flood(pid: int, port: int, n: int) -> None:
+    sock = connect(port, "subscriber")
+    decoder = codec.Decoder()
+    before = memory(pid)[1]
+    refused = 0
+    for first in range(0, n, 100):
+        pid_ = first // 100 + 1
+        sock.sendall(codec.encode(Subscribe(pid_, tuple(
+            (f"sub/{i}/#", 1) for i in range(first, min(n, first + 100))))))
+        acks: list[object] = []
+        while not acks:  # bounded by the socket's timeout
+            decoder.feed(sock.recv(65536))
+            acks = decoder.packets()
+        refused += sum(code == 0x80 for code in acks[0].codes)  # type: ignore[attr-defined]
+    after = memory(pid)[1]
+    sock.close()
+    print(f"{n:,} QoS 1 subscriptions ({refused:,} refused): anonymous RSS {mib(before)} -> "
+          f"{mib(after)}, {(after - before) * 1024 / max(1, n - refused):,.0f} bytes each")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--subscriptions", type=int, default=0)
+    ap.add_argument("--keep-limit", action="store_true",
+                    help="leave server.max_subscriptions at its default")
+    ap.add_argument("--fsync", default="none", help="wal.fsync for the run")
+    ap.add_argument("--max-unwritten-bytes", type=int, default=None,
+                    help="wal.max_unwritten_bytes (default: the broker's, 16 MiB)")
+    args = ap.parse_args()
+    blipmq = str(Path(sys.executable).with_name("blipmq"))
+    with tempfile.TemporaryDirectory(prefix="bench-flood-") as tmp:
+        native, mqtt_port = free_port(), free_port()
+        limit = "" if args.keep_limit or not args.subscriptions else (
+            f"max_subscriptions = {max(args.subscriptions, 1)}\n")
+        config = Path(tmp) / "blipmq.toml"
+        config.write_text(
+            f"[server]\nport = {native}\n{limit}[mqtt]\nenabled = true\nport = {mqtt_port}\n"
+            f"[metrics]\nenabled = false\n[storage]\ndata_dir = \"{tmp}/data\"\n"
+            f"[wal]\nfsync = \"{args.fsync}\"\n" + (
+                "" if args.max_unwritten_bytes is None
+                else f"max_unwritten_bytes = {args.max_unwritten_bytes}\n"))
+        proc = subprocess.Popen([blipmq, "start", "--config", str(config)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            if not wait_port(mqtt_port, proc):
+                raise SystemExit("the broker did not start")
+            print(f"broker idle: RSS {mib(memory(proc.pid)[0])}")
+            if args.subscriptions:
+                subscription_flood(proc.pid, mqtt_port, args.subscriptions)
+            else:
+                publish_flood(proc.pid, mqtt_port, args.seconds, args.size)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+if __name__ == "__main__":
+    main()
