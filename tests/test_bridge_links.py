@@ -402,3 +402,64 @@ def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_b
     assert "protocol error from the upstream" in bp.wait_log("link to 127.0.0.1")
     assert bp.cli("pub", "a/x", "still serving", "-q", "1").returncode == 0
     assert bp.proc.poll() is None
+
+
+def test_what_may_have_gone_out_before_a_sigkill_goes_again_with_dup(start_broker) -> None:
+    """A stand-in upstream that takes PUBLISHes and never PUBACKs them: after a SIGKILL of
+    the local broker and a restart, the copies sent again carry DUP (the restarted broker
+    cannot know which went out, so a window of those logged before the start say they
+    might be re-deliveries); a message published after the restart goes without."""
+    import signal
+    import socket
+    import threading
+
+    from blipmq_server.mqtt import codec as mqtt_codec
+    from blipmq_server.mqtt.packets import ConnAck, Connect, Publish
+    from tests.upstream import free_port, wait_until
+
+    port = free_port()
+    listener = socket.create_server(("127.0.0.1", port))
+    seen: list[list[tuple[bytes, bool]]] = []  # per link: (payload, dup)
+
+    def upstream() -> None:
+        while True:  # a link at a time, until the listener closes
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            got: list[tuple[bytes, bool]] = []
+            seen.append(got)
+            decoder = mqtt_codec.Decoder()
+            with conn:
+                while True:
+                    try:
+                        data = conn.recv(65536)
+                    except OSError:
+                        break
+                    if not data:
+                        break
+                    decoder.feed(data)
+                    for packet in decoder.packets():
+                        if isinstance(packet, Connect):
+                            conn.sendall(mqtt_codec.encode(ConnAck(False, 0)))
+                        elif isinstance(packet, Publish):
+                            got.append((packet.payload, packet.dup))
+
+    threading.Thread(target=upstream, daemon=True).start()
+    try:
+        config = {"bridge": [bridge_table("mute", [f"127.0.0.1:{port}"], ["s/# out 1"],
+                                          keepalive_s=60)]}
+        bp = start_broker(config)
+        for n in range(5):
+            assert bp.cli("pub", "s/x", f"m{n}", "-q", "1").returncode == 0
+        assert wait_until(lambda: len(seen) == 1 and len(seen[0]) == 5, 10), seen
+        assert [dup for _, dup in seen[0]] == [False] * 5
+        bp.stop(signal.SIGKILL)
+        bp = start_broker(config, data_dir=bp.data_dir)
+        assert wait_until(lambda: len(seen) >= 2 and len(seen[-1]) == 5, 10), seen
+        assert seen[-1] == [(f"m{n}".encode(), True) for n in range(5)]
+        assert bp.cli("pub", "s/x", "new", "-q", "1").returncode == 0
+        assert wait_until(lambda: len(seen[-1]) == 6, 10), seen
+        assert seen[-1][5] == (b"new", False)
+    finally:
+        listener.close()

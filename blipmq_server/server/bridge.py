@@ -107,6 +107,11 @@ class Bridge:
         self.broker = server.broker
         self.rules_by_sub: dict[int, Rule] = {}
         self.qos2_subs: set[int] = set()  # out rules at QoS 2: done on PUBCOMP, not PUBACK
+        # what was in flight when this broker stopped is not known (memory only), but it was
+        # at most a window of the messages logged before the start: the first ``inflight``
+        # of those sent after it go with DUP ("might be re-delivery", MQTT 3.1.1 3.3.1.1)
+        self.restored_end = server.wal.next_offset if server.wal is not None else 0
+        self.maybe_sent = spec.inflight
         self.connected = False
         self.address = ""  # the upstream in use (host:port)
         self.last_error = ""
@@ -945,12 +950,16 @@ class _Link:
         inflight = self.inflight
         remotes = bridge.remotes
         resend = bridge.resend
+        maybe_sent, before = bridge.maybe_sent, bridge.restored_end
         done: dict[int, list[int]] = {}
         sent = 0
         for sub_id, records in batches:
             rule = rules[sub_id]
             for rec in records:
                 offset, count, _, _, flags, ttl, tlen, klen, plen = _HEAD.unpack_from(rec)
+                if maybe_sent and count == 1 and offset < before:
+                    count = 2  # it may have gone out before this broker restarted: DUP
+                    maybe_sent -= 1
                 local = rec[_BODY:_BODY + tlen]
                 if flags & FLAG_BRIDGED and imports(every, local.decode("utf-8", "replace")):
                     counters["skipped"] += 1  # it came from the upstream: not back to it
@@ -986,6 +995,7 @@ class _Link:
                 else:
                     done.setdefault(sub_id, []).append(offset)
                     counters["forwarded"] += 1
+        bridge.maybe_sent = maybe_sent
         if done:
             wall = wall_ms()
             for sub_id, offsets in done.items():
