@@ -463,3 +463,101 @@ def test_what_may_have_gone_out_before_a_sigkill_goes_again_with_dup(start_broke
         assert seen[-1][5] == (b"new", False)
     finally:
         listener.close()
+
+
+class _ScriptedUpstream:
+    """A stand-in MQTT upstream on one port: each link gets CONNACK with the session
+    present flag ``present(n)`` (n: the link's number from 0), and its SUBSCRIBE is answered
+    with SUBACK, or, while ``drop_subscribe`` is set, by closing the link. ``subscribes``
+    counts the SUBSCRIBEs each link sent."""
+
+    def __init__(self, present, drop_subscribe: bool = False) -> None:
+        import socket
+        import threading
+
+        from tests.upstream import free_port
+
+        self.port = free_port()
+        self.present = present
+        self.drop_subscribe = drop_subscribe
+        self.subscribes: list[int] = []
+        self._conn: socket.socket | None = None
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        from blipmq_server.mqtt import codec as mqtt_codec
+        from blipmq_server.mqtt.packets import ConnAck, Connect, SubAck, Subscribe
+
+        while True:  # a link at a time, until closed
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            n = len(self.subscribes)
+            self.subscribes.append(0)
+            self._conn = conn
+            decoder = mqtt_codec.Decoder()
+            with conn:
+                while True:
+                    try:
+                        data = conn.recv(65536)
+                    except OSError:
+                        break
+                    if not data:
+                        break
+                    decoder.feed(data)
+                    for packet in decoder.packets():
+                        if isinstance(packet, Connect):
+                            conn.sendall(mqtt_codec.encode(ConnAck(self.present(n), 0)))
+                        elif isinstance(packet, Subscribe):
+                            self.subscribes[n] += 1
+                            if self.drop_subscribe:
+                                break
+                            conn.sendall(mqtt_codec.encode(SubAck(
+                                packet.packet_id, tuple(q for _, q in packet.topics))))
+                    else:
+                        continue
+                    break  # the SUBSCRIBE dropped with the link
+
+    def close(self) -> None:
+        """Refuse new links and cut the one open (RST)."""
+        import socket
+        import struct
+
+        self._listener.close()
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_in_rules_are_subscribed_again_until_an_upstream_granted_them(start_broker) -> None:
+    """A link lost between the SUBSCRIBE and its SUBACK: the next one subscribes again, even
+    though the upstream says it kept the session (it never had the SUBACK's filters). Then
+    a failover to an upstream that says it kept a session which never got them: subscribed
+    there too. Only the upstream that granted them is trusted to hold them."""
+    from tests.upstream import wait_until
+
+    first = _ScriptedUpstream(present=lambda n: n > 0, drop_subscribe=True)
+    second = _ScriptedUpstream(present=lambda n: True)
+    try:
+        bp = start_broker({"bridge": [bridge_table(
+            "twice", [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"],
+            ["cmd/# in 1"], keepalive_s=60)]})
+        assert wait_until(lambda: len(first.subscribes) >= 2 and first.subscribes[1] >= 1,
+                          10), first.subscribes
+        first.drop_subscribe = False  # now the first upstream grants them
+        wait_status(bp, "twice", lambda b: b["connected"] and b["address"].endswith(
+            str(first.port)))
+        assert wait_until(lambda: sum(first.subscribes) >= 3, 10), first.subscribes
+        links = len(first.subscribes)
+        first.close()  # cut and refused from now on: the bridge fails over to the second
+        assert wait_until(lambda: second.subscribes and second.subscribes[0] >= 1, 20), (
+            second.subscribes, first.subscribes[links:])
+    finally:
+        first.close()
+        second.close()

@@ -79,9 +79,10 @@ _UNSTORED = "a message from the upstream could not be stored"  # why such a link
 
 
 def subscriptions_state(spec: BridgeSpec) -> tuple[bytes, bytes]:
-    """The STATE key and value saying which in rules' subscriptions the upstream session of
-    a persistent bridge holds: its client id and each remote filter with its QoS (an empty
-    value: nothing to remember, a clean session or no in rules)."""
+    """The STATE key, and the value's part after the upstream's address line, saying which
+    in rules' subscriptions the upstream session of a persistent bridge holds: its client
+    id and each remote filter with its QoS (empty: nothing to remember, a clean session or
+    no in rules)."""
     key = b"bridge/" + spec.name.encode() + b"\0subscribed"
     filters = [f"{r.remote_filter}\t{r.qos}" for r in spec.rules if r.receives]
     if not filters or not spec.persistent:
@@ -128,12 +129,15 @@ class Bridge:
 
             self._ssl = client_context(spec, where or f"bridge {spec.name}")
         self.private = spec.try_private  # CONNECT as a bridge (level 0x84)
-        # the upstream session holds the in rules' subscriptions: known from the log at a
-        # start (``subscriptions_held``), so a restart does not subscribe again to a kept
-        # session, which would bring every retained value in again, older than ours
+        # the upstream (address) whose session holds the in rules' subscriptions as they
+        # are, "" when none is known to: from the log at a start (``subscriptions_held``),
+        # so a restart does not subscribe again to a kept session, which would bring every
+        # retained value in again, older than ours; another upstream (failover) or a link
+        # lost before the SUBACK gets the SUBSCRIBE again
         self.subs_key, self.subs_value = subscriptions_state(spec)
-        self.subscribed = bool(self.subs_value) and (
-            self.broker.states.get(self.subs_key) == self.subs_value)
+        stored = self.broker.states.get(self.subs_key, b"")
+        where, _, held = stored.partition(b"\n")
+        self.held_at = where.decode() if self.subs_value and held == self.subs_value else ""
         self._retry_plain = False
         # (rule's sub id, local topic) -> the upstream's topic, UTF-8 (bounded)
         self.remotes: dict[tuple[int, bytes], bytes] = {}
@@ -164,11 +168,13 @@ class Bridge:
     # ------------------------------------------------------------------ the core's side
 
     def subscriptions_held(self) -> None:
-        """The upstream granted every in rule's subscription: the log remembers it, so the
-        first link after a restart does not subscribe again while the upstream keeps the
-        session (the rules unchanged)."""
-        if self.subs_value and self.broker.states.get(self.subs_key) != self.subs_value:
-            self.broker.put_state(self.subs_key, self.subs_value, wall_ms())
+        """The upstream in use granted every in rule's subscription: its session holds them,
+        and the log remembers where, so the first link after a restart to that upstream
+        does not subscribe again while it keeps the session (the rules unchanged)."""
+        self.held_at = self.address
+        value = self.address.encode() + b"\n" + self.subs_value
+        if self.subs_value and self.broker.states.get(self.subs_key) != value:
+            self.broker.put_state(self.subs_key, value, wall_ms())
             self.server.log_touched()
 
     def attach(self) -> None:
@@ -727,11 +733,11 @@ class _Link:
         self.pending = packets[1:]
         bridge.resume(self, first.session_present)
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
-        # a session the upstream kept holds them: subscribing again would bring every
-        # retained value once more (the first link of a start subscribes: rules may change)
-        if filters and not (first.session_present and bridge.subscribed):
+        # a session this upstream kept holds them (``Bridge.held_at``): subscribing again
+        # would bring every retained value once more
+        if filters and not (first.session_present and bridge.held_at == bridge.address):
+            bridge.held_at = ""  # until its SUBACK
             self.outbox.append(mqtt.encode(Subscribe(self._pid(), filters)))
-        bridge.subscribed = True
         if spec.state_topic:
             self.outbox.append(mqtt.encode(Publish(spec.state_topic, b"1", 0, True)))
 
