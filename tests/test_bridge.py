@@ -474,3 +474,32 @@ def _size(directory: Path) -> int:
         except FileNotFoundError:
             pass
     return total
+
+
+def test_a_publisher_held_by_the_block_policy_is_not_closed_as_silent(start_broker) -> None:
+    """An MQTT publisher held back by a bridge's hold (`backlog = "block"`): the broker does
+    not read it meanwhile, so its PINGREQs wait unread; that silence is the broker's and
+    must not close it as a keepalive timeout (it did after 1.5 x its keepalive, and its
+    will went out as if the device had died)."""
+    from mqttpeer import Raw
+
+    from blipmq_server.mqtt.packets import PingReq, Publish
+
+    config = _pressure_config(free_port(), "block")
+    config["mqtt"] = {"enabled": True, "port": 0}
+    bp = start_broker(config)
+    first = bp.cli("pub", "sensors/a", "-q", "1", "-l", input=_numbered_lines(0, 1000))
+    assert first.returncode == 0, first.stderr
+    wait_status(bp, "site", lambda b: b["holding"])
+    assert bp.mqtt_port is not None
+    c = Raw(bp.mqtt_port)
+    c.connect("held-device", keepalive=1)
+    c.send(Publish("sensors/a", b"held", qos=1, packet_id=1))
+    for _ in range(6):  # 3 s: twice 1.5 x the keepalive, pinging as a device does
+        c.send(PingReq())
+        with pytest.raises(AssertionError, match="no packet arrived"):
+            c.recv(timeout=0.5)  # neither PUBACK nor PINGRESP: nothing is read
+    assert bp.metric('blipmq_connections_closed_total{reason="keepalive_timeout"}') == 0
+    c.sock.settimeout(0)
+    with pytest.raises(BlockingIOError):
+        c.sock.recv(1)  # still open (not even an EOF waiting)

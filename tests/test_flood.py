@@ -49,7 +49,8 @@ class HeldDisk(Disk):
 
 
 async def _flooded(tmp_path: Path, flood: Callable[[Bound], Awaitable[None]],
-                   extra: str = "") -> None:
+                   extra: str = "", held_s: float = 0.0,
+                   while_held: Callable[[Server], None] | None = None) -> None:
     path = tmp_path / "blipmq.toml"
     path.write_text(f'[storage]\ndata_dir = "{tmp_path}"\n{extra}')
     cfg = config_module.load(path, env={}, overrides={
@@ -79,6 +80,9 @@ async def _flooded(tmp_path: Path, flood: Callable[[Bound], Awaitable[None]],
         peak = max(peak, wal.pending_bytes)
         assert peak <= LIMIT + SLACK, f"{peak} bytes waited for the held disk"
         assert not done.is_set(), "the broker read the whole flood with its disk held"
+        await trio.sleep(held_s)  # the disk stays stalled (a slow card) this much longer
+        if while_held is not None:
+            while_held(server)
         disk.go.set()
         with trio.fail_after(30):
             await done.wait()
@@ -153,9 +157,16 @@ def test_a_bridged_in_flood_is_read_no_faster_than_the_disk_takes_it(tmp_path: P
 
     async def main() -> None:
         listeners.extend(await trio.open_tcp_listeners(port, host="127.0.0.1"))
+        # the link waits for the log 2 s with a keepalive of 1 s: that silence is not the
+        # upstream's, so the link stays (it was dropped after 1.5 s)
         await _flooded(tmp_path, flood, (
             f'[[bridge]]\nname = "up"\naddresses = ["127.0.0.1:{port}"]\n'
-            'topics = ["flood/# in 0"]\nbackoff_min_ms = 100\nbackoff_max_ms = 200\n'))
+            'topics = ["flood/# in 0"]\nbackoff_min_ms = 100\nbackoff_max_ms = 200\n'
+            'keepalive_s = 1\n'), held_s=2.0, while_held=link_stayed)
+
+    def link_stayed(server: Server) -> None:
+        (bridge,) = server.bridges.values()
+        assert bridge.counters["reconnects"] == 0, bridge.last_error
 
     trio.run(main)
 

@@ -428,3 +428,25 @@ async def test_a_clean_connect_whose_session_end_the_disk_refused_gets_no_connac
     c, ack = await b.client("refused-device")
     assert not ack.session_present
     await b.stop()
+
+
+async def test_a_held_connack_is_not_the_clients_silence(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """While its CONNACK waits for the log, the client cannot ping (it may send nothing
+    before CONNACK): that wait is the broker's, so a keepalive of 1 s does not close the
+    connection however long the disk takes (it did, after 1.5 s, with no CONNACK ever)."""
+    b = Broker(tmp_path)
+    await b.start(nursery)
+    await _offline_session(b, "slow-disk", "s/#")
+    c = Client(await trio.open_tcp_stream("127.0.0.1", b.port))
+    b.disk.hold_fsync()
+    try:
+        await c.send(Connect("MQTT", 4, True, 1, "slow-disk"))
+        await b.fsync_held()
+        await trio.sleep(3)  # twice 1.5 x the keepalive: the watchdog looked every second
+        assert c.nothing_came()
+    finally:
+        b.disk.release_fsync()
+    assert await c.recv() == ConnAck(False, 0)
+    await c.send(Disconnect())
+    await b.stop()

@@ -671,6 +671,8 @@ class _Link:
         self.heard_at = trio.current_time()
         self.pinged = False
         self.pending: list[object] = []  # packets that came with the CONNACK
+        self.serving = False  # past the handshake: reads wait for room in the log
+        self.waiting = False  # the reader waits for room in the log (not the upstream)
         self.reason: str | None = None
 
     def _pid(self, offset: int = 0) -> int:
@@ -685,11 +687,18 @@ class _Link:
         return pid
 
     async def _receive(self) -> bytes:
-        """One read from the upstream; its end of the stream ends the link. While more
-        than ``wal.max_unwritten_bytes`` wait for the disk, the upstream waits too."""
+        """One read from the upstream; its end of the stream ends the link. Once the link
+        serves, while more than ``wal.max_unwritten_bytes`` wait for the disk the upstream
+        waits too (``waiting``: that silence is ours, not a dead link's)."""
         server = self.bridge.server
-        if server.flusher is not None:
-            await server.flusher.room(server.config.wal.max_unwritten_bytes)
+        limit = server.config.wal.max_unwritten_bytes
+        if self.serving and server.flusher is not None and server.flusher.full(limit):
+            self.waiting = True
+            try:
+                await server.flusher.room(limit)
+            finally:
+                self.waiting = False
+                self.heard_at = trio.current_time()
         data = await self.stream.receive_some(65536)
         if not data:
             self.peer_closed = True
@@ -743,6 +752,7 @@ class _Link:
 
     async def serve(self) -> str:
         """Run the reader and the writer until either ends; returns why."""
+        self.serving = True
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._guard, self._writer, nursery)
             nursery.start_soon(self._guard, self._reader, nursery)
@@ -893,7 +903,7 @@ class _Link:
             if not self.open:
                 raise LinkDown(_UNSTORED)
             now = trio.current_time()
-            if keepalive:
+            if keepalive and not self.waiting:
                 if now - self.heard_at >= 1.5 * keepalive:
                     raise LinkDown(f"nothing from the upstream for 1.5 x the keepalive "
                                    f"({keepalive} s)")

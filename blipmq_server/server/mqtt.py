@@ -336,10 +336,7 @@ class MqttSession(Session):
                     continue
                 if flusher is not None and flusher.full(log_limit):
                     # publishers outrun the disk: read no more until the log caught up
-                    self.paused = True
-                    await flusher.room(log_limit)
-                    self.paused = False
-                    self.heard_at = clock()
+                    await self._waiting(flusher.room(log_limit))
                     continue
                 try:
                     data = await receive(math.inf if self.connected else deadline)
@@ -590,7 +587,7 @@ class MqttSession(Session):
                     continue
                 if result.blocked is not None:
                     server.log_touched()  # what was accepted need not wait with us
-                    await server.wait_for_room(result.blocked)
+                    await self._waiting(server.wait_for_room(result.blocked))
                     self.read_at = self.clock()
                     messages = batch[at:]
                     continue
@@ -660,7 +657,7 @@ class MqttSession(Session):
             server.routed(result.wake)
             if result.blocked is None:
                 return self._published(packet, result.refusal, result.last_offset)
-            await server.wait_for_room(result.blocked)
+            await self._waiting(server.wait_for_room(result.blocked))
 
     # ----------------------------------------------------------------------- subscriptions
 

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Awaitable
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -265,6 +266,17 @@ class Session:
                    "the broker stores it with its next successful write, and a restart of "
                    "the broker before then undoes it", request_id)
 
+    async def _waiting(self, wait: Awaitable[object]) -> None:
+        """Wait for the broker (room in a queue, for the log, a held reply) reading nothing:
+        the peer's silence meanwhile is the broker's doing, so it does not count against
+        its keepalive (``paused``), and its clock starts again after."""
+        self.paused = True
+        try:
+            await wait
+        finally:
+            self.paused = False
+            self.heard_at = self.clock()
+
     async def _reply_out(self) -> None:
         """The reader waits while a reply is held for the log: what its frames routed and
         appended goes first (as at the end of a read), then nothing more is read until
@@ -275,7 +287,7 @@ class Session:
         self.held = None
         self.server.deliver_routed(self.read_at)
         self.server.log_touched()
-        await held.done.wait()
+        await self._waiting(held.done.wait())
         self.read_at = self.clock()
 
     def stop_reading(self, reason: CloseReason) -> None:
@@ -456,10 +468,7 @@ class Session:
                     continue
                 if flusher is not None and flusher.full(log_limit):
                     # publishers outrun the disk: read no more until the log caught up
-                    self.paused = True
-                    await flusher.room(log_limit)
-                    self.paused = False
-                    self.heard_at = clock()
+                    await self._waiting(flusher.room(log_limit))
                     continue
                 try:  # once authenticated, silence is the watchdog's business
                     data = await receive(math.inf if self.authenticated else deadline)
@@ -637,7 +646,7 @@ class Session:
         try:
             while held.blocked is not None:
                 server.log_touched()  # what was accepted need not wait with us
-                await server.wait_for_room(held.blocked)
+                await self._waiting(server.wait_for_room(held.blocked))
                 now = self.read_at = self.clock()  # the frames after this one, too
                 result = self.broker.publish(held.messages, int(now * 1000), wall_ms(),
                                              access=self.access)
