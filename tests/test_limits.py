@@ -52,3 +52,32 @@ def test_native_subscriptions_past_the_limits_are_refused_with_limit(start_broke
     sub = bp.cli("sub", "jobs", "--group", "g4", "-q", "1", "-W", "1")
     assert sub.returncode != 0 and b"queues.max_durable_groups" in sub.stderr, sub
     assert len(sub.stderr.strip().splitlines()) == 1, sub.stderr  # one line, no traceback
+
+
+def test_a_session_restored_keeps_what_it_was_granted(start_broker) -> None:
+    """server.max_subscriptions bounds new SUBSCRIBEs: a persistent session granted five
+    filters keeps all five when the broker restarts with a limit of three (it kept three,
+    saved itself without the others and orphaned their groups)."""
+    from blipmq_server.mqtt.packets import ConnAck, PubAck, Publish
+
+    bp = start_broker({"mqtt": {"enabled": True, "port": 0}})
+    assert bp.mqtt_port is not None
+    c = Raw(bp.mqtt_port)
+    c.connect("kept-five", clean=False)
+    c.send(Subscribe(1, tuple((f"f/{n}", 1) for n in range(5))))
+    assert c.recv() == SubAck(1, (1,) * 5)
+    assert bp.stop() == 0
+    bp = start_broker({"mqtt": {"enabled": True, "port": 0},
+                       "server": {"max_subscriptions": 3}}, data_dir=bp.data_dir)
+    assert bp.mqtt_port is not None
+    c = Raw(bp.mqtt_port)
+    assert c.connect("kept-five", clean=False) == ConnAck(True, 0)
+    for n in range(5):
+        assert bp.cli("pub", f"f/{n}", f"m{n}", "-q", "1").returncode == 0
+    got = set()
+    for _ in range(5):
+        packet = c.recv()
+        assert isinstance(packet, Publish), packet
+        got.add(packet.payload)
+        c.send(PubAck(packet.packet_id))
+    assert got == {f"m{n}".encode() for n in range(5)}

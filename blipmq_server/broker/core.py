@@ -412,8 +412,12 @@ class Broker:
         retained: bool | None = None,
         access: Access | None = None,
         patient: bool = False,
+        counted: bool = True,
     ) -> SubscribeResult:
         """Attach connection ``conn`` to a new subscription or to a group.
+
+        ``counted``: it counts against ``max_subscriptions`` (False: one granted before,
+        restored with an MQTT session, or a bridge's rule).
 
         ``retained``: whether the subscription starts with the retained values its filter
         matches (when it reads from the latest message); by default only one without a group.
@@ -445,7 +449,7 @@ class Broker:
         if problem:
             code = ErrorCode.INVALID_TOPIC if "filter" in problem else ErrorCode.INVALID_REQUEST
             return refused(code, problem)
-        held = len(self.registry.of(conn))
+        held = len(self.registry.of(conn)) if counted else 0
         if held >= self.limits.max_subscriptions:
             return refused(ErrorCode.LIMIT, f"this connection holds {held} subscriptions, "
                            "the most server.max_subscriptions allows")

@@ -188,7 +188,7 @@ class Bridge:
             result = self.broker.subscribe(
                 self.conn_id, rule.local_filter, group=spec.group, qos=1,
                 credit=spec.inflight, start=Start.LATEST, timestamp_ms=wall_ms(),
-                retained=False, patient=True)
+                retained=False, patient=True, counted=False)
             if result.refusal is not None:
                 raise LinkDown(f"cannot bridge {rule.local_filter!r}: {result.refusal.text}")
             self.rules_by_sub[result.sub_id] = rule

@@ -678,8 +678,11 @@ class MqttSession(Session):
         if ready:
             self.wake()
 
-    def subscribe_one(self, topic_filter: str, qos: int, retained: bool) -> tuple[int, bool]:
-        """One filter of a SUBSCRIBE (or of a session restored): (SUBACK code, ready)."""
+    def subscribe_one(self, topic_filter: str, qos: int, retained: bool,
+                      restored: bool = False) -> tuple[int, bool]:
+        """One filter of a SUBSCRIBE (or, ``restored``, of a session restored, which keeps
+        what it was granted whatever ``server.max_subscriptions`` says now): (SUBACK code,
+        ready)."""
         share = share_of(topic_filter)
         if share is None:
             self.server.mqtt_error("bad_share")
@@ -721,7 +724,8 @@ class MqttSession(Session):
         credit = self.server.config.mqtt.max_inflight
         result = self.broker.subscribe(
             self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
-            0, timestamp_ms=wall_ms(), retained=retained, access=self.access)
+            0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
+            counted=not restored)
         if result.refusal is not None:
             if result.refusal.code == ErrorCode.FORBIDDEN:
                 self.server.mqtt_error("forbidden")

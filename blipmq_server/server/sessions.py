@@ -118,7 +118,7 @@ class MqttSessions:
         else:  # sent PUBREL again once CONNACK is out (MqttSession._connect)
             session.released = dict.fromkeys(self.pubrel.get(cid, ()), (0, 0))
         for topic_filter, qos in subs.items():
-            session.subscribe_one(topic_filter, qos, retained=False)
+            session.subscribe_one(topic_filter, qos, retained=False, restored=True)
         self._save(session)
         counts = self.broker.take_counts()
         if counts and self.server.prefetcher is not None:
