@@ -740,3 +740,29 @@ def test_subscribing_again_sends_the_retained_values_again(start_broker, qos: in
     _nothing_more(raw)
     raw.disconnect()
     pub.disconnect()
+
+
+def test_a_qos1_subscription_made_qos0_leaves_no_group_behind(start_broker) -> None:
+    """A persistent session replaces its QoS 1 subscription by a QoS 0 one: the session's
+    durable group on it goes. Kept, it piled up what the QoS 0 one delivered, and sent all
+    of it again once the client subscribed at QoS 1 once more."""
+    b = start_broker(MQTT)
+    assert b.mqtt_port is not None
+    c = Raw(b.mqtt_port)
+    c.connect("downgrade", clean=False)
+    c.send(Subscribe(1, (("d/1", 1),)))
+    assert c.recv() == SubAck(1, (1,))
+    c.send(Subscribe(2, (("d/1", 0),)))
+    assert c.recv() == SubAck(2, (0,))
+    for n in range(3):
+        assert b.cli("pub", "d/1", f"m{n}", "-q", "1").returncode == 0
+        packet = c.recv()
+        assert isinstance(packet, Publish) and packet.payload == f"m{n}".encode(), packet
+    groups = b.cli("groups", "--json")
+    assert groups.returncode == 0, groups.stderr
+    assert b"d/1" not in groups.stdout, groups.stdout  # no group left on it
+    c.send(Subscribe(3, (("d/1", 1),)))
+    assert c.recv() == SubAck(3, (1,))
+    assert b.cli("pub", "d/1", "new", "-q", "1").returncode == 0
+    packet = c.recv()
+    assert isinstance(packet, Publish) and packet.payload == b"new", packet  # not m0 again

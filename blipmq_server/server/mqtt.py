@@ -717,8 +717,14 @@ class MqttSession(Session):
         if old is not None:  # another kind of subscription (a log cursor or not): a new one
             self.granted.pop(old[0], None)
             self._shared.discard(old[0])
+            was_cursor = old[0] in self._cursors
             self._cursors.discard(old[0])
             self.server.detached(self.broker.unsubscribe(self.conn_id, old[0]).detached)
+            if was_cursor and not self.clean and share[0] == "":
+                # the session's durable group on it goes, as on UNSUBSCRIBE: kept, it would
+                # pile up what the QoS 0 one delivers, and send it all again at QoS 1
+                self.broker.unsubscribe(self.conn_id, 0, topic_filter,
+                                        group_name(self.client_id), wall_ms())
         if not group and cursor and not self.clean:
             group = group_name(self.client_id)
         credit = self.server.config.mqtt.max_inflight
