@@ -24,7 +24,9 @@ def test_mqtt_filters_past_the_limit_get_the_failure_code(start_broker) -> None:
     c.send(Subscribe(1, tuple((f"t/{n}", 1) for n in range(7))))
     ack = c.recv()
     assert isinstance(ack, SubAck) and ack.codes == (1, 1, 1, 1, 1, 0x80, 0x80), ack
-    bp.wait_log("server.max_subscriptions")
+    said = bp.wait_log("server.max_subscriptions")
+    assert "2 of 7 filter(s) refused (0x80): 't/5': " in said and "'t/6': " in said, said
+    assert sum("refused" in line for line in bp.log) == 1, bp.log  # one line, not one each
     # a persistent session's QoS 1 subscriptions are durable groups: the broker-wide cap
     p = Raw(bp.mqtt_port)
     p.connect("kept", clean=False)
@@ -81,3 +83,22 @@ def test_a_session_restored_keeps_what_it_was_granted(start_broker) -> None:
         got.add(packet.payload)
         c.send(PubAck(packet.packet_id))
     assert got == {f"m{n}".encode() for n in range(5)}
+
+
+def test_a_refused_replacement_leaves_the_subscription_as_it_was(start_broker) -> None:
+    """A persistent session at queues.max_durable_groups asks to make its QoS 0 subscription
+    QoS 1 (a new durable group): refused (0x80), and the QoS 0 one goes on (it was torn down
+    before the refusal, and the filter delivered nothing more)."""
+    from blipmq_server.mqtt.packets import Publish
+
+    bp = start_broker(LIMITS)
+    assert bp.mqtt_port is not None
+    c = Raw(bp.mqtt_port)
+    c.connect("upgrade", clean=False)
+    c.send(Subscribe(1, (("g/0", 1), ("g/1", 1), ("g/2", 1), ("b", 0))))
+    assert c.recv() == SubAck(1, (1, 1, 1, 0))  # three durable groups: the cap
+    c.send(Subscribe(2, (("b", 1),)))
+    assert c.recv() == SubAck(2, (0x80,))
+    assert bp.cli("pub", "b", "still", "-q", "1").returncode == 0
+    packet = c.recv()
+    assert isinstance(packet, Publish) and packet.payload == b"still" and packet.qos == 0

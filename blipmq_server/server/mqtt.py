@@ -116,6 +116,7 @@ class MqttSession(Session):
         self.connected = False
         # topic -> the subscription that delivers it (see ``_owner``); cleared on changes
         self._owners: dict[bytes, int] = {}
+        self.refusals: list[tuple[str, str]] = []  # filters refused since the last log line
         self._shared: set[int] = set()  # sub ids of $share/ subscriptions
         self._cursors: set[int] = set()  # sub ids that read the log (not a live queue)
         self._names: dict[str, bytes] = {}  # topics published to and found fine, as UTF-8
@@ -668,6 +669,7 @@ class MqttSession(Session):
             code, woke = self.subscribe_one(topic_filter, qos, retained=True)
             codes.append(code)
             ready = ready or woke
+        self.say_refusals(len(codes))
         self._owners.clear()
         # a persistent session's SUBACK once the subscription is on disk
         at = self.server.mqtt_sessions.changed(self)
@@ -678,6 +680,17 @@ class MqttSession(Session):
         if ready:
             self.wake()
 
+    def say_refusals(self, asked: int) -> None:
+        """One log line for the filters of a SUBSCRIBE (or a session restored) that were
+        refused (0x80), however many: the first three with their reasons, and how many."""
+        refusals = self.refusals
+        if refusals:
+            named = "; ".join(f"{f!r}: {why}" for f, why in refusals[:3])
+            more = f" (and {len(refusals) - 3} more)" if len(refusals) > 3 else ""
+            log.info("MQTT client %r: %d of %d filter(s) refused (0x80): %s%s",
+                     self.client_id, len(refusals), asked, named, more)
+            refusals.clear()
+
     def subscribe_one(self, topic_filter: str, qos: int, retained: bool,
                       restored: bool = False) -> tuple[int, bool]:
         """One filter of a SUBSCRIBE (or, ``restored``, of a session restored, which keeps
@@ -686,11 +699,12 @@ class MqttSession(Session):
         share = share_of(topic_filter)
         if share is None:
             self.server.mqtt_error("bad_share")
-            log.info("MQTT client %r: shared subscription %r refused (0x80): expected "
-                     "$share/<name>/<filter>", self.client_id, topic_filter)
+            self.refusals.append((topic_filter, "expected $share/<name>/<filter>"))
             return SUBACK_FAILURE, False
         group, core_filter = share
-        if filter_problem(core_filter, self.broker.limits.max_topic_bytes):
+        problem = filter_problem(core_filter, self.broker.limits.max_topic_bytes)
+        if problem:
+            self.refusals.append((topic_filter, problem))
             return SUBACK_FAILURE, False
         self._owners.clear()
         if self.server.wal is None:
@@ -714,30 +728,34 @@ class MqttSession(Session):
             self.granted[sub_id] = qos
             return qos, (self.broker.retained_again(self.conn_id, sub_id, wall_ms())
                          if retained else False)
-        if old is not None:  # another kind of subscription (a log cursor or not): a new one
+        if not group and cursor and not self.clean:
+            group = group_name(self.client_id)
+        credit = self.server.config.mqtt.max_inflight
+        # another kind of subscription (a log cursor or not) replaces ``old``: the new one
+        # first (it takes the old one's place, so it is not counted), so that a refusal
+        # leaves the old one as it was
+        result = self.broker.subscribe(
+            self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
+            0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
+            counted=not restored and old is None)
+        if result.refusal is not None:
+            if old is not None:
+                self.subs[topic_filter] = old
+            if result.refusal.code == ErrorCode.FORBIDDEN:
+                self.server.mqtt_error("forbidden")
+            self.refusals.append((topic_filter, result.refusal.text))
+            return SUBACK_FAILURE, False
+        if old is not None:
             self.granted.pop(old[0], None)
             self._shared.discard(old[0])
             was_cursor = old[0] in self._cursors
             self._cursors.discard(old[0])
             self.server.detached(self.broker.unsubscribe(self.conn_id, old[0]).detached)
-            if was_cursor and not self.clean and share[0] == "":
+            if was_cursor and not self.clean and not share[0]:
                 # the session's durable group on it goes, as on UNSUBSCRIBE: kept, it would
                 # pile up what the QoS 0 one delivers, and send it all again at QoS 1
                 self.broker.unsubscribe(self.conn_id, 0, topic_filter,
                                         group_name(self.client_id), wall_ms())
-        if not group and cursor and not self.clean:
-            group = group_name(self.client_id)
-        credit = self.server.config.mqtt.max_inflight
-        result = self.broker.subscribe(
-            self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
-            0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
-            counted=not restored)
-        if result.refusal is not None:
-            if result.refusal.code == ErrorCode.FORBIDDEN:
-                self.server.mqtt_error("forbidden")
-            log.info("MQTT client %r: subscribe to %r refused: %s", self.client_id,
-                     topic_filter, result.refusal.text)
-            return SUBACK_FAILURE, False
         self.subs[topic_filter] = (result.sub_id, qos)
         self.granted[result.sub_id] = qos
         if group and group == share[0]:

@@ -119,6 +119,7 @@ class MqttSessions:
             session.released = dict.fromkeys(self.pubrel.get(cid, ()), (0, 0))
         for topic_filter, qos in subs.items():
             session.subscribe_one(topic_filter, qos, retained=False, restored=True)
+        session.say_refusals(len(subs))
         self._save(session)
         counts = self.broker.take_counts()
         if counts and self.server.prefetcher is not None:
