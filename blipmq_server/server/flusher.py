@@ -29,7 +29,7 @@ Appends do not wait for the disk, so a flood of publishes faster than it would h
 more records in memory. Readers ask ``room`` before each read: while more than
 ``wal.max_unwritten_bytes`` of records wait for a batch, they wait until the flusher takes
 them, so memory holds at most that twice (the pending records, and the batch being written)
-plus one read per connection, and TCP pushes back on the publishers.
+plus the frame each connection is reading, and TCP pushes back on the publishers.
 
 After a batch lands (and, under ``always``, is synced), QoS 1 publishers whose records it
 held get their PUB_ACK, in offset order; if the disk fails, they get ERROR STORAGE instead
