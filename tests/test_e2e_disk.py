@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +121,40 @@ def test_an_in_bridge_on_a_full_disk_says_so_once_not_once_a_message(
         pub.disconnect()
         pub.loop_stop()
         assert bp.stop() == 0
+
+
+def test_a_full_disk_with_the_log_over_its_cap_does_not_need_a_restart(
+        start_broker, tiny_fs: Path) -> None:
+    """The log outgrows its cap between two maintenance rounds, and the disk fills to its
+    last byte. Retention deletes segments only once what a restart needs (the bridge's group
+    checkpoint, its retained state topic) is copied into the newest segment and written; on
+    a full disk that copy never was, so every write was refused until a restart. The log's
+    reserve (room set aside once the disk had some) is released for it, and writes resume."""
+    from tests.test_bridge import bridge_table
+    from tests.upstream import free_port, wait_until
+
+    config = {"wal": {"segment_bytes": 65536, "retention_bytes": 262144,
+                      "maintenance_interval_ms": 500},
+              "bridge": [bridge_table("down", [f"127.0.0.1:{free_port()}"], ["s/# out 1"])]}
+    b = start_broker(config, data_dir=tiny_fs / "data")
+    assert wait_until((tiny_fs / "data" / "wal" / "reserve").exists, 10)
+    assert b.cli("pub", "s/kept", "before", "--qos", "1").returncode == 0
+    lines = b"".join(b"%05d" % i + b"x" * 995 + b"\n" for i in range(400))
+    assert b.cli("pub", "o/flood", "-", "--lines", input=lines).returncode == 0
+    _fill(tiny_fs)  # to the last byte
+    # more, so that what is left of the files' last pages is taken too
+    assert b.cli("pub", "o/flood", "-", "--lines", input=lines[:100_000]).returncode == 0
+    b.wait_metric_at_least("blipmq_wal_write_failures_total", 1)
+    deadline = time.monotonic() + 30
+    while True:  # bounded by the deadline: a few maintenance rounds
+        after = b.cli("pub", "o/after", "again", "--qos", "1", timeout=10)
+        if after.returncode == 0:
+            break
+        assert time.monotonic() < deadline, f"writes never resumed: {after.stderr!r}"
+    b.wait_log("released the log's reserve")
+    assert b.stop() == 0
+    b2 = start_broker(config, data_dir=tiny_fs / "data")
+    state = b2.cli("sub", "$SYS/bridge/down/state", "-C", "1", "-W", "5")
+    assert state.stdout == b"0\n", state
+    again = b2.cli("sub", "o/after", "--from", "earliest", "-W", "2")
+    assert again.stdout == b"again\n", again

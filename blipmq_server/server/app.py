@@ -468,6 +468,7 @@ class Server:
         retention limits (only once every group's checkpoint is on disk)."""
         assert self.wal is not None and self.flusher is not None
         wal, broker = self.wal, self.broker
+        reserved = wal.has_reserve()  # room set aside for a full disk (``Log.make_reserve``)
         while True:
             await trio.sleep(self.config.wal.maintenance_interval_ms / 1000)
             wall = wall_ms()
@@ -494,7 +495,18 @@ class Server:
                 with trio.move_on_after(self.config.wal.maintenance_interval_ms / 1000):
                     await written.done.wait()
             if anchors > wal.written_offset:
+                if self.flusher.failing and reserved:
+                    # a full disk: without room for these records retention can never
+                    # run, and nothing could be written until a restart; the reserve
+                    # makes that room (what waits to be written is kept small meanwhile,
+                    # ``Flusher.full``)
+                    reserved = False
+                    if await trio.to_thread.run_sync(wal.release_reserve):
+                        log.warning("the disk refuses writes: released the log's reserve "
+                                    "so that retention can make room")
                 continue  # not on disk yet (the disk refuses writes): retain next time
+            if not reserved and not self.flusher.failing:
+                reserved = bool(await trio.to_thread.run_sync(wal.make_reserve))
             holds = [b.floor() for b in self.bridges.values() if b.spec.backlog == "block"]
             result = wal.retain(wall, broker.durable_floor(), delete=False,
                                 hold_from=min((f for f in holds if f is not None),

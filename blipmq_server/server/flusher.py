@@ -71,6 +71,7 @@ LINGER_RECORDS = 256  # ... unless it holds this many records
 LINGER_BYTES = 1 << 20  # ... or this many bytes
 RETRY_S = 0.2  # after a failed write or sync, before the next try
 TRIM_BATCH_BYTES = 4 << 20  # a batch this big: the heap is trimmed once the log is idle
+FAILING_UNWRITTEN = 256 << 10  # the input bound while the disk refuses writes
 
 
 class Flusher:
@@ -112,15 +113,18 @@ class Flusher:
             self._hurry.set()  # a lingering batch now holds what somebody waits for
 
     def full(self, limit: int) -> bool:
-        """More than ``limit`` bytes of appended records wait for a batch."""
-        return self.wal.pending_bytes > limit
+        """More than ``limit`` bytes of appended records wait for a batch (while the disk
+        refuses writes, more than ``FAILING_UNWRITTEN``: the batch that tries again must
+        be small enough for the room retention can make, see ``Log.release_reserve``)."""
+        return self.wal.pending_bytes > (min(limit, FAILING_UNWRITTEN) if self.failing
+                                         else limit)
 
     async def room(self, limit: int) -> None:
-        """Wait until at most ``limit`` bytes of appended records wait for a batch (the
-        flusher took them): a reader's back-pressure when publishers outrun the disk."""
-        if self.wal.pending_bytes > limit:
+        """Wait until ``full`` says no (the flusher took a batch): a reader's back-pressure
+        when publishers outrun the disk."""
+        if self.full(limit):
             self.counters.read_waits += 1
-        while self.wal.pending_bytes > limit:  # each turn waits for a batch to be taken
+        while self.full(limit):  # each turn waits for a batch to be taken
             if self._taken is None:
                 self._taken = trio.Event()
             self.appended()  # it is past lingering's size: no reason to hold it back

@@ -39,6 +39,25 @@ class Disk:
     def listdir(self, directory: str) -> list[str]:
         return sorted(os.listdir(directory))
 
+    def reserve(self, path: str, size: int) -> int:
+        """Make ``path`` a file of ``size`` bytes written to disk (zeros, synced), or as
+        much of it as the disk takes (at most an eighth of its free space); returns its
+        size (0: none made)."""
+        st = os.statvfs(os.path.dirname(path) or ".")
+        size = min(size, st.f_bavail * st.f_frsize // 8)
+        if size <= 0:
+            return 0
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, bytes(size))
+            os.fsync(fd)
+        except OSError:
+            os.close(fd)
+            os.remove(path)
+            raise
+        os.close(fd)
+        return size
+
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()

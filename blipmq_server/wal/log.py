@@ -41,6 +41,9 @@ _MESSAGE = int(Kind.MESSAGE)
 MiB = 1024 * 1024
 _READ_CHUNK = 256 * 1024
 _LOST_KEPT = 64
+# room set aside on the log's disk for the records retention needs written (a full disk)
+RESERVE_NAME = "reserve"
+RESERVE_BYTES = MiB
 
 __all__ = ["SUFFIX", "Batch", "Log", "LogOptions", "MiB", "Recovery", "Retention", "Segment",
            "Sync", "segment_name"]
@@ -471,6 +474,31 @@ class Log:
             self.delete(result.paths)
             result.paths = []
         return result
+
+    @property
+    def reserve_path(self) -> str:
+        return os.path.join(self.directory, RESERVE_NAME)
+
+    def make_reserve(self) -> int:
+        """Blocking: set aside room on the log's disk (``RESERVE_BYTES``, less on a small
+        disk) that ``release_reserve`` gives back when the disk is full, so that the records
+        retention needs written can be; returns the bytes set aside (0: none, the disk
+        refused)."""
+        try:
+            return self.disk.reserve(self.reserve_path, RESERVE_BYTES)
+        except OSError:
+            return 0
+
+    def release_reserve(self) -> bool:
+        """Blocking: delete the reserve; whether there was one."""
+        try:
+            self.disk.remove(self.reserve_path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def has_reserve(self) -> bool:
+        return os.path.exists(self.reserve_path)
 
     def delete(self, paths: list[str]) -> None:
         """Blocking: delete the files of segments ``retain`` dropped (any thread)."""
