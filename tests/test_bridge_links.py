@@ -410,44 +410,13 @@ def test_what_may_have_gone_out_before_a_sigkill_goes_again_with_dup(start_broke
     cannot know which went out, so a window of those logged before the start say they
     might be re-deliveries); a message published after the restart goes without."""
     import signal
-    import socket
-    import threading
 
-    from blipmq_server.mqtt import codec as mqtt_codec
-    from blipmq_server.mqtt.packets import ConnAck, Connect, Publish
-    from tests.upstream import free_port, wait_until
+    from tests.upstream import StandIn, wait_until
 
-    port = free_port()
-    listener = socket.create_server(("127.0.0.1", port))
-    seen: list[list[tuple[bytes, bool]]] = []  # per link: (payload, dup)
-
-    def upstream() -> None:
-        while True:  # a link at a time, until the listener closes
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            got: list[tuple[bytes, bool]] = []
-            seen.append(got)
-            decoder = mqtt_codec.Decoder()
-            with conn:
-                while True:
-                    try:
-                        data = conn.recv(65536)
-                    except OSError:
-                        break
-                    if not data:
-                        break
-                    decoder.feed(data)
-                    for packet in decoder.packets():
-                        if isinstance(packet, Connect):
-                            conn.sendall(mqtt_codec.encode(ConnAck(False, 0)))
-                        elif isinstance(packet, Publish):
-                            got.append((packet.payload, packet.dup))
-
-    threading.Thread(target=upstream, daemon=True).start()
+    up = StandIn()
+    seen = up.published
     try:
-        config = {"bridge": [bridge_table("mute", [f"127.0.0.1:{port}"], ["s/# out 1"],
+        config = {"bridge": [bridge_table("mute", [f"127.0.0.1:{up.port}"], ["s/# out 1"],
                                           keepalive_s=60)]}
         bp = start_broker(config)
         for n in range(5):
@@ -462,77 +431,7 @@ def test_what_may_have_gone_out_before_a_sigkill_goes_again_with_dup(start_broke
         assert wait_until(lambda: len(seen[-1]) == 6, 10), seen
         assert seen[-1][5] == (b"new", False)
     finally:
-        listener.close()
-
-
-class _ScriptedUpstream:
-    """A stand-in MQTT upstream on one port: each link gets CONNACK with the session
-    present flag ``present(n)`` (n: the link's number from 0), and its SUBSCRIBE is answered
-    with SUBACK, or, while ``drop_subscribe`` is set, by closing the link. ``subscribes``
-    counts the SUBSCRIBEs each link sent."""
-
-    def __init__(self, present, drop_subscribe: bool = False) -> None:
-        import socket
-        import threading
-
-        from tests.upstream import free_port
-
-        self.port = free_port()
-        self.present = present
-        self.drop_subscribe = drop_subscribe
-        self.subscribes: list[int] = []
-        self._conn: socket.socket | None = None
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        from blipmq_server.mqtt import codec as mqtt_codec
-        from blipmq_server.mqtt.packets import ConnAck, Connect, SubAck, Subscribe
-
-        while True:  # a link at a time, until closed
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            n = len(self.subscribes)
-            self.subscribes.append(0)
-            self._conn = conn
-            decoder = mqtt_codec.Decoder()
-            with conn:
-                while True:
-                    try:
-                        data = conn.recv(65536)
-                    except OSError:
-                        break
-                    if not data:
-                        break
-                    decoder.feed(data)
-                    for packet in decoder.packets():
-                        if isinstance(packet, Connect):
-                            conn.sendall(mqtt_codec.encode(ConnAck(self.present(n), 0)))
-                        elif isinstance(packet, Subscribe):
-                            self.subscribes[n] += 1
-                            if self.drop_subscribe:
-                                break
-                            conn.sendall(mqtt_codec.encode(SubAck(
-                                packet.packet_id, tuple(q for _, q in packet.topics))))
-                    else:
-                        continue
-                    break  # the SUBSCRIBE dropped with the link
-
-    def close(self) -> None:
-        """Refuse new links and cut the one open (RST)."""
-        import socket
-        import struct
-
-        self._listener.close()
-        conn = self._conn
-        if conn is not None:
-            try:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        up.close()
 
 
 def test_in_rules_are_subscribed_again_until_an_upstream_granted_them(start_broker) -> None:
@@ -540,10 +439,10 @@ def test_in_rules_are_subscribed_again_until_an_upstream_granted_them(start_brok
     though the upstream says it kept the session (it never had the SUBACK's filters). Then
     a failover to an upstream that says it kept a session which never got them: subscribed
     there too. Only the upstream that granted them is trusted to hold them."""
-    from tests.upstream import wait_until
+    from tests.upstream import StandIn, wait_until
 
-    first = _ScriptedUpstream(present=lambda n: n > 0, drop_subscribe=True)
-    second = _ScriptedUpstream(present=lambda n: True)
+    first = StandIn(present=lambda n: n > 0, drop_subscribe=True)
+    second = StandIn(present=lambda n: True)
     try:
         bp = start_broker({"bridge": [bridge_table(
             "twice", [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"],

@@ -214,42 +214,22 @@ def test_a_puback_does_not_end_a_qos2_message(start_broker) -> None:
     """A broken upstream that answers a QoS 2 PUBLISH with PUBACK (and PUBACKs an id
     nothing waits for): neither counts as forwarded; both are unexpected_acks, and the
     message stays in flight for its PUBREC."""
-    import socket
-
     from blipmq_server.mqtt import codec as mqtt_codec
-    from blipmq_server.mqtt.packets import ConnAck, Connect, PubAck, Publish
-    from tests.upstream import free_port
+    from blipmq_server.mqtt.packets import PubAck
+    from tests.upstream import StandIn
 
-    port = free_port()
-    listener = socket.create_server((HOST, port))
     published = threading.Event()
 
-    def upstream() -> None:
-        conn, _ = listener.accept()
-        conn.settimeout(30)
-        decoder = mqtt_codec.Decoder()
-        with conn:
-            while True:  # until the broker closes the link (the test's end)
-                try:
-                    data = conn.recv(65536)
-                except OSError:
-                    return
-                if not data:
-                    return
-                decoder.feed(data)
-                for packet in decoder.packets():
-                    if isinstance(packet, Connect):
-                        conn.sendall(mqtt_codec.encode(ConnAck(False, 0)))
-                    elif isinstance(packet, Publish) and packet.qos == 2:
-                        conn.sendall(mqtt_codec.encode(PubAck(packet.packet_id))
-                                     + mqtt_codec.encode(PubAck(packet.packet_id % 65535 + 7)))
-                        published.set()
+    def puback(conn: Any, packet: Any) -> None:
+        if packet.qos == 2:
+            conn.sendall(mqtt_codec.encode(PubAck(packet.packet_id))
+                         + mqtt_codec.encode(PubAck(packet.packet_id % 65535 + 7)))
+            published.set()
 
-    thread = threading.Thread(target=upstream, daemon=True)
-    thread.start()
+    up = StandIn(on_publish=puback)
     try:
         bp = start_broker({"bridge": [bridge_table(
-            "broken", [f"127.0.0.1:{port}"], ["sensors/# out 2"])]})
+            "broken", [f"127.0.0.1:{up.port}"], ["sensors/# out 2"])]})
         wait_status(bp, "broken", lambda b: b["connected"])
         assert bp.cli("pub", "sensors/a", "one", "-q", "1").returncode == 0
         assert published.wait(10)
@@ -257,4 +237,4 @@ def test_a_puback_does_not_end_a_qos2_message(start_broker) -> None:
         assert final["forwarded"] == 0 and final["in_flight"] == 1, final
         bp.wait_log("PUBACK for packet id")
     finally:
-        listener.close()
+        up.close()

@@ -539,3 +539,77 @@ class SubCollector(_Recorder):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class StandIn:
+    """A stand-in MQTT upstream for a bridge, one link at a time, on its own port: each
+    link gets CONNACK with the session present flag ``present(n)`` (n: the link's number
+    from 0); a SUBSCRIBE is answered with SUBACK, or, while ``drop_subscribe`` is set, by
+    closing the link; each PUBLISH is recorded (``published[n]``: payload and DUP) and
+    handed to ``on_publish`` (which may answer it; nothing is acknowledged otherwise).
+    ``subscribes[n]`` counts a link's SUBSCRIBEs. ``close`` refuses new links and cuts the
+    one open."""
+
+    def __init__(self, present: Callable[[int], bool] = lambda n: False, *,
+                 drop_subscribe: bool = False,
+                 on_publish: Callable[[socket.socket, Any], None] | None = None) -> None:
+        self.port = free_port()
+        self.present = present
+        self.drop_subscribe = drop_subscribe
+        self.on_publish = on_publish
+        self.subscribes: list[int] = []
+        self.published: list[list[tuple[bytes, bool]]] = []
+        self._conn: socket.socket | None = None
+        self._listener = socket.create_server((HOST, self.port))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:  # a link at a time, until closed
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.subscribes.append(0)
+            self.published.append([])
+            self._conn = conn
+            with conn:
+                self._link(conn, len(self.subscribes) - 1)
+
+    def _link(self, conn: socket.socket, n: int) -> None:
+        from blipmq_server.mqtt import codec
+        from blipmq_server.mqtt.packets import ConnAck, Connect, Publish, SubAck, Subscribe
+
+        decoder = codec.Decoder()
+        while True:  # until either side closes
+            try:
+                data = conn.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            decoder.feed(data)
+            for packet in decoder.packets():
+                if isinstance(packet, Connect):
+                    conn.sendall(codec.encode(ConnAck(self.present(n), 0)))
+                elif isinstance(packet, Subscribe):
+                    self.subscribes[n] += 1
+                    if self.drop_subscribe:
+                        return  # the SUBSCRIBE is lost with the link
+                    conn.sendall(codec.encode(SubAck(
+                        packet.packet_id, tuple(q for _, q in packet.topics))))
+                elif isinstance(packet, Publish):
+                    self.published[n].append((packet.payload, packet.dup))
+                    if self.on_publish is not None:
+                        self.on_publish(conn, packet)
+
+    def close(self) -> None:
+        import struct
+
+        self._listener.close()
+        conn = self._conn
+        if conn is not None:
+            try:  # a reset, not a goodbye
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
