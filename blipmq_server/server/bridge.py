@@ -862,7 +862,9 @@ class _Link:
                     bridge._strikes.pop(offset, None)
         self.acked += n
         bridge.counters["forwarded"] += n
-        bridge._kick.set()  # room in the window
+        window = bridge.spec.inflight
+        if not self.inflight or window - len(self.inflight) >= min(_MAX_BATCH, window // 4):
+            bridge._kick.set()  # room enough in the window for the writer's next batch
 
     def _handle(self, packet: object) -> None:
         bridge = self.bridge
