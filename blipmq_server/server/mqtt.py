@@ -739,12 +739,13 @@ class MqttSession(Session):
             0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
             counted=not restored and old is None)
         if result.refusal is not None:
-            if old is not None:
-                self.subs[topic_filter] = old
-            if result.refusal.code == ErrorCode.FORBIDDEN:
-                self.server.mqtt_error("forbidden")
             self.refusals.append((topic_filter, result.refusal.text))
-            return SUBACK_FAILURE, False
+            if result.refusal.code != ErrorCode.FORBIDDEN:
+                if old is not None:
+                    self.subs[topic_filter] = old
+                return SUBACK_FAILURE, False
+            # the key may not read it (any more): the old one goes too
+            self.server.mqtt_error("forbidden")
         if old is not None:
             self.granted.pop(old[0], None)
             self._shared.discard(old[0])
@@ -756,6 +757,8 @@ class MqttSession(Session):
                 # pile up what the QoS 0 one delivers, and send it all again at QoS 1
                 self.broker.unsubscribe(self.conn_id, 0, topic_filter,
                                         group_name(self.client_id), wall_ms())
+        if result.refusal is not None:
+            return SUBACK_FAILURE, False
         self.subs[topic_filter] = (result.sub_id, qos)
         self.granted[result.sub_id] = qos
         if group and group == share[0]:
