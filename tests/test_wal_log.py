@@ -580,3 +580,22 @@ def test_encode_many_writes_what_encode_writes_record_by_record() -> None:
     bodies = [b"", b"x", os.urandom(100), os.urandom(70_000)]
     assert rec.encode_many(1, 5, 123, bodies) == [
         rec.encode(1, 5 + i, 123, body) for i, body in enumerate(bodies)]
+
+
+def test_the_reserve_is_made_grown_back_and_never_mistaken(tmp_path: Path) -> None:
+    """The log's room for a full disk (``wal/reserve``): made at its size, made again at
+    its size after an operator (or a crash while making it) left it short, released once;
+    a directory at its name is neither taken for it nor an error (it killed the broker)."""
+    from blipmq_server.wal.log import RESERVE_BYTES
+
+    log = Log(str(tmp_path / "wal"))
+    log.open()
+    reserve = tmp_path / "wal" / "reserve"
+    assert log.make_reserve() == RESERVE_BYTES == reserve.stat().st_size
+    reserve.write_bytes(b"")  # left short
+    assert log.has_reserve() and log.make_reserve() == RESERVE_BYTES
+    assert log.release_reserve() and not reserve.exists() and not log.release_reserve()
+    reserve.mkdir()
+    assert not log.has_reserve() and not log.release_reserve() and log.make_reserve() == 0
+    assert reserve.is_dir()
+    log.close()

@@ -505,7 +505,7 @@ class Server:
                         log.warning("the disk refuses writes: released the log's reserve "
                                     "so that retention can make room")
                 continue  # not on disk yet (the disk refuses writes): retain next time
-            if not reserved and not self.flusher.failing:
+            if not self.flusher.failing:  # made, or grown back to its size, when it can be
                 reserved = bool(await trio.to_thread.run_sync(wal.make_reserve))
             holds = [b.floor() for b in self.bridges.values() if b.spec.backlog == "block"]
             result = wal.retain(wall, broker.durable_floor(), delete=False,

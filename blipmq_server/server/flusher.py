@@ -71,7 +71,7 @@ LINGER_RECORDS = 256  # ... unless it holds this many records
 LINGER_BYTES = 1 << 20  # ... or this many bytes
 RETRY_S = 0.2  # after a failed write or sync, before the next try
 TRIM_BATCH_BYTES = 4 << 20  # a batch this big: the heap is trimmed once the log is idle
-FAILING_UNWRITTEN = 256 << 10  # the input bound while the disk refuses writes
+FAILING_UNWRITTEN = 64 << 10  # the input bound while the disk refuses writes
 
 
 class Flusher:

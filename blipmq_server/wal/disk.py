@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from collections import OrderedDict
 
@@ -40,13 +41,22 @@ class Disk:
         return sorted(os.listdir(directory))
 
     def reserve(self, path: str, size: int) -> int:
-        """Make ``path`` a file of ``size`` bytes written to disk (zeros, synced), or as
-        much of it as the disk takes (at most an eighth of its free space); returns its
-        size (0: none made)."""
+        """Make ``path`` a file of ``size`` bytes written to disk (zeros, synced), or of an
+        eighth of the free space (counting its own) if that is less; one as big already
+        is left as it is. Returns its size (0: none; something other than a regular file
+        at ``path`` is left alone)."""
+        try:
+            st_file = os.lstat(path)
+        except FileNotFoundError:
+            have = 0
+        else:
+            if not stat.S_ISREG(st_file.st_mode):
+                return 0
+            have = st_file.st_size
         st = os.statvfs(os.path.dirname(path) or ".")
-        size = min(size, st.f_bavail * st.f_frsize // 8)
-        if size <= 0:
-            return 0
+        size = min(size, (st.f_bavail * st.f_frsize + have) // 8)
+        if size <= have:
+            return have
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, bytes(size))

@@ -489,16 +489,19 @@ class Log:
         except OSError:
             return 0
 
+    def has_reserve(self) -> bool:
+        return os.path.isfile(self.reserve_path)
+
     def release_reserve(self) -> bool:
-        """Blocking: delete the reserve; whether there was one."""
+        """Blocking: delete the reserve; whether there was one (a directory or the like
+        put there is not one, and stays)."""
+        if not os.path.isfile(self.reserve_path):
+            return False
         try:
             self.disk.remove(self.reserve_path)
-        except FileNotFoundError:
+        except OSError:
             return False
         return True
-
-    def has_reserve(self) -> bool:
-        return os.path.exists(self.reserve_path)
 
     def delete(self, paths: list[str]) -> None:
         """Blocking: delete the files of segments ``retain`` dropped (any thread)."""
