@@ -43,8 +43,9 @@ class Disk:
     def reserve(self, path: str, size: int) -> int:
         """Make ``path`` a file of ``size`` bytes written to disk (zeros, synced), or of an
         eighth of the free space (counting its own) if that is less; one as big already
-        is left as it is. Returns its size (0: none; something other than a regular file
-        at ``path`` is left alone)."""
+        is left as it is, and a smaller one is made again only to double it or reach
+        ``size`` (not a flash write at every change of the free space). Returns its size
+        (0: none; something other than a regular file at ``path`` is left alone)."""
         try:
             st_file = os.lstat(path)
         except FileNotFoundError:
@@ -54,9 +55,10 @@ class Disk:
                 return 0
             have = st_file.st_size
         st = os.statvfs(os.path.dirname(path) or ".")
-        size = min(size, (st.f_bavail * st.f_frsize + have) // 8)
-        if size <= have:
+        can = min(size, (st.f_bavail * st.f_frsize + have) // 8)
+        if can <= have or (have and can < 2 * have and can < size):
             return have
+        size = can
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, bytes(size))
