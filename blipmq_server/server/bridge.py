@@ -849,6 +849,13 @@ class _Link:
         if done is not None:
             self._acked(done)
 
+    def _room(self, window: int) -> int:
+        """Messages the writer may send now: what the window has free, up to a batch, or 0
+        while that is less than a quarter of the window (up to a batch) and some are in
+        flight (it waits for a bigger batch's room)."""
+        room = min(window - len(self.inflight), _MAX_BATCH)
+        return 0 if room < min(_MAX_BATCH, window // 4) and self.inflight else room
+
     def _acked(self, done: dict[int, list[int]]) -> None:
         """The upstream acknowledged these (rule's sub id -> offsets): they leave the group."""
         bridge = self.bridge
@@ -862,8 +869,7 @@ class _Link:
                     bridge._strikes.pop(offset, None)
         self.acked += n
         bridge.counters["forwarded"] += n
-        window = bridge.spec.inflight
-        if not self.inflight or window - len(self.inflight) >= min(_MAX_BATCH, window // 4):
+        if self._room(bridge.spec.inflight):
             bridge._kick.set()  # room enough in the window for the writer's next batch
 
     def _handle(self, packet: object) -> None:
@@ -919,9 +925,7 @@ class _Link:
             if rate:
                 tokens = min(float(rate), tokens + (now - refilled) * rate)
                 refilled = now
-            room = min(window - len(self.inflight), _MAX_BATCH)
-            if room < min(_MAX_BATCH, window // 4) and self.inflight:
-                room = 0  # the window is still full enough: wait for a bigger batch's room
+            room = self._room(window)
             if rate:
                 room = min(room, int(tokens))
             parts = self.outbox

@@ -321,23 +321,12 @@ class MqttSession(Session):
         receive = self._receive if self.tls is None else self._receive_tls  # the base's
         clock = self.clock
         budget = cfg.max_pending_bytes
-        flusher = self.server.flusher
-        log_limit = self.server.config.wal.max_unwritten_bytes
         handshake = cfg.handshake_timeout_ms / 1000 or math.inf
         with trio.CancelScope() as scope:
             self._read_scope = scope
             deadline = trio.current_time() + handshake
             while True:
-                if self.pending_bytes > budget:
-                    self._drained = trio.Event()
-                    self.paused = True
-                    await self._drained.wait()
-                    self.paused = False
-                    self.heard_at = clock()
-                    continue
-                if flusher is not None and flusher.full(log_limit):
-                    # publishers outrun the disk: read no more until the log caught up
-                    await self._waiting(flusher.room(log_limit))
+                if await self._held_back(budget):
                     continue
                 try:
                     data = await receive(math.inf if self.connected else deadline)

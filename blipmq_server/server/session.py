@@ -266,6 +266,22 @@ class Session:
                    "the broker stores it with its next successful write, and a restart of "
                    "the broker before then undoes it", request_id)
 
+    async def _held_back(self, budget: int) -> bool:
+        """Before each read, both protocols': wait while the connection owes more than
+        ``budget`` of output (the peer does not read what it asks for; the write timeout
+        ends one that never does), or while more than ``wal.max_unwritten_bytes`` waits for
+        the disk (publishers outrun it). Whether it waited (then look again)."""
+        if self.pending_bytes > budget:
+            self._drained = trio.Event()
+            await self._waiting(self._drained.wait())
+            return True
+        flusher = self.server.flusher
+        limit = self.server.config.wal.max_unwritten_bytes
+        if flusher is not None and flusher.full(limit):
+            await self._waiting(flusher.room(limit))
+            return True
+        return False
+
     async def _waiting(self, wait: Awaitable[object]) -> None:
         """Wait for the broker (room in a queue, for the log, a held reply) reading nothing:
         the peer's silence meanwhile is the broker's doing, so it does not count against
@@ -450,25 +466,12 @@ class Session:
         clock = self.clock
         publish = codec.Publish
         budget = cfg.max_pending_bytes
-        flusher = self.server.flusher
-        log_limit = self.server.config.wal.max_unwritten_bytes
         handshake = cfg.handshake_timeout_ms / 1000 or math.inf
         with trio.CancelScope() as scope:
             self._read_scope = scope
             deadline = trio.current_time() + handshake
             while True:
-                if self.pending_bytes > budget:
-                    # the peer does not read what it asks for: read no more from it until the
-                    # writer caught up (the write timeout ends a connection that never does)
-                    self._drained = trio.Event()
-                    self.paused = True  # its silence now is ours: no keepalive meanwhile
-                    await self._drained.wait()
-                    self.paused = False
-                    self.heard_at = clock()
-                    continue
-                if flusher is not None and flusher.full(log_limit):
-                    # publishers outrun the disk: read no more until the log caught up
-                    await self._waiting(flusher.room(log_limit))
+                if await self._held_back(budget):
                     continue
                 try:  # once authenticated, silence is the watchdog's business
                     data = await receive(math.inf if self.authenticated else deadline)
