@@ -1,15 +1,17 @@
 """What a flooding client costs the broker in memory. Prints figures, asserts none.
 
-    .venv/bin/python bench/flood.py [--seconds 6] [--size 8192] [--subscriptions 0]
-                                    [--keep-limit] [--fsync none] [--max-unwritten-bytes B]
+    .venv/bin/python bench/flood.py [--seconds 6] [--size 8192] [--connections 1]
+                                    [--subscriptions 0] [--keep-limit] [--fsync none]
+                                    [--max-unwritten-bytes B]
 
 Starts ``blipmq start`` (the pip install beside this interpreter) with MQTT on free loopback
-ports and an empty data directory, then, from one raw MQTT socket:
+ports and an empty data directory, then, from raw MQTT sockets:
 
 - publish flood: QoS 0 PUBLISHes of ``--size`` bytes as fast as the socket takes them for
-  ``--seconds`` s; the broker's RSS and anonymous RSS are sampled every 0.25 s during the
-  flood and for 3 s after it (a PINGREQ answered says it read everything), and the peak and
-  the last sample are printed, with how much was sent;
+  ``--seconds`` s, from ``--connections`` sockets at once (one thread each); the broker's RSS
+  and anonymous RSS are sampled every 0.1 s during the flood and every 0.25 s for 3 s after
+  it (a PINGREQ answered on each socket says it read everything), and the peak and the last
+  sample are printed, with how much was sent;
 - ``--subscriptions N``: instead, N distinct QoS 1 filters in SUBSCRIBEs of 100 on a clean
   session, each SUBACK awaited; RSS before and after, per subscription, and how many the
   broker refused (0x80: ``server.max_subscriptions`` is raised to N for the run unless
@@ -25,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,29 +63,41 @@ def connect(port: int, client_id: str) -> socket.socket:
     return sock
 
 
-def publish_flood(pid: int, port: int, seconds: float, size: int) -> None:
-    sock = connect(port, "flooder")
+def publish_flood(pid: int, port: int, seconds: float, size: int, connections: int) -> None:
+    socks = [connect(port, f"flooder{i}") for i in range(connections)]
     chunk = codec.encode(Publish("flood/x", b"p" * size)) * max(1, (1 << 20) // (size + 12))
-    sent = peak = peak_anon = 0
-    deadline = next_sample = time.monotonic()
-    deadline += seconds
-    while time.monotonic() < deadline:  # bounded by --seconds
-        sock.sendall(chunk)
-        sent += len(chunk)
-        if time.monotonic() >= next_sample:
-            rss, anon = memory(pid)
-            peak, peak_anon = max(peak, rss), max(peak_anon, anon)
-            next_sample += 0.25
-    sock.sendall(b"\xc0\x00")  # PINGREQ: answered once everything before it was read
-    sock.recv(2)
-    read_s = time.monotonic() - deadline + seconds
+    sent = [0] * connections
+    read = [0.0] * connections
+    start = time.monotonic()
+    deadline = start + seconds
+
+    def flood(i: int) -> None:
+        sock = socks[i]
+        while time.monotonic() < deadline:  # bounded by --seconds
+            sock.sendall(chunk)
+            sent[i] += len(chunk)
+        sock.sendall(b"\xc0\x00")  # PINGREQ: answered once everything before it was read
+        sock.recv(2)
+        read[i] = time.monotonic() - start
+
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(connections)]
+    for thread in threads:
+        thread.start()
+    peak = peak_anon = 0
+    while any(thread.is_alive() for thread in threads):  # bounded by --seconds and the reads
+        rss, anon = memory(pid)
+        peak, peak_anon = max(peak, rss), max(peak_anon, anon)
+        time.sleep(0.1)
+    read_s = max(read)
     for _ in range(12):  # 3 s after the flood
         rss, anon = memory(pid)
         peak, peak_anon = max(peak, rss), max(peak_anon, anon)
         time.sleep(0.25)
-    sock.close()
-    print(f"sent {sent / 1e6:,.0f} MB of {size}-byte QoS 0 PUBLISHes, read in {read_s:.1f} s "
-          f"({sent / 1e6 / read_s:,.0f} MB/s)")
+    for sock in socks:
+        sock.close()
+    total = sum(sent)
+    print(f"sent {total / 1e6:,.0f} MB of {size}-byte QoS 0 PUBLISHes from {connections} "
+          f"connection(s), read in {read_s:.1f} s ({total / 1e6 / read_s:,.0f} MB/s)")
     print(f"peak RSS {mib(peak)} (anonymous {mib(peak_anon)}); 3 s after: RSS {mib(rss)} "
           f"(anonymous {mib(anon)})")
 
@@ -112,6 +127,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--connections", type=int, default=1,
+                    help="publish flood: this many connections at once, each a thread")
     ap.add_argument("--subscriptions", type=int, default=0)
     ap.add_argument("--keep-limit", action="store_true",
                     help="leave server.max_subscriptions at its default")
@@ -141,7 +158,8 @@ def main() -> None:
             if args.subscriptions:
                 subscription_flood(proc.pid, mqtt_port, args.subscriptions)
             else:
-                publish_flood(proc.pid, mqtt_port, args.seconds, args.size)
+                publish_flood(proc.pid, mqtt_port, args.seconds, args.size,
+                              args.connections)
         finally:
             proc.terminate()
             try:

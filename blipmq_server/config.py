@@ -40,6 +40,7 @@ class ServerOptions(NamedTuple):
     max_pending_bytes: int = 4 * MiB
     shutdown_grace_ms: int = 5000
     max_subscriptions: int = 10_000
+    max_reading_bytes: int = 64 * MiB
 
 
 class KeySpec(NamedTuple):
@@ -274,6 +275,10 @@ SCHEMA: tuple[Key, ...] = (
         0, _U32),
     Key("server", "max_subscriptions", int, "Subscriptions one connection (native or MQTT) may "
         "hold at once; one more is refused", 1, 10_000_000),
+    Key("server", "max_reading_bytes", int, "Frames over 64 KiB that connections (native and "
+        "MQTT) are part way through reading, all together; past it a connection waits before "
+        "reading its large frame (bounds memory; never less than the largest frame)",
+        1 * MiB, 64 * 1024 * MiB),
     Key("auth", "api_keys", tuple, "Accepted API keys, each with full access (the older way: "
         "prefer [[auth.keys]], named and hashed, with permissions); both empty = "
         "authentication disabled"),

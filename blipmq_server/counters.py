@@ -16,7 +16,7 @@ class ConnectionCounters:
     """What the listeners and connections count (read by ``metrics`` at scrape time)."""
 
     __slots__ = ("accepted", "auth_failures", "auth_refused", "closed", "metrics_refused",
-                 "mqtt_errors", "open", "refused", "tls_errors")
+                 "mqtt_errors", "open", "reading_waits", "refused", "tls_errors")
 
     def __init__(self, closed: dict[str, int] | None = None) -> None:
         self.accepted = 0
@@ -29,6 +29,8 @@ class ConnectionCounters:
         self.mqtt_errors: dict[str, int] = {}  # by reason (docs/MQTT.md)
         # TLS handshakes that failed, by reason (docs/SECURITY.md); never became a connection
         self.tls_errors: dict[str, int] = {}
+        # reads held back until server.max_reading_bytes had room for a large frame
+        self.reading_waits = 0
 
 
 class WalCounters:

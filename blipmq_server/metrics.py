@@ -130,6 +130,9 @@ class BrokerCollector:
             closed.add([reason], n)
         yield closed
         yield gauge("blipmq_connections_open", "Open client connections", s.open)
+        yield counter("blipmq_reading_waits", "Reads of a connection held back until "
+                      "server.max_reading_bytes had room for the large frame it is reading",
+                      s.reading_waits)
         tls = Family("blipmq_tls_handshake_failures", "counter", "TLS handshakes that failed, "
                      "by reason (docs/SECURITY.md); the connection is closed", ("reason",))
         for reason, n in sorted(s.tls_errors.items()):

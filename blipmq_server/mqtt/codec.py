@@ -501,6 +501,9 @@ def _long_length(data: bytes, pos: int, end: int, max_packet: int) -> tuple[int,
     raise AssertionError("unreachable")
 
 
+_KEEP_JOINED = 1 << 16  # past this, what follows the last whole packet is copied out
+
+
 class Decoder:
     """Incremental packet decoder: ``feed`` bytes as they arrive, then ``packets()``.
 
@@ -511,8 +514,10 @@ class Decoder:
     what is left of it is kept as it is (no copy). Chunks fed while a packet is incomplete
     gather in one bytearray and are joined to the rest only once the packet can be whole:
     a large packet costs one copy, however many reads brought it, and a peer writing a byte
-    at a time costs a byte per byte. Call ``packets()`` after each ``feed``: the decoder
-    then holds at most ``max_packet`` plus the last read. ``max_packet`` counts the whole
+    at a time costs a byte per byte. What follows the last whole packet of a buffer over 64
+    KiB is copied out of it, so that the buffer is not kept for its tail. Call
+    ``packets()`` after each ``feed``: the decoder then holds at most ``max_packet`` plus
+    the last read. ``max_packet`` counts the whole
     packet, fixed header included (so the default refuses only the few packets whose
     remaining length is within 5 bytes of the protocol's maximum).
     """
@@ -543,6 +548,13 @@ class Decoder:
     @property
     def buffered(self) -> int:
         return self._size
+
+    @property
+    def wanted(self) -> int:
+        """The whole size of the incomplete packet buffered, fixed header included, once
+        its length is in (before: what it takes to read the length); 0 with nothing
+        buffered. Meaningful after ``packets()``."""
+        return self._need if self._size else 0
 
     def packets(self) -> list[Packet]:
         """Every complete packet buffered so far, in order.
@@ -622,8 +634,12 @@ class Decoder:
             if not out:
                 raise
             return out
-        self._data = data if pos < end else b""
-        self._pos = pos
         self._size = end - pos
+        if pos == end:
+            data, pos = b"", 0
+        elif pos and end > _KEEP_JOINED:  # a joined large packet is not kept for its tail
+            data, pos = data[pos:], 0
+        self._data = data
+        self._pos = pos
         self._need = need
         return out

@@ -486,6 +486,17 @@ class Decoder:
     def buffered(self) -> int:
         return self._size
 
+    @property
+    def wanted(self) -> int:
+        """The whole size of the incomplete frame buffered, its length field included, once
+        that field is in (0 before, or with nothing buffered). Meaningful after
+        ``frames()``, which leaves only an incomplete frame."""
+        if self._size < 4:
+            return 0
+        chunks = self._chunks
+        head = chunks[0] if len(chunks[0]) >= 4 else self._joined()
+        return 4 + _U32.unpack_from(head, 0)[0]
+
     def _joined(self) -> bytes:
         """Everything buffered, as one bytes object (a copy only when it is in pieces)."""
         chunks = self._chunks

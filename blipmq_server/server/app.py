@@ -45,6 +45,7 @@ from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server import heap
 from blipmq_server.server.flusher import Flusher
+from blipmq_server.server.intake import Intake
 from blipmq_server.server.keys import Keyring
 from blipmq_server.server.listeners import open_listeners
 from blipmq_server.server.prefetch import Prefetcher
@@ -172,6 +173,9 @@ class Server:
         # with every string at its longest
         self.mqtt_max_packet = max(config.server.max_message_bytes + 0xFFFF + 16,
                                    5 * 0xFFFF + 64)
+        # large frames in progress, all connections together: at least one of each kind
+        self.intake = Intake(max(config.server.max_reading_bytes, self.max_frame + 4,
+                                 self.mqtt_max_packet), self.counters)
         self.keys = Keyring(config.auth)
         self.bridges: dict[int, Bridge] = {}  # by the connection id each consumes as
 
@@ -767,6 +771,7 @@ class Server:
             log.exception("connection %d from %s failed", session.conn_id, session.peer)
         finally:
             del self.sessions[session.conn_id]
+            self.intake.give_back(session.conn_id)
             self.counters.open -= 1
             reason = session.close_reason.value if session.close_reason else "cancelled"
             closed = self.counters.closed

@@ -326,10 +326,11 @@ class MqttSession(Session):
             self._read_scope = scope
             deadline = trio.current_time() + handshake
             while True:
-                if await self._held_back(budget):
-                    continue
+                until = math.inf if self.connected else deadline
                 try:
-                    data = await receive(math.inf if self.connected else deadline)
+                    if await self._held_back(budget, decoder, until):
+                        continue
+                    data = await receive(until)
                 except trio.TooSlowError:
                     server.mqtt_error("handshake_timeout")
                     return CloseReason.HANDSHAKE_TIMEOUT
@@ -387,6 +388,9 @@ class MqttSession(Session):
                 finally:
                     server.deliver_routed(self.read_at)
                     server.log_touched()
+                    # not kept while the reader waits for its next read (as the native
+                    # reader's): a message can be max_message_bytes
+                    packets = batch = packet = raw = None  # type: ignore[assignment]
         return self.close_reason or CloseReason.SHUTDOWN
 
     def _protocol_error(self, reason: str, text: str) -> None:

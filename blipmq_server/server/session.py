@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - a trio that moved it
 from blipmq_server.errors import RemoteProtocolError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
+from blipmq_server.server.intake import FREE, Partial
 
 if TYPE_CHECKING:
     from blipmq_server.broker.access import Access
@@ -266,20 +267,34 @@ class Session:
                    "the broker stores it with its next successful write, and a restart of "
                    "the broker before then undoes it", request_id)
 
-    async def _held_back(self, budget: int) -> bool:
+    async def _held_back(self, budget: int, decoder: Partial, until: float) -> bool:
         """Before each read, both protocols': wait while the connection owes more than
         ``budget`` of output (the peer does not read what it asks for; the write timeout
-        ends one that never does), or while more than ``wal.max_unwritten_bytes`` waits for
-        the disk (publishers outrun it). Whether it waited (then look again)."""
+        ends one that never does), while more than ``wal.max_unwritten_bytes`` waits for
+        the disk (publishers outrun it), or while the frame it is reading is larger than
+        ``intake.FREE`` and the broker's ``server.max_reading_bytes`` has no room for it
+        (``Intake``; before the handshake is done, until its deadline ``until`` at most:
+        TooSlowError, as a read's). Whether it waited (then look again)."""
         if self.pending_bytes > budget:
             self._drained = trio.Event()
             await self._waiting(self._drained.wait())
             return True
-        flusher = self.server.flusher
-        limit = self.server.config.wal.max_unwritten_bytes
+        server = self.server
+        flusher = server.flusher
+        limit = server.config.wal.max_unwritten_bytes
         if flusher is not None and flusher.full(limit):
             await self._waiting(flusher.room(limit))
             return True
+        intake = server.intake
+        if decoder.buffered > FREE:
+            wanted = decoder.wanted
+            if intake.held.get(self.conn_id, 0) < wanted and not intake.take(self.conn_id,
+                                                                              wanted):
+                with trio.fail_at(until):
+                    await self._waiting(intake.wait(self.conn_id, wanted))
+                return True
+        elif intake.held:
+            intake.give_back(self.conn_id)
         return False
 
     async def _waiting(self, wait: Awaitable[object]) -> None:
@@ -471,10 +486,11 @@ class Session:
             self._read_scope = scope
             deadline = trio.current_time() + handshake
             while True:
-                if await self._held_back(budget):
-                    continue
+                until = math.inf if self.authenticated else deadline
                 try:  # once authenticated, silence is the watchdog's business
-                    data = await receive(math.inf if self.authenticated else deadline)
+                    if await self._held_back(budget, decoder, until):
+                        continue
+                    data = await receive(until)
                 except trio.TooSlowError:
                     self.error(ErrorCode.TIMEOUT, "handshake not completed in time")
                     return CloseReason.HANDSHAKE_TIMEOUT
@@ -523,6 +539,9 @@ class Session:
                     # together
                     self.server.deliver_routed(self.read_at)
                     self.server.log_touched()
+                    # not kept while the reader waits for its next read: a PUBLISH batch
+                    # can be max_message_bytes, and a reader per connection waits
+                    frames = frame = last = None  # type: ignore[assignment]
         return self.close_reason or CloseReason.SHUTDOWN
 
     async def _receive(self, deadline: float) -> bytes | None:
