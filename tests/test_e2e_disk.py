@@ -158,3 +158,61 @@ def test_a_full_disk_with_the_log_over_its_cap_does_not_need_a_restart(
     assert state.stdout == b"0\n", state
     again = b2.cli("sub", "o/after", "--from", "earliest", "-W", "2")
     assert again.stdout == b"again\n", again
+
+
+def test_a_full_disk_recovers_while_a_logged_flood_goes_on(start_broker, tiny_fs: Path) -> None:
+    """As above, but a publisher keeps sending QoS 0 messages (logged, unconfirmed) all the
+    while: the room the reserve's release made went to the flood's records before
+    retention's copies could use it, and every QoS 1 publish was refused until the flood
+    stopped. Now nothing more is read from the moment the reserve is released until
+    retention's copies are written into its room, and QoS 1 publishes are confirmed again
+    and again while the flood goes on."""
+    import socket
+    import threading
+
+    from blipmq_server.mqtt import codec as mqtt
+    from blipmq_server.mqtt.packets import Connect, Publish
+    from tests.test_bridge import bridge_table
+    from tests.upstream import free_port, wait_until
+
+    config = {"wal": {"segment_bytes": 65536, "retention_bytes": 262144,
+                      "maintenance_interval_ms": 500},
+              "mqtt": {"enabled": True, "port": 0},
+              "bridge": [bridge_table("down", [f"127.0.0.1:{free_port()}"], ["s/# out 1"])]}
+    b = start_broker(config, data_dir=tiny_fs / "data")
+    assert b.mqtt_port is not None
+    assert wait_until((tiny_fs / "data" / "wal" / "reserve").exists, 10)
+    lines = b"".join(b"%05d" % i + b"x" * 995 + b"\n" for i in range(400))
+    assert b.cli("pub", "o/flood", "-", "--lines", input=lines).returncode == 0
+    _fill(tiny_fs)
+    stop = threading.Event()
+
+    def flood() -> None:  # 1 KB QoS 0 messages, up to 20 MB/s, until stopped (or 120 s)
+        with socket.create_connection(("127.0.0.1", b.mqtt_port), timeout=30) as sock:
+            sock.sendall(mqtt.encode(Connect("MQTT", 4, True, 0, "flooder")))
+            assert sock.recv(4)[:1] == b"\x20"
+            packet = mqtt.encode(Publish("o/flood", b"f" * 1000)) * 20
+            deadline = time.monotonic() + 120
+            while not stop.is_set() and time.monotonic() < deadline:
+                sock.sendall(packet)
+                stop.wait(0.001)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        b.wait_metric_at_least("blipmq_wal_write_failures_total", 1)
+        # not once (the room the release made, before the flood took it): again and again
+        deadline = time.monotonic() + 30
+        confirmed = 0
+        while confirmed < 5:  # bounded by the deadline: a few maintenance rounds
+            after = b.cli("pub", "o/after", "again", "--qos", "1", timeout=10)
+            confirmed += after.returncode == 0
+            assert time.monotonic() < deadline, (
+                f"{confirmed} QoS 1 publish(es) confirmed in 30 s: {after.stderr!r}\n"
+                + "\n".join([line for line in b.log if "bridge down" not in line][-30:]))
+        assert flooder.is_alive(), "the flood went on all the while"
+    finally:
+        stop.set()
+        flooder.join(30)
+    b.wait_log("released the log's reserve")
+    assert b.stop() == 0

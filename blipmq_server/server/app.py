@@ -491,49 +491,80 @@ class Server:
             # retention needs the checkpoints and carried values just appended on disk:
             # wait for their batch (a group that moves, as a draining bridge's does, has a
             # new checkpoint every round, so looking once would skip retention for good)
-            anchors = max(max((g.anchor for g in broker.durable_groups), default=0),
-                          broker.retained.newest_anchor(), broker.newest_state())
+            interval = self.config.wal.maintenance_interval_ms / 1000
+            anchors = self._anchors()
             if anchors > wal.written_offset:
-                written = _Written()
-                self.flusher.confirm_later(anchors, written, 0, 0)
-                with trio.move_on_after(self.config.wal.maintenance_interval_ms / 1000):
-                    await written.done.wait()
-            if anchors > wal.written_offset:
-                if self.flusher.failing and reserved:
+                await self._written(anchors, trio.current_time() + interval)
+            held = False
+            try:
+                if anchors > wal.written_offset and self.flusher.failing and reserved:
                     # a full disk: without room for these records retention can never
                     # run, and nothing could be written until a restart; the reserve
-                    # makes that room (what waits to be written is kept small meanwhile,
-                    # ``Flusher.full``)
+                    # makes that room, and nothing more is read until retention has run
+                    # and the reserve is back (what waits to be written is kept small
+                    # meanwhile, ``Flusher.full``; a flood read on would take the room)
                     reserved = False
                     if await trio.to_thread.run_sync(wal.release_reserve):
                         log.warning("the disk refuses writes: released the log's reserve "
                                     "so that retention can make room")
-                continue  # not on disk yet (the disk refuses writes): retain next time
-            if not self.flusher.failing:  # made, or grown back to its size, when it can be
-                reserved = bool(await trio.to_thread.run_sync(wal.make_reserve))
-            holds = [b.floor() for b in self.bridges.values() if b.spec.backlog == "block"]
-            result = wal.retain(wall, broker.durable_floor(), delete=False,
-                                hold_from=min((f for f in holds if f is not None),
-                                              default=None))
-            if result.paths:  # unlinking big files takes milliseconds: not on the event loop
-                try:
-                    await trio.to_thread.run_sync(wal.delete, result.paths)
-                except OSError as exc:  # the segments left the log; their files stay behind
-                    log.warning("wal retention could not delete a segment file: %s", exc)
-            if result.removed:
-                log.info("wal retention removed %s", ", ".join(result.removed))
-                for bridge in self.bridges.values():  # under the cap again: let go now
-                    bridge.check_hold()
-            if result.forced_below is not None:
-                for group, skipped in broker.skip_to(wal.first_offset):
-                    for bridge in self.bridges.values():
-                        if group.group == bridge.spec.group:
-                            bridge.counters["dropped"] += skipped
-                    log.warning("wal retention: the size cap (wal.retention_bytes) removed %d "
-                                "record(s) durable group %r on %r had not consumed",
-                                skipped, group.group, group.filter)
-                # their backlogs counted what is gone: counted again from the log's start
-                self.prefetcher.request(broker.take_counts())  # type: ignore[union-attr]
+                        self.flusher.hold()
+                        held = True
+                        deadline = trio.current_time() + interval
+                        while (anchors := self._anchors()) > wal.written_offset and (
+                                trio.current_time() < deadline):  # restated if refused
+                            await self._written(anchors, deadline)
+                if anchors > wal.written_offset:
+                    continue  # not on disk yet (the disk refuses writes): retain next time
+                await self._retain(wall)
+                if not self.flusher.failing:  # made, or grown back to its size, when it can
+                    reserved = bool(await trio.to_thread.run_sync(wal.make_reserve))
+            finally:
+                if held:
+                    self.flusher.let_go()
+
+    async def _retain(self, wall: int) -> None:
+        """Retention's part of a maintenance round, once its copies are on disk: segments
+        past the limits leave the log, and what the size cap took from durable groups is
+        counted and logged."""
+        assert self.wal is not None
+        wal, broker = self.wal, self.broker
+        holds = [b.floor() for b in self.bridges.values() if b.spec.backlog == "block"]
+        result = wal.retain(wall, broker.durable_floor(), delete=False,
+                            hold_from=min((f for f in holds if f is not None), default=None))
+        if result.paths:  # unlinking big files takes milliseconds: not on the event loop
+            try:
+                await trio.to_thread.run_sync(wal.delete, result.paths)
+            except OSError as exc:  # the segments left the log; their files stay behind
+                log.warning("wal retention could not delete a segment file: %s", exc)
+        if result.removed:
+            log.info("wal retention removed %s", ", ".join(result.removed))
+            for bridge in self.bridges.values():  # under the cap again: let go now
+                bridge.check_hold()
+        if result.forced_below is not None:
+            for group, skipped in broker.skip_to(wal.first_offset):
+                for bridge in self.bridges.values():
+                    if group.group == bridge.spec.group:
+                        bridge.counters["dropped"] += skipped
+                log.warning("wal retention: the size cap (wal.retention_bytes) removed %d "
+                            "record(s) durable group %r on %r had not consumed",
+                            skipped, group.group, group.filter)
+            # their backlogs counted what is gone: counted again from the log's start
+            self.prefetcher.request(broker.take_counts())  # type: ignore[union-attr]
+
+    def _anchors(self) -> int:
+        """The newest record a restart needs from what retention's round copied forward
+        (group checkpoints, carried retained values and states)."""
+        broker = self.broker
+        return max(max((g.anchor for g in broker.durable_groups), default=0),
+                   broker.retained.newest_anchor(), broker.newest_state())
+
+    async def _written(self, offset: int, deadline: float) -> None:
+        """Wait until the log holds ``offset`` or the disk refused it, or ``deadline``."""
+        assert self.flusher is not None
+        written = _Written()
+        self.flusher.confirm_later(offset, written, 0, 0)
+        with trio.move_on_at(deadline):
+            await written.done.wait()
 
     def about(self) -> dict:
         """What any key may know of the broker (a restricted STATS report)."""

@@ -105,6 +105,7 @@ class Flusher:
         self._lingering = False  # run() holds a small batch back (ended by _hurry)
         self._taken: trio.Event | None = None  # readers wait for the next batch (``room``)
         self.failing = False
+        self.holding = False  # readers wait whatever is pending (``hold``)
         self._trim = False  # a big batch was written: trim the heap once idle
 
     def appended(self) -> None:
@@ -115,9 +116,22 @@ class Flusher:
     def full(self, limit: int) -> bool:
         """More than ``limit`` bytes of appended records wait for a batch (while the disk
         refuses writes, more than ``FAILING_UNWRITTEN``: the batch that tries again must
-        be small enough for the room retention can make, see ``Log.release_reserve``)."""
-        return self.wal.pending_bytes > (min(limit, FAILING_UNWRITTEN) if self.failing
-                                         else limit)
+        be small enough for the room retention can make, see ``Log.release_reserve``), or
+        readers are held (``hold``)."""
+        return self.holding or self.wal.pending_bytes > (
+            min(limit, FAILING_UNWRITTEN) if self.failing else limit)
+
+    def hold(self) -> None:
+        """Readers wait before their next read until ``let_go``, whatever is pending: the
+        room the log's reserve made on a full disk is for retention's records, and a flood
+        read meanwhile would take it first."""
+        self.holding = True
+
+    def let_go(self) -> None:
+        self.holding = False
+        if self._taken is not None:
+            self._taken.set()  # the readers ``room`` holds look again
+            self._taken = None
 
     async def room(self, limit: int) -> None:
         """Wait until ``full`` says no (the flusher took a batch): a reader's back-pressure
