@@ -766,3 +766,100 @@ def test_a_qos1_subscription_made_qos0_leaves_no_group_behind(start_broker) -> N
     assert b.cli("pub", "d/1", "new", "-q", "1").returncode == 0
     packet = c.recv()
     assert isinstance(packet, Publish) and packet.payload == b"new", packet  # not m0 again
+
+
+# ------------------------------------------- overlapping subscriptions whose sender changes
+
+OVERLAP_N = 100  # more than mqtt.max_inflight (64): the rest waits in the cursors
+
+
+def _overlap_publish(b, name: str) -> None:
+    pub = Paho(b.mqtt_port, f"{name}-pub")
+    for i in range(OVERLAP_N):
+        pub.publish(f"{name}/x", f"{i}", 1)
+
+
+def _unacked(raw: Raw) -> list[Publish]:
+    """The deliveries that come before a PINGRESP, not acknowledged."""
+    raw.send(PingReq())
+    got: list[Publish] = []
+    while not isinstance(packet := raw.recv(), PingResp):  # bounded by recv's timeout
+        assert isinstance(packet, Publish), packet
+        got.append(packet)
+    return got
+
+
+def _ack_all(raw: Raw, got: list[Publish], quiet: float = 1.5) -> set[bytes]:
+    """Acknowledge ``got`` and everything that comes after it (PUBACK; PUBREC and PUBCOMP at
+    QoS 2) until nothing came for ``quiet`` s; the payloads seen."""
+    seen: set[bytes] = set()
+    pending = list(got)
+    while True:  # bounded: each turn waits at most ``quiet`` for a packet
+        for m in pending:
+            seen.add(m.payload)
+            raw.send(PubRec(m.packet_id) if m.qos == 2 else PubAck(m.packet_id))
+        pending = []
+        try:
+            packet = raw.recv(quiet)
+        except AssertionError:
+            return seen
+        if isinstance(packet, Publish):
+            pending.append(packet)
+        elif isinstance(packet, PubRel):
+            raw.send(PubComp(packet.packet_id))
+
+
+@pytest.mark.parametrize("then", ["reconnect", "restart"])
+def test_overlapping_subscriptions_lose_nothing_when_a_resubscribe_changes_the_sender(
+        start_broker, then: str) -> None:
+    """Two overlapping QoS 1 subscriptions of a persistent session deliver one copy, from
+    one of them; the other's copies were acked as soon as they were passed over. A
+    re-SUBSCRIBE (as resuming clients do) changed which one sends after a reconnect or a
+    restart, and all 100 messages were lost (64 sent, none acked): MQTT-4.4.0-1, and
+    MQTT-3.1.2-5 (QoS 1 messages of a persistent session are kept)."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("flip-1", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "flip/#", 1, 1)
+    _subscribe(raw, "flip/+", 1, 2)
+    _subscribe(raw, "flip/#", 1, 3)
+    _overlap_publish(b, "flip")
+    first = _unacked(raw)
+    assert 0 < len(first) < OVERLAP_N and len({m.payload for m in first}) == len(first)
+    raw.close()
+    if then == "restart":
+        assert b.stop() == 0
+        b = start_broker(MQTT, data_dir=b.data_dir)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("flip-1", clean=False) == ConnAck(True, 0)
+    seen = _ack_all(raw, [])
+    assert seen == {f"{i}".encode() for i in range(OVERLAP_N)}, (
+        f"{OVERLAP_N - len(seen)} never delivered")
+
+
+@pytest.mark.parametrize("change", ["upgrade", "unsubscribe"])
+def test_overlapping_subscriptions_lose_nothing_when_the_sender_is_replaced_or_ends(
+        start_broker, change: str) -> None:
+    """The same within one connection of a clean session: the other subscription raised to
+    QoS 2 (it sends from then on), or the sending one unsubscribed while 64 deliveries wait
+    for their PUBACK: the 36 messages past that window were never delivered either way,
+    as the other subscription had acked its copies when it passed them over."""
+    b = start_broker(FAST_RETRY)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("chg-1", clean=True) == ConnAck(False, 0)
+    _subscribe(raw, "chg/#", 1, 1)
+    _subscribe(raw, "chg/+", 1, 2)
+    _overlap_publish(b, "chg")
+    first = _unacked(raw)
+    assert 0 < len(first) < OVERLAP_N
+    if change == "upgrade":
+        raw.send(Subscribe(3, (("chg/+", 2),)))
+    else:
+        raw.send(Unsubscribe(3, ("chg/#",)))
+    later: list[Publish] = []
+    while not isinstance(packet := raw.recv(), SubAck | UnsubAck):  # bounded by recv
+        assert isinstance(packet, Publish), packet
+        later.append(packet)
+    seen = _ack_all(raw, first + later)
+    assert seen == {f"{i}".encode() for i in range(OVERLAP_N)}, (
+        f"{OVERLAP_N - len(seen)} never delivered")

@@ -681,6 +681,16 @@ class Broker:
         flight = found[1].inflight.get(offset)
         return flight is not None and flight.sub_id == sub_id
 
+    def owes(self, conn: int, sub_id: int, offset: int) -> bool:
+        """Whether this conn's subscription still has the message at ``offset`` to deliver
+        or to see acked: its log cursor has not read that far, or holds it unacked (False
+        for a subscription without a cursor)."""
+        found = self._cursor_of(conn, sub_id)
+        if found is None:
+            return False
+        group = found[1]
+        return offset >= group.next or offset in group.inflight or offset in group.pending
+
     def ack(self, conn: int, sub_id: int, offsets: tuple[int, ...], timestamp_ms: int) -> bool:
         """A QoS 1 consumer acked deliveries; True when that freed room in its window.
         Acks of QoS 0 deliveries, and of ids this conn does not hold, are ignored."""

@@ -116,6 +116,12 @@ class MqttSession(Session):
         self.connected = False
         # topic -> the subscription that delivers it (see ``_owner``); cleared on changes
         self._owners: dict[bytes, int] = {}
+        # while subscriptions overlap: log offset -> the other subscriptions' copies of that
+        # message, acked once the client has it from the one that sends it (``_has``)
+        self._copies: dict[int, list[int]] = {}
+        # ... and the offsets of the last _HAS_KEPT messages the client has for good (it
+        # acked them, or they went at QoS 0), for copies that come after that
+        self._has: dict[int, None] = {}
         self.refusals: list[tuple[str, str]] = []  # filters refused since the last log line
         self._shared: set[int] = set()  # sub ids of $share/ subscriptions
         self._cursors: set[int] = set()  # sub ids that read the log (not a live queue)
@@ -211,9 +217,8 @@ class MqttSession(Session):
                     topic = rec[_BODY:_BODY + tlen]
                     key = topic if offset else b"\0" + topic
                     owner = owners.get(key) or self._owner(topic, key)
-                    if owner != sub_id:
-                        if cursor and offset:
-                            acks.setdefault(sub_id, []).append(offset)
+                    if owner != sub_id and self._copy_waits(sub_id, owner, offset, cursor,
+                                                            acks):
                         continue
                 at = _BODY + tlen + klen
                 qos = 2 if flags & FLAG_QOS2 else flags & FLAG_QOS1
@@ -227,8 +232,11 @@ class MqttSession(Session):
                         parts.append(_PUBREL + pid.to_bytes(2, "big"))
                         continue
                     inflight[pid] = (sub_id, offset, qos)
-                elif cursor and offset:  # a cursor's delivery sent at QoS 0: done at once
-                    acks.setdefault(sub_id, []).append(offset)
+                else:
+                    if cursor and offset:  # a cursor's delivery sent at QoS 0: done at once
+                        acks.setdefault(sub_id, []).append(offset)
+                    if owners is not None and offset:
+                        self._client_has(offset, acks)
                 # DUP: sent before on this connection or an earlier one, or maybe before the
                 # broker restarted (a message the restored session's cursor held then; not a
                 # retained value sent for a new subscription)
@@ -241,6 +249,64 @@ class MqttSession(Session):
             wall = int(_time() * 1000)
             for sub_id, offsets in acks.items():
                 self.broker.ack(self.conn_id, sub_id, tuple(offsets), wall)
+
+    def _copy_waits(self, sub_id: int, owner: int, offset: int, cursor: bool,
+                    acks: dict[int, list[int]]) -> bool:
+        """A copy of a message another of this client's subscriptions (``owner``) sends:
+        whether this one keeps it back (False: it sends it itself). A log cursor's copy is
+        acked once the client has the message (``_client_has``), not before: were the
+        owner to change first (a subscription replaced, ended, restored in another order
+        after a restart), this cursor would have passed what the new owner never sent. If
+        the owner's cursor has settled that offset and the client is not known to have it
+        (the owner subscribed after the message), this subscription sends it."""
+        if not (cursor and offset):
+            return True
+        if offset in self._has or owner not in self._cursors:
+            acks.setdefault(sub_id, []).append(offset)  # the client has it, or will at QoS 0
+            return True
+        if self.broker.owes(self.conn_id, owner, offset):
+            waiting = self._copies.setdefault(offset, [])
+            if sub_id not in waiting:
+                waiting.append(sub_id)
+            return True
+        return False
+
+    def _client_has(self, offset: int, acks: dict[int, list[int]]) -> None:
+        """The client has the message at ``offset`` for good: the copies other
+        subscriptions kept back are acked (into ``acks``), and it is remembered for copies
+        still to come."""
+        has = self._has
+        has[offset] = None
+        if len(has) > _HAS_KEPT:
+            del has[next(iter(has))]
+        for sub_id in self._copies.pop(offset, ()):
+            acks.setdefault(sub_id, []).append(offset)
+
+    def _acked(self, sub_id: int, offset: int) -> None:
+        """The client acked a delivery (PUBACK; PUBREC or PUBCOMP at QoS 2)."""
+        if self.broker.ack(self.conn_id, sub_id, (offset,), wall_ms()):
+            self.wake()
+        if offset and len(self.subs) > 1:
+            acks: dict[int, list[int]] = {}
+            self._client_has(offset, acks)
+            wall = wall_ms()
+            for other, offsets in acks.items():
+                if self.broker.ack(self.conn_id, other, tuple(offsets), wall):
+                    self.wake()
+
+    def _owners_changed(self) -> None:
+        """Subscriptions changed: who delivers what is worked out again, and the copies kept
+        back for an owner that may be gone are delivered again now (each is looked at
+        anew: acked, kept back for the new owner, or sent)."""
+        self._owners.clear()
+        copies, self._copies = self._copies, {}
+        by_sub: dict[int, list[int]] = {}
+        for offset, subs in copies.items():
+            for sub_id in subs:
+                by_sub.setdefault(sub_id, []).append(offset)
+        for sub_id, offsets in by_sub.items():
+            self.server.wake(self.broker.nack(self.conn_id, sub_id, tuple(offsets), 0,
+                                              now_ms(), wall_ms(), spend=False))
 
     def _owner(self, topic: bytes, key: bytes) -> int:
         """Which of this client's subscriptions whose filters match ``topic`` sends it: the
@@ -407,9 +473,8 @@ class MqttSession(Session):
         match packet:
             case PubAck():
                 found = self.inflight.pop(packet.packet_id, None)
-                if found is not None and self.broker.ack(self.conn_id, found[0], (found[1],),
-                                                         wall_ms()):
-                    self.wake()
+                if found is not None:
+                    self._acked(found[0], found[1])
             case PubRec():
                 pid = packet.packet_id
                 entry = self.inflight.pop(pid, None)
@@ -422,8 +487,7 @@ class MqttSession(Session):
                         # moves on, so a restart sends PUBREL, never the PUBLISH again
                         self.released[pid] = (0, 0)
                         at = self.server.mqtt_sessions.outbound_released(self)
-                        if self.broker.ack(self.conn_id, entry[0], (entry[1],), wall_ms()):
-                            self.wake()
+                        self._acked(entry[0], entry[1])
                         self._once_durable(at, pid | _OUTBOUND, PubRel(pid))
                         return None
                 self.send_bytes(mqtt.encode(PubRel(pid)))
@@ -432,8 +496,8 @@ class MqttSession(Session):
                 if found is not None:
                     if not self.clean:
                         self.server.mqtt_sessions.outbound_released(self)
-                    elif self.broker.ack(self.conn_id, found[0], (found[1],), wall_ms()):
-                        self.wake()
+                    else:
+                        self._acked(found[0], found[1])
             case PubRel():
                 pid = packet.packet_id
                 # PUBCOMP once the id is free on disk too (a persistent session's)
@@ -663,7 +727,7 @@ class MqttSession(Session):
             codes.append(code)
             ready = ready or woke
         self.say_refusals(len(codes))
-        self._owners.clear()
+        self._owners_changed()
         # a persistent session's SUBACK once the subscription is on disk
         at = self.server.mqtt_sessions.changed(self)
         self._once_durable(at, packet.packet_id, SubAck(packet.packet_id, tuple(codes)))
@@ -777,7 +841,7 @@ class MqttSession(Session):
                 # the session's durable group goes with it (when it has one)
                 self.broker.unsubscribe(self.conn_id, 0, topic_filter,
                                         group_name(self.client_id), wall_ms())
-        self._owners.clear()
+        self._owners_changed()
         at = self.server.mqtt_sessions.changed(self)
         self._once_durable(at, packet.packet_id, UnsubAck(packet.packet_id))
         self.server.log_touched()
@@ -796,6 +860,7 @@ def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool) -> RawMess
 
 _HELD = object()  # a publish a full ``block`` queue holds back
 _OWNERS_KEPT = 4096  # topics whose delivering subscription is remembered
+_HAS_KEPT = 8192  # offsets of messages the client has, remembered while subscriptions overlap
 _NAMES_KEPT = 1024  # topics a connection remembers having checked
 # a message record's flags by MQTT QoS and retain
 _FLAGS = tuple((q, q | FLAG_RETAIN) for q in (0, FLAG_QOS1, FLAG_QOS1 | FLAG_QOS2))
