@@ -100,12 +100,14 @@ class MqttSessions:
         name = "" if session.access is None else session.access.identity.name
         if self.owners.get(cid, "") != name and not session.clean:
             self.broker.put_state(state.owner_key(cid), name.encode("utf-8"), wall_ms())
-        self.owners[cid] = name
         stored = self.offline.pop(cid, None)
         subs = carried if carried is not None else (None if stored is None else stored[0])
+        if session.clean and (subs is not None or cid in self.qos2 or cid in self.pubrel):
+            self._forget(cid, subs or {})  # the persistent session ends, its owner's record too
+        # after that: the online session is its key's however it began (``_forget`` drops
+        # the owner, and an id with none is anybody's to take over, ``may_attach``)
+        self.owners[cid] = name
         if session.clean:
-            if subs is not None or cid in self.qos2 or cid in self.pubrel:
-                self._forget(cid, subs or {})
             return False
         if subs is None:
             self._save(session)
