@@ -31,6 +31,7 @@ from blipmq_server.mqtt.codec import (
     Unsubscribe,
     Will,
 )
+from blipmq_server.mqtt.state import group_name
 
 MQTT = {"mqtt": {"enabled": True, "port": 0}}
 
@@ -766,3 +767,31 @@ def test_a_qos1_subscription_made_qos0_leaves_no_group_behind(start_broker) -> N
     assert b.cli("pub", "d/1", "new", "-q", "1").returncode == 0
     packet = c.recv()
     assert isinstance(packet, Publish) and packet.payload == b"new", packet  # not m0 again
+
+
+def test_a_share_cannot_join_a_persistent_sessions_group(start_broker) -> None:
+    """``$share/mqtt.<hash of a client id>/...`` names another client's persistent-session
+    group: it is a share of its own, and takes none of that session's queued messages
+    (it drained them before)."""
+    b = start_broker(MQTT)
+    assert b.mqtt_port is not None
+    victim = Raw(b.mqtt_port)
+    victim.connect("victim", clean=False)
+    _subscribe(victim, "vs/#", 1)
+    victim.disconnect()
+    for n in range(5):
+        assert b.cli("pub", "vs/x", f"m{n}", "-q", "1").returncode == 0
+    thief = Raw(b.mqtt_port)
+    thief.connect("thief")
+    _subscribe(thief, f"$share/{group_name('victim')}/vs/#", 1)
+    _nothing_more(thief)
+    thief.disconnect()
+    back = Raw(b.mqtt_port)
+    assert back.connect("victim", clean=False).session_present
+    got = []
+    for _ in range(5):
+        packet = back.expect(Publish)
+        got.append(packet.payload)
+        back.send(PubAck(packet.packet_id))
+    assert got == [f"m{n}".encode() for n in range(5)]
+
