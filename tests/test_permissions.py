@@ -675,6 +675,39 @@ def test_mqtt_a_clean_connect_ending_its_persistent_session_keeps_the_id_its_key
     a.disconnect()
 
 
+def test_mqtt_a_restored_filter_the_key_lost_leaves_no_group_behind(keyed) -> None:
+    """alice's persistent session has secret/# and pub/# at QoS 1, and messages wait on
+    secret/#. A reload takes secret/# away from her key: on resume that filter is refused,
+    and its durable group goes with it (it stayed, its backlog growing for good, through
+    the session's expiry and restarts)."""
+    alice = make("alice", publish=["#"], subscribe=["#"])
+    admin = root()
+    b = keyed(alice, admin)
+    a = mqtt_client(b, alice, "dev-9", clean=False)
+    assert a.subscribe(("secret/#", 1), ("pub/#", 1)) == [1, 1]
+    a.disconnect()
+    with Client(b.addr, admin.key) as ac:
+        for n in range(3):
+            ac.publish("secret/x", f"s{n}".encode(), qos=1)
+
+    def groups() -> list[str]:
+        listed = json.loads(ok(run(b, admin, "groups", "--json"))[0])["groups"]
+        return sorted(g["filter"] for g in listed)
+
+    assert groups() == ["pub/#", "secret/#"]
+    narrowed = Key(alice.name, alice.key, {"publish": ["#"], "subscribe": ["pub/#"]})
+    reload_keys(b, narrowed, admin)
+    back = mqtt_client(b, narrowed, "dev-9", clean=False)
+    assert back.session_present
+    b.wait_log("refused (0x80)")
+    assert groups() == ["pub/#"]
+    with Client(b.addr, admin.key) as ac:
+        ac.publish("pub/x", b"p", qos=1)
+    m = back.get()
+    assert (m.topic, m.payload) == ("pub/x", b"p")
+    back.disconnect()
+
+
 # ==================================================================== 5. dead letters
 
 

@@ -53,6 +53,13 @@ def group_name(client_id: str) -> str:
     return SESSION_GROUPS + _digest(client_id)
 
 
+def is_session_group(group: str) -> bool:
+    """Whether ``group`` is named as a persistent session's (``group_name``)."""
+    digest = group[len(SESSION_GROUPS):]
+    return (group.startswith(SESSION_GROUPS) and len(digest) == 32
+            and all(c in "0123456789abcdef" for c in digest))
+
+
 def share_of(topic_filter: str) -> tuple[str, str] | None:
     """(group, filter) of an MQTT filter: group "" for a plain one; None for a malformed
     ``$share/`` filter (no name, or no filter after it)."""

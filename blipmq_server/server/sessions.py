@@ -65,6 +65,7 @@ class MqttSessions:
                 log.warning("MQTT session %r not restored: %s", key, exc)
         if self.offline:
             log.info("MQTT: %d persistent session(s) restored", len(self.offline))
+        self._drop_orphans(wall)
         self.restored = set(self.offline)
         wal = self.server.wal
         self.restored_end = 0 if wal is None else wal.next_offset
@@ -121,6 +122,9 @@ class MqttSessions:
             session.released = dict.fromkeys(self.pubrel.get(cid, ()), (0, 0))
         for topic_filter, qos in subs.items():
             session.subscribe_one(topic_filter, qos, retained=False, restored=True)
+        # a filter refused now (the key may no longer read it, a damaged record) leaves the
+        # session: its durable group goes too, or it would pile up a backlog nobody reads
+        self._drop_groups(cid, [f for f in subs if f not in session.subs])
         session.say_refusals(len(subs))
         self._save(session)
         counts = self.broker.take_counts()
@@ -264,11 +268,9 @@ class MqttSessions:
 
     def _forget(self, cid: str, subs: dict[str, int]) -> None:
         """A persistent session ends: its durable groups and its records go."""
-        group = state.group_name(cid)
         wall = wall_ms()
-        for topic_filter in subs:
-            if not topic_filter.startswith("$share/"):  # a shared group is not the session's
-                self.broker.unsubscribe(0, 0, topic_filter, group, wall)
+        # a shared group is not the session's
+        self._drop_groups(cid, [f for f in subs if not f.startswith("$share/")])
         self.qos2.pop(cid, None)
         self.pubrel.pop(cid, None)
         self.owners.pop(cid, None)
@@ -277,6 +279,29 @@ class MqttSessions:
                     state.owner_key(cid)):
             self.broker.put_state(key, b"", wall)
         self.server.log_touched()
+
+    def _drop_groups(self, cid: str, filters: list[str]) -> None:
+        """The persistent session's own durable groups on these filters (where it has one)
+        are deleted, with their backlog."""
+        group = state.group_name(cid)
+        broker = self.broker
+        wall = wall_ms()
+        for topic_filter in filters:
+            if broker.durable_group(topic_filter, group) is not None:
+                broker.unsubscribe(0, 0, topic_filter, group, wall)
+
+    def _drop_orphans(self, wall: int) -> None:
+        """At start: persistent-session groups (``mqtt.<hash of a client id>``) of no
+        session restored go (a session record that was damaged, or an earlier version
+        that left a refused filter's group behind): nobody could ever read them."""
+        known = {state.group_name(cid) for cid in self.offline}
+        broker = self.broker
+        gone = [(g.filter, g.group) for g in broker.durable_groups
+                if state.is_session_group(g.group) and g.group not in known]
+        for topic_filter, group in gone:
+            broker.unsubscribe(0, 0, topic_filter, group, wall)
+            log.warning("MQTT: durable group %r on %r deleted: it belongs to no persistent "
+                        "session", group, topic_filter)
 
     def stats(self) -> dict[str, int]:
         inflight = sum(len(s.inflight) + len(s.released) for s in self.online.values())
