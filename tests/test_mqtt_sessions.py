@@ -8,6 +8,7 @@ resend a QoS 2 PUBLISH with DUP). Each test names the statements of MQTT 3.1.1 i
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -504,6 +505,37 @@ def test_an_offline_session_expires(start_broker) -> None:
     b.wait_metric("blipmq_durable_groups", 0)
     back = Paho(b.mqtt_port, "exp-1", clean=False)
     assert back.session_present is False
+
+
+def test_an_expired_session_takes_the_share_groups_nobody_else_belongs_to(start_broker
+                                                                         ) -> None:
+    """A persistent session with QoS 1 shares expires: a share group nobody else belongs
+    to goes with its backlog (it stayed for good); one another session still shares
+    stays."""
+    b = start_broker({"mqtt": {"enabled": True, "port": 0, "session_expiry_ms": 1500}})
+    assert b.mqtt_port is not None
+    gone = Raw(b.mqtt_port)
+    gone.connect("exp-share", clean=False)
+    gone.send(Subscribe(1, (("own/#", 1), ("$share/alone/sx/#", 1),
+                            ("$share/both/sx/#", 1))))
+    assert gone.expect(SubAck) == SubAck(1, (1, 1, 1))
+    gone.disconnect()
+    other = Paho(b.mqtt_port, "stays", clean=False)
+    assert other.subscribe(("$share/both/sx/#", 1)) == [1]  # and stays connected
+    for n in range(3):
+        assert b.cli("pub", "sx/t", f"m{n}", "-q", "1").returncode == 0
+    b.wait_log("MQTT session 'exp-share' expired")
+
+    def groups() -> list[str]:
+        res = b.cli("groups", "--json")
+        assert res.returncode == 0, res.stderr
+        return sorted(g["group"] for g in json.loads(res.stdout)["groups"])
+
+    deadline = time.monotonic() + 10
+    while groups() != ["both"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert groups() == ["both"]
+    other.disconnect()
 
 
 # ------------------------------------------------------------------------ 10, 11. SIGKILL

@@ -267,10 +267,13 @@ class MqttSessions:
         return len(gone)
 
     def _forget(self, cid: str, subs: dict[str, int]) -> None:
-        """A persistent session ends: its durable groups and its records go."""
+        """A persistent session ends: its durable groups, the durable ``$share`` groups
+        nobody else belongs to, and its records go."""
         wall = wall_ms()
-        # a shared group is not the session's
         self._drop_groups(cid, [f for f in subs if not f.startswith("$share/")])
+        for topic_filter in subs:
+            if topic_filter.startswith("$share/"):
+                self._drop_share(cid, topic_filter, wall)
         self.qos2.pop(cid, None)
         self.pubrel.pop(cid, None)
         self.owners.pop(cid, None)
@@ -289,6 +292,32 @@ class MqttSessions:
         for topic_filter in filters:
             if broker.durable_group(topic_filter, group) is not None:
                 broker.unsubscribe(0, 0, topic_filter, group, wall)
+
+    def _drop_share(self, cid: str, topic_filter: str, wall: int) -> None:
+        """A ``$share`` filter of a session that ends: its durable group goes too when
+        nobody else belongs to it (no subscriber attached, no other MQTT session with that
+        share). Kept, it held its backlog, and the log, for good."""
+        share = state.share_of(topic_filter)
+        if share is None:
+            return
+        group, core_filter = share
+        broker = self.broker
+        target = broker.durable_group(core_filter, group)
+        if target is None or target.consumers:
+            return
+        for other, (subs, _) in self.offline.items():
+            if other != cid and self._shares(subs, share):
+                return
+        for other, session in self.online.items():
+            if other != cid and self._shares(session.subs, share):
+                return
+        broker.unsubscribe(0, 0, core_filter, group, wall)
+        log.info("MQTT session %r ended: durable group %r on %r, which nobody else "
+                 "belonged to, deleted", cid, group, core_filter)
+
+    @staticmethod
+    def _shares(subs: dict[str, object], share: tuple[str, str]) -> bool:
+        return any(f.startswith("$share/") and state.share_of(f) == share for f in subs)
 
     def _drop_orphans(self, wall: int) -> None:
         """At start: persistent-session groups (``mqtt.<hash of a client id>``) of no
