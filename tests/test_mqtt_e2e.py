@@ -496,6 +496,32 @@ def test_a_shared_subscription_splits_the_messages(start_broker) -> None:
     assert sorted(got, key=int) == [str(i).encode() for i in range(40)]
 
 
+@pytest.mark.parametrize("first", [1, 0])
+def test_share_members_of_any_qos_split_the_messages(start_broker, first: int) -> None:
+    """Members of one share subscribing at QoS 0 and at QoS 1 split its messages (disjoint
+    sets, as mosquitto's): each message goes to one of them, at the lower of its QoS and
+    the member's grant. A QoS 1 member joining a QoS 0 (live) share is granted QoS 0.
+    They were two groups of one name, and every message went to both."""
+    b = start_broker(MQTT)
+    a = Paho(b.mqtt_port, "mixed-a")
+    c = Paho(b.mqtt_port, "mixed-c")
+    assert a.subscribe(("$share/mixed/mx/#", first)) == [first]
+    grant = c.subscribe(("$share/mixed/mx/#", 1 - first))
+    assert grant == [1 - first if first else 0]
+    pub = Paho(b.mqtt_port, "mixed-pub")
+    for i in range(40):
+        pub.publish("mx/t", str(i), 1)
+    pub.sync()
+    time.sleep(0.5)
+    a.sync()
+    c.sync()
+    got = {name: member.drained() for name, member in (("a", a), ("c", c))}
+    payloads = [m.payload for ms in got.values() for m in ms]
+    assert sorted(payloads, key=int) == [str(i).encode() for i in range(40)]  # none twice
+    assert {m.qos for m in got["a"]} <= {first}
+    assert {m.qos for m in got["c"]} <= {grant[0]}
+
+
 # ------------------------------------------------------------------- 9. QoS 2 end to end
 
 

@@ -8,6 +8,7 @@ resend a QoS 2 PUBLISH with DUP). Each test names the statements of MQTT 3.1.1 i
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from blipmq_server.mqtt.codec import (
     Unsubscribe,
     Will,
 )
+from blipmq_server.mqtt.state import group_name
 
 MQTT = {"mqtt": {"enabled": True, "port": 0}}
 
@@ -505,6 +507,37 @@ def test_an_offline_session_expires(start_broker) -> None:
     assert back.session_present is False
 
 
+def test_an_expired_session_takes_the_share_groups_nobody_else_belongs_to(start_broker
+                                                                         ) -> None:
+    """A persistent session with QoS 1 shares expires: a share group nobody else belongs
+    to goes with its backlog (it stayed for good); one another session still shares
+    stays."""
+    b = start_broker({"mqtt": {"enabled": True, "port": 0, "session_expiry_ms": 1500}})
+    assert b.mqtt_port is not None
+    gone = Raw(b.mqtt_port)
+    gone.connect("exp-share", clean=False)
+    gone.send(Subscribe(1, (("own/#", 1), ("$share/alone/sx/#", 1),
+                            ("$share/both/sx/#", 1))))
+    assert gone.expect(SubAck) == SubAck(1, (1, 1, 1))
+    gone.disconnect()
+    other = Paho(b.mqtt_port, "stays", clean=False)
+    assert other.subscribe(("$share/both/sx/#", 1)) == [1]  # and stays connected
+    for n in range(3):
+        assert b.cli("pub", "sx/t", f"m{n}", "-q", "1").returncode == 0
+    b.wait_log("MQTT session 'exp-share' expired")
+
+    def groups() -> list[str]:
+        res = b.cli("groups", "--json")
+        assert res.returncode == 0, res.stderr
+        return sorted(g["group"] for g in json.loads(res.stdout)["groups"])
+
+    deadline = time.monotonic() + 10
+    while groups() != ["both"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert groups() == ["both"]
+    other.disconnect()
+
+
 # ------------------------------------------------------------------------ 10, 11. SIGKILL
 
 
@@ -863,3 +896,31 @@ def test_overlapping_subscriptions_lose_nothing_when_the_sender_is_replaced_or_e
     seen = _ack_all(raw, first + later)
     assert seen == {f"{i}".encode() for i in range(OVERLAP_N)}, (
         f"{OVERLAP_N - len(seen)} never delivered")
+
+
+def test_a_share_cannot_join_a_persistent_sessions_group(start_broker) -> None:
+    """``$share/mqtt.<hash of a client id>/...`` names another client's persistent-session
+    group: it is a share of its own, and takes none of that session's queued messages
+    (it drained them before)."""
+    b = start_broker(MQTT)
+    assert b.mqtt_port is not None
+    victim = Raw(b.mqtt_port)
+    victim.connect("victim", clean=False)
+    _subscribe(victim, "vs/#", 1)
+    victim.disconnect()
+    for n in range(5):
+        assert b.cli("pub", "vs/x", f"m{n}", "-q", "1").returncode == 0
+    thief = Raw(b.mqtt_port)
+    thief.connect("thief")
+    _subscribe(thief, f"$share/{group_name('victim')}/vs/#", 1)
+    _nothing_more(thief)
+    thief.disconnect()
+    back = Raw(b.mqtt_port)
+    assert back.connect("victim", clean=False).session_present
+    got = []
+    for _ in range(5):
+        packet = back.expect(Publish)
+        got.append(packet.payload)
+        back.send(PubAck(packet.packet_id))
+    assert got == [f"m{n}".encode() for n in range(5)]
+

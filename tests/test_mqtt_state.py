@@ -45,6 +45,13 @@ def test_shared_subscriptions_map_to_group_names() -> None:
         assert state.share_of(bad) is None
 
 
+def test_a_share_never_takes_a_session_groups_name() -> None:
+    taken = state.group_name("victim")
+    name, topic_filter = state.share_of(f"$share/{taken}/s/#")  # type: ignore[misc]
+    assert topic_filter == "s/#" and name != taken and name.startswith("share.")
+    assert group_problem(name) is None
+
+
 def test_session_group_names_are_valid_and_distinct() -> None:
     names = {state.group_name(f"client-{i}") for i in range(1000)}
     assert len(names) == 1000

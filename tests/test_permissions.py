@@ -39,7 +39,15 @@ from mqttpeer import Paho, Raw
 from blipmq_cli.client import Client, Subscription
 from blipmq_server.errors import BrokerError
 from blipmq_server.mqtt.codec import Will
-from blipmq_server.mqtt.packets import PubAck, PubComp, Publish, PubRec, PubRel
+from blipmq_server.mqtt.packets import (
+    PingReq,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+)
 from blipmq_server.protocol.codec import ErrorCode, Start
 from blipmq_server.protocol.message import Delivery
 
@@ -644,6 +652,60 @@ def test_mqtt_persistent_connect_with_another_keys_client_id_does_not_rewrite_it
     if ack.code == 0:
         raw.disconnect()
     _alice_still_gets_her_message(b, alice)
+
+
+def test_mqtt_a_clean_connect_ending_its_persistent_session_keeps_the_id_its_keys(
+        keyed) -> None:
+    """alice ends her persistent session "dev-1" with a clean CONNECT and stays online:
+    her connection is still hers. mallory's CONNECT with that id is refused (0x05); it
+    took alice's connection over (her will published) when ending the session dropped
+    the id's owner."""
+    alice = make("alice", publish=["jobs/#"], subscribe=["jobs/#"])
+    mallory = make("mallory", publish=["other/#"], subscribe=["other/#"])
+    b = keyed(alice, mallory)
+    _persistent_session_of(b, alice)
+    a = Raw(b.mqtt_port)
+    assert a.connect("dev-1", clean=True, username="alice",
+                     password=alice.key.encode()).code == 0
+    m = Raw(b.mqtt_port)
+    assert m.connect("dev-1", clean=True, username="mallory",
+                     password=mallory.key.encode()).code == 5
+    a.send(PingReq())
+    assert a.recv() == PingResp()  # alice's connection goes on
+    a.disconnect()
+
+
+def test_mqtt_a_restored_filter_the_key_lost_leaves_no_group_behind(keyed) -> None:
+    """alice's persistent session has secret/# and pub/# at QoS 1, and messages wait on
+    secret/#. A reload takes secret/# away from her key: on resume that filter is refused,
+    and its durable group goes with it (it stayed, its backlog growing for good, through
+    the session's expiry and restarts)."""
+    alice = make("alice", publish=["#"], subscribe=["#"])
+    admin = root()
+    b = keyed(alice, admin)
+    a = mqtt_client(b, alice, "dev-9", clean=False)
+    assert a.subscribe(("secret/#", 1), ("pub/#", 1)) == [1, 1]
+    a.disconnect()
+    with Client(b.addr, admin.key) as ac:
+        for n in range(3):
+            ac.publish("secret/x", f"s{n}".encode(), qos=1)
+
+    def groups() -> list[str]:
+        listed = json.loads(ok(run(b, admin, "groups", "--json"))[0])["groups"]
+        return sorted(g["filter"] for g in listed)
+
+    assert groups() == ["pub/#", "secret/#"]
+    narrowed = Key(alice.name, alice.key, {"publish": ["#"], "subscribe": ["pub/#"]})
+    reload_keys(b, narrowed, admin)
+    back = mqtt_client(b, narrowed, "dev-9", clean=False)
+    assert back.session_present
+    b.wait_log("refused (0x80)")
+    assert groups() == ["pub/#"]
+    with Client(b.addr, admin.key) as ac:
+        ac.publish("pub/x", b"p", qos=1)
+    m = back.get()
+    assert (m.topic, m.payload) == ("pub/x", b"p")
+    back.disconnect()
 
 
 # ==================================================================== 5. dead letters

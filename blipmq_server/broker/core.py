@@ -1126,6 +1126,9 @@ class Broker:
     def group(self, topic_filter: str, group: str) -> Queue | None:
         return self.registry.groups.get((topic_filter, group))
 
+    def durable_group(self, topic_filter: str, group: str) -> DurableGroup | None:
+        return None if self.cursors is None else self.cursors.durable.get((topic_filter, group))
+
     def consumer(self, sub_id: int) -> Consumer | None:
         return self.registry.consumers.get(sub_id)
 

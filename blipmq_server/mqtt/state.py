@@ -16,8 +16,9 @@ QoS 2 message; apart so a big subscription list is not)::
 offline time, and one whose broker stopped while it was connected counts from the restart).
 
 Shared subscriptions ``$share/<name>/<filter>`` map to consumer groups; a share name that
-is not a valid group name maps to ``share.<hash>``. A persistent session's own QoS 1/2
-subscriptions are durable groups named ``mqtt.<hash of the client id>``.
+is not a valid group name, or one starting with ``mqtt.``, maps to ``share.<hash>``. A
+persistent session's own QoS 1/2 subscriptions are durable groups named ``mqtt.<hash of the
+client id>``, a name no share can take.
 Standard library only; never imports trio, the core or the shell.
 """
 
@@ -37,6 +38,7 @@ SUBS_PREFIX = b"mqtt/s/"
 QOS2_PREFIX = b"mqtt/q/"
 PUBREL_PREFIX = b"mqtt/r/"
 OWNER_PREFIX = b"mqtt/o/"  # the name of the key that made a persistent session
+SESSION_GROUPS = "mqtt."  # persistent sessions' groups; never a share's (``share_of``)
 _HEAD = struct.Struct(">BQH")
 _SUB = struct.Struct(">BH")
 _U16 = struct.Struct(">H")
@@ -48,7 +50,14 @@ def _digest(text: str) -> str:
 
 def group_name(client_id: str) -> str:
     """The durable group name of a persistent session's QoS 1/2 subscriptions."""
-    return "mqtt." + _digest(client_id)
+    return SESSION_GROUPS + _digest(client_id)
+
+
+def is_session_group(group: str) -> bool:
+    """Whether ``group`` is named as a persistent session's (``group_name``)."""
+    digest = group[len(SESSION_GROUPS):]
+    return (group.startswith(SESSION_GROUPS) and len(digest) == 32
+            and all(c in "0123456789abcdef" for c in digest))
 
 
 def share_of(topic_filter: str) -> tuple[str, str] | None:
@@ -59,7 +68,9 @@ def share_of(topic_filter: str) -> tuple[str, str] | None:
     name, sep, rest = topic_filter[7:].partition("/")
     if not sep or not name or not rest or "+" in name or "#" in name:
         return None
-    if group_problem(name):
+    if group_problem(name) or name.startswith(SESSION_GROUPS):
+        # also a name in the sessions' own groups' space: a share must not join (and
+        # drain) a persistent session's group, ``group_name``
         name = "share." + _digest(name)
     return name, rest
 

@@ -770,6 +770,10 @@ class MqttSession(Session):
         # mqtt.queue_qos0 (what arrives while the client is away waits in the log)
         cursor = self.server.wal is not None and (
             qos > 0 or (not self.clean and self.server.config.mqtt.queue_qos0))
+        if group and self.server.wal is not None:
+            cursor = self._share_reads_log(core_filter, group, cursor)
+            if not cursor:
+                qos = 0
         old = self.subs.pop(topic_filter, None)
         access = self.access
         if (old is not None and (old[0] in self._cursors) == cursor
@@ -827,6 +831,16 @@ class MqttSession(Session):
         # one message then take ids of their own
         self._salts[result.sub_id] = zlib.crc32(topic_filter.encode("utf-8"))
         return qos, result.ready
+
+    def _share_reads_log(self, core_filter: str, group: str, cursor: bool) -> bool:
+        """Whether a ``$share`` member reads the log: as its group does when the group is
+        there already (the members of one share split its messages whatever QoS each asked
+        for; a QoS 0 member of a durable group gets its deliveries at QoS 0, a QoS 1/2 one
+        of a live QoS 0 group is granted QoS 0), else as its QoS says (``cursor``)."""
+        broker = self.broker
+        if broker.durable_group(core_filter, group) is not None:
+            return True
+        return cursor and broker.group(core_filter, group) is None
 
     def _unsubscribe(self, packet: Unsubscribe) -> None:
         for topic_filter in packet.topics:

@@ -65,6 +65,7 @@ class MqttSessions:
                 log.warning("MQTT session %r not restored: %s", key, exc)
         if self.offline:
             log.info("MQTT: %d persistent session(s) restored", len(self.offline))
+        self._drop_orphans(wall)
         self.restored = set(self.offline)
         wal = self.server.wal
         self.restored_end = 0 if wal is None else wal.next_offset
@@ -100,12 +101,14 @@ class MqttSessions:
         name = "" if session.access is None else session.access.identity.name
         if self.owners.get(cid, "") != name and not session.clean:
             self.broker.put_state(state.owner_key(cid), name.encode("utf-8"), wall_ms())
-        self.owners[cid] = name
         stored = self.offline.pop(cid, None)
         subs = carried if carried is not None else (None if stored is None else stored[0])
+        if session.clean and (subs is not None or cid in self.qos2 or cid in self.pubrel):
+            self._forget(cid, subs or {})  # the persistent session ends, its owner's record too
+        # after that: the online session is its key's however it began (``_forget`` drops
+        # the owner, and an id with none is anybody's to take over, ``may_attach``)
+        self.owners[cid] = name
         if session.clean:
-            if subs is not None or cid in self.qos2 or cid in self.pubrel:
-                self._forget(cid, subs or {})
             return False
         if subs is None:
             self._save(session)
@@ -119,6 +122,9 @@ class MqttSessions:
             session.released = dict.fromkeys(self.pubrel.get(cid, ()), (0, 0))
         for topic_filter, qos in subs.items():
             session.subscribe_one(topic_filter, qos, retained=False, restored=True)
+        # a filter refused now (the key may no longer read it, a damaged record) leaves the
+        # session: its durable group goes too, or it would pile up a backlog nobody reads
+        self._drop_groups(cid, [f for f in subs if f not in session.subs])
         session.say_refusals(len(subs))
         self._save(session)
         counts = self.broker.take_counts()
@@ -261,12 +267,13 @@ class MqttSessions:
         return len(gone)
 
     def _forget(self, cid: str, subs: dict[str, int]) -> None:
-        """A persistent session ends: its durable groups and its records go."""
-        group = state.group_name(cid)
+        """A persistent session ends: its durable groups, the durable ``$share`` groups
+        nobody else belongs to, and its records go."""
         wall = wall_ms()
+        self._drop_groups(cid, [f for f in subs if not f.startswith("$share/")])
         for topic_filter in subs:
-            if not topic_filter.startswith("$share/"):  # a shared group is not the session's
-                self.broker.unsubscribe(0, 0, topic_filter, group, wall)
+            if topic_filter.startswith("$share/"):
+                self._drop_share(cid, topic_filter, wall)
         self.qos2.pop(cid, None)
         self.pubrel.pop(cid, None)
         self.owners.pop(cid, None)
@@ -275,6 +282,55 @@ class MqttSessions:
                     state.owner_key(cid)):
             self.broker.put_state(key, b"", wall)
         self.server.log_touched()
+
+    def _drop_groups(self, cid: str, filters: list[str]) -> None:
+        """The persistent session's own durable groups on these filters (where it has one)
+        are deleted, with their backlog."""
+        group = state.group_name(cid)
+        broker = self.broker
+        wall = wall_ms()
+        for topic_filter in filters:
+            if broker.durable_group(topic_filter, group) is not None:
+                broker.unsubscribe(0, 0, topic_filter, group, wall)
+
+    def _drop_share(self, cid: str, topic_filter: str, wall: int) -> None:
+        """A ``$share`` filter of a session that ends: its durable group goes too when
+        nobody else belongs to it (no subscriber attached, no other MQTT session with that
+        share). Kept, it held its backlog, and the log, for good."""
+        share = state.share_of(topic_filter)
+        if share is None:
+            return
+        group, core_filter = share
+        broker = self.broker
+        target = broker.durable_group(core_filter, group)
+        if target is None or target.consumers:
+            return
+        for other, (subs, _) in self.offline.items():
+            if other != cid and self._shares(subs, share):
+                return
+        for other, session in self.online.items():
+            if other != cid and self._shares(session.subs, share):
+                return
+        broker.unsubscribe(0, 0, core_filter, group, wall)
+        log.info("MQTT session %r ended: durable group %r on %r, which nobody else "
+                 "belonged to, deleted", cid, group, core_filter)
+
+    @staticmethod
+    def _shares(subs: dict[str, object], share: tuple[str, str]) -> bool:
+        return any(f.startswith("$share/") and state.share_of(f) == share for f in subs)
+
+    def _drop_orphans(self, wall: int) -> None:
+        """At start: persistent-session groups (``mqtt.<hash of a client id>``) of no
+        session restored go (a session record that was damaged, or an earlier version
+        that left a refused filter's group behind): nobody could ever read them."""
+        known = {state.group_name(cid) for cid in self.offline}
+        broker = self.broker
+        gone = [(g.filter, g.group) for g in broker.durable_groups
+                if state.is_session_group(g.group) and g.group not in known]
+        for topic_filter, group in gone:
+            broker.unsubscribe(0, 0, topic_filter, group, wall)
+            log.warning("MQTT: durable group %r on %r deleted: it belongs to no persistent "
+                        "session", group, topic_filter)
 
     def stats(self) -> dict[str, int]:
         inflight = sum(len(s.inflight) + len(s.released) for s in self.online.values())
