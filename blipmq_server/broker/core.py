@@ -885,13 +885,6 @@ class Broker:
         if self.cursors is not None:
             self.cursors.counted(key, n, epoch)
 
-    def count_matching(self, key: int, records: Sequence[StoredRecord], last: int) -> int:
-        """Messages of the topics of cursor ``key`` among ``records`` up to ``last`` (pure;
-        safe to call off the event loop on records read there)."""
-        target = None if self.cursors is None else self.cursors._by_key.get(key)
-        return 0 if target is None else self.cursors.count_matching(  # type: ignore[union-attr]
-            target, records, last)
-
     def take_fetches(self) -> list[Fetch]:
         """The disk reads log cursors are waiting for (each handed out once)."""
         return [] if self.cursors is None else self.cursors.take_fetches()

@@ -98,7 +98,7 @@ class Cursors:
                 target = self._add_durable(gid, topic_filter, group, first)
                 self._recent.note(gid, gid)
                 if first < end:  # a replay: what it starts behind is counted apart
-                    self._counts.append(Count(target.key, first, end - 1))
+                    self._counts.append(target.count(first, end - 1))
                 else:  # from the end: nothing of its topics is in the log yet
                     target.quiet_from = first
             else:
@@ -285,21 +285,6 @@ class Cursors:
         if target is not None and target.epoch == epoch:
             target.backlog += n
 
-    @staticmethod
-    def count_matching(target: DurableGroup, records: Sequence[StoredRecord], last: int
-                       ) -> int:
-        """MESSAGE records of ``target``'s topics up to offset ``last`` (not acked yet)."""
-        n = 0
-        head = durable.MSG_HEAD.unpack_from
-        for r in records:
-            if r.offset > last:
-                break
-            if r.kind == Kind.MESSAGE and r.offset not in target.acked:
-                tlen = head(r.body)[2]
-                if target.wants(r.body[durable.HEAD_SIZE : durable.HEAD_SIZE + tlen]):
-                    n += 1
-        return n
-
     def take_fetches(self) -> list[Fetch]:
         fetches, self._fetches = self._fetches, []
         return fetches
@@ -451,7 +436,7 @@ class Cursors:
             target.backlog = 0
             end = self.log.next_offset - 1
             if first <= end:
-                self._counts.append(Count(target.key, first, end, target.epoch))
+                self._counts.append(target.count(first, end))
             out.append((target, skipped))
         return out
 
@@ -496,6 +481,6 @@ class Cursors:
         end = self.log.written_offset
         for target in self.durable.values():
             if target.next <= end:
-                self._counts.append(Count(target.key, target.next, end, target.epoch))
+                self._counts.append(target.count(target.next, end))
             if target.idle_since is None and not target.consumers:
                 target.idle_since = wall_ms

@@ -30,6 +30,7 @@ import struct
 from collections import deque
 from typing import Any, NamedTuple
 
+from blipmq_server.broker.results import Count
 from blipmq_server.broker.topics import matches
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.message import DELIVERY_PREFIX, HEAD_SIZE, MSG_HEAD, PREFIX_SIZE
@@ -200,6 +201,13 @@ class DurableGroup:
         self.pending = {o for o in self.pending if o >= floor and o not in done}
         self.acked = {o for o in self.acked if o >= self.next}
         self.acked.update(o for o in offsets if o >= self.next)
+
+    def count(self, first: int, last: int) -> Count:
+        """Its backlog from ``first`` to ``last``, to count off the event loop, leaving out
+        the offsets there known acked now (the cursor forgets those as it passes them, and
+        never takes them off the backlog)."""
+        acked = frozenset(o for o in self.acked if first <= o <= last)
+        return Count(self.key, first, last, self.levels, self.epoch, acked)
 
     def move_to(self, offset: int) -> None:
         """Read on from ``offset`` (records below it were removed): forget the read-ahead."""

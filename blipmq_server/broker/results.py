@@ -169,15 +169,18 @@ class Fetch(NamedTuple):
 class Count(NamedTuple):
     """A durable group's backlog before it was counted on appends (a group created to
     replay the log, every group after a restart, a group retention skipped): count the
-    MESSAGE records of its topics from ``first`` to ``last`` off the event loop
-    (``Cursors.count_matching`` on records read with ``Log.read_files``) and hand the number
-    to ``Broker.counted(key, n, epoch)``. A count of an older ``epoch`` than the group's is
-    void: the group was recounted since."""
+    MESSAGE records of its topics (``levels``, its filter's) from ``first`` to ``last``,
+    leaving out ``acked`` (the offsets in that range acked before a restart, as they were
+    when the count was asked for), off the event loop (``tally.Tally``, one pass over the
+    log for every count waiting), and hand the number to ``Broker.counted(key, n, epoch)``.
+    A count of an older ``epoch`` than the group's is void: the group was recounted since."""
 
     key: int
     first: int
     last: int
+    levels: tuple[str, ...]
     epoch: int = 0
+    acked: frozenset[int] = frozenset()
 
 
 class Deliveries(NamedTuple):  # one per write to a subscriber: a tuple, for the same reason
