@@ -924,3 +924,67 @@ def test_a_share_cannot_join_a_persistent_sessions_group(start_broker) -> None:
         back.send(PubAck(packet.packet_id))
     assert got == [f"m{n}".encode() for n in range(5)]
 
+
+
+@pytest.mark.slow
+def test_overlapping_subscriptions_far_apart_deliver_one_copy_each(start_broker) -> None:
+    """A persistent session subscribed to ``lag/#`` (QoS 2) and ``+/x`` (QoS 1) comes back
+    to 6,000 messages on ``other/x`` (``+/x``'s alone) then 6,000 on ``lag/x`` (both's):
+    ``+/x`` reaches its copies of ``lag/x`` long after ``lag/#`` sent and settled them.
+    Each message comes once: the copies follow the sending subscription's cursor (a
+    memory of the last 8,192 acks forgot them, and 2,217 of 5,000 came twice)."""
+    n = 6000
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("far-1", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "lag/#", 2, 1)
+    _subscribe(raw, "+/x", 1, 2)
+    raw.close()
+    lines = b"".join(b"%d\n" % i for i in range(n))
+    for topic in ("other/x", "lag/x"):
+        assert b.cli("pub", topic, "-", "--lines", "--qos", "1", input=lines).returncode == 0
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("far-1", clean=False) == ConnAck(True, 0)
+    seen: dict[tuple[str, bytes], int] = {}
+    while len(seen) < 2 * n:  # bounded by recv's timeout
+        packet = raw.recv()
+        if isinstance(packet, PubRel):
+            raw.send(PubComp(packet.packet_id))
+            continue
+        assert isinstance(packet, Publish), packet
+        key = (packet.topic, packet.payload)
+        seen[key] = seen.get(key, 0) + 1
+        raw.send(PubRec(packet.packet_id) if packet.qos == 2 else PubAck(packet.packet_id))
+    raw.send(PingReq())  # and whatever else came before its answer
+    while not isinstance(packet := raw.recv(), PingResp):  # bounded by recv's timeout
+        if isinstance(packet, Publish):
+            key = (packet.topic, packet.payload)
+            seen[key] = seen.get(key, 0) + 1
+    twice = sum(1 for count in seen.values() if count > 1)
+    assert twice == 0 and len(seen) == 2 * n, f"{twice} came twice, {len(seen)} distinct"
+
+
+def test_no_native_client_joins_or_deletes_a_persistent_sessions_group(start_broker) -> None:
+    """A persistent session's QoS 1 subscriptions are the durable group
+    ``mqtt.<hash of its client id>``: ``blipmq sub --group`` with that name took the
+    session's queued messages (without authentication, or within one key), and ``blipmq
+    unsub --group`` could end it; and a native group so named was deleted at every start
+    as an orphan. Names starting with ``mqtt.`` are refused to native clients."""
+    from blipmq_server.mqtt.state import group_name
+
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("victim", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "jobs/v", 1)
+    raw.close()
+    assert b.cli("pub", "jobs/v", "queued", "--qos", "1").returncode == 0
+    group = group_name("victim")
+    joined = b.cli("sub", "jobs/v", "--group", group, "-q", "1", "-C", "1", "-W", "2")
+    assert joined.returncode != 0 and b"MQTT persistent sessions" in joined.stderr, joined
+    assert joined.stdout == b""
+    deleted = b.cli("unsub", "jobs/v", "--group", group)
+    assert deleted.returncode != 0 and b"MQTT persistent sessions" in deleted.stderr, deleted
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("victim", clean=False) == ConnAck(True, 0)
+    got = raw.expect(Publish)
+    assert got.payload == b"queued"

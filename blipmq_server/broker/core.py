@@ -56,6 +56,8 @@ _MESSAGE = Kind.MESSAGE
 _STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
 
 
+# ``Broker.copy_of``: what a subscription did with a message another one has a copy of
+OWES, SETTLED, NEVER = 0, 1, 2
 BRIDGE_GROUPS = "bridge."  # the durable groups of bridges: no client joins one
 _BRIDGES_ONLY = ("group names starting with 'bridge.' belong to bridges (docs/BRIDGE.md): "
                  "no client may join one, or delete a configured bridge's")
@@ -681,15 +683,18 @@ class Broker:
         flight = found[1].inflight.get(offset)
         return flight is not None and flight.sub_id == sub_id
 
-    def owes(self, conn: int, sub_id: int, offset: int) -> bool:
-        """Whether this conn's subscription still has the message at ``offset`` to deliver
-        or to see acked: its log cursor has not read that far, or holds it unacked (False
-        for a subscription without a cursor)."""
+    def copy_of(self, conn: int, sub_id: int, offset: int) -> int:
+        """What this conn's subscription did with the message at ``offset``, for another
+        subscription of the same client that has a copy of it: ``OWES`` (its log cursor
+        has not read that far, or holds it unacked), ``SETTLED`` (read and acked, or not
+        one of its topics), ``NEVER`` (it began to read after it, or has no cursor)."""
         found = self._cursor_of(conn, sub_id)
         if found is None:
-            return False
+            return NEVER
         group = found[1]
-        return offset >= group.next or offset in group.inflight or offset in group.pending
+        if offset >= group.next or offset in group.inflight or offset in group.pending:
+            return OWES
+        return SETTLED if offset >= group.first else NEVER
 
     def ack(self, conn: int, sub_id: int, offsets: tuple[int, ...], timestamp_ms: int) -> bool:
         """A QoS 1 consumer acked deliveries; True when that freed room in its window.

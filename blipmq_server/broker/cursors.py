@@ -458,8 +458,9 @@ class Cursors:
             if g.op == durable.CREATE:
                 self._add_durable(record.offset, g.topic_filter, g.group, g.start)
             elif g.op == durable.CHECKPOINT:
-                if target is None:
-                    target = self._add_durable(g.group_id, g.topic_filter, g.group, g.start)
+                if target is None:  # its CREATE record is gone: it began by its unacked
+                    target = self._add_durable(g.group_id, g.topic_filter, g.group,
+                                               min((g.start, *g.unacked)))
                 target.restore(g)
                 target.anchor = record.offset
                 target.idle_since = None

@@ -131,6 +131,7 @@ class DurableGroup:
         "epoch",
         "fetching",
         "filter",
+        "first",
         "group",
         "held",
         "id",
@@ -159,6 +160,7 @@ class DurableGroup:
         self.persistent = persistent  # a durable group: its state is in the log
         self.acks = acks  # QoS 1: deliveries stay in flight until acked
         self.next = start  # next log offset to read
+        self.first = start  # where it began to read (what came before was never its)
         self.inflight: dict[int, Flight] = {}
         self.held: dict[int, int] = {}  # sub_id -> deliveries that consumer holds in flight
         self.ready: deque[int] = deque()  # in-flight offsets to deliver again now

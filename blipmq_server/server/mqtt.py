@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from blipmq_server.broker.core import OWES, SETTLED
 from blipmq_server.broker.topics import matches, split
 from blipmq_server.mqtt import codec as mqtt
 from blipmq_server.mqtt.packets import (
@@ -117,11 +118,8 @@ class MqttSession(Session):
         # topic -> the subscription that delivers it (see ``_owner``); cleared on changes
         self._owners: dict[bytes, int] = {}
         # while subscriptions overlap: log offset -> the other subscriptions' copies of that
-        # message, acked once the client has it from the one that sends it (``_has``)
+        # message, acked once the client has it from the one that sends it
         self._copies: dict[int, list[int]] = {}
-        # ... and the offsets of the last _HAS_KEPT messages the client has for good (it
-        # acked them, or they went at QoS 0), for copies that come after that
-        self._has: dict[int, None] = {}
         self.refusals: list[tuple[str, str]] = []  # filters refused since the last log line
         self._shared: set[int] = set()  # sub ids of $share/ subscriptions
         self._cursors: set[int] = set()  # sub ids that read the log (not a live queue)
@@ -236,7 +234,7 @@ class MqttSession(Session):
                     if cursor and offset:  # a cursor's delivery sent at QoS 0: done at once
                         acks.setdefault(sub_id, []).append(offset)
                     if owners is not None and offset:
-                        self._client_has(offset, acks)
+                        self._client_has(offset, acks)  # at QoS 0: it has it now
                 # DUP: sent before on this connection or an earlier one, or maybe before the
                 # broker restarted (a message the restored session's cursor held then; not a
                 # retained value sent for a new subscription)
@@ -256,29 +254,29 @@ class MqttSession(Session):
         whether this one keeps it back (False: it sends it itself). A log cursor's copy is
         acked once the client has the message (``_client_has``), not before: were the
         owner to change first (a subscription replaced, ended, restored in another order
-        after a restart), this cursor would have passed what the new owner never sent. If
-        the owner's cursor has settled that offset and the client is not known to have it
-        (the owner subscribed after the message), this subscription sends it."""
+        after a restart), this cursor would have passed what the new owner never sent. The
+        owner's cursor says where the copy stands (``Broker.copy_of``): kept back while the
+        owner owes the message, acked once it settled it, and sent by this subscription
+        when the owner never had it (it subscribed after the message)."""
         if not (cursor and offset):
             return True
-        if offset in self._has or owner not in self._cursors:
-            acks.setdefault(sub_id, []).append(offset)  # the client has it, or will at QoS 0
+        if owner not in self._cursors:  # a live queue's: sent at QoS 0, done as it goes
+            acks.setdefault(sub_id, []).append(offset)
             return True
-        if self.broker.owes(self.conn_id, owner, offset):
+        state = self.broker.copy_of(self.conn_id, owner, offset)
+        if state == OWES:
             waiting = self._copies.setdefault(offset, [])
             if sub_id not in waiting:
                 waiting.append(sub_id)
+            return True
+        if state == SETTLED:
+            acks.setdefault(sub_id, []).append(offset)
             return True
         return False
 
     def _client_has(self, offset: int, acks: dict[int, list[int]]) -> None:
         """The client has the message at ``offset`` for good: the copies other
-        subscriptions kept back are acked (into ``acks``), and it is remembered for copies
-        still to come."""
-        has = self._has
-        has[offset] = None
-        if len(has) > _HAS_KEPT:
-            del has[next(iter(has))]
+        subscriptions kept back are acked (into ``acks``)."""
         for sub_id in self._copies.pop(offset, ()):
             acks.setdefault(sub_id, []).append(offset)
 
@@ -286,7 +284,7 @@ class MqttSession(Session):
         """The client acked a delivery (PUBACK; PUBREC or PUBCOMP at QoS 2)."""
         if self.broker.ack(self.conn_id, sub_id, (offset,), wall_ms()):
             self.wake()
-        if offset and len(self.subs) > 1:
+        if offset and self._copies:
             acks: dict[int, list[int]] = {}
             self._client_has(offset, acks)
             wall = wall_ms()
@@ -874,7 +872,6 @@ def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool) -> RawMess
 
 _HELD = object()  # a publish a full ``block`` queue holds back
 _OWNERS_KEPT = 4096  # topics whose delivering subscription is remembered
-_HAS_KEPT = 8192  # offsets of messages the client has, remembered while subscriptions overlap
 _NAMES_KEPT = 1024  # topics a connection remembers having checked
 # a message record's flags by MQTT QoS and retain
 _FLAGS = tuple((q, q | FLAG_RETAIN) for q in (0, FLAG_QOS1, FLAG_QOS1 | FLAG_QOS2))

@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - a trio that moved it
     from trio.testing import wait_all_tasks_blocked
 
 from blipmq_server.errors import RemoteProtocolError
+from blipmq_server.mqtt.state import SESSION_GROUPS
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.intake import FREE, Partial
@@ -712,7 +713,19 @@ class Session:
         else:
             self.send(codec.PubAck(0, frame.request_id))
 
+    def _session_group(self, group: str, request_id: int) -> bool:
+        """A group named as an MQTT persistent session's own (``mqtt.``): no native client
+        joins or deletes one (it would take, or end, that session's queue); ERROR sent."""
+        if not group.startswith(SESSION_GROUPS):
+            return False
+        self.error(ErrorCode.INVALID_REQUEST, f"group names starting with {SESSION_GROUPS!r} "
+                   "belong to MQTT persistent sessions (docs/MQTT.md): no native client may "
+                   "join or delete one", request_id)
+        return True
+
     def _subscribe(self, frame: codec.Subscribe) -> None:
+        if self._session_group(frame.group, frame.request_id):
+            return
         result = self.broker.subscribe(
             self.conn_id, frame.topic_filter, frame.group, frame.qos, frame.credit,
             frame.request_id, frame.start, frame.start_offset, wall_ms(),
@@ -747,6 +760,8 @@ class Session:
         self.send(codec.StatsReport(data, request_id))
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:
+        if self._session_group(frame.group, frame.request_id):
+            return
         result = self.broker.unsubscribe(self.conn_id, frame.sub_id, frame.topic_filter,
                                          frame.group, wall_ms(), self.access)
         if result.refusal is not None:
