@@ -643,6 +643,51 @@ def test_inbound_qos2_packet_ids_survive_sigkill(start_broker) -> None:
     assert logged.stdout == b"exactly once\n"
 
 
+def test_a_new_qos2_publish_reusing_a_remembered_packet_id_is_delivered(start_broker
+                                                                        ) -> None:
+    """MQTT-3.3.1-1: a resend carries DUP 1, so a QoS 2 PUBLISH with DUP 0 whose packet id
+    is still remembered (no PUBREL came) is a new message: a device that rebooted and lost
+    its state. It is logged and delivered once; the id then stands for it, through a
+    resend (DUP 1), a SIGKILL of the broker and the resend after it, until its PUBREL."""
+    b = start_broker(MQTT)
+    sub = Paho(b.mqtt_port, "reuse-sub")
+    assert sub.subscribe(("reuse/t", 2)) == [2]
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("reuse-q2", clean=False) == ConnAck(False, 0)
+    raw.send(Publish("reuse/t", b"reading-A", 2, False, False, 5))
+    assert raw.recv() == PubRec(5)
+    raw.close()  # the device reboots before PUBREL and forgets everything
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("reuse-q2", clean=False) == ConnAck(True, 0)
+    raw.send(Publish("reuse/t", b"reading-B", 2, False, False, 5))
+    assert raw.recv() == PubRec(5)
+    raw.send(Publish("reuse/t", b"reading-B", 2, False, True, 5))  # a resend: not again
+    assert raw.recv() == PubRec(5)
+    got = sub.take(2)
+    assert [(m.payload, m.qos) for m in got] == [(b"reading-A", 2), (b"reading-B", 2)]
+    sub.sync()
+    assert sub.drained() == []
+    assert b.metric("blipmq_messages_published_total") == 2
+    line = b.wait_log("used again")
+    assert "'reuse-q2'" in line and "packet id 5" in line, line
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL  # PUBREL not sent yet
+    raw.close()
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("reuse-q2", clean=False) == ConnAck(True, 0)
+    raw.send(Publish("reuse/t", b"reading-B", 2, False, True, 5))
+    assert raw.recv() == PubRec(5)
+    raw.send(PubRel(5))
+    assert raw.recv() == PubComp(5)
+    raw.disconnect()
+    assert b2.metric("blipmq_messages_published_total") == 0
+    logged = b2.cli("sub", "reuse/t", "--from", "earliest", "--until-end")
+    assert logged.returncode == 0, logged.stderr
+    assert logged.stdout == b"reading-A\nreading-B\n"
+
+
 def test_a_suback_means_the_subscription_survives_sigkill(start_broker) -> None:
     """A persistent session's subscriptions are its state (MQTT-3.1.2-4/5): once SUBACK
     is out, a crash must not lose them, or what is published while the client is away
