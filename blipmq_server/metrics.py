@@ -215,7 +215,8 @@ class BrokerCollector:
         flying = Family("blipmq_group_in_flight", "gauge", "Deliveries waiting for an ack", labels)
         skipped = Family(
             "blipmq_group_skipped", "counter",
-            "Records the retention size cap removed before the group read them", labels)
+            "Records the retention size cap removed before the group read them (or, "
+            "counted at start, while its deliveries of them were unacked)", labels)
         for g in groups:
             key = [g.filter, g.group]
             behind.add(key, max(0, g.backlog))

@@ -566,6 +566,51 @@ def test_3000_qos1_messages_to_an_offline_session_survive_sigkill(start_broker) 
     assert back.drained() == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
+def test_an_unacked_delivery_the_size_cap_removed_is_counted_when_a_restart_loses_it(
+        start_broker, sig: signal.Signals) -> None:
+    """An offline persistent session's delivery, sent and never PUBACKed, whose segment
+    the size cap (wal.retention_bytes) removed, is still in memory and would be sent again;
+    a restart (SIGKILL or SIGTERM) loses it. That loss is counted and logged like the size
+    cap's others (blipmq_group_skipped_total and one warning for the group), once: not
+    again at the next restart."""
+    config = {**MQTT, "wal": {"segment_bytes": 16384, "retention_bytes": 65536,
+                              "maintenance_interval_ms": 100}}
+    group = {"filter": "d7/#", "group": group_name("d7-1")}
+    b = start_broker(config)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("d7-1", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "d7/#", 1)
+    Paho(b.mqtt_port, "d7-pub").publish("d7/alarm", "important", 1)
+    assert raw.expect(Publish).payload == b"important"  # never PUBACKed
+    raw.close()
+    # other topics push the log past the cap: the segment holding it goes. In chunks of
+    # ~18 kB, each confirmed before the next: a flood of more than the cap within one
+    # maintenance round would take the segment the round carried the session into too
+    deadline = time.monotonic() + 20
+    while b.metric("blipmq_group_skipped_total", **group) == 0:  # the cursor is past it
+        assert time.monotonic() < deadline, "the size cap removed nothing"
+        assert b.shell("seq -f '%080g' 1 150 | blipmq pub noise --qos 1 --lines -"
+                       ).returncode == 0
+    assert b.metric("blipmq_group_in_flight", **group) == 1  # in memory: not lost yet
+    assert b.stop(sig) == (-sig if sig == signal.SIGKILL else 0)
+
+    b2 = start_broker(config, data_dir=b.data_dir)
+    assert b2.metric("blipmq_group_skipped_total", **group) == 1
+    assert b2.metric("blipmq_group_in_flight", **group) == 0
+    lost = [line for line in b2.log if "before the restart" in line]
+    assert len(lost) == 1 and "WARNING" in lost[0] and group["group"] in lost[0], b2.log
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("d7-1", clean=False) == ConnAck(True, 0)
+    _nothing_more(raw)
+    raw.close()
+    assert b2.stop() == 0  # with the checkpoint written at the start, that says so
+
+    b3 = start_broker(config, data_dir=b.data_dir)
+    assert b3.metric("blipmq_group_skipped_total", **group) == 0
+    assert not any("before the restart" in line for line in b3.log), b3.log
+
+
 def test_inbound_qos2_packet_ids_survive_sigkill(start_broker) -> None:
     """MQTT-4.3.3-2 across a crash: the packet id of a QoS 2 PUBLISH that got PUBREC is
     remembered until PUBREL even through SIGKILL, so the client's resend (DUP 1, same id)
@@ -596,6 +641,51 @@ def test_inbound_qos2_packet_ids_survive_sigkill(start_broker) -> None:
     logged = b2.cli("sub", "q2k/t", "--from", "earliest", "--until-end")
     assert logged.returncode == 0, logged.stderr
     assert logged.stdout == b"exactly once\n"
+
+
+def test_a_new_qos2_publish_reusing_a_remembered_packet_id_is_delivered(start_broker
+                                                                        ) -> None:
+    """MQTT-3.3.1-1: a resend carries DUP 1, so a QoS 2 PUBLISH with DUP 0 whose packet id
+    is still remembered (no PUBREL came) is a new message: a device that rebooted and lost
+    its state. It is logged and delivered once; the id then stands for it, through a
+    resend (DUP 1), a SIGKILL of the broker and the resend after it, until its PUBREL."""
+    b = start_broker(MQTT)
+    sub = Paho(b.mqtt_port, "reuse-sub")
+    assert sub.subscribe(("reuse/t", 2)) == [2]
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("reuse-q2", clean=False) == ConnAck(False, 0)
+    raw.send(Publish("reuse/t", b"reading-A", 2, False, False, 5))
+    assert raw.recv() == PubRec(5)
+    raw.close()  # the device reboots before PUBREL and forgets everything
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("reuse-q2", clean=False) == ConnAck(True, 0)
+    raw.send(Publish("reuse/t", b"reading-B", 2, False, False, 5))
+    assert raw.recv() == PubRec(5)
+    raw.send(Publish("reuse/t", b"reading-B", 2, False, True, 5))  # a resend: not again
+    assert raw.recv() == PubRec(5)
+    got = sub.take(2)
+    assert [(m.payload, m.qos) for m in got] == [(b"reading-A", 2), (b"reading-B", 2)]
+    sub.sync()
+    assert sub.drained() == []
+    assert b.metric("blipmq_messages_published_total") == 2
+    line = b.wait_log("used again")
+    assert "'reuse-q2'" in line and "packet id 5" in line, line
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL  # PUBREL not sent yet
+    raw.close()
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("reuse-q2", clean=False) == ConnAck(True, 0)
+    raw.send(Publish("reuse/t", b"reading-B", 2, False, True, 5))
+    assert raw.recv() == PubRec(5)
+    raw.send(PubRel(5))
+    assert raw.recv() == PubComp(5)
+    raw.disconnect()
+    assert b2.metric("blipmq_messages_published_total") == 0
+    logged = b2.cli("sub", "reuse/t", "--from", "earliest", "--until-end")
+    assert logged.returncode == 0, logged.stderr
+    assert logged.stdout == b"reading-A\nreading-B\n"
 
 
 def test_a_suback_means_the_subscription_survives_sigkill(start_broker) -> None:

@@ -1068,13 +1068,16 @@ class Broker:
         first, last = self._bookkeeping
         self._bookkeeping = (first if record.offset == last + 1 else record.offset, record.offset)
 
-    def recovered(self, wall_ms: int) -> None:
-        """The log is open: where the last message is, and which groups count as idle."""
-        if self.log is not None and self.cursors is not None:
-            first, last = self._bookkeeping
-            end = self.log.next_offset - 1
-            self.offset = first - 1 if last == end else end
-            self.cursors.recovered(wall_ms)
+    def recovered(self, wall_ms: int) -> list[tuple[DurableGroup, int]]:
+        """The log is open: where the last message is, and which groups count as idle.
+        Returns the durable groups whose unacked deliveries the log no longer holds, and
+        how many each lost (see Cursors.recovered)."""
+        if self.log is None or self.cursors is None:
+            return []
+        first, last = self._bookkeeping
+        end = self.log.next_offset - 1
+        self.offset = first - 1 if last == end else end
+        return self.cursors.recovered(wall_ms)
 
     # ------------------------------------------------------------------------------ views
 

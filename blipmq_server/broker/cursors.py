@@ -476,12 +476,34 @@ class Cursors:
                 target.recover_ack(floor, offsets)
                 target.idle_since = None
 
-    def recovered(self, wall_ms: int) -> None:
+    def recovered(self, wall_ms: int) -> list[tuple[DurableGroup, int]]:
         """The log is open: groups not known to be idle count as idle from now; every
-        group's backlog is to be counted (from its position to the end of the log)."""
+        group's backlog is to be counted (from its position to the end of the log).
+
+        Returns the durable groups that lost unacked deliveries, and how many: those a
+        checkpoint names below the log's first offset. They were in flight (in memory)
+        when the size cap removed their segment, and went with the restart; counted in
+        ``group.skipped`` like the size cap's other losses, and restated in a checkpoint
+        so that the next restart does not count them again."""
+        first = self.log.first_offset
+        lost = []
+        for target in self.durable.values():
+            gone = sum(1 for o in target.pending if o < first)
+            if not gone:
+                continue
+            target.pending = {o for o in target.pending if o >= first}
+            target.skipped += gone
+            last = target.anchor = self.log.append(
+                Kind.GROUP, durable.checkpoint_body(target), wall_ms)
+            if target.idle_since is not None:  # the log said so: still so after this record
+                last = self.log.append(Kind.GROUP, durable.group_body(
+                    durable.IDLE, 0, target.filter, target.group), target.idle_since)
+            self._recent.note(target.id, last)
+            lost.append((target, gone))
         end = self.log.written_offset
         for target in self.durable.values():
             if target.next <= end:
                 self._counts.append(target.count(target.next, end))
             if target.idle_since is None and not target.consumers:
                 target.idle_since = wall_ms
+        return lost

@@ -167,7 +167,9 @@ class DurableGroup:
         self.acked: set[int] = set()  # acked at or above the cursor (known from a restart)
         self.pending: set[int] = set()  # unacked below the cursor, from a checkpoint: to load
         self.anchor = group_id  # offset of the latest create or checkpoint record
-        self.skipped = 0  # log records removed by the retention size cap before it read them
+        # log records removed by the retention size cap before it read them, and unacked
+        # deliveries a restart lost because the size cap had removed them (Cursors.recovered)
+        self.skipped = 0
         # logged messages of its own topics not read yet (durable groups only): the core
         # adds one per matching append, the cursor takes one off per matching record passed
         self.backlog = 0

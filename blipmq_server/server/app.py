@@ -37,6 +37,7 @@ import trio
 
 from blipmq_server.broker.access import FULL, Identity
 from blipmq_server.broker.core import BRIDGE_GROUPS, Blocked, Broker, Detached, Ended, Limits
+from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.config import Config, check_tls, tls_listeners
 from blipmq_server.counters import ConnectionCounters
@@ -111,6 +112,8 @@ class Server:
         self.wal: Log | None = None
         self.flusher: Flusher | None = None
         self.recovery: Recovery | None = None
+        # durable groups whose in-flight deliveries went with the restart (``_open_log``)
+        self._lost_at_start: list[tuple[DurableGroup, int]] = []
         if w.enabled:
             options = LogOptions(w.segment_bytes, w.retention_bytes, w.retention_ms,
                                  cache_bytes=w.cache_bytes)
@@ -305,6 +308,12 @@ class Server:
         if self.wal is not None:
             self._open_log()
         self._attach_bridges()
+        for group, lost in self._lost_at_start:  # once the bridges count what they drop
+            self._size_cap_took(group, lost)
+            log.warning("wal retention: the size cap (wal.retention_bytes) had removed %d "
+                        "delivery(ies) durable group %r on %r had in flight, not acked, "
+                        "before the restart: lost", lost, group.group, group.filter)
+        self._lost_at_start = []
         groups = await self._listen()
         port, mqtt_port, mqtts_port, tls_port = (
             None if g is None else g.listeners[0].socket.getsockname()[1] for g in groups)
@@ -455,7 +464,7 @@ class Server:
         started = time.monotonic()
         found = self.recovery = self.wal.open(on_record=self.broker.recover,
                                               message_flags=codec.FLAG_RETAIN)
-        self.broker.recovered(wall_ms())
+        self._lost_at_start = self.broker.recovered(wall_ms())
         self.mqtt_sessions.recover(wall_ms())
         assert self.prefetcher is not None
         self.prefetcher.request(self.broker.take_counts())  # counted once it runs
@@ -542,14 +551,19 @@ class Server:
                 bridge.check_hold()
         if result.forced_below is not None:
             for group, skipped in broker.skip_to(wal.first_offset):
-                for bridge in self.bridges.values():
-                    if group.group == bridge.spec.group:
-                        bridge.counters["dropped"] += skipped
+                self._size_cap_took(group, skipped)
                 log.warning("wal retention: the size cap (wal.retention_bytes) removed %d "
                             "record(s) durable group %r on %r had not consumed",
                             skipped, group.group, group.filter)
             # their backlogs counted what is gone: counted again from the log's start
             self.prefetcher.request(broker.take_counts())  # type: ignore[union-attr]
+
+    def _size_cap_took(self, group: DurableGroup, records: int) -> None:
+        """The size cap took ``records`` from ``group`` (counted in its ``skipped``): a
+        bridge's group counts them in the bridge's dropped too."""
+        for bridge in self.bridges.values():
+            if group.group == bridge.spec.group:
+                bridge.counters["dropped"] += records
 
     def _anchors(self) -> int:
         """The newest record a restart needs from what retention's round copied forward

@@ -657,13 +657,21 @@ class MqttSession(Session):
         """None once done; ``_HELD`` when a full ``block`` queue holds it; a reason to close."""
         qos = packet.qos
         pid = packet.packet_id
-        if qos == 2 and (pid in self.qos2_in or pid in self.confirming):
+        if qos == 2 and (pid in self.confirming or (pid in self.qos2_in and packet.dup)):
             # a resent PUBLISH whose first copy is logged: not twice. Its PUBREC goes out
             # once that copy is durable (again, if that was before; a sync that failed
             # since is tried again first)
             if pid not in self.confirming:
                 self._once_durable(self._appended(), pid, PubRec(pid))
             return None
+        if qos == 2 and pid in self.qos2_in:
+            # DUP 0: not a resend (MQTT-3.3.1-1) but a new message with an id still owed a
+            # PUBREL (a client that lost its state, a device rebooted): logged and
+            # delivered like any other. The id now stands for this one: its PUBREC waits
+            # for this message and the id's record after it (``_published``), and its
+            # PUBREL releases it
+            log.info("MQTT client %r: QoS 2 packet id %d used again before its PUBREL, "
+                     "with DUP 0: a new message", self.client_id, pid)
         raw = self._message(packet)
         if raw is None or raw.__class__ is CloseReason:
             return raw
