@@ -318,19 +318,24 @@ def test_overlapping_subscriptions_copies_keep_their_own_packet_ids(start_broker
 
 def test_overlapping_copies_of_a_clean_session_are_pubreled_on_retry(start_broker) -> None:
     """The same in a clean session, whose cursors move on at PUBCOMP: once PUBRECed, each
-    copy's retries are PUBRELs under its own id, never the PUBLISH again (MQTT-4.3.3)."""
+    copy's retries are PUBRELs under its own id, never the PUBLISH again (MQTT-4.3.3). (The
+    ``$share`` copies' cursor moves on at PUBREC, so that the message never goes to another
+    member: they get their PUBREL, and no retry.)"""
     raw, first = _overlapping(start_broker(FAST_RETRY), "ovc", clean=True)
     assert len({m.packet_id for m in first}) == 6
-    _complete(raw, {m.packet_id for m in first}, answers=2)
+    _complete(raw, {m.packet_id for m in first}, answers=2, retried=3)
 
 
-def _complete(raw: Raw, owed: set[int], answers: int) -> None:
-    """PUBREC each of ``owed``; expect ``answers`` PUBRELs for each (the answer, then
-    retries), a PUBLISH retry only if it crossed our PUBREC; then PUBCOMP them all."""
+def _complete(raw: Raw, owed: set[int], answers: int, retried: int | None = None) -> None:
+    """PUBREC each of ``owed``; expect a PUBREL for each and ``answers`` for ``retried`` of
+    them (all: the answer, then retries), a PUBLISH retry only if it crossed our PUBREC;
+    then PUBCOMP them all."""
     for pid in owed:
         raw.send(PubRec(pid))
     rels: dict[int, int] = {}
-    while sum(min(n, answers) for n in rels.values()) < answers * len(owed):
+    retried = len(owed) if retried is None else retried
+    while (len(rels) < len(owed)
+           or sum(n >= answers for n in rels.values()) < retried):
         got = raw.recv()
         if isinstance(got, PubRel):
             assert got.packet_id in owed, got
@@ -923,4 +928,66 @@ def test_a_share_cannot_join_a_persistent_sessions_group(start_broker) -> None:
         got.append(packet.payload)
         back.send(PubAck(packet.packet_id))
     assert got == [f"m{n}".encode() for n in range(5)]
+
+
+
+def test_a_qos2_share_delivery_never_goes_to_a_second_member(start_broker) -> None:
+    """MQTT-4.8.2-4, -5 (MQTT 5's rule for shared subscriptions; 3.1.1 has none): a QoS 2
+    message a member has PUBRECed never goes to another member when it drops off (a clean
+    session's cursor moves on at PUBREC too), and one a persistent member had not PUBRECed
+    waits for that member's session: it comes again to it, DUP and with its packet id, on
+    its return, not to the member that is there meanwhile."""
+    b = start_broker(MQTT)
+    assert b.mqtt_port is not None
+    pub = Raw(b.mqtt_port)
+    pub.connect("q2s-pub")
+
+    def publish(topic: str, payload: bytes, pid: int) -> None:
+        pub.send(Publish(topic, payload, 2, packet_id=pid))
+        pub.expect(PubRec)
+        pub.send(PubRel(pid))
+        pub.expect(PubComp)
+
+    def online(n: int) -> None:
+        b.wait_metric("blipmq_mqtt_sessions", n, state="online")
+
+    for clean, pubrec in ((True, True), (False, False)):
+        share = f"$share/q2{int(clean)}/q2{int(clean)}/#"
+        topic = f"q2{int(clean)}/x"
+        m1 = Raw(b.mqtt_port)
+        m1.connect(f"q2-m1-{clean}", clean=clean)
+        _subscribe(m1, share, 2)
+        publish(topic, b"once", 1)
+        first = m1.expect(Publish)
+        assert (first.payload, first.qos) == (b"once", 2)
+        if pubrec:
+            m1.send(PubRec(first.packet_id))
+            assert m1.expect(PubRel) == PubRel(first.packet_id)
+        m1.close()  # no PUBCOMP, no DISCONNECT
+        online(1)
+        m2 = Raw(b.mqtt_port)
+        m2.connect(f"q2-m2-{clean}")
+        _subscribe(m2, share, 2)
+        _nothing_more(m2)  # before: the message again, DUP, to the second member
+        publish(topic, b"next", 2)  # m2 is a member: it takes the new ones
+        nxt = m2.expect(Publish)
+        assert nxt.payload == b"next"
+        m2.send(PubRec(nxt.packet_id))
+        m2.expect(PubRel)
+        m2.send(PubComp(nxt.packet_id))
+        if not clean:
+            back = Raw(b.mqtt_port)
+            assert back.connect(f"q2-m1-{clean}", clean=False).session_present
+            again = back.expect(Publish)
+            assert (again.payload, again.dup, again.packet_id) == (
+                b"once", True, first.packet_id)
+            back.send(PubRec(again.packet_id))
+            assert back.expect(PubRel) == PubRel(again.packet_id)
+            back.send(PubComp(again.packet_id))
+            _nothing_more(back)
+            back.disconnect()
+        _nothing_more(m2)
+        m2.disconnect()
+        online(1)
+    pub.disconnect()
 
