@@ -780,10 +780,11 @@ def test_subscribing_again_sends_the_retained_values_again(start_broker, qos: in
     pub.disconnect()
 
 
-def test_a_qos1_subscription_made_qos0_leaves_no_group_behind(start_broker) -> None:
+def test_a_qos1_subscription_made_qos0_piles_nothing_up(start_broker) -> None:
     """A persistent session replaces its QoS 1 subscription by a QoS 0 one: the session's
-    durable group on it goes. Kept, it piled up what the QoS 0 one delivered, and sent all
-    of it again once the client subscribed at QoS 1 once more."""
+    durable group on it is what delivers at QoS 0 (its backlog kept, MQTT-3.8.4-3), each
+    message done as it is sent. It piles nothing up, and sends nothing again once the
+    client subscribes at QoS 1 once more (as a group kept beside a QoS 0 queue once did)."""
     b = start_broker(MQTT)
     assert b.mqtt_port is not None
     c = Raw(b.mqtt_port)
@@ -798,7 +799,9 @@ def test_a_qos1_subscription_made_qos0_leaves_no_group_behind(start_broker) -> N
         assert isinstance(packet, Publish) and packet.payload == f"m{n}".encode(), packet
     groups = b.cli("groups", "--json")
     assert groups.returncode == 0, groups.stderr
-    assert b"d/1" not in groups.stdout, groups.stdout  # no group left on it
+    [group] = [g for g in json.loads(groups.stdout)["groups"] if g["filter"] == "d/1"]
+    assert (group["group"], group["backlog"], group["in_flight"]) == (
+        group_name("downgrade"), 0, 0)  # nothing piled up
     c.send(Subscribe(3, (("d/1", 1),)))
     assert c.recv() == SubAck(3, (1,))
     assert b.cli("pub", "d/1", "new", "-q", "1").returncode == 0
@@ -991,3 +994,50 @@ def test_a_qos2_share_delivery_never_goes_to_a_second_member(start_broker) -> No
         online(1)
     pub.disconnect()
 
+
+def test_a_qos0_resubscribe_of_a_persistent_session_keeps_its_backlog(start_broker) -> None:
+    """MQTT-3.8.4-3: a SUBSCRIBE to a filter the session has replaces the subscription "but
+    the flow of publications MUST NOT be interrupted": a persistent QoS 1 session that
+    subscribes again at QoS 0 gets its whole queued backlog, at QoS 0 once the in-flight
+    window is out (before: the window, 64 of 200, and the rest dropped, uncounted), and
+    its durable group goes on queueing for it while it is away."""
+    b = start_broker(MQTT)
+    assert b.mqtt_port is not None
+    client = Raw(b.mqtt_port)
+    client.connect("dg-1", clean=False)
+    _subscribe(client, "dg/#", 1)
+    client.disconnect()
+    pub = Raw(b.mqtt_port)
+    pub.connect("dg-pub")
+    n = 200
+    for i in range(n):
+        pub.send(Publish("dg/x", f"m{i}".encode(), 1, packet_id=i + 1))
+    for _ in range(n):
+        pub.expect(PubAck)
+    back = Raw(b.mqtt_port)
+    assert back.connect("dg-1", clean=False).session_present
+    back.send(Subscribe(2, (("dg/#", 0),)))
+    got: list[bytes] = []
+    while True:
+        packet = back.recv()
+        if isinstance(packet, SubAck):
+            assert packet == SubAck(2, (0,))
+            continue
+        assert isinstance(packet, Publish), packet
+        got.append(packet.payload)
+        if packet.qos:
+            back.send(PubAck(packet.packet_id))
+        if len(set(got)) == n:
+            break
+    assert sorted(set(got)) == sorted(f"m{i}".encode() for i in range(n))
+    _nothing_more(back)
+    back.disconnect()
+    pub.send(Publish("dg/x", b"while away", 1, packet_id=1))
+    pub.expect(PubAck)
+    again = Raw(b.mqtt_port)
+    assert again.connect("dg-1", clean=False).session_present
+    packet = again.expect(Publish)
+    assert (packet.payload, packet.qos) == (b"while away", 0)
+    _nothing_more(again)
+    again.disconnect()
+    pub.disconnect()

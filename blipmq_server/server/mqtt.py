@@ -777,6 +777,14 @@ class MqttSession(Session):
             cursor = self._share_reads_log(core_filter, group, cursor)
             if not cursor:
                 qos = 0
+        if (not cursor and not group and not self.clean and self.server.wal is not None
+                and self.broker.durable_group(core_filter, group_name(self.client_id))
+                is not None):
+            # a QoS 1/2 subscription of this persistent session made QoS 0 (now, or before
+            # a reconnect or a restart): its durable group goes on, delivering at QoS 0, so
+            # the backlog queued in the log is not lost (MQTT-3.8.4-3: the flow of
+            # publications must not be interrupted); UNSUBSCRIBE ends it
+            cursor = True
         # a persistent session's QoS 2 $share member: what it has in flight and not
         # PUBRECed waits for the session when it leaves (MQTT-4.8.2-4, -5), not another member
         holder = (group_name(self.client_id)
