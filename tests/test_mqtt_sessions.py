@@ -318,19 +318,24 @@ def test_overlapping_subscriptions_copies_keep_their_own_packet_ids(start_broker
 
 def test_overlapping_copies_of_a_clean_session_are_pubreled_on_retry(start_broker) -> None:
     """The same in a clean session, whose cursors move on at PUBCOMP: once PUBRECed, each
-    copy's retries are PUBRELs under its own id, never the PUBLISH again (MQTT-4.3.3)."""
+    copy's retries are PUBRELs under its own id, never the PUBLISH again (MQTT-4.3.3). (The
+    ``$share`` copies' cursor moves on at PUBREC, so that the message never goes to another
+    member: they get their PUBREL, and no retry.)"""
     raw, first = _overlapping(start_broker(FAST_RETRY), "ovc", clean=True)
     assert len({m.packet_id for m in first}) == 6
-    _complete(raw, {m.packet_id for m in first}, answers=2)
+    _complete(raw, {m.packet_id for m in first}, answers=2, retried=3)
 
 
-def _complete(raw: Raw, owed: set[int], answers: int) -> None:
-    """PUBREC each of ``owed``; expect ``answers`` PUBRELs for each (the answer, then
-    retries), a PUBLISH retry only if it crossed our PUBREC; then PUBCOMP them all."""
+def _complete(raw: Raw, owed: set[int], answers: int, retried: int | None = None) -> None:
+    """PUBREC each of ``owed``; expect a PUBREL for each and ``answers`` for ``retried`` of
+    them (all: the answer, then retries), a PUBLISH retry only if it crossed our PUBREC;
+    then PUBCOMP them all."""
     for pid in owed:
         raw.send(PubRec(pid))
     rels: dict[int, int] = {}
-    while sum(min(n, answers) for n in rels.values()) < answers * len(owed):
+    retried = len(owed) if retried is None else retried
+    while (len(rels) < len(owed)
+           or sum(n >= answers for n in rels.values()) < retried):
         got = raw.recv()
         if isinstance(got, PubRel):
             assert got.packet_id in owed, got
@@ -865,10 +870,11 @@ def test_subscribing_again_sends_the_retained_values_again(start_broker, qos: in
     pub.disconnect()
 
 
-def test_a_qos1_subscription_made_qos0_leaves_no_group_behind(start_broker) -> None:
+def test_a_qos1_subscription_made_qos0_piles_nothing_up(start_broker) -> None:
     """A persistent session replaces its QoS 1 subscription by a QoS 0 one: the session's
-    durable group on it goes. Kept, it piled up what the QoS 0 one delivered, and sent all
-    of it again once the client subscribed at QoS 1 once more."""
+    durable group on it is what delivers at QoS 0 (its backlog kept, MQTT-3.8.4-3), each
+    message done as it is sent. It piles nothing up, and sends nothing again once the
+    client subscribes at QoS 1 once more (as a group kept beside a QoS 0 queue once did)."""
     b = start_broker(MQTT)
     assert b.mqtt_port is not None
     c = Raw(b.mqtt_port)
@@ -883,7 +889,9 @@ def test_a_qos1_subscription_made_qos0_leaves_no_group_behind(start_broker) -> N
         assert isinstance(packet, Publish) and packet.payload == f"m{n}".encode(), packet
     groups = b.cli("groups", "--json")
     assert groups.returncode == 0, groups.stderr
-    assert b"d/1" not in groups.stdout, groups.stdout  # no group left on it
+    [group] = [g for g in json.loads(groups.stdout)["groups"] if g["filter"] == "d/1"]
+    assert (group["group"], group["backlog"], group["in_flight"]) == (
+        group_name("downgrade"), 0, 0)  # nothing piled up
     c.send(Subscribe(3, (("d/1", 1),)))
     assert c.recv() == SubAck(3, (1,))
     assert b.cli("pub", "d/1", "new", "-q", "1").returncode == 0
@@ -1078,3 +1086,112 @@ def test_no_native_client_joins_or_deletes_a_persistent_sessions_group(start_bro
     assert raw.connect("victim", clean=False) == ConnAck(True, 0)
     got = raw.expect(Publish)
     assert got.payload == b"queued"
+
+
+def test_a_qos2_share_delivery_never_goes_to_a_second_member(start_broker) -> None:
+    """MQTT-4.8.2-4, -5 (MQTT 5's rule for shared subscriptions; 3.1.1 has none): a QoS 2
+    message a member has PUBRECed never goes to another member when it drops off (a clean
+    session's cursor moves on at PUBREC too), and one a persistent member had not PUBRECed
+    waits for that member's session: it comes again to it, DUP and with its packet id, on
+    its return, not to the member that is there meanwhile."""
+    b = start_broker(MQTT)
+    assert b.mqtt_port is not None
+    pub = Raw(b.mqtt_port)
+    pub.connect("q2s-pub")
+
+    def publish(topic: str, payload: bytes, pid: int) -> None:
+        pub.send(Publish(topic, payload, 2, packet_id=pid))
+        pub.expect(PubRec)
+        pub.send(PubRel(pid))
+        pub.expect(PubComp)
+
+    def online(n: int) -> None:
+        b.wait_metric("blipmq_mqtt_sessions", n, state="online")
+
+    for clean, pubrec in ((True, True), (False, False)):
+        share = f"$share/q2{int(clean)}/q2{int(clean)}/#"
+        topic = f"q2{int(clean)}/x"
+        m1 = Raw(b.mqtt_port)
+        m1.connect(f"q2-m1-{clean}", clean=clean)
+        _subscribe(m1, share, 2)
+        publish(topic, b"once", 1)
+        first = m1.expect(Publish)
+        assert (first.payload, first.qos) == (b"once", 2)
+        if pubrec:
+            m1.send(PubRec(first.packet_id))
+            assert m1.expect(PubRel) == PubRel(first.packet_id)
+        m1.close()  # no PUBCOMP, no DISCONNECT
+        online(1)
+        m2 = Raw(b.mqtt_port)
+        m2.connect(f"q2-m2-{clean}")
+        _subscribe(m2, share, 2)
+        _nothing_more(m2)  # before: the message again, DUP, to the second member
+        publish(topic, b"next", 2)  # m2 is a member: it takes the new ones
+        nxt = m2.expect(Publish)
+        assert nxt.payload == b"next"
+        m2.send(PubRec(nxt.packet_id))
+        m2.expect(PubRel)
+        m2.send(PubComp(nxt.packet_id))
+        if not clean:
+            back = Raw(b.mqtt_port)
+            assert back.connect(f"q2-m1-{clean}", clean=False).session_present
+            again = back.expect(Publish)
+            assert (again.payload, again.dup, again.packet_id) == (
+                b"once", True, first.packet_id)
+            back.send(PubRec(again.packet_id))
+            assert back.expect(PubRel) == PubRel(again.packet_id)
+            back.send(PubComp(again.packet_id))
+            _nothing_more(back)
+            back.disconnect()
+        _nothing_more(m2)
+        m2.disconnect()
+        online(1)
+    pub.disconnect()
+
+
+def test_a_qos0_resubscribe_of_a_persistent_session_keeps_its_backlog(start_broker) -> None:
+    """MQTT-3.8.4-3: a SUBSCRIBE to a filter the session has replaces the subscription "but
+    the flow of publications MUST NOT be interrupted": a persistent QoS 1 session that
+    subscribes again at QoS 0 gets its whole queued backlog, at QoS 0 once the in-flight
+    window is out (before: the window, 64 of 200, and the rest dropped, uncounted), and
+    its durable group goes on queueing for it while it is away."""
+    b = start_broker(MQTT)
+    assert b.mqtt_port is not None
+    client = Raw(b.mqtt_port)
+    client.connect("dg-1", clean=False)
+    _subscribe(client, "dg/#", 1)
+    client.disconnect()
+    pub = Raw(b.mqtt_port)
+    pub.connect("dg-pub")
+    n = 200
+    for i in range(n):
+        pub.send(Publish("dg/x", f"m{i}".encode(), 1, packet_id=i + 1))
+    for _ in range(n):
+        pub.expect(PubAck)
+    back = Raw(b.mqtt_port)
+    assert back.connect("dg-1", clean=False).session_present
+    back.send(Subscribe(2, (("dg/#", 0),)))
+    got: list[bytes] = []
+    while True:
+        packet = back.recv()
+        if isinstance(packet, SubAck):
+            assert packet == SubAck(2, (0,))
+            continue
+        assert isinstance(packet, Publish), packet
+        got.append(packet.payload)
+        if packet.qos:
+            back.send(PubAck(packet.packet_id))
+        if len(set(got)) == n:
+            break
+    assert sorted(set(got)) == sorted(f"m{i}".encode() for i in range(n))
+    _nothing_more(back)
+    back.disconnect()
+    pub.send(Publish("dg/x", b"while away", 1, packet_id=1))
+    pub.expect(PubAck)
+    again = Raw(b.mqtt_port)
+    assert again.connect("dg-1", clean=False).session_present
+    packet = again.expect(Publish)
+    assert (packet.payload, packet.qos) == (b"while away", 0)
+    _nothing_more(again)
+    again.disconnect()
+    pub.disconnect()

@@ -415,6 +415,7 @@ class Broker:
         access: Access | None = None,
         patient: bool = False,
         counted: bool = True,
+        holder: str = "",
     ) -> SubscribeResult:
         """Attach connection ``conn`` to a new subscription or to a group.
 
@@ -435,6 +436,11 @@ class Broker:
 
         ``patient``: its log deliveries never come due for redelivery; it acks them, nacks
         them or gives them back (``requeue``) itself.
+
+        ``holder``: a durable group's consumer for a session that outlives it
+        (``Consumer.holder``): the QoS 2 messages in flight to it when it leaves (or a retry
+        comes due) wait for the next consumer with that holder, which takes what waits for
+        it first; ``release`` gives them to the others.
 
         ``access``: the subscriber's permissions (None: no limits, and a new group belongs to
         nobody in particular). A filter that could match a topic it may not read is refused
@@ -504,6 +510,7 @@ class Broker:
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
         consumer = registry.add(conn, target, qos, credit, request_id)
         consumer.patient = patient
+        consumer.holder = holder
         if ((not group) if retained is None else retained) and start == Start.LATEST:
             # QoS 1 here: LATEST at QoS 0 is a queue
             values = self.retained.matching(topic_filter, timestamp_ms)
@@ -599,7 +606,13 @@ class Broker:
             if consumer is None:
                 return UnsubscribeResult(
                     0, refusal=Refusal(ErrorCode.NOT_FOUND, f"no subscription {sub_id}"))
-            return UnsubscribeResult(1, self._detach([consumer], timestamp_ms))
+            # ended for good: nothing waits for its holder any more
+            holder, consumer.holder = consumer.holder, ""
+            detached = self._detach([consumer], timestamp_ms)
+            if holder:
+                woke = self.release(consumer.queue.filter, consumer.queue.group or "", holder)
+                detached = Detached(detached.released, detached.wake | woke)
+            return UnsubscribeResult(1, detached)
         if group:
             problem = (filter_problem(topic_filter, self.limits.max_topic_bytes)
                        or group_problem(group)
@@ -732,6 +745,24 @@ class Broker:
         wake = self.cursors.nack(*found, offsets, delay_ms, now_ms,  # type: ignore[union-attr]
                                  timestamp_ms, dead, reason, give_up, spend)
         return wake | self._publish_dead(dead, now_ms, timestamp_ms)
+
+    def hold_for(self, conn: int, sub_id: int, holder: str) -> frozenset[int]:
+        """A log consumer's holder changes (``subscribe``); what waited for the one it had
+        goes to the others. Returns the connections to wake."""
+        found = self._cursor_of(conn, sub_id)
+        if found is None or found[0].holder == holder:
+            return frozenset()
+        old, found[0].holder = found[0].holder, holder
+        return self.release(found[1].filter, found[1].group, old)
+
+    def release(self, topic_filter: str, group: str, holder: str) -> frozenset[int]:
+        """The holder's session is gone (or no longer holds): the group's deliveries kept
+        for it go to its other consumers. Returns the connections to wake."""
+        target = None if self.cursors is None or not holder else (
+            self.cursors.durable.get((topic_filter, group)))
+        if target is None or not target.release(holder):
+            return frozenset()
+        return frozenset(c.conn for c in target.consumers)
 
     def requeue(self, conn: int, sub_id: int) -> int:
         """A log consumer gives back every delivery it holds, as if it had left: no retry is

@@ -188,7 +188,7 @@ class Cursors:
             target.idle_since = timestamp_ms
             self._recent.note(target.id, self.log.append(Kind.GROUP, durable.group_body(
                 durable.IDLE, 0, target.filter, target.group), timestamp_ms))
-        if target.requeue(consumer.sub_id):
+        if target.requeue(consumer.sub_id, consumer.holder):
             wake.update(c.conn for c in target.consumers)
 
     # ------------------------------------------------------------------------ delivery
@@ -197,6 +197,8 @@ class Cursors:
         if target.in_flight_for(consumer.sub_id) >= consumer.credit:
             return False
         if target.ready or target.pending or target.ahead:
+            return True
+        if target.kept and consumer.holder in target.kept:
             return True
         if target.fetching or target.next > self.log.written_offset:
             return False
@@ -239,7 +241,8 @@ class Cursors:
                                  for r in log.read(o, max_records=1)
                                  if r.kind == Kind.MESSAGE])
         backoff = _never if consumer.patient else self._backoff
-        out, size = target.take_ready(consumer.sub_id, room, max_bytes, now_ms, backoff)
+        out, size = target.take_ready(consumer.sub_id, room, max_bytes, now_ms, backoff,
+                                      consumer.holder)
         self.counters.redelivered += len(out)
         for _ in range(_ROUNDS):
             if len(out) >= room or size >= max_bytes or target.next > log.written_offset:

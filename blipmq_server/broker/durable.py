@@ -33,7 +33,13 @@ from typing import Any, NamedTuple
 from blipmq_server.broker.results import Count
 from blipmq_server.broker.topics import matches
 from blipmq_server.kinds import Kind
-from blipmq_server.protocol.message import DELIVERY_PREFIX, HEAD_SIZE, MSG_HEAD, PREFIX_SIZE
+from blipmq_server.protocol.message import (
+    DELIVERY_PREFIX,
+    FLAG_QOS2,
+    HEAD_SIZE,
+    MSG_HEAD,
+    PREFIX_SIZE,
+)
 
 _GROUP_HEAD = struct.Struct(">BQ")
 _ACK_HEAD = struct.Struct(">QQH")
@@ -42,6 +48,7 @@ CREATE, DELETE, IDLE, CHECKPOINT = 1, 2, 3, 4  # IDLE: its last consumer detache
 _CHECKPOINT_HEAD = struct.Struct(">QI")
 _U32 = struct.Struct(">I")
 DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
+KEPT = -2  # Flight.sub_id of a QoS 2 delivery kept for its holder (``DurableGroup.kept``)
 _unpack_head = MSG_HEAD.unpack_from
 _HEAD = HEAD_SIZE
 _MESSAGE = int(Kind.MESSAGE)  # a plain int for the per-record test
@@ -105,7 +112,8 @@ def parse_ack(body: bytes) -> tuple[int, int, tuple[int, ...]]:
 
 class Flight:
     """One delivered, not yet acked message. ``sub_id`` is the consumer holding it, 0 when it
-    waits in ``ready``, ``DELAYED`` until ``due`` after a delayed nack."""
+    waits in ``ready``, ``DELAYED`` until ``due`` after a delayed nack, ``KEPT`` while it
+    waits for its holder in ``DurableGroup.kept``."""
 
     __slots__ = ("body", "count", "dflags", "due", "sub_id", "timestamp_ms")
 
@@ -137,6 +145,7 @@ class DurableGroup:
         "id",
         "idle_since",
         "inflight",
+        "kept",
         "key",
         "levels",
         "next",
@@ -164,6 +173,10 @@ class DurableGroup:
         self.inflight: dict[int, Flight] = {}
         self.held: dict[int, int] = {}  # sub_id -> deliveries that consumer holds in flight
         self.ready: deque[int] = deque()  # in-flight offsets to deliver again now
+        # holder -> in-flight offsets of QoS 2 messages to deliver again to that holder's
+        # consumer only (``Consumer.holder``: an MQTT persistent session's share member,
+        # MQTT-4.8.2-4, -5): never handed to another consumer while they wait
+        self.kept: dict[str, deque[int]] = {}
         self.acked: set[int] = set()  # acked at or above the cursor (known from a restart)
         self.pending: set[int] = set()  # unacked below the cursor, from a checkpoint: to load
         self.anchor = group_id  # offset of the latest create or checkpoint record
@@ -235,6 +248,7 @@ class DurableGroup:
         self.inflight.clear()
         self.held.clear()
         self.ready.clear()
+        self.kept.clear()
 
     def load_pending(self, records: list[Any]) -> None:
         """Unacked deliveries named by a checkpoint, read back from the log (MESSAGE
@@ -268,30 +282,38 @@ class DurableGroup:
         return hit
 
     def take_ready(
-        self, sub_id: int, room: int, max_bytes: int, now_ms: int, backoff: Any
+        self, sub_id: int, room: int, max_bytes: int, now_ms: int, backoff: Any,
+        holder: str = "",
     ) -> tuple[list[bytes], int]:
         """Deliveries to send again, within ``room`` records and ``max_bytes`` (the first one
-        goes whatever its size); returns them and their size in bytes."""
+        goes whatever its size): those kept for ``holder`` first; returns them and their size
+        in bytes."""
         out: list[bytes] = []
         size = 0
-        ready = self.ready
-        while ready and len(out) < room:
-            offset = ready[0]
-            flight = self.inflight.get(offset)
-            if flight is None or flight.sub_id:
+        kept = self.kept.get(holder) if holder and self.kept else None
+        sources = ((self.ready, 0),) if kept is None else ((kept, KEPT), (self.ready, 0))
+        for ready, waiting in sources:
+            while ready and len(out) < room:
+                offset = ready[0]
+                flight = self.inflight.get(offset)
+                if flight is None or flight.sub_id != waiting:
+                    ready.popleft()
+                    continue  # acked, or taken again, meanwhile
+                record_size = PREFIX_SIZE + len(flight.body)
+                if out and size + record_size > max_bytes:
+                    break
                 ready.popleft()
-                continue  # acked, or taken again, meanwhile
-            record_size = PREFIX_SIZE + len(flight.body)
-            if out and size + record_size > max_bytes:
+                flight.count += 1
+                flight.sub_id = sub_id
+                self.held[sub_id] = self.held.get(sub_id, 0) + 1
+                flight.due = now_ms + backoff(flight.count)
+                out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF),
+                                                flight.timestamp_ms, flight.dflags) + flight.body)
+                size += record_size
+            if ready:
                 break
-            ready.popleft()
-            flight.count += 1
-            flight.sub_id = sub_id
-            self.held[sub_id] = self.held.get(sub_id, 0) + 1
-            flight.due = now_ms + backoff(flight.count)
-            out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF), flight.timestamp_ms,
-                                            flight.dflags) + flight.body)
-            size += record_size
+        if kept is not None and not kept:
+            del self.kept[holder]
         return out, size
 
     def take_new(
@@ -382,14 +404,43 @@ class DurableGroup:
     def back(self, offsets: list[int], now_ms: int = 0, delay_ms: int = 0) -> None:
         """Deliveries come back: to the front of ``ready`` in their order, or after
         ``delay_ms``."""
+        holders = None if delay_ms else self._holders()
         for offset in offsets:
             flight = self.inflight[offset]
             if flight.sub_id > 0:
                 self._unhold(flight.sub_id, 1)
+                if holders and self._keep(offset, flight, holders.get(flight.sub_id)):
+                    continue
             flight.sub_id = DELAYED if delay_ms else 0
             flight.due = now_ms + delay_ms
         if not delay_ms:
-            self.ready.extendleft(reversed(offsets))
+            self.ready.extendleft(reversed([o for o in offsets if self.inflight[o].sub_id == 0]))
+
+    def _holders(self) -> dict[int, str] | None:
+        """sub_id -> holder of this group's consumers that have one (None: none has)."""
+        return {c.sub_id: c.holder for c in self.consumers
+                if getattr(c, "holder", "")} or None
+
+    def _keep(self, offset: int, flight: Flight, holder: str | None) -> bool:
+        """A QoS 2 message's delivery comes back from a consumer with a ``holder``: kept for
+        it (True), never handed to another consumer (MQTT-4.8.2-4, -5)."""
+        if not holder or not _unpack_head(flight.body)[0] & FLAG_QOS2:
+            return False
+        flight.sub_id = KEPT
+        self.kept.setdefault(holder, deque()).append(offset)
+        return True
+
+    def release(self, holder: str) -> int:
+        """The holder is gone for good (its session ended): what was kept for it goes to
+        the others. Returns how many."""
+        n = 0
+        for offset in self.kept.pop(holder, ()):
+            flight = self.inflight.get(offset)
+            if flight is not None and flight.sub_id == KEPT:
+                flight.sub_id = 0
+                self.ready.append(offset)
+                n += 1
+        return n
 
     def drop(self, offset: int) -> Flight:
         """Take a delivery out of flight for good (it goes to the dead-letter topic)."""
@@ -398,14 +449,17 @@ class DurableGroup:
             self._unhold(flight.sub_id, 1)
         return flight
 
-    def requeue(self, sub_id: int) -> int:
-        """A consumer left: its deliveries go to the others (or wait for the next one)."""
+    def requeue(self, sub_id: int, holder: str = "") -> int:
+        """A consumer left: its deliveries go to the others (or wait for the next one), but
+        for a ``holder``'s QoS 2 messages, kept for the holder's next consumer."""
         n = 0
         for offset, flight in self.inflight.items():
             if flight.sub_id == sub_id:
+                n += 1
+                if holder and self._keep(offset, flight, holder):
+                    continue
                 flight.sub_id = 0
                 self.ready.append(offset)
-                n += 1
         self.held.pop(sub_id, None)
         return n
 
@@ -415,7 +469,7 @@ class DurableGroup:
         late = []
         woke = 0
         for offset, f in self.inflight.items():
-            if f.sub_id and f.due <= now_ms:
+            if f.sub_id and f.sub_id != KEPT and f.due <= now_ms:
                 if f.sub_id == DELAYED:
                     f.sub_id = 0
                     self.ready.append(offset)

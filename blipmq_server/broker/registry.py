@@ -34,7 +34,8 @@ def _queue_id(queue: Queue) -> int:
 class Consumer:
     """One subscriber attachment: a connection's subscription id on a queue or a cursor."""
 
-    __slots__ = ("conn", "credit", "patient", "qos", "queue", "request_id", "sub_id", "until")
+    __slots__ = ("conn", "credit", "holder", "patient", "qos", "queue", "request_id", "sub_id",
+                 "until")
 
     def __init__(
         self, sub_id: int, queue: Queue | DurableGroup, conn: int, qos: int, credit: int,
@@ -52,6 +53,11 @@ class Consumer:
         # its log deliveries never time out: it acks them or gives them back itself (a
         # bridge, whose upstream may take longer than a retry's backoff to answer)
         self.patient = False
+        # a durable group's consumer on behalf of a session that outlives it (an MQTT
+        # persistent session's ``$share`` member at QoS 2): the QoS 2 messages in flight to
+        # it when it leaves or a retry comes due wait for that session's next consumer
+        # (``DurableGroup.kept``) rather than go to another member ("": none)
+        self.holder = ""
 
     def __repr__(self) -> str:
         return f"Consumer({self.sub_id}, {self.queue!r})"

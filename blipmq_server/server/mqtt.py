@@ -477,14 +477,17 @@ class MqttSession(Session):
                 pid = packet.packet_id
                 entry = self.inflight.pop(pid, None)
                 if entry is not None:
-                    if self.clean:  # the cursor moves on PUBCOMP
-                        self.released[pid] = (entry[0], entry[1])
+                    if self.clean and entry[0] not in self._shared:
+                        self.released[pid] = (entry[0], entry[1])  # the cursor moves on PUBCOMP
                     else:
                         # the client has the message: from here on only its packet id is
                         # owed (PUBREL, again after a reconnect), saved before the cursor
-                        # moves on, so a restart sends PUBREL, never the PUBLISH again
+                        # moves on, so a restart sends PUBREL, never the PUBLISH again. A
+                        # $share delivery's cursor moves on now in a clean session too: the
+                        # message must never go to another member (MQTT-4.8.2-5)
                         self.released[pid] = (0, 0)
-                        at = self.server.mqtt_sessions.outbound_released(self)
+                        at = (0 if self.clean
+                              else self.server.mqtt_sessions.outbound_released(self))
                         self._acked(entry[0], entry[1])
                         self._once_durable(at, pid | _OUTBOUND, PubRel(pid))
                         return None
@@ -494,7 +497,7 @@ class MqttSession(Session):
                 if found is not None:
                     if not self.clean:
                         self.server.mqtt_sessions.outbound_released(self)
-                    else:
+                    elif found[0]:  # not a $share delivery, acked at PUBREC
                         self._acked(found[0], found[1])
             case PubRel():
                 pid = packet.packet_id
@@ -780,6 +783,18 @@ class MqttSession(Session):
             cursor = self._share_reads_log(core_filter, group, cursor)
             if not cursor:
                 qos = 0
+        if (not cursor and not group and not self.clean and self.server.wal is not None
+                and self.broker.durable_group(core_filter, group_name(self.client_id))
+                is not None):
+            # a QoS 1/2 subscription of this persistent session made QoS 0 (now, or before
+            # a reconnect or a restart): its durable group goes on, delivering at QoS 0, so
+            # the backlog queued in the log is not lost (MQTT-3.8.4-3: the flow of
+            # publications must not be interrupted); UNSUBSCRIBE ends it
+            cursor = True
+        # a persistent session's QoS 2 $share member: what it has in flight and not
+        # PUBRECed waits for the session when it leaves (MQTT-4.8.2-4, -5), not another member
+        holder = (group_name(self.client_id)
+                  if share[0] and cursor and qos == 2 and not self.clean else "")
         old = self.subs.pop(topic_filter, None)
         access = self.access
         if (old is not None and (old[0] in self._cursors) == cursor
@@ -793,6 +808,8 @@ class MqttSession(Session):
             sub_id = old[0]
             self.subs[topic_filter] = (sub_id, qos)
             self.granted[sub_id] = qos
+            if share[0] and cursor:
+                self.server.wake(self.broker.hold_for(self.conn_id, sub_id, holder))
             return qos, (self.broker.retained_again(self.conn_id, sub_id, wall_ms())
                          if retained else False)
         if not group and cursor and not self.clean:
@@ -804,7 +821,7 @@ class MqttSession(Session):
         result = self.broker.subscribe(
             self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
             0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
-            counted=not restored and old is None)
+            counted=not restored and old is None, holder=holder)
         if result.refusal is not None:
             self.refusals.append((topic_filter, result.refusal.text))
             if result.refusal.code != ErrorCode.FORBIDDEN:
@@ -830,6 +847,9 @@ class MqttSession(Session):
         self.granted[result.sub_id] = qos
         if group and group == share[0]:
             self._shared.add(result.sub_id)
+            if cursor and not self.clean and not holder:  # kept for a QoS 2 member before
+                self.server.wake(self.broker.release(core_filter, group,
+                                                     group_name(self.client_id)))
         if cursor:
             self._cursors.add(result.sub_id)
         # its deliveries' packet ids start from the offset moved on by this, the same for

@@ -273,6 +273,10 @@ class MqttSessions:
         self._drop_groups(cid, [f for f in subs if not f.startswith("$share/")])
         for topic_filter in subs:
             if topic_filter.startswith("$share/"):
+                share = state.share_of(topic_filter)
+                if share is not None:  # what its QoS 2 member had waits for nobody now
+                    self.server.wake(self.broker.release(share[1], share[0],
+                                                         state.group_name(cid)))
                 self._drop_share(cid, topic_filter, wall)
         self.qos2.pop(cid, None)
         self.pubrel.pop(cid, None)
