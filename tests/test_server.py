@@ -492,3 +492,49 @@ async def test_a_group_deletion_the_disk_refused_is_an_error_not_unsubscribed(
     await conn.send(codec.Unsubscribe(0, "jobs", "g", request_id=7))
     assert (await conn.expect(codec.Error)).code == ErrorCode.NOT_FOUND
     assert await _groups_after_restart(nursery, server, tmp_path) == []
+
+
+async def test_retention_keeps_what_its_round_carried_when_a_burst_follows(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    """A maintenance round carries what a restart needs (here the checkpoint of the durable
+    group ``g``, whose CREATE record is in the first segment) into the newest segment, waits
+    for it to be written, then deletes segments past the cap. More than the cap arrived in
+    between (a burst), so that segment was no longer the newest, and it went too: after a
+    restart the group was gone. Segments from where the round carried to are kept now."""
+    from blipmq_server.kinds import Kind
+
+    cfg = make_config(wal={"enabled": True, "fsync": "none", "segment_bytes": 4096,
+                           "retention_bytes": 8192, "maintenance_interval_ms": 100},
+                      storage={"data_dir": str(tmp_path)})
+    server = Server(cfg)
+    assert server.wal is not None
+    wal = server.wal
+    bound: Bound = await nursery.start(server.serve)
+    conn = await connect(bound.port)
+    await conn.send(codec.Subscribe("jobs", "g", 1, request_id=3))
+    await conn.expect(codec.Subscribed)
+    for rid in range(4, 40):  # the log past its first segments, confirmed (written)
+        await conn.send(publish_qos1(("other", b"x" * 400), rid=rid))
+        await conn.expect(codec.PubAck)
+    noise = codec.message_record(Message("noise", b"n" * 500))
+    real, rounds = server._written, []
+
+    async def written(offset: int, deadline: float) -> None:
+        await real(offset, deadline)  # the round's copies are on disk; now the burst
+        last = 0
+        for _ in range(40):  # 20 kB: more than the cap, written before retention runs
+            last = wal.append(Kind.MESSAGE, noise, 0)
+        server.log_touched()
+        while wal.written_offset < last:
+            await trio.sleep(0.005)
+        rounds.append(offset)
+
+    server._written = written  # type: ignore[method-assign]
+    await conn.send(codec.Ping(b"p", 50))  # the next round: anchors not yet written
+    with trio.fail_after(10):
+        while not rounds:
+            await trio.sleep(0.01)
+        await trio.sleep(0.05)  # its retention
+    server._written = real  # type: ignore[method-assign]
+    assert ("jobs", "g") in await _groups_after_restart(nursery, server, tmp_path)

@@ -524,22 +524,24 @@ class Server:
                             await self._written(anchors, deadline)
                 if anchors > wal.written_offset:
                     continue  # not on disk yet (the disk refuses writes): retain next time
-                await self._retain(wall)
+                await self._retain(wall, newest)
                 if not self.flusher.failing:  # made, or grown back to its size, when it can
                     reserved = bool(await trio.to_thread.run_sync(wal.make_reserve))
             finally:
                 if held:
                     self.flusher.let_go()
 
-    async def _retain(self, wall: int) -> None:
+    async def _retain(self, wall: int, carried_from: int) -> None:
         """Retention's part of a maintenance round, once its copies are on disk: segments
-        past the limits leave the log, and what the size cap took from durable groups is
-        counted and logged."""
+        past the limits leave the log (none holding offsets from ``carried_from`` on, where
+        the round carried what a restart needs), and what the size cap took from durable
+        groups is counted and logged."""
         assert self.wal is not None
         wal, broker = self.wal, self.broker
         holds = [b.floor() for b in self.bridges.values() if b.spec.backlog == "block"]
         result = wal.retain(wall, broker.durable_floor(), delete=False,
-                            hold_from=min((f for f in holds if f is not None), default=None))
+                            hold_from=min((f for f in holds if f is not None), default=None),
+                            carried_from=carried_from)
         if result.paths:  # unlinking big files takes milliseconds: not on the event loop
             try:
                 await trio.to_thread.run_sync(wal.delete, result.paths)

@@ -429,13 +429,16 @@ class Log:
     # --------------------------------------------------------------------------- retention
 
     def retain(self, now_ms: int, keep_from: int | None = None, *, delete: bool = True,
-               hold_from: int | None = None) -> Retention:
+               hold_from: int | None = None, carried_from: int | None = None) -> Retention:
         """Drop whole old segments by total size and by age (never the newest one).
 
         A segment holding offsets >= ``keep_from`` (still needed by a durable group) is kept
         unless the size cap forces it out; then ``forced_below`` says what was lost. One
         holding offsets >= ``hold_from`` is kept even then (a bridge with the ``block``
-        policy has not forwarded them: its publishers are held back instead). The
+        policy has not forwarded them: its publishers are held back instead). One holding
+        offsets >= ``carried_from`` is always kept: the caller carried what a restart needs
+        (checkpoints, retained values, states) from older segments to there, and a burst
+        after that must not take them with it. The
         dropped segments leave the log at once; their files are deleted here, or, with
         ``delete=False``, listed in ``paths`` for the caller to pass to ``delete`` off the
         event loop (unlinking a 64 MiB segment takes 5-20 ms of the kernel's time).
@@ -455,6 +458,8 @@ class Log:
                 now_ms - seg.last_ts > opts.retention_ms
             )
             if not (too_big or too_old or (seg.count == 0 and seg.created)):
+                break
+            if carried_from is not None and seg.count > 0 and seg.last >= carried_from:
                 break
             needed = keep_from is not None and seg.count > 0 and seg.last >= keep_from
             if needed and (not too_big or (hold_from is not None and seg.last >= hold_from)):
