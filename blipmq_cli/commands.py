@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import select
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
@@ -100,6 +101,36 @@ def _silence_stdout() -> None:
 
 def _key(key: str | None) -> bytes | None:
     return None if key is None else os.fsencode(key)
+
+
+def _stdin() -> BinaryIO:
+    """stdin's bytes; a closed stdin (``<&-``) is a usage error."""
+    if sys.stdin is None:
+        raise UsageError("stdin is closed: give the message another way, or open stdin")
+    return sys.stdin.buffer
+
+
+def _too_large(what: str, limit: int) -> BrokerError:
+    return BrokerError(ErrorCode.MESSAGE_TOO_LARGE,
+                       f"{what} holds more than {limit} bytes, the broker's limit")
+
+
+def _read_bounded(fd: int, client: Client, what: str) -> bytes:
+    """Everything ``fd`` holds, read up to the broker's message limit + 1 byte (memory
+    stays bounded whatever the input: /dev/zero, a pipe, a /proc file); past the limit,
+    refused as too large (exit 6). While the input is quiet the client answers the
+    broker's PINGs, as ``_stdin_lines`` does."""
+    limit = client.max_message
+    data = bytearray()
+    while True:
+        while fd not in select.select([fd, client.sock], [], [], client.timeout)[0]:
+            client.check()
+        chunk = os.read(fd, min(_READ, limit + 1 - len(data)))
+        if not chunk:
+            return bytes(data)
+        data += chunk
+        if len(data) > limit:
+            raise _too_large(what, limit)
 
 
 def _ttl_ms(ttl: str | None) -> int:
@@ -233,23 +264,22 @@ def pubfile(
     """A file's bytes (``-``: all of stdin) as one message; ``retain`` keeps it as the
     topic's retained value."""
     ttl_ms = _ttl_ms(ttl)
+    stream = _stdin() if path == "-" else None
     with connect_from_env(addr, api_key) as client:
-        if path == "-":
-            data = sys.stdin.buffer.read()
-            size = len(data)
+        if stream is None:
+            # opened first, so a missing file or a directory is exit 2; read at most the
+            # limit + 1 bytes: a character device, a pipe or a /proc file says size 0
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if stat.S_ISREG(os.fstat(f.fileno()).st_mode) and size > client.max_message:
+                    raise BrokerError(
+                        ErrorCode.MESSAGE_TOO_LARGE,
+                        f"{path} is {size} bytes, over the broker's limit of "
+                        f"{client.max_message}")
+                data = _read_bounded(f.fileno(), client, path)
         else:
-            size = os.path.getsize(path)
-            data = b""
-        if size > client.max_message:
-            raise BrokerError(
-                ErrorCode.MESSAGE_TOO_LARGE,
-                f"{'stdin' if path == '-' else path} is {size} bytes, over the broker's "
-                f"limit of {client.max_message}",
-            )
-        if path != "-":
-            with open(path, "rb") as f:
-                data = f.read()
-        if sys.stderr.isatty() and size >= 1 << 20:
+            data = _read_bounded(stream.fileno(), client, "stdin")
+        if sys.stderr.isatty() and len(data) >= 1 << 20:
             _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path, retain)
         else:
             client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)

@@ -1,0 +1,88 @@
+"""The CLI's inputs whatever they are: files that say size 0 (devices, pipes, /proc), endless
+stdin, lines without a newline, closed stdin, bytes that are not UTF-8 in arguments. Each is
+one line on stderr and its documented exit code, with the client's memory bounded. Real
+broker, real CLI, real pipes; memory is the CLI process's own peak RSS (``os.wait4``)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import threading
+import time
+
+from conftest import BLIPMQ, _default_signals
+
+from blipmq_cli.exits import Exit
+
+LIMIT = 1 << 20  # the broker's max_message_bytes in these tests
+BIG = 48 << 20  # input far past it
+
+
+def measured(b, *args: str, stdin: int | None = subprocess.DEVNULL, timeout: float = 30,
+             address_space: int | None = None) -> tuple[int, bytes, int, float]:
+    """Run ``blipmq ARGS`` against broker ``b``: (exit code, stderr, peak RSS in kB, seconds).
+    ``address_space`` caps the child's virtual memory, so that an unbounded read fails fast
+    instead of filling the machine."""
+    def setup() -> None:
+        _default_signals()
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    began = time.monotonic()
+    proc = subprocess.Popen([BLIPMQ, *args], stdin=stdin, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=b.env, preexec_fn=setup)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        timer.cancel()
+        proc.stderr.close()  # type: ignore[union-attr]
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, err, usage.ru_maxrss, time.monotonic() - began
+
+
+def feeder(source: list[str]) -> subprocess.Popen[bytes]:
+    """A process writing ``source``'s output into a pipe (its stdout)."""
+    return subprocess.Popen(source, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def one_line(err: bytes) -> None:
+    assert err.count(b"\n") == 1 and b"Traceback" not in err, err
+    assert b"internal error" not in err, err
+
+
+def baseline_rss(b) -> int:
+    code, err, rss, _ = measured(b, "pub", "t", "small")
+    assert code == 0, err
+    return rss
+
+
+def test_pubfile_of_files_that_say_size_0_reads_at_most_the_limit(start_broker) -> None:
+    """D01: /dev/zero, /dev/stdin on a pipe and friends report size 0; they were read whole
+    (24 GB of /dev/zero). Now at most the limit + 1 byte, then exit 6."""
+    b = start_broker({"server": {"max_message_bytes": LIMIT}})
+    base = baseline_rss(b)
+    for args in (("pubfile", "t", "/dev/zero"), ("pub", "t", "-f", "/dev/zero")):
+        code, err, rss, _ = measured(b, *args, address_space=1 << 30, timeout=60)
+        assert code == Exit.TOO_LARGE, (args, err)
+        one_line(err)
+        assert b"/dev/zero" in err and str(LIMIT).encode() in err, err
+        assert rss < base + 16 * 1024, (args, rss, base)
+    for args in (("pubfile", "t", "/dev/stdin"), ("pub", "t", "-f", "/dev/stdin")):
+        source = feeder(["head", "-c", str(BIG), "/dev/zero"])
+        code, err, rss, _ = measured(b, *args, stdin=source.stdout.fileno())  # type: ignore[union-attr]
+        source.stdout.close()  # type: ignore[union-attr]
+        source.wait()
+        assert code == Exit.TOO_LARGE, (args, err)
+        one_line(err)
+        assert rss < base + 16 * 1024, (args, rss, base)
+    # a file that says size 0 and holds little is still published, whole
+    sub = b.spawn("sub", "p", "-N", "-C", "1")
+    b.wait_subscribers(1)
+    res = b.shell("printf 'from a pipe' | blipmq pubfile p /dev/stdin")
+    assert res.returncode == 0, res.stderr
+    assert sub.communicate(timeout=10)[0] == b"from a pipe"
