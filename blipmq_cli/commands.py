@@ -183,11 +183,12 @@ def pub(
     if message_opt is None and not stdin:
         raise UsageError("give a message, '-' or -s for stdin, -l for stdin's lines, or "
                          "-f FILE")
-    if stdin or message_opt == "-":
-        payload = sys.stdin.buffer.read()
-    else:
-        payload = os.fsencode(message_opt)  # type: ignore[arg-type]
+    stream = _stdin() if stdin or message_opt == "-" else None
     with connect_from_env(addr, api_key) as client:
+        if stream is not None:
+            payload = _read_bounded(stream.fileno(), client, "stdin")
+        else:
+            payload = os.fsencode(message_opt)  # type: ignore[arg-type]
         client.publish(topic_opt, payload, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)
     return Exit.OK
 
@@ -200,30 +201,42 @@ def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
     its keepalive finds a silent link (``Client.check``).
     """
     fd = stream.fileno()
-    rest = b""
+    limit = client.max_message
+    rest: list[bytes] = []  # the pieces of a line without its newline yet (linear time)
+    size = 0  # their length, refused past the broker's limit: memory stays bounded
     while True:
         while fd not in select.select([fd, client.sock], [], [], client.timeout)[0]:
             client.check()  # the socket, or stdin quiet for `timeout`: answer PINGs, keep alive
         chunk = os.read(fd, _READ)
         if not chunk:
             if rest:
-                yield [rest]
+                yield [b"".join(rest)]
             return
-        parts = (rest + chunk).split(b"\n")
-        rest = parts.pop()
-        if parts:
-            yield parts
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            rest.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise _too_large("a line of stdin", limit)
+            continue
+        parts = chunk[:end].split(b"\n")
+        if rest:
+            parts[0] = b"".join(rest) + parts[0]
+        tail = chunk[end + 1:]
+        rest, size = ([tail], len(tail)) if tail else ([], 0)
+        yield parts
 
 
 def _pub_lines(
     topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None,
     retain: bool = False,
 ) -> int:
+    stream = _stdin()
     client = connect_from_env(addr, api_key)
     try:
         with client:
             plain = ttl == 0 and qos == 0 and key is None and not retain
-            for batch in _stdin_lines(sys.stdin.buffer, client):
+            for batch in _stdin_lines(stream, client):
                 if plain:
                     client.publish_many([(topic, line) for line in batch])
                 else:

@@ -10,6 +10,7 @@ import resource
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 from conftest import BLIPMQ, _default_signals
 
@@ -86,3 +87,32 @@ def test_pubfile_of_files_that_say_size_0_reads_at_most_the_limit(start_broker) 
     res = b.shell("printf 'from a pipe' | blipmq pubfile p /dev/stdin")
     assert res.returncode == 0, res.stderr
     assert sub.communicate(timeout=10)[0] == b"from a pipe"
+
+
+def test_stdin_payloads_and_lines_are_bounded_by_the_limit(start_broker, tmp_path: Path) -> None:
+    """D02: `pub -`, `-s` and `pubfile -` read all of stdin before the size check, and
+    `pub -l` kept a line without a newline whole, in quadratic time (100 MB: 63-100 s).
+    Now each stops at the limit + 1 byte with exit 6, quickly."""
+    b = start_broker({"server": {"max_message_bytes": LIMIT}})
+    base = baseline_rss(b)
+    for args in (("pub", "t", "-"), ("pub", "t", "-s"), ("pubfile", "t", "-"),
+                 ("pub", "t", "-l"), ("pub", "t", "-l", "-q", "1")):
+        source = feeder(["head", "-c", str(BIG), "/dev/zero"])
+        code, err, rss, took = measured(b, *args, stdin=source.stdout.fileno(),  # type: ignore[union-attr]
+                                        timeout=60)
+        source.stdout.close()  # type: ignore[union-attr]
+        source.wait()
+        assert code == Exit.TOO_LARGE, (args, err)
+        one_line(err)
+        assert str(LIMIT).encode() in err, err
+        assert rss < base + 16 * 1024, (args, rss, base)
+        assert took < 10, (args, took)
+    # lines longer than a read, split across reads, arrive whole and in order
+    lines = [bytes([65 + i]) * (150_000 + i) for i in range(5)] + [b"", b"short"]
+    sub = b.spawn("sub", "l", "-C", str(len(lines)))
+    b.wait_subscribers(1)
+    (tmp_path / "lines").write_bytes(b"\n".join(lines))  # the last without a newline
+    res = b.shell(f"blipmq pub l -l < {tmp_path / 'lines'}")
+    assert res.returncode == 0, res.stderr
+    out, err = sub.communicate(timeout=10)
+    assert out == b"".join(line + b"\n" for line in lines), err
