@@ -203,7 +203,9 @@ class _Run:
         """Take deliveries until done (an exit code) or the broker ends the stream (None).
         Raises ConnectError when the link is lost."""
         plan = self.plan
-        client.hangup_fd = None if plan.command is not None else sys.stdout.fileno()
+        # stdout's reader going away (`| head -1`) ends the run, with --exec too: the
+        # commands write to the same stdout, and would only die of SIGPIPE one by one
+        client.hangup_fd = _stdout_fd() if plan.command is not None else sys.stdout.fileno()
         wake = _ChildSignal() if plan.command is not None else None
         if wake is not None:
             client.wake_fds = (wake.fd,)
@@ -242,6 +244,12 @@ class _Run:
                     continue
                 self._take(client, sub, batch)
             return self._finish(client, Exit.OK)
+        except BrokenPipeError:
+            # stdout's reader went away: the running commands are ended unacked (their
+            # messages come again, not nacked: not their fault); what finished is acked
+            self._stop()
+            client.close()
+            raise
         finally:
             if wake is not None:
                 wake.close()
@@ -362,6 +370,10 @@ class _Run:
             status = proc.wait() if block else proc.poll()
             if status is None:
                 continue
+            if status == -signal.SIGPIPE and _stdout_gone():
+                # stdout's reader went away: not the message's fault; end the run as a
+                # `sub | head` does (exit 0) and let the broker deliver it again
+                raise BrokenPipeError("stdout was closed")
             del self.jobs[pid]
             if sub is None:
                 continue  # from before a reconnect: the broker delivers it again
@@ -387,6 +399,23 @@ class _Terminated(BaseException):
 
 def _terminated(signum: int, frame: object) -> None:
     raise _Terminated
+
+
+def _stdout_fd() -> int | None:
+    try:
+        return sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):  # closed (>&-): nothing to watch
+        return None
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader went away."""
+    fd = _stdout_fd()
+    if fd is None:
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def _start(command: str, d: Delivery) -> subprocess.Popen[bytes]:

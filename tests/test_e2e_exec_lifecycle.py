@@ -41,6 +41,25 @@ def _pids(path: Path) -> list[int]:
     return [int(p) for p in path.read_text().split()]
 
 
+def test_exec_into_head_ends_with_its_reader_and_dead_letters_nothing(start_broker) -> None:
+    """D06: `sub --exec CMD | head -n 2` never ended; each later command died of SIGPIPE
+    and was nacked until 18 of 20 were dead-lettered."""
+    b = start_broker({"delivery": {"max_retries": 2}})
+    assert b.shell("seq 1 20 | blipmq pub jobs -l -q 1").returncode == 0
+    began = time.monotonic()
+    res = b.shell("blipmq sub jobs --group g -q 1 --from earliest --exec 'cat; echo' "
+                  "| head -n 2", timeout=30)
+    assert (res.returncode, res.stderr) == (0, b""), res.stderr
+    assert res.stdout.split() == [b"1", b"2"]
+    assert time.monotonic() - began < 10
+    dead = b.cli("sub", "$dlq/jobs", "--from", "earliest", "-e", "--format", "json")
+    assert (dead.returncode, dead.stdout) == (0, b""), dead.stderr
+    # what was not handled is still the group's to take: every job, none lost
+    rest = b.cli("sub", "jobs", "--group", "g", "-q", "1", "-e")
+    assert rest.returncode == 0, rest.stderr
+    assert set(rest.stdout.split()) | {b"1", b"2"} == {str(i).encode() for i in range(1, 21)}
+
+
 def test_timeout_bounds_an_exec_run_and_ends_its_command(start_broker, tmp_path: Path) -> None:
     """D07: `-W 2s --exec 'sleep 12'` took 12 s; now -W bounds the run: the command is
     ended with its process group and its message comes again, unacked and not nacked."""
