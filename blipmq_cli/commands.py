@@ -42,8 +42,13 @@ def _check_group(group: str) -> None:
 
 
 def say(text: str) -> None:
-    sys.stderr.write(f"blipmq: {text}\n")
-    sys.stderr.flush()
+    if sys.stderr is None:  # closed (2>&-): the exit code still tells
+        return
+    try:
+        sys.stderr.write(f"blipmq: {text}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
 
 
 def guarded(fn: Callable[[], int]) -> int:
@@ -355,6 +360,12 @@ def sub(
         raise UsageError("give a topic filter: blipmq sub FILTER... (or -t FILTER)")
     if count is not None and count < 1:
         raise UsageError("--count must be at least 1")
+    from blipmq_server.protocol.names import filter_problem
+
+    for name in filters:  # as the broker would refuse it (exit 7), and before encoding it
+        problem = filter_problem(name)
+        if problem:
+            raise BadName(problem)
     _check_group(group)
     where = _start(start, since)
     if isinstance(where, str):

@@ -116,3 +116,35 @@ def test_stdin_payloads_and_lines_are_bounded_by_the_limit(start_broker, tmp_pat
     assert res.returncode == 0, res.stderr
     out, err = sub.communicate(timeout=10)
     assert out == b"".join(line + b"\n" for line in lines), err
+
+
+def test_odd_arguments_and_a_closed_stdin_are_one_line_and_their_code(start_broker) -> None:
+    """D09 and the CLI parts of D08: bytes that are not UTF-8 in a filter, a template or an
+    API key, a closed stdin (`<&-`), a --interval of nan/inf/1e300, a host name the resolver
+    cannot take (a label over 63 characters, not UTF-8) ended in 'internal error', exit 1."""
+    b = start_broker()
+    long_host = "a" * 70 + ".example"
+    cases = [
+        ("blipmq sub $'bad\\xff' -W 1s", Exit.BAD_NAME),
+        ("blipmq pub t x --api-key $'\\xff'", Exit.USAGE),
+        ("BLIPMQ_API_KEY=$'\\xff' blipmq pub t x", Exit.USAGE),
+        ("blipmq pub t - <&-", Exit.USAGE),
+        ("blipmq pub t -s <&-", Exit.USAGE),
+        ("blipmq pub t -l <&-", Exit.USAGE),
+        ("blipmq pubfile t - <&-", Exit.USAGE),
+        ("blipmq stats --watch --interval nan", Exit.USAGE),
+        ("blipmq stats --watch --interval inf", Exit.USAGE),
+        ("blipmq stats --watch --interval 1e300", Exit.USAGE),
+        (f"blipmq pub t x --addr {long_host}:{b.port}", Exit.USAGE),
+        (f"blipmq sub t -W 1s --addr $'\\xff:{b.port}'", Exit.USAGE),
+    ]
+    for script, code in cases:
+        res = b.shell(script, timeout=15)
+        assert res.returncode == code, (script, res.stderr)
+        one_line(res.stderr)
+    # a template's own bytes are written as given, not UTF-8 ones included
+    assert b.cli("pub", "u", "x").returncode == 0
+    res = b.shell("blipmq sub u --from earliest -e -F $'%p\\xff'")
+    assert (res.returncode, res.stdout) == (0, b"x\xff\n"), res.stderr
+    # with stderr closed the exit code still tells
+    assert b.shell("blipmq pub '' x 2>&-").returncode == Exit.BAD_NAME
