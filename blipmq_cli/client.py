@@ -120,6 +120,12 @@ def parse_addr(addr: str) -> tuple[str, int]:
     host = host.strip("[]")
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"address {addr!r}: port must be 1-65535")
+    if ":" not in host:  # a name (or IPv4): what the resolver will take (IDNA)
+        try:
+            host.encode("idna")
+        except UnicodeError:
+            raise ValueError(f"address {addr!r}: {host!r} is not a valid host name (each "
+                             "dot-separated label 1-63 characters, valid UTF-8)") from None
     return host, int(port)
 
 
@@ -1005,6 +1011,14 @@ def connect_from_env(
         secure = split_scheme(where)[0] == "tls"
     except ValueError as exc:
         raise ConfigError(str(exc), "--addr") from None
+    if api_key is None:
+        api_key, source = env.get("BLIPMQ_API_KEY", ""), "BLIPMQ_API_KEY"
+    else:
+        source = "--api-key"
+    try:
+        api_key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("the API key is not valid UTF-8", source) from None
     context = None
     if secure:
         from blipmq_cli import tls
@@ -1012,7 +1026,7 @@ def connect_from_env(
         context = tls.context(cafile, cert, key, insecure)
     return Client(
         where,
-        api_key if api_key is not None else env.get("BLIPMQ_API_KEY", ""),
+        api_key,
         timeout=_env_timeout() if timeout is None else timeout,
         ssl_context=context,
     )

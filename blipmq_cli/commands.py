@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import select
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
@@ -41,8 +42,13 @@ def _check_group(group: str) -> None:
 
 
 def say(text: str) -> None:
-    sys.stderr.write(f"blipmq: {text}\n")
-    sys.stderr.flush()
+    if sys.stderr is None:  # closed (2>&-): the exit code still tells
+        return
+    try:
+        sys.stderr.write(f"blipmq: {text}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
 
 
 def guarded(fn: Callable[[], int]) -> int:
@@ -102,6 +108,36 @@ def _key(key: str | None) -> bytes | None:
     return None if key is None else os.fsencode(key)
 
 
+def _stdin() -> BinaryIO:
+    """stdin's bytes; a closed stdin (``<&-``) is a usage error."""
+    if sys.stdin is None:
+        raise UsageError("stdin is closed: give the message another way, or open stdin")
+    return sys.stdin.buffer
+
+
+def _too_large(what: str, limit: int) -> BrokerError:
+    return BrokerError(ErrorCode.MESSAGE_TOO_LARGE,
+                       f"{what} holds more than {limit} bytes, the broker's limit")
+
+
+def _read_bounded(fd: int, client: Client, what: str) -> bytes:
+    """Everything ``fd`` holds, read up to the broker's message limit + 1 byte (memory
+    stays bounded whatever the input: /dev/zero, a pipe, a /proc file); past the limit,
+    refused as too large (exit 6). While the input is quiet the client answers the
+    broker's PINGs, as ``_stdin_lines`` does."""
+    limit = client.max_message
+    data = bytearray()
+    while True:
+        while fd not in select.select([fd, client.sock], [], [], client.timeout)[0]:
+            client.check()
+        chunk = os.read(fd, min(_READ, limit + 1 - len(data)))
+        if not chunk:
+            return bytes(data)
+        data += chunk
+        if len(data) > limit:
+            raise _too_large(what, limit)
+
+
 def _ttl_ms(ttl: str | None) -> int:
     if ttl is None:
         return 0
@@ -152,11 +188,12 @@ def pub(
     if message_opt is None and not stdin:
         raise UsageError("give a message, '-' or -s for stdin, -l for stdin's lines, or "
                          "-f FILE")
-    if stdin or message_opt == "-":
-        payload = sys.stdin.buffer.read()
-    else:
-        payload = os.fsencode(message_opt)  # type: ignore[arg-type]
+    stream = _stdin() if stdin or message_opt == "-" else None
     with connect_from_env(addr, api_key) as client:
+        if stream is not None:
+            payload = _read_bounded(stream.fileno(), client, "stdin")
+        else:
+            payload = os.fsencode(message_opt)  # type: ignore[arg-type]
         client.publish(topic_opt, payload, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)
     return Exit.OK
 
@@ -169,30 +206,42 @@ def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
     its keepalive finds a silent link (``Client.check``).
     """
     fd = stream.fileno()
-    rest = b""
+    limit = client.max_message
+    rest: list[bytes] = []  # the pieces of a line without its newline yet (linear time)
+    size = 0  # their length, refused past the broker's limit: memory stays bounded
     while True:
         while fd not in select.select([fd, client.sock], [], [], client.timeout)[0]:
             client.check()  # the socket, or stdin quiet for `timeout`: answer PINGs, keep alive
         chunk = os.read(fd, _READ)
         if not chunk:
             if rest:
-                yield [rest]
+                yield [b"".join(rest)]
             return
-        parts = (rest + chunk).split(b"\n")
-        rest = parts.pop()
-        if parts:
-            yield parts
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            rest.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise _too_large("a line of stdin", limit)
+            continue
+        parts = chunk[:end].split(b"\n")
+        if rest:
+            parts[0] = b"".join(rest) + parts[0]
+        tail = chunk[end + 1:]
+        rest, size = ([tail], len(tail)) if tail else ([], 0)
+        yield parts
 
 
 def _pub_lines(
     topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None,
     retain: bool = False,
 ) -> int:
+    stream = _stdin()
     client = connect_from_env(addr, api_key)
     try:
         with client:
             plain = ttl == 0 and qos == 0 and key is None and not retain
-            for batch in _stdin_lines(sys.stdin.buffer, client):
+            for batch in _stdin_lines(stream, client):
                 if plain:
                     client.publish_many([(topic, line) for line in batch])
                 else:
@@ -233,23 +282,22 @@ def pubfile(
     """A file's bytes (``-``: all of stdin) as one message; ``retain`` keeps it as the
     topic's retained value."""
     ttl_ms = _ttl_ms(ttl)
+    stream = _stdin() if path == "-" else None
     with connect_from_env(addr, api_key) as client:
-        if path == "-":
-            data = sys.stdin.buffer.read()
-            size = len(data)
+        if stream is None:
+            # opened first, so a missing file or a directory is exit 2; read at most the
+            # limit + 1 bytes: a character device, a pipe or a /proc file says size 0
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if stat.S_ISREG(os.fstat(f.fileno()).st_mode) and size > client.max_message:
+                    raise BrokerError(
+                        ErrorCode.MESSAGE_TOO_LARGE,
+                        f"{path} is {size} bytes, over the broker's limit of "
+                        f"{client.max_message}")
+                data = _read_bounded(f.fileno(), client, path)
         else:
-            size = os.path.getsize(path)
-            data = b""
-        if size > client.max_message:
-            raise BrokerError(
-                ErrorCode.MESSAGE_TOO_LARGE,
-                f"{'stdin' if path == '-' else path} is {size} bytes, over the broker's "
-                f"limit of {client.max_message}",
-            )
-        if path != "-":
-            with open(path, "rb") as f:
-                data = f.read()
-        if sys.stderr.isatty() and size >= 1 << 20:
+            data = _read_bounded(stream.fileno(), client, "stdin")
+        if sys.stderr.isatty() and len(data) >= 1 << 20:
             _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path, retain)
         else:
             client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)
@@ -312,6 +360,12 @@ def sub(
         raise UsageError("give a topic filter: blipmq sub FILTER... (or -t FILTER)")
     if count is not None and count < 1:
         raise UsageError("--count must be at least 1")
+    from blipmq_server.protocol.names import filter_problem
+
+    for name in filters:  # as the broker would refuse it (exit 7), and before encoding it
+        problem = filter_problem(name)
+        if problem:
+            raise BadName(problem)
     _check_group(group)
     where = _start(start, since)
     if isinstance(where, str):

@@ -116,10 +116,10 @@ def _restricted(report: dict[str, Any]) -> bool:
 
 def stats(*, addr: str | None, api_key: str | None, watch: bool = False,
           interval: float = 1.0, as_json: bool = False) -> int:
-    if interval <= 0:
+    if not 0 < interval <= 86400:  # nan, inf and 1e300 too (time.sleep refuses them)
         from blipmq_cli.commands import say
 
-        say("--interval must be a positive number of seconds")
+        say("--interval must be a number of seconds above 0, at most 86400")
         return Exit.USAGE
     with connect_from_env(addr, api_key) as client:
         if _restricted(client.stats()):

@@ -11,6 +11,7 @@ command imports this module, and a one-shot ``blipmq pub`` should not pay for th
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
 
@@ -118,13 +119,22 @@ class TemplateError(ValueError):
     pass
 
 
+def _literal(text: str) -> bytes:
+    """A template's own text as bytes: what the argument held, bytes that are not UTF-8
+    included (as the shell passed them)."""
+    try:
+        return os.fsencode(text)
+    except UnicodeEncodeError:
+        raise TemplateError(f"the format {text!r} is not valid text") from None
+
+
 def template(text: str) -> Writer:
     """A writer for ``{field}`` / ``%x`` templates; each message ends with a newline.
     Raises TemplateError naming an unknown field."""
     parts: list[bytes | Callable[[Delivery], bytes]] = []
     at = 0
     for m in _PART.finditer(text):
-        parts.append(text[at : m.start()].encode())
+        parts.append(_literal(text[at : m.start()]))
         at = m.end()
         name, letter, escape = m.group(1), m.group(2), m.group(3)
         if name is not None:
@@ -144,7 +154,7 @@ def template(text: str) -> Writer:
             parts.append(_ESCAPES.get(escape, b"\\" + escape.encode()))
         else:
             parts.append(m.group(0)[0].encode())  # {{ or }}
-    parts.append(text[at:].encode())
+    parts.append(_literal(text[at:]))
     pieces = [p for p in parts if p != b""]
 
     def write(batch: Sequence[Delivery]) -> bytes:

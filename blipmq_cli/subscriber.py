@@ -42,6 +42,7 @@ _PIPE_PAYLOAD = 1 << 16  # larger payloads reach --exec commands through a tempo
 _BACKOFF_S = (0.1, 5.0)  # first and longest pause between reconnect attempts
 _QUEUED = 1024  # QoS 0 messages waiting for a free --exec slot, at most
 _SEEN = 4096  # offsets remembered to print a message that matches several filters once
+_GRACE_S = 2.0  # an --exec command ended on the way out gets this long after SIGTERM
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,23 @@ class _Run:
     # ------------------------------------------------------------------------- lifecycle
 
     def run(self) -> int:
+        if self.plan.command is None:
+            return self._run()
+        # --exec: the commands run in their own process groups, and end with this process
+        # whatever ends it (a signal, a lost reader, an error): none is left behind
+        old = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            return self._run()
+        except _Terminated:
+            self._stop()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)  # die of it, as without --exec
+            raise
+        finally:
+            self._stop()
+            signal.signal(signal.SIGTERM, old)
+
+    def _run(self) -> int:
         client = self._connect()  # the first connection's failure is the command's
         self._announce(client)
         pause = _BACKOFF_S[0]
@@ -169,11 +187,14 @@ class _Run:
             say(f"reconnected to {client.addr}; {note}")
             return client
 
-    def _timed_out(self) -> int:
+    def _timed_out(self, note: str = "") -> int:
         plan = self.plan
         if self.received == 0 or plan.count is not None:
-            say(f"timed out after {plan.timeout:g} s with {self.received} message(s) received")
+            say(f"timed out after {plan.timeout:g} s with {self.received} message(s) "
+                f"received{note}")
             return Exit.TIMEOUT
+        if note:
+            say(f"timed out after {plan.timeout:g} s{note}")
         return Exit.OK
 
     # --------------------------------------------------------------------------- consume
@@ -182,7 +203,9 @@ class _Run:
         """Take deliveries until done (an exit code) or the broker ends the stream (None).
         Raises ConnectError when the link is lost."""
         plan = self.plan
-        client.hangup_fd = None if plan.command is not None else sys.stdout.fileno()
+        # stdout's reader going away (`| head -1`) ends the run, with --exec too: the
+        # commands write to the same stdout, and would only die of SIGPIPE one by one
+        client.hangup_fd = _stdout_fd() if plan.command is not None else sys.stdout.fileno()
         wake = _ChildSignal() if plan.command is not None else None
         if wake is not None:
             client.wake_fds = (wake.fd,)
@@ -200,7 +223,7 @@ class _Run:
                 if self.deadline is not None:
                     remaining = self.deadline - time.monotonic()
                     if remaining <= 0:
-                        return self._finish(client, self._timed_out())
+                        return self._finish(client, None)
                 if wake is not None and len(self.queued) >= _QUEUED:
                     # QoS 0 faster than the commands: read no more until one ends (the
                     # broker's queue for us fills and its overflow policy applies)
@@ -209,7 +232,7 @@ class _Run:
                 try:
                     got = client.next_of(self.subs, remaining)
                 except TimeoutError:
-                    return self._finish(client, self._timed_out())
+                    return self._finish(client, None)
                 if got is None:
                     return None
                 sub, batch = got
@@ -221,6 +244,12 @@ class _Run:
                     continue
                 self._take(client, sub, batch)
             return self._finish(client, Exit.OK)
+        except BrokenPipeError:
+            # stdout's reader went away: the running commands are ended unacked (their
+            # messages come again, not nacked: not their fault); what finished is acked
+            self._stop()
+            client.close()
+            raise
         finally:
             if wake is not None:
                 wake.close()
@@ -274,11 +303,26 @@ class _Run:
             sub.set_credit(plan.count - self.received)  # shrink the window before the ack
         sub.ack(*fresh)
 
-    def _finish(self, client: Client, code: int) -> int:
-        """Let running commands end (their outcome is acked), then close."""
-        self._reap(block=True)
+    def _finish(self, client: Client, code: int | None) -> int:
+        """Let running commands end (their outcome is acked), then close. ``--timeout``
+        bounds that too: when it has run out (``code`` None: it had already) the commands
+        still running are ended (``_stop``) and the run has timed out."""
+        self._reap()  # what ended already counts, even when time ran out
+        while self.jobs and code is not None:
+            self._reap()
+            if self.jobs and self.deadline is not None and time.monotonic() >= self.deadline:
+                code = None
+            elif self.jobs:
+                time.sleep(0.01)
+        stopped = self._stop()
         client.close()
-        return code
+        if code is not None:
+            return code
+        note = ""
+        if stopped:
+            note = (f"; ended {stopped} command(s) still running (their message(s) "
+                    f"{'come again' if self.plan.qos else 'are lost at QoS 0'})")
+        return self._timed_out(note)
 
     # ------------------------------------------------------------------------ --exec
 
@@ -297,11 +341,39 @@ class _Run:
         self.queued.clear()
         self.jobs = {pid: (proc, None, d) for pid, (proc, _, d) in self.jobs.items()}
 
+    def _stop(self) -> int:
+        """End the running commands (SIGTERM to each one's process group, SIGKILL after
+        ``_GRACE_S``) without acking or nacking their messages: a QoS 1 message comes
+        again from the broker once this connection is gone. Returns how many ran."""
+        jobs = list(self.jobs.values())
+        self.jobs = {}
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc, _, _ in jobs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:  # its group is gone already
+                        pass
+            ends = time.monotonic() + _GRACE_S
+            while any(p.poll() is None for p, _, _ in jobs) and time.monotonic() < ends:
+                time.sleep(0.01)
+        for proc, _, _ in jobs:
+            proc.wait()  # killed: not long
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what the shell left in its group
+            except (ProcessLookupError, PermissionError):
+                pass
+        return len(jobs)
+
     def _reap(self, block: bool = False) -> None:
         for pid, (proc, sub, d) in list(self.jobs.items()):
             status = proc.wait() if block else proc.poll()
             if status is None:
                 continue
+            if status == -signal.SIGPIPE and _stdout_gone():
+                # stdout's reader went away: not the message's fault; end the run as a
+                # `sub | head` does (exit 0) and let the broker deliver it again
+                raise BrokenPipeError("stdout was closed")
             del self.jobs[pid]
             if sub is None:
                 continue  # from before a reconnect: the broker delivers it again
@@ -321,6 +393,31 @@ class _Run:
             sub.nack(d, delay_ms=self.plan.retry_delay_ms, reason=why)
 
 
+class _Terminated(BaseException):
+    """SIGTERM during ``sub --exec``: the commands are ended, then this process dies of it."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _stdout_fd() -> int | None:
+    try:
+        return sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):  # closed (>&-): nothing to watch
+        return None
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader went away."""
+    fd = _stdout_fd()
+    if fd is None:
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def _start(command: str, d: Delivery) -> subprocess.Popen[bytes]:
     """Run ``command`` by the shell with the payload on stdin and the message in env."""
     env = dict(os.environ)
@@ -329,7 +426,8 @@ def _start(command: str, d: Delivery) -> subprocess.Popen[bytes]:
     if d.key is not None:
         env["BLIPMQ_KEY"] = os.fsdecode(d.key)
     if len(d.payload) <= _PIPE_PAYLOAD:  # fits a pipe's buffer: never blocks us
-        proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE, env=env)
+        proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE, env=env,
+                                process_group=0)
         assert proc.stdin is not None
         try:
             proc.stdin.write(d.payload)
@@ -340,7 +438,7 @@ def _start(command: str, d: Delivery) -> subprocess.Popen[bytes]:
     with tempfile.TemporaryFile() as f:
         f.write(d.payload)
         f.seek(0)
-        return subprocess.Popen(["/bin/sh", "-c", command], stdin=f, env=env)
+        return subprocess.Popen(["/bin/sh", "-c", command], stdin=f, env=env, process_group=0)
 
 
 class _ChildSignal:
