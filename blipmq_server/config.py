@@ -246,17 +246,26 @@ def _token_problem(text: str) -> str | None:
             "(printf %s \"$TOKEN\" | b2sum), never the token")
 
 
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` can be no listener's address (the resolver refuses it), or None."""
+    try:
+        host.encode("idna")
+    except UnicodeError as exc:
+        return f"{host!r} is not a host name or an IP address ({exc})"
+    return None
+
+
 def _fsync_problem(text: str) -> str | None:
     parsed = policy.parse(text)
     return parsed if isinstance(parsed, str) else None
 
 
 SCHEMA: tuple[Key, ...] = (
-    Key("server", "host", str, "Address to listen on (loopback by default)"),
+    Key("server", "host", str, "Address to listen on (loopback by default)", check=_host_problem),
     Key("server", "port", int, "TCP port for clients (0 picks a free port)", 0, 65535),
     Key("server", "tls", bool, "Also serve the native protocol over TLS, on tls_host:tls_port "
         "([tls] names the certificate; docs/SECURITY.md)"),
-    Key("server", "tls_host", str, "Address of the native TLS listener"),
+    Key("server", "tls_host", str, "Address of the native TLS listener", check=_host_problem),
     Key("server", "tls_port", int, "Port of the native TLS listener (0 picks a free port)",
         0, 65535),
     Key("server", "max_connections", int, "Client connections served at once", 1, 100_000),
@@ -285,11 +294,11 @@ SCHEMA: tuple[Key, ...] = (
     Key("auth", "failure_delay_ms", int, "A refused key is answered after this long (slows "
         "guessing; the broker serves others meanwhile)", 0, 60_000),
     Key("mqtt", "enabled", bool, "Serve MQTT 3.1.1 and 3.1 clients (docs/MQTT.md)"),
-    Key("mqtt", "host", str, "Address of the MQTT listener"),
+    Key("mqtt", "host", str, "Address of the MQTT listener", check=_host_problem),
     Key("mqtt", "port", int, "Port of the MQTT listener (0 picks a free port)", 0, 65535),
     Key("mqtt", "tls", bool, "With mqtt.enabled: also serve MQTT over TLS (mqtts), on "
         "tls_host:tls_port"),
-    Key("mqtt", "tls_host", str, "Address of the MQTT TLS listener"),
+    Key("mqtt", "tls_host", str, "Address of the MQTT TLS listener", check=_host_problem),
     Key("mqtt", "tls_port", int, "Port of the MQTT TLS listener (0 picks a free port)",
         0, 65535),
     Key("mqtt", "allow_anonymous", bool, "Allow a non-loopback MQTT address while "
@@ -362,7 +371,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("retained", "max_bytes", int, "Bytes of retained messages kept (also capped at half "
         "of wal.segment_bytes); a retained publish past it is refused", 0, 2**40),
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
-    Key("metrics", "host", str, "Address of the metrics listener"),
+    Key("metrics", "host", str, "Address of the metrics listener", check=_host_problem),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),
     Key("metrics", "tls", bool, "Serve the metrics listener over HTTPS instead of HTTP"),
     Key("metrics", "token_hash", str, "The hash (\"blake2b:<hex>\", from `b2sum`) of a token "

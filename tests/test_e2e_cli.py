@@ -361,6 +361,29 @@ def test_bad_environment_override_names_the_variable(start_broker) -> None:
     )
 
 
+def test_a_host_no_resolver_takes_is_a_config_error(tmp_path: Path) -> None:
+    """A label over 63 characters (the file, ``--bind``), or bytes that are not UTF-8 from
+    the environment: one config error line and exit 2 (it was a 57-line traceback from the
+    listener's address lookup, exit 1)."""
+    long_name = "a" * 70 + ".example"
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(f'[server]\nhost = "{long_name}"\n')
+    runs = [
+        ([BLIPMQ, "start", "--config", str(config_file)], {}, "server.host"),
+        ([BLIPMQ, "start", "--bind", f"{long_name}:7878"], {}, "server.host"),
+        ([BLIPMQ, "start", "--metrics-bind", f"{long_name}:9090"], {}, "metrics.host"),
+        ([BLIPMQ, "start"], {"BLIPMQ_MQTT_HOST": b"\xff"}, "BLIPMQ_MQTT_HOST"),
+    ]
+    for argv, extra, key in runs:
+        env = {**os.environb, **{k.encode(): v for k, v in extra.items()},
+               b"BLIPMQ_STORAGE_DATA_DIR": str(tmp_path / "data").encode()}
+        res = subprocess.run(argv, capture_output=True, env=env, timeout=30)
+        lines = res.stderr.decode(errors="replace").splitlines()
+        assert res.returncode == 2 and len(lines) == 1, res
+        assert lines[0].startswith(f"blipmq: config error: {key}: ") and (
+            "is not a host name or an IP address" in lines[0]), lines
+
+
 def test_second_signal_exits_at_once(start_broker) -> None:
     b = start_broker({"server": {"shutdown_grace_ms": 30000},
                       "queues": {"capacity": 100000, "overflow": "drop_new"}})
