@@ -162,3 +162,25 @@ def test_metrics_connections_are_capped(start_broker) -> None:
             turned_away += 1
             time.sleep(0.05)
     assert refused == 24 + turned_away
+
+
+def test_head_has_no_body_and_bare_newlines_end_a_request(start_broker) -> None:
+    """HEAD gets the headers GET would (its Content-Length too), and no body (it had one);
+    a request whose lines end in bare newlines is answered (it waited for CRLF CRLF until
+    the timeout, then got nothing)."""
+    b = start_broker()
+
+    def ask(request: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", b.metrics_port), timeout=10) as s:
+            s.sendall(request)
+            got = b""
+            while chunk := s.recv(65536):  # until the broker closes (Connection: close)
+                got += chunk
+            return got
+
+    head = ask(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and head.endswith(b"\r\n\r\n"), head
+    assert b"Content-Length: 3\r\n" in head
+    bare = ask(b"GET /health HTTP/1.0\nHost: x\n\n")
+    assert bare.startswith(b"HTTP/1.1 200 OK\r\n") and bare.endswith(b"\r\n\r\nok\n"), bare
+    assert ask(b"\r\n\r\n").startswith(b"HTTP/1.1 400 Bad Request")

@@ -70,7 +70,9 @@ async def _handle(server: Server, sources: metrics.Sources, socket: trio.SocketS
             stream = accepted[0]
         with trio.move_on_after(_WAIT_S):
             request = b""
-            while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
+            # the end of the headers (bare newlines too, as some hand-written clients send)
+            while (b"\r\n\r\n" not in request and b"\n\n" not in request
+                   and len(request) < _MAX_REQUEST):
                 chunk = await stream.receive_some(4096)
                 if not chunk:
                     break
@@ -85,7 +87,8 @@ async def _handle(server: Server, sources: metrics.Sources, socket: trio.SocketS
                 f"HTTP/1.1 {status}\r\n{challenge}Content-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             )
-            await stream.send_all(head.encode() + body)
+            head_only = request[:5] == b"HEAD "  # the headers GET would have, no body
+            await stream.send_all(head.encode() + (b"" if head_only else body))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
     finally:
@@ -95,7 +98,7 @@ async def _handle(server: Server, sources: metrics.Sources, socket: trio.SocketS
 def _token(request: bytes) -> bytes | None:
     """The token an ``Authorization`` header carries: a bearer token, or basic auth's
     password (Prometheus' ``authorization`` and ``basic_auth`` scrape settings)."""
-    for line in request.split(b"\r\n")[1:]:
+    for line in request.splitlines()[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() != b"authorization":
             continue
@@ -122,8 +125,8 @@ def _allowed(server: Server, request: bytes, path: str) -> bool:
 def _respond(server: Server, sources: metrics.Sources, request: bytes) -> tuple[str, str, bytes]:
     text = "text/plain; charset=utf-8"
     try:
-        method, target, _ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
-    except ValueError:
+        method, target, _ = request.splitlines()[0].decode("latin-1").split(" ", 2)
+    except (ValueError, IndexError):
         return "400 Bad Request", text, b"bad request\n"
     if method not in ("GET", "HEAD"):
         return "405 Method Not Allowed", text, b"only GET\n"
