@@ -104,7 +104,7 @@ def dump(data_dir: str, out: str, *, device_id: str | None = None, window: Windo
     total = sum(max(0, s - entries.get(os.path.basename(p), {}).get("source_size", 0))
                 for p, s in sizes.items())
     done = new = grown = added_records = added_bytes = 0
-    damage: list[str] = []
+    damage: list[str] = [f"{os.path.basename(p)}: {reader.ODD}" for p in source.odd]
     last_name = os.path.basename(source.segments[-1]) if source.segments else ""
     for path in source.segments:
         name = os.path.basename(path)

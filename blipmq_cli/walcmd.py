@@ -63,6 +63,8 @@ def parse_time(text: str) -> int:
 def iso(ms: int | None) -> str:
     if ms is None:
         return "-"
+    if not 0 <= ms <= rec.MAX_TIMESTAMP_MS:  # readers refuse such records; never a crash
+        return f"{ms} ms"
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
@@ -90,14 +92,26 @@ class Loaded:
 def segments(path: str, report: Callable[[str], None]) -> Iterator[Loaded]:
     """Each segment of the log at ``path``, read and checked; damage goes to ``report``."""
     log = reader.find_log(path)
+    problems, crcs = reader.log_problems(log)
+    for p in problems:  # a missing segment, a file that is not one, a manifest's complaint
+        lost = f"; {p.bytes:,} bytes" if p.bytes else ""
+        report(f"{p.segment}: {p.problem}{lost}")
     for i, seg in enumerate(log.segments):
         name = os.path.basename(seg)
+        if not reader.regular(seg):  # replaced by a FIFO meanwhile
+            report(f"{name}: {reader.ODD}")
+            continue
         try:
             with open(seg, "rb") as f:
                 data = f.read()
         except FileNotFoundError:  # retention removed it meanwhile
             continue
-        checked = reader.check(data, name, open_tail=i == len(log.segments) - 1)
+        # a dump is sealed: a record cut off at its end is damage, not a write under way
+        checked = reader.check(data, name,
+                               open_tail=not log.dump and i == len(log.segments) - 1)
+        if crcs is not None and not checked.damage and (
+                bad := reader.crc_problem(data, crcs.get(name))):  # unexplained by damage
+            report(f"{name}: {bad}")
         for d in checked.damage:
             report(f"{name}: {d.problem} at byte {d.start}; {d.end - d.start} bytes skipped")
         yield Loaded(name, data, checked)

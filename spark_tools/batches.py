@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from blipmq_server.broker import durable
-from blipmq_server.errors import ProtocolError
+from blipmq_server.errors import ProtocolError, WalError
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol import message as msg
 from blipmq_server.wal import reader
@@ -107,6 +107,11 @@ def _batch(data: bytes, buf: np.ndarray, whole: pa.Buffer, pos: np.ndarray, devi
     topic_at = pos + _HEAD_SIZE
     key_at = topic_at + tlen
     payload_at = key_at + klen
+    # ``check`` refuses a MESSAGE whose lengths run past it (record.body_problem); slicing
+    # the whole buffer past a record would read memory beyond it, so say so, never do it
+    record_end = pos + 4 + head["p0"].astype(np.int64)
+    if np.any(is_msg & ((payload_at + plen > record_end) | (record_end > len(buf)))):
+        raise WalError(f"{segment}: a MESSAGE record's lengths run past it (not checked)")
     has_key = is_msg & ((flags & msg.FLAG_KEY) != 0)
     not_msg = pa.array(~is_msg)
     topic = _cut(whole, topic_at, tlen, not_msg)

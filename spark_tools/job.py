@@ -133,9 +133,12 @@ def export(spark: SparkSession, opts: ExportOptions) -> Exported:
         counts = {r["kind"]: (r["n"], r["b"]) for r in records.groupBy("kind").agg(
             F.count("*").alias("n"), F.sum("payload_size").alias("b")).collect()}
         clock.lap("decode and cache")
-        if not counts:
-            from blipmq_server.errors import WalError
-            raise WalError(f"{', '.join(opts.inputs)}: the logs hold no records")
+        if not sum(n for kind, (n, _) in counts.items() if kind != "damage"):
+            from blipmq_server.errors import WalError  # damage only is no record either
+            parts, damaged = counts.get("damage", (0, 0))
+            raise WalError(f"{', '.join(opts.inputs)}: the logs hold no records"
+                           + (f" (damage only: {parts} part(s), {damaged or 0:,} bytes)"
+                              if parts else ""))
         rows = sum(n for kind, (n, _) in counts.items() if kind != "damage")
         write_records(source, os.path.join(opts.output, "records"))
         clock.lap("records")

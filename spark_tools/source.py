@@ -25,7 +25,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from blipmq_server.errors import WalError
 from blipmq_server.wal import reader
-from spark_tools.batches import SCHEMA, segment_batches
+from spark_tools.batches import SCHEMA, damage_batch, segment_batches
 
 NAME = "blipmq-wal"
 PARTITION_BYTES = 64 * 1024 * 1024
@@ -44,6 +44,9 @@ class Piece:
     device: str
     path: str
     open_tail: bool
+    crc: int | None = None  # a dump segment's CRC-32C in its manifest (checked when read)
+    notes: tuple[reader.Missing, ...] = ()  # damage known without reading (a lost segment)
+    skip: bool = False  # nothing to read: a missing segment, a file that is not a segment
 
 
 class Files(InputPartition):
@@ -75,12 +78,19 @@ def plan(paths: list[str], partition_bytes: int = PARTITION_BYTES) -> list[list[
     for path in paths:
         for log in reader.find_logs(path):
             device = device_of(log)
+            problems, crcs = reader.log_problems(log)
+            where = os.path.dirname(log.segments[0]) if log.segments else log.root
+            if problems:  # rows of their own, read with the first partition
+                current.append(Piece(device, os.path.join(where, "-"), False,
+                                     notes=tuple(problems), skip=True))
             for i, seg in enumerate(log.segments):
                 seg_size = os.path.getsize(seg) if os.path.exists(seg) else 0
                 if current and size + seg_size > partition_bytes:
                     groups.append(current)
                     current, size = [], 0
-                current.append(Piece(device, seg, i == len(log.segments) - 1))
+                name = os.path.basename(seg)
+                current.append(Piece(device, seg, not log.dump and i == len(log.segments) - 1,
+                                     crc=(crcs or {}).get(name)))
                 size += seg_size
     if current:
         groups.append(current)
@@ -89,13 +99,23 @@ def plan(paths: list[str], partition_bytes: int = PARTITION_BYTES) -> list[list[
 
 def read_pieces(pieces: list[Piece]) -> Iterator[pa.RecordBatch]:
     for piece in pieces:
+        for note in piece.notes:
+            yield damage_batch((reader.Damage(0, note.bytes, note.problem),), piece.device,
+                               note.segment)
+        if piece.skip:
+            continue
+        name = os.path.basename(piece.path)
+        if not reader.regular(piece.path):
+            yield damage_batch((reader.Damage(0, 0, reader.ODD),), piece.device, name)
+            continue
         try:
             with open(piece.path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             continue
-        name = os.path.basename(piece.path)
         checked = reader.check(data, name, open_tail=piece.open_tail)
+        if not checked.damage and (bad := reader.crc_problem(data, piece.crc)) is not None:
+            yield damage_batch((reader.Damage(0, 0, bad),), piece.device, name)
         yield from segment_batches(data, checked, piece.device, name)
 
 
@@ -159,8 +179,68 @@ def read_wal(spark: SparkSession, paths: list[str], partition_bytes: int = PARTI
         ids = spark.range(len(groups), numPartitions=len(groups))
         return ids.mapInArrow(_Tasks(groups), DDL)
     files = (spark.read.format("binaryFile").option("pathGlobFilter", "*.seg")
-             .option("recursiveFileLookup", "true").load(paths).select("path", "content"))
-    return files.mapInArrow(_decode_files, DDL)
+             .option("recursiveFileLookup", "true").load(paths))
+    notes, crcs, sealed = _audit_remote(spark, paths,
+                                        files.select("path", "length").collect())
+    decoded = files.select("path", "content").mapInArrow(_DecodeFiles(crcs, sealed), DDL)
+    if not notes:
+        return decoded
+    return decoded.unionByName(spark.range(1, numPartitions=1).mapInArrow(_Notes(notes), DDL))
+
+
+def _owner(path: str) -> tuple[str, str]:
+    """(the directory holding a segment's ``wal/`` directory, or its own; the device)."""
+    parts = path.rstrip("/").split("/")
+    if len(parts) >= 3 and parts[-2] == reader.WAL_DIR:
+        return "/".join(parts[:-2]), parts[-3]
+    return "/".join(parts[:-1]), parts[-2] if len(parts) >= 2 else "unknown"
+
+
+def _audit_remote(spark: SparkSession, paths: list[str], listing: list
+                  ) -> tuple[list[tuple[str, str, int, str]], dict[str, int], set[str]]:
+    """The dumps' manifests (read through ``binaryFile`` too) against the segment files
+    listed: what is missing or cut short becomes damage rows, what matches gets its CRC
+    checked when read. Dump segments are sealed: a cut-off last record is damage."""
+    try:
+        found = (spark.read.format("binaryFile").option("pathGlobFilter", reader.MANIFEST)
+                 .option("recursiveFileLookup", "true").load(paths)
+                 .select("path", "content").collect())
+    except Exception as exc:  # no manifest anywhere: no dump to audit
+        if "PATH_NOT_FOUND" not in str(exc) and "UNABLE_TO_INFER_SCHEMA" not in str(exc):
+            raise
+        found = []
+    sizes: dict[str, dict[str, int]] = {}
+    for row in listing:
+        root, _ = _owner(row["path"])
+        sizes.setdefault(root, {})[row["path"].rstrip("/").split("/")[-1]] = row["length"]
+    notes: list[tuple[str, str, int, str]] = []
+    crcs: dict[str, int] = {}
+    sealed: set[str] = set()
+    for row in found:
+        root = row["path"].rstrip("/").rsplit("/", 1)[0]
+        device = root.rstrip("/").rsplit("/", 1)[-1]
+        manifest, problem = reader.parse_manifest(bytes(row["content"]))
+        if problem is not None:
+            notes.append((device, reader.MANIFEST, 0, problem))
+        if manifest is None:
+            continue
+        sealed.add(root)
+        missing, expected = reader.audit(manifest, sizes.get(root, {}))
+        notes += [(device, m.segment, m.bytes, m.problem) for m in missing]
+        crcs |= {f"{root}/{reader.WAL_DIR}/{name}": crc for name, crc in expected.items()}
+    return notes, crcs, sealed
+
+
+class _Notes:
+    """``mapInArrow`` over one row: the damage found without reading a segment."""
+
+    def __init__(self, notes: list[tuple[str, str, int, str]]) -> None:
+        self.notes = notes
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for _ in batches:
+            for device, segment, size, problem in self.notes:
+                yield damage_batch((reader.Damage(0, size, problem),), device, segment)
 
 
 class _Tasks:
@@ -175,15 +255,25 @@ class _Tasks:
                 yield from read_pieces(self.groups[i])
 
 
-def _decode_files(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+class _DecodeFiles:
     """``mapInArrow`` over (path, content) rows of ``binaryFile``: the same decoder. The
-    device is the directory holding the segment's ``wal/`` directory."""
-    for batch in batches:
-        for path, content in zip(batch.column("path").to_pylist(),
-                                 batch.column("content").to_pylist(), strict=True):
-            parts = path.rstrip("/").split("/")
-            name = parts[-1]
-            owner = parts[-3] if len(parts) >= 3 and parts[-2] == reader.WAL_DIR else parts[-2]
-            checked = reader.check(content, name, open_tail=True)
-            for out in segment_batches(content, checked, owner, name):
-                yield out.cast(SCHEMA) if out.schema != SCHEMA else out
+    device is the directory holding the segment's ``wal/`` directory. A dump's segment
+    (its root in ``sealed``) is sealed and checked against its manifest's CRC."""
+
+    def __init__(self, crcs: dict[str, int], sealed: set[str]) -> None:
+        self.crcs = crcs
+        self.sealed = sealed
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            for path, content in zip(batch.column("path").to_pylist(),
+                                     batch.column("content").to_pylist(), strict=True):
+                name = path.rstrip("/").split("/")[-1]
+                root, owner = _owner(path)
+                checked = reader.check(content, name, open_tail=root not in self.sealed)
+                outs = list(segment_batches(content, checked, owner, name))
+                if not checked.damage and (
+                        bad := reader.crc_problem(content, self.crcs.get(path))) is not None:
+                    outs.append(damage_batch((reader.Damage(0, 0, bad),), owner, name))
+                for out in outs:
+                    yield out.cast(SCHEMA) if out.schema != SCHEMA else out

@@ -87,7 +87,12 @@ def test_offsets_are_not_reused_after_a_damaged_end_even_across_a_second_restart
     (rec.Kind.ACK, b"\x00\x00\x00\x00\x01"),
     (rec.Kind.RETAINED, b"\x00\x00\x00\x01"),
     (rec.Kind.MESSAGE, b"\x08"),  # retained, and shorter than a message's head
-], ids=["state", "state-key", "group", "ack", "retained", "retained-message"])
+    # D03: a plain message whose payload length runs past the record (a malformed DELIVER,
+    # `sub` reconnected forever); the topic's the same
+    (rec.Kind.MESSAGE, b"\x01\x00\x00\x00\x00\x00\x01\x00\x00\xff\xff\xff\xfftx"),
+    (rec.Kind.MESSAGE, b"\x01\x00\x00\x00\x00\xff\xff\x00\x00\x00\x00\x00\x01tx"),
+], ids=["state", "state-key", "group", "ack", "retained", "retained-message",
+        "message-payload-past-its-end", "message-topic-past-its-end"])
 def test_a_record_with_a_valid_crc_and_a_body_that_does_not_parse_is_set_aside(
     start_broker, kind: int, body: bytes
 ) -> None:
@@ -114,3 +119,19 @@ def test_a_record_with_a_valid_crc_and_a_body_that_does_not_parse_is_set_aside(
     assert b2.cli("pub", "t", "after", "--qos", "1").returncode == 0
     assert read_all(b2, 50)[-1] == (51, "after")
     assert b2.stop() == 0
+
+
+def test_a_fifo_named_like_a_segment_does_not_hang_the_start(start_broker) -> None:
+    """D10: a FIFO named *.seg hung recovery (and that broker ignored SIGTERM)."""
+    import os
+
+    b = start_broker()
+    assert b.cli("pub", "t", "one", "--qos", "1").returncode == 0
+    assert b.stop() == 0
+    fifo = b.data_dir / "wal" / "00000000000000008889.seg"
+    os.mkfifo(fifo)
+    b2 = start_broker(data_dir=b.data_dir)
+    b2.wait_log("00000000000000008889.seg: not a regular file")
+    assert read_all(b2, 1) == [(1, "one")]
+    assert b2.stop() == 0
+    assert fifo.exists()

@@ -250,3 +250,47 @@ def test_mqtt_published_data_reads_and_exports_like_native(spark, tmp_path) -> N
     assert done.devices == 1 and done.damaged_parts == 0
     traffic = {r["topic"]: r["messages"] for r in done.aggregates["traffic"]}
     assert traffic == dict(Counter(t for (t, _, _), n in want.items() for _ in range(n)))
+
+
+@pytest.mark.slow
+def test_damage_the_export_crashed_on_or_missed_is_reported(spark, fleet, tmp_path) -> None:
+    """D03: a CRC-valid record whose payload length runs past it crashed the decoder
+    (SIGSEGV, the whole export failed). D04: a dump's segment cut short was "no damage" on
+    the binaryFile path (hdfs://, s3a://) and a few bytes locally. D13: logs holding only
+    damage exported with exit 0."""
+    import struct
+
+    from blipmq_server.errors import WalError
+    from blipmq_server.wal import reader
+    from blipmq_server.wal import record as rec
+
+    dumps, _ = fleet
+    work = tmp_path / "dumps"
+    shutil.copytree(dumps, work)
+    seg = sorted((work / "pi-1" / "wal").glob("*.seg"))[-1]
+    data = seg.read_bytes()
+    checked = reader.check(data, seg.name)
+    offset, pos = [(o, p) for o, p in checked.records
+                   if data[p + 8] == rec.Kind.MESSAGE][-1]
+    record, end = rec.decode_at(data, pos)
+    poison = struct.pack(">BIHHI", 1, 0, 1, 0, 0xFFFFFFFF) + b"tx"
+    seg.write_bytes(data[:pos] + rec.encode(record.kind, offset, record.timestamp_ms, poison)
+                    + data[end:])
+    cut = sorted((work / "pi-2" / "wal").glob("*.seg"))[-1]
+    whole = cut.read_bytes()
+    cut.write_bytes(whole[:len(whole) // 2])
+    for via in ("tasks", "binaryFile"):
+        rows = (read_wal(spark, [str(work)], via=via).where(F.col("kind") == "damage")
+                .select("device", "problem", "payload_size").collect())
+        problems = {(r.device, r.problem.split(" (")[0].split(":")[0]) for r in rows}
+        assert ("pi-1", f"MESSAGE record {offset} cannot be read") in problems, (via, rows)
+        assert ("pi-2", "segment cut short") in problems, (via, rows)
+        short = [r for r in rows
+                 if r.device == "pi-2" and r.problem.startswith("segment cut short")]
+        assert short[0].payload_size == len(whole) - len(whole) // 2, (via, rows)
+    empty = tmp_path / "empty" / "wal"
+    empty.mkdir(parents=True)
+    (empty / "00000000000000000001.seg").write_bytes(b"junk" * 10)
+    (empty / "00000000000000000009.seg").write_bytes(os.urandom(100))
+    with pytest.raises(WalError, match="hold no records"):
+        export(spark, ExportOptions((str(tmp_path / "empty"),), str(tmp_path / "out")))

@@ -253,3 +253,154 @@ def test_dump_draws_its_progress_on_a_terminal(tmp_path) -> None:
     assert "dumping" in text, text[-500:]
     assert len(percents & set(range(1, 100))) >= 3, sorted(percents)  # drawn on the way
     assert len(cat_json(tmp_path / "dump")) == 20_000
+
+
+def _message(topic: str, payload: bytes) -> bytes:
+    from blipmq_server.protocol import message as msg
+
+    return msg.message_record(msg.Message(topic, payload, 1, 0, None, False))
+
+
+def _crafted_log(tmp_path: Path, bad: list[tuple[int, bytes, int]]) -> tuple[Path, list[bytes]]:
+    """A data directory of one segment with ten messages, some replaced by records whose
+    CRC holds: (index, body, timestamp_ms). Returns it and the payloads that stay good."""
+    wal = tmp_path / "data" / "wal"
+    wal.mkdir(parents=True)
+    out, good = [], []
+    crafted = {i: (body, ts) for i, body, ts in bad}
+    for i in range(10):
+        body, ts = crafted.get(i, (_message("t", b"m%d" % i), 1795363200000 + i))
+        out.append(rec.encode(rec.Kind.MESSAGE, i + 1, ts, body))
+        if i not in crafted:
+            good.append(b"m%d" % i)
+    (wal / "00000000000000000001.seg").write_bytes(rec.header(1) + b"".join(out))
+    return tmp_path / "data", good
+
+
+def _spark_decode(path: Path) -> subprocess.CompletedProcess[bytes]:
+    """``read_pieces`` (the export's and the Spark source's decoder) in a process of its own:
+    what it read, as JSON lines (a crash stays there)."""
+    code = ("import json, sys\nfrom spark_tools.source import plan, read_pieces\n"
+            "for g in plan([sys.argv[1]]):\n"
+            "    for b in read_pieces(g):\n"
+            "        for r in b.select(['kind', 'offset', 'payload_size', 'problem', 'segment']"
+            ").to_pylist(): print(json.dumps(r))\n")
+    return subprocess.run([os.sys.executable, "-c", code, str(path)], capture_output=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              p for p in os.sys.path if p)})
+
+
+def test_a_message_whose_lengths_run_past_its_record_is_damage_in_every_reader(tmp_path) -> None:
+    """D03: a CRC-valid MESSAGE whose payload or topic length runs past the record: the wal
+    tools clamped it silently, the Spark decoder read past the buffer (SIGSEGV)."""
+    import struct
+
+    huge_payload = struct.pack(">BIHHI", 1, 0, 1, 0, 0xFFFFFFFF) + b"tx"
+    huge_topic = struct.pack(">BIHHI", 1, 0, 0xFFFF, 0, 1) + b"tx"
+    data_dir, good = _crafted_log(tmp_path, [(4, huge_payload, 1795363200004),
+                                             (9, huge_topic, 1795363200009)])
+    res = blipmq("wal", "cat", str(data_dir), "--format", "lines")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == good
+    err = res.stderr.decode()
+    assert "MESSAGE record 5 cannot be read" in err and "MESSAGE record 10 cannot be read" in err
+    assert "run past" in err, err
+    res = blipmq("wal", "inspect", str(data_dir))
+    assert res.returncode == 0 and b"Damage found: 2 part(s)" in res.stdout, res.stdout
+    res = _spark_decode(data_dir)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["offset"] for r in rows if r["kind"] == "message"] == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert sorted(r["problem"][:24] for r in rows if r["kind"] == "damage") == [
+        "MESSAGE record 10 cannot", "MESSAGE record 5 cannot "]
+
+
+def test_a_timestamp_past_year_9999_is_damage_not_a_crash(tmp_path) -> None:
+    """D10: a CRC-valid record stamped 2^63+5 ms made `wal inspect`/`cat` exit 1."""
+    data_dir, good = _crafted_log(tmp_path, [(3, _message("t", b"late"), 2**63 + 5)])
+    for args in (("cat", str(data_dir)), ("inspect", str(data_dir))):
+        res = blipmq("wal", *args)
+        assert res.returncode == 0, res.stderr
+        assert b"past the year 9999" in res.stdout + res.stderr
+    res = blipmq("wal", "cat", str(data_dir), "--format", "lines")
+    assert res.stdout.split() == good
+    res = _spark_decode(data_dir)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert 4 not in [r["offset"] for r in rows] and len(rows) == 10
+
+
+def test_a_fifo_named_like_a_segment_is_refused_not_waited_on(tmp_path) -> None:
+    """D10: a FIFO named *.seg hung `wal inspect|cat|dump` (opening it waits for a writer)."""
+    data_dir, good = _crafted_log(tmp_path, [])
+    os.mkfifo(data_dir / "wal" / "00000000000000008889.seg")
+    for args in (("cat", str(data_dir), "--format", "lines"), ("inspect", str(data_dir)),
+                 ("dump", "--data-dir", str(data_dir), "--out", str(tmp_path / "d"))):
+        res = subprocess.run([BLIPMQ, "wal", *args], capture_output=True, timeout=20)
+        assert res.returncode == 0, res.stderr
+        assert b"00000000000000008889.seg: not a regular file" in res.stdout + res.stderr
+    assert blipmq("wal", "cat", str(tmp_path / "d"), "--format", "lines").stdout.split() == good
+    res = subprocess.run([BLIPMQ, "wal", "inspect", str(data_dir / "wal" /
+                                                        "00000000000000008889.seg")],
+                         capture_output=True, timeout=20)
+    assert res.returncode == Exit.USAGE and b"not a regular file" in res.stderr
+
+
+def _dump_of_three_segments(start_broker, tmp_path) -> Path:
+    b = start_broker({"wal": {"segment_bytes": 4096}})
+    assert b.shell("seq 1 300 | blipmq pub t --qos 1 --lines -").returncode == 0
+    out = tmp_path / "dump"
+    assert b.cli("wal", "dump", "--data-dir", str(b.data_dir), "--out", str(out)).returncode == 0
+    assert b.stop() == 0
+    assert len(list((out / "wal").glob("*.seg"))) >= 3
+    return out
+
+
+def test_a_dump_missing_or_cutting_a_segment_is_reported(start_broker, tmp_path) -> None:
+    """D04: a dump missing a segment, or whose last segment is cut short or empty, or one
+    whose bytes changed, said "No damage found"."""
+    out = _dump_of_three_segments(start_broker, tmp_path)
+    segs = sorted((out / "wal").glob("*.seg"))
+    res = blipmq("wal", "inspect", str(out))
+    assert b"No damage found." in res.stdout
+    saved = {p: p.read_bytes() for p in segs}
+    cases = {
+        "missing": lambda: segs[1].unlink(),
+        "cut": lambda: segs[-1].write_bytes(saved[segs[-1]][:len(saved[segs[-1]]) - 30]),
+        "empty": lambda: segs[-1].write_bytes(b""),
+        # a header's base offset changed: no record check sees it, the manifest's CRC does
+        "changed": lambda: segs[0].write_bytes(saved[segs[0]][:15] + bytes(
+            [saved[segs[0]][15] ^ 0x40]) + saved[segs[0]][16:]),
+    }
+    want = {"missing": b"segment missing", "cut": b"segment cut short",
+            "empty": b"segment cut short", "changed": b"differs from the dump's manifest"}
+    for case, spoil in cases.items():
+        spoil()
+        res = blipmq("wal", "inspect", str(out))
+        assert res.returncode == 0, res.stderr
+        assert b"Damage found" in res.stdout and want[case] in res.stdout, (case, res.stdout)
+        res = blipmq("wal", "cat", str(out), "--format", "lines")
+        assert res.returncode == 0 and want[case] in res.stderr, (case, res.stderr)
+        for p, data in saved.items():
+            p.write_bytes(data)
+
+
+def test_unknown_format_versions_are_refused_or_named(start_broker, tmp_path) -> None:
+    """D12: a segment stamped version 99 was read as version 1 (and recovery rewrote it as
+    version 1); a dump manifest claiming version 2 was read without a word."""
+    out = _dump_of_three_segments(start_broker, tmp_path)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["format_version"] = manifest["wal_format_version"] = 2
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    res = blipmq("wal", "inspect", str(out))
+    assert res.returncode == 0 and b"dump format version 2" in res.stdout, res.stdout
+    b = start_broker()
+    assert b.cli("pub", "t", "x", "--qos", "1").returncode == 0
+    assert b.stop() == 0
+    seg, = (b.data_dir / "wal").glob("*.seg")
+    data = bytearray(seg.read_bytes())
+    data[6:8] = (99).to_bytes(2, "big")
+    seg.write_bytes(bytes(data))
+    res = blipmq("wal", "inspect", str(b.data_dir))
+    assert res.returncode == 0 and b"segment format version 99" in res.stdout, res.stdout
+    assert b"0 record(s)" in res.stdout

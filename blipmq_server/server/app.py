@@ -463,7 +463,7 @@ class Server:
         assert self.wal is not None and self.flusher is not None
         started = time.monotonic()
         found = self.recovery = self.wal.open(on_record=self.broker.recover,
-                                              message_flags=codec.FLAG_RETAIN)
+                                              message_flags=codec.FLAG_RETAIN, bodies=True)
         self._lost_at_start = self.broker.recovered(wall_ms())
         self.mqtt_sessions.recover(wall_ms())
         assert self.prefetcher is not None

@@ -108,7 +108,7 @@ class Log:
     # ---------------------------------------------------------------------------- recovery
 
     def open(self, on_record: Callable[[rec.Record], str | None] | None = None,
-             message_flags: int = 0) -> Recovery:
+             message_flags: int = 0, bodies: bool = False) -> Recovery:
         """Scan every segment, cut a torn tail, set damaged bytes aside, index the rest
         (``wal/recovery.py``).
 
@@ -116,14 +116,16 @@ class Log:
         (group, ack and retained records), so their owner can rebuild its state in the same
         pass, and with every MESSAGE whose flags byte has a bit of ``message_flags`` (the
         broker asks for retained publishes). It returns None, or why it cannot read the
-        record's body: that record is set aside as damaged.
+        record's body: that record is set aside as damaged. ``bodies`` (the broker): a
+        record ``record.body_problem`` refuses (a MESSAGE whose lengths run past it) is
+        damage too, so no reader is ever handed one.
         What an earlier run wrote may not have been fsynced: every segment kept, and the
         directory, count as unsynced until the first sync.
         """
         self._cache.drop()
         os.makedirs(self.directory, exist_ok=True)
         done = recover(self.directory, self.disk, self.options.index_every, on_record,
-                       message_flags)
+                       message_flags, bodies)
         self.segments = done.segments
         self._tail = self._batch_tail = self.segments[-1] if self.segments else None
         self.next_offset = done.next_offset

@@ -12,7 +12,9 @@ Standard library and ``crc32c`` only; no trio, no clock.
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -74,16 +76,22 @@ def check(data: bytes, name: str = "", *, open_tail: bool = True, last_offset: i
     view = memoryview(data)  # the CRC of each record is taken over a view, not a copy
     pos: int | None = max(start, rec.HEADER_SIZE) if header_ok else None
     damage_at, problem, torn = 0, "unreadable segment header", size < rec.HEADER_SIZE
+    if size >= rec.HEADER_SIZE and not header_ok and data[:6] == rec.MAGIC:
+        version = rec.HEADER.unpack_from(data)[1]
+        # a format this reader does not know: its records are not read as version 1's
+        problem = (f"segment format version {version}, this reader knows "
+                   f"{rec.FORMAT_VERSION} only; not read")
+        return Checked(base, [], (Damage(0, size, problem),), 0, size)
     for _ in range(size + 1):  # each round moves forward: bounded by the size
         if pos is not None:
-            scan = rec.scan(view, pos, last)
+            scan = rec.scan(view, pos, last, bodies=True)
             records += scan.records
             if scan.records:
                 last = scan.records[-1][0]
             if scan.problem is None:
                 return Checked(base, records, tuple(damage), 0, size)
             damage_at, problem, torn = scan.good_end, scan.problem, scan.torn
-        pos = rec.resync(data, max(damage_at + 1, rec.HEADER_SIZE), last)
+        pos = rec.resync(data, max(damage_at + 1, rec.HEADER_SIZE), last, bodies=True)
         if pos is None:
             break
         damage.append(Damage(damage_at, pos, problem))
@@ -103,10 +111,13 @@ class LogFiles:
     root: str  # the path as found
     segments: tuple[str, ...]  # segment file paths, in offset order
     dump: bool  # a dump made by ``blipmq wal dump`` (its manifest is in ``root``)
+    odd: tuple[str, ...] = ()  # named like segments but not regular files (FIFOs, devices...)
 
 
 def find_log(path: str) -> LogFiles:
     """The log at ``path``; raises WalError when ``path`` holds none."""
+    if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+        raise WalError(f"{path}: not a regular file (a FIFO, a device or a socket)")
     if os.path.isfile(path):
         if not path.endswith(SUFFIX):
             raise WalError(f"{path}: not a segment file (a BlipMQ segment ends in {SUFFIX})")
@@ -144,9 +155,130 @@ def _log_in(directory: str) -> LogFiles | None:
         if not os.path.isdir(where):
             continue
         names = sorted(n for n in os.listdir(where) if n.endswith(SUFFIX))
+        odd = [n for n in names if not regular(os.path.join(where, n))]
         if names or where == sub:  # a log with no segment yet is still a log
-            return LogFiles(directory, tuple(os.path.join(where, n) for n in names), dump)
+            return LogFiles(directory, tuple(os.path.join(where, n) for n in names
+                                             if n not in odd), dump,
+                            tuple(os.path.join(where, n) for n in odd))
     return None
+
+
+def regular(path: str) -> bool:
+    """Whether ``path`` is a regular file (following links). Opening a FIFO named like a
+    segment would wait for a writer forever; a device would never end."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True  # gone meanwhile, or unreadable: opening it says so
+
+
+ODD = "not a regular file (a FIFO, a device or a socket); not read"
+
+
+# ------------------------------------------------------------------------- dump manifests
+
+
+class Missing(NamedTuple):
+    """What a dump's manifest lists and its files lack (or have unlisted)."""
+
+    segment: str  # the segment's name ("manifest.json" for the manifest itself)
+    bytes: int  # bytes missing (or extra)
+    problem: str
+
+
+DUMP_FORMAT = "blipmq-wal-dump"
+DUMP_VERSION = 1
+
+
+def load_manifest(root: str) -> tuple[dict | None, str | None]:
+    """The manifest of the dump at ``root`` and what is wrong with it (None: nothing)."""
+    try:
+        with open(os.path.join(root, MANIFEST), encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable ({exc})"
+    return _manifest_problem(found)
+
+
+def parse_manifest(raw: bytes) -> tuple[dict | None, str | None]:
+    try:
+        return _manifest_problem(json.loads(raw))
+    except ValueError as exc:
+        return None, f"unreadable ({exc})"
+
+
+def _manifest_problem(found: object) -> tuple[dict | None, str | None]:
+    if not isinstance(found, dict) or found.get("format") != DUMP_FORMAT:
+        return None, "not a BlipMQ dump manifest"
+    if not isinstance(found.get("segments"), list):
+        return None, "lists no segments"
+    versions = (found.get("format_version"), found.get("wal_format_version"))
+    if versions != (DUMP_VERSION, rec.FORMAT_VERSION):
+        return found, (f"dump format version {versions[0]}, log format version {versions[1]}: "
+                       f"this reader knows {DUMP_VERSION} and {rec.FORMAT_VERSION}; the "
+                       "segments are read by their own headers")
+    return found, None
+
+
+def audit(manifest: dict, sizes: dict[str, int]) -> tuple[list[Missing], dict[str, int]]:
+    """A dump's segment files (name -> size) against its manifest: a segment missing, cut
+    short, longer or not listed is a problem. Also returns the CRC-32C each segment whose
+    size matches must have (``crc_problem``)."""
+    problems: list[Missing] = []
+    crcs: dict[str, int] = {}
+    listed: set[str] = set()
+    for entry in manifest.get("segments", []):
+        try:
+            name, size = str(entry["name"]), int(entry["size"])
+            what = (f"the manifest lists {int(entry['records']):,} record(s), offsets "
+                    f"{entry['first_offset']}..{entry['last_offset']}")
+            crc = int(entry["crc32c"])
+        except (KeyError, TypeError, ValueError):
+            problems.append(Missing(MANIFEST, 0, f"unreadable segment entry {entry!r}"))
+            continue
+        listed.add(name)
+        have = sizes.get(name)
+        if have is None:
+            problems.append(Missing(name, size, f"segment missing: {what} in {size:,} bytes"))
+        elif have < size:
+            problems.append(Missing(name, size - have, f"segment cut short: {have:,} of "
+                                    f"{size:,} bytes; {what}"))
+        elif have > size:
+            problems.append(Missing(name, have - size, f"segment {have - size:,} bytes longer "
+                                    f"than the manifest's {size:,}"))
+        else:
+            crcs[name] = crc
+    for name in sorted(set(sizes) - listed):
+        problems.append(Missing(name, 0, "segment not listed in the dump's manifest"))
+    return problems, crcs
+
+
+def crc_problem(data: bytes, crc: int | None) -> str | None:
+    if crc is None or rec.crc32c(data) == crc:
+        return None
+    return "CRC-32C differs from the dump's manifest: the copy changed after the dump"
+
+
+def log_problems(log: LogFiles) -> tuple[list[Missing], dict[str, int] | None]:
+    """What is wrong with a log as a whole, beyond each segment's bytes: files named like
+    segments that are not regular files, and for a dump, its manifest against its files.
+    Also the CRC each dump segment must have (None: not a dump)."""
+    problems = [Missing(os.path.basename(p), 0, ODD) for p in log.odd]
+    if not log.dump:
+        return problems, None
+    manifest, problem = load_manifest(log.root)
+    if problem is not None:
+        problems.append(Missing(MANIFEST, 0, problem))
+    if manifest is None:
+        return problems, None
+    sizes = {}
+    for path in log.segments:
+        try:
+            sizes[os.path.basename(path)] = os.path.getsize(path)
+        except OSError:
+            pass
+    found, crcs = audit(manifest, sizes)
+    return problems + found, crcs
 
 
 # -------------------------------------------------------------------------------- records

@@ -68,6 +68,9 @@ PREFIX = struct.Struct(">II")  # length, crc32c
 FIXED = struct.Struct(">BQQ")  # kind, offset, timestamp_ms
 RECORD_OVERHEAD = PREFIX.size + FIXED.size  # 25
 MIN_LENGTH = 4 + FIXED.size  # crc + fixed fields: 21
+MSG_HEAD = struct.Struct(">BIHHI")  # a MESSAGE body's head (protocol.message.MSG_HEAD)
+MSG_HEAD_SIZE = MSG_HEAD.size  # 13
+MAX_TIMESTAMP_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: no reader goes further
 
 
 class Record(NamedTuple):
@@ -118,8 +121,12 @@ class Scan(NamedTuple):
 
 
 def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = -1,
-         message_flags: int = 0) -> Scan:
+         message_flags: int = 0, bodies: bool = False) -> Scan:
     """Validate records from ``start``; stops at the first damage. Never raises on bad bytes.
+
+    ``bodies``: also refuse a record ``body_problem`` finds unreadable (a MESSAGE whose
+    inner lengths run past it, a timestamp past the year 9999). The broker's recovery and
+    every outside reader ask for it; the log's own tests store opaque bodies.
 
     ``others`` lists the records that are not MESSAGE, and the MESSAGE records whose body's
     first byte (the message flags) has any bit of ``message_flags`` set.
@@ -130,6 +137,8 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
     others: list[int] = []
     unpack_prefix = PREFIX.unpack_from
     unpack_fixed = FIXED.unpack_from
+    unpack_msg = MSG_HEAD.unpack_from
+    max_ts, message, min_message = MAX_TIMESTAMP_MS, _MESSAGE, _MIN_MESSAGE
     while pos < size:
         if size - pos < PREFIX.size + FIXED.size:
             problem = f"{size - pos} trailing bytes, less than a record header"
@@ -143,11 +152,17 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
             return Scan(out, pos, problem, True, others)
         if crc32c(data[pos + 8 : end]) != crc:
             return Scan(out, pos, "CRC mismatch", end == size, others)
-        kind, offset, _ = unpack_fixed(data, pos + 8)
+        kind, offset, ts = unpack_fixed(data, pos + 8)
         if kind not in _KINDS:
             return Scan(out, pos, f"unknown record kind {kind}", False, others)
         if offset <= last_offset:
             return Scan(out, pos, f"offset {offset} does not follow {last_offset}", False, others)
+        if bodies and (ts > max_ts or (kind == message and (
+                length < min_message or (h := unpack_msg(data, pos + RECORD_OVERHEAD))[2]
+                + h[3] + h[4] > length - min_message))):  # inline: recovery's hot loop
+            bad = body_problem(data, pos, end)
+            return Scan(out, pos, f"{_NAMES.get(kind, kind)} record {offset} cannot be read "
+                                  f"({bad})", False, others)
         out.append((offset, pos))
         if kind != _MESSAGE:
             others.append(pos)
@@ -159,13 +174,36 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
     return Scan(out, pos, None, False, others)
 
 
+def body_problem(data: bytes | memoryview, pos: int, end: int) -> str | None:
+    """Why the record at ``pos`` (ending at ``end``, its CRC checked) cannot be read, or None:
+    a timestamp no reader can show (past year 9999), or a MESSAGE body whose head or inner
+    lengths (topic, key, payload) run past the record. Every reader relies on this: the
+    Spark decoder slices the segment buffer with these lengths, the broker delivers them."""
+    kind, _, ts = FIXED.unpack_from(data, pos + 8)
+    if ts > MAX_TIMESTAMP_MS:
+        return f"timestamp {ts} ms is past the year 9999"
+    if kind != _MESSAGE:
+        return None
+    body = pos + RECORD_OVERHEAD
+    if end - body < MSG_HEAD_SIZE:
+        return f"its body of {end - body} bytes is shorter than a message head"
+    _, _, tlen, klen, plen = MSG_HEAD.unpack_from(data, body)
+    need = MSG_HEAD_SIZE + tlen + klen + plen
+    if need > end - body:
+        return (f"its topic, key and payload lengths ({tlen}, {klen}, {plen}) run past its "
+                f"body of {end - body} bytes")
+    return None
+
+
 _KINDS = frozenset(int(k) for k in Kind)
+_MIN_MESSAGE = MIN_LENGTH + MSG_HEAD_SIZE  # the length of a MESSAGE record with empty fields
+_NAMES = {int(k): k.name for k in Kind}
 _MESSAGE = int(Kind.MESSAGE)  # a plain int: an enum member costs a lookup per record
 _KIND_BYTE = re.compile(b"[" + bytes(sorted(_KINDS)) + b"]")
 
 
 def resync(data: bytes, start: int, last_offset: int, below: int | None = None,
-           end: int | None = None) -> int | None:
+           end: int | None = None, bodies: bool = False) -> int | None:
     """Where the first whole, valid record at or after ``start`` begins, or None.
 
     Recovery calls this after damage: a position counts when a record starts there whose
@@ -188,7 +226,8 @@ def resync(data: bytes, start: int, last_offset: int, below: int | None = None,
         _, offset, _ = unpack_fixed(data, pos + 8)
         if offset <= last_offset or (below is not None and offset >= below):
             continue
-        if crc32c(view[pos + 8 : pos + 4 + length]) == crc:
+        if (crc32c(view[pos + 8 : pos + 4 + length]) == crc
+                and (not bodies or body_problem(data, pos, pos + 4 + length) is None)):
             return pos
     return None
 

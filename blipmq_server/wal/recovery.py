@@ -15,6 +15,7 @@ and ``crc32c``; no trio, no clock.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -54,6 +55,7 @@ def recover(
     index_every: int,
     on_record: Callable[[rec.Record], str | None] | None = None,
     message_flags: int = 0,
+    bodies: bool = False,
 ) -> Recovered:
     """Scan and repair every segment of ``directory`` in offset order.
 
@@ -68,6 +70,10 @@ def recover(
         if name.endswith(SUFFIX + TEMP):  # a rewrite that did not finish: the segment is whole
             disk.remove(os.path.join(directory, name))
     names = [n for n in names if n.endswith(SUFFIX)]
+    for name in [n for n in names if not _regular(os.path.join(directory, n))]:
+        names.remove(name)  # reading a FIFO would wait for a writer, and the start with it
+        found.notes.append(f"{name}: not a regular file (a FIFO, a device or a socket); "
+                           "left alone, not part of the log")
     bases = [base_of(n) for n in names]
     segments: list[Segment] = []
     last = used = 0  # newest valid offset; highest offset the files show as used
@@ -75,7 +81,7 @@ def recover(
         below = next((b for b in bases[i + 1:] if b is not None), None)
         path = os.path.join(directory, name)
         seg, seen = _segment(path, disk, i == len(names) - 1, last, below, found,
-                             index_every, on_record, message_flags)
+                             index_every, on_record, message_flags, bodies)
         used = max(used, seen)
         if seg is None:
             continue
@@ -110,6 +116,7 @@ def _segment(
     index_every: int,
     on_record: Callable[[rec.Record], str | None] | None,
     message_flags: int = 0,
+    bodies: bool = False,
 ) -> tuple[Segment | None, int]:
     """Check and repair one segment file; returns what is kept of it (None: nothing) and the
     highest offset its bytes show as used."""
@@ -137,7 +144,7 @@ def _segment(
     damage_at, problem, torn = 0, "unreadable segment header", False
     for _ in range(len(data)):  # each round moves forward: bounded by the size
         if pos is not None:
-            scan = rec.scan(data, pos, last, message_flags)
+            scan = rec.scan(data, pos, last, message_flags, bodies)
             records += scan.records
             others += scan.others
             if scan.records:
@@ -147,7 +154,7 @@ def _segment(
             if scan.problem is None:
                 break
             damage_at, problem, torn = scan.good_end, scan.problem, scan.torn
-        pos = rec.resync(data, max(damage_at + 1, rec.HEADER_SIZE), last, below)
+        pos = rec.resync(data, max(damage_at + 1, rec.HEADER_SIZE), last, below, bodies=bodies)
         if pos is None:
             break
         damaged.append((damage_at, pos, problem))
@@ -193,7 +200,7 @@ def _segment(
         data = rec.header(base) + b"".join(data[a:b] for a, b in runs)
         disk.write_file(path + TEMP, data)
         disk.rename(path + TEMP, path)
-        scan = rec.scan(data, message_flags=message_flags)
+        scan = rec.scan(data, message_flags=message_flags, bodies=bodies)
         records, others = scan.records, scan.others
     elif pos is None:
         disk.truncate(path, damage_at)
@@ -210,6 +217,13 @@ def _segment(
         seg.index = records[::index_every]
         seg.last_ts = rec.decode_at(data, records[-1][1])[0].timestamp_ms
     return seg, used
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True  # reading it says what is wrong
 
 
 def _without(runs: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
