@@ -634,18 +634,27 @@ def test_inbound_qos2_packet_ids_survive_sigkill(start_broker) -> None:
     assert b.stop(signal.SIGKILL) == -signal.SIGKILL
     raw.close()
 
+    logged = _resent_after_sigkill(start_broker, b, "crash-q2", "q2k/t", b"exactly once", 7)
+    assert logged == b"exactly once\n"
+
+
+def _resent_after_sigkill(start_broker, b, client_id: str, topic: str, payload: bytes,
+                          pid: int) -> bytes:
+    """``b`` was SIGKILLed with the PUBREL of ``client_id``'s QoS 2 PUBLISH ``pid`` owed:
+    the client sends it again (DUP 1) to a broker restarted on the same data, gets PUBREC,
+    PUBRELs it, and nothing is published again; what the log holds on ``topic``."""
     b2 = start_broker(MQTT, data_dir=b.data_dir)
     raw = Raw(b2.mqtt_port)
-    assert raw.connect("crash-q2", clean=False) == ConnAck(True, 0)
-    raw.send(Publish("q2k/t", b"exactly once", 2, False, True, 7))
-    assert raw.recv() == PubRec(7)
-    raw.send(PubRel(7))
-    assert raw.recv() == PubComp(7)
+    assert raw.connect(client_id, clean=False) == ConnAck(True, 0)
+    raw.send(Publish(topic, payload, 2, False, True, pid))
+    assert raw.recv() == PubRec(pid)
+    raw.send(PubRel(pid))
+    assert raw.recv() == PubComp(pid)
     raw.disconnect()
     assert b2.metric("blipmq_messages_published_total") == 0
-    logged = b2.cli("sub", "q2k/t", "--from", "earliest", "--until-end")
+    logged = b2.cli("sub", topic, "--from", "earliest", "--until-end")
     assert logged.returncode == 0, logged.stderr
-    assert logged.stdout == b"exactly once\n"
+    return logged.stdout
 
 
 def test_a_new_qos2_publish_reusing_a_remembered_packet_id_is_delivered(start_broker
@@ -679,18 +688,8 @@ def test_a_new_qos2_publish_reusing_a_remembered_packet_id_is_delivered(start_br
     assert b.stop(signal.SIGKILL) == -signal.SIGKILL  # PUBREL not sent yet
     raw.close()
 
-    b2 = start_broker(MQTT, data_dir=b.data_dir)
-    raw = Raw(b2.mqtt_port)
-    assert raw.connect("reuse-q2", clean=False) == ConnAck(True, 0)
-    raw.send(Publish("reuse/t", b"reading-B", 2, False, True, 5))
-    assert raw.recv() == PubRec(5)
-    raw.send(PubRel(5))
-    assert raw.recv() == PubComp(5)
-    raw.disconnect()
-    assert b2.metric("blipmq_messages_published_total") == 0
-    logged = b2.cli("sub", "reuse/t", "--from", "earliest", "--until-end")
-    assert logged.returncode == 0, logged.stderr
-    assert logged.stdout == b"reading-A\nreading-B\n"
+    logged = _resent_after_sigkill(start_broker, b, "reuse-q2", "reuse/t", b"reading-B", 5)
+    assert logged == b"reading-A\nreading-B\n"
 
 
 def test_a_suback_means_the_subscription_survives_sigkill(start_broker) -> None:
