@@ -480,6 +480,9 @@ def _parse_text(key: Key, text: str, name: str) -> object:
     return text
 
 
+_MAX_FILE_CHARS = 4 << 20  # a config file, [[bridge]] tables and all, is far smaller
+
+
 def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
     import tomllib  # only with a file: a broker on its defaults, flags and environment
     # never loads it (nor the datetime module it brings)
@@ -487,7 +490,10 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
     p = os.fspath(path)  # not pathlib: the broker process does not need it otherwise
     try:
         with open(p, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(_MAX_FILE_CHARS + 1)  # /dev/zero, a log given by mistake: not all
+        if len(text) > _MAX_FILE_CHARS:
+            raise ConfigError(f"config file {p} is over {_MAX_FILE_CHARS >> 20} MiB: not a "
+                              "configuration")
     except FileNotFoundError:
         raise ConfigError(f"config file {p} not found") from None
     except (OSError, UnicodeDecodeError) as exc:

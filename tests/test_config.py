@@ -186,3 +186,12 @@ def test_the_written_bridge_example_is_a_valid_bridge(tmp_path: Path) -> None:
         "cloud", (("mqtt.example.net", 8883),), True)
     assert [r.text() for r in bridge.rules] == ['sensors/# out 1 "" site17/',
                                                 'cmd/# in 1 "" site17/']
+
+
+def test_a_config_file_is_read_only_to_a_bound(tmp_path: Path) -> None:
+    """``--config /dev/zero`` (or a log given by mistake) read without end, gigabytes in
+    seconds; a config file is read up to 4 MiB and refused past it."""
+    big = tmp_path / "big.toml"
+    big.write_text("#" * (5 << 20))
+    assert "is over 4 MiB" in str(error_of(lambda: config.load(big, env={})))
+    assert "is over 4 MiB" in str(error_of(lambda: config.load("/dev/zero", env={})))
