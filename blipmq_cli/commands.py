@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import stat
 import sys
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from typing import BinaryIO
 
 from blipmq_cli import durations
 from blipmq_cli.client import Client, connect_from_env
-from blipmq_cli.exits import Exit, for_error
+from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, for_error, terminated
 from blipmq_cli.output import TemplateError, writer
 from blipmq_server.errors import BlipError, BrokerError, ConnectError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
@@ -238,6 +239,8 @@ def _pub_lines(
 ) -> int:
     stream = _stdin()
     client = connect_from_env(addr, api_key)
+    # with QoS 1, SIGTERM (a supervisor, `timeout`) says how far it got, as Ctrl-C does
+    old = signal.signal(signal.SIGTERM, terminated) if qos else None
     try:
         with client:
             plain = ttl == 0 and qos == 0 and key is None and not retain
@@ -265,6 +268,13 @@ def _pub_lines(
         if qos:  # still exit 130, but say how far we got, as above
             say(f"interrupted; {client.confirmed} of {client.qos1_sent} messages confirmed")
         raise
+    except Terminated:
+        say(f"terminated; {client.confirmed} of {client.qos1_sent} messages confirmed")
+        die_of_sigterm()
+        raise
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
     return Exit.OK
 
 

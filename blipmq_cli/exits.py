@@ -11,6 +11,25 @@ from blipmq_server.errors import BrokerError, ConfigError, ConnectError, TlsErro
 from blipmq_server.protocol.codec import ErrorCode
 
 
+class Terminated(BaseException):
+    """SIGTERM while a command has something to finish or to say (``sub --exec`` ends its
+    commands, ``pub -l -q 1`` says how far it got): then it dies of the signal."""
+
+
+def terminated(signum: int, frame: object) -> None:
+    """A SIGTERM handler: raises ``Terminated``."""
+    raise Terminated
+
+
+def die_of_sigterm() -> None:
+    """End this process by SIGTERM, as if no handler had caught it (exit status 143)."""
+    import os
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Exit(IntEnum):
     OK = 0
     INTERNAL = 1  # a bug: please report it

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from blipmq_cli.client import Client, Subscription, connect_from_env
 from blipmq_cli.commands import say
-from blipmq_cli.exits import Exit
+from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, terminated
 from blipmq_cli.output import Writer
 from blipmq_server.errors import ConnectError
 from blipmq_server.protocol.codec import Delivery, Start
@@ -88,13 +88,12 @@ class _Run:
             return self._run()
         # --exec: the commands run in their own process groups, and end with this process
         # whatever ends it (a signal, a lost reader, an error): none is left behind
-        old = signal.signal(signal.SIGTERM, _terminated)
+        old = signal.signal(signal.SIGTERM, terminated)
         try:
             return self._run()
-        except _Terminated:
+        except Terminated:
             self._stop()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)  # die of it, as without --exec
+            die_of_sigterm()  # as without --exec
             raise
         finally:
             self._stop()
@@ -391,14 +390,6 @@ class _Run:
                 continue
             say(f"{why} for offset {d.offset} (delivery {d.delivery_count}): given back")
             sub.nack(d, delay_ms=self.plan.retry_delay_ms, reason=why)
-
-
-class _Terminated(BaseException):
-    """SIGTERM during ``sub --exec``: the commands are ended, then this process dies of it."""
-
-
-def _terminated(signum: int, frame: object) -> None:
-    raise _Terminated
 
 
 def _stdout_fd() -> int | None:

@@ -697,7 +697,10 @@ def test_an_unwritable_stdout_is_one_line_and_exit_2(start_broker, command: str,
     assert res.stderr.decode() == f"blipmq: {error}\n"
 
 
-def test_ctrl_c_during_qos1_lines_says_how_many_were_confirmed(start_broker) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_during_qos1_lines_says_how_many_were_confirmed(start_broker, sig) -> None:
+    """Ctrl-C, or SIGTERM (a supervisor, ``timeout``): the last line says how far it got
+    (SIGTERM said nothing), then exit 130 for Ctrl-C, death by the signal for SIGTERM."""
     b = start_broker()
     with Client(b.addr) as watcher:
         sub = watcher.subscribe("int/t")
@@ -708,11 +711,12 @@ def test_ctrl_c_during_qos1_lines_says_how_many_were_confirmed(start_broker) -> 
         got = 0
         while got < 1000:  # bounded: each wait raises after 10 s
             got += len(sub.next_batch(timeout=10) or ())
-    pub.send_signal(signal.SIGINT)
+    pub.send_signal(sig)
     _, err = pub.communicate(timeout=10)
-    assert pub.returncode == Exit.INTERRUPTED
+    assert pub.returncode == (Exit.INTERRUPTED if sig == signal.SIGINT else -signal.SIGTERM)
     text = err.decode()
-    assert text.startswith("blipmq: interrupted; ") and text.endswith(
+    said = "interrupted" if sig == signal.SIGINT else "terminated"
+    assert text.startswith(f"blipmq: {said}; ") and text.endswith(
         " of 1000 messages confirmed\n") and text.count("\n") == 1, text
 
 
