@@ -20,6 +20,10 @@ def problem(name: str, publish: list[str], subscribe: list[str]) -> str | None:
         return "the key needs a name"
     if name == "*":
         return "the name '*' is the identity of auth.api_keys (full access): choose another"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8
+        return "the key's name is not UTF-8 text (the config file could not hold it)"
     for f in [*publish, *subscribe]:
         found = filter_problem(f, WIRE_TOPIC_BYTES)
         if found:

@@ -123,6 +123,10 @@ def test_keys_new_prints_a_key_once_and_its_hash(tmp_path) -> None:
     assert bad.returncode == 2 and bad.stderr.count(b"\n") == 1
     star = subprocess.run([BLIPMQ, "keys", "new", "*"], capture_output=True, timeout=30)
     assert star.returncode == 2 and b"'*'" in star.stderr and star.stdout == b""
+    # bytes that are not UTF-8: a stanza no config file could hold was printed
+    odd = subprocess.run([BLIPMQ.encode(), b"keys", b"new", b"\xff"], capture_output=True,
+                         timeout=30)
+    assert odd.returncode == 2 and b"not UTF-8" in odd.stderr and odd.stdout == b"", odd
     helped = subprocess.run([BLIPMQ, "keys", "new", "--help"], capture_output=True,
                             timeout=30, env={**os.environ, "COLUMNS": "200"})
     assert b"only a label" in helped.stdout and b"MQTT username)" not in helped.stdout
