@@ -116,8 +116,14 @@ def dump(data_dir: str, out: str, *, device_id: str | None = None, window: Windo
                 data = f.read()
         except FileNotFoundError:  # retention removed it meanwhile
             continue
-        if entry is not None and len(data) < entry["source_size"]:
-            entry = None  # rewritten (recovery set damage aside): copy it again
+        if entry is not None and (len(data) < entry["source_size"] or entry.get(
+                "source_crc32c", crc32c(data[:entry["source_size"]])) != crc32c(
+                    data[:entry["source_size"]])):
+            # rewritten (the broker's recovery set damage aside), perhaps grown past its
+            # old size since: what was copied is not its start any more; copy it again
+            damage.append(f"{name}: rewritten since the last dump (the broker's recovery set "
+                          "damage aside); copied again")
+            entry = None
         copied = _copy(data, name, os.path.join(wal_out, name), entry, window,
                        open_tail=name == last_name)
         entries[name] = copied.entry
@@ -179,6 +185,8 @@ def _copy(data: bytes, name: str, target: str, entry: dict[str, Any] | None, win
     entry["size"] += len(body)
     entry["crc32c"] = crc32c(body, entry["crc32c"])
     entry["source_size"] = checked.good_end
+    # the source's bytes copied so far: a later dump knows the segment was not rewritten
+    entry["source_crc32c"] = crc32c(data[:checked.good_end])
     entry["damaged_bytes"] += checked.damaged_bytes
     return _Copied(entry, len(kept), len(body), checked.damage)
 
