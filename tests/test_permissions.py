@@ -708,6 +708,54 @@ def test_mqtt_a_restored_filter_the_key_lost_leaves_no_group_behind(keyed) -> No
     back.disconnect()
 
 
+def test_mqtt_a_restored_share_the_key_lost_gives_back_what_it_kept(keyed) -> None:
+    """alice's persistent session is a QoS 2 member of ``$share/s/q/#``: it got a message,
+    did not PUBREC it and went away, so the message waits for her session (MQTT-4.8.2-5),
+    not for the other member (an admin's: no other key may join a group alice's key made).
+    A reload takes q/# away from her key: on resume the filter is refused, and the message
+    goes to the other member (it stayed kept for good)."""
+    from blipmq_server.mqtt.packets import Subscribe
+
+    alice = make("alice", publish=["#"], subscribe=["#"])
+    admin = root()
+    b = keyed(alice, admin)
+
+    def member(key: Key, client_id: str, clean: bool) -> Raw:
+        raw = Raw(b.mqtt_port)
+        assert raw.connect(client_id, clean=clean, username=key.name,
+                           password=key.key.encode()).code == 0
+        raw.send(Subscribe(1, (("$share/s/q/#", 2),)))
+        acked = raw.recv()
+        assert acked.codes == (2,), (acked, b.log[-5:])  # type: ignore[attr-defined]
+        return raw
+
+    a = member(alice, "dev-11", clean=False)
+    pub = Raw(b.mqtt_port)
+    assert pub.connect("pub-11", username=admin.name, password=admin.key.encode()).code == 0
+    pub.send(Publish("q/x", b"kept", 2, False, False, 1))
+    assert pub.recv() == PubRec(1)
+    pub.send(PubRel(1))
+    assert pub.recv() == PubComp(1)
+    got = a.recv()
+    assert isinstance(got, Publish) and got.payload == b"kept"
+    a.close()  # no PUBREC
+    other = member(admin, "other-1", clean=True)
+    other.send(PingReq())
+    assert other.recv() == PingResp()  # kept for alice: nothing for bob
+    narrowed = Key(alice.name, alice.key, {"publish": ["#"], "subscribe": ["pub/#"]})
+    reload_keys(b, narrowed, admin)
+    back = Raw(b.mqtt_port)
+    assert back.connect("dev-11", clean=False, username=alice.name,
+                        password=alice.key.encode()).session_present
+    b.wait_log("refused (0x80)")
+    given = other.recv()
+    assert isinstance(given, Publish) and given.payload == b"kept", given
+    other.send(PubRec(given.packet_id))
+    back.close()
+    other.close()
+    pub.close()
+
+
 # ==================================================================== 5. dead letters
 
 

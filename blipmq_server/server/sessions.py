@@ -124,7 +124,7 @@ class MqttSessions:
             session.subscribe_one(topic_filter, qos, retained=False, restored=True)
         # a filter refused now (the key may no longer read it, a damaged record) leaves the
         # session: its durable group goes too, or it would pile up a backlog nobody reads
-        self._drop_groups(cid, [f for f in subs if f not in session.subs])
+        self._end_filters(cid, [f for f in subs if f not in session.subs], wall_ms())
         session.say_refusals(len(subs))
         self._save(session)
         counts = self.broker.take_counts()
@@ -270,14 +270,7 @@ class MqttSessions:
         """A persistent session ends: its durable groups, the durable ``$share`` groups
         nobody else belongs to, and its records go."""
         wall = wall_ms()
-        self._drop_groups(cid, [f for f in subs if not f.startswith("$share/")])
-        for topic_filter in subs:
-            if topic_filter.startswith("$share/"):
-                share = state.share_of(topic_filter)
-                if share is not None:  # what its QoS 2 member had waits for nobody now
-                    self.server.wake(self.broker.release(share[1], share[0],
-                                                         state.group_name(cid)))
-                self._drop_share(cid, topic_filter, wall)
+        self._end_filters(cid, list(subs), wall)
         self.qos2.pop(cid, None)
         self.pubrel.pop(cid, None)
         self.owners.pop(cid, None)
@@ -286,6 +279,19 @@ class MqttSessions:
                     state.owner_key(cid)):
             self.broker.put_state(key, b"", wall)
         self.server.log_touched()
+
+    def _end_filters(self, cid: str, filters: list[str], wall: int) -> None:
+        """These filters leave the persistent session for good: its own durable groups on
+        them go; for a ``$share`` filter, what its QoS 2 member had kept goes to the other
+        members, and the group goes when nobody else belongs to it."""
+        self._drop_groups(cid, [f for f in filters if not f.startswith("$share/")])
+        for topic_filter in filters:
+            if topic_filter.startswith("$share/"):
+                share = state.share_of(topic_filter)
+                if share is not None:  # what its QoS 2 member had waits for nobody now
+                    self.server.wake(self.broker.release(share[1], share[0],
+                                                         state.group_name(cid)))
+                self._drop_share(cid, topic_filter, wall)
 
     def _drop_groups(self, cid: str, filters: list[str]) -> None:
         """The persistent session's own durable groups on these filters (where it has one)
