@@ -395,6 +395,30 @@ def test_a_checkpoint_keeps_unacked_deliveries_and_later_acks(tmp_path: Path) ->
     assert skipped == [(c2.queue, 5)] and c2.queue.skipped == 5
 
 
+def test_a_skip_of_unacked_deliveries_alone_recounts_from_the_cursor(tmp_path: Path) -> None:
+    """After a restart a group holds one old unacked delivery (from its checkpoint) and
+    reads far past it; the size cap removes the segment holding it. Only that delivery is
+    lost (skipped 1), and the backlog is counted again from the cursor: counted from where
+    retention cut the log, it held the 90 messages already delivered and acked, for good."""
+    s = Setup(tmp_path)
+    c = s.sub("conn", "t", "g", qos=1)
+    for i in range(100):
+        s.publish("t", b"%03d" % i)
+    s.commit()
+    got: list = []
+    while batch := s.take(c):
+        got += batch
+        s.broker.ack("conn", c.sub_id, tuple(o for o, _, p in batch if p != b"005"), 0)
+    s.broker.checkpoint(1000, s.log.segments[-1].base + 1)
+    s.commit()
+    s2 = s.reopen()
+    c2 = s2.sub("conn", "t", "g", qos=1)
+    s2.broker.take_counts()  # the restart's own count
+    assert s2.broker.skip_to(got[10][0]) == [(c2.queue, 1)]  # only "005" was below
+    (count,) = s2.broker.take_counts()
+    assert count.first >= c2.queue.next > got[99][0], (count, c2.queue.next)
+
+
 def test_cursor_batches_stay_within_max_bytes(tmp_path: Path) -> None:
     s = Setup(tmp_path, retry_backoff_ms=100)
     c = s.sub("conn", "t", "g", qos=1)

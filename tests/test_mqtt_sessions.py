@@ -1194,3 +1194,30 @@ def test_a_qos0_resubscribe_of_a_persistent_session_keeps_its_backlog(start_brok
     _nothing_more(again)
     again.disconnect()
     pub.disconnect()
+
+
+@pytest.mark.parametrize("then", ["reconnect", "restart"])
+def test_overlapping_live_and_log_subscriptions_at_qos0_lose_nothing_offline(
+        start_broker, then: str) -> None:
+    """A persistent session with ``+/x`` at QoS 0 (live: nothing waits for it offline) and
+    ``a/+`` made QoS 0 after QoS 2 (its durable group goes on, at QoS 0): messages to
+    ``a/x`` published while the client is away were owned by the older live subscription,
+    which never had them, and the log's copies were acked as if sent: all 20 lost. At the
+    same QoS a log cursor sends before a live queue."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("mix-1", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "+/x", 0, 1)
+    _subscribe(raw, "a/+", 2, 2)
+    _subscribe(raw, "a/+", 0, 3)
+    raw.close()
+    lines = b"".join(b"off %d\n" % i for i in range(20))
+    assert b.cli("pub", "a/x", "-", "--lines", "--qos", "1", input=lines).returncode == 0
+    if then == "restart":
+        assert b.stop() == 0
+        b = start_broker(MQTT, data_dir=b.data_dir)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("mix-1", clean=False) == ConnAck(True, 0)
+    got = [raw.expect(Publish) for _ in range(20)]
+    assert [m.payload for m in got] == [b"off %d" % i for i in range(20)]
+    _nothing_more(raw)

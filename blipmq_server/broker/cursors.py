@@ -434,12 +434,15 @@ class Cursors:
             target.pending = {o for o in target.pending if o >= first}
             target.skipped += skipped
             # its backlog counted the skipped records, which are gone: count it again from
-            # ``first`` (appends after this add to it as usual, reads from ``first`` take off)
+            # where it reads on (``first``, or its cursor when only unacked deliveries below
+            # ``first`` were lost: what lies before the cursor it has read), and appends
+            # after this add to it as usual, reads from there take off
             target.epoch += 1
             target.backlog = 0
             end = self.log.next_offset - 1
-            if first <= end:
-                self._counts.append(target.count(first, end))
+            start = target.next  # at least ``first`` (move_to)
+            if start <= end:
+                self._counts.append(target.count(start, end))
             out.append((target, skipped))
         return out
 

@@ -260,7 +260,9 @@ class MqttSession(Session):
         when the owner never had it (it subscribed after the message)."""
         if not (cursor and offset):
             return True
-        if owner not in self._cursors:  # a live queue's: sent at QoS 0, done as it goes
+        if owner not in self._cursors:
+            # a live queue sends it (it would own a logged message only at a higher QoS
+            # than this cursor's, and live queues are QoS 0: ``_owner``): done as it goes
             acks.setdefault(sub_id, []).append(offset)
             return True
         state = self.broker.copy_of(self.conn_id, owner, offset)
@@ -308,18 +310,22 @@ class MqttSession(Session):
 
     def _owner(self, topic: bytes, key: bytes) -> int:
         """Which of this client's subscriptions whose filters match ``topic`` sends it: the
-        one with the highest granted QoS (the oldest of those). Shared subscriptions are
-        left out (each delivers its own copy); for a message not in the log (``key``
-        starts with NUL) so are the log cursors, which never see it."""
+        one with the highest granted QoS, a log cursor before a live queue at the same QoS
+        (a cursor has what came while the client was away, a live queue does not), the
+        oldest of those. Shared subscriptions are left out (each delivers its own copy);
+        for a message not in the log (``key`` starts with NUL) so are the log cursors,
+        which never see it."""
         levels = split(topic.decode("utf-8", "replace"))
-        best = (-1, 0)
+        best = (-1, False, 0)
         owner = -1
         live_only = key[:1] == b"\0"
+        cursors = self._cursors
         for topic_filter, (sub_id, qos) in self.subs.items():
-            if topic_filter.startswith("$share/") or (live_only and sub_id in self._cursors):
+            if topic_filter.startswith("$share/") or (live_only and sub_id in cursors):
                 continue
-            if matches(split(topic_filter), levels) and (qos, -sub_id) > best:
-                best = (qos, -sub_id)
+            if matches(split(topic_filter), levels) and (
+                    rank := (qos, sub_id in cursors, -sub_id)) > best:
+                best = rank
                 owner = sub_id
         if len(self._owners) >= _OWNERS_KEPT:
             self._owners.clear()
