@@ -246,13 +246,19 @@ def _token_problem(text: str) -> str | None:
             "(printf %s \"$TOKEN\" | b2sum), never the token")
 
 
-def _host_problem(host: str) -> str | None:
-    """Why ``host`` can be no listener's address (the resolver refuses it), or None. Plain
-    ASCII with labels of 1-63 characters is fine without asking the idna codec (importing
-    it costs every start 0.7 ms; server/listeners.py passes such a host as bytes)."""
+def plain_host(host: str) -> bool:
+    """Whether ``host`` is plain ASCII with labels of 1-63 characters (the last may be
+    empty): what the idna codec would pass through unchanged, so it need not be asked
+    (importing it costs every start 0.7 ms; server/listeners.py gives such a host to
+    ``getaddrinfo`` as bytes)."""
     labels = host.split(".")
-    if host.isascii() and all(0 < len(label) < 64 for label in labels[:-1]) and (
-            len(labels[-1]) < 64):
+    return host.isascii() and all(0 < len(label) < 64 for label in labels[:-1]) and (
+        len(labels[-1]) < 64)
+
+
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` can be no listener's address (the resolver refuses it), or None."""
+    if plain_host(host):
         return None
     try:
         host.encode("idna")

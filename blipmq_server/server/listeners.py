@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import trio
 
+from blipmq_server.config import plain_host
+
 
 def _ascii(host: str) -> str | bytes:
-    """``host`` as bytes when the idna codec would make plain ASCII bytes of it, else as it
-    is. ``getaddrinfo`` encodes a str host with that codec, and its first use imports it
-    (``encodings.idna``, ``stringprep``): 0.7 ms of every start, before the listeners open.
-    Given bytes it does not; any other host still goes through the codec, and is refused by
-    it as before (an empty label, or one over 63 characters)."""
-    labels = host.split(".")
-    if host.isascii() and all(0 < len(label) < 64 for label in labels[:-1]) \
-            and len(labels[-1]) < 64:
-        return host.encode("ascii")
-    return host
+    """``host`` as bytes when the idna codec would make plain ASCII bytes of it
+    (``config.plain_host``), else as it is. ``getaddrinfo`` encodes a str host with that
+    codec, and its first use imports it (``encodings.idna``, ``stringprep``): 0.7 ms of
+    every start, before the listeners open. Given bytes it does not; any other host still
+    goes through the codec (the configuration refused those it refuses)."""
+    return host.encode("ascii") if plain_host(host) else host
 
 
 async def open_listeners(host: str, port: int, what: str) -> list[trio.SocketListener]:
