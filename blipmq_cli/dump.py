@@ -116,11 +116,9 @@ def dump(data_dir: str, out: str, *, device_id: str | None = None, window: Windo
                 data = f.read()
         except FileNotFoundError:  # retention removed it meanwhile
             continue
-        if entry is not None and (len(data) < entry["source_size"] or entry.get(
-                "source_crc32c", crc32c(data[:entry["source_size"]])) != crc32c(
-                    data[:entry["source_size"]])):
-            # rewritten (the broker's recovery set damage aside), perhaps grown past its
-            # old size since: what was copied is not its start any more; copy it again
+        if entry is not None and _rewritten(data, entry):
+            # the broker's recovery set damage aside, and it may have grown past its old
+            # size since: what was copied is not its start any more; copy it again
             damage.append(f"{name}: rewritten since the last dump (the broker's recovery set "
                           "damage aside); copied again")
             entry = None
@@ -185,10 +183,25 @@ def _copy(data: bytes, name: str, target: str, entry: dict[str, Any] | None, win
     entry["size"] += len(body)
     entry["crc32c"] = crc32c(body, entry["crc32c"])
     entry["source_size"] = checked.good_end
-    # the source's bytes copied so far: a later dump knows the segment was not rewritten
-    entry["source_crc32c"] = crc32c(data[:checked.good_end])
+    # the source's bytes copied so far, for a later dump to tell the segment was not
+    # rewritten (``_rewritten``); carried on from the part checked before when it is known
+    done = entry.get("source_crc32c")
+    view = memoryview(data)
+    entry["source_crc32c"] = (crc32c(view[:checked.good_end]) if done is None
+                              else crc32c(view[start:checked.good_end], done))
     entry["damaged_bytes"] += checked.damaged_bytes
     return _Copied(entry, len(kept), len(body), checked.damage)
+
+
+def _rewritten(data: bytes, entry: dict[str, Any]) -> bool:
+    """Whether the source segment ``data`` no longer starts with the part an earlier dump
+    copied: shorter than it, or other bytes (a manifest of an earlier version, without
+    their CRC-32C, can tell only the first)."""
+    size = entry["source_size"]
+    if len(data) < size:
+        return True
+    known = entry.get("source_crc32c")
+    return known is not None and crc32c(memoryview(data)[:size]) != known
 
 
 def _timestamp(data: bytes, pos: int) -> int:
