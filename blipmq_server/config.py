@@ -426,6 +426,13 @@ _SECTIONS: dict[str, Callable[..., Any]] = {
 _BY_DOTTED = {k.dotted: k for k in SCHEMA}
 _BY_ENV = {k.env: k for k in SCHEMA}
 _ENV_PREFIXES = tuple(f"BLIPMQ_{s.upper()}_" for s in _SECTIONS)
+# BLIPMQ_* names that are not broker settings: the client commands' (blipmq_cli) and what
+# ``blipmq sub --exec`` gives its children (one of which starts with a section's prefix)
+_OTHER_ENV = frozenset({
+    "BLIPMQ_ADDR", "BLIPMQ_API_KEY", "BLIPMQ_TIMEOUT", "BLIPMQ_CAFILE", "BLIPMQ_CERT",
+    "BLIPMQ_CERT_KEY", "BLIPMQ_INSECURE", "BLIPMQ_TOPIC", "BLIPMQ_OFFSET", "BLIPMQ_QOS",
+    "BLIPMQ_KEY", "BLIPMQ_DELIVERY_COUNT",
+})
 
 
 def _describe(value: object) -> str:
@@ -605,7 +612,7 @@ def load(
     """Build the configuration; raises ConfigError naming the first bad key."""
     values = _read_file(path) if path is not None else {}
     for name, text in (os.environ if env is None else env).items():
-        if not name.startswith(_ENV_PREFIXES):
+        if not name.startswith(_ENV_PREFIXES) or name in _OTHER_ENV:
             continue
         key = _BY_ENV.get(name)
         if key is None:
@@ -629,6 +636,22 @@ def load(
                     bridges=values.get("bridge", {}).get("bridges", ()))  # type: ignore[arg-type]
     _check_together(config)
     return config
+
+
+def env_doubts(env: Mapping[str, str] | None = None) -> list[str]:
+    """Lines for ``BLIPMQ_*`` names that are no setting yet look like a misspelled one
+    (``BLIPMQ_SERVR_PORT``). ``load`` refuses a misspelled key after a section's prefix;
+    these, outside every section, may be another program's, so they are only reported."""
+    import difflib  # only when such a name is there
+
+    lines = []
+    for name in sorted(os.environ if env is None else env):
+        if not name.startswith("BLIPMQ_") or name.startswith(_ENV_PREFIXES) or name in _OTHER_ENV:
+            continue
+        close = difflib.get_close_matches(name, _BY_ENV, n=1, cutoff=0.85)
+        if close:
+            lines.append(f"{name} is not a setting and is ignored; did you mean {close[0]}?")
+    return lines
 
 
 def _loopback(host: str) -> bool:

@@ -8,6 +8,7 @@ stderr.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import signal
 import sys
@@ -101,6 +102,8 @@ def start(config: str | None = None, **flags: str | None) -> int:
             sys.stderr.write(f"blipmq: config error: {exc}\n")
             return 2
     logs.setup(cfg.log.level, cfg.log.format)
+    for line in config_module.env_doubts():
+        logging.getLogger("blipmq").warning("config: %s", line)
     try:
         lock = lock_data_dir(cfg.storage.data_dir)
     except OSError as exc:

@@ -97,6 +97,23 @@ def test_env_errors_name_the_variable() -> None:
     assert "expected true or false" in str(err)
 
 
+def test_misspelled_section_names_are_reported_not_refused() -> None:
+    """A ``BLIPMQ_*`` name outside every section that looks like a setting is reported
+    (it was ignored without a word); other programs' names are left alone, and so is what
+    ``blipmq sub --exec`` gives its children, one of which starts with ``BLIPMQ_DELIVERY_``
+    (``load`` refused that as an unknown setting)."""
+    env = {"BLIPMQ_SERVR_PORT": "7000", "BLIPMQ_WAL_FSYNC": "always", "BLIPMQ_ADDR": "x:1",
+           "BLIPMQ_DELIVERY_COUNT": "2", "BLIPMQ_TOPIC": "a", "BLIPMQ_MY_SCRIPT": "1",
+           "HOME": "/root"}
+    assert config.load(None, env=env).wal.fsync == "always"
+    assert config.env_doubts(env) == [
+        "BLIPMQ_SERVR_PORT is not a setting and is ignored; did you mean BLIPMQ_SERVER_PORT?"]
+    assert config.env_doubts({"BLIPMQ_MQT_ENABLED": "1", "BLIPMQ_RETAIN_MAX_TOPICS": "1"}) == [
+        "BLIPMQ_MQT_ENABLED is not a setting and is ignored; did you mean BLIPMQ_MQTT_ENABLED?",
+        "BLIPMQ_RETAIN_MAX_TOPICS is not a setting and is ignored; did you mean "
+        "BLIPMQ_RETAINED_MAX_TOPICS?"]
+
+
 def test_override_errors() -> None:
     assert "unknown key" in str(error_of(lambda: config.load(None, env={},
                                                              overrides={"server.nope": 1})))

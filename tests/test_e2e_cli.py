@@ -361,6 +361,35 @@ def test_bad_environment_override_names_the_variable(start_broker) -> None:
     )
 
 
+def test_a_misspelled_section_name_is_logged_and_exec_names_are_left_alone(
+        tmp_path: Path) -> None:
+    """``BLIPMQ_SERVR_PORT`` gets a warning line naming the setting meant (it was ignored
+    without a word); ``BLIPMQ_DELIVERY_COUNT``, which ``sub --exec`` gives its children, is
+    not taken for a setting (the broker refused to start, exit 2)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")}
+    env.update(BLIPMQ_SERVR_PORT="7000", BLIPMQ_DELIVERY_COUNT="1", BLIPMQ_TOPIC="t")
+    proc = subprocess.Popen(
+        [BLIPMQ, "start", "--bind", "127.0.0.1:0", "--metrics-bind", "127.0.0.1:0", "--data-dir",
+         str(tmp_path / "data"), "--log-format", "plain"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for raw in proc.stderr:  # ends at the ready line, or when the broker exits
+            lines.append(raw.decode().rstrip())
+            if "listening on" in lines[-1]:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert any("listening on" in line for line in lines), lines
+    warned = [line for line in lines if "BLIPMQ_SERVR_PORT" in line]
+    assert len(warned) == 1 and warned[0].endswith(
+        "WARNING blipmq: config: BLIPMQ_SERVR_PORT is not a setting and is ignored; did you "
+        "mean BLIPMQ_SERVER_PORT?"), lines
+    assert not any("DELIVERY_COUNT" in line for line in lines)
+
+
 def test_a_host_no_resolver_takes_is_a_config_error(tmp_path: Path) -> None:
     """A label over 63 characters (the file, ``--bind``), or bytes that are not UTF-8 from
     the environment: one config error line and exit 2 (it was a 57-line traceback from the
