@@ -315,6 +315,29 @@ def test_a_message_whose_lengths_run_past_its_record_is_damage_in_every_reader(t
         "MESSAGE record 10 cannot", "MESSAGE record 5 cannot "]
 
 
+def test_a_message_whose_topic_is_not_utf8_is_damage_in_every_reader(start_broker,
+                                                                      tmp_path) -> None:
+    """A CRC-valid MESSAGE with the topic b"t/\\xff" was delivered: a durable group's
+    consumer refused the DELIVER as malformed, reconnected and was handed it again, for
+    good (the group never moved past it). Now it is damage like lengths that run past."""
+    import struct
+
+    bad = struct.pack(">BIHHI", 1, 0, 3, 0, 2) + b"t/\xff" + b"no"
+    data_dir, good = _crafted_log(tmp_path, [(4, bad, 1795363200004)])
+    res = blipmq("wal", "cat", str(data_dir), "--format", "lines")
+    assert res.returncode == 0 and res.stdout.split() == good, res.stderr
+    assert b"MESSAGE record 5 cannot be read (its topic is not UTF-8)" in res.stderr
+    res = _spark_decode(data_dir)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["offset"] for r in rows if r["kind"] == "message"] == [1, 2, 3, 4, 6, 7, 8, 9, 10]
+    b = start_broker(data_dir=data_dir)
+    res = b.cli("sub", "#", "-q", "1", "--group", "g", "--from", "earliest", "-e", timeout=30)
+    assert res.returncode == 0 and res.stdout.split() == good, res.stderr
+    assert any("MESSAGE record 5 cannot be read (its topic is not UTF-8)" in line
+               for line in b.log)
+
+
 def test_a_timestamp_past_year_9999_is_damage_not_a_crash(tmp_path) -> None:
     """D10: a CRC-valid record stamped 2^63+5 ms made `wal inspect`/`cat` exit 1."""
     data_dir, good = _crafted_log(tmp_path, [(3, _message("t", b"late"), 2**63 + 5)])

@@ -139,6 +139,7 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
     unpack_fixed = FIXED.unpack_from
     unpack_msg = MSG_HEAD.unpack_from
     max_ts, message, min_message = MAX_TIMESTAMP_MS, _MESSAGE, _MIN_MESSAGE
+    plain = bytes.isascii if data.__class__ is bytes else _never  # a topic's, without a call
     while pos < size:
         if size - pos < PREFIX.size + FIXED.size:
             problem = f"{size - pos} trailing bytes, less than a record header"
@@ -159,7 +160,9 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
             return Scan(out, pos, f"offset {offset} does not follow {last_offset}", False, others)
         if bodies and (ts > max_ts or (kind == message and (
                 length < min_message or (h := unpack_msg(data, pos + RECORD_OVERHEAD))[2]
-                + h[3] + h[4] > length - min_message))):  # inline: recovery's hot loop
+                + h[3] + h[4] > length - min_message
+                or not (plain(data[(t := pos + _TOPIC_AT) : t + h[2]])
+                        or _text(data, t, h[2]))))):  # inline: recovery's hot loop
             bad = body_problem(data, pos, end)
             return Scan(out, pos, f"{_NAMES.get(kind, kind)} record {offset} cannot be read "
                                   f"({bad})", False, others)
@@ -176,9 +179,11 @@ def scan(data: bytes | memoryview, start: int = HEADER_SIZE, last_offset: int = 
 
 def body_problem(data: bytes | memoryview, pos: int, end: int) -> str | None:
     """Why the record at ``pos`` (ending at ``end``, its CRC checked) cannot be read, or None:
-    a timestamp no reader can show (past year 9999), or a MESSAGE body whose head or inner
-    lengths (topic, key, payload) run past the record. Every reader relies on this: the
-    Spark decoder slices the segment buffer with these lengths, the broker delivers them."""
+    a timestamp no reader can show (past year 9999), a MESSAGE body whose head or inner
+    lengths (topic, key, payload) run past the record, or whose topic is not UTF-8. Every
+    reader relies on this: the Spark decoder slices the segment buffer with these lengths,
+    the broker delivers them (a topic no client can take would come back to a durable
+    group's consumer on every reconnect)."""
     kind, _, ts = FIXED.unpack_from(data, pos + 8)
     if ts > MAX_TIMESTAMP_MS:
         return f"timestamp {ts} ms is past the year 9999"
@@ -192,13 +197,32 @@ def body_problem(data: bytes | memoryview, pos: int, end: int) -> str | None:
     if need > end - body:
         return (f"its topic, key and payload lengths ({tlen}, {klen}, {plen}) run past its "
                 f"body of {end - body} bytes")
+    if not _text(data, body + MSG_HEAD_SIZE, tlen):
+        return "its topic is not UTF-8"  # no client could be given it, nor Spark a string
     return None
+
+
+def _never(_: object) -> bool:
+    return False
+
+
+def _text(data: bytes | memoryview, at: int, n: int) -> bool:
+    """Whether the ``n`` bytes at ``at`` are UTF-8 (ASCII without a decode, for bytes)."""
+    part = data[at : at + n]
+    if part.__class__ is bytes and part.isascii():  # type: ignore[union-attr]
+        return True
+    try:
+        str(part, "utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 _KINDS = frozenset(int(k) for k in Kind)
 _MIN_MESSAGE = MIN_LENGTH + MSG_HEAD_SIZE  # the length of a MESSAGE record with empty fields
 _NAMES = {int(k): k.name for k in Kind}
 _MESSAGE = int(Kind.MESSAGE)  # a plain int: an enum member costs a lookup per record
+_TOPIC_AT = RECORD_OVERHEAD + MSG_HEAD_SIZE  # a MESSAGE record's topic, from its start
 _KIND_BYTE = re.compile(b"[" + bytes(sorted(_KINDS)) + b"]")
 
 
