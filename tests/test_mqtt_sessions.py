@@ -444,6 +444,37 @@ def test_inbound_qos2_is_stored_once_whatever_the_resends(start_broker) -> None:
     assert b.metric("blipmq_messages_published_total") == 2
 
 
+def test_a_qos2_id_released_on_a_later_connection_stays_free_on_the_next(start_broker
+                                                                         ) -> None:
+    """h21 D1: a persistent session's QoS 2 id freed by a PUBREL on the connection after
+    the one that PUBLISHed came back as remembered on the connection after that (the
+    session kept the first connection's set), so a new message's DUP=1 resend with the id
+    was answered PUBREC and PUBCOMP and never logged: lost after its acknowledgement."""
+    b = start_broker(MQTT)
+    sub = Paho(b.mqtt_port, "stale-sub")
+    assert sub.subscribe(("stale/t", 2)) == [2]
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("stale-pub", clean=False) == ConnAck(False, 0)
+    raw.send(Publish("stale/t", b"first", 2, False, False, 5))
+    assert raw.recv() == PubRec(5)
+    raw.close()  # the link drops before PUBREL
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("stale-pub", clean=False) == ConnAck(True, 0)
+    raw.send(PubRel(5))
+    assert raw.recv() == PubComp(5)
+    raw.disconnect()
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("stale-pub", clean=False) == ConnAck(True, 0)
+    # a new message with the free id, whose first copy the link lost: sent again, DUP=1
+    raw.send(Publish("stale/t", b"second", 2, False, True, 5))
+    assert raw.recv() == PubRec(5)
+    raw.send(PubRel(5))
+    assert raw.recv() == PubComp(5)
+    raw.disconnect()
+    assert [m.payload for m in sub.take(2)] == [b"first", b"second"]
+    assert b.metric("blipmq_messages_published_total") == 2
+
+
 # ----------------------------------------------------------------------------- 6. takeover
 
 

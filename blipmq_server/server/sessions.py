@@ -207,6 +207,12 @@ class MqttSessions:
         session.qos2_in.discard(pid)
         if session.clean:
             return 0
+        # what the session's next connection starts from (``attach``), whichever of its
+        # connections remembered the id: not an older connection's set that still holds it
+        if session.qos2_in:
+            self.qos2[session.client_id] = session.qos2_in
+        else:
+            self.qos2.pop(session.client_id, None)
         key = state.qos2_key(session.client_id)
         value = state.stored_ids(session.qos2_in) if session.qos2_in else b""
         return self.broker.put_state(key, value, wall_ms())
