@@ -851,7 +851,7 @@ def test_a_resumed_session_subscribing_again_keeps_its_deliveries_and_acks(
     assert raw.connect("resub-dev", clean=False).session_present
     first = raw.recv()  # the backlog starts before the client subscribes again
     assert isinstance(first, Publish) and first.payload == b"m1", first
-    raw.send(PubAck(first.packet_id) if qos == 1 else PubRec(first.packet_id))
+    raw.send(PubAck(first.packet_id) if first.qos == 1 else PubRec(first.packet_id))
     raw.send(Subscribe(2, (("rs/#", qos),)))
     pub.send(Publish("rs/t", b"end-1", 1, False, False, 4))
     assert pub.recv() == PubAck(4)
@@ -1024,6 +1024,65 @@ def test_overlapping_subscriptions_lose_nothing_when_the_sender_is_replaced_or_e
     seen = _ack_all(raw, first + later)
     assert seen == {f"{i}".encode() for i in range(OVERLAP_N)}, (
         f"{OVERLAP_N - len(seen)} never delivered")
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "persistent"])
+def test_a_pubreced_message_is_not_sent_again_by_the_other_subscription(
+        start_broker, clean: bool) -> None:
+    """h21 D2: ``o/+`` (QoS 2) sends a message ``o/#`` (QoS 1) matches too; the client
+    PUBRECs it, then UNSUBSCRIBEs ``o/+`` before its PUBCOMP. A clean session's ``o/#``
+    sent it again (QoS 1, DUP): its kept-back copy was let go only at PUBCOMP, and the
+    UNSUBSCRIBE handed it back. The client has a message once it PUBRECed it."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("ovq2", clean=clean) == ConnAck(False, 0)
+    raw.send(Subscribe(1, (("o/+", 2), ("o/#", 1))))
+    assert raw.expect(SubAck) == SubAck(1, (2, 1))
+    pub = Paho(b.mqtt_port, "ovq2-pub")
+    pub.publish("o/a", "only once", 2)
+    first = raw.expect(Publish)
+    assert (first.payload, first.qos) == (b"only once", 2)
+    raw.send(PubRec(first.packet_id))
+    assert raw.recv() == PubRel(first.packet_id)
+    raw.send(Unsubscribe(2, ("o/+",)), PubComp(first.packet_id))
+    assert raw.expect(UnsubAck) == UnsubAck(2)
+    pub.publish("o/b", "after", 1)  # o/#'s next: a copy sent again would come before it
+    packet = raw.expect(Publish)
+    assert packet.payload == b"after", f"sent again: {packet!r}"
+    raw.send(PubAck(packet.packet_id))
+    _nothing_more(raw)
+
+
+def test_the_wrong_acknowledgement_of_a_delivery_is_ignored(start_broker) -> None:
+    """h21 D6: a PUBREC for a QoS 1 delivery was taken as its ack and turned it into a
+    QoS 2 exchange: a PUBREL, owed across reconnects, and the delivery counted in flight
+    until a PUBCOMP. Now it is ignored (as mosquitto does), and so is a PUBACK for a QoS 2
+    delivery: each stays in flight until its own acknowledgement."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("wrongack", clean=False) == ConnAck(False, 0)
+    raw.send(Subscribe(1, (("wa/1", 1), ("wa/2", 2))))
+    assert raw.expect(SubAck) == SubAck(1, (1, 2))
+    assert b.cli("pub", "wa/1", "one", "-q", "1").returncode == 0
+    one = raw.expect(Publish)
+    assert one.qos == 1
+    raw.send(PubRec(one.packet_id))
+    _nothing_more(raw)  # no PUBREL
+    Paho(b.mqtt_port, "wrongack-pub").publish("wa/2", "two", 2)
+    two = raw.expect(Publish)
+    assert two.qos == 2
+    raw.send(PubAck(two.packet_id))
+    _nothing_more(raw)
+    assert b.metric("blipmq_mqtt_inflight") == 2
+    raw.send(PubAck(one.packet_id), PubRec(two.packet_id))
+    assert raw.recv() == PubRel(two.packet_id)
+    raw.send(PubComp(two.packet_id))
+    _nothing_more(raw)
+    assert b.metric("blipmq_mqtt_inflight") == 0
+    raw.disconnect()
+    back = Raw(b.mqtt_port)
+    assert back.connect("wrongack", clean=False) == ConnAck(True, 0)
+    _nothing_more(back)  # nothing owed: no PUBREL, no PUBLISH
 
 
 def test_a_share_cannot_join_a_persistent_sessions_group(start_broker) -> None:

@@ -286,6 +286,11 @@ class MqttSession(Session):
         """The client acked a delivery (PUBACK; PUBREC or PUBCOMP at QoS 2)."""
         if self.broker.ack(self.conn_id, sub_id, (offset,), wall_ms()):
             self.wake()
+        self._copies_done(offset)
+
+    def _copies_done(self, offset: int) -> None:
+        """The client has the message at ``offset``: the copies of it that other
+        subscriptions kept back are acked."""
         if offset and self._copies:
             acks: dict[int, list[int]] = {}
             self._client_has(offset, acks)
@@ -476,15 +481,25 @@ class MqttSession(Session):
             return self._connect(packet)  # type: ignore[arg-type]
         match packet:
             case PubAck():
-                found = self.inflight.pop(packet.packet_id, None)
-                if found is not None:
+                # only a QoS 1 delivery's: a QoS 2 one is not done before PUBREC (a client
+                # that answers with the other packet gets the delivery again, as one that
+                # does not answer, and mosquitto ignores it too)
+                found = self.inflight.get(packet.packet_id)
+                if found is not None and found[2] == 1:
+                    del self.inflight[packet.packet_id]
                     self._acked(found[0], found[1])
             case PubRec():
                 pid = packet.packet_id
-                entry = self.inflight.pop(pid, None)
+                entry = self.inflight.get(pid)
+                if entry is not None and entry[2] == 1:
+                    return None  # a QoS 1 delivery's id: not a QoS 2 exchange (see PUBACK)
                 if entry is not None:
+                    del self.inflight[pid]
                     if self.clean and entry[0] not in self._shared:
                         self.released[pid] = (entry[0], entry[1])  # the cursor moves on PUBCOMP
+                        # the client has it: no other subscription sends it (after an
+                        # UNSUBSCRIBE of this one before PUBCOMP, say)
+                        self._copies_done(entry[1])
                     else:
                         # the client has the message: from here on only its packet id is
                         # owed (PUBREL, again after a reconnect), saved before the cursor
