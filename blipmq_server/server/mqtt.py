@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from blipmq_server.broker.core import OWES, SETTLED
-from blipmq_server.broker.topics import matches, split
+from blipmq_server.broker.topics import FilterIndex, split
 from blipmq_server.mqtt import codec as mqtt
 from blipmq_server.mqtt.packets import (
     SUBACK_FAILURE,
@@ -117,6 +117,8 @@ class MqttSession(Session):
         self.connected = False
         # topic -> the subscription that delivers it (see ``_owner``); cleared on changes
         self._owners: dict[bytes, int] = {}
+        # its plain (not $share) filters -> (sub id, QoS), for ``_owner``; None: build anew
+        self._filters: FilterIndex[tuple[int, int]] | None = None
         # while subscriptions overlap: log offset -> the other subscriptions' copies of that
         # message, acked once the client has it from the one that sends it
         self._copies: dict[int, list[int]] = {}
@@ -304,6 +306,7 @@ class MqttSession(Session):
         back for an owner that may be gone are delivered again now (each is looked at
         anew: acked, kept back for the new owner, or sent)."""
         self._owners.clear()
+        self._filters = None
         copies, self._copies = self._copies, {}
         by_sub: dict[int, list[int]] = {}
         for offset, subs in copies.items():
@@ -320,16 +323,20 @@ class MqttSession(Session):
         oldest of those. Shared subscriptions are left out (each delivers its own copy);
         for a message not in the log (``key`` starts with NUL) so are the log cursors,
         which never see it."""
-        levels = split(topic.decode("utf-8", "replace"))
+        filters = self._filters
+        if filters is None:  # one walk of the topic's levels, however many filters
+            filters = self._filters = FilterIndex()
+            for topic_filter, value in self.subs.items():
+                if not topic_filter.startswith("$share/"):
+                    filters.add(split(topic_filter), value)
         best = (-1, False, 0)
         owner = -1
         live_only = key[:1] == b"\0"
         cursors = self._cursors
-        for topic_filter, (sub_id, qos) in self.subs.items():
-            if topic_filter.startswith("$share/") or (live_only and sub_id in cursors):
+        for sub_id, qos in filters.match(split(topic.decode("utf-8", "replace"))):
+            if live_only and sub_id in cursors:
                 continue
-            if matches(split(topic_filter), levels) and (
-                    rank := (qos, sub_id in cursors, -sub_id)) > best:
+            if (rank := (qos, sub_id in cursors, -sub_id)) > best:
                 best = rank
                 owner = sub_id
         if len(self._owners) >= _OWNERS_KEPT:
@@ -794,6 +801,7 @@ class MqttSession(Session):
             self.refusals.append((topic_filter, problem))
             return SUBACK_FAILURE, False
         self._owners.clear()
+        self._filters = None
         if self.server.wal is None:
             qos = 0  # QoS 1 and 2 need the log: granted QoS 0
         # a log cursor for QoS 1/2; in a persistent session also for QoS 0 with
