@@ -47,14 +47,14 @@ class Cursors:
         self.log = log
         self.counters = counters
         self.durable: dict[tuple[str, str], DurableGroup] = {}
-        self._index: FilterIndex[DurableGroup] = FilterIndex()  # the durable groups by filter
+        self._index: FilterIndex[DurableGroup] = FilterIndex()  # every cursor by its filter
         self._ids: dict[int, DurableGroup] = {}  # durable groups by id (their create offset)
         self._plain: list[DurableGroup] = []  # cursors of subscriptions without a group
         self._by_key: dict[int, DurableGroup] = {}  # every cursor by its key
         self._next_key = 1
         self._fetches: list[Fetch] = []  # disk reads cursors wait for, not yet handed out
         self._buried: list[tuple[DurableGroup, int]] = []  # dead-lettered, ACK not yet logged
-        self.generation = 0  # grows whenever a durable group is added or forgotten
+        self.generation = 0  # grows whenever a cursor (durable or plain) is added or forgotten
         self._counts: list[Count] = []  # backlogs to count off the event loop
         # ACK records not written yet: (record's offset, offsets it acks, half the acking
         # consumer's window), oldest first (``acks_due``)
@@ -105,7 +105,11 @@ class Cursors:
                 target = DurableGroup(0, topic_filter, "", first, persistent=False,
                                       acks=bool(qos))
                 self._plain.append(target)
+                self._index.add(target.levels, target)  # ``matching``: quiet until its topics
+                self.generation += 1
                 self._keep(target)
+                if first == log.next_offset:  # from the end: nothing of its topics yet
+                    target.quiet_from = first
         target.idle_since = None
         return target
 
@@ -135,6 +139,8 @@ class Cursors:
             self._ids.pop(target.id, None)
         elif target in self._plain:
             self._plain.remove(target)
+            self._index.remove(target.levels, target)
+            self.generation += 1
         self._by_key.pop(target.key, None)
 
     def delete(self, target: DurableGroup, timestamp_ms: int) -> int:
@@ -213,8 +219,8 @@ class Cursors:
         return True
 
     def matching(self, topic: bytes) -> tuple[DurableGroup, ...]:
-        """The durable groups whose filter matches ``topic``."""
-        if not self.durable:
+        """The cursors (durable groups and plain ones) whose filter matches ``topic``."""
+        if not self.durable and not self._plain:
             return ()
         try:
             levels = tuple(topic.decode("utf-8").split("/"))
@@ -274,7 +280,7 @@ class Cursors:
                 target.fetching = True
                 self._fetches.append(Fetch(target.key, after))
         self.counters.delivered += len(out)
-        if (target.persistent and target.quiet_from is None and not target.ahead
+        if (target.quiet_from is None and not target.ahead
                 and target.next == log.next_offset == log.written_offset + 1):
             target.quiet_from = target.next  # read to the end; ``usage`` says when that ends
         return out

@@ -1,5 +1,6 @@
-"""Per-topic usage: messages and payload bytes accepted per topic, and which durable groups
-each topic's logged messages count towards (their backlog).
+"""Per-topic usage: messages and payload bytes accepted per topic, and which log cursors
+(durable groups and plain ones) each topic's logged messages count towards (their backlog,
+and the end of their ``quiet_from``).
 
 The publish path counts a run of messages to one topic in local variables and adds them to
 the topic's entry once (``add``); ``backlog`` of every durable group listed in the entry
@@ -17,7 +18,8 @@ from typing import Any
 
 TOPICS_TRACKED = 10_000
 
-# [messages, payload bytes, durable groups whose filter matches (tuple), tracked (bool)]
+# [messages, payload bytes, log cursors whose filter matches (tuple), tracked (bool),
+#  the ``Usage.generation`` those cursors were looked up in, topic]
 Entry = list[Any]
 
 
@@ -27,6 +29,7 @@ class Usage:
         self.entries: dict[bytes, Entry] = {}
         self.other: list[int] = [0, 0]  # messages and bytes of the topics past the limit
         self.limit = limit
+        self.generation = 0  # of the cursors: an entry looked up in an older one is stale
         self._groups_of = groups_of
 
     def entry(self, topic: bytes) -> Entry:
@@ -34,8 +37,8 @@ class Usage:
         entry, not kept: ``add`` counts its messages in ``other``."""
         groups = self._groups_of(topic)
         if len(self.entries) >= self.limit:
-            return [0, 0, groups, False]
-        entry: Entry = [0, 0, groups, True]
+            return [0, 0, groups, False, self.generation, topic]
+        entry: Entry = [0, 0, groups, True, self.generation, topic]
         self.entries[topic] = entry
         return entry
 
@@ -50,15 +53,17 @@ class Usage:
             self.other[1] += nbytes
         logged = messages - unlogged
         if logged:
+            if entry[4] != self.generation:  # cursors came or went since: look again
+                entry[2] = self._groups_of(entry[5])
+                entry[4] = self.generation
             for g in entry[2]:
                 g.backlog += logged
                 g.quiet_from = None
 
     def regroup(self) -> None:
-        """Durable groups changed: look again which count each topic's messages."""
-        groups_of = self._groups_of
-        for topic, entry in self.entries.items():
-            entry[2] = groups_of(topic)
+        """Cursors came or went: each topic looks again which count its messages, when it
+        next has one (not every topic now: plain cursors come and go with subscribers)."""
+        self.generation += 1
 
     def rows(self) -> list[tuple[str, int, int]]:
         """(topic, messages, bytes) of every tracked topic, most messages first."""
