@@ -642,12 +642,12 @@ def env_doubts(env: Mapping[str, str] | None = None) -> list[str]:
     """Lines for ``BLIPMQ_*`` names that are no setting yet look like a misspelled one
     (``BLIPMQ_SERVR_PORT``). ``load`` refuses a misspelled key after a section's prefix;
     these, outside every section, may be another program's, so they are only reported."""
-    import difflib  # only when such a name is there
-
     lines = []
     for name in sorted(os.environ if env is None else env):
         if not name.startswith("BLIPMQ_") or name.startswith(_ENV_PREFIXES) or name in _OTHER_ENV:
             continue
+        import difflib  # only when such a name is there
+
         close = difflib.get_close_matches(name, _BY_ENV, n=1, cutoff=0.85)
         if close:
             lines.append(f"{name} is not a setting and is ignored; did you mean {close[0]}?")

@@ -8,7 +8,6 @@ stderr.
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 import signal
 import sys
@@ -103,6 +102,8 @@ def start(config: str | None = None, **flags: str | None) -> int:
             return 2
     logs.setup(cfg.log.level, cfg.log.format)
     for line in config_module.env_doubts():
+        import logging  # logs.setup has it loaded; not at the top (deferred.py's order)
+
         logging.getLogger("blipmq").warning("config: %s", line)
     try:
         lock = lock_data_dir(cfg.storage.data_dir)
