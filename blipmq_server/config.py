@@ -351,8 +351,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("delivery", "retry_backoff_ms", int, "An unacked QoS 1 delivery is redelivered after "
         "this, doubling each time", 1, _U32),
     Key("delivery", "retry_backoff_max_ms", int, "Cap of the redelivery delay", 1, _U32),
-    Key("delivery", "max_retries", int, "Deliveries before a message moves to $dlq/<topic>",
-        1, 1000),
+    Key("delivery", "max_retries", int, "Deliveries before a message moves to $dlq/<topic> "
+        "(a dead letter is dropped then, not moved again)", 1, 1000),
     Key("delivery", "group_expiry_ms", int, "Drop a durable group that has had no consumer "
         "this long (0 = never)", 0, 2**50),
     Key("wal", "enabled", bool, "Keep the write-ahead log (needed for QoS 1)"),

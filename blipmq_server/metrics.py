@@ -101,6 +101,9 @@ class BrokerCollector:
              c.redelivered),
             ("dead_lettered", "Messages moved to $dlq/<topic> after max_retries deliveries",
              c.dead_lettered),
+            ("dead_letters_dropped", "Dead letters a group or subscription gave up on in their "
+             "turn (max_retries deliveries, or given up): dropped from it, not moved to "
+             "$dlq/$dlq/<topic>", c.dead_letters_dropped),
             ("nacked", "QoS 1 deliveries given back with a negative ack", c.nacked),
         ):
             yield counter(f"blipmq_messages_{name}", doc, value)

@@ -122,6 +122,21 @@ class BrokerProcess:
                 raise AssertionError(f"{name} is {current}, waited for {value} or more")
             time.sleep(0.02)
 
+    def wait_dead_letters(self, dead_lettered: int, dropped: int, timeout: float = 10) -> None:
+        """Wait until ``dropped`` dead letters ended for groups that gave up on them, or
+        more than ``dead_lettered`` messages went to the dead letters (a dead letter
+        dead-lettered again, to `$dlq/$dlq/...`); then both counters must be those."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = dict(line.rsplit(" ", 1) for line in self.metrics().splitlines()
+                         if line.startswith("blipmq_messages_dead_"))
+            now = (float(found.get("blipmq_messages_dead_lettered_total", 0)),
+                   float(found.get("blipmq_messages_dead_letters_dropped_total", 0)))
+            if now[0] > dead_lettered or now[1] >= dropped or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert now == (dead_lettered, dropped), f"(dead-lettered, dropped) is {now}"
+
     def wait_subscribers(self, n: int) -> None:
         """Wait until n subscriptions/groups exist (so a publish cannot race a subscribe)."""
         self.wait_metric("blipmq_queues", n)

@@ -261,6 +261,32 @@ def test_blipmq_upstream_native_outage_restart_and_dead_letter(start_broker,
         assert all("bridge site" in json.dumps(x) for x in letters), letters
 
 
+def test_a_dead_letter_the_upstream_cannot_take_is_dropped_not_dead_lettered_again(
+        start_broker, tmp_path: Path) -> None:
+    """An out rule forwards the dead letters (`$dlq/#`) to an upstream that cannot take a
+    message (larger than it announces): the bridge gives the original up to `$dlq/<topic>`
+    as ever, and that dead letter, given up in its turn, is dropped from the bridge's
+    group, not dead-lettered again (it went round `$dlq/$dlq/...` for good)."""
+    port = free_port()
+    up = start_broker({"server": {"port": port, "max_message_bytes": 2048}},
+                      data_dir=tmp_path / "up")
+    bp = start_broker({"bridge": [bridge_table(
+        "site", [f"127.0.0.1:{port}"], ["sensors/# out 1 '' gw1/", "$dlq/# out 1 '' gw1/"],
+        protocol="blipmq")]})
+    wait_status(bp, "site", lambda b: b["connected"])
+    big = bp.cli("pub", "sensors/t0", "-", "-q", "1", input=b"x" * 5000)
+    assert big.returncode == 0, big.stderr
+    bp.wait_dead_letters(1, 1)
+    small = bp.cli("pub", "sensors/t1", "small", "-q", "1")
+    assert small.returncode == 0, small.stderr
+    assert local_numbers(up, "gw1/#", 1) == {b"small"}
+    final = wait_status(bp, "site", lambda b: b["backlog_messages"] == 0)
+    assert final["dead_lettered"] == 1 and final["forwarded"] == 1, final
+    dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-W", "1", "-F", "json")
+    assert [json.loads(line)["topic"] for line in dead.stdout.splitlines()] == [
+        "$dlq/sensors/t0"]
+
+
 def test_in_rule_across_local_sigkill_and_upstream_restart_loses_nothing(
         start_broker, tmp_path: Path) -> None:
     total = 2_000

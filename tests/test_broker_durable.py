@@ -265,7 +265,8 @@ def test_dead_letters_carry_the_count_and_the_reason(tmp_path: Path) -> None:
     assert s.take(c) == []
     [dead] = dead_letters(s, dlq)
     assert (dead.topic, dead.payload, tuple(dead.dead)) == ("$dlq/t", b"poison", (2, "nacked"))
-    # a dead letter that dies again keeps one trailer, the newest
+    # dead_letter() of a dead letter keeps one trailer, the newest (the broker itself never
+    # makes one: a dead letter that runs out is dropped, see the test below)
     s.commit()
     again = dead_letter(s.log.read(dead.offset)[0].body, DeadLetter(7, "again"))
     s.broker.publish([again], 0, 0, internal=True)
@@ -533,6 +534,49 @@ def test_a_patient_consumer_keeps_its_deliveries_and_counts_its_own_retries(
     s.broker.nack("bridge", c.sub_id, (a,), 0, 0, 0, "refused for good", give_up=True)
     assert [(d.payload, tuple(d.dead)) for d in dead_letters(s, dlq)] == [
         (b"a", (4, "refused for good"))]
+
+
+def test_a_dead_letter_that_runs_out_is_dropped_not_dead_lettered_again(
+        tmp_path: Path) -> None:
+    """A dead letter its readers fail on in their turn (ack deadlines, nacks, a bridge's
+    ``give_up``) is dropped from each group or QoS 1 subscription that gave up on it and
+    counted (``dead_letters_dropped``), never dead-lettered again to ``$dlq/$dlq/...``
+    (h21 #5); a durable group logs it as done, so a restart does not deliver it again."""
+    s = Setup(tmp_path, retry_backoff_ms=100, retry_backoff_max_ms=100, max_retries=2)
+    c = s.sub("conn", "t", "g", qos=1)
+    review = s.sub("ops", "$dlq/#", "review", qos=1)
+    plain = s.sub("ops", "$dlq/#", qos=1)
+    bridge = s.sub("bridge", "$dlq/#", "bridge.up", qos=1, patient=True)
+    watch = s.sub("watch", "$dlq/#")  # QoS 0: sees every dead letter once
+    s.publish("t", b"a", b"b")
+    s.commit()
+    for offset, _, _ in s.take(c):
+        s.broker.nack("conn", c.sub_id, (offset,), 0, 0, 0, "bad", give_up=True)
+    s.commit()
+    first, second = (o for o, _, _ in s.take(review))
+    s.broker.nack("ops", review.sub_id, (first,), 0, 0, 0)
+    assert [(o, n) for o, n, _ in s.take(review)] == [(first, 2)]
+    s.broker.nack("ops", review.sub_id, (first,), 0, 0, 0)  # its last delivery
+    assert len(s.take(plain)) == 2
+    s.broker.nack("bridge", bridge.sub_id, (s.take(bridge)[0][0],), 0, 0, 0, "refused",
+                  give_up=True)
+    for now in (100, 200):  # the deadlines of the first and the second delivery
+        s.broker.redeliver(now, 0)
+        s.take(review, now=now)
+        s.take(plain, now=now)
+    counters = s.broker.counters
+    assert counters.dead_lettered == 2  # the two originals' dead letters, and no more
+    assert counters.dead_letters_dropped == 5  # by review (3: 2 deadlines, 1 nack), plain, bridge
+    assert not s.broker.in_flight("ops", review.sub_id, second)
+    assert [(d.topic, d.payload, tuple(d.dead)) for d in dead_letters(s, watch)] == [
+        ("$dlq/t", b"a", (1, "bad")), ("$dlq/t", b"b", (1, "bad"))]
+    s.commit()
+    assert not [r for r in s.log.read(0) if b"$dlq/$dlq/" in r.body]
+    s2 = s.reopen(retry_backoff_ms=100, max_retries=2)
+    again = s2.sub("ops", "$dlq/#", "review", qos=1)
+    assert s2.take(again) == []  # the group moved on past both
+    bridge = s2.sub("bridge", "$dlq/#", "bridge.up", qos=1, patient=True)
+    assert [p for _, _, p in s2.take(bridge)] == [b"b"]  # the one it did not give up on
 
 
 def test_bridge_groups_are_closed_to_clients(tmp_path: Path) -> None:

@@ -198,6 +198,47 @@ def test_unacked_messages_are_dead_lettered_after_max_retries(start_broker) -> N
         "deliveries": 2, "reason": "not acked in time (2 deliveries)"}
 
 
+def test_a_dead_letter_that_runs_out_of_deliveries_is_dropped_not_dead_lettered_again(
+        start_broker) -> None:
+    """A `$dlq/#` consumer that does not ack its dead letters in time (a Client) or nacks
+    them (`sub --exec false`) ends them for its group after `delivery.max_retries`
+    deliveries: counted in blipmq_messages_dead_letters_dropped_total and logged, never
+    dead-lettered again to `$dlq/$dlq/<topic>` (h21 #5: the log held every depth up to
+    99). Each stays in the log once, as first dead-lettered: a new group or a replay reads
+    it; the groups that gave up on it have moved on, across a restart too."""
+    b = start_broker(two_tries(100))
+    triage = b.spawn("sub", "-q", "1", "--group", "triage", "--exec", "false",
+                     "--retry-delay", "10ms", "$dlq/#")
+    try:
+        b.wait_metric("blipmq_subscriptions", 1)
+        with Client(b.addr) as c:
+            c.subscribe("orders", group="billing", qos=1)  # never acked
+            c.subscribe("$dlq/#", group="review", qos=1)  # nor are its dead letters
+            for i in range(3):
+                c.publish("orders", f"order {i}".encode(), qos=1)
+            c.flush()
+            b.wait_dead_letters(3, 6)  # each ended for both groups that read `$dlq/#`
+    finally:
+        triage.kill()
+        triage.communicate(timeout=10)
+    line = b.wait_log("not dead-lettered again")
+    assert "dead letter(s) dropped" in line and "'$dlq/orders'" in line, line
+    kept = b.cli("sub", "$dlq/#", "--from", "earliest", "-W", "1", "--format", "json")
+    letters = [json.loads(x) for x in lines_of(kept.stdout)]
+    assert [(m["topic"], m["payload"]) for m in letters] == [
+        ("$dlq/orders", f"order {i}") for i in range(3)]
+    assert {json.dumps(m["dead_letter"]) for m in letters} == {json.dumps(
+        {"deliveries": 2, "reason": "not acked in time (2 deliveries)"})}
+    audit = b.cli("sub", "$dlq/#", "--group", "audit", "--qos", "1", "--from", "earliest",
+                  "-C", "3", "--format", "lines")
+    assert lines_of(audit.stdout) == [f"order {i}" for i in range(3)], audit.stderr
+    assert b.stop() == 0
+    b2 = start_broker(two_tries(100), data_dir=b.data_dir)
+    for group in ("review", "triage"):
+        res = b2.cli("sub", "$dlq/#", "--group", group, "--qos", "1", "--timeout", "0.5")
+        assert res.returncode == Exit.TIMEOUT and res.stdout == b"", group
+
+
 def test_idle_group_expires_and_is_gone_after_restart(start_broker) -> None:
     b = start_broker({"delivery": {"group_expiry_ms": 1000},
                       "wal": {"maintenance_interval_ms": 100}})

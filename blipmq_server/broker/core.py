@@ -389,11 +389,9 @@ class Broker:
         return () if self.cursors is None else self.cursors.matching(topic)
 
     def _publish_dead(self, dead: list[RawMessage], now_ms: int, timestamp_ms: int) -> set[int]:
-        """Dead letters to ``$dlq/<topic>``, then their originals done; returns the
-        connections to wake."""
-        if not dead:
-            return set()
-        wake = self.publish(dead, now_ms, timestamp_ms, internal=True).wake
+        """Dead letters to ``$dlq/<topic>``, then their originals (and the dead letters
+        dropped) done; returns the connections to wake."""
+        wake = self.publish(dead, now_ms, timestamp_ms, internal=True).wake if dead else set()
         self.cursors.bury(timestamp_ms)  # type: ignore[union-attr]
         return wake
 
@@ -735,7 +733,8 @@ class Broker:
     ) -> frozenset[int]:
         """A QoS 1 consumer gives deliveries back, to be redelivered now or after
         ``delay_ms``; one delivered ``max_retries`` times (any, with ``give_up``) goes to
-        ``$dlq/<topic>`` instead, with the consumer's ``reason`` if it gave one. Without
+        ``$dlq/<topic>`` instead, with the consumer's ``reason`` if it gave one (a dead
+        letter is dropped instead: ``Counters.dead_letters_dropped``). Without
         ``spend`` none does (a consumer that counts its own retries: a bridge). Returns
         the connections to wake."""
         found = self._cursor_of(conn, sub_id)
@@ -940,7 +939,8 @@ class Broker:
 
     def redeliver(self, now_ms: int, timestamp_ms: int) -> frozenset[int]:
         """Unacked deliveries past their deadline go back to their cursor (or to
-        ``$dlq/<topic>`` after ``max_retries`` deliveries), and delayed nacks come due.
+        ``$dlq/<topic>`` after ``max_retries`` deliveries; a dead letter is dropped then),
+        and delayed nacks come due.
         Returns the connections to wake."""
         if self.cursors is None:
             return frozenset()
@@ -1144,7 +1144,8 @@ class Broker:
             "messages": {"published": c.published, "delivered": c.delivered,
                          "unrouted": c.unrouted, "refused": c.refused, "acked": c.acked,
                          "redelivered": c.redelivered, "nacked": c.nacked,
-                         "dead_lettered": c.dead_lettered},
+                         "dead_lettered": c.dead_lettered,
+                         "dead_letters_dropped": c.dead_letters_dropped},
             "drops": {"drop_oldest": c.dropped_oldest, "drop_new": c.dropped_new,
                       "ttl": c.dropped_ttl, "no_consumer": c.dropped_no_consumer},
             "retained": {"topics": len(self.retained), "bytes": self.retained.size,

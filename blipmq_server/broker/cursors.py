@@ -2,10 +2,11 @@
 
 A cursor (``broker.durable.DurableGroup``) reads the log from its position; QoS 1 ones keep
 what they delivered in flight until it is acked, redeliver it with backoff, and after
-``max_retries`` deliveries hand it back as a dead letter for ``$dlq/<topic>``. Durable
-groups write their changes to the log as GROUP and ACK records and are rebuilt from them
-on start. Records the log holds only on disk are never read here: the cursor asks for a
-``Fetch`` and the shell reads it off the event loop (``fill``).
+``max_retries`` deliveries hand it back as a dead letter for ``$dlq/<topic>`` (a dead letter
+itself is dropped then, never dead-lettered again). Durable groups write their changes to
+the log as GROUP and ACK records and are rebuilt from them on start. Records the log holds
+only on disk are never read here: the cursor asks for a ``Fetch`` and the shell reads it off
+the event loop (``fill``).
 Pure and synchronous; no trio, no clock.
 """
 
@@ -22,6 +23,7 @@ from blipmq_server.broker.storage import READ_AHEAD_RECORDS, MessageLog, StoredR
 from blipmq_server.broker.topics import FilterIndex
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import DeadLetter, ErrorCode, RawMessage, Start, dead_letter
+from blipmq_server.protocol.message import is_dead_letter, message_from_record
 
 if TYPE_CHECKING:
     from blipmq_server.broker.registry import Consumer
@@ -54,6 +56,9 @@ class Cursors:
         self._next_key = 1
         self._fetches: list[Fetch] = []  # disk reads cursors wait for, not yet handed out
         self._buried: list[tuple[DurableGroup, int]] = []  # dead-lettered, ACK not yet logged
+        # the last dead letter dropped for good (``_spend``), for the shell's log line:
+        # its topic, and the filter and group of the cursor that gave up on it
+        self.last_dropped: tuple[str, str, str] | None = None
         self.generation = 0  # grows whenever a cursor (durable or plain) is added or forgotten
         self._counts: list[Count] = []  # backlogs to count off the event loop
         # ACK records not written yet: (record's offset, offsets it acks, half the acking
@@ -372,7 +377,9 @@ class Cursors:
         """Those of ``offsets`` delivered ``max_retries`` times (all of them: ``give_up``)
         become dead letters (added to ``dead``; a durable group logs them as done, so a
         restart does not deliver them again); returns the others, in order, to be given
-        back."""
+        back. A dead letter that runs out in its turn is dropped the same way, but not
+        dead-lettered again: ``$dlq/$dlq/...`` would go round for as long as its readers
+        fail (it stays in the log, for other groups and replays)."""
         back = []
         for offset in offsets:
             count = target.inflight[offset].count
@@ -380,16 +387,21 @@ class Cursors:
                 back.append(offset)
                 continue
             flight = target.drop(offset)
-            dead.append(dead_letter(flight.body, DeadLetter(flight.count, reason(count))))
-            self.counters.dead_lettered += 1
+            if is_dead_letter(flight.body):
+                self.counters.dead_letters_dropped += 1
+                self.last_dropped = (message_from_record(flight.body).topic, target.filter,
+                                     target.group)
+            else:
+                dead.append(dead_letter(flight.body, DeadLetter(flight.count, reason(count))))
+                self.counters.dead_lettered += 1
             if target.persistent:
                 self._buried.append((target, offset))
         return back
 
     def bury(self, timestamp_ms: int) -> None:
         """The dead letters made by ``nack`` or ``redeliver`` are in the log now: log their
-        originals as done for their durable groups (in this order, so a crash in between
-        leaves a message delivered twice, never one lost)."""
+        originals (and the dead letters dropped) as done for their durable groups (in this
+        order, so a crash in between leaves a message delivered twice, never one lost)."""
         for target, offset in self._buried:
             self._recent.note(target.id, self.log.append(
                 Kind.ACK, durable.ack_body(target.id, target.floor, [offset]), timestamp_ms))

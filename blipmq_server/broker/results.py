@@ -45,10 +45,10 @@ class Limits(NamedTuple):
 class Counters:
     """Plain counters, read by metrics at scrape time."""
 
-    __slots__ = ("acked", "dead_lettered", "delivered", "dropped_new", "dropped_no_consumer",
-                 "dropped_oldest", "dropped_ttl", "enqueued", "groups_expired",
-                 "idle_groups_dropped", "nacked", "published", "redelivered", "refused",
-                 "retained_sent", "unrouted")
+    __slots__ = ("acked", "dead_lettered", "dead_letters_dropped", "delivered", "dropped_new",
+                 "dropped_no_consumer", "dropped_oldest", "dropped_ttl", "enqueued",
+                 "groups_expired", "idle_groups_dropped", "nacked", "published", "redelivered",
+                 "refused", "retained_sent", "unrouted")
 
     def __init__(self) -> None:
         self.published = 0
@@ -68,6 +68,8 @@ class Counters:
         self.redelivered = 0
         self.nacked = 0
         self.dead_lettered = 0
+        # dead letters that used up their deliveries in their turn: dropped, not moved on
+        self.dead_letters_dropped = 0
         self.groups_expired = 0
         self.idle_groups_dropped = 0  # QoS 0 groups dropped beyond ``limits.max_idle_groups``
 

@@ -44,6 +44,7 @@ FLAG_BRIDGED = 0x20
 FLAGS_PUBLISHABLE = FLAG_QOS1 | FLAG_KEY | FLAG_RETAIN  # what a client may set
 DELIVERED_RETAINED = 0x01  # dflags: the topic's retained value, sent on subscribing
 DEAD_HEAD = struct.Struct(">HB")  # dead-letter trailer head: deliveries, reason_len
+DEAD_PREFIX = b"$dlq/"  # a dead letter's topic is this and its original's
 # the most a record adds to its payload: head, longest topic and key, dead-letter trailer
 MESSAGE_OVERHEAD = HEAD_SIZE + WIRE_TOPIC_BYTES + 0xFFFF + DEAD_HEAD.size + 0xFF
 
@@ -124,11 +125,19 @@ def dead_letter(record: bytes, dead: DeadLetter) -> RawMessage:
     is dropped: a dead letter is not its topic's last value."""
     flags, ttl, tlen, klen, plen = MSG_HEAD.unpack_from(record)
     flags &= ~FLAG_RETAIN
-    topic = b"$dlq/" + record[HEAD_SIZE : HEAD_SIZE + tlen]
+    topic = DEAD_PREFIX + record[HEAD_SIZE : HEAD_SIZE + tlen]
     rest = record[HEAD_SIZE + tlen : HEAD_SIZE + tlen + klen + plen]
     out = b"".join((MSG_HEAD.pack(flags | FLAG_DEAD, ttl, len(topic), klen, plen), topic, rest,
                     dead_trailer(dead)))
     return RawMessage(topic, flags & FLAG_QOS1, ttl, plen, out)
+
+
+def is_dead_letter(record: bytes, pos: int = 0) -> bool:
+    """Whether the message record at ``pos`` is a dead letter: its topic is ``$dlq/...``.
+    The topic, not the dead flag, says so: the broker's own dead letters have both, but a
+    bridge's ``in`` rule may bring one in under a ``$dlq/`` name, rebuilt without the flag
+    and trailer (clients may not publish to '$' topics)."""
+    return record.startswith(DEAD_PREFIX, pos + HEAD_SIZE)
 
 
 def delivery_record(offset: int, delivery_count: int, record: bytes, timestamp_ms: int = 0,

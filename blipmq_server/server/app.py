@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from blipmq_server.server.tls import Tls
 
 log = logging.getLogger("blipmq")
+_DROPPED_EVERY_S = 60  # dead letters dropped from a group: one line at most this often
 
 
 class Bound(NamedTuple):
@@ -696,12 +697,28 @@ class Server:
         self.log_touched()
 
     async def _redelivery_loop(self) -> None:
-        """Unacked QoS 1 deliveries past their deadline go back to their group."""
+        """Unacked QoS 1 deliveries past their deadline go back to their group. Dead letters
+        dropped by a group that gave up on them (here or by a nack) are said: the first at
+        once, the next summed up at most once every ``_DROPPED_EVERY_S`` seconds (a
+        ``$dlq/#`` reader that never acks drops every dead letter)."""
         assert self.flusher is not None and self.wal is not None
+        counters, cursors = self.broker.counters, self.broker.cursors
+        said, said_at = 0, -math.inf  # dead letters dropped by the last line, and when
         while True:
             await trio.sleep(0.1)
             self.wake(self.broker.redeliver(now_ms(), wall_ms()))
             self.log_touched()  # dead letters are new messages
+            dropped, now = counters.dead_letters_dropped, trio.current_time()
+            if dropped > said and now - said_at >= _DROPPED_EVERY_S and cursors is not None:
+                topic, topic_filter, group = cursors.last_dropped or ("", "", "")
+                reader = (f"group {group!r} on {topic_filter!r}" if group
+                          else f"a subscription on {topic_filter!r}")
+                log.warning("%d dead letter(s) dropped by the reader that gave up on them, "
+                            "not dead-lettered again (the last: %r, by %s, after "
+                            "delivery.max_retries deliveries or given up); they stay in the log "
+                            "(blipmq_messages_dead_letters_dropped_total; said at most once "
+                            "every %d s)", dropped - said, topic, reader, _DROPPED_EVERY_S)
+                said, said_at = dropped, now
 
     async def _drain(
         self,

@@ -401,9 +401,7 @@ class Bridge:
                 del self._strikes[offset]
                 why = (f"bridge {self.spec.name}: the upstream closed the link each of "
                        f"{strikes} times this message was sent")
-                self.server.wake(broker.nack(conn, sub_id, (offset,), 0, now_ms(), wall_ms(),
-                                             why, give_up=True))
-                self.counters["dead_lettered"] += 1
+                self.server.wake(self.give_up(sub_id, offset, why))
                 self.server.log_touched()
         if len(self._strikes) > 1024:
             self._strikes.clear()
@@ -423,6 +421,17 @@ class Bridge:
             if rule.qos != 2:
                 broker.requeue(conn, sub_id)
             broker.set_credit(conn, sub_id, 0)
+
+    def give_up(self, sub_id: int, offset: int, why: str) -> frozenset[int]:
+        """A message the upstream will not take goes to the local dead letters, counted in
+        ``dead_lettered``; a dead letter (an out rule on ``$dlq/...``) is dropped instead,
+        as the core drops one (counted there). Returns the connections to wake."""
+        counters = self.broker.counters
+        before = counters.dead_lettered
+        wake = self.broker.nack(self.conn_id, sub_id, (offset,), 0, now_ms(), wall_ms(), why,
+                                give_up=True)
+        self.counters["dead_lettered"] += counters.dead_lettered - before
+        return wake
 
     def _back(self, offsets: dict[int, list[int]]) -> None:
         """Deliveries (rule's sub id -> offsets, in sending order) back to the front of
@@ -1003,10 +1012,8 @@ class _Link:
                                     offset, parts, again)
                 except LocalProtocolError as exc:  # the upstream could never take it
                     counters["refused"] += 1
-                    counters["dead_lettered"] += 1
-                    bridge.server.wake(bridge.broker.nack(
-                        bridge.conn_id, sub_id, (offset,), 0, now_ms(), wall_ms(),
-                        f"bridge {bridge.spec.name}: {exc}", give_up=True))
+                    bridge.server.wake(bridge.give_up(sub_id, offset,
+                                                      f"bridge {bridge.spec.name}: {exc}"))
                     bridge.server.log_touched()
                     continue
                 sent += 1

@@ -207,9 +207,7 @@ class NativeLink(_Link):
         wake: set[int] = set()
         if strikes >= bridge.spec.max_retries:
             del bridge._strikes[offset]
-            wake |= broker.nack(conn_id, sub_id, (offset,), 0, now_ms(), wall_ms(),
-                                f"bridge {bridge.spec.name}: {reason}", give_up=True)
-            bridge.counters["dead_lettered"] += 1
+            wake |= bridge.give_up(sub_id, offset, f"bridge {bridge.spec.name}: {reason}")
         else:
             wake |= broker.nack(conn_id, sub_id, (offset,), bridge.spec.backoff_min_ms,
                                 now_ms(), wall_ms(), reason, spend=False)
