@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 from mqttpeer import Paho, Raw, mosquitto, mosquitto_spawn, reap
+from test_broker_retained import commit, open_broker
 from upstream import free_port
 
 from blipmq_server.mqtt.codec import (
@@ -32,7 +33,8 @@ from blipmq_server.mqtt.codec import (
     Unsubscribe,
     Will,
 )
-from blipmq_server.mqtt.state import group_name
+from blipmq_server.mqtt.state import group_name, qos2_key, stored_ids
+from blipmq_server.wal.log import LogOptions
 
 MQTT = {"mqtt": {"enabled": True, "port": 0}}
 
@@ -721,6 +723,135 @@ def test_a_new_qos2_publish_reusing_a_remembered_packet_id_is_delivered(start_br
 
     logged = _resent_after_sigkill(start_broker, b, "reuse-q2", "reuse/t", b"reading-B", 5)
     assert logged == b"reading-A\nreading-B\n"
+
+
+def _qos2(raw: Raw, topic: str, pids: Iterable[int], dup: bool = False,
+          text: str = "m") -> None:
+    """QoS 2 PUBLISHes of ``text`` + packet id under these ids, then each one's PUBREC."""
+    pids = list(pids)
+    raw.send(*(Publish(topic, f"{text}{pid}".encode(), 2, False, dup, pid) for pid in pids))
+    for pid in pids:
+        assert raw.recv() == PubRec(pid)
+
+
+def _release(raw: Raw, *pids: int) -> None:
+    raw.send(*(PubRel(pid) for pid in pids))
+    for pid in pids:
+        assert raw.recv() == PubComp(pid)
+
+
+def test_qos2_ids_awaiting_pubrel_cost_the_log_a_few_bytes_each(start_broker) -> None:
+    """h21 D3: each QoS 2 PUBLISH of a persistent session rewrote the whole set of its
+    packet ids awaiting PUBREL in one STATE record, so a client that never PUBRELs made
+    the N-th one-byte publish write about 2N bytes (10,000 of them: 100 MB of log), and
+    with that log retention's size cap took other sessions' backlogs. A publish writes
+    its message and its id's block of 64 ids: a few bytes, however many ids wait."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("nopubrel", clean=False) == ConnAck(False, 0)
+    before = b.metric("blipmq_wal_bytes_total")
+    n = 3000
+    _qos2(raw, "np/t", range(1, n + 1), text="p")  # one-byte payloads, not a PUBREL yet
+    per_publish = (b.metric("blipmq_wal_bytes_total") - before) / n
+    assert per_publish < 300, per_publish  # about 100; 3,088 before
+    _release(raw, *range(1, n + 1))
+    per_release = (b.metric("blipmq_wal_bytes_total") - before) / n - per_publish
+    assert per_release < 100, per_release
+
+
+def test_inbound_qos2_ids_outlive_retention_and_sigkill_and_so_do_their_releases(
+        start_broker) -> None:
+    """MQTT-4.3.3-2 through retention and crashes, with a session's ids in several blocks
+    (a record per 64 ids): the ids awaiting PUBREL stay remembered (the size cap deleted
+    the segments their records were in: the records were carried forward), a resend of
+    their messages (DUP 1) is answered PUBREC and not logged again; an id PUBRELed before
+    a SIGKILL stays free after it: a new message under it whose first copy the client
+    lost, sent again with DUP 1, is logged."""
+    config = {**MQTT, "wal": {"segment_bytes": 16384, "retention_bytes": 65536,
+                              "maintenance_interval_ms": 100}}
+    b = start_broker(config)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("blocks", clean=False) == ConnAck(False, 0)
+    _qos2(raw, "blk/t", range(1, 201))  # blocks 0 to 3
+    _release(raw, 64, 130)
+    raw.close()
+    wal = b.data_dir / "wal"
+    first = {p.name for p in wal.glob("*.seg")}
+    deadline = time.monotonic() + 30
+    while first & {p.name for p in wal.glob("*.seg")}:  # in chunks, as in the test above
+        assert time.monotonic() < deadline, "the size cap removed nothing"
+        assert b.shell("seq -f '%080g' 1 150 | blipmq pub noise --qos 1 --lines -"
+                       ).returncode == 0
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    b2 = start_broker(config, data_dir=b.data_dir)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("blocks", clean=False) == ConnAck(True, 0)
+    _qos2(raw, "blk/t", (1, 63, 65, 128, 129, 131, 200), dup=True)
+    assert b2.metric("blipmq_messages_published_total") == 0
+    _qos2(raw, "blk/t", (64, 130), dup=True, text="new ")  # released before the crash
+    assert b2.metric("blipmq_messages_published_total") == 2
+    _release(raw, 1, 65)
+    assert b2.stop(signal.SIGKILL) == -signal.SIGKILL
+    raw.close()
+
+    b3 = start_broker(config, data_dir=b.data_dir)
+    raw = Raw(b3.mqtt_port)
+    assert raw.connect("blocks", clean=False) == ConnAck(True, 0)
+    _qos2(raw, "blk/t", (2, 63, 64, 130, 200), dup=True, text="new ")
+    assert b3.metric("blipmq_messages_published_total") == 0
+    _qos2(raw, "blk/t", (1, 65), dup=True, text="new ")  # released before the second crash
+    assert b3.metric("blipmq_messages_published_total") == 2
+    raw.disconnect()
+    logged = b3.cli("sub", "blk/t", "--from", "earliest", "--until-end")
+    assert logged.returncode == 0, logged.stderr
+    assert logged.stdout == b"new 64\nnew 130\nnew 1\nnew 65\n"
+
+
+def test_inbound_qos2_ids_an_earlier_version_saved_whole_are_kept_and_released(
+        start_broker) -> None:
+    """Upgrade: before the blocks, a persistent session's inbound QoS 2 ids awaiting
+    PUBREL were one record, the whole set (``mqtt/q/<client id>``). A broker started on
+    such a log rewrites it as blocks: those ids stay remembered (a resend is not logged
+    again) and a PUBREL frees one, also after a SIGKILL. The record holds them all: a
+    block of the client's beside it (the start that rewrote it was cut short, or a broker
+    of that version ran on the log since) is stale."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("old-q2", clean=False) == ConnAck(False, 0)
+    _qos2(raw, "old/t", (7,))  # a block with 7; the record below does not have it
+    raw.disconnect()
+    assert b.stop() == 0
+    core, log = open_broker(b.data_dir / "wal", LogOptions())  # as that version wrote it:
+    core.put_state(qos2_key("old-q2"), stored_ids({5, 6, 40000}), 1)  # what it remembers
+    commit(log)
+    log.close()
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    b2.wait_log("rewritten in blocks")
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("old-q2", clean=False) == ConnAck(True, 0)
+    _qos2(raw, "old/t", (5, 6, 40000), dup=True)
+    assert b2.metric("blipmq_messages_published_total") == 0
+    _release(raw, 5)
+    _qos2(raw, "old/t", (7,), dup=True, text="new ")  # not remembered: logged
+    assert b2.metric("blipmq_messages_published_total") == 1
+    assert b2.stop(signal.SIGKILL) == -signal.SIGKILL
+    raw.close()
+
+    b3 = start_broker(MQTT, data_dir=b.data_dir)
+    assert not any("rewritten in blocks" in line for line in b3.log), b3.log
+    raw = Raw(b3.mqtt_port)
+    assert raw.connect("old-q2", clean=False) == ConnAck(True, 0)
+    _qos2(raw, "old/t", (6, 40000, 7), dup=True, text="new ")
+    assert b3.metric("blipmq_messages_published_total") == 0
+    _qos2(raw, "old/t", (5,), dup=True, text="new ")  # released before the SIGKILL
+    assert b3.metric("blipmq_messages_published_total") == 1
+    _release(raw, 5, 6, 7, 40000)
+    raw.disconnect()
+    logged = b3.cli("sub", "old/t", "--from", "earliest", "--until-end")
+    assert logged.returncode == 0, logged.stderr
+    assert logged.stdout == b"m7\nnew 7\nnew 5\n"
 
 
 def test_a_suback_means_the_subscription_survives_sigkill(start_broker) -> None:

@@ -3,14 +3,23 @@ the core's.
 
 A persistent session (clean session 0) is saved as STATE records of the log (the core keeps
 the latest value per key and carries it past retention); this module makes and reads their
-bodies. Three keys per client id: its subscriptions; the inbound QoS 2 packet ids awaiting
-PUBREL; the outbound QoS 2 packet ids awaiting PUBCOMP (the last two small, rewritten per
-QoS 2 message; apart so a big subscription list is not)::
+bodies. Per client id: its subscriptions; the outbound QoS 2 packet ids awaiting PUBCOMP
+(rewritten per QoS 2 delivery; apart so a big subscription list is not); the inbound QoS 2
+packet ids awaiting PUBREL, in blocks of 64 ids, one key per block holding any (a client
+may keep up to 65,535 ids waiting: what a QoS 2 PUBLISH or PUBREL rewrites is its id's
+block, never the whole set)::
 
-    key:   b"mqtt/s/" + client id (UTF-8)        b"mqtt/q/" or b"mqtt/r/" + client id
+    key:   b"mqtt/s/" + client id (UTF-8)        b"mqtt/r/" + client id
     value: | version u8 = 1 | offline_since_ms u64 | count u16 |
            | per subscription: | qos u8 | filter_len u16 | filter (UTF-8) |
     value: | count u16 | packet id u16 ... |
+
+    key:   b"mqtt/i/" + block (ASCII decimal, 0-1023) + b"/" + client id (UTF-8)
+    value: | ids u64 |   bit i (of value 1 << i) set: packet id 64 * block + i is awaiting PUBREL
+
+A block with no id left is deleted (an empty value). Before these blocks the inbound ids
+were one key, ``b"mqtt/q/" + client id``, valued as the outbound ones and rewritten whole
+per QoS 2 message: a log written so is read (``parse_ids``) and rewritten as blocks at start.
 
 ``offline_since_ms`` is 0 while the client is connected (a session is expired by its
 offline time, and one whose broker stopped while it was connected counts from the restart).
@@ -35,13 +44,17 @@ except ImportError:  # pragma: no cover - a Python built without the module
 from blipmq_server.protocol.names import group_problem
 
 SUBS_PREFIX = b"mqtt/s/"
-QOS2_PREFIX = b"mqtt/q/"
+QOS2_PREFIX = b"mqtt/q/"  # before the blocks: all of a client's inbound QoS 2 ids
+QOS2_BLOCK_PREFIX = b"mqtt/i/"  # a block of them (``qos2_block_key``)
 PUBREL_PREFIX = b"mqtt/r/"
 OWNER_PREFIX = b"mqtt/o/"  # the name of the key that made a persistent session
 SESSION_GROUPS = "mqtt."  # persistent sessions' groups; never a share's (``share_of``)
 _HEAD = struct.Struct(">BQH")
 _SUB = struct.Struct(">BH")
 _U16 = struct.Struct(">H")
+_BITS = struct.Struct(">Q")
+BLOCK_IDS = 64  # inbound QoS 2 packet ids per block record, one bit each
+_BLOCKS = 65536 // BLOCK_IDS
 
 
 def _digest(text: str) -> str:
@@ -81,6 +94,16 @@ def subs_key(client_id: str) -> bytes:
 
 def qos2_key(client_id: str) -> bytes:
     return QOS2_PREFIX + client_id.encode("utf-8")
+
+
+def qos2_block_key(client_id: str, block: int) -> bytes:
+    """The key of the record of a client's inbound QoS 2 packet ids ``64 * block`` ..
+    ``64 * block + 63`` (``block_of``)."""
+    return b"%s%d/%s" % (QOS2_BLOCK_PREFIX, block, client_id.encode("utf-8"))
+
+
+def block_of(packet_id: int) -> int:
+    return packet_id // BLOCK_IDS
 
 
 def pubrel_key(client_id: str) -> bytes:
@@ -135,3 +158,25 @@ def parse_ids(body: bytes) -> set[int]:
         return {_U16.unpack_from(body, 2 + 2 * i)[0] for i in range(count)}
     except struct.error as exc:
         raise ValueError(f"damaged session record: {exc}") from None
+
+
+def stored_block(ids: set[int], block: int) -> bytes:
+    """The value of ``block``'s record: which of its 64 packet ids ``ids`` holds (b"": none,
+    the record is deleted)."""
+    first = block * BLOCK_IDS
+    bits = 0
+    for i in range(BLOCK_IDS):
+        if first + i in ids:
+            bits |= 1 << i
+    return _BITS.pack(bits) if bits else b""
+
+
+def parse_block(key: bytes, value: bytes) -> tuple[str, set[int]]:
+    """(client id, packet ids) of a ``qos2_block_key`` record; ValueError when damaged."""
+    number, sep, client = key[len(QOS2_BLOCK_PREFIX):].partition(b"/")
+    if not sep or not number.isdigit() or int(number) >= _BLOCKS or len(value) != _BITS.size:
+        raise ValueError("damaged session record: not a block of packet ids")
+    first = int(number) * BLOCK_IDS
+    (bits,) = _BITS.unpack(value)
+    return client.decode("utf-8", "replace"), {first + i for i in range(BLOCK_IDS)
+                                               if bits >> i & 1}

@@ -47,14 +47,18 @@ class MqttSessions:
     def recover(self, wall: int) -> None:
         """The log is open: the persistent sessions it holds are offline (since they were
         last seen, or since now when the broker stopped while they were connected)."""
+        whole: dict[str, set[int]] = {}  # inbound QoS 2 ids in one record (before blocks)
         for key, value in self.broker.states.items():
             try:
                 if key.startswith(state.SUBS_PREFIX):
                     subs, since = state.parse_subs(value)
                     self.offline[state.client_of(key)] = (subs, since or wall)
+                elif key.startswith(state.QOS2_BLOCK_PREFIX):
+                    cid, ids = state.parse_block(key, value)
+                    self.qos2.setdefault(cid, set()).update(ids)
                 elif key.startswith(state.QOS2_PREFIX):
                     cid = key[len(state.QOS2_PREFIX):].decode("utf-8", "replace")
-                    self.qos2[cid] = state.parse_ids(value)
+                    whole[cid] = state.parse_ids(value)
                 elif key.startswith(state.PUBREL_PREFIX):
                     cid = key[len(state.PUBREL_PREFIX):].decode("utf-8", "replace")
                     self.pubrel[cid] = state.parse_ids(value)
@@ -63,12 +67,30 @@ class MqttSessions:
                     self.owners[cid] = value.decode("utf-8", "replace")
             except ValueError as exc:
                 log.warning("MQTT session %r not restored: %s", key, exc)
+        for cid, ids in whole.items():
+            self._in_blocks(cid, ids, wall)
+        if whole:
+            log.info("MQTT: the inbound QoS 2 packet ids of %d persistent session(s) "
+                     "rewritten in blocks", len(whole))
         if self.offline:
             log.info("MQTT: %d persistent session(s) restored", len(self.offline))
         self._drop_orphans(wall)
         self.restored = set(self.offline)
         wal = self.server.wal
         self.restored_end = 0 if wal is None else wal.next_offset
+
+    def _in_blocks(self, cid: str, ids: set[int], wall: int) -> None:
+        """A client's inbound QoS 2 ids in one record (``state.qos2_key``, as written
+        before they were kept in blocks) are rewritten as blocks, then that record goes.
+        It holds them all: blocks of the client's found beside it are stale (this was cut
+        short by a crash, or a broker of that version ran on the log since)."""
+        stale = self.qos2.pop(cid, set())
+        if ids:
+            self.qos2[cid] = ids
+        for block in sorted({state.block_of(pid) for pid in ids | stale}):
+            self.broker.put_state(state.qos2_block_key(cid, block),
+                                  state.stored_block(ids, block), wall)
+        self.broker.put_state(state.qos2_key(cid), b"", wall)
 
     # --------------------------------------------------------------------------- connects
 
@@ -185,19 +207,19 @@ class MqttSessions:
         if session.clean:
             return 0
         self.qos2[session.client_id] = session.qos2_in
-        return self.broker.put_state(state.qos2_key(session.client_id),
-                                     state.stored_ids(session.qos2_in), wall_ms())
+        return self._put_block(session, pid)
 
     def qos2_released(self, session: MqttSession, pid: int) -> int:
         """PUBREL: the packet id may be used again. Returns the offset the PUBCOMP must
         wait for (0: nothing was written). An id not remembered (a PUBREL sent again)
-        waits for the newest record of the session's ids: when the disk refused the one
-        that freed it, that is the one written again after it (``Broker.relog``), and a
-        restart before it is on disk would bring the id back."""
+        waits for the newest record of its block of the session's ids: when the disk
+        refused the one that freed it, that is the one written again after it
+        (``Broker.relog``), and a restart before it is on disk would bring the id back."""
         if pid not in session.qos2_in:
             if session.clean:
                 return 0
-            return self.broker.state_offset(state.qos2_key(session.client_id))
+            return self.broker.state_offset(
+                state.qos2_block_key(session.client_id, state.block_of(pid)))
         return self.qos2_forget(session, pid)
 
     def qos2_forget(self, session: MqttSession, pid: int) -> int:
@@ -213,9 +235,14 @@ class MqttSessions:
             self.qos2[session.client_id] = session.qos2_in
         else:
             self.qos2.pop(session.client_id, None)
-        key = state.qos2_key(session.client_id)
-        value = state.stored_ids(session.qos2_in) if session.qos2_in else b""
-        return self.broker.put_state(key, value, wall_ms())
+        return self._put_block(session, pid)
+
+    def _put_block(self, session: MqttSession, pid: int) -> int:
+        """Save the block of the session's inbound QoS 2 ids that holds ``pid``: a record
+        of a few bytes, however many ids are remembered. Returns its offset."""
+        block = state.block_of(pid)
+        return self.broker.put_state(state.qos2_block_key(session.client_id, block),
+                                     state.stored_block(session.qos2_in, block), wall_ms())
 
     def outbound_released(self, session: MqttSession) -> int:
         """A persistent session's outbound QoS 2 packet ids between PUBREC and PUBCOMP
@@ -277,12 +304,13 @@ class MqttSessions:
         nobody else belongs to, and its records go."""
         wall = wall_ms()
         self._end_filters(cid, list(subs), wall)
-        self.qos2.pop(cid, None)
+        blocks = {state.block_of(pid) for pid in self.qos2.pop(cid, ())}
         self.pubrel.pop(cid, None)
         self.owners.pop(cid, None)
         self.restored.discard(cid)  # a new session by that id starts afresh
         for key in (state.subs_key(cid), state.qos2_key(cid), state.pubrel_key(cid),
-                    state.owner_key(cid)):
+                    state.owner_key(cid),
+                    *(state.qos2_block_key(cid, block) for block in sorted(blocks))):
             self.broker.put_state(key, b"", wall)
         self.server.log_touched()
 
