@@ -54,6 +54,7 @@ _pack_prefix = DELIVERY_PREFIX.pack
 _BLOCK, _DROP_OLDEST = Overflow.BLOCK, Overflow.DROP_OLDEST  # an enum member costs a lookup
 _MESSAGE = Kind.MESSAGE
 _STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
+_ROUSE_ALL_MS = 1000  # every dozing consumer looks again at least this often (``redeliver``)
 
 
 # ``Broker.copy_of``: what a subscription did with a message another one has a copy of
@@ -90,8 +91,9 @@ class Broker:
         self.cursors = (None if self.log is None
                         else Cursors(self.limits, self.log, self.counters))
         self.retained = Retained(self.limits.retained_max_topics, self.limits.retained_max_bytes)
-        self.usage = Usage(self._durable_matching)
+        self.usage = Usage(self._durable_matching, woken=self._rouse)
         self._generation = 0  # of the durable groups ``usage`` knows
+        self._roused_at = 0  # when ``redeliver`` last roused every dozing consumer (ms)
         # front ends' saved state (MQTT persistent sessions), by key, and its record's offset
         self.states: dict[bytes, bytes] = {}
         self._state_at: dict[bytes, int] = {}
@@ -388,6 +390,12 @@ class Broker:
     def _durable_matching(self, topic: bytes) -> tuple[DurableGroup, ...]:
         return () if self.cursors is None else self.cursors.matching(topic)
 
+    def _rouse(self, target: DurableGroup) -> None:
+        """A cursor may have work again: its dozing consumers are looked at again."""
+        rouse = self.registry.rouse
+        for consumer in target.consumers:
+            rouse(consumer)
+
     def _publish_dead(self, dead: list[RawMessage], now_ms: int, timestamp_ms: int) -> set[int]:
         """Dead letters to ``$dlq/<topic>``, then their originals (and the dead letters
         dropped) done; returns the connections to wake."""
@@ -567,6 +575,7 @@ class Broker:
             values = self.retained.matching(target.filter, wall_ms)
             target.offer_retained(values, DELIVERED_RETAINED)
             self.counters.retained_sent += len(values)
+            self._rouse(target)
         else:
             self._retained_to_queue(target, target.filter, wall_ms)
             if target.items:
@@ -774,7 +783,6 @@ class Broker:
     def pending(self, conn: int, qos0_only: bool = False) -> bool:
         """Whether ``deliver`` would hand this connection something now."""
         has_work = self.has_work
-        unmark = self.registry.unmark
         found = False
         for c in self.registry.candidates(conn):
             if qos0_only and c.qos:
@@ -782,9 +790,17 @@ class Broker:
             if has_work(c):
                 found = True
                 break
-            if not isinstance(c.queue, DurableGroup):
-                unmark(c)  # nothing to take: looked at again once its queue gets items
+            self._nothing_for(c)
         return found
+
+    def _nothing_for(self, consumer: Consumer) -> None:
+        """``consumer`` has nothing to take: a delivery pass leaves it out until it may
+        (a queue consumer until its queue gets items, a log-cursor one while it dozes)."""
+        target = consumer.queue
+        if not isinstance(target, DurableGroup):
+            self.registry.unmark(consumer)
+        elif consumer.until is None and target.idle:
+            self.registry.doze(consumer)
 
     def deliver(
         self, conn: int, max_batch: int, max_batch_bytes: int, now_ms: int, wall_ms: int,
@@ -824,8 +840,7 @@ class Broker:
                 unmark(consumer)  # nothing left: looked at again once its queue gets items
                 continue
             if not self.has_work(consumer):
-                if not isinstance(consumer.queue, DurableGroup):
-                    unmark(consumer)
+                self._nothing_for(consumer)
                 continue
             if consumer.until is not None and not isinstance(consumer.queue, DurableGroup):
                 before = len(consumer.queue.items)
@@ -946,6 +961,11 @@ class Broker:
             return frozenset()
         dead: list[RawMessage] = []
         wake = self.cursors.redeliver(now_ms, timestamp_ms, dead)
+        if now_ms - self._roused_at >= _ROUSE_ALL_MS:
+            # a safety net under the wake-ups ``_rouse`` gives: were one ever missed, a
+            # dozing consumer would wait this long at most, never for good
+            self._roused_at = now_ms
+            wake = wake | self.registry.rouse_all()
         return wake | self._publish_dead(dead, now_ms, timestamp_ms)
 
     def expire_groups(self, wall_ms: int) -> list[DurableGroup]:

@@ -13,7 +13,7 @@ Pure and synchronous; no trio, no clock.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from blipmq_server.broker import durable
@@ -235,6 +235,7 @@ class Cursors:
 
     def lag(self, target: DurableGroup) -> int:
         """Log records past the cursor's position (whether they match its filter or not)."""
+        self.catch_up((target,))
         return self.log.written_offset + 1 - target.next
 
     def take(
@@ -428,6 +429,7 @@ class Cursors:
         segments. Returns the offset of the last record appended (0: none)."""
         log = self.log
         last = 0
+        self.catch_up(self.durable.values())
         for target in self.durable.values():
             if target.anchor >= below:
                 continue
@@ -444,6 +446,7 @@ class Cursors:
         skip what they had not read (counted in ``group.skipped``). Deliveries already in
         flight are kept (they are in memory); unacked ones not yet reloaded are lost."""
         out = []
+        self.catch_up(self.durable.values())
         for target in self.durable.values():
             skipped = max(0, first - target.next) + sum(1 for o in target.pending if o < first)
             if not skipped:
@@ -466,7 +469,20 @@ class Cursors:
 
     def floor(self) -> int | None:
         """The lowest offset a durable group still needs (for log retention)."""
+        self.catch_up(self.durable.values())
         return min((g.floor for g in self.durable.values()), default=None)
+
+    def catch_up(self, targets: Iterable[DurableGroup]) -> None:
+        """Quiet cursors (nothing of their topics logged since they read to the end) move to
+        the end of what is written, as ``has_work`` moves one it is asked about: a consumer
+        that dozes is not asked, and an idle group has none (for ``floor``, ``lag``,
+        ``skip_to`` and checkpoints, which would take the old position for unread records)."""
+        end = self.log.written_offset + 1
+        for target in targets:
+            quiet = target.quiet_from
+            if (quiet is not None and quiet <= target.next < end and not target.ahead
+                    and not target.fetching):
+                target.next = end
 
     # ------------------------------------------------------------------------- recovery
 

@@ -206,6 +206,16 @@ class DurableGroup:
         return f"DurableGroup({self.filter!r}, {self.group!r}, next={self.next})"
 
     @property
+    def idle(self) -> bool:
+        """Nothing in flight, to send again, read ahead or being read, and nothing of its
+        topics logged since it read to the end (``quiet_from``): only an append of one of
+        its topics' messages (``usage``), or retained values offered to it, give it work."""
+        quiet = self.quiet_from
+        return (quiet is not None and self.next >= quiet and not self.inflight
+                and not self.ready and not self.pending and not self.ahead and not self.kept
+                and not self.fetching)
+
+    @property
     def floor(self) -> int:
         """Every offset below this is acked or not for this group."""
         if not self.inflight and not self.pending:

@@ -79,10 +79,13 @@ class Registry:
         self.consumers: dict[int, Consumer] = {}
         self.by_conn: dict[int, list[Consumer]] = {}
         # per connection, what a delivery pass looks at (``candidates``): its log-cursor
-        # consumers, always, and those of its queue consumers that may have something (a
-        # superset: marked when their queue gets items, dropped once found with nothing), so
-        # a connection holding thousands of quiet subscriptions costs nothing per delivery
-        self._cursor_consumers: dict[int, list[Consumer]] = {}
+        # consumers but those dozing (``doze``: their cursor is idle with nothing of its
+        # topics logged since, until ``rouse``), and those of its queue consumers that may
+        # have something (a superset: marked when their queue gets items, dropped once found
+        # with nothing), so a connection holding thousands of quiet subscriptions costs
+        # nothing per delivery
+        self._cursor_consumers: dict[int, dict[Consumer, None]] = {}
+        self._dozing: dict[int, dict[Consumer, None]] = {}
         self._marked: dict[int, dict[Consumer, None]] = {}
         self.routes: dict[bytes, Route | Refusal] = {}
         self._next_sub_id = 1
@@ -144,7 +147,7 @@ class Registry:
         if isinstance(target, Queue):
             self.mark(consumer)  # a group's queue may hold items already
         else:
-            self._cursor_consumers.setdefault(conn, []).append(consumer)
+            self._cursor_consumers.setdefault(conn, {})[consumer] = None
         return consumer
 
     def mark(self, consumer: Consumer) -> None:
@@ -156,13 +159,37 @@ class Registry:
         if marked is not None:
             marked.pop(consumer, None)
 
+    def doze(self, consumer: Consumer) -> None:
+        """This log-cursor consumer has nothing to take until ``rouse``: its cursor is idle
+        and nothing of its topics was logged since (``DurableGroup.idle``)."""
+        awake = self._cursor_consumers.get(consumer.conn)
+        if awake is not None and awake.pop(consumer, 0) is None:
+            if not awake:
+                del self._cursor_consumers[consumer.conn]
+            self._dozing.setdefault(consumer.conn, {})[consumer] = None
+
+    def rouse(self, consumer: Consumer) -> None:
+        dozing = self._dozing.get(consumer.conn)
+        if dozing is not None and dozing.pop(consumer, 0) is None:
+            if not dozing:
+                del self._dozing[consumer.conn]
+            self._cursor_consumers.setdefault(consumer.conn, {})[consumer] = None
+
+    def rouse_all(self) -> set[int]:
+        """Every dozing consumer looks again (a safety net); returns their connections."""
+        conns = set(self._dozing)
+        for conn, dozing in self._dozing.items():
+            self._cursor_consumers.setdefault(conn, {}).update(dozing)
+        self._dozing.clear()
+        return conns
+
     def cursor_conns(self) -> set[int]:
-        """The connections with a consumer on a log cursor."""
-        return set(self._cursor_consumers)
+        """The connections with a consumer on a log cursor (dozing or not)."""
+        return set(self._cursor_consumers) | set(self._dozing)
 
     def reads_cursors(self) -> bool:
         """Whether any connection consumes from a log cursor."""
-        return bool(self._cursor_consumers)
+        return bool(self._cursor_consumers or self._dozing)
 
     def candidates(self, conn: int) -> list[Consumer]:
         """The consumers of ``conn`` that may have something: its cursor consumers and its
@@ -191,11 +218,10 @@ class Registry:
             if not mine:
                 del self.by_conn[conn]
         self.unmark(consumer)
-        cursors = self._cursor_consumers.get(conn)
-        if cursors and consumer in cursors:
-            cursors.remove(consumer)
-            if not cursors:
-                del self._cursor_consumers[conn]
+        for by_conn in (self._cursor_consumers, self._dozing):
+            cursors = by_conn.get(conn)
+            if cursors and cursors.pop(consumer, 0) is None and not cursors:
+                del by_conn[conn]
         if conn in self._marked and not self._marked[conn]:
             del self._marked[conn]
 

@@ -25,12 +25,14 @@ Entry = list[Any]
 
 class Usage:
     def __init__(self, groups_of: Callable[[bytes], tuple[Any, ...]],
-                 limit: int = TOPICS_TRACKED) -> None:
+                 limit: int = TOPICS_TRACKED,
+                 woken: Callable[[Any], None] | None = None) -> None:
         self.entries: dict[bytes, Entry] = {}
         self.other: list[int] = [0, 0]  # messages and bytes of the topics past the limit
         self.limit = limit
         self.generation = 0  # of the cursors: an entry looked up in an older one is stale
         self._groups_of = groups_of
+        self._woken = woken  # told of a cursor whose ``quiet_from`` a message ends
 
     def entry(self, topic: bytes) -> Entry:
         """The entry of a topic that has none (the slow path). Past the limit, an untracked
@@ -58,7 +60,10 @@ class Usage:
                 entry[4] = self.generation
             for g in entry[2]:
                 g.backlog += logged
-                g.quiet_from = None
+                if g.quiet_from is not None:
+                    g.quiet_from = None
+                    if self._woken is not None:
+                        self._woken(g)
 
     def regroup(self) -> None:
         """Cursors came or went: each topic looks again which count its messages, when it

@@ -209,8 +209,10 @@ class Bridge:
     def floor(self, groups: list[Any] | None = None) -> int | None:
         """The oldest log offset this bridge has not had acknowledged (of ``groups``, its
         groups, when the caller has them already)."""
-        return min((g.floor for g in (self.groups() if groups is None else groups)),
-                   default=None)
+        groups = self.groups() if groups is None else groups
+        if self.broker.cursors is not None:
+            self.broker.cursors.catch_up(groups)  # quiet ones to the end (a consumer dozes)
+        return min((g.floor for g in groups), default=None)
 
     def check_hold(self) -> None:
         """``backlog = "block"``: while the log is over ``wal.retention_bytes`` and this
