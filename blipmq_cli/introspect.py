@@ -78,7 +78,10 @@ def _render(report: dict[str, Any], addr: str) -> Any:
     if mqtt and (mqtt.get("online") or mqtt.get("offline") or mqtt.get("wills_published")
                  or mqtt.get("protocol_errors")):
         errors = ", ".join(f"{k} {v}" for k, v in sorted(mqtt["protocol_errors"].items()))
-        rows.append(("mqtt", f"{mqtt['online']} online, {mqtt['offline']} offline "
+        bridges = mqtt.get("bridges")  # sessions that connected as a bridge (level 0x84)
+        rows.append(("mqtt", f"{mqtt['online']} online"
+                             + (f" ({bridges} bridge(s))" if bridges else "")
+                             + f", {mqtt['offline']} offline "
                              f"session(s), {mqtt['inflight']} in flight, "
                              f"{mqtt['wills_published']} will(s) published"
                              + (f"; protocol errors: {errors}" if errors else "")))

@@ -169,6 +169,8 @@ class BrokerCollector:
         sessions.add(["online"], m["online"])
         sessions.add(["offline"], m["offline"])
         yield sessions
+        yield gauge("blipmq_mqtt_bridge_sessions", "Online MQTT sessions that connected as a "
+                    "bridge (CONNECT level 0x84 or 0x83)", m["bridges"])
         yield gauge("blipmq_mqtt_inflight", "Outbound MQTT QoS 1/2 deliveries awaiting the "
                     "client's PUBACK, PUBREC or PUBCOMP", m["inflight"])
         yield counter("blipmq_mqtt_wills_published", "MQTT wills published (closes that were "

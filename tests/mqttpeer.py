@@ -206,7 +206,7 @@ class Raw:
     def connect(self, client_id: str = "", *, clean: bool = True, keepalive: int = 0,
                 will: Will | None = None, username: str | None = None,
                 password: bytes | None = None, level: int = 4) -> ConnAck:
-        name = "MQTT" if level == 4 else "MQIsdp"
+        name = "MQTT" if level & 0x7F == 4 else "MQIsdp"  # 0x84, 0x83: a bridge's
         self.send(Connect(name, level, clean, keepalive, client_id, will, username, password))
         ack = self.recv()
         assert isinstance(ack, ConnAck), ack

@@ -89,6 +89,8 @@ SAMPLES: list[Packet] = [
     Connect("MQTT", 4, False, 60, "dev-1", Will("dev/1/status", b"gone", 2, True), "alice",
             b"\x00\xffpw"),
     Connect("MQIsdp", 3, True, 65535, "legacy", None, "bob", None),
+    Connect("MQTT", 0x84, False, 60, "blipmq-bridge-cloud", None, None, None),
+    Connect("MQIsdp", 0x83, True, 30, "old-bridge", None, None, None),
     Connect("MQTT", 5),
     Connect("MQIsdp", 4),
     ConnAck(False, ConnackCode.ACCEPTED),
@@ -416,7 +418,8 @@ def test_connect_protocol_name() -> None:
 
 
 @pytest.mark.parametrize(("name", "level"), [("MQTT", 5), ("MQTT", 3), ("MQIsdp", 4),
-                                             ("MQTT", 0), ("MQTT", 255)])
+                                             ("MQTT", 0), ("MQTT", 255), ("MQTT", 0x85),
+                                             ("MQTT", 0x83), ("MQIsdp", 0x84)])
 def test_connect_of_another_level_is_returned_unread(name: str, level: int) -> None:
     # an MQTT 5 CONNECT: properties after the keepalive, which this codec does not read
     body = s16(name.encode()) + bytes((level, 0xC2)) + b"\x00\x3c\x05\x11\x00\x00\x0e\x10\xff"

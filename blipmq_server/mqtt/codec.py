@@ -8,6 +8,8 @@ nothing outside the standard library and ``blipmq_server.errors`` is imported.
 The bodies, after the fixed header (drawn in ``packets``)::
 
     CONNECT      name str16 | level u8 | flags u8 | keepalive u16 | client id str16
+                 (level: 4 for "MQTT", 3 for "MQIsdp"; with bit 7 set, 0x84 / 0x83, a
+                 bridge's, as mosquitto's bridges send with ``try_private``)
                  | [will topic str16 | will payload bin16] | [username str16] | [password bin16]
                  flags: 7 username, 6 password, 5 will retain, 4-3 will qos, 2 will,
                         1 clean session, 0 reserved (0)
@@ -54,10 +56,10 @@ from blipmq_server.mqtt.packets import (
 )
 
 __all__ = [
-    "MAX_REMAINING", "REASONS", "SUBACK_FAILURE", "ConnAck", "ConnackCode", "Connect",
-    "Decoder", "Disconnect", "MqttError", "Packet", "PacketType", "PingReq", "PingResp",
-    "PubAck", "PubComp", "PubRec", "PubRel", "Publish", "SubAck", "Subscribe", "UnsubAck",
-    "Unsubscribe", "Will", "encode", "encode_publish", "remaining_length",
+    "BRIDGE_LEVEL", "MAX_REMAINING", "REASONS", "SUBACK_FAILURE", "ConnAck", "ConnackCode",
+    "Connect", "Decoder", "Disconnect", "MqttError", "Packet", "PacketType", "PingReq",
+    "PingResp", "PubAck", "PubComp", "PubRec", "PubRel", "Publish", "SubAck", "Subscribe",
+    "UnsubAck", "Unsubscribe", "Will", "encode", "encode_publish", "remaining_length",
 ]
 
 # the reasons an MqttError gives, short enough to count by
@@ -84,6 +86,7 @@ _U16 = struct.Struct(">H")
 _CONNECT_HEAD = struct.Struct(">BBH")  # level, flags, keepalive (after the protocol name)
 _SHORT_PUBLISH = struct.Struct(">BBH")  # first byte, a one-byte remaining length, topic length
 _PROTOCOLS = {b"MQTT": 4, b"MQIsdp": 3}  # name -> the one level of it this codec reads
+BRIDGE_LEVEL = 0x80  # the level's bit a bridge sets (mosquitto's try_private)
 _SUBACK_CODES = frozenset((0, 1, 2, SUBACK_FAILURE))
 _tuple_new = tuple.__new__  # builds a Publish as the tuple it is, without its __new__ call
 
@@ -384,7 +387,7 @@ def _connect(r: _Reader) -> Connect:
     if name not in _PROTOCOLS:
         raise MqttError("protocol_name", f"CONNECT for protocol {name[:16]!r}, not MQTT")
     protocol, level = name.decode("ascii"), r.u8()
-    if _PROTOCOLS[name] != level:  # the broker answers CONNACK 0x01: nothing more is read
+    if _PROTOCOLS[name] != level & ~BRIDGE_LEVEL:  # CONNACK 0x01: nothing more is read
         return Connect(protocol, level)
     flags, keepalive = r.u8(), r.u16()
     if flags & 0x01:

@@ -67,8 +67,9 @@ class Will:
 
 @dataclass(frozen=True, slots=True)
 class Connect:
-    """CONNECT. ``("MQTT", 4)`` is 3.1.1 and ``("MQIsdp", 3)`` is 3.1; any other level comes
-    with every later field at its default, unread, so the server can answer CONNACK 0x01."""
+    """CONNECT. ``("MQTT", 4)`` is 3.1.1 and ``("MQIsdp", 3)`` is 3.1, and with bit 7 of the
+    level set (0x84, 0x83) a bridge's of either; any other level comes with every later
+    field at its default, unread, so the server can answer CONNACK 0x01."""
 
     protocol_name: str
     level: int

@@ -11,7 +11,8 @@ stores as a MESSAGE body, and what DELIVER forwards behind a delivery prefix::
     bit 3 retain (the topic's last value: kept and handed to new subscribers),
     bit 4 QoS 2 (an MQTT client published it at QoS 2; bit 0 is set too, so to everything
     but MQTT subscribers it is a QoS 1 message), bit 5 bridged in (a bridge wrote it from
-    its upstream broker: bridges that bring its topic in do not send it back out)
+    its upstream broker, or a bridge connected to the MQTT listener published it: bridges
+    that bring its topic in do not send it back out, bridge sessions are not sent it)
 
     delivery record: | offset u64 | delivery_count u16 | timestamp_ms u64 | dflags u8 |
                      | message record |                                   (prefix: 19 bytes)

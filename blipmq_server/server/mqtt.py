@@ -13,6 +13,11 @@ packets into the same core calls a native session makes (publish, subscribe, ack
     PUBACK, PUBCOMP             ack of the delivery's log offset
     $share/<name>/<filter>      a consumer group (QoS 1/2: durable)
 
+A bridge's CONNECT (level 0x84 or 0x83, as mosquitto's bridges send it) makes a bridge
+session: what it publishes is marked as bridged in (``FLAG_BRIDGED``, as the broker's own
+bridges mark what they bring in), and it is sent no message so marked, which may have come
+from that very peer (mosquitto's no-local for bridges; docs/BRIDGE.md, "Loops").
+
 Persistent sessions (their subscriptions, QoS 2 packet ids and owner) are kept by
 ``MqttSessions`` (``server/sessions.py``) in the log's STATE records (``mqtt.state``). The
 connection's key decides what it may publish and subscribe to (``broker/access.py``).
@@ -59,6 +64,7 @@ from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.protocol.message import (
     DELIVERED_RETAINED,
     DELIVERY_PREFIX,
+    FLAG_BRIDGED,
     FLAG_QOS1,
     FLAG_QOS2,
     FLAG_RETAIN,
@@ -98,6 +104,10 @@ class MqttSession(Session):
         self.keepalive = 0.0  # seconds of silence before 1.5 x of it closes us (0: none)
         self.will: Will | None = None
         self.level = 4
+        # a bridge's session (CONNECT level 0x84 / 0x83): its messages are marked as bridged
+        # in (``mark``), and it is never sent one so marked (``encode_batches``)
+        self.bridge = False
+        self.mark = 0
         self.subs: dict[str, tuple[int, int]] = {}  # filter -> (core sub id, granted QoS)
         self.granted: dict[int, int] = {}  # core sub id -> granted QoS
         self._next_pid = 0
@@ -205,11 +215,18 @@ class MqttSession(Session):
         inflight = self.inflight
         acks: dict[int, list[int]] = {}
         owners = self._owners if len(self.subs) > 1 else None
+        skip = self.mark  # a bridge session: FLAG_BRIDGED
         for sub_id, records in batches:
             sub_qos = granted.get(sub_id, 0)
             cursor = sub_id in self._cursors  # its deliveries are acked, or stay in flight
             for rec in records:
                 offset, count, _, dflags, flags, _, tlen, klen, plen = _unpack_delivery(rec)
+                if flags & skip:
+                    # it came in over a bridge, maybe from this peer: not to a bridge (live,
+                    # from the log or retained), settled as sent so that its cursor moves on
+                    if cursor and offset:
+                        acks.setdefault(sub_id, []).append(offset)
+                    continue
                 if (owners is not None and not dflags & DELIVERED_RETAINED
                         and sub_id not in self._shared):
                     # overlapping subscriptions: one copy, from the one with the highest QoS
@@ -552,13 +569,17 @@ class MqttSession(Session):
 
     def _connect(self, packet: Connect) -> CloseReason | None:
         server = self.server
-        if _LEVELS.get(packet.protocol_name) != packet.level:  # MQTT/4, MQIsdp/3
+        level = packet.level & ~mqtt.BRIDGE_LEVEL
+        if _LEVELS.get(packet.protocol_name) != level:  # MQTT/4, MQIsdp/3 (bridges': 0x8_)
             self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.BAD_PROTOCOL_VERSION)))
             self._protocol_error("protocol_version",
                                  f"protocol {packet.protocol_name} level {packet.level} is not "
                                  "supported (MQTT 4 and MQIsdp 3 are)")
             return CloseReason.PROTOCOL_ERROR
-        self.level = packet.level
+        self.level = level
+        if packet.level & mqtt.BRIDGE_LEVEL:
+            self.bridge = True
+            self.mark = FLAG_BRIDGED
         identity = server.authenticate(self, packet.password or b"")
         if identity is None:  # CONNACK 5 after the delay that slows guessing (``run``)
             self.refusal = mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED))
@@ -573,7 +594,7 @@ class MqttSession(Session):
             return CloseReason.PROTOCOL_ERROR
         client_id = packet.client_id
         if not client_id:
-            if not packet.clean_session or packet.level == 3:
+            if not packet.clean_session or level == 3:
                 self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.IDENTIFIER_REJECTED)))
                 self._protocol_error("identifier_rejected",
                                      "an empty client id needs clean session 1")
@@ -591,6 +612,10 @@ class MqttSession(Session):
             return CloseReason.PROTOCOL_ERROR
         self.will = packet.will
         self.connected = self.authenticated = True
+        if self.bridge:
+            log.info("MQTT client %r from %s connected as a bridge (level %#x): what it "
+                     "publishes is marked as bridged in, and it is sent nothing so marked",
+                     client_id, self.peer, packet.level)
         present = server.mqtt_sessions.attach(self)
         # a clean session that ended a persistent one: CONNACK (session present 0) once
         # that is durable; nothing is read, so nothing is answered, before it
@@ -609,7 +634,7 @@ class MqttSession(Session):
         topic, payload, qos, retain = packet[:4]
         name = self._names.get(topic)
         if name is not None:  # the usual: a topic this client published to before
-            return raw_message(name, payload, qos, retain)
+            return raw_message(name, payload, qos, retain, self.mark)
         if topic.startswith(_RESERVED):
             if packet.qos:
                 self._protocol_error("reserved_topic",
@@ -919,11 +944,13 @@ class MqttSession(Session):
         return stored_subs({f: q for f, (_, q) in self.subs.items()})
 
 
-def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool) -> RawMessage:
-    """The core's message (the native message record) for an MQTT publish or will."""
+def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool, mark: int = 0
+                ) -> RawMessage:
+    """The core's message (the native message record) for an MQTT publish or will;
+    ``mark``: FLAG_BRIDGED for a bridge session's."""
     n = len(payload)
     return _raw(topic, 1 if qos else 0, 0, n, b"".join((
-        _pack_head(_FLAGS[qos][retain], 0, len(topic), 0, n), topic, payload)),
+        _pack_head(_FLAGS[qos][retain] | mark, 0, len(topic), 0, n), topic, payload)),
         FLAG_RETAIN if retain else 0)
 
 

@@ -268,7 +268,8 @@ class MqttSessions:
         # to serve MQTT, so a broker without it never loads it: server/app.py, _listen)
         from blipmq_server.server.mqtt import raw_message
 
-        raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain)
+        raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain,
+                          session.mark)
         result = self.broker.publish((raw,), now_ms(), wall_ms(), access=session.access)
         self.server.wake(result.wake)
         self.server.log_touched()
@@ -378,5 +379,7 @@ class MqttSessions:
 
     def stats(self) -> dict[str, int]:
         inflight = sum(len(s.inflight) + len(s.released) for s in self.online.values())
+        bridges = sum(s.bridge for s in self.online.values())
         return {"online": len(self.online), "offline": len(self.offline), "inflight": inflight,
-                "wills_published": self.wills, "sessions_expired": self.expired}
+                "bridges": bridges, "wills_published": self.wills,
+                "sessions_expired": self.expired}
