@@ -332,6 +332,48 @@ def test_an_in_message_on_a_local_topic_too_long_is_refused_counted_and_acked(
         assert any("server.max_topic_bytes is 40" in line for line in bp.log)
 
 
+def test_an_in_message_over_the_link_limit_is_refused_acked_and_the_rest_flows(
+        start_broker) -> None:
+    """A PUBLISH from the upstream over the link's packet limit (server.max_message_bytes +
+    65,551 bytes, at least 327,739) is not a protocol error: its payload is passed over,
+    never buffered, and it is refused, counted and acknowledged (QoS 1: PUBACK; QoS 2:
+    PUBREC, PUBREL, PUBCOMP) on the same link, so the messages behind it come in. (It used
+    to end the link, and the upstream sent it again on every new one, for good.)"""
+    with Mosquitto() as up:
+        config = {"server": {"max_message_bytes": 1024}, "bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{up.port}"], ["cmd/# in 1 '' site1/", "job/# in 2 '' site1/"])]}
+        bp = start_broker(config)
+        before = wait_status(bp, "cloud", lambda b: b["connected"])
+        # over the link's limit of 327,739 bytes, and made of what PUBACKs look like, 4-byte
+        # aligned in 64 KiB reads (the topic's 14 bytes make a header of 22): none is one
+        big = b"@\x02" * 200_000
+        pub = mqtt_client(up.port)
+        infos = [pub.publish("site1/cmd/huge", big, qos=1)]
+        infos += [pub.publish("site1/cmd/n", b"c%d" % n, qos=1) for n in range(3)]
+        infos += [pub.publish("site1/job/huge", big, qos=2)]
+        infos += [pub.publish("site1/job/n", b"j%d" % n, qos=2) for n in range(2)]
+        for info in infos:
+            info.wait_for_publish(10)
+        pub.disconnect()
+        pub.loop_stop()
+        st = wait_status(bp, "cloud", lambda b: b["received"] == 7 and b["refused"] == 2,
+                         timeout=15)
+        assert st["connected"] and st["reconnects"] == before["reconnects"], st
+        assert st["unexpected_acks"] == 0, st
+        assert local_numbers(bp, "cmd/#", 3) == {b"c0", b"c1", b"c2"}
+        assert local_numbers(bp, "job/#", 2) == {b"j0", b"j1"}
+        said = [line for line in bp.log if "over the link's limit of 327739" in line]
+        assert len(said) == 2, said  # once per message
+        assert not any("protocol error" in line for line in bp.log)
+        # acknowledged: the upstream's session for the bridge holds nothing to send again
+        bp.stop()
+        bp = start_broker(config, data_dir=bp.data_dir)
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        time.sleep(1)
+        st = status(bp, "cloud")
+        assert (st["received"], st["refused"], st["duplicates_in"]) == (0, 0, 0), st
+
+
 def _pressure_config(proxy_port: int, policy: str) -> dict:
     return {"wal": {"segment_bytes": 16384, "retention_bytes": 65536,
                     "maintenance_interval_ms": 100},

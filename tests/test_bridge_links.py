@@ -359,7 +359,8 @@ def test_failed_handshakes_leave_no_open_sockets(start_broker, tmp_path: Path) -
 
 
 def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_broker) -> None:
-    """A broken upstream: CONNACK, then random bytes (or a packet length of 256 MiB). The link
+    """A broken upstream: CONNACK, then random bytes, a SUBACK of 256 MiB announced (only a
+    PUBLISH over the link's limit is passed over) or a remaining length of 5 bytes. The link
     ends with a protocol error, the bridge tries again, and the broker serves the rest."""
     import random
     import socket
@@ -379,7 +380,8 @@ def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_b
             with conn:
                 conn.recv(65536)  # CONNECT
                 tail = (bytes(rng.getrandbits(8) for _ in range(64)) if n % 2
-                        else b"\x30\xff\xff\xff\x7f")  # a PUBLISH of 256 MiB announced
+                        else b"\x90\xff\xff\xff\x7f" if n == 0  # a SUBACK of 256 MiB
+                        else b"\x30\xff\xff\xff\xff\x07")  # a PUBLISH of 2 GiB
                 conn.sendall(codec.encode(ConnAck(False, 0)) + tail)
                 conn.settimeout(5)
                 try:
@@ -400,6 +402,8 @@ def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_b
     listener.close()
     wait_status(bp, "broken", lambda b: b["reconnects"] >= 3)
     assert "protocol error from the upstream" in bp.wait_log("link to 127.0.0.1")
+    assert "protocol error" in bp.wait_log("over the maximum of")  # the SUBACK
+    assert "protocol error" in bp.wait_log("remaining length longer than 4 bytes")
     assert bp.cli("pub", "a/x", "still serving", "-q", "1").returncode == 0
     assert bp.proc.poll() is None
 

@@ -17,6 +17,7 @@ from blipmq_server.mqtt.codec import (
     Decoder,
     Disconnect,
     MqttError,
+    OversizePublish,
     Packet,
     PacketType,
     PingReq,
@@ -332,6 +333,101 @@ def test_memory_stays_bounded_while_a_large_packet_arrives() -> None:
         assert decoder.buffered <= len(big)
     assert out == [Publish("t", b"z" * 50_000, 1, packet_id=1)]
     refused(big, "too_large", max_packet=50_000)
+
+
+# ------------------------------------------------------- skip_oversize (a bridge's link)
+
+BEHIND = [encode(Publish("s/1", b"small", 1, packet_id=8)), encode(PubRel(9)),
+          encode(Publish("s/2", b"", 0))]  # what follows the oversize PUBLISH
+DECODED_BEHIND = [Publish("s/1", b"small", 1, packet_id=8), PubRel(9), Publish("s/2", b"")]
+
+
+def skipped(data: bytes, max_packet: int, splits: list[int]) -> list[object]:
+    """``data`` fed in pieces cut at ``splits`` to a decoder with ``skip_oversize``, packets
+    taken after each; it ends with nothing buffered, nothing left to skip."""
+    decoder = Decoder(max_packet, skip_oversize=True)
+    out: list[object] = []
+    for a, b in zip([0, *splits], [*splits, len(data)], strict=True):
+        decoder.feed(data[a:b])
+        out += decoder.packets()
+        assert decoder.buffered <= max(max_packet, 65_544)
+    assert decoder.buffered == 0 and decoder.skipping == 0
+    return out
+
+
+@pytest.mark.parametrize("qos", [0, 1, 2])
+def test_skip_oversize_passes_a_publish_over_whole_or_a_byte_at_a_time(qos: int) -> None:
+    big = encode(Publish("up/big", b"B" * 1000, qos, True, qos > 0, 77 if qos else 0))
+    wire = big + b"".join(BEHIND)
+    want = [OversizePublish("up/big", qos, 77 if qos else 0, len(big)), *DECODED_BEHIND]
+    assert skipped(wire, 100, []) == want
+    assert skipped(wire, 100, list(range(1, len(wire)))) == want
+    assert skipped(wire, 100, list(range(1, len(wire), 333))) == want
+    # the limit counts the whole packet: one byte under it is decoded as ever
+    assert skipped(big, len(big), []) == [Publish("up/big", b"B" * 1000, qos, True, qos > 0,
+                                                  77 if qos else 0)]
+    assert skipped(big, len(big) - 1, []) == want[:1]
+    # without skip_oversize (the MQTT listener) it is refused as ever
+    refused(wire, "too_large", max_packet=100)
+
+
+def test_skip_oversize_split_at_every_place_in_the_header() -> None:
+    topic = "t" * 300  # a topic longer than the limit, which is read all the same
+    big = encode(Publish(topic, b"P" * 70_000, 2, packet_id=0x1234))
+    head = 1 + 3 + 2 + len(topic) + 2  # first byte, length, topic, packet id
+    wire = big + b"".join(BEHIND)
+    want = [OversizePublish(topic, 2, 0x1234, len(big)), *DECODED_BEHIND]
+    for at in range(1, head + 2):
+        assert skipped(wire, 200, [at]) == want, at
+        assert skipped(wire, 200, [at, at + 1, len(big) - 1, len(big)]) == want, at
+    # the event waits for the packet's last byte; then the rest is decoded as it comes
+    decoder = Decoder(200, skip_oversize=True)
+    decoder.feed(wire[:head])
+    assert decoder.packets() == []
+    assert decoder.skipping == len(big) - head and decoder.buffered == 0
+    decoder.feed(wire[head : len(big) - 1])
+    assert decoder.packets() == [] and decoder.skipping == 1
+    decoder.feed(wire[len(big) - 1 : len(big) + 3])
+    assert decoder.packets() == want[:1] and decoder.buffered == 3
+    decoder.feed(wire[len(big) + 3 :])
+    assert decoder.packets() == DECODED_BEHIND
+
+
+def test_skip_oversize_keeps_no_payload() -> None:
+    # 16 MiB in 64 KiB reads: nothing of the payload is held, and it comes out once
+    chunk = b"\0" * 65536
+    decoder = Decoder(1 << 16, skip_oversize=True)
+    head = b"\x32" + remaining_length(2 + 3 + 2 + (16 << 20)) + b"\x00\x03a/b\x00\x05"
+    decoder.feed(head)
+    assert decoder.packets() == []
+    for _ in range(256):
+        assert decoder.skipping
+        decoder.feed(chunk)
+        assert decoder.buffered == 0
+        assert decoder.packets() == ([] if decoder.skipping else [
+            OversizePublish("a/b", 1, 5, len(head) + (16 << 20))])
+    assert decoder.skipping == 0
+    decoder.feed(encode(PingResp()))
+    assert decoder.packets() == [PingResp()]
+
+
+@pytest.mark.parametrize(("wire", "reason"), [
+    (b"\x82\xff\x7f" + b"\0" * 200, "too_large"),  # a SUBSCRIBE over the limit
+    (b"\x90\xff\x7f", "too_large"),  # a SUBACK, refused from its header
+    (b"\x30\xff\xff\xff\xff", "remaining_length"),  # a fifth length byte
+    (b"\x36\xff\x7f", "malformed"),  # QoS 3
+    (b"\x32\xff\x7f\x00\x01t\x00\x00", "malformed"),  # packet id 0
+    (b"\x32\xff\x7f\x00\x01#\x00\x01", "malformed"),  # a wildcard topic
+    (b"\x30\xff\x7f\x00\x02\xc3\x28", "bad_utf8"),
+    (b"\x30\xff\x01\xff\xff", "malformed"),  # a topic longer than the packet
+    (b"\x32\xc8\x01\x00\xc6" + b"t" * 198, "malformed"),  # ... or than its packet id
+])
+def test_skip_oversize_still_refuses(wire: bytes, reason: str) -> None:
+    decoder = Decoder(100, skip_oversize=True)
+    decoder.feed(wire)
+    with pytest.raises(MqttError) as info:
+        decoder.packets()
+    assert info.value.reason == reason, info.value
 
 
 def test_good_packets_first_then_the_error_for_good() -> None:
@@ -740,16 +836,18 @@ def test_hypothesis_round_trip(packets: list[Packet], step: int) -> None:
     assert list(map(typed, decode(data, step=step))) == list(map(typed, packets))
 
 
-def _run(data: bytes, step: int, max_packet: int) -> tuple[list[Packet], str | None]:
+def _run(data: bytes, step: int, max_packet: int, *, skip: bool = False
+         ) -> tuple[list[Packet | OversizePublish], str | None]:
     """Feed ``data`` ``step`` bytes at a time: the packets and the reason it stopped, if any;
     nothing but MqttError may escape, and the buffer stays within its bound."""
-    decoder = Decoder(max_packet)
-    out: list[Packet] = []
+    decoder = Decoder(max_packet, skip_oversize=skip)
+    out: list[Packet | OversizePublish] = []
+    bound = max(max_packet, 65_544) if skip else max_packet
     try:
         for i in range(0, len(data), step):
             decoder.feed(data[i : i + step])
             out += decoder.packets()
-            assert decoder.buffered < max_packet + step
+            assert decoder.buffered < bound + step
         out += decoder.packets()
     except MqttError as exc:
         assert exc.reason in REASONS
@@ -761,13 +859,36 @@ def _run(data: bytes, step: int, max_packet: int) -> tuple[list[Packet], str | N
     return out, None
 
 
-@given(st.binary(max_size=600), st.integers(1, 64), st.integers(2, 300))
+@given(st.binary(max_size=600), st.integers(1, 64), st.integers(2, 300), st.booleans())
 @settings(max_examples=500)
 def test_hypothesis_random_bytes_only_raise_mqtt_error(data: bytes, step: int,
-                                                       max_packet: int) -> None:
-    whole, whole_reason = _run(data, len(data) or 1, max_packet)
-    split, split_reason = _run(data, step, max_packet)
+                                                       max_packet: int, skip: bool) -> None:
+    whole, whole_reason = _run(data, len(data) or 1, max_packet, skip=skip)
+    split, split_reason = _run(data, step, max_packet, skip=skip)
     assert split == whole and split_reason == whole_reason
+
+
+@given(st.lists(all_packets, min_size=1, max_size=8), st.integers(2, 400), st.integers(1, 40))
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+def test_hypothesis_skip_oversize_passes_over_every_publish_over_the_limit(
+        packets: list[Packet], max_packet: int, step: int) -> None:
+    """Each PUBLISH over the limit becomes an OversizePublish in its place, in any split;
+    any other packet over it is refused, after the packets before it."""
+    wires = [encode(p) for p in packets]
+    want: list[object] = []
+    reason = None
+    for p, wire in zip(packets, wires, strict=True):
+        if len(wire) <= max_packet:
+            want.append(typed(p))
+        elif isinstance(p, Publish):
+            want.append(typed(OversizePublish(p.topic, p.qos, p.packet_id, len(wire))))
+        else:
+            reason = "too_large"
+            break
+    data = b"".join(wires)
+    for s in (len(data), step):
+        got, why = _run(data, s, max_packet, skip=True)
+        assert (list(map(typed, got)), why) == (want, reason)
 
 
 @given(st.lists(all_packets, min_size=1, max_size=4), st.data())

@@ -39,6 +39,7 @@ from blipmq_server.mqtt.packets import (
     ConnackCode,
     Connect,
     Disconnect,
+    OversizePublish,
     Packet,
     PacketType,
     PingReq,
@@ -57,9 +58,10 @@ from blipmq_server.mqtt.packets import (
 
 __all__ = [
     "BRIDGE_LEVEL", "MAX_REMAINING", "REASONS", "SUBACK_FAILURE", "ConnAck", "ConnackCode",
-    "Connect", "Decoder", "Disconnect", "MqttError", "Packet", "PacketType", "PingReq",
-    "PingResp", "PubAck", "PubComp", "PubRec", "PubRel", "Publish", "SubAck", "Subscribe",
-    "UnsubAck", "Unsubscribe", "Will", "encode", "encode_publish", "remaining_length",
+    "Connect", "Decoder", "Disconnect", "MqttError", "OversizePublish", "Packet",
+    "PacketType", "PingReq", "PingResp", "PubAck", "PubComp", "PubRec", "PubRel", "Publish",
+    "SubAck", "Subscribe", "UnsubAck", "Unsubscribe", "Will", "encode", "encode_publish",
+    "remaining_length",
 ]
 
 # the reasons an MqttError gives, short enough to count by
@@ -504,6 +506,27 @@ def _long_length(data: bytes, pos: int, end: int, max_packet: int) -> tuple[int,
     raise AssertionError("unreachable")
 
 
+def _oversize_head(data: bytes, first: int, pos: int, start: int, stop: int,
+                   end: int) -> OversizePublish | int:
+    """A PUBLISH over ``max_packet`` at ``pos`` (body from ``start`` to ``stop``, buffered
+    up to ``end``): what it is once its topic and packet id are in, else how many bytes
+    from ``pos`` it takes to read them (at most 5 + 2 + 65,535 + 2)."""
+    tstart = start + 2
+    if tstart > end:
+        return tstart - pos
+    p = tstart + (data[start] << 8 | data[start + 1])
+    qos = first >> 1 & 3
+    head = p + 2 if qos else p
+    if head > stop:
+        raise MqttError("malformed", "PUBLISH ends within its topic or packet id")
+    if head > end:
+        return head - pos
+    packet_id = data[p] << 8 | data[p + 1] if qos else 0
+    if qos and not packet_id:
+        raise MqttError("malformed", "PUBLISH with packet id 0")
+    return OversizePublish(_topic(data[tstart:p]), qos, packet_id, stop - pos)
+
+
 _KEEP_JOINED = 1 << 16  # past this, what follows the last whole packet is copied out
 
 
@@ -523,14 +546,26 @@ class Decoder:
     the last read. ``max_packet`` counts the whole
     packet, fixed header included (so the default refuses only the few packets whose
     remaining length is within 5 bytes of the protocol's maximum).
+
+    Any packet over ``max_packet`` is "too_large", unless ``skip_oversize`` is set (a
+    bridge's link: an upstream's message too large to store is acknowledged, not fought
+    over): then a PUBLISH over it is read up to its packet id, the rest of it is passed
+    over as it is fed, never kept, and an :class:`OversizePublish` takes its place among
+    the packets once its last byte has passed. Its topic and packet id are held meanwhile,
+    so the decoder holds at most the larger of ``max_packet`` and 65,544 bytes, plus the
+    last read. Other packet types over the limit are refused as ever.
     """
 
-    __slots__ = ("_data", "_error", "_more", "_need", "_pos", "_size", "max_packet")
+    __slots__ = ("_data", "_error", "_more", "_need", "_pos", "_size", "_skip", "_skipped",
+                 "max_packet", "skip_oversize")
 
-    def __init__(self, max_packet: int = MAX_REMAINING) -> None:
+    def __init__(self, max_packet: int = MAX_REMAINING, *, skip_oversize: bool = False) -> None:
         if max_packet < 2:
             raise ValueError(f"max_packet must be at least 2 bytes, not {max_packet}")
         self.max_packet = max_packet
+        self.skip_oversize = skip_oversize
+        self._skip = 0  # bytes of an oversize PUBLISH still to pass over
+        self._skipped: OversizePublish | None = None  # ... and what it was
         self._data = b""  # the chunk being read, from _pos on
         self._pos = 0
         self._more = bytearray()  # what came after _data, while a packet is incomplete
@@ -541,6 +576,12 @@ class Decoder:
     def feed(self, data: bytes) -> None:
         if self._error is not None or not data:
             return  # a refused stream: nothing more is kept
+        if self._skip:  # the rest of an oversize PUBLISH: passed over
+            if len(data) <= self._skip:
+                self._skip -= len(data)
+                return
+            data = data[self._skip :]
+            self._skip = 0
         if self._size:
             self._more += data
         else:
@@ -559,25 +600,37 @@ class Decoder:
         buffered. Meaningful after ``packets()``."""
         return self._need if self._size else 0
 
-    def packets(self) -> list[Packet]:
-        """Every complete packet buffered so far, in order.
+    @property
+    def skipping(self) -> int:
+        """Bytes of an oversize PUBLISH still to pass over (``skip_oversize``); 0 else."""
+        return self._skip
+
+    def packets(self) -> list[Packet | OversizePublish]:
+        """Every complete packet buffered so far, in order (and every oversize PUBLISH
+        passed over, with ``skip_oversize``).
 
         When a bad packet follows good ones, the good ones are returned first and the error
         is raised by the next call, so the peer's valid requests are still served in order.
         """
         if self._error is not None:
             raise self._error
+        out: list[Packet | OversizePublish] = []
+        if self._skipped is not None:
+            if self._skip:
+                return out
+            out.append(self._skipped)  # its last byte has passed
+            self._skipped = None
         if self._size < self._need:
-            return []
+            return out
         data, pos = self._data, self._pos
         if self._more:
             data = b"".join((memoryview(data)[pos:], self._more))
             self._more = bytearray()
             pos = 0
         end = len(data)
-        out: list[Packet] = []
         append, new, publish = out.append, _tuple_new, Publish
         first_byte, topics, max_packet = _FIRST_BYTE, _TOPICS, self.max_packet
+        skip = self.skip_oversize
         need = 1
         try:
             while pos < end:
@@ -591,13 +644,26 @@ class Decoder:
                 if length < 128:
                     start = pos + 2
                 else:
-                    length, start = _long_length(data, pos + 1, end, max_packet)
+                    length, start = _long_length(data, pos + 1, end, MAX_REMAINING + 5 if (
+                        skip and first >> 4 == 3) else max_packet)
                     if start < 0:
                         need = end - pos + 1
                         break
                 stop = start + length
                 if stop - pos > max_packet:
-                    raise _too_large(str(stop - pos), max_packet)
+                    if not skip or first >> 4 != 3:
+                        raise _too_large(str(stop - pos), max_packet)
+                    head = _oversize_head(data, first, pos, start, stop, end)
+                    if head.__class__ is int:
+                        need = head  # type: ignore[assignment]
+                        break
+                    if stop > end:  # the rest is passed over as it is fed
+                        self._skip, self._skipped = stop - end, head  # type: ignore[assignment]
+                        pos = end
+                        break
+                    append(head)  # type: ignore[arg-type]
+                    pos = stop
+                    continue
                 if stop > end:
                     if first >> 4 in _FIXED_LENGTH:  # refused now, not once the body is in
                         _check_fixed_length(first >> 4, length)

@@ -100,6 +100,18 @@ class Publish(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class OversizePublish:
+    """Not a packet on the wire: what a decoder made with ``skip_oversize`` yields for a
+    PUBLISH over its ``max_packet``, once every byte of it has passed. The payload was never
+    kept; ``size`` is the whole packet's, fixed header included."""
+
+    topic: str
+    qos: int
+    packet_id: int  # 0 at QoS 0
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class PubAck:
     """The answer to a QoS 1 PUBLISH."""
 

@@ -38,6 +38,7 @@ from blipmq_server.mqtt.packets import (
     ConnAck,
     Connect,
     Disconnect,
+    OversizePublish,
     PingReq,
     PingResp,
     PubAck,
@@ -564,7 +565,7 @@ class Bridge:
 
     # --------------------------------------------------------------- messages coming in
 
-    def _settle_unstored(self, link: _Link, packet: Publish) -> None:
+    def _settle_unstored(self, link: _Link, packet: Publish | OversizePublish) -> None:
         """Acknowledge a message from the upstream that is not stored here, so that it
         does not come again on every link nor fill the upstream's window: PUBACK, or PUBREC
         with its packet id remembered until PUBREL."""
@@ -588,9 +589,10 @@ class Bridge:
                     self.spec.name, topic[:64], problem)
         return problem
 
-    def received(self, link: _Link, packet: Publish) -> None:
+    def received(self, link: _Link, packet: Publish | OversizePublish) -> None:
         """A PUBLISH from the upstream (an ``in`` rule): into the local log, PUBACKed once
-        durable (the flusher calls ``confirmed``)."""
+        durable (the flusher calls ``confirmed``). One over the link's packet limit came
+        without its payload (``OversizePublish``): refused and acknowledged."""
         if packet.qos == 2:
             state = self.qos2_in.get(packet.packet_id)
             if state is not None:  # sent again: logged once, PUBRECed once that is durable
@@ -605,6 +607,15 @@ class Bridge:
             return
         topic = rule.to_local(packet.topic)
         if self.local_problem(topic) is not None:
+            self._settle_unstored(link, packet)  # it could never be stored
+            return
+        if packet.__class__ is OversizePublish:  # the decoder passed its payload over
+            self.counters["received"] += 1
+            self.counters["refused"] += 1
+            log.warning("bridge %s: message from the upstream on %r not stored: a PUBLISH of "
+                        "%d bytes is over the link's limit of %d (which server.max_message_bytes "
+                        "sets); its payload was passed over", self.spec.name, packet.topic,
+                        packet.size, self.server.mqtt_max_packet)
             self._settle_unstored(link, packet)  # it could never be stored
             return
         qos = min(packet.qos, 1)
@@ -671,7 +682,8 @@ class _Link:
     def __init__(self, bridge: Bridge, stream: trio.abc.Stream) -> None:
         self.bridge = bridge
         self.stream = stream
-        self.decoder = mqtt.Decoder(bridge.server.mqtt_max_packet)
+        # a PUBLISH over the limit is passed over and refused, not a protocol error
+        self.decoder = mqtt.Decoder(bridge.server.mqtt_max_packet, skip_oversize=True)
         self.inflight: dict[int, tuple[int, int, float]] = {}  # pid -> sub, offset, sent at
         self.released: set[int] = set()  # QoS 2 ids of ``inflight`` PUBRECed: PUBCOMP owed
         self.outbox: list[bytes] = []
@@ -719,16 +731,17 @@ class _Link:
         return data
 
     async def _read_packets(self) -> list[object]:
+        decoder = self.decoder
         while True:
-            packets = self.decoder.packets()
+            packets = decoder.packets()
             if packets:
                 return packets  # type: ignore[return-value]
             data = await self._receive()
-            if not len(data) % 4 and not self.decoder.buffered:
+            if not len(data) % 4 and not decoder.buffered and not decoder.skipping:
                 acks = _pubacks(data)  # a drain's usual read: nothing but PUBACKs
                 if acks is not None:
                     return acks
-            self.decoder.feed(data)
+            decoder.feed(data)
 
     async def handshake(self) -> None:
         spec = self.bridge.spec
@@ -885,7 +898,7 @@ class _Link:
 
     def _handle(self, packet: object) -> None:
         bridge = self.bridge
-        if packet.__class__ is Publish:
+        if packet.__class__ is Publish or packet.__class__ is OversizePublish:
             bridge.received(self, packet)  # type: ignore[arg-type]
             return
         if isinstance(packet, SubAck):
