@@ -33,10 +33,13 @@ from blipmq_server.mqtt.codec import (
     Unsubscribe,
     Will,
 )
-from blipmq_server.mqtt.state import group_name, qos2_key, stored_ids
+from blipmq_server.mqtt.state import group_name, pubrel_key, qos2_key, stored_ids
 from blipmq_server.wal.log import LogOptions
 
 MQTT = {"mqtt": {"enabled": True, "port": 0}}
+# segments of 16 KiB, the oldest deleted past 64 KiB (``_past_retention``)
+SMALL_LOG = {**MQTT, "wal": {"segment_bytes": 16384, "retention_bytes": 65536,
+                             "maintenance_interval_ms": 100}}
 
 
 @pytest.fixture(autouse=True)
@@ -612,8 +615,7 @@ def test_an_unacked_delivery_the_size_cap_removed_is_counted_when_a_restart_lose
     a restart (SIGKILL or SIGTERM) loses it. That loss is counted and logged like the size
     cap's others (blipmq_group_skipped_total and one warning for the group), once: not
     again at the next restart."""
-    config = {**MQTT, "wal": {"segment_bytes": 16384, "retention_bytes": 65536,
-                              "maintenance_interval_ms": 100}}
+    config = SMALL_LOG
     group = {"filter": "d7/#", "group": group_name("d7-1")}
     b = start_broker(config)
     raw = Raw(b.mqtt_port)
@@ -745,6 +747,18 @@ def _release(raw: Raw, *pids: int) -> None:
         assert raw.recv() == PubComp(pid)
 
 
+def _past_retention(b) -> None:
+    """Noise, in chunks, until the size cap (``SMALL_LOG``) deleted every segment the log
+    had: the STATE records of a session were in them."""
+    wal = b.data_dir / "wal"
+    first = {p.name for p in wal.glob("*.seg")}
+    deadline = time.monotonic() + 30
+    while first & {p.name for p in wal.glob("*.seg")}:
+        assert time.monotonic() < deadline, "the size cap removed nothing"
+        assert b.shell("seq -f '%080g' 1 150 | blipmq pub noise --qos 1 --lines -"
+                       ).returncode == 0
+
+
 def test_qos2_ids_awaiting_pubrel_cost_the_log_a_few_bytes_each(start_broker) -> None:
     """h21 D3: each QoS 2 PUBLISH of a persistent session rewrote the whole set of its
     packet ids awaiting PUBREL in one STATE record, so a client that never PUBRELs made
@@ -772,21 +786,14 @@ def test_inbound_qos2_ids_outlive_retention_and_sigkill_and_so_do_their_releases
     their messages (DUP 1) is answered PUBREC and not logged again; an id PUBRELed before
     a SIGKILL stays free after it: a new message under it whose first copy the client
     lost, sent again with DUP 1, is logged."""
-    config = {**MQTT, "wal": {"segment_bytes": 16384, "retention_bytes": 65536,
-                              "maintenance_interval_ms": 100}}
+    config = SMALL_LOG
     b = start_broker(config)
     raw = Raw(b.mqtt_port)
     assert raw.connect("blocks", clean=False) == ConnAck(False, 0)
     _qos2(raw, "blk/t", range(1, 201))  # blocks 0 to 3
     _release(raw, 64, 130)
     raw.close()
-    wal = b.data_dir / "wal"
-    first = {p.name for p in wal.glob("*.seg")}
-    deadline = time.monotonic() + 30
-    while first & {p.name for p in wal.glob("*.seg")}:  # in chunks, as in the test above
-        assert time.monotonic() < deadline, "the size cap removed nothing"
-        assert b.shell("seq -f '%080g' 1 150 | blipmq pub noise --qos 1 --lines -"
-                       ).returncode == 0
+    _past_retention(b)
     assert b.stop(signal.SIGKILL) == -signal.SIGKILL
 
     b2 = start_broker(config, data_dir=b.data_dir)
@@ -813,6 +820,15 @@ def test_inbound_qos2_ids_outlive_retention_and_sigkill_and_so_do_their_releases
     assert logged.stdout == b"new 64\nnew 130\nnew 1\nnew 65\n"
 
 
+def _saved_whole(b, key: bytes, ids: set[int]) -> None:
+    """Into the log of ``b`` (stopped): a set of a session's QoS 2 packet ids as the
+    versions before the blocks saved it, whole in one record under ``key``."""
+    core, log = open_broker(b.data_dir / "wal", LogOptions())
+    core.put_state(key, stored_ids(ids), 1)
+    commit(log)
+    log.close()
+
+
 def test_inbound_qos2_ids_an_earlier_version_saved_whole_are_kept_and_released(
         start_broker) -> None:
     """Upgrade: before the blocks, a persistent session's inbound QoS 2 ids awaiting
@@ -827,10 +843,7 @@ def test_inbound_qos2_ids_an_earlier_version_saved_whole_are_kept_and_released(
     _qos2(raw, "old/t", (7,))  # a block with 7; the record below does not have it
     raw.disconnect()
     assert b.stop() == 0
-    core, log = open_broker(b.data_dir / "wal", LogOptions())  # as that version wrote it:
-    core.put_state(qos2_key("old-q2"), stored_ids({5, 6, 40000}), 1)  # what it remembers
-    commit(log)
-    log.close()
+    _saved_whole(b, qos2_key("old-q2"), {5, 6, 40000})  # what that version remembers
 
     b2 = start_broker(MQTT, data_dir=b.data_dir)
     b2.wait_log("rewritten in blocks")
@@ -857,6 +870,213 @@ def test_inbound_qos2_ids_an_earlier_version_saved_whole_are_kept_and_released(
     logged = b3.cli("sub", "old/t", "--from", "earliest", "--until-end")
     assert logged.returncode == 0, logged.stderr
     assert logged.stdout == b"m7\nnew 7\nnew 5\n"
+
+
+def _owe_pubcomp(raw: Raw, n: int) -> dict[int, bytes]:
+    """Read ``n`` QoS 2 deliveries, PUBREC each and read its PUBREL; never a PUBCOMP.
+    Returns their packet ids -> payloads."""
+    got: dict[int, bytes] = {}
+    rels = 0
+    while rels < n:
+        packet = raw.recv()
+        if isinstance(packet, Publish):
+            assert packet.qos == 2 and packet.packet_id not in got, packet
+            got[packet.packet_id] = packet.payload
+            raw.send(PubRec(packet.packet_id))
+        else:
+            assert isinstance(packet, PubRel) and packet.packet_id in got, packet
+            rels += 1
+    return got
+
+
+def _published(b, topic: str, n: int) -> None:
+    """``n`` QoS 2 messages to ``topic``, ``1`` to ``n``, from a client of a clean
+    session."""
+    pub = Raw(b.mqtt_port)
+    assert pub.connect(f"{topic}-pub") == ConnAck(False, 0)
+    _qos2(pub, topic, range(1, n + 1), text="")
+    _release(pub, *range(1, n + 1))
+    pub.disconnect()
+
+
+def _synced(raw: Raw, pid: int = 1) -> None:
+    """What ``raw`` sent before is written: a QoS 1 PUBLISH's PUBACK waits for a log
+    written after it."""
+    raw.send(Publish("sync/t", b"", 1, False, False, pid))
+    assert raw.expect(PubAck) == PubAck(pid)
+
+
+def test_qos2_ids_owed_a_pubcomp_cost_the_log_a_few_bytes_each(start_broker) -> None:
+    """Each PUBREC and PUBCOMP of an outbound QoS 2 delivery to a persistent session
+    rewrote the whole set of its packet ids owed a PUBCOMP (``mqtt/r/<client id>``), a set
+    ``mqtt.max_inflight`` does not bound (the cursor moves on at PUBREC): a client that
+    PUBRECs and never PUBCOMPs made the N-th delivery write about 2N bytes. A PUBREC or
+    PUBCOMP rewrites its id's block of 64 ids: a few bytes, however many ids are owed."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("nopubcomp", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "npc/t", 2)
+    raw.disconnect()
+    n = 3000
+    _published(b, "npc/t", n)
+
+    before = b.metric("blipmq_wal_bytes_total")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("nopubcomp", clean=False) == ConnAck(True, 0)
+    got = _owe_pubcomp(raw, n)
+    assert sorted(got.values(), key=int) == [b"%d" % i for i in range(1, n + 1)]
+    per_message = (b.metric("blipmq_wal_bytes_total") - before) / n
+    assert per_message < 300, per_message
+    _pubcomp(raw, got)
+    per_pubcomp = (b.metric("blipmq_wal_bytes_total") - before) / n - per_message
+    assert per_pubcomp < 100, per_pubcomp
+    print(f"per message {per_message:.0f}, per pubcomp {per_pubcomp:.0f}")
+    raw.disconnect()
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("nopubcomp", clean=False) == ConnAck(True, 0)
+    _nothing_more(raw)  # no PUBREL owed any more
+
+
+def _pubrels(raw: Raw, n: int) -> set[int]:
+    """The packet ids of the next ``n`` packets, each a PUBREL (what a resumed session is
+    owed first: PUBREL again, never the PUBLISH)."""
+    got = set()
+    for _ in range(n):
+        packet = raw.recv()
+        assert isinstance(packet, PubRel), packet
+        got.add(packet.packet_id)
+    return got
+
+
+def _sigkilled(start_broker, b, raw: Raw, client_id: str, config: dict = MQTT
+               ) -> tuple[object, Raw]:
+    """``b`` SIGKILLed (``raw`` closed), a broker started on its data, and ``client_id``
+    connected to it again: its session is there."""
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    raw.close()
+    b2 = start_broker(config, data_dir=b.data_dir)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect(client_id, clean=False) == ConnAck(True, 0)
+    return b2, raw
+
+
+def _pubcomp(raw: Raw, pids: Iterable[int]) -> None:
+    """PUBCOMP these packet ids, and wait until the log holds what they changed."""
+    raw.send(*(PubComp(pid) for pid in pids))
+    _synced(raw)
+
+
+def test_outbound_qos2_ids_owed_a_pubcomp_outlive_retention_and_sigkill_and_so_do_their_completions(
+        start_broker) -> None:
+    """MQTT-4.4.0-1 and MQTT-4.3.3-1 through retention and crashes, with a session's ids
+    owed a PUBCOMP in several blocks (a record per 64 ids): after a restart each is sent
+    PUBREL again, never its PUBLISH (the size cap deleted the segments their records were
+    in: the records were carried forward); an id PUBCOMPed before a SIGKILL is not owed
+    after it."""
+    config = SMALL_LOG
+    b = start_broker(config)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("owes", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "ow/t", 2)
+    _published(b, "ow/t", 200)
+    owed = set(_owe_pubcomp(raw, 200))
+    assert len({pid // 64 for pid in owed}) > 2, sorted(owed)  # in several blocks
+    done = sorted(owed)[::50]
+    _pubcomp(raw, done)
+    owed -= set(done)
+    _past_retention(b)
+
+    for step in (3, 1):  # a third of what is owed PUBCOMPed, then all the rest
+        b, raw = _sigkilled(start_broker, b, raw, "owes", config)
+        assert _pubrels(raw, len(owed)) == owed
+        _nothing_more(raw)
+        done = sorted(owed)[::step]
+        _pubcomp(raw, done)
+        owed -= set(done)
+    assert not owed
+    b, raw = _sigkilled(start_broker, b, raw, "owes", config)
+    _nothing_more(raw)  # nothing owed, nothing sent again
+
+
+def test_outbound_qos2_ids_an_earlier_version_saved_whole_are_kept_and_released(
+        start_broker) -> None:
+    """Upgrade: before the blocks, a persistent session's outbound QoS 2 ids owed a
+    PUBCOMP were one record, the whole set (``mqtt/r/<client id>``). A broker started on
+    such a log rewrites it as blocks: each id is sent PUBREL again, and a PUBCOMP releases
+    it for good, also across a SIGKILL. The record holds them all: a block of the
+    client's beside it (the start that rewrote it was cut short, or a broker of that
+    version ran on the log since) is stale."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("old-r", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "oldr/t", 2)
+    _published(b, "oldr/t", 1)
+    stale = set(_owe_pubcomp(raw, 1))  # in a block; the record below does not have it
+    old = {5, 6, 40000}
+    assert not stale & old
+    raw.disconnect()
+    assert b.stop() == 0
+    _saved_whole(b, pubrel_key("old-r"), old)  # what that version owes
+
+    b = start_broker(MQTT, data_dir=b.data_dir)
+    b.wait_log("rewritten in blocks")
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("old-r", clean=False) == ConnAck(True, 0)
+    for done in ((5,), (6, 40000)):
+        assert _pubrels(raw, len(old)) == old
+        _nothing_more(raw)
+        _pubcomp(raw, done)
+        old -= set(done)
+        b, raw = _sigkilled(start_broker, b, raw, "old-r")
+        assert not any("rewritten in blocks" in line for line in b.log), b.log
+    _nothing_more(raw)
+
+
+def test_a_session_owed_65535_pubcomps_waits_for_a_free_packet_id(start_broker) -> None:
+    """A client that PUBRECs and never PUBCOMPs takes a packet id per message for good (the
+    cursor moved on at PUBREC, ``mqtt.max_inflight`` does not bound them). With all
+    65,535 taken, the next delivery raised RuntimeError("no free packet id") in the
+    delivery encoding, which ran in whichever task delivered: the subscriber's writer, or
+    a publisher's reader. Now the session's QoS 1/2 deliveries wait in the log, said once
+    in the log and counted; the connections stay; a PUBCOMP frees an id and they go on."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("full", clean=False) == ConnAck(False, 0)
+    _subscribe(raw, "full/t", 2)
+    raw.disconnect()
+    assert b.stop() == 0
+    every = set(range(1, 65536))  # owed a PUBCOMP, as 65,535 PUBRECs had left them
+    # saved as the earlier versions did (rewritten in blocks at start): the test runs on
+    # those too, and the upgrade is tried with every id
+    _saved_whole(b, pubrel_key("full"), every)
+
+    b2 = start_broker(MQTT, data_dir=b.data_dir)
+    raw = Raw(b2.mqtt_port)
+    assert raw.connect("full", clean=False) == ConnAck(True, 0)
+    assert _pubrels(raw, 65535) == every
+    pub = Raw(b2.mqtt_port)
+    assert pub.connect("full-pub") == ConnAck(False, 0)
+    pub.send(*(Publish("full/t", text, 1, False, False, pid)
+               for pid, text in enumerate((b"a", b"b", b"c"), 1)))  # one log write
+    assert [pub.recv() for _ in range(3)] == [PubAck(1), PubAck(2), PubAck(3)]
+    b2.wait_log("all 65,535 packet ids are taken")
+    _nothing_more(raw)  # no PUBLISH: it has no packet id to go with
+    _nothing_more(pub)
+    assert b2.metric("blipmq_mqtt_protocol_errors_total", reason="no_packet_id") == 1
+    raw.send(PubComp(777))
+    got = []
+    for _ in range(3):  # one at a time, under the one id free, in their order
+        packet = raw.expect(Publish)
+        assert (packet.packet_id, packet.qos) == (777, 1), packet
+        got.append(packet.payload)
+        raw.send(PubAck(777))
+    assert got == [b"a", b"b", b"c"]
+    _nothing_more(raw)
+    assert sum("packet ids are taken" in line for line in b2.log) == 1, b2.log
+    assert not any("Traceback" in line for line in b2.log), b2.log
+    b2, raw = _sigkilled(start_broker, b2, raw, "full")
+    assert _pubrels(raw, 65534) == every - {777}
+    _nothing_more(raw)  # what it PUBACKed does not come again
 
 
 def test_a_suback_means_the_subscription_survives_sigkill(start_broker) -> None:

@@ -25,22 +25,24 @@ def test_packet_ids_round_trip(ids: set[int]) -> None:
     assert state.parse_ids(state.stored_ids(ids)) == ids
 
 
-@given(st.sets(st.integers(1, 65535), max_size=300), st.text(max_size=30))
-def test_packet_id_blocks_round_trip(ids: set[int], client_id: str) -> None:
+@given(st.sets(st.integers(1, 65535), max_size=300), st.text(max_size=30),
+       st.sampled_from(sorted(state.BLOCKS_OF.values())))
+def test_packet_id_blocks_round_trip(ids: set[int], client_id: str, prefix: bytes) -> None:
     """Each block record holds its 64 ids of the set, and nothing else; one without any
-    is empty (deleted)."""
+    is empty (deleted). The same for both sets: inbound ids awaiting PUBREL, outbound ones
+    owed a PUBCOMP."""
     try:
         client_id.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates: never an MQTT client id
         return
     back: set[int] = set()
     for block in range(65536 // state.BLOCK_IDS):
-        key = state.qos2_block_key(client_id, block)
+        key = state.block_key(prefix, client_id, block)
         value = state.stored_block(ids, block)
         mine = {i for i in ids if state.block_of(i) == block}
         assert bool(value) == bool(mine)
         if value:
-            assert key.startswith(state.QOS2_BLOCK_PREFIX) and len(value) == 8
+            assert key.startswith(prefix) and len(value) == 8
             assert state.parse_block(key, value) == (client_id, mine)
             back |= mine
     assert back == ids
@@ -50,6 +52,7 @@ def test_a_block_record_is_a_few_bytes_whatever_the_set() -> None:
     ids = set(range(1, 65536))
     key = state.qos2_block_key("dev-1", state.block_of(40000))
     assert key == b"mqtt/i/625/dev-1"
+    assert state.block_key(state.PUBREL_BLOCK_PREFIX, "dev-1", 625) == b"mqtt/c/625/dev-1"
     assert state.stored_block(ids, 625) == b"\xff" * 8
     assert state.parse_block(key, b"\xff" * 8)[1] == set(range(40000, 40064))
     assert state.stored_block(ids, 0) == b"\xff" * 7 + b"\xfe"  # packet id 0 is never one
@@ -57,7 +60,8 @@ def test_a_block_record_is_a_few_bytes_whatever_the_set() -> None:
 
 @pytest.mark.parametrize(("key", "value"), [
     (b"mqtt/i/1/c", b"\x01" * 7), (b"mqtt/i/1/c", b"\x01" * 9), (b"mqtt/i/1024/c", b"\x01" * 8),
-    (b"mqtt/i/x/c", b"\x01" * 8), (b"mqtt/i/1", b"\x01" * 8), (b"mqtt/i//c", b"\x01" * 8)])
+    (b"mqtt/i/x/c", b"\x01" * 8), (b"mqtt/i/1", b"\x01" * 8), (b"mqtt/i//c", b"\x01" * 8),
+    (b"mqtt/c/1/c", b"\x01" * 7), (b"mqtt/c/65536/c", b"\x01" * 8)])
 def test_a_damaged_block_record_is_a_value_error(key: bytes, value: bytes) -> None:
     with pytest.raises(ValueError):
         state.parse_block(key, value)

@@ -3,23 +3,25 @@ the core's.
 
 A persistent session (clean session 0) is saved as STATE records of the log (the core keeps
 the latest value per key and carries it past retention); this module makes and reads their
-bodies. Per client id: its subscriptions; the outbound QoS 2 packet ids awaiting PUBCOMP
-(rewritten per QoS 2 delivery; apart so a big subscription list is not); the inbound QoS 2
-packet ids awaiting PUBREL, in blocks of 64 ids, one key per block holding any (a client
-may keep up to 65,535 ids waiting: what a QoS 2 PUBLISH or PUBREL rewrites is its id's
-block, never the whole set)::
+bodies. Per client id: its subscriptions; the inbound QoS 2 packet ids awaiting PUBREL and
+the outbound QoS 2 packet ids owed a PUBCOMP (PUBREL sent), each set in blocks of 64 ids,
+one key per block holding any (either set may hold up to 65,535 ids: a client may keep
+them waiting, and ``mqtt.max_inflight`` does not bound the outbound one, whose cursor moves
+on at PUBREC; what a QoS 2 PUBLISH, PUBREL, PUBREC or PUBCOMP rewrites is its id's block,
+never the whole set)::
 
-    key:   b"mqtt/s/" + client id (UTF-8)        b"mqtt/r/" + client id
+    key:   b"mqtt/s/" + client id (UTF-8)
     value: | version u8 = 1 | offline_since_ms u64 | count u16 |
            | per subscription: | qos u8 | filter_len u16 | filter (UTF-8) |
-    value: | count u16 | packet id u16 ... |
 
-    key:   b"mqtt/i/" + block (ASCII decimal, 0-1023) + b"/" + client id (UTF-8)
-    value: | ids u64 |   bit i (of value 1 << i) set: packet id 64 * block + i is awaiting PUBREL
+    key:   b"mqtt/i/" (inbound) or b"mqtt/c/" (outbound) + block (ASCII decimal, 0-1023)
+           + b"/" + client id (UTF-8)
+    value: | ids u64 |   bit i (of value 1 << i) set: packet id 64 * block + i is in the set
 
-A block with no id left is deleted (an empty value). Before these blocks the inbound ids
-were one key, ``b"mqtt/q/" + client id``, valued as the outbound ones and rewritten whole
-per QoS 2 message: a log written so is read (``parse_ids``) and rewritten as blocks at start.
+A block with no id left is deleted (an empty value). Before these blocks each set was one
+key, ``b"mqtt/q/"`` (inbound) or ``b"mqtt/r/"`` (outbound) + client id, rewritten whole per
+QoS 2 message, valued ``| count u16 | packet id u16 ... |``: a log written so is read
+(``parse_ids``) and rewritten as blocks at start (``BLOCKS_OF``).
 
 ``offline_since_ms`` is 0 while the client is connected (a session is expired by its
 offline time, and one whose broker stopped while it was connected counts from the restart).
@@ -45,15 +47,18 @@ from blipmq_server.protocol.names import group_problem
 
 SUBS_PREFIX = b"mqtt/s/"
 QOS2_PREFIX = b"mqtt/q/"  # before the blocks: all of a client's inbound QoS 2 ids
-QOS2_BLOCK_PREFIX = b"mqtt/i/"  # a block of them (``qos2_block_key``)
-PUBREL_PREFIX = b"mqtt/r/"
+QOS2_BLOCK_PREFIX = b"mqtt/i/"  # a block of them (``block_key``)
+PUBREL_PREFIX = b"mqtt/r/"  # before the blocks: all of its outbound ones owed a PUBCOMP
+PUBREL_BLOCK_PREFIX = b"mqtt/c/"  # a block of them
+# a set's whole record (as written before the blocks) -> its blocks' key prefix
+BLOCKS_OF = {QOS2_PREFIX: QOS2_BLOCK_PREFIX, PUBREL_PREFIX: PUBREL_BLOCK_PREFIX}
 OWNER_PREFIX = b"mqtt/o/"  # the name of the key that made a persistent session
 SESSION_GROUPS = "mqtt."  # persistent sessions' groups; never a share's (``share_of``)
 _HEAD = struct.Struct(">BQH")
 _SUB = struct.Struct(">BH")
 _U16 = struct.Struct(">H")
 _BITS = struct.Struct(">Q")
-BLOCK_IDS = 64  # inbound QoS 2 packet ids per block record, one bit each
+BLOCK_IDS = 64  # QoS 2 packet ids per block record, one bit each
 _BLOCKS = 65536 // BLOCK_IDS
 
 
@@ -96,10 +101,14 @@ def qos2_key(client_id: str) -> bytes:
     return QOS2_PREFIX + client_id.encode("utf-8")
 
 
+def block_key(prefix: bytes, client_id: str, block: int) -> bytes:
+    """The key of the record of a client's packet ids ``64 * block`` .. ``64 * block + 63``
+    (``block_of``) of one set: ``QOS2_BLOCK_PREFIX`` or ``PUBREL_BLOCK_PREFIX``."""
+    return b"%s%d/%s" % (prefix, block, client_id.encode("utf-8"))
+
+
 def qos2_block_key(client_id: str, block: int) -> bytes:
-    """The key of the record of a client's inbound QoS 2 packet ids ``64 * block`` ..
-    ``64 * block + 63`` (``block_of``)."""
-    return b"%s%d/%s" % (QOS2_BLOCK_PREFIX, block, client_id.encode("utf-8"))
+    return block_key(QOS2_BLOCK_PREFIX, client_id, block)
 
 
 def block_of(packet_id: int) -> int:
@@ -172,8 +181,8 @@ def stored_block(ids: set[int], block: int) -> bytes:
 
 
 def parse_block(key: bytes, value: bytes) -> tuple[str, set[int]]:
-    """(client id, packet ids) of a ``qos2_block_key`` record; ValueError when damaged."""
-    number, sep, client = key[len(QOS2_BLOCK_PREFIX):].partition(b"/")
+    """(client id, packet ids) of a ``block_key`` record; ValueError when damaged."""
+    number, sep, client = key[len(QOS2_BLOCK_PREFIX):].partition(b"/")  # either prefix
     if not sep or not number.isdigit() or int(number) >= _BLOCKS or len(value) != _BITS.size:
         raise ValueError("damaged session record: not a block of packet ids")
     first = int(number) * BLOCK_IDS

@@ -114,6 +114,10 @@ class MqttSession(Session):
         # outbound QoS 1/2 deliveries awaiting PUBACK / PUBREC, then PUBCOMP
         self.inflight: dict[int, tuple[int, int, int]] = {}  # pid -> (sub id, offset, qos)
         self.released: dict[int, tuple[int, int]] = {}  # pid -> (sub id, offset), PUBREL sent
+        # every packet id was taken: the log cursors' credit is cut to the free ids (``_no_id``)
+        self._no_ids = False
+        self._said_no_ids = False
+        self._unsent: dict[int, list[int]] = {}  # sub id -> offsets taken, no id to send them
         # log offsets below this one may have been sent to the client before the broker
         # restarted: their first delivery in this run carries DUP (``MqttSessions.attach``)
         self.sent_before = 0
@@ -204,6 +208,7 @@ class MqttSession(Session):
     def idle_check(self, now: float, idle: float) -> None:
         if self.inflight or self.released:
             self._forget_given_up()
+            self._id_freed()
         if self.keepalive and now - self.heard_at >= 1.5 * self.keepalive:
             log.info("MQTT client %r silent for 1.5 x its keepalive (%g s): closing",
                      self.client_id, self.keepalive)
@@ -244,6 +249,8 @@ class MqttSession(Session):
                 pid = 0
                 if qos:
                     pid = self._pid_for(sub_id, offset, count)
+                    if not pid:  # every id taken: it waits in its cursor (``_no_id``)
+                        continue
                     if self.released.get(pid) == (sub_id, offset):
                         # its PUBREC came: from here on only PUBREL is sent (MQTT-4.3.3)
                         parts.append(_PUBREL + pid.to_bytes(2, "big"))
@@ -266,6 +273,8 @@ class MqttSession(Session):
             wall = int(_time() * 1000)
             for sub_id, offsets in acks.items():
                 self.broker.ack(self.conn_id, sub_id, tuple(offsets), wall)
+        if self._unsent:
+            self._give_back()
 
     def _copy_waits(self, sub_id: int, owner: int, offset: int, cursor: bool,
                     acks: dict[int, list[int]]) -> bool:
@@ -367,9 +376,9 @@ class MqttSession(Session):
         flight) it gets the same id, so the client knows it again (MQTT-4.4.0-1): the id
         follows from the log offset and the subscription's filter, or, when another message
         in flight holds that one, the next free id after it (``count``: the delivery count,
-        more than 1 when it was sent before in this run)."""
+        more than 1 when it was sent before in this run). 0: no id is free (``_no_id``)."""
         if not offset:  # not from the log: nothing to send again
-            return self._pid()
+            return self._pid() or self._no_id(sub_id, 0)
         inflight = self.inflight
         released = self.released
         pid = (offset + self._salts.get(sub_id, 0)) % 65535 + 1
@@ -385,13 +394,57 @@ class MqttSession(Session):
             for other, done in released.items():  # PUBREC had: its PUBREL goes again
                 if done == (sub_id, offset):
                     return other
-        return self._free(pid)
+        return self._free(pid) or self._no_id(sub_id, offset)
 
     def _free(self, start: int) -> int:
-        pid = free_packet_id(start, self.inflight, self.released)
-        if not pid:  # pragma: no cover - at most 65535 in flight
-            raise RuntimeError("no free packet id")
-        return pid
+        return free_packet_id(start, self.inflight, self.released)
+
+    def _no_id(self, sub_id: int, offset: int) -> int:
+        """Every packet id is taken: 65,535 deliveries await PUBACK, PUBREC or PUBCOMP
+        (most of them, likely, owed a PUBCOMP the client does not send: the cursor moved on
+        at PUBREC, so ``mqtt.max_inflight`` does not bound those). The delivery goes back
+        to its cursor, no retry spent, and the session's log cursors take nothing more
+        until an id is free (``_id_freed``): its QoS 1/2 deliveries wait, nothing is lost
+        (but a delivery not from the log, ``offset`` 0: never one at QoS 1/2, which is
+        always logged). Counted (``no_packet_id``) when it runs out with its cursors'
+        full credit, said once per connection. Returns 0."""
+        if not self._no_ids:
+            self.server.mqtt_error("no_packet_id")
+        self._no_ids = True
+        conn = self.conn_id
+        for sub in self._cursors:  # every time: a subscription made since has its credit
+            self.broker.set_credit(conn, sub, 0)
+        if offset:  # given back once the batch is done (``_give_back``)
+            self._unsent.setdefault(sub_id, []).append(offset)
+        if not self._said_no_ids:
+            self._said_no_ids = True
+            log.warning("MQTT client %r: all 65,535 packet ids are taken (%d of them owed a "
+                        "PUBCOMP): its QoS 1/2 deliveries wait until it frees one (PUBCOMP, "
+                        "PUBACK)", self.client_id, len(self.released))
+        return 0
+
+    def _give_back(self) -> None:
+        """The deliveries ``_no_id`` kept from the client go back to their cursors, to be
+        taken again in their order, no retry spent."""
+        unsent, self._unsent = self._unsent, {}
+        now, wall = now_ms(), wall_ms()
+        for sub_id, offsets in unsent.items():
+            self.server.wake(self.broker.nack(self.conn_id, sub_id, tuple(offsets), 0, now,
+                                              wall, spend=False))
+
+    def _id_freed(self) -> None:
+        """Packet ids may have come free: the log cursors take again (``_no_id``), as many
+        as there are free ids, up to ``mqtt.max_inflight`` (what they took beyond would
+        only go back)."""
+        if not self._no_ids:
+            return
+        most = self.server.config.mqtt.max_inflight
+        credit = min(most, 65535 - len(self.inflight) - len(self.released))
+        if credit > 0:
+            self._no_ids = credit < most
+            for sub in self._cursors:
+                self.broker.set_credit(self.conn_id, sub, credit)
+            self.wake()
 
     def _forget_given_up(self) -> None:
         """Deliveries the core no longer holds for this client (dead-lettered after
@@ -512,6 +565,7 @@ class MqttSession(Session):
                 if found is not None and found[2] == 1:
                     del self.inflight[packet.packet_id]
                     self._acked(found[0], found[1])
+                    self._id_freed()
             case PubRec():
                 pid = packet.packet_id
                 entry = self.inflight.get(pid)
@@ -532,7 +586,7 @@ class MqttSession(Session):
                         # message must never go to another member (MQTT-4.8.2-5)
                         self.released[pid] = (0, 0)
                         at = (0 if self.clean
-                              else self.server.mqtt_sessions.outbound_released(self))
+                              else self.server.mqtt_sessions.outbound_released(self, pid))
                         self._acked(entry[0], entry[1])
                         self._once_durable(at, pid | _OUTBOUND, PubRel(pid))
                         return None
@@ -540,8 +594,9 @@ class MqttSession(Session):
             case PubComp():
                 found = self.released.pop(packet.packet_id, None)
                 if found is not None:
+                    self._id_freed()
                     if not self.clean:
-                        self.server.mqtt_sessions.outbound_released(self)
+                        self.server.mqtt_sessions.outbound_released(self, packet.packet_id)
                     elif found[0]:  # not a $share delivery, acked at PUBREC
                         self._acked(found[0], found[1])
             case PubRel():

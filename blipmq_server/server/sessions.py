@@ -34,6 +34,9 @@ class MqttSessions:
         self.offline: dict[str, tuple[dict[str, int], int]] = {}
         self.qos2: dict[str, set[int]] = {}  # persistent sessions' inbound QoS 2 ids
         self.pubrel: dict[str, set[int]] = {}  # ... and outbound ones awaiting PUBCOMP
+        # each set is saved in blocks of 64 ids, the keys of which start so
+        self._sets = {state.QOS2_BLOCK_PREFIX: self.qos2,
+                      state.PUBREL_BLOCK_PREFIX: self.pubrel}
         # the key (by name) a client id's session belongs to, online or persistent; "" or
         # absent: nobody in particular (made while authentication was off)
         self.owners: dict[str, str] = {}
@@ -47,31 +50,28 @@ class MqttSessions:
     def recover(self, wall: int) -> None:
         """The log is open: the persistent sessions it holds are offline (since they were
         last seen, or since now when the broker stopped while they were connected)."""
-        whole: dict[str, set[int]] = {}  # inbound QoS 2 ids in one record (before blocks)
+        whole: list[tuple[bytes, set[int]]] = []  # a set of ids in one record (before blocks)
         for key, value in self.broker.states.items():
             try:
-                if key.startswith(state.SUBS_PREFIX):
+                prefix = key[:len(state.SUBS_PREFIX)]
+                if prefix == state.SUBS_PREFIX:
                     subs, since = state.parse_subs(value)
                     self.offline[state.client_of(key)] = (subs, since or wall)
-                elif key.startswith(state.QOS2_BLOCK_PREFIX):
+                elif prefix in self._sets:
                     cid, ids = state.parse_block(key, value)
-                    self.qos2.setdefault(cid, set()).update(ids)
-                elif key.startswith(state.QOS2_PREFIX):
-                    cid = key[len(state.QOS2_PREFIX):].decode("utf-8", "replace")
-                    whole[cid] = state.parse_ids(value)
-                elif key.startswith(state.PUBREL_PREFIX):
-                    cid = key[len(state.PUBREL_PREFIX):].decode("utf-8", "replace")
-                    self.pubrel[cid] = state.parse_ids(value)
+                    self._sets[prefix].setdefault(cid, set()).update(ids)
+                elif prefix in state.BLOCKS_OF:
+                    whole.append((key, state.parse_ids(value)))
                 elif key.startswith(state.OWNER_PREFIX):
                     cid = key[len(state.OWNER_PREFIX):].decode("utf-8", "replace")
                     self.owners[cid] = value.decode("utf-8", "replace")
             except ValueError as exc:
                 log.warning("MQTT session %r not restored: %s", key, exc)
-        for cid, ids in whole.items():
-            self._in_blocks(cid, ids, wall)
+        for key, ids in whole:
+            self._in_blocks(key, ids, wall)
         if whole:
-            log.info("MQTT: the inbound QoS 2 packet ids of %d persistent session(s) "
-                     "rewritten in blocks", len(whole))
+            log.info("MQTT: %d set(s) of QoS 2 packet ids of persistent sessions (inbound "
+                     "awaiting PUBREL, outbound owed a PUBCOMP) rewritten in blocks", len(whole))
         if self.offline:
             log.info("MQTT: %d persistent session(s) restored", len(self.offline))
         self._drop_orphans(wall)
@@ -79,18 +79,21 @@ class MqttSessions:
         wal = self.server.wal
         self.restored_end = 0 if wal is None else wal.next_offset
 
-    def _in_blocks(self, cid: str, ids: set[int], wall: int) -> None:
-        """A client's inbound QoS 2 ids in one record (``state.qos2_key``, as written
-        before they were kept in blocks) are rewritten as blocks, then that record goes.
-        It holds them all: blocks of the client's found beside it are stale (this was cut
-        short by a crash, or a broker of that version ran on the log since)."""
-        stale = self.qos2.pop(cid, set())
+    def _in_blocks(self, key: bytes, ids: set[int], wall: int) -> None:
+        """A client's set of QoS 2 ids in one record (``state.qos2_key`` or
+        ``state.pubrel_key``, as written before they were kept in blocks) is rewritten as
+        blocks, then that record goes. It holds them all: blocks of the set found beside it
+        are stale (this was cut short by a crash, or a broker of that version ran on the
+        log since)."""
+        prefix = state.BLOCKS_OF[key[:len(state.SUBS_PREFIX)]]
+        cid = key[len(state.SUBS_PREFIX):].decode("utf-8", "replace")
+        sets = self._sets[prefix]
+        stale = sets.pop(cid, set())
         if ids:
-            self.qos2[cid] = ids
+            sets[cid] = ids
         for block in sorted({state.block_of(pid) for pid in ids | stale}):
-            self.broker.put_state(state.qos2_block_key(cid, block),
-                                  state.stored_block(ids, block), wall)
-        self.broker.put_state(state.qos2_key(cid), b"", wall)
+            self._put_block(prefix, cid, ids, block, wall)
+        self.broker.put_state(key, b"", wall)
 
     # --------------------------------------------------------------------------- connects
 
@@ -207,7 +210,8 @@ class MqttSessions:
         if session.clean:
             return 0
         self.qos2[session.client_id] = session.qos2_in
-        return self._put_block(session, pid)
+        return self._put_block(state.QOS2_BLOCK_PREFIX, session.client_id, session.qos2_in,
+                               state.block_of(pid))
 
     def qos2_released(self, session: MqttSession, pid: int) -> int:
         """PUBREL: the packet id may be used again. Returns the offset the PUBCOMP must
@@ -235,24 +239,32 @@ class MqttSessions:
             self.qos2[session.client_id] = session.qos2_in
         else:
             self.qos2.pop(session.client_id, None)
-        return self._put_block(session, pid)
+        return self._put_block(state.QOS2_BLOCK_PREFIX, session.client_id, session.qos2_in,
+                               state.block_of(pid))
 
-    def _put_block(self, session: MqttSession, pid: int) -> int:
-        """Save the block of the session's inbound QoS 2 ids that holds ``pid``: a record
-        of a few bytes, however many ids are remembered. Returns its offset."""
-        block = state.block_of(pid)
-        return self.broker.put_state(state.qos2_block_key(session.client_id, block),
-                                     state.stored_block(session.qos2_in, block), wall_ms())
+    def _put_block(self, prefix: bytes, cid: str, ids: set[int], block: int,
+                   wall: int = 0) -> int:
+        """Save ``block`` of a client's set of QoS 2 ids (``ids``, saved under ``prefix``):
+        a record of a few bytes, however many ids the set holds. Returns its offset."""
+        return self.broker.put_state(state.block_key(prefix, cid, block),
+                                     state.stored_block(ids, block), wall or wall_ms())
 
-    def outbound_released(self, session: MqttSession) -> int:
-        """A persistent session's outbound QoS 2 packet ids between PUBREC and PUBCOMP
-        changed: saved (before the cursor moves on, so a restart sends PUBREL again).
+    # ------------------------------------------------------------------ outbound QoS 2
+
+    def outbound_released(self, session: MqttSession, pid: int) -> int:
+        """A persistent session's outbound QoS 2 packet id ``pid`` is owed a PUBCOMP (its
+        PUBREC came: it is in ``session.released``), or not any more (its PUBCOMP came):
+        its block is saved, before the cursor moves on, so a restart sends PUBREL again.
         Returns the record's offset (the PUBREL waits for it)."""
         cid = session.client_id
-        ids = set(session.released)
-        self.pubrel[cid] = ids
-        return self.broker.put_state(state.pubrel_key(cid),
-                                     state.stored_ids(ids) if ids else b"", wall_ms())
+        ids = self.pubrel.setdefault(cid, set())
+        if pid in session.released:
+            ids.add(pid)
+        else:
+            ids.discard(pid)
+            if not ids:
+                del self.pubrel[cid]
+        return self._put_block(state.PUBREL_BLOCK_PREFIX, cid, ids, state.block_of(pid))
 
     # ----------------------------------------------------------------------------- wills
 
@@ -305,13 +317,12 @@ class MqttSessions:
         nobody else belongs to, and its records go."""
         wall = wall_ms()
         self._end_filters(cid, list(subs), wall)
-        blocks = {state.block_of(pid) for pid in self.qos2.pop(cid, ())}
-        self.pubrel.pop(cid, None)
+        blocks = [state.block_key(prefix, cid, block) for prefix, sets in self._sets.items()
+                  for block in sorted({state.block_of(pid) for pid in sets.pop(cid, ())})]
         self.owners.pop(cid, None)
         self.restored.discard(cid)  # a new session by that id starts afresh
         for key in (state.subs_key(cid), state.qos2_key(cid), state.pubrel_key(cid),
-                    state.owner_key(cid),
-                    *(state.qos2_block_key(cid, block) for block in sorted(blocks))):
+                    state.owner_key(cid), *blocks):
             self.broker.put_state(key, b"", wall)
         self.server.log_touched()
 
