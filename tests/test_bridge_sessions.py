@@ -163,9 +163,7 @@ def test_mosquitto_bridged_to_blipmq_with_try_private(start_broker) -> None:
         "try_private true",
         "cleansession false",
         "restart_timeout 1",
-        # its default also publishes its link state to $SYS/broker/connection/... on the
-        # remote, which BlipMQ refuses (a `$` topic is the broker's): kept local here
-        "notifications_local_only true",
+        "notifications false",  # its link state: test_a_mosquitto_bridge_with_its_default...
         "topic up/# out 1",
         "topic down/# in 1",
         "topic both/# both 1",
@@ -187,3 +185,44 @@ def test_mosquitto_bridged_to_blipmq_with_try_private(start_broker) -> None:
                 ("both/b", b"4"), ("both/m", b"2"), ("down/b", b"3"), ("up/a", b"1")]
         pub.disconnect()
         pub.loop_stop()
+
+
+def test_a_mosquitto_bridge_with_its_default_notifications_stays_connected(start_broker
+                                                                          ) -> None:
+    """mosquitto's bridge publishes its link's state, retained at QoS 1, to
+    ``$SYS/broker/connection/<client id>/state`` on the broker it connects to and makes
+    that its will (``notifications``, on by default). BlipMQ refused the publish as one to
+    a broker's '$' topic and closed the connection: with its defaults a mosquitto bridge
+    reconnected for ever and carried nothing. A bridge session may publish there (and
+    nowhere else under '$'); the state is kept as mosquitto keeps it, the will sets it 0."""
+    bp = start_broker({"mqtt": MQTT})
+    bridge = [
+        "connection toblip",
+        f"address 127.0.0.1:{bp.mqtt_port}",
+        "bridge_protocol_version mqttv311",
+        "remote_clientid edge-7",
+        "cleansession false",
+        "restart_timeout 1",
+        "topic up/# out 1",
+    ]
+    state = "$SYS/broker/connection/edge-7/state"
+    with Mosquitto(extra=bridge) as up, Collector(bp.mqtt_port, "up/#") as here:
+        assert wait_until(lambda: stats(bp)["mqtt"]["bridges"] == 1, 20), stats(bp)
+        with Collector(bp.mqtt_port, "$SYS/broker/connection/+/state") as states:
+            assert states.wait_count(1, 10)
+            assert [(m.topic, m.payload) for m in states.messages()] == [(state, b"1")]
+        pub = mqtt_client(up.port)
+        pub.publish("up/a", b"1", qos=1).wait_for_publish(5)
+        assert here.wait_count(1, 15), here.messages()
+        pub.disconnect()
+        pub.loop_stop()
+        assert bp.metric("blipmq_connections_closed_total", reason="protocol_error") == 0
+        up.kill()  # its will: the state goes to 0
+        with Collector(bp.mqtt_port, "$SYS/broker/connection/+/state") as states:
+            # the retained 1 first if the will had not come yet, then the will's 0
+            assert wait_until(lambda: [m.payload for m in states.messages()][-1:] == [b"0"],
+                              20), states.messages()
+    raw = Raw(bp.mqtt_port)  # a client that is not a bridge still may not publish there
+    raw.connect("not-a-bridge")
+    raw.send(Publish(state, b"1", 1, True, False, 1))
+    assert raw.wait_closed() == []

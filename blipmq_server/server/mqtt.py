@@ -91,6 +91,16 @@ _PINGRESP = mqtt.encode(PingResp())
 _RESERVED = ("$",)
 
 
+def connection_state(topic: str, limit: int) -> bool:
+    """Whether ``topic`` is ``$SYS/broker/connection/<name>/state``, where a mosquitto
+    bridge publishes the state of its link (``notifications``, on by default) and sets its
+    will: a bridge session may publish there, and nowhere else under '$'."""
+    levels = topic.split("/")
+    return (len(levels) == 5 and levels[:3] == ["$SYS", "broker", "connection"]
+            and levels[4] == "state" and levels[3] not in ("", "+", "#")
+            and "\x00" not in topic and len(topic.encode("utf-8")) <= limit)
+
+
 class MqttSession(Session):
     protocol = "mqtt"
 
@@ -509,7 +519,8 @@ class MqttSession(Session):
                         pids: list[int] = []
                         for packet in packets:
                             if packet.__class__ is Publish and self.connected:
-                                if packet.qos < 2:  # type: ignore[attr-defined]
+                                if packet.qos < 2 and not (  # type: ignore[attr-defined]
+                                        self.bridge and packet.topic[:1] == "$"):  # type: ignore[attr-defined]
                                     raw = self._message(packet)  # type: ignore[arg-type]
                                     if raw.__class__ is RawMessage:
                                         batch.append(raw)  # type: ignore[arg-type]
@@ -691,6 +702,10 @@ class MqttSession(Session):
         if name is not None:  # the usual: a topic this client published to before
             return raw_message(name, payload, qos, retain, self.mark)
         if topic.startswith(_RESERVED):
+            if self.bridge and connection_state(topic, self.broker.limits.max_topic_bytes):
+                # a mosquitto bridge's notification (and will): its link's state, kept here
+                # as mosquitto keeps it (never cached in ``_names``: checked every time)
+                return raw_message(topic.encode("utf-8"), payload, qos, retain, self.mark)
             if packet.qos:
                 self._protocol_error("reserved_topic",
                                      f"publish to the broker's topic {topic!r}")
@@ -788,6 +803,7 @@ class MqttSession(Session):
             return raw
         now = self.server.published_at = self.read_at
         result = self.broker.publish((raw,), int(now * 1000), int(_time() * 1000),  # type: ignore[arg-type]
+                                     internal=raw.topic[:1] == b"$",  # type: ignore[union-attr]
                                      access=self.access)
         self.server.routed(result.wake)
         if result.blocked is not None:
@@ -828,6 +844,7 @@ class MqttSession(Session):
         while True:
             server.log_touched()
             result = self.broker.publish((raw,), now_ms(), wall_ms(),  # type: ignore[arg-type]
+                                         internal=raw.topic[:1] == b"$",  # type: ignore[union-attr]
                                          access=self.access)
             server.routed(result.wake)
             if result.blocked is None:

@@ -278,11 +278,16 @@ class MqttSessions:
             return
         # loaded already: a will comes from an MQTT session (the module is imported only
         # to serve MQTT, so a broker without it never loads it: server/app.py, _listen)
-        from blipmq_server.server.mqtt import raw_message
+        from blipmq_server.server.mqtt import connection_state, raw_message
 
         raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain,
                           session.mark)
-        result = self.broker.publish((raw,), now_ms(), wall_ms(), access=session.access)
+        # a bridge's will to its link's state topic (``connection_state``) is published;
+        # any other will to a '$' topic is refused by the core, as such a publish
+        internal = session.bridge and connection_state(will.topic,
+                                                       self.broker.limits.max_topic_bytes)
+        result = self.broker.publish((raw,), now_ms(), wall_ms(), internal=internal,
+                                     access=session.access)
         self.server.wake(result.wake)
         self.server.log_touched()
         if result.accepted:
