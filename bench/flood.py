@@ -1,7 +1,8 @@
 """What a flooding client costs the broker in memory. Prints figures, asserts none.
 
     .venv/bin/python bench/flood.py [--seconds 6] [--size 8192] [--connections 1]
-                                    [--subscriptions 0] [--keep-limit] [--fsync none]
+                                    [--subscriptions 0 [--deliver 0]] [--keep-limit]
+                                    [--fsync none]
                                     [--max-unwritten-bytes B]
 
 Starts ``blipmq start`` (the pip install beside this interpreter) with MQTT on free loopback
@@ -15,7 +16,10 @@ ports and an empty data directory, then, from raw MQTT sockets:
 - ``--subscriptions N``: instead, N distinct QoS 1 filters in SUBSCRIBEs of 100 on a clean
   session, each SUBACK awaited; RSS before and after, per subscription, and how many the
   broker refused (0x80: ``server.max_subscriptions`` is raised to N for the run unless
-  ``--keep-limit``).
+  ``--keep-limit``). With ``--deliver M`` that client then takes (and PUBACKs) M QoS 1
+  messages published one at a time to topics each of which one of its filters matches,
+  while another client's PINGREQ round trip is timed: the broker's CPU per message and the
+  round trip's median and maximum say what one client's subscriptions cost everyone.
 
 Loopback only; it ends the broker it started, by PID.
 """
@@ -23,6 +27,7 @@ Loopback only; it ends the broker it started, by PID.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -37,7 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 from ports import free_port, wait_port  # noqa: E402  (bench/ports.py)
 
 from blipmq_server.mqtt import codec  # noqa: E402
-from blipmq_server.mqtt.packets import Connect, Publish, Subscribe  # noqa: E402
+from blipmq_server.mqtt.packets import Connect, PubAck, Publish, Subscribe  # noqa: E402
 
 
 def memory(pid: int) -> tuple[int, int]:
@@ -102,7 +107,58 @@ def publish_flood(pid: int, port: int, seconds: float, size: int, connections: i
           f"(anonymous {mib(anon)})")
 
 
-def subscription_flood(pid: int, port: int, n: int) -> None:
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def deliver(pid: int, port: int, sock: socket.socket, decoder: codec.Decoder, n: int,
+            m: int) -> None:
+    """``m`` QoS 1 messages, one at a time, to topics ``sub/<i>/x`` (filter ``i``'s alone),
+    each taken and PUBACKed by ``sock``; another client pings meanwhile."""
+    pub, pinger = connect(port, "publisher"), connect(port, "pinger")
+    trips: list[float] = []
+    done = threading.Event()
+
+    def ping() -> None:  # bounded: until the deliveries are done
+        while not done.is_set():
+            start = time.monotonic()
+            pinger.sendall(b"\xc0\x00")
+            pinger.recv(2)
+            trips.append(time.monotonic() - start)
+            done.wait(0.02)
+
+    pinging = threading.Thread(target=ping)
+    before = cpu_s(pid)
+    start = time.monotonic()
+    pinging.start()
+    got = 0
+    for k in range(m):
+        pub.sendall(codec.encode(Publish(f"sub/{k % n}/x", b"m", 1, False, False, k % 65535 + 1)))
+        while True:  # bounded by the socket's timeout: its PUBLISH, PUBACKed
+            packets = decoder.packets()
+            if not packets:
+                decoder.feed(sock.recv(65536))
+                continue
+            for packet in packets:
+                if isinstance(packet, Publish):
+                    sock.sendall(codec.encode(PubAck(packet.packet_id)))
+                    got += 1
+            if got > k:
+                break
+    seconds = time.monotonic() - start
+    spent = cpu_s(pid) - before
+    done.set()
+    pinging.join()
+    for s in (pub, pinger):
+        s.close()
+    trips.sort()
+    print(f"{m:,} QoS 1 messages to it, one at a time: {seconds:.2f} s, broker CPU "
+          f"{spent * 1e6 / m:,.0f} us a message; another client's PINGREQ round trip "
+          f"median {trips[len(trips) // 2] * 1e3:.1f} ms, max {trips[-1] * 1e3:.1f} ms")
+
+
+def subscription_flood(pid: int, port: int, n: int, m: int = 0) -> None:
     sock = connect(port, "subscriber")
     decoder = codec.Decoder()
     before = memory(pid)[1]
@@ -117,9 +173,11 @@ def subscription_flood(pid: int, port: int, n: int) -> None:
             acks = decoder.packets()
         refused += sum(code == 0x80 for code in acks[0].codes)  # type: ignore[attr-defined]
     after = memory(pid)[1]
-    sock.close()
     print(f"{n:,} QoS 1 subscriptions ({refused:,} refused): anonymous RSS {mib(before)} -> "
           f"{mib(after)}, {(after - before) * 1024 / max(1, n - refused):,.0f} bytes each")
+    if m:
+        deliver(pid, port, sock, decoder, n, m)
+    sock.close()
 
 
 def main() -> None:
@@ -130,6 +188,8 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=1,
                     help="publish flood: this many connections at once, each a thread")
     ap.add_argument("--subscriptions", type=int, default=0)
+    ap.add_argument("--deliver", type=int, default=0,
+                    help="with --subscriptions: this many QoS 1 messages to that client")
     ap.add_argument("--keep-limit", action="store_true",
                     help="leave server.max_subscriptions at its default")
     ap.add_argument("--fsync", default="none", help="wal.fsync for the run")
@@ -156,7 +216,7 @@ def main() -> None:
                 raise SystemExit("the broker did not start")
             print(f"broker idle: RSS {mib(memory(proc.pid)[0])}")
             if args.subscriptions:
-                subscription_flood(proc.pid, mqtt_port, args.subscriptions)
+                subscription_flood(proc.pid, mqtt_port, args.subscriptions, args.deliver)
             else:
                 publish_flood(proc.pid, mqtt_port, args.seconds, args.size,
                               args.connections)

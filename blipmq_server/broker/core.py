@@ -165,7 +165,7 @@ class Broker:
         # in locals, and added to the topic's entry when the run ends
         run_route: Route | Refusal | None = None
         run_entry = None
-        run_from = run_bytes = run_unlogged = 0
+        run_from = run_first = run_bytes = run_unlogged = 0
         holds = None if internal or not self.holds else self.holds
         for m in messages:
             if holds is not None:
@@ -228,10 +228,11 @@ class Broker:
             if route is not run_route:  # a run of messages to one topic begins
                 if run_route is not None:
                     usage.add(run_entry, accepted - run_from,  # type: ignore[arg-type]
-                              run_bytes, run_unlogged)
+                              run_bytes, run_unlogged, run_first)
                 run_route = route
                 run_entry = entries.get(m.topic) or usage.entry(m.topic)
                 run_from = accepted
+                run_first = next_logged  # the offset its first logged message gets
                 run_bytes = run_unlogged = 0
             run_bytes += m.payload_len
             if m.retain:  # kept as the topic's value, always logged: the slow path
@@ -295,7 +296,7 @@ class Broker:
                 enqueued += 1
         if run_route is not None:
             usage.add(run_entry, accepted - run_from, run_bytes,  # type: ignore[arg-type]
-                      run_unlogged)
+                      run_unlogged, run_first)
         last_logged = first_logged = 0
         if logged is None:
             self.offset = offset
@@ -364,7 +365,7 @@ class Broker:
         if m.qos or self.limits.log_qos0:
             offset = log.append_many(_MESSAGE, (m.record,), timestamp_ms)
             self.offset = offset
-            usage.add(entry, 1, m.payload_len, 0)
+            usage.add(entry, 1, m.payload_len, 0, offset)
         else:
             offset = 0
             usage.add(entry, 1, m.payload_len, 1)

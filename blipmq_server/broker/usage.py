@@ -44,9 +44,12 @@ class Usage:
         self.entries[topic] = entry
         return entry
 
-    def add(self, entry: Entry, messages: int, nbytes: int, unlogged: int) -> None:
+    def add(self, entry: Entry, messages: int, nbytes: int, unlogged: int,
+            first: int = 0) -> None:
         """A run of ``messages`` to the entry's topic, ``unlogged`` of them kept out of the
-        log (with a log; without one, no durable group exists to count them)."""
+        log (with a log; without one, no durable group exists to count them); ``first``:
+        the offset of the run's first logged message. A quiet cursor it ends moves on to
+        ``first`` at once: what lies between is other topics' (it would read through it)."""
         if entry[3]:
             entry[0] += messages
             entry[1] += nbytes
@@ -60,7 +63,10 @@ class Usage:
                 entry[4] = self.generation
             for g in entry[2]:
                 g.backlog += logged
-                if g.quiet_from is not None:
+                quiet = g.quiet_from
+                if quiet is not None:
+                    if quiet <= g.next < first and not g.ahead and not g.fetching:
+                        g.next = first
                     g.quiet_from = None
                     if self._woken is not None:
                         self._woken(g)
