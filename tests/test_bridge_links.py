@@ -3,6 +3,8 @@ wrong name, insecure), failover across addresses, paced sending."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 import time
 from pathlib import Path
@@ -360,7 +362,8 @@ def test_failed_handshakes_leave_no_open_sockets(start_broker, tmp_path: Path) -
 
 def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_broker) -> None:
     """A broken upstream: CONNACK, then random bytes (or a packet length of 256 MiB). The link
-    ends with a protocol error, the bridge tries again, and the broker serves the rest."""
+    does not come up (that is its answer to the PINGREQ after the CONNACK): a connect that
+    failed with a protocol error, tried again, and the broker serves the rest."""
     import random
     import socket
     import threading
@@ -398,8 +401,8 @@ def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_b
         assert served.acquire(timeout=20)
     thread.join(5)
     listener.close()
-    wait_status(bp, "broken", lambda b: b["reconnects"] >= 3)
-    assert "protocol error from the upstream" in bp.wait_log("link to 127.0.0.1")
+    wait_status(bp, "broken", lambda b: b["connect_failures"] >= 4)
+    assert "protocol error from the upstream" in bp.wait_log("cannot connect to 127.0.0.1")
     assert bp.cli("pub", "a/x", "still serving", "-q", "1").returncode == 0
     assert bp.proc.poll() is None
 
@@ -460,3 +463,120 @@ def test_in_rules_are_subscribed_again_until_an_upstream_granted_them(start_brok
     finally:
         first.close()
         second.close()
+
+
+async def test_an_upstream_that_closes_every_link_after_connack_costs_no_message(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upstream that answers CONNECT and closes at once, every time, reading nothing (a
+    crash loop, a balancer): each such link struck the oldest message in flight, which
+    went to the dead letters after max_retries flaps ("the upstream closed the link each
+    of 2 times"), and the backoff started again at every CONNACK, so it was asked again
+    every 1-3 minimum waits for ever. Such a link never comes up now (no answer to the
+    PINGREQ after the CONNACK): a connect failure, retried with the growing backoff; the
+    messages wait, and go when the upstream works again. The server in-process, so that
+    the backoff's draws can be fixed (always the longest: 3 x the last wait)."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from blipmq_cli import AsyncClient
+    from blipmq_server import config as config_module
+    from blipmq_server.mqtt import codec as mqtt
+    from blipmq_server.mqtt.packets import (
+        ConnAck,
+        Connect,
+        PingReq,
+        PingResp,
+        PubAck,
+        Publish,
+    )
+    from blipmq_server.server.app import Bound, Server
+
+    monkeypatch.setattr("blipmq_server.server.bridge.random",
+                        SimpleNamespace(uniform=lambda low, high: high))
+    accepted: list[float] = []  # when each link came
+    got: list[bytes] = []
+    healthy = trio.Event()
+
+    async def upstream(stream: trio.SocketStream) -> None:
+        accepted.append(trio.current_time())
+        decoder = mqtt.Decoder()
+        async with stream:
+            while True:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                decoder.feed(data)
+                for packet in decoder.packets():
+                    if isinstance(packet, Connect):
+                        await stream.send_all(mqtt.encode(ConnAck(False, 0)))
+                        if not healthy.is_set():
+                            return  # closed right after the CONNACK, nothing read
+                    elif isinstance(packet, PingReq):
+                        await stream.send_all(mqtt.encode(PingResp()))
+                    elif isinstance(packet, Publish):
+                        got.append(packet.payload)
+                        await stream.send_all(mqtt.encode(PubAck(packet.packet_id)))
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, upstream, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        path = tmp_path / "blipmq.toml"
+        path.write_text(f'[storage]\ndata_dir = "{tmp_path}"\n[[bridge]]\nname = "flaky"\n'
+                        f'addresses = ["127.0.0.1:{port}"]\ntopics = ["s/# out 1"]\n'
+                        'max_retries = 2\nbackoff_min_ms = 20\nbackoff_max_ms = 1000\n')
+        cfg = config_module.load(path, env={}, overrides={
+            "server.port": 0, "metrics.enabled": False, "wal.fsync": "none"})
+        server = Server(cfg)
+        bound: Bound = await nursery.start(server.serve)
+        (bridge,) = server.bridges.values()
+        async with AsyncClient(f"127.0.0.1:{bound.port}") as client:
+            for n in range(3):
+                await client.publish("s/x", b"m%d" % n, qos=1)
+        with trio.fail_after(20):
+            while len(accepted) < 6:  # 5 waits: 0.06, 0.18, 0.54, 1 and 1 s
+                await trio.sleep(0.01)
+        flapping = bridge.status()  # what `blipmq bridges --json` shows
+        gaps = [b - a for a, b in itertools.pairwise(accepted)]
+        assert flapping["dead_lettered"] == 0 and flapping["reconnects"] == 0, flapping
+        assert flapping["connect_failures"] >= 5 and not flapping["connected"], flapping
+        assert "no answer after the CONNACK" in flapping["last_error"], flapping
+        # the waits grew as for any failed connect (not 0.06 s each, the minimum's 3 x)
+        assert gaps[2] >= 0.5 and gaps[3] >= 0.9 and gaps[4] >= 0.9, gaps
+        healthy.set()
+        with trio.fail_after(10):
+            while len(got) < 3 or bridge.counters["forwarded"] < 3:
+                await trio.sleep(0.01)
+        final = bridge.status()
+        server.shutdown.set()
+        nursery.cancel_scope.cancel()
+    assert sorted(got) == [b"m0", b"m1", b"m2"], got  # each once, none dead-lettered
+    assert final["dead_lettered"] == 0 and final["connected"], final
+
+
+def test_a_message_over_mosquittos_max_packet_size_is_dead_lettered_and_the_rest_flow(
+        start_broker) -> None:
+    """mosquitto closes the link on a packet over its max_packet_size, after it answered the
+    PINGREQ that follows the CONNACK: each such close strikes the message (the oldest in
+    flight, none acknowledged on the link), and after max_retries it goes to the dead
+    letters with the reason; the rest flow."""
+    from tests.upstream import Collector, Mosquitto
+
+    with Mosquitto(extra=["max_packet_size 2000"]) as up, \
+            Collector(up.port, "gw/#") as seen:
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{up.port}"], ["sensors/# out 1 '' gw/"], max_retries=3,
+            inflight=10)]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        assert bp.cli("pub", "sensors/big", "-", "-q", "1", input=b"x" * 5000).returncode == 0
+        lines = b"".join(b"small %d\n" % n for n in range(30))
+        assert bp.cli("pub", "sensors/small", "-q", "1", "-l", input=lines).returncode == 0
+        final = wait_status(bp, "cloud", lambda b: b["dead_lettered"] == 1
+                            and b["backlog_messages"] == 0, timeout=30)
+        assert final["reconnects"] >= 3 and final["forwarded"] == 30, final
+        assert seen.wait_count(30, 10)
+        assert sorted(m.payload for m in seen.messages()) == sorted(
+            b"small %d" % n for n in range(30))
+        dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10", "-F", "json")
+        assert b"closed the link each of 3 times" in dead.stdout, dead

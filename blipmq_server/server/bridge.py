@@ -14,9 +14,10 @@ whose messages are written to the local log and PUBACKed (QoS 2: PUBRECed, the p
 remembered until PUBREL) once durable.
 
 One task per bridge owns its link: connect (with failover across the addresses and
-decorrelated-jitter backoff), then a reader and a writer (the only one that writes the
-socket). A link silent for 1.5 x the keepalive, or whose oldest PUBLISH waited as long for
-its PUBACK, is dropped and made again.
+decorrelated-jitter backoff; up once the upstream answers the PINGREQ sent after its
+CONNACK), then a reader and a writer (the only one that writes the socket). A link
+silent for 1.5 x the keepalive, or whose oldest PUBLISH waited as long for its PUBACK, is
+dropped and made again.
 """
 
 from __future__ import annotations
@@ -349,7 +350,7 @@ class Bridge:
             log.info("bridge %s: cannot connect to %s:%d: %s", spec.name, host, port,
                      _why(exc))
             return None
-        backoff.reset()
+        backoff.reset()  # it answered past its CONNACK (or WELCOME): a link that works
         self._link = link
         self.connected = True
         self.last_error = ""
@@ -739,7 +740,17 @@ class _Link:
         if first.code:
             raise LinkDown(f"the upstream refused the connection: CONNACK {first.code:#04x} "
                            f"({_CONNACK.get(first.code, 'unknown')})")
-        self.pending = packets[1:]
+        # the link is up once the upstream answers after its CONNACK (the PINGRESP, or any
+        # packet): one that closes every link right after it (a crash loop, a balancer)
+        # fails to connect, with the growing backoff, and is sent no message to lose
+        pending = packets[1:]
+        try:
+            await self.stream.send_all(_PINGREQ)
+            while not pending:
+                pending = await self._read_packets()
+        except (LinkDown, OSError, trio.BrokenResourceError) as exc:
+            raise LinkDown(f"no answer after the CONNACK: {_why(exc)}") from None
+        self.pending = pending
         bridge.resume(self, first.session_present)
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
         # a session this upstream kept holds them (``Bridge.held_at``): subscribing again
@@ -1082,6 +1093,8 @@ def _pubacks(data: bytes) -> list[object] | None:
 def _why(exc: BaseException) -> str:
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
+    if isinstance(exc, RemoteProtocolError):
+        return f"protocol error from the upstream: {exc}"
     if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ is not None:
         exc = exc.__cause__  # TLS: the ssl module's error behind trio's
     verify = getattr(exc, "verify_message", None)
