@@ -84,6 +84,19 @@ def test_prefixes_map_topics_both_ways() -> None:
       "topics": ["cmd/# in 1"]}, "names the upstream's group"),
     ({"name": "a", "addresses": ["h:1"], "protocol": "blipmq", "client_id": "a b",
       "topics": ["cmd/# in 1"]}, "names the upstream's group"),
+    # what a CONNECT (or the native HELLO and AUTH) cannot carry
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "client_id": "c" * 70000},
+     "client_id is 70000 bytes long in UTF-8: an MQTT CONNECT carries at most 65,535"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "username": "\u00e9" * 40000},
+     "username is 80000 bytes long in UTF-8"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "username": "u",
+      "password": "p" * 65536}, "password is 65536 bytes long"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "protocol": "blipmq",
+      "password": "k" * 70000}, "the native handshake carries at most 65,535"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "client_id": "a\u0000b"},
+     "client_id holds U+0000"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "password": "secret"},
+     "password needs a username"),
 ])
 def test_bad_tables_are_named(table: dict, says: str) -> None:
     with pytest.raises(ConfigError, match="bridge\\[0\\]") as caught:
@@ -580,3 +593,57 @@ def test_a_message_over_mosquittos_max_packet_size_is_dead_lettered_and_the_rest
             b"small %d" % n for n in range(30))
         dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10", "-F", "json")
         assert b"closed the link each of 3 times" in dead.stdout, dead
+
+
+async def test_a_connect_that_cannot_be_encoded_is_a_failed_connect_in_one_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """What the config checks let through and the CONNECT still cannot carry (here a client
+    id of 70,000 bytes, put past the checks): each attempt is a failed connect, counted and
+    said in one line, not an internal error with a traceback (20 lines a try, and
+    connect_failures stayed 0)."""
+    import dataclasses
+    import logging
+
+    import trio
+
+    from blipmq_server import config as config_module
+    from blipmq_server.server.app import Server
+
+    accepted = 0
+
+    async def upstream(stream: trio.SocketStream) -> None:
+        nonlocal accepted
+        accepted += 1
+        async with stream:
+            while await stream.receive_some(65536):
+                pass
+
+    caplog.set_level(logging.INFO, logger="blipmq.bridge")
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, upstream, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        path = tmp_path / "blipmq.toml"
+        path.write_text(f'[storage]\ndata_dir = "{tmp_path}"\n[[bridge]]\nname = "long"\n'
+                        f'addresses = ["127.0.0.1:{port}"]\ntopics = ["s/# out 1"]\n'
+                        'backoff_min_ms = 10\nbackoff_max_ms = 20\n')
+        cfg = config_module.load(path, env={}, overrides={
+            "server.port": 0, "metrics.enabled": False, "wal.fsync": "none"})
+        (spec,) = cfg.bridges
+        cfg = cfg._replace(bridges=(dataclasses.replace(spec, client_id="c" * 70000),))
+        server = Server(cfg)
+        await nursery.start(server.serve)
+        (bridge,) = server.bridges.values()
+        with trio.fail_after(10):
+            while bridge.counters["connect_failures"] < 3:
+                await trio.sleep(0.01)
+        status = bridge.status()
+        server.shutdown.set()
+        nursery.cancel_scope.cancel()
+    assert accepted >= 3 and not status["connected"] and status["reconnects"] == 0, status
+    assert status["last_error"] == (f"127.0.0.1:{port}: client id of 70000 bytes does not "
+                                    "fit a u16 length"), status
+    records = [r for r in caplog.records if r.name == "blipmq.bridge"]
+    assert all(r.exc_info is None and r.levelno < logging.ERROR for r in records), [
+        r.getMessage() for r in records]
+    assert any("cannot connect to" in r.getMessage() for r in records)

@@ -175,6 +175,29 @@ _KNOWN = ("name", "addresses", "topics", "alpn", *_INTS, *_STRS, *_BOOLS)
 TLS_OPTIONS = ("ca_file", "cert_file", "key_file", "server_name", "insecure", "alpn")
 
 
+def credentials_problem(options: dict[str, object], protocol: str) -> str | None:
+    """Why the client id and credentials cannot go in the CONNECT (or the native HELLO and
+    AUTH), or None: each is a string with a u16 length there, and MQTT's strings hold no
+    U+0000 and its CONNECT no password without a user name (MQTT-3.1.2-22). (The will is
+    the state topic, checked as a topic, and ``0``.)"""
+    for key in ("client_id", "username", "password"):
+        text = str(options.get(key, ""))
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            return f"{key} is not valid UTF-8"
+        if size > 0xFFFF:
+            carrier = "an MQTT CONNECT" if protocol == "mqtt" else "the native handshake"
+            return (f"{key} is {size} bytes long in UTF-8: {carrier} carries at most "
+                    "65,535")
+        if protocol == "mqtt" and key != "password" and "\0" in text:
+            return f"{key} holds U+0000, which MQTT strings may not"
+    if protocol == "mqtt" and options.get("password") and not options.get("username"):
+        return ("password needs a username: MQTT 3.1.1 sends no password without one "
+                "(MQTT-3.1.2-22)")
+    return None
+
+
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or text.endswith("]"):  # no port: HOST, or [IPv6]
@@ -337,5 +360,8 @@ def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
         state = str(options.get("state_topic", ""))
         if state and topic_problem(state, WIRE_TOPIC_BYTES):
             raise ConfigError(f"state_topic: {topic_problem(state, WIRE_TOPIC_BYTES)}", where)
+        problem = credentials_problem(options, str(protocol))
+        if problem:
+            raise ConfigError(problem, where)
         specs.append(BridgeSpec(name, addresses, rules, **options))  # type: ignore[arg-type]
     return tuple(specs)

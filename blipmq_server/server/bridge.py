@@ -343,7 +343,9 @@ class Bridge:
             log.info("bridge %s: %s", spec.name, exc)
             return None
         except (OSError, UnicodeError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
-                RemoteProtocolError) as exc:  # UnicodeError: a name IDNA cannot encode
+                RemoteProtocolError, LocalProtocolError) as exc:
+            # UnicodeError: a name IDNA cannot encode; LocalProtocolError: a CONNECT that
+            # cannot be encoded (the config checks refuse what they know of)
             await self._close_all(opened)
             self.counters["connect_failures"] += 1
             self.last_error = f"{host}:{port}: {_why(exc)}"
