@@ -6,10 +6,13 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import shlex
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
 from blipmq_server.bridge.spec import filters_meet, parse_bridges, parse_rule
@@ -40,10 +43,20 @@ def test_prefixes_map_topics_both_ways() -> None:
     rule = parse_rule("# both 1 edge/ cloud/")
     assert rule.to_remote("edge/hall/temp") == "cloud/hall/temp"
     assert rule.to_local("cloud/hall/temp") == "edge/hall/temp"
-    # ``#`` matches the prefix's parent level too: that topic keeps its name after the other
-    # prefix, as mosquitto maps it, not the name of the prefix's own topic ("edge/")
-    assert rule.to_remote("edge") == "cloud/edge" and rule.to_remote("edge/") == "cloud/"
-    assert rule.to_local("cloud") == "edge/cloud" and rule.to_local("cloud/") == "edge/"
+    # ``#`` matches the prefix's parent level too: it maps to the other prefix's parent, so
+    # ``edge`` and ``edge/edge`` stay two topics upstream (both were ``cloud/edge``)
+    assert rule.to_remote("edge") == "cloud" and rule.to_remote("edge/") == "cloud/"
+    assert rule.to_remote("edge/edge") == "cloud/edge"
+    assert rule.to_local("cloud") == "edge" and rule.to_local("cloud/") == "edge/"
+    assert rule.to_local("cloud/cloud") == "edge/cloud"
+    # a parent level whose counterpart has none has no name there (""): it would be the
+    # name of ``edge/edge`` upstream, or of ``cloud/cloud`` here
+    stripped = parse_rule("# both 1 edge/ ''")
+    assert stripped.to_remote("edge") == "" and stripped.to_remote("edge/edge") == "edge"
+    assert stripped.to_local("edge") == "edge/edge"
+    added = parse_rule("# both 1 '' cloud/")
+    assert added.to_local("cloud") == "" and added.to_local("cloud/cloud") == "cloud"
+    assert added.to_remote("cloud") == "cloud/cloud"
     rules = (rule, parse_rule("sensors/# out 1"))
     assert inbound_rule(rules, "cloud/x") is rule
     assert inbound_rule(rules, "sensors/x") is None  # out only
@@ -51,6 +64,56 @@ def test_prefixes_map_topics_both_ways() -> None:
     single = parse_rule("'' in 0 status/local site1/status")
     assert inbound_rule((single,), "site1/status") is single
     assert inbound_rule((single,), "site1/status/x") is None
+
+
+_NAMES = ("edge", "cloud", "a", "", "$sys")  # levels of topics and prefixes
+
+
+def _name(levels: list[str]) -> str:
+    return "/".join(levels)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(pattern=st.lists(st.sampled_from((*_NAMES, "+", "#")), max_size=3),
+       local=st.lists(st.sampled_from(_NAMES), max_size=3),
+       remote=st.lists(st.sampled_from(_NAMES), max_size=3),
+       slash=st.tuples(st.booleans(), st.booleans()),
+       tails=st.lists(st.lists(st.sampled_from(_NAMES), max_size=4), min_size=1,
+                      max_size=8))
+def test_every_topic_a_rule_sees_maps_one_to_one(
+        pattern: list[str], local: list[str], remote: list[str],
+        slash: tuple[bool, bool], tails: list[list[str]]) -> None:
+    """For every topic a rule's local filter matches, its upstream name (if it has one) is
+    matched by the remote filter and maps back to it, and the other way round: no two
+    topics share a name on the other side. Only a prefix's parent level (or a prefix's own
+    empty level, which would be the empty topic) may have no name there. The topics tried:
+    each prefix, its parent level, and each followed by the tails, and the tails alone."""
+    from blipmq_server.broker.access import matches
+
+    lp = _name(local) + ("/" if slash[0] and local else "")
+    rp = _name(remote) + ("/" if slash[1] and remote else "")
+    try:
+        rule = parse_rule(" ".join([shlex.quote(_name(pattern)), "both", "1",
+                                    shlex.quote(lp), shlex.quote(rp)]))
+    except ValueError:
+        return  # not a rule (a wildcard in the middle, an empty pattern and prefixes, ...)
+    topics = {lp, lp[:-1], rp, rp[:-1]}
+    for tail in map(_name, tails):
+        topics |= {lp + tail, rp + tail, tail}
+    directions = (
+        (rule.to_remote, rule.to_local, rule.local_filter, rule.remote_filter, lp, rp),
+        (rule.to_local, rule.to_remote, rule.remote_filter, rule.local_filter, rp, lp))
+    for there, back, this, other, prefix, other_prefix in directions:
+        for topic in topics:
+            if not topic or not (matches(this, topic) if rule.pattern else topic == this):
+                continue  # not a topic this side of the rule sees
+            name = there(topic)
+            if not name:  # a prefix (or its parent) with no counterpart, or a '$' name
+                swapped = other_prefix + topic[len(prefix):]
+                assert topic in (prefix, prefix[:-1]) or swapped.startswith("$"), (rule, topic)
+                continue
+            assert (matches(other, name) if rule.pattern else name == other), (rule, topic)
+            assert back(name) == topic, (rule, topic, name)
 
 
 @pytest.mark.parametrize(("table", "says"), [
@@ -647,3 +710,49 @@ async def test_a_connect_that_cannot_be_encoded_is_a_failed_connect_in_one_line(
     assert all(r.exc_info is None and r.levelno < logging.ERROR for r in records), [
         r.getMessage() for r in records]
     assert any("cannot connect to" in r.getMessage() for r in records)
+
+
+def test_a_prefix_parent_level_keeps_its_own_name_through_mosquitto(start_broker) -> None:
+    """`# both 1 edge/ cloud/`: the local `edge` and `edge/edge` both went up as `cloud/edge`,
+    one retained value over the other (h20 #4), and the upstream's `cloud` and
+    `cloud/cloud` both came in as `edge/cloud`. Parent maps to parent now. A parent level
+    with no counterpart (`# out 1 flat/ ''`: upstream's `flat` is `flat/flat`'s name) goes
+    to the local dead letters; an upstream topic with no local name (`up` and
+    `up/$SYS/x` for `# in 1 '' up/`) is refused, counted and acknowledged."""
+    from tests.upstream import Collector, Mosquitto, mqtt_client
+
+    with Mosquitto() as up:
+        address = [f"127.0.0.1:{up.port}"]
+        bp = start_broker({"bridge": [
+            bridge_table("pair", address, ["# both 1 edge/ cloud/"]),
+            bridge_table("flat", address, ["# out 1 flat/ ''"]),
+            bridge_table("in", address, ["# in 1 '' up/"]),
+        ]})
+        for name in ("pair", "flat", "in"):
+            wait_status(bp, name, lambda b: b["connected"])
+        for topic, value in (("edge", "parent"), ("edge/edge", "child"), ("flat", "no name"),
+                             ("flat/x", "flat x")):
+            assert bp.cli("pub", "-r", topic, value, "-q", "1").returncode == 0
+        wait_status(bp, "pair", lambda b: b["forwarded"] == 2)
+        wait_status(bp, "flat", lambda b: b["forwarded"] == 1 and b["dead_lettered"] == 1)
+        with Collector(up.port, "#") as there:  # the retained values upstream
+            assert there.wait_count(3, 10)
+            assert there.wait_quiet(0.5, 5)
+            got = {(m.topic, m.payload) for m in there.messages()}
+        assert got == {("cloud", b"parent"), ("cloud/edge", b"child"), ("x", b"flat x")}, got
+        dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10", "-v")
+        assert dead.stdout.startswith(b"$dlq/flat no name"), dead
+        pub = mqtt_client(up.port)
+        for topic, value in (("cloud", b"parent in"), ("cloud/cloud", b"child in"),
+                             ("up", b"no name"), ("up/$SYS/x", b"not ours"),
+                             ("up/ok", b"fine")):
+            pub.publish(topic, value, qos=1).wait_for_publish(5)
+        pub.disconnect()
+        wait_status(bp, "in", lambda b: b["received"] == 1 and b["refused"] == 2)
+        wait_status(bp, "pair", lambda b: b["received"] == 2)
+        for topic, value in (("edge", b"parent in"), ("edge/cloud", b"child in"),
+                             ("ok", b"fine")):
+            here = bp.cli("sub", topic, "--from", "earliest", "-W", "1")
+            assert here.stdout.splitlines()[-1:] == [value], (topic, here)
+        sys_x = bp.cli("sub", "$SYS/x", "--from", "earliest", "-W", "1")
+        assert sys_x.stdout == b"", sys_x

@@ -13,6 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from blipmq_server.broker.access import matches
 from blipmq_server.broker.core import BRIDGE_GROUPS
 from blipmq_server.errors import ConfigError
 from blipmq_server.protocol.names import (
@@ -54,22 +55,43 @@ class Rule:
 
     def to_remote(self, topic: str) -> str:
         """A local topic this rule's local filter matched, as the upstream names it: the
-        local prefix swapped for the remote one. A topic the filter matched without the
-        prefix (``edge`` for ``# ... edge/ cloud/``: ``#`` takes the parent level too) keeps
-        its whole name after the remote prefix, as mosquitto does, so no two topics map
-        to one."""
-        lp = self.local_prefix
-        return self.remote_prefix + (topic[len(lp):] if topic.startswith(lp) else topic)
+        local prefix swapped for the remote one, and the prefix's parent level for the
+        other's (``edge`` <-> ``cloud`` for ``# both 1 edge/ cloud/``: ``edge/#`` matches
+        ``edge`` too). One to one: ``to_local(to_remote(t)) == t``. "" when the upstream has
+        no name for it that the remote filter matches: the parent level of a prefix whose
+        counterpart has none (``edge`` for ``# out 1 edge/ ""``: upstream's ``edge`` is
+        ``edge/edge``'s name), or a name starting with ``$`` under a wildcard."""
+        return self._seen(_swap(topic, self.local_prefix, self.remote_prefix),
+                          self.remote_filter)
 
     def to_local(self, topic: str) -> str:
         """An upstream topic this rule's remote filter matched, as the local log names it
-        (``to_remote`` the other way round)."""
-        rp = self.remote_prefix
-        return self.local_prefix + (topic[len(rp):] if topic.startswith(rp) else topic)
+        (``to_remote`` the other way round; "" when it has no local name: the upstream
+        cannot write, say, ``$SYS/...`` here through ``# in 1 '' cloud/``)."""
+        return self._seen(_swap(topic, self.remote_prefix, self.local_prefix),
+                          self.local_filter)
+
+    def _seen(self, name: str, topic_filter: str) -> str:
+        """``name`` when this rule's filter on the other side matches it, else ""."""
+        if name and (matches(topic_filter, name) if self.pattern else name == topic_filter):
+            return name
+        return ""
 
     def text(self) -> str:
         return " ".join([self.pattern or '""', self.direction, str(self.qos),
                          self.local_prefix or '""', self.remote_prefix or '""'])
+
+
+def _swap(topic: str, old: str, new: str) -> str:
+    """``topic`` (matched by ``old + pattern``) with the prefix ``old`` swapped for ``new``:
+    the only topic such a filter matches that does not start with its prefix is the
+    prefix's parent level (``a/#`` matches ``a``), which becomes the other's, if it has
+    one; "" when the result is no topic name."""
+    if topic.startswith(old):
+        return new + topic[len(old):]
+    if old.endswith("/") and topic == old[:-1] and new.endswith("/"):
+        return new[:-1]
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -566,18 +566,20 @@ class Bridge:
         elif packet.qos:
             link.ack(packet.packet_id)
 
-    def local_problem(self, topic: str) -> str | None:
-        """Why a message from the upstream cannot be stored under this local topic (logged
-        and counted as refused here), or None. What the local broker takes from its own
-        clients bounds what comes in (the core's checks of size and name follow)."""
+    def local_problem(self, topic: str, remote: str = "") -> str | None:
+        """Why a message from the upstream (on ``remote``) cannot be stored under this local
+        topic (logged and counted as refused here), or None. What the local broker takes
+        from its own clients bounds what comes in (the core's checks of size and name
+        follow); "" is no local name (``Rule.to_local``)."""
         size = len(topic.encode("utf-8"))
         cap = self.broker.limits.max_topic_bytes
-        if size <= cap:
+        if topic and size <= cap:
             return None
-        problem = f"the local topic is {size} bytes long, server.max_topic_bytes is {cap}"
+        problem = (f"the local topic is {size} bytes long, server.max_topic_bytes is {cap}"
+                   if topic else "its rule gives it no local name (docs/BRIDGE.md, Topic rules)")
         self.counters["refused"] += 1
         log.warning("bridge %s: message from the upstream on %r not stored: %s",
-                    self.spec.name, topic[:64], problem)
+                    self.spec.name, (topic or remote)[:64], problem)
         return problem
 
     def received(self, link: _Link, packet: Publish) -> None:
@@ -596,7 +598,7 @@ class Bridge:
             self._settle_unstored(link, packet)
             return
         topic = rule.to_local(packet.topic)
-        if self.local_problem(topic) is not None:
+        if self.local_problem(topic, packet.topic) is not None:
             self._settle_unstored(link, packet)  # it could never be stored
             return
         qos = min(packet.qos, 1)
@@ -1011,6 +1013,10 @@ class _Link:
                 if again:
                     bridge.reserved.discard(again)
                 try:
+                    if not remote:  # ``Rule.to_remote``: no upstream name
+                        name = local.decode("utf-8", "replace")
+                        raise LocalProtocolError(f"the rule {rule.text()!r} gives {name!r} no "
+                                                 "upstream name (docs/BRIDGE.md, Topic rules)")
                     at = _BODY + tlen + klen  # the payload's start
                     key = self._put(rule, remote, rec, flags, ttl, at, klen, plen, count,
                                     offset, parts, again)

@@ -171,7 +171,7 @@ class NativeLink(_Link):
         raws = []
         for d in batch:
             topic = rule.to_local(d.topic)
-            if bridge.local_problem(topic) is None:
+            if bridge.local_problem(topic, d.topic) is None:
                 raws.append(_inbound(topic, d))
         last = 0
         at = 0
