@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import random
 import shlex
 import time
@@ -160,6 +161,8 @@ def test_every_topic_a_rule_sees_maps_one_to_one(
      "client_id holds U+0000"),
     ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "password": "secret"},
      "password needs a username"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "max_message_bytes": -1},
+     "max_message_bytes must be an integer from 0 to 268435455"),
 ])
 def test_bad_tables_are_named(table: dict, says: str) -> None:
     with pytest.raises(ConfigError, match="bridge\\[0\\]") as caught:
@@ -756,3 +759,43 @@ def test_a_prefix_parent_level_keeps_its_own_name_through_mosquitto(start_broker
             assert here.stdout.splitlines()[-1:] == [value], (topic, here)
         sys_x = bp.cli("sub", "$SYS/x", "--from", "earliest", "-W", "1")
         assert sys_x.stdout == b"", sys_x
+
+
+def test_max_message_bytes_dead_letters_what_the_upstream_would_drop(start_broker) -> None:
+    """mosquitto PUBACKs a QoS 1 PUBLISH over its message_size_limit from a 3.1.1 client and
+    drops it: a bridge cannot tell that from a delivery and counts it as forwarded (bridge
+    "plain"). With the upstream's limit as the bridge's max_message_bytes, such a message
+    goes to the local dead letters at once, with the reason, counted as refused, and the
+    rest flow (bridge "capped")."""
+    from tests.upstream import Collector, Mosquitto
+
+    with Mosquitto(extra=["message_size_limit 2000"]) as up, \
+            Collector(up.port, "#") as seen:
+        address = [f"127.0.0.1:{up.port}"]
+        bp = start_broker({"bridge": [
+            bridge_table("capped", address, ["capped/# out 1"], max_message_bytes=2000),
+            bridge_table("plain", address, ["plain/# out 1"]),
+        ]})
+        wait_status(bp, "capped", lambda b: b["connected"])
+        wait_status(bp, "plain", lambda b: b["connected"])
+        for prefix in ("capped", "plain"):
+            for topic, payload in ((f"{prefix}/big", b"x" * 5000),
+                                   (f"{prefix}/edge", b"y" * 2000),
+                                   (f"{prefix}/small", b"small")):
+                out = bp.cli("pub", topic, "-", "-q", "1", input=payload)
+                assert out.returncode == 0, out.stderr
+        capped = wait_status(bp, "capped", lambda b: b["forwarded"] == 2
+                             and b["dead_lettered"] == 1)
+        plain = wait_status(bp, "plain", lambda b: b["forwarded"] == 3)
+        assert capped["refused"] == 1 and capped["reconnects"] == 0, capped
+        assert plain["dead_lettered"] == 0 and plain["refused"] == 0, plain  # it cannot see
+        assert seen.wait_count(4, 10) and seen.wait_quiet(0.5, 5)
+        assert sorted(m.topic for m in seen.messages()) == [
+            "capped/edge", "capped/small", "plain/edge", "plain/small"]  # plain/big is gone
+        dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10",
+                      "-F", "json")
+        letter = json.loads(dead.stdout)
+        assert letter["topic"] == "$dlq/capped/big", letter
+        assert letter["dead_letter"]["reason"] == (
+            "bridge capped: a message of 5000 bytes, larger than bridge capped's "
+            "max_message_bytes (2000)"), letter

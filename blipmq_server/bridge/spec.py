@@ -107,6 +107,9 @@ class BridgeSpec:
     inflight: int = 100
     max_rate: int = 0  # messages per second out, 0 = as fast as acks come
     max_retries: int = 5
+    # payload bytes an out message may have (0 = no limit): a larger one goes to the local
+    # dead letters, not to an upstream known to drop it (AWS IoT Core takes 128 KiB)
+    max_message_bytes: int = 0
     backoff_min_ms: int = 1000
     backoff_max_ms: int = 60000
     connect_timeout_ms: int = 10000
@@ -186,7 +189,8 @@ def filters_meet(a: str, b: str) -> bool:
 
 
 _INTS = {"keepalive_s": (0, 65535), "inflight": (1, 65535), "max_rate": (0, 10_000_000),
-         "max_retries": (1, 1000), "backoff_min_ms": (1, 3_600_000),
+         "max_retries": (1, 1000), "max_message_bytes": (0, 268_435_455),
+         "backoff_min_ms": (1, 3_600_000),
          "backoff_max_ms": (1, 3_600_000), "connect_timeout_ms": (1, 600_000)}
 _STRS = ("protocol", "client_id", "username", "password", "backlog", "state_topic",
          "ca_file", "cert_file", "key_file", "server_name")

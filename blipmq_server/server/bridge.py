@@ -988,6 +988,7 @@ class _Link:
         remotes = bridge.remotes
         resend = bridge.resend
         maybe_sent, before = bridge.maybe_sent, bridge.restored_end
+        largest = bridge.spec.max_message_bytes or 1 << 62  # payload bytes
         done: dict[int, list[int]] = {}
         sent = 0
         for sub_id, records in batches:
@@ -1017,6 +1018,10 @@ class _Link:
                         name = local.decode("utf-8", "replace")
                         raise LocalProtocolError(f"the rule {rule.text()!r} gives {name!r} no "
                                                  "upstream name (docs/BRIDGE.md, Topic rules)")
+                    if plen > largest:  # the upstream is known to drop it (docs/BRIDGE.md)
+                        raise LocalProtocolError(
+                            f"a message of {plen} bytes, larger than bridge "
+                            f"{bridge.spec.name}'s max_message_bytes ({largest})")
                     at = _BODY + tlen + klen  # the payload's start
                     key = self._put(rule, remote, rec, flags, ttl, at, klen, plen, count,
                                     offset, parts, again)
