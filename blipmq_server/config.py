@@ -716,8 +716,11 @@ def _check_bridges(config: Config) -> None:
         for rule in spec.rules:
             size = len(rule.local_filter.encode("utf-8"))
             if size > cap:
-                raise ConfigError(f"{rule.text()!r}: the local filter is {size} bytes long, "
-                                  f"server.max_topic_bytes is {cap}", f"bridge[{i}]")
+                text = rule.text()  # a filter too long is long: its start says which
+                shown = repr(text) if len(text) <= 80 else repr(text[:60]) + "..."
+                raise ConfigError(f"the rule {shown}: the local filter is {size} bytes long, "
+                                  f"server.max_topic_bytes is {cap}",
+                                  f"bridge[{i}] ({spec.name})")
 
 
 def tls_listeners(config: Config) -> tuple[str, ...]:

@@ -88,6 +88,8 @@ def test_a_bad_bridge_table_stops_the_start_with_one_line(start_broker) -> None:
          "server.max_topic_bytes is 64"),
         ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/#"], "wal": False},
          "wal.enabled must be true"),
+        ({"name": "x", "addresses": ["127.0.0.1:1"], "topics": ["a/#"],
+          "client_id": "c" * 70000}, "bridge[0] (x): client_id is 70000 bytes long"),
     ):
         wal = table.pop("wal", True)
         bp = start_broker({"bridge": [table], "server": {"max_topic_bytes": 64},

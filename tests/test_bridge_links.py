@@ -3,11 +3,17 @@ wrong name, insecure), failover across addresses, paced sending."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import json
 import random
+import shlex
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
 from blipmq_server.bridge.spec import filters_meet, parse_bridges, parse_rule
@@ -38,10 +44,20 @@ def test_prefixes_map_topics_both_ways() -> None:
     rule = parse_rule("# both 1 edge/ cloud/")
     assert rule.to_remote("edge/hall/temp") == "cloud/hall/temp"
     assert rule.to_local("cloud/hall/temp") == "edge/hall/temp"
-    # ``#`` matches the prefix's parent level too: that topic keeps its name after the other
-    # prefix, as mosquitto maps it, not the name of the prefix's own topic ("edge/")
-    assert rule.to_remote("edge") == "cloud/edge" and rule.to_remote("edge/") == "cloud/"
-    assert rule.to_local("cloud") == "edge/cloud" and rule.to_local("cloud/") == "edge/"
+    # ``#`` matches the prefix's parent level too: it maps to the other prefix's parent, so
+    # ``edge`` and ``edge/edge`` stay two topics upstream (both were ``cloud/edge``)
+    assert rule.to_remote("edge") == "cloud" and rule.to_remote("edge/") == "cloud/"
+    assert rule.to_remote("edge/edge") == "cloud/edge"
+    assert rule.to_local("cloud") == "edge" and rule.to_local("cloud/") == "edge/"
+    assert rule.to_local("cloud/cloud") == "edge/cloud"
+    # a parent level whose counterpart has none has no name there (""): it would be the
+    # name of ``edge/edge`` upstream, or of ``cloud/cloud`` here
+    stripped = parse_rule("# both 1 edge/ ''")
+    assert stripped.to_remote("edge") == "" and stripped.to_remote("edge/edge") == "edge"
+    assert stripped.to_local("edge") == "edge/edge"
+    added = parse_rule("# both 1 '' cloud/")
+    assert added.to_local("cloud") == "" and added.to_local("cloud/cloud") == "cloud"
+    assert added.to_remote("cloud") == "cloud/cloud"
     rules = (rule, parse_rule("sensors/# out 1"))
     assert inbound_rule(rules, "cloud/x") is rule
     assert inbound_rule(rules, "sensors/x") is None  # out only
@@ -49,6 +65,56 @@ def test_prefixes_map_topics_both_ways() -> None:
     single = parse_rule("'' in 0 status/local site1/status")
     assert inbound_rule((single,), "site1/status") is single
     assert inbound_rule((single,), "site1/status/x") is None
+
+
+_NAMES = ("edge", "cloud", "a", "", "$sys")  # levels of topics and prefixes
+
+
+def _name(levels: list[str]) -> str:
+    return "/".join(levels)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(pattern=st.lists(st.sampled_from((*_NAMES, "+", "#")), max_size=3),
+       local=st.lists(st.sampled_from(_NAMES), max_size=3),
+       remote=st.lists(st.sampled_from(_NAMES), max_size=3),
+       slash=st.tuples(st.booleans(), st.booleans()),
+       tails=st.lists(st.lists(st.sampled_from(_NAMES), max_size=4), min_size=1,
+                      max_size=8))
+def test_every_topic_a_rule_sees_maps_one_to_one(
+        pattern: list[str], local: list[str], remote: list[str],
+        slash: tuple[bool, bool], tails: list[list[str]]) -> None:
+    """For every topic a rule's local filter matches, its upstream name (if it has one) is
+    matched by the remote filter and maps back to it, and the other way round: no two
+    topics share a name on the other side. Only a prefix's parent level (or a prefix's own
+    empty level, which would be the empty topic) may have no name there. The topics tried:
+    each prefix, its parent level, and each followed by the tails, and the tails alone."""
+    from blipmq_server.broker.access import matches
+
+    lp = _name(local) + ("/" if slash[0] and local else "")
+    rp = _name(remote) + ("/" if slash[1] and remote else "")
+    try:
+        rule = parse_rule(" ".join([shlex.quote(_name(pattern)), "both", "1",
+                                    shlex.quote(lp), shlex.quote(rp)]))
+    except ValueError:
+        return  # not a rule (a wildcard in the middle, an empty pattern and prefixes, ...)
+    topics = {lp, lp[:-1], rp, rp[:-1]}
+    for tail in map(_name, tails):
+        topics |= {lp + tail, rp + tail, tail}
+    directions = (
+        (rule.to_remote, rule.to_local, rule.local_filter, rule.remote_filter, lp, rp),
+        (rule.to_local, rule.to_remote, rule.remote_filter, rule.local_filter, rp, lp))
+    for there, back, this, other, prefix, other_prefix in directions:
+        for topic in topics:
+            if not topic or not (matches(this, topic) if rule.pattern else topic == this):
+                continue  # not a topic this side of the rule sees
+            name = there(topic)
+            if not name:  # a prefix (or its parent) with no counterpart, or a '$' name
+                swapped = other_prefix + topic[len(prefix):]
+                assert topic in (prefix, prefix[:-1]) or swapped.startswith("$"), (rule, topic)
+                continue
+            assert (matches(other, name) if rule.pattern else name == other), (rule, topic)
+            assert back(name) == topic, (rule, topic, name)
 
 
 @pytest.mark.parametrize(("table", "says"), [
@@ -82,6 +148,21 @@ def test_prefixes_map_topics_both_ways() -> None:
       "topics": ["cmd/# in 1"]}, "names the upstream's group"),
     ({"name": "a", "addresses": ["h:1"], "protocol": "blipmq", "client_id": "a b",
       "topics": ["cmd/# in 1"]}, "names the upstream's group"),
+    # what a CONNECT (or the native HELLO and AUTH) cannot carry
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "client_id": "c" * 70000},
+     "client_id is 70000 bytes long in UTF-8: an MQTT CONNECT carries at most 65,535"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "username": "\u00e9" * 40000},
+     "username is 80000 bytes long in UTF-8"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "username": "u",
+      "password": "p" * 65536}, "password is 65536 bytes long"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "protocol": "blipmq",
+      "password": "k" * 70000}, "the native handshake carries at most 65,535"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "client_id": "a\u0000b"},
+     "client_id holds U+0000"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "password": "secret"},
+     "password needs a username"),
+    ({"name": "a", "addresses": ["h:1"], "topics": ["x"], "max_message_bytes": -1},
+     "max_message_bytes must be an integer from 0 to 268435455"),
 ])
 def test_bad_tables_are_named(table: dict, says: str) -> None:
     with pytest.raises(ConfigError, match="bridge\\[0\\]") as caught:
@@ -361,7 +442,8 @@ def test_failed_handshakes_leave_no_open_sockets(start_broker, tmp_path: Path) -
 def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_broker) -> None:
     """A broken upstream: CONNACK, then random bytes, a SUBACK of 256 MiB announced (only a
     PUBLISH over the link's limit is passed over) or a remaining length of 5 bytes. The link
-    ends with a protocol error, the bridge tries again, and the broker serves the rest."""
+    does not come up (that is its answer to the PINGREQ after the CONNACK): a connect that
+    failed with a protocol error, tried again, and the broker serves the rest."""
     import random
     import socket
     import threading
@@ -400,8 +482,8 @@ def test_an_upstream_that_sends_garbage_costs_a_reconnect_not_the_broker(start_b
         assert served.acquire(timeout=20)
     thread.join(5)
     listener.close()
-    wait_status(bp, "broken", lambda b: b["reconnects"] >= 3)
-    assert "protocol error from the upstream" in bp.wait_log("link to 127.0.0.1")
+    wait_status(bp, "broken", lambda b: b["connect_failures"] >= 4)
+    assert "protocol error from the upstream" in bp.wait_log("cannot connect to 127.0.0.1")
     assert "protocol error" in bp.wait_log("over the maximum of")  # the SUBACK
     assert "protocol error" in bp.wait_log("remaining length longer than 4 bytes")
     assert bp.cli("pub", "a/x", "still serving", "-q", "1").returncode == 0
@@ -464,3 +546,260 @@ def test_in_rules_are_subscribed_again_until_an_upstream_granted_them(start_brok
     finally:
         first.close()
         second.close()
+
+
+async def test_an_upstream_that_closes_every_link_after_connack_costs_no_message(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upstream that answers CONNECT and closes at once, every time, reading nothing (a
+    crash loop, a balancer): each such link struck the oldest message in flight, which
+    went to the dead letters after max_retries flaps ("the upstream closed the link each
+    of 2 times"), and the backoff started again at every CONNACK, so it was asked again
+    every 1-3 minimum waits for ever. Such a link never comes up now (no answer to the
+    PINGREQ after the CONNACK): a connect failure, retried with the growing backoff; the
+    messages wait, and go when the upstream works again. The server in-process, so that
+    the backoff's draws can be fixed (always the longest: 3 x the last wait)."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from blipmq_cli import AsyncClient
+    from blipmq_server import config as config_module
+    from blipmq_server.mqtt import codec as mqtt
+    from blipmq_server.mqtt.packets import (
+        ConnAck,
+        Connect,
+        PingReq,
+        PingResp,
+        PubAck,
+        Publish,
+    )
+    from blipmq_server.server.app import Bound, Server
+
+    monkeypatch.setattr("blipmq_server.server.bridge.random",
+                        SimpleNamespace(uniform=lambda low, high: high))
+    accepted: list[float] = []  # when each link came
+    got: list[bytes] = []
+    healthy = trio.Event()
+
+    async def upstream(stream: trio.SocketStream) -> None:
+        accepted.append(trio.current_time())
+        decoder = mqtt.Decoder()
+        async with stream:
+            while True:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                decoder.feed(data)
+                for packet in decoder.packets():
+                    if isinstance(packet, Connect):
+                        await stream.send_all(mqtt.encode(ConnAck(False, 0)))
+                        if not healthy.is_set():
+                            return  # closed right after the CONNACK, nothing read
+                    elif isinstance(packet, PingReq):
+                        await stream.send_all(mqtt.encode(PingResp()))
+                    elif isinstance(packet, Publish):
+                        got.append(packet.payload)
+                        await stream.send_all(mqtt.encode(PubAck(packet.packet_id)))
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, upstream, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        path = tmp_path / "blipmq.toml"
+        path.write_text(f'[storage]\ndata_dir = "{tmp_path}"\n[[bridge]]\nname = "flaky"\n'
+                        f'addresses = ["127.0.0.1:{port}"]\ntopics = ["s/# out 1"]\n'
+                        'max_retries = 2\nbackoff_min_ms = 20\nbackoff_max_ms = 1000\n')
+        cfg = config_module.load(path, env={}, overrides={
+            "server.port": 0, "metrics.enabled": False, "wal.fsync": "none"})
+        server = Server(cfg)
+        bound: Bound = await nursery.start(server.serve)
+        (bridge,) = server.bridges.values()
+        async with AsyncClient(f"127.0.0.1:{bound.port}") as client:
+            for n in range(3):
+                await client.publish("s/x", b"m%d" % n, qos=1)
+        with trio.fail_after(20):
+            while len(accepted) < 6:  # 5 waits: 0.06, 0.18, 0.54, 1 and 1 s
+                await trio.sleep(0.01)
+        flapping = bridge.status()  # what `blipmq bridges --json` shows
+        gaps = [b - a for a, b in itertools.pairwise(accepted)]
+        assert flapping["dead_lettered"] == 0 and flapping["reconnects"] == 0, flapping
+        assert flapping["connect_failures"] >= 5 and not flapping["connected"], flapping
+        assert "no answer after the CONNACK" in flapping["last_error"], flapping
+        # the waits grew as for any failed connect (not 0.06 s each, the minimum's 3 x)
+        assert gaps[2] >= 0.5 and gaps[3] >= 0.9 and gaps[4] >= 0.9, gaps
+        healthy.set()
+        with trio.fail_after(10):
+            while len(got) < 3 or bridge.counters["forwarded"] < 3:
+                await trio.sleep(0.01)
+        final = bridge.status()
+        server.shutdown.set()
+        nursery.cancel_scope.cancel()
+    assert sorted(got) == [b"m0", b"m1", b"m2"], got  # each once, none dead-lettered
+    assert final["dead_lettered"] == 0 and final["connected"], final
+
+
+def test_a_message_over_mosquittos_max_packet_size_is_dead_lettered_and_the_rest_flow(
+        start_broker) -> None:
+    """mosquitto closes the link on a packet over its max_packet_size, after it answered the
+    PINGREQ that follows the CONNACK: each such close strikes the message (the oldest in
+    flight, none acknowledged on the link), and after max_retries it goes to the dead
+    letters with the reason; the rest flow."""
+    from tests.upstream import Collector, Mosquitto
+
+    with Mosquitto(extra=["max_packet_size 2000"]) as up, \
+            Collector(up.port, "gw/#") as seen:
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{up.port}"], ["sensors/# out 1 '' gw/"], max_retries=3,
+            inflight=10)]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        assert bp.cli("pub", "sensors/big", "-", "-q", "1", input=b"x" * 5000).returncode == 0
+        lines = b"".join(b"small %d\n" % n for n in range(30))
+        assert bp.cli("pub", "sensors/small", "-q", "1", "-l", input=lines).returncode == 0
+        final = wait_status(bp, "cloud", lambda b: b["dead_lettered"] == 1
+                            and b["backlog_messages"] == 0, timeout=30)
+        assert final["reconnects"] >= 3 and final["forwarded"] == 30, final
+        assert seen.wait_count(30, 10)
+        assert sorted(m.payload for m in seen.messages()) == sorted(
+            b"small %d" % n for n in range(30))
+        dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10", "-F", "json")
+        assert b"closed the link each of 3 times" in dead.stdout, dead
+
+
+async def test_a_connect_that_cannot_be_encoded_is_a_failed_connect_in_one_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """What the config checks let through and the CONNECT still cannot carry (here a client
+    id of 70,000 bytes, put past the checks): each attempt is a failed connect, counted and
+    said in one line, not an internal error with a traceback (20 lines a try, and
+    connect_failures stayed 0)."""
+    import dataclasses
+    import logging
+
+    import trio
+
+    from blipmq_server import config as config_module
+    from blipmq_server.server.app import Server
+
+    accepted = 0
+
+    async def upstream(stream: trio.SocketStream) -> None:
+        nonlocal accepted
+        accepted += 1
+        async with stream:
+            while await stream.receive_some(65536):
+                pass
+
+    caplog.set_level(logging.INFO, logger="blipmq.bridge")
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, upstream, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        path = tmp_path / "blipmq.toml"
+        path.write_text(f'[storage]\ndata_dir = "{tmp_path}"\n[[bridge]]\nname = "long"\n'
+                        f'addresses = ["127.0.0.1:{port}"]\ntopics = ["s/# out 1"]\n'
+                        'backoff_min_ms = 10\nbackoff_max_ms = 20\n')
+        cfg = config_module.load(path, env={}, overrides={
+            "server.port": 0, "metrics.enabled": False, "wal.fsync": "none"})
+        (spec,) = cfg.bridges
+        cfg = cfg._replace(bridges=(dataclasses.replace(spec, client_id="c" * 70000),))
+        server = Server(cfg)
+        await nursery.start(server.serve)
+        (bridge,) = server.bridges.values()
+        with trio.fail_after(10):
+            while bridge.counters["connect_failures"] < 3:
+                await trio.sleep(0.01)
+        status = bridge.status()
+        server.shutdown.set()
+        nursery.cancel_scope.cancel()
+    assert accepted >= 3 and not status["connected"] and status["reconnects"] == 0, status
+    assert status["last_error"] == (f"127.0.0.1:{port}: client id of 70000 bytes does not "
+                                    "fit a u16 length"), status
+    records = [r for r in caplog.records if r.name == "blipmq.bridge"]
+    assert all(r.exc_info is None and r.levelno < logging.ERROR for r in records), [
+        r.getMessage() for r in records]
+    assert any("cannot connect to" in r.getMessage() for r in records)
+
+
+def test_a_prefix_parent_level_keeps_its_own_name_through_mosquitto(start_broker) -> None:
+    """`# both 1 edge/ cloud/`: the local `edge` and `edge/edge` both went up as `cloud/edge`,
+    one retained value over the other (h20 #4), and the upstream's `cloud` and
+    `cloud/cloud` both came in as `edge/cloud`. Parent maps to parent now. A parent level
+    with no counterpart (`# out 1 flat/ ''`: upstream's `flat` is `flat/flat`'s name) goes
+    to the local dead letters; an upstream topic with no local name (`up` and
+    `up/$SYS/x` for `# in 1 '' up/`) is refused, counted and acknowledged."""
+    from tests.upstream import Collector, Mosquitto, mqtt_client
+
+    with Mosquitto() as up:
+        address = [f"127.0.0.1:{up.port}"]
+        bp = start_broker({"bridge": [
+            bridge_table("pair", address, ["# both 1 edge/ cloud/"]),
+            bridge_table("flat", address, ["# out 1 flat/ ''"]),
+            bridge_table("in", address, ["# in 1 '' up/"]),
+        ]})
+        for name in ("pair", "flat", "in"):
+            wait_status(bp, name, lambda b: b["connected"])
+        for topic, value in (("edge", "parent"), ("edge/edge", "child"), ("flat", "no name"),
+                             ("flat/x", "flat x")):
+            assert bp.cli("pub", "-r", topic, value, "-q", "1").returncode == 0
+        wait_status(bp, "pair", lambda b: b["forwarded"] == 2)
+        wait_status(bp, "flat", lambda b: b["forwarded"] == 1 and b["dead_lettered"] == 1)
+        with Collector(up.port, "#") as there:  # the retained values upstream
+            assert there.wait_count(3, 10)
+            assert there.wait_quiet(0.5, 5)
+            got = {(m.topic, m.payload) for m in there.messages()}
+        assert got == {("cloud", b"parent"), ("cloud/edge", b"child"), ("x", b"flat x")}, got
+        dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10", "-v")
+        assert dead.stdout.startswith(b"$dlq/flat no name"), dead
+        pub = mqtt_client(up.port)
+        for topic, value in (("cloud", b"parent in"), ("cloud/cloud", b"child in"),
+                             ("up", b"no name"), ("up/$SYS/x", b"not ours"),
+                             ("up/ok", b"fine")):
+            pub.publish(topic, value, qos=1).wait_for_publish(5)
+        pub.disconnect()
+        wait_status(bp, "in", lambda b: b["received"] == 1 and b["refused"] == 2)
+        wait_status(bp, "pair", lambda b: b["received"] == 2)
+        for topic, value in (("edge", b"parent in"), ("edge/cloud", b"child in"),
+                             ("ok", b"fine")):
+            here = bp.cli("sub", topic, "--from", "earliest", "-W", "1")
+            assert here.stdout.splitlines()[-1:] == [value], (topic, here)
+        sys_x = bp.cli("sub", "$SYS/x", "--from", "earliest", "-W", "1")
+        assert sys_x.stdout == b"", sys_x
+
+
+def test_max_message_bytes_dead_letters_what_the_upstream_would_drop(start_broker) -> None:
+    """mosquitto PUBACKs a QoS 1 PUBLISH over its message_size_limit from a 3.1.1 client and
+    drops it: a bridge cannot tell that from a delivery and counts it as forwarded (bridge
+    "plain"). With the upstream's limit as the bridge's max_message_bytes, such a message
+    goes to the local dead letters at once, with the reason, counted as refused, and the
+    rest flow (bridge "capped")."""
+    from tests.upstream import Collector, Mosquitto
+
+    with Mosquitto(extra=["message_size_limit 2000"]) as up, \
+            Collector(up.port, "#") as seen:
+        address = [f"127.0.0.1:{up.port}"]
+        bp = start_broker({"bridge": [
+            bridge_table("capped", address, ["capped/# out 1"], max_message_bytes=2000),
+            bridge_table("plain", address, ["plain/# out 1"]),
+        ]})
+        wait_status(bp, "capped", lambda b: b["connected"])
+        wait_status(bp, "plain", lambda b: b["connected"])
+        for prefix in ("capped", "plain"):
+            for topic, payload in ((f"{prefix}/big", b"x" * 5000),
+                                   (f"{prefix}/edge", b"y" * 2000),
+                                   (f"{prefix}/small", b"small")):
+                out = bp.cli("pub", topic, "-", "-q", "1", input=payload)
+                assert out.returncode == 0, out.stderr
+        capped = wait_status(bp, "capped", lambda b: b["forwarded"] == 2
+                             and b["dead_lettered"] == 1)
+        plain = wait_status(bp, "plain", lambda b: b["forwarded"] == 3)
+        assert capped["refused"] == 1 and capped["reconnects"] == 0, capped
+        assert plain["dead_lettered"] == 0 and plain["refused"] == 0, plain  # it cannot see
+        assert seen.wait_count(4, 10) and seen.wait_quiet(0.5, 5)
+        assert sorted(m.topic for m in seen.messages()) == [
+            "capped/edge", "capped/small", "plain/edge", "plain/small"]  # plain/big is gone
+        dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10",
+                      "-F", "json")
+        letter = json.loads(dead.stdout)
+        assert letter["topic"] == "$dlq/capped/big", letter
+        assert letter["dead_letter"]["reason"] == (
+            "bridge capped: a message of 5000 bytes, larger than bridge capped's "
+            "max_message_bytes (2000)"), letter

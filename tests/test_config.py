@@ -212,3 +212,17 @@ def test_a_config_file_is_read_only_to_a_bound(tmp_path: Path) -> None:
     big.write_text("#" * (5 << 20))
     assert "is over 4 MiB" in str(error_of(lambda: config.load(big, env={})))
     assert "is over 4 MiB" in str(error_of(lambda: config.load("/dev/zero", env={})))
+
+
+def test_a_bridge_rule_too_long_for_max_topic_bytes_is_named_in_one_short_line(
+        tmp_path: Path) -> None:
+    """The error names the bridge as every bridge error does, and quotes the start of the
+    rule, not its 2 kB (it said `bridge[0]: 'aaa...(2,000 more)... out 1 "" ""': ...`)."""
+    path = tmp_path / "long.toml"
+    path.write_text('[server]\nmax_topic_bytes = 1024\n[[bridge]]\nname = "c"\n'
+                    'addresses = ["127.0.0.1:1883"]\n'
+                    f'topics = ["{"a" * 2000} out 1"]\n')
+    text = str(error_of(lambda: config.load(path, env={})))
+    assert text.startswith("bridge[0] (c): the rule 'aaaa"), text
+    assert "the local filter is 2000 bytes long, server.max_topic_bytes is 1024" in text
+    assert len(text) < 200, text

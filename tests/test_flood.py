@@ -19,7 +19,15 @@ import trio
 from blipmq_server import config as config_module
 from blipmq_server.kinds import Kind
 from blipmq_server.mqtt import codec as mqtt
-from blipmq_server.mqtt.packets import ConnAck, Connect, Publish, SubAck, Subscribe
+from blipmq_server.mqtt.packets import (
+    ConnAck,
+    Connect,
+    PingReq,
+    PingResp,
+    Publish,
+    SubAck,
+    Subscribe,
+)
 from blipmq_server.protocol.message import message_from_record
 from blipmq_server.server.app import Bound, Server
 from blipmq_server.wal.disk import Disk
@@ -129,8 +137,8 @@ def test_a_native_flood_is_read_no_faster_than_the_disk_takes_it(tmp_path: Path)
 
 
 def test_a_bridged_in_flood_is_read_no_faster_than_the_disk_takes_it(tmp_path: Path) -> None:
-    """A stand-in upstream (one connection: CONNACK, SUBACK, then the flood) for a bridge
-    whose ``in`` rule brings ``flood/#`` in at QoS 0."""
+    """A stand-in upstream (one connection: CONNACK, PINGRESP, SUBACK, then the flood) for a
+    bridge whose ``in`` rule brings ``flood/#`` in at QoS 0."""
     port = free_port()
     listeners: list[trio.SocketListener] = []
 
@@ -147,6 +155,8 @@ def test_a_bridged_in_flood_is_read_no_faster_than_the_disk_takes_it(tmp_path: P
                 got.append(packet)
                 if isinstance(packet, Connect):
                     await stream.send_all(mqtt.encode(ConnAck(False, 0)))
+                elif isinstance(packet, PingReq):  # the link is up on its answer
+                    await stream.send_all(mqtt.encode(PingResp()))
                 elif isinstance(packet, Subscribe):
                     await stream.send_all(mqtt.encode(
                         SubAck(packet.packet_id, tuple(q for _, q in packet.topics))))

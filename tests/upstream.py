@@ -544,9 +544,10 @@ class SubCollector(_Recorder):
 class StandIn:
     """A stand-in MQTT upstream for a bridge, one link at a time, on its own port: each
     link gets CONNACK with the session present flag ``present(n)`` (n: the link's number
-    from 0); a SUBSCRIBE is answered with SUBACK, or, while ``drop_subscribe`` is set, by
-    closing the link; each PUBLISH is recorded (``published[n]``: payload and DUP) and
-    handed to ``on_publish`` (which may answer it; nothing is acknowledged otherwise).
+    from 0), PINGRESP for each PINGREQ; a SUBSCRIBE is answered with SUBACK, or, while
+    ``drop_subscribe`` is set, by closing the link; each PUBLISH is recorded
+    (``published[n]``: payload and DUP) and handed to ``on_publish`` (which may answer it;
+    nothing is acknowledged otherwise).
     ``subscribes[n]`` counts a link's SUBSCRIBEs. ``close`` refuses new links and cuts the
     one open."""
 
@@ -577,7 +578,15 @@ class StandIn:
 
     def _link(self, conn: socket.socket, n: int) -> None:
         from blipmq_server.mqtt import codec
-        from blipmq_server.mqtt.packets import ConnAck, Connect, Publish, SubAck, Subscribe
+        from blipmq_server.mqtt.packets import (
+            ConnAck,
+            Connect,
+            PingReq,
+            PingResp,
+            Publish,
+            SubAck,
+            Subscribe,
+        )
 
         decoder = codec.Decoder()
         while True:  # until either side closes
@@ -597,6 +606,8 @@ class StandIn:
                         return  # the SUBSCRIBE is lost with the link
                     conn.sendall(codec.encode(SubAck(
                         packet.packet_id, tuple(q for _, q in packet.topics))))
+                elif isinstance(packet, PingReq):  # a bridge's link is up on the answer
+                    conn.sendall(codec.encode(PingResp()))
                 elif isinstance(packet, Publish):
                     self.published[n].append((packet.payload, packet.dup))
                     if self.on_publish is not None:

@@ -13,6 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from blipmq_server.broker.access import matches
 from blipmq_server.broker.core import BRIDGE_GROUPS
 from blipmq_server.errors import ConfigError
 from blipmq_server.protocol.names import (
@@ -54,22 +55,43 @@ class Rule:
 
     def to_remote(self, topic: str) -> str:
         """A local topic this rule's local filter matched, as the upstream names it: the
-        local prefix swapped for the remote one. A topic the filter matched without the
-        prefix (``edge`` for ``# ... edge/ cloud/``: ``#`` takes the parent level too) keeps
-        its whole name after the remote prefix, as mosquitto does, so no two topics map
-        to one."""
-        lp = self.local_prefix
-        return self.remote_prefix + (topic[len(lp):] if topic.startswith(lp) else topic)
+        local prefix swapped for the remote one, and the prefix's parent level for the
+        other's (``edge`` <-> ``cloud`` for ``# both 1 edge/ cloud/``: ``edge/#`` matches
+        ``edge`` too). One to one: ``to_local(to_remote(t)) == t``. "" when the upstream has
+        no name for it that the remote filter matches: the parent level of a prefix whose
+        counterpart has none (``edge`` for ``# out 1 edge/ ""``: upstream's ``edge`` is
+        ``edge/edge``'s name), or a name starting with ``$`` under a wildcard."""
+        return self._seen(_swap(topic, self.local_prefix, self.remote_prefix),
+                          self.remote_filter)
 
     def to_local(self, topic: str) -> str:
         """An upstream topic this rule's remote filter matched, as the local log names it
-        (``to_remote`` the other way round)."""
-        rp = self.remote_prefix
-        return self.local_prefix + (topic[len(rp):] if topic.startswith(rp) else topic)
+        (``to_remote`` the other way round; "" when it has no local name: the upstream
+        cannot write, say, ``$SYS/...`` here through ``# in 1 '' cloud/``)."""
+        return self._seen(_swap(topic, self.remote_prefix, self.local_prefix),
+                          self.local_filter)
+
+    def _seen(self, name: str, topic_filter: str) -> str:
+        """``name`` when this rule's filter on the other side matches it, else ""."""
+        if name and (matches(topic_filter, name) if self.pattern else name == topic_filter):
+            return name
+        return ""
 
     def text(self) -> str:
         return " ".join([self.pattern or '""', self.direction, str(self.qos),
                          self.local_prefix or '""', self.remote_prefix or '""'])
+
+
+def _swap(topic: str, old: str, new: str) -> str:
+    """``topic`` (matched by ``old + pattern``) with the prefix ``old`` swapped for ``new``:
+    the only topic such a filter matches that does not start with its prefix is the
+    prefix's parent level (``a/#`` matches ``a``), which becomes the other's, if it has
+    one; "" when the result is no topic name."""
+    if topic.startswith(old):
+        return new + topic[len(old):]
+    if old.endswith("/") and topic == old[:-1] and new.endswith("/"):
+        return new[:-1]
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +107,9 @@ class BridgeSpec:
     inflight: int = 100
     max_rate: int = 0  # messages per second out, 0 = as fast as acks come
     max_retries: int = 5
+    # payload bytes an out message may have (0 = no limit): a larger one goes to the local
+    # dead letters, not to an upstream known to drop it (AWS IoT Core takes 128 KiB)
+    max_message_bytes: int = 0
     backoff_min_ms: int = 1000
     backoff_max_ms: int = 60000
     connect_timeout_ms: int = 10000
@@ -164,7 +189,8 @@ def filters_meet(a: str, b: str) -> bool:
 
 
 _INTS = {"keepalive_s": (0, 65535), "inflight": (1, 65535), "max_rate": (0, 10_000_000),
-         "max_retries": (1, 1000), "backoff_min_ms": (1, 3_600_000),
+         "max_retries": (1, 1000), "max_message_bytes": (0, 268_435_455),
+         "backoff_min_ms": (1, 3_600_000),
          "backoff_max_ms": (1, 3_600_000), "connect_timeout_ms": (1, 600_000)}
 _STRS = ("protocol", "client_id", "username", "password", "backlog", "state_topic",
          "ca_file", "cert_file", "key_file", "server_name")
@@ -173,6 +199,29 @@ _KNOWN = ("name", "addresses", "topics", "alpn", *_INTS, *_STRS, *_BOOLS)
 # options that mean TLS: one of them set turns ``tls`` on (as a CA file, a certificate or
 # --insecure does for the CLI, and bridge_cafile and the like do for mosquitto)
 TLS_OPTIONS = ("ca_file", "cert_file", "key_file", "server_name", "insecure", "alpn")
+
+
+def credentials_problem(options: dict[str, object], protocol: str) -> str | None:
+    """Why the client id and credentials cannot go in the CONNECT (or the native HELLO and
+    AUTH), or None: each is a string with a u16 length there, and MQTT's strings hold no
+    U+0000 and its CONNECT no password without a user name (MQTT-3.1.2-22). (The will is
+    the state topic, checked as a topic, and ``0``.)"""
+    for key in ("client_id", "username", "password"):
+        text = str(options.get(key, ""))
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            return f"{key} is not valid UTF-8"
+        if size > 0xFFFF:
+            carrier = "an MQTT CONNECT" if protocol == "mqtt" else "the native handshake"
+            return (f"{key} is {size} bytes long in UTF-8: {carrier} carries at most "
+                    "65,535")
+        if protocol == "mqtt" and key != "password" and "\0" in text:
+            return f"{key} holds U+0000, which MQTT strings may not"
+    if protocol == "mqtt" and options.get("password") and not options.get("username"):
+        return ("password needs a username: MQTT 3.1.1 sends no password without one "
+                "(MQTT-3.1.2-22)")
+    return None
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
@@ -337,5 +386,8 @@ def parse_bridges(value: object) -> tuple[BridgeSpec, ...]:
         state = str(options.get("state_topic", ""))
         if state and topic_problem(state, WIRE_TOPIC_BYTES):
             raise ConfigError(f"state_topic: {topic_problem(state, WIRE_TOPIC_BYTES)}", where)
+        problem = credentials_problem(options, str(protocol))
+        if problem:
+            raise ConfigError(problem, where)
         specs.append(BridgeSpec(name, addresses, rules, **options))  # type: ignore[arg-type]
     return tuple(specs)

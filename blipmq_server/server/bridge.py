@@ -14,9 +14,10 @@ whose messages are written to the local log and PUBACKed (QoS 2: PUBRECed, the p
 remembered until PUBREL) once durable.
 
 One task per bridge owns its link: connect (with failover across the addresses and
-decorrelated-jitter backoff), then a reader and a writer (the only one that writes the
-socket). A link silent for 1.5 x the keepalive, or whose oldest PUBLISH waited as long for
-its PUBACK, is dropped and made again.
+decorrelated-jitter backoff; up once the upstream answers the PINGREQ sent after its
+CONNACK), then a reader and a writer (the only one that writes the socket). A link
+silent for 1.5 x the keepalive, or whose oldest PUBLISH waited as long for its PUBACK, is
+dropped and made again.
 """
 
 from __future__ import annotations
@@ -345,14 +346,16 @@ class Bridge:
             log.info("bridge %s: %s", spec.name, exc)
             return None
         except (OSError, UnicodeError, trio.TooSlowError, trio.BrokenResourceError, LinkDown,
-                RemoteProtocolError) as exc:  # UnicodeError: a name IDNA cannot encode
+                RemoteProtocolError, LocalProtocolError) as exc:
+            # UnicodeError: a name IDNA cannot encode; LocalProtocolError: a CONNECT that
+            # cannot be encoded (the config checks refuse what they know of)
             await self._close_all(opened)
             self.counters["connect_failures"] += 1
             self.last_error = f"{host}:{port}: {_why(exc)}"
             log.info("bridge %s: cannot connect to %s:%d: %s", spec.name, host, port,
                      _why(exc))
             return None
-        backoff.reset()
+        backoff.reset()  # it answered past its CONNACK (or WELCOME): a link that works
         self._link = link
         self.connected = True
         self.last_error = ""
@@ -575,18 +578,20 @@ class Bridge:
         elif packet.qos:
             link.ack(packet.packet_id)
 
-    def local_problem(self, topic: str) -> str | None:
-        """Why a message from the upstream cannot be stored under this local topic (logged
-        and counted as refused here), or None. What the local broker takes from its own
-        clients bounds what comes in (the core's checks of size and name follow)."""
+    def local_problem(self, topic: str, remote: str = "") -> str | None:
+        """Why a message from the upstream (on ``remote``) cannot be stored under this local
+        topic (logged and counted as refused here), or None. What the local broker takes
+        from its own clients bounds what comes in (the core's checks of size and name
+        follow); "" is no local name (``Rule.to_local``)."""
         size = len(topic.encode("utf-8"))
         cap = self.broker.limits.max_topic_bytes
-        if size <= cap:
+        if topic and size <= cap:
             return None
-        problem = f"the local topic is {size} bytes long, server.max_topic_bytes is {cap}"
+        problem = (f"the local topic is {size} bytes long, server.max_topic_bytes is {cap}"
+                   if topic else "its rule gives it no local name (docs/BRIDGE.md, Topic rules)")
         self.counters["refused"] += 1
         log.warning("bridge %s: message from the upstream on %r not stored: %s",
-                    self.spec.name, topic[:64], problem)
+                    self.spec.name, (topic or remote)[:64], problem)
         return problem
 
     def received(self, link: _Link, packet: Publish | OversizePublish) -> None:
@@ -606,7 +611,7 @@ class Bridge:
             self._settle_unstored(link, packet)
             return
         topic = rule.to_local(packet.topic)
-        if self.local_problem(topic) is not None:
+        if self.local_problem(topic, packet.topic) is not None:
             self._settle_unstored(link, packet)  # it could never be stored
             return
         if packet.__class__ is OversizePublish:  # the decoder passed its payload over
@@ -763,7 +768,17 @@ class _Link:
         if first.code:
             raise LinkDown(f"the upstream refused the connection: CONNACK {first.code:#04x} "
                            f"({_CONNACK.get(first.code, 'unknown')})")
-        self.pending = packets[1:]
+        # the link is up once the upstream answers after its CONNACK (the PINGRESP, or any
+        # packet): one that closes every link right after it (a crash loop, a balancer)
+        # fails to connect, with the growing backoff, and is sent no message to lose
+        pending = packets[1:]
+        try:
+            await self.stream.send_all(_PINGREQ)
+            while not pending:
+                pending = await self._read_packets()
+        except (LinkDown, OSError, trio.BrokenResourceError) as exc:
+            raise LinkDown(f"no answer after the CONNACK: {_why(exc)}") from None
+        self.pending = pending
         bridge.resume(self, first.session_present)
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
         # a session this upstream kept holds them (``Bridge.held_at``): subscribing again
@@ -997,6 +1012,7 @@ class _Link:
         remotes = bridge.remotes
         resend = bridge.resend
         maybe_sent, before = bridge.maybe_sent, bridge.restored_end
+        largest = bridge.spec.max_message_bytes or 1 << 62  # payload bytes
         done: dict[int, list[int]] = {}
         sent = 0
         for sub_id, records in batches:
@@ -1022,6 +1038,14 @@ class _Link:
                 if again:
                     bridge.reserved.discard(again)
                 try:
+                    if not remote:  # ``Rule.to_remote``: no upstream name
+                        name = local.decode("utf-8", "replace")
+                        raise LocalProtocolError(f"the rule {rule.text()!r} gives {name!r} no "
+                                                 "upstream name (docs/BRIDGE.md, Topic rules)")
+                    if plen > largest:  # the upstream is known to drop it (docs/BRIDGE.md)
+                        raise LocalProtocolError(
+                            f"a message of {plen} bytes, larger than bridge "
+                            f"{bridge.spec.name}'s max_message_bytes ({largest})")
                     at = _BODY + tlen + klen  # the payload's start
                     key = self._put(rule, remote, rec, flags, ttl, at, klen, plen, count,
                                     offset, parts, again)
@@ -1104,6 +1128,8 @@ def _pubacks(data: bytes) -> list[object] | None:
 def _why(exc: BaseException) -> str:
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
+    if isinstance(exc, RemoteProtocolError):
+        return f"protocol error from the upstream: {exc}"
     if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ is not None:
         exc = exc.__cause__  # TLS: the ssl module's error behind trio's
     verify = getattr(exc, "verify_message", None)

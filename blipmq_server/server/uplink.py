@@ -30,7 +30,7 @@ from blipmq_server.protocol.message import (
     RawMessage,
     message_record,
 )
-from blipmq_server.server.bridge import Bridge, LinkDown, _Link, log
+from blipmq_server.server.bridge import Bridge, LinkDown, _Link, _why, log
 from blipmq_server.server.session import now_ms, wall_ms
 
 _KEEP_RETAIN = FLAG_KEY | FLAG_RETAIN
@@ -61,6 +61,17 @@ class NativeLink(_Link):
                 break
             if conn.closed is not None:
                 raise LinkDown(str(conn.failure(self.bridge.address, 0)))
+        # up once a PING is answered too, as an MQTT link's PINGREQ after its CONNACK: an
+        # upstream that closes every link right after WELCOME fails to connect
+        rid = conn.ping()
+        try:
+            await self.stream.send_all(conn.data_to_send())
+            while conn.reply(rid) is None:
+                conn.receive_data(await self._receive(), trio.current_time())
+                if conn.closed is not None:
+                    raise LinkDown(str(conn.failure(self.bridge.address, 0)))
+        except (LinkDown, OSError, trio.BrokenResourceError) as exc:
+            raise LinkDown(f"no answer after the WELCOME: {_why(exc)}") from None
         await self._subscribe_in()
 
     async def _subscribe_in(self) -> None:
@@ -160,7 +171,7 @@ class NativeLink(_Link):
         raws = []
         for d in batch:
             topic = rule.to_local(d.topic)
-            if bridge.local_problem(topic) is None:
+            if bridge.local_problem(topic, d.topic) is None:
                 raws.append(_inbound(topic, d))
         last = 0
         at = 0
