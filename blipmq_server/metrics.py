@@ -305,4 +305,6 @@ _BRIDGE_FAMILIES = (
      "sent again under a packet id awaiting PUBREL: not logged twice"),
     ("unexpected_acks", "counter", "blipmq_bridge_unexpected_acks", "PUBREC, PUBCOMP or "
      "PUBREL for a packet id nothing waited for (ignored)"),
+    ("superseded", "counter", "blipmq_bridge_superseded", "Retained values from the upstream "
+     "(both rules) not stored: a value published here since is not forwarded yet"),
 )

@@ -515,6 +515,38 @@ def test_a_restart_brings_no_older_retained_value_in_from_a_kept_session(start_b
             assert [m.payload for m in there.messages()] == [b"v2"]
 
 
+def test_a_new_session_brings_no_older_retained_value_in_over_one_not_forwarded_yet(
+        start_broker) -> None:
+    """`both`, a new upstream session (the first link, a failover, a session lost): its
+    SUBSCRIBE brings in the upstream's retained values, which are older than one published
+    here while the link was down and not forwarded yet. The older one replaced ours here,
+    ours then replaced it there: the two brokers disagreed for good (h20 #5; local OLD,
+    upstream NEW). It is not stored now (counted as superseded), and both end with NEW."""
+    with Mosquitto() as up, FaultProxy(up.address) as proxy:
+        pub = mqtt_client(up.port)
+        pub.publish("state/lamp", b"OLD", qos=1, retain=True).wait_for_publish(5)
+        proxy.refuse()
+        bp = start_broker({"bridge": [bridge_table("c", [f"127.0.0.1:{proxy.port}"],
+                                                   ["state/# both 1"])]})
+        assert bp.cli("pub", "-r", "state/lamp", "NEW", "-q", "1").returncode == 0
+        proxy.restore()
+        wait_status(bp, "c", lambda b: b["connected"] and b["forwarded"] >= 1
+                    and b["superseded"] == 1)
+        here = bp.cli("sub", "state/lamp", "-C", "1", "-W", "5")
+        assert here.stdout == b"NEW\n", here
+        with Collector(up.port, "state/lamp") as there:
+            assert there.wait_count(1, 10)
+            assert [m.payload for m in there.messages()] == [b"NEW"]
+        # a later retained value from the upstream is stored as ever
+        pub.publish("state/lamp", b"LATER", qos=1, retain=True).wait_for_publish(5)
+        pub.disconnect()
+        pub.loop_stop()
+        assert local_numbers(bp, "state/lamp", 2) == {b"NEW", b"LATER"}  # never OLD
+        here = bp.cli("sub", "state/lamp", "-C", "1", "-W", "5")
+        assert here.stdout == b"LATER\n", here
+        assert bp.metric("blipmq_bridge_superseded_total", bridge="c") == 1
+
+
 def test_retention_keeps_its_cap_under_sustained_load_with_a_bridge(start_broker) -> None:
     """A bridge (its upstream down) has a durable group and a retained state topic, carried
     into each new segment: retention waits for those records to be written instead of

@@ -33,6 +33,7 @@ import trio
 
 from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
 from blipmq_server.bridge.spec import BridgeSpec, Rule
+from blipmq_server.broker.core import OWES
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError, WalError
 from blipmq_server.mqtt import codec as mqtt
 from blipmq_server.mqtt.packets import (
@@ -120,7 +121,9 @@ class Bridge:
         self.last_error = ""
         self.counters = {"forwarded": 0, "redelivered": 0, "reconnects": 0, "refused": 0,
                          "dropped": 0, "received": 0, "dead_lettered": 0, "skipped": 0,
-                         "connect_failures": 0, "duplicates_in": 0, "unexpected_acks": 0}
+                         "connect_failures": 0, "duplicates_in": 0, "unexpected_acks": 0,
+                         "superseded": 0}
+        self._superseded_said = False  # the first superseded retained value was logged
         self.oldest_ms: int | None = None  # timestamp of the oldest record not forwarded
         self._kick = trio.Event()
         self._link: _Link | None = None
@@ -623,6 +626,16 @@ class Bridge:
                         packet.size, self.server.mqtt_max_packet)
             self._settle_unstored(link, packet)  # it could never be stored
             return
+        if packet.retain and rule.sends and self._newer_here(rule, topic):
+            self.counters["superseded"] += 1
+            if not self._superseded_said:
+                self._superseded_said = True
+                log.info("bridge %s: the upstream's retained value of %r not stored: the "
+                         "value published here since is not forwarded yet, and replaces it "
+                         "there (counted in blipmq_bridge_superseded_total from now on)",
+                         self.spec.name, packet.topic)
+            self._settle_unstored(link, packet)
+            return
         qos = min(packet.qos, 1)
         record = message_record(Message(topic, packet.payload, qos, retain=packet.retain))
         # QoS 2 stays QoS 2 for the local MQTT subscribers (as the MQTT front logs it)
@@ -652,6 +665,18 @@ class Bridge:
             server.flusher.confirm_later(result.last_offset, self, token, 1)  # type: ignore[arg-type]
             return
         server.flusher.confirm_later(result.last_offset, link, packet.packet_id, 1)  # type: ignore[arg-type, union-attr]
+
+    def _newer_here(self, rule: Rule, topic: str) -> bool:
+        """Whether ``topic``'s local retained value was published here (not brought in) and
+        is not acknowledged by the upstream yet: a `both` rule's out group still owes it.
+        A retained value the upstream sends meanwhile (on a new subscription: what it held
+        before the outage) is older, and that one replaces it there once it is forwarded;
+        stored here, it would replace ours, and the two brokers would disagree for good."""
+        value = self.broker.retained.values.get(topic.encode())
+        if value is None or value.record[0] & FLAG_BRIDGED:
+            return False
+        return any(r is rule and self.broker.copy_of(self.conn_id, sub_id, value.offset) == OWES
+                   for sub_id, r in self.rules_by_sub.items())
 
     # the flusher's confirm interface for QoS 2 messages coming in: their packet ids belong
     # to the upstream session, not to one link, so the PUBREC goes on the link up now
