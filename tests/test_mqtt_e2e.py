@@ -528,6 +528,18 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _many_subscriptions(b, prefix: str, n: int, qos: int) -> Raw:
+    """A clean session (client id ``many-<prefix>``) subscribed to ``<prefix>/0`` ...
+    ``<prefix>/<n-2>`` and ``<prefix>/#`` at ``qos``, in SUBSCRIBEs of 500."""
+    raw = Raw(b.mqtt_port)
+    assert raw.connect(f"many-{prefix}") == ConnAck(False, 0)
+    filters = [f"{prefix}/{i}" for i in range(n - 1)] + [f"{prefix}/#"]
+    for k, at in enumerate(range(0, len(filters), 500)):
+        raw.send(Subscribe(k + 1, tuple((f, qos) for f in filters[at:at + 500])))
+        assert raw.expect(SubAck).packet_id == k + 1
+    return raw
+
+
 def test_many_overlapping_subscriptions_cost_a_delivery_no_walk_of_them_all(
         start_broker) -> None:
     """h21 D4: which of a client's overlapping subscriptions sends a message was found by
@@ -537,12 +549,7 @@ def test_many_overlapping_subscriptions_cost_a_delivery_no_walk_of_them_all(
     3,000 deliveries to a client with 4,000 subscriptions: 4.26 s before, 0.03 s after
     (the bound leaves room for a slow machine, not for the walk)."""
     b = start_broker(MQTT)
-    raw = Raw(b.mqtt_port)
-    assert raw.connect("many-subs") == ConnAck(False, 0)
-    filters = [f"ms/{i}" for i in range(3999)] + ["ms/#"]
-    for n, at in enumerate(range(0, len(filters), 500)):
-        raw.send(Subscribe(n + 1, tuple((f, 0) for f in filters[at:at + 500])))
-        assert raw.expect(SubAck).packet_id == n + 1
+    raw = _many_subscriptions(b, "ms", 4000, 0)
     pub = Paho(b.mqtt_port, "many-subs-pub")
     before = _cpu_s(b.proc.pid)
     for i in range(3000):  # each topic new, and matched by ms/# alone
@@ -563,12 +570,7 @@ def test_many_qos1_subscriptions_of_a_clean_session_do_not_read_every_message(
     passes until then (0.3 s, as with 2 subscriptions). The bound leaves room for a slow
     machine, not for the reading."""
     b = start_broker(MQTT)
-    raw = Raw(b.mqtt_port)
-    assert raw.connect("many-q1") == ConnAck(False, 0)
-    filters = [f"mq/{i}" for i in range(999)] + ["mq/#"]
-    for n, at in enumerate(range(0, len(filters), 500)):
-        raw.send(Subscribe(n + 1, tuple((f, 1) for f in filters[at:at + 500])))
-        assert raw.expect(SubAck).packet_id == n + 1
+    raw = _many_subscriptions(b, "mq", 1000, 1)
     pub = Paho(b.mqtt_port, "many-q1-pub")
     before = _cpu_s(b.proc.pid)
     for i in range(800):  # each topic new, and matched by mq/# alone
