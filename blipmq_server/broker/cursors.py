@@ -299,6 +299,17 @@ class Cursors:
         target = self._by_key.get(key)
         if target is not None and target.epoch == epoch:
             target.backlog += n
+            self._quiet_if_read(target)
+
+    @staticmethod
+    def _quiet_if_read(target: DurableGroup) -> None:
+        """A group none of whose topics' messages lies unread past its position (a count
+        of none, with every append since counted in too: ``usage``) is quiet from there,
+        as one that read to the end is (``take``); a restart forgets that, and such a group
+        would hold retention's floor and have other topics' records counted as its loss."""
+        if (target.quiet_from is None and target.backlog == 0 and not target.pending
+                and not target.ready and not target.ahead and not target.fetching):
+            target.quiet_from = target.next
 
     def take_fetches(self) -> list[Fetch]:
         fetches, self._fetches = self._fetches, []
@@ -544,6 +555,8 @@ class Cursors:
         for target in self.durable.values():
             if target.next <= end:
                 self._counts.append(target.count(target.next, end))
+            else:  # nothing past it: quiet
+                self._quiet_if_read(target)
             if target.idle_since is None and not target.consumers:
                 target.idle_since = wall_ms
         return lost

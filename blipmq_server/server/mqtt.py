@@ -236,9 +236,11 @@ class MqttSession(Session):
             cursor = sub_id in self._cursors  # its deliveries are acked, or stay in flight
             for rec in records:
                 offset, count, _, dflags, flags, _, tlen, klen, plen = _unpack_delivery(rec)
-                if flags & skip:
+                if flags & skip and sub_id not in self._shared:
                     # it came in over a bridge, maybe from this peer: not to a bridge (live,
-                    # from the log or retained), settled as sent so that its cursor moves on
+                    # from the log or retained), settled as sent so that its cursor moves on.
+                    # A $share member's message is not: settled, it would be the whole
+                    # group's, which would never get it (its other members neither)
                     if cursor and offset:
                         acks.setdefault(sub_id, []).append(offset)
                     continue
