@@ -301,3 +301,39 @@ def test_acks_are_due_once_they_ack_half_the_consumers_window() -> None:
     assert not b.acks_due()  # written
     b.ack(7, sub.sub_id, tuple(offsets[5:]), 1000)
     assert b.acks_due()
+
+
+def test_a_dozing_consumer_sleeps_until_its_topic_and_a_missed_wake_up_costs_a_second() -> None:
+    """A log-cursor consumer with nothing to take whose cursor is idle and quiet dozes (no
+    delivery pass asks it); an append of its topic rouses it; another topic's does not. Had
+    a wake-up been missed (here: the cursor made busy behind the core's back), the next
+    ``redeliver`` a second later rouses it; an idle one it leaves dozing."""
+    log = MemoryLog()
+    b = Broker(Limits(), log=log)
+    mine = b.subscribe(7, "t", "", qos=1, credit=10)
+    b.subscribe(8, "u", "", qos=1, credit=10)
+    publish(b, "t", b"a")
+    log.store()
+    [(sub_id, batch)] = b.deliver(7, 100, 1 << 20, 0, 0).batches
+    assert sub_id == mine.sub_id and payloads(batch) == [b"a"]
+    b.ack(7, mine.sub_id, (decode_one(encode_deliver(1, batch)).messages[0].offset,), 0)
+    assert not b.pending(7) and not b.pending(8)
+    assert b.registry.candidates(7) == [] and b.registry.candidates(8) == []  # dozing
+    publish(b, "u", b"x")  # another topic's: 7 dozes on
+    log.store()
+    assert b.registry.candidates(7) == []
+    [(other, batch)] = b.deliver(8, 100, 1 << 20, 0, 0).batches
+    b.ack(8, other, (decode_one(encode_deliver(1, batch)).messages[0].offset,), 0)
+    assert not b.pending(8)
+    publish(b, "t", b"b")  # its own: roused
+    log.store()
+    assert b.pending(7)
+    [(_, batch)] = b.deliver(7, 100, 1 << 20, 0, 0).batches
+    assert payloads(batch) == [b"b"]
+    b.ack(7, mine.sub_id, (decode_one(encode_deliver(1, batch)).messages[0].offset,), 0)
+    assert not b.pending(7) and b.registry.candidates(7) == []
+    consumer = b.registry.consumers[mine.sub_id]
+    consumer.queue.quiet_from = None  # as if an append of "t" had not roused it
+    assert b.redeliver(500, 0) == frozenset()  # not yet a second
+    assert 7 in b.redeliver(1500, 0) and b.registry.candidates(7) == [consumer]
+    assert b.registry.candidates(8) == []  # idle: left dozing

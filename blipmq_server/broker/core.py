@@ -54,7 +54,12 @@ _pack_prefix = DELIVERY_PREFIX.pack
 _BLOCK, _DROP_OLDEST = Overflow.BLOCK, Overflow.DROP_OLDEST  # an enum member costs a lookup
 _MESSAGE = Kind.MESSAGE
 _STATE_KEY = struct.Struct(">H")  # STATE body: | key_len u16 | key | value |
-_ROUSE_ALL_MS = 1000  # every dozing consumer looks again at least this often (``redeliver``)
+_ROUSE_ALL_MS = 1000  # dozing consumers are looked at this often (``redeliver``)
+
+
+def _dozes(consumer: Consumer) -> bool:
+    """Whether ``consumer`` may go on dozing: its cursor is idle (``Broker._nothing_for``)."""
+    return consumer.until is None and consumer.queue.idle  # type: ignore[union-attr]
 
 
 # ``Broker.copy_of``: what a subscription did with a message another one has a copy of
@@ -93,7 +98,7 @@ class Broker:
         self.retained = Retained(self.limits.retained_max_topics, self.limits.retained_max_bytes)
         self.usage = Usage(self._durable_matching, woken=self._rouse)
         self._generation = 0  # of the durable groups ``usage`` knows
-        self._roused_at = 0  # when ``redeliver`` last roused every dozing consumer (ms)
+        self._roused_at = 0  # when ``redeliver`` last looked at the dozing consumers (ms)
         # front ends' saved state (MQTT persistent sessions), by key, and its record's offset
         self.states: dict[bytes, bytes] = {}
         self._state_at: dict[bytes, int] = {}
@@ -797,10 +802,9 @@ class Broker:
     def _nothing_for(self, consumer: Consumer) -> None:
         """``consumer`` has nothing to take: a delivery pass leaves it out until it may
         (a queue consumer until its queue gets items, a log-cursor one while it dozes)."""
-        target = consumer.queue
-        if not isinstance(target, DurableGroup):
+        if not isinstance(consumer.queue, DurableGroup):
             self.registry.unmark(consumer)
-        elif consumer.until is None and target.idle:
+        elif _dozes(consumer):
             self.registry.doze(consumer)
 
     def deliver(
@@ -964,9 +968,11 @@ class Broker:
         wake = self.cursors.redeliver(now_ms, timestamp_ms, dead)
         if now_ms - self._roused_at >= _ROUSE_ALL_MS:
             # a safety net under the wake-ups ``_rouse`` gives: were one ever missed, a
-            # dozing consumer would wait this long at most, never for good
+            # dozing consumer whose cursor is no longer idle would wait this long at most,
+            # never for good (the others are not woken: a broker of idle subscribers stays
+            # idle)
             self._roused_at = now_ms
-            wake = wake | self.registry.rouse_all()
+            wake = wake | self.registry.rouse_any(_dozes)
         return wake | self._publish_dead(dead, now_ms, timestamp_ms)
 
     def expire_groups(self, wall_ms: int) -> list[DurableGroup]:

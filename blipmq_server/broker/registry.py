@@ -13,6 +13,7 @@ Pure and synchronous; no trio.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from blipmq_server.broker.queue import Overflow, Queue
@@ -175,13 +176,13 @@ class Registry:
                 del self._dozing[consumer.conn]
             self._cursor_consumers.setdefault(consumer.conn, {})[consumer] = None
 
-    def rouse_all(self) -> set[int]:
-        """Every dozing consumer looks again (a safety net); returns their connections."""
-        conns = set(self._dozing)
-        for conn, dozing in self._dozing.items():
-            self._cursor_consumers.setdefault(conn, {}).update(dozing)
-        self._dozing.clear()
-        return conns
+    def rouse_any(self, dozes: Callable[[Consumer], bool]) -> set[int]:
+        """Dozing consumers that should not (``dozes`` says no) look again: a safety net
+        under ``rouse``. Returns their connections."""
+        woken = [c for dozing in self._dozing.values() for c in dozing if not dozes(c)]
+        for consumer in woken:
+            self.rouse(consumer)
+        return {c.conn for c in woken}
 
     def cursor_conns(self) -> set[int]:
         """The connections with a consumer on a log cursor (dozing or not)."""
