@@ -930,7 +930,6 @@ def test_qos2_ids_owed_a_pubcomp_cost_the_log_a_few_bytes_each(start_broker) -> 
     _pubcomp(raw, got)
     per_pubcomp = (b.metric("blipmq_wal_bytes_total") - before) / n - per_message
     assert per_pubcomp < 100, per_pubcomp
-    print(f"per message {per_message:.0f}, per pubcomp {per_pubcomp:.0f}")
     raw.disconnect()
     raw = Raw(b.mqtt_port)
     assert raw.connect("nopubcomp", clean=False) == ConnAck(True, 0)
