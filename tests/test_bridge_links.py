@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
 from blipmq_server.bridge.spec import filters_meet, parse_bridges, parse_rule
+from blipmq_server.config import Config
 from blipmq_server.errors import ConfigError
 from tests.pki import broker_tls, make_pki
 from tests.test_bridge import bridge_table, local_numbers, status, wait_status
@@ -520,6 +521,19 @@ def test_what_may_have_gone_out_before_a_sigkill_goes_again_with_dup(start_broke
         up.close()
 
 
+def _in_process(tmp_path: Path, name: str, port: int, extra: str) -> Config:
+    """The configuration of a broker run in this process (no listener ports, no metrics,
+    no fsync) with one bridge ``name`` to 127.0.0.1:``port``, rule ``s/# out 1``, and the
+    bridge's ``extra`` keys (TOML lines)."""
+    from blipmq_server import config as config_module
+
+    path = tmp_path / "blipmq.toml"
+    path.write_text(f'[storage]\ndata_dir = "{tmp_path}"\n[[bridge]]\nname = "{name}"\n'
+                    f'addresses = ["127.0.0.1:{port}"]\ntopics = ["s/# out 1"]\n{extra}')
+    return config_module.load(path, env={}, overrides={
+        "server.port": 0, "metrics.enabled": False, "wal.fsync": "none"})
+
+
 def test_in_rules_are_subscribed_again_until_an_upstream_granted_them(start_broker) -> None:
     """A link lost between the SUBSCRIBE and its SUBACK: the next one subscribes again, even
     though the upstream says it kept the session (it never had the SUBACK's filters). Then
@@ -563,7 +577,6 @@ async def test_an_upstream_that_closes_every_link_after_connack_costs_no_message
     import trio
 
     from blipmq_cli import AsyncClient
-    from blipmq_server import config as config_module
     from blipmq_server.mqtt import codec as mqtt
     from blipmq_server.mqtt.packets import (
         ConnAck,
@@ -605,12 +618,8 @@ async def test_an_upstream_that_closes_every_link_after_connack_costs_no_message
         listeners = await nursery.start(
             functools.partial(trio.serve_tcp, upstream, 0, host="127.0.0.1"))
         port = listeners[0].socket.getsockname()[1]
-        path = tmp_path / "blipmq.toml"
-        path.write_text(f'[storage]\ndata_dir = "{tmp_path}"\n[[bridge]]\nname = "flaky"\n'
-                        f'addresses = ["127.0.0.1:{port}"]\ntopics = ["s/# out 1"]\n'
-                        'max_retries = 2\nbackoff_min_ms = 20\nbackoff_max_ms = 1000\n')
-        cfg = config_module.load(path, env={}, overrides={
-            "server.port": 0, "metrics.enabled": False, "wal.fsync": "none"})
+        cfg = _in_process(tmp_path, "flaky", port,
+                          'max_retries = 2\nbackoff_min_ms = 20\nbackoff_max_ms = 1000\n')
         server = Server(cfg)
         bound: Bound = await nursery.start(server.serve)
         (bridge,) = server.bridges.values()
@@ -676,7 +685,6 @@ async def test_a_connect_that_cannot_be_encoded_is_a_failed_connect_in_one_line(
 
     import trio
 
-    from blipmq_server import config as config_module
     from blipmq_server.server.app import Server
 
     accepted = 0
@@ -693,12 +701,7 @@ async def test_a_connect_that_cannot_be_encoded_is_a_failed_connect_in_one_line(
         listeners = await nursery.start(
             functools.partial(trio.serve_tcp, upstream, 0, host="127.0.0.1"))
         port = listeners[0].socket.getsockname()[1]
-        path = tmp_path / "blipmq.toml"
-        path.write_text(f'[storage]\ndata_dir = "{tmp_path}"\n[[bridge]]\nname = "long"\n'
-                        f'addresses = ["127.0.0.1:{port}"]\ntopics = ["s/# out 1"]\n'
-                        'backoff_min_ms = 10\nbackoff_max_ms = 20\n')
-        cfg = config_module.load(path, env={}, overrides={
-            "server.port": 0, "metrics.enabled": False, "wal.fsync": "none"})
+        cfg = _in_process(tmp_path, "long", port, 'backoff_min_ms = 10\nbackoff_max_ms = 20\n')
         (spec,) = cfg.bridges
         cfg = cfg._replace(bridges=(dataclasses.replace(spec, client_id="c" * 70000),))
         server = Server(cfg)
