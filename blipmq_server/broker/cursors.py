@@ -213,13 +213,11 @@ class Cursors:
             return True
         if target.fetching or target.next > self.log.written_offset:
             return False
-        quiet = target.quiet_from
-        if quiet is not None and target.next >= quiet:
+        if target.pass_quiet(self.log.written_offset + 1):
             # nothing of its topics beyond: no reading through other topics' records (with
-            # many durable groups, most appends are other groups' messages)
-            target.next = self.log.written_offset + 1
-            # a subscription that waits for the end (until_end) may have reached it now:
-            # let the delivery pass look (it hands out the end mark, or nothing)
+            # many durable groups, most appends are other groups' messages). A subscription
+            # that waits for the end (until_end) may have reached it now: let the delivery
+            # pass look (it hands out the end mark, or nothing)
             return consumer.until is not None
         return True
 
@@ -490,10 +488,7 @@ class Cursors:
         ``skip_to`` and checkpoints, which would take the old position for unread records)."""
         end = self.log.written_offset + 1
         for target in targets:
-            quiet = target.quiet_from
-            if (quiet is not None and quiet <= target.next < end and not target.ahead
-                    and not target.fetching):
-                target.next = end
+            target.pass_quiet(end)
 
     # ------------------------------------------------------------------------- recovery
 

@@ -215,6 +215,18 @@ class DurableGroup:
                 and not self.ready and not self.pending and not self.ahead and not self.kept
                 and not self.fetching)
 
+    def pass_quiet(self, end: int) -> bool:
+        """Whether nothing of its topics lies between its position and ``end`` (the end of
+        what is written): it read to the end since the last append of one of its topics
+        (``quiet_from``), with nothing read ahead or being read. If so it moves to ``end``
+        without reading other topics' records."""
+        quiet = self.quiet_from
+        if quiet is None or self.next < quiet or self.ahead or self.fetching:
+            return False
+        if self.next < end:
+            self.next = end
+        return True
+
     @property
     def floor(self) -> int:
         """Every offset below this is acked or not for this group."""

@@ -63,10 +63,8 @@ class Usage:
                 entry[4] = self.generation
             for g in entry[2]:
                 g.backlog += logged
-                quiet = g.quiet_from
-                if quiet is not None:
-                    if quiet <= g.next < first and not g.ahead and not g.fetching:
-                        g.next = first
+                if g.quiet_from is not None:
+                    g.pass_quiet(first)  # what lies before is other topics'
                     g.quiet_from = None
                     if self._woken is not None:
                         self._woken(g)
