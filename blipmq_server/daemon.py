@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import IO, Any
 
-from blipmq_server.errors import ConfigError
+from blipmq_server.errors import ConfigError, WalError
 
 # logging is imported by ``logs``, after ``deferred.defer``: it imports traceback, deferred.
 
@@ -127,11 +127,15 @@ def start(config: str | None = None, **flags: str | None) -> int:
         signal.signal(signum, signal.SIG_IGN)
     try:
         trio.run(run, cfg, reload)
-    except (OSError, ConfigError, BaseExceptionGroup) as exc:
+    except (OSError, ConfigError, WalError, BaseExceptionGroup) as exc:
         refusal = _inner(exc, ConfigError)
         if refusal is not None:  # found only once the log was open (a bridge's group)
             sys.stderr.write(f"blipmq: config error: {refusal}\n")
             return 2
+        unreadable = _inner(exc, WalError)
+        if unreadable is not None:  # a log this broker must not repair (a newer format)
+            sys.stderr.write(f"blipmq: cannot start: {unreadable}\n")
+            return 1
         failure = _inner(exc, OSError)
         if failure is None:
             raise

@@ -19,6 +19,7 @@ import stat
 from collections.abc import Callable
 from typing import NamedTuple
 
+from blipmq_server.errors import WalError
 from blipmq_server.kinds import Kind
 from blipmq_server.wal import record as rec
 from blipmq_server.wal.disk import Disk
@@ -74,6 +75,8 @@ def recover(
         names.remove(name)  # reading a FIFO would wait for a writer, and the start with it
         found.notes.append(f"{name}: not a regular file (a FIFO, a device or a socket); "
                            "left alone, not part of the log")
+    for name in names:  # before anything is repaired: a newer log is not ours to change
+        _check_version(os.path.join(directory, name))
     bases = [base_of(n) for n in names]
     segments: list[Segment] = []
     last = used = 0  # newest valid offset; highest offset the files show as used
@@ -104,6 +107,29 @@ def recover(
     found.segments = len(segments)
     found.records = sum(s.count for s in segments)
     return Recovered(segments, last, next_offset, found)
+
+
+def _check_version(path: str) -> None:
+    """Raise WalError when the segment's header names a log format newer than this
+    broker's and what follows it is not a record of ours: setting that aside as damage
+    would hide what a newer BlipMQ logged from it after a downgrade and back. A newer
+    version followed by a valid record is a damaged version field (a flipped bit), and an
+    older or zero version, or a header that is not BlipMQ's, is damage: both repaired as
+    before."""
+    with open(path, "rb") as f:  # not ``Disk.pread``: it keeps the file open
+        head = f.read(rec.HEADER_SIZE)
+        if len(head) < rec.HEADER_SIZE:
+            return
+        magic, version, _ = rec.HEADER.unpack_from(head)
+        if magic != rec.MAGIC or version <= rec.FORMAT_VERSION:
+            return
+        data = head + f.read()
+    if len(data) == rec.HEADER_SIZE or rec.scan(data, rec.HEADER_SIZE).records:
+        return  # nothing to hide, or records this broker reads: the header alone is wrong
+    raise WalError(
+        f"{path}: log format version {version}, this broker reads version "
+        f"{rec.FORMAT_VERSION} only (written by a newer BlipMQ?): nothing was changed; run "
+        "the newer version, or move the file out of the data directory if it is damaged")
 
 
 def _segment(
