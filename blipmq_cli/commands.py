@@ -222,8 +222,9 @@ def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
         if end < 0:
             rest.append(chunk)
             size += len(chunk)
-            if size > limit:
-                raise _too_large("a line of stdin", limit)
+            if size > limit:  # the lines before it are published first (``_pub_lines``)
+                yield [b"".join(rest)]
+                return
             continue
         parts = chunk[:end].split(b"\n")
         if rest:
@@ -244,12 +245,24 @@ def _pub_lines(
     try:
         with client:
             plain = ttl == 0 and qos == 0 and key is None and not retain
+            limit = client.max_message
+            number = 0  # lines published
             for batch in _stdin_lines(stream, client):
+                long = next((i for i, line in enumerate(batch) if len(line) > limit), None)
+                if long is not None:
+                    batch = batch[:long]
                 if plain:
                     client.publish_many([(topic, line) for line in batch])
                 else:
                     client.publish_many([Message(topic, line, qos, ttl, key, retain)
                                          for line in batch])
+                number += len(batch)
+                if long is not None:  # the lines before it are out (and confirmed): exit 6
+                    client.flush()
+                    gone = "" if qos else f"; the {number} line(s) before it were published"
+                    raise BrokerError(ErrorCode.MESSAGE_TOO_LARGE,
+                                      f"line {number + 1} of stdin holds more than {limit} "
+                                      f"bytes, the broker's limit{gone}")
                 client.check()
     except (BrokerError, ConnectError) as exc:
         if not qos:

@@ -1,8 +1,8 @@
 """``blipmq start``: configuration, logging, the data directory lock, then the Trio server.
 
 Exit codes: 0 after a clean shutdown, 1 when the broker cannot run (address in use, data
-directory locked or not writable), 2 for a configuration error. Every failure is one line on
-stderr.
+directory locked or not writable, a log of a newer format), 2 for a configuration error.
+Every failure is one line on stderr.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from conftest import BLIPMQ, _default_signals
 
 from blipmq_cli.exits import Exit
@@ -116,6 +117,28 @@ def test_stdin_payloads_and_lines_are_bounded_by_the_limit(start_broker, tmp_pat
     assert res.returncode == 0, res.stderr
     out, err = sub.communicate(timeout=10)
     assert out == b"".join(line + b"\n" for line in lines), err
+
+
+@pytest.mark.parametrize("qos", [0, 1])
+@pytest.mark.parametrize("newline", [True, False], ids=["whole", "unended"])
+def test_the_lines_before_an_over_long_line_are_published_and_the_error_names_it(
+        start_broker, qos: int, newline: bool) -> None:
+    """`pub -l`: a line over the limit that came whole in one read with the lines before it
+    ended the command with the encoder's message ("message of N bytes exceeds ...") and
+    without those lines (never sent, at QoS 1 "0 of 0 messages confirmed"); one that came
+    without its newline said "a line of stdin" and lost the lines of earlier reads not yet
+    sent. Now the lines before it are published (and confirmed), and exit 6 names the line."""
+    b = start_broker({"server": {"max_message_bytes": 1000}})
+    sub = b.spawn("sub", "long", "-C", "2")
+    b.wait_subscribers(1)
+    data = b"one\ntwo\n" + b"x" * 5000 + (b"\nthree\n" if newline else b"")
+    res = b.cli("pub", "long", "-l", "-q", str(qos), input=data)
+    assert res.returncode == Exit.TOO_LARGE, res.stderr
+    one_line(res.stderr)
+    err = res.stderr.decode()
+    assert "line 3 of stdin holds more than 1000 bytes" in err, err
+    assert ("2 of 2 messages confirmed" if qos else "the 2 line(s) before it") in err, err
+    assert sub.communicate(timeout=10)[0] == b"one\ntwo\n"
 
 
 def test_odd_arguments_and_a_closed_stdin_are_one_line_and_their_code(start_broker) -> None:
