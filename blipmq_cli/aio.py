@@ -806,6 +806,9 @@ class AsyncClient:
                 self._dirty = trio.Event()
                 data = conn.data_to_send()
                 if data:
+                    # a send cut off part-way is only ever cancelled with this connection's
+                    # nursery: ``_run`` then closes the stream, so no later frame follows
+                    # the cut one on it (the sync client's ``_break``)
                     await stream.send_all(data)
                     self._notify()
                 closed = conn.closed

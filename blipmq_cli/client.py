@@ -22,8 +22,10 @@ Nothing waits forever. ``timeout`` (10 s by default) bounds connecting plus the 
 and a send the broker takes nothing of (ConnectError). While waiting for deliveries the client
 keeps the link alive itself: after ``timeout`` seconds with nothing from the broker it sends a
 PING, and if nothing at all arrives for another ``timeout`` it gives up (ConnectError). TCP
-keepalive is on too. Before writing, the client reads whatever already arrived without
-waiting, so a long-idle publisher answers the broker's PINGs and notices a closed connection.
+keepalive is on too. A write that stops part-way (that stall, or an exception such as
+KeyboardInterrupt) breaks the connection off: nothing more goes out on it. Before writing,
+the client reads whatever already arrived without waiting, so a long-idle publisher answers
+the broker's PINGs and notices a closed connection.
 
 Reconnects are off unless ``reconnect`` asks for them: then the call that finds the
 connection lost dials the addresses again in turn (``Reconnect``'s backoff with jitter),
@@ -859,30 +861,61 @@ class Client:
         self, data: bytes, progress: Callable[[int], None] | None = None,
         chunk: int = _SEND_CHUNK,
     ) -> None:
-        """Write all of ``data``; ConnectError when the broker takes none of it for
-        ``timeout`` seconds (each send waits for room that long at most)."""
+        """Write all of ``data``. A write that stops part-way (the broker takes nothing for
+        ``timeout`` seconds, or an exception such as KeyboardInterrupt, from ``progress``
+        too) breaks the connection off (``_break``): nothing more is written on it, as the
+        broker would read it as the rest of the cut frame. The stall then reconnects, when
+        that is on, or raises ConnectError; an exception goes on up."""
+        conn = self._conn
+        sent = [0]
+        try:
+            self._send_all(data, progress, chunk, sent)
+        except BaseException as exc:
+            if sent[0] < len(data) and self._conn is conn and conn.closed is None:
+                self._break(conn, exc)
+            raise
+        if sent[0] < len(data) and self._conn is conn:  # stalled: no more room for ``timeout``
+            stalled = ConnectError(f"the broker at {self.addr} took no data for "
+                                   f"{self.timeout:g} s")
+            self._break(conn, stalled)
+            if not self._recover():
+                raise stalled
+
+    def _send_all(
+        self, data: bytes, progress: Callable[[int], None] | None, chunk: int,
+        sent: list[int],
+    ) -> None:
+        """Send ``data``, counting the bytes that went out in ``sent[0]`` (all of them once
+        a reconnect replaced the connection: the old one's bytes are moot); returns early
+        when the broker takes nothing for ``timeout`` seconds."""
         sock = self.sock
         view = memoryview(data)
         total = len(view)
-        sent = 0
         writable: select.poll | None = None
-        while sent < total:  # each pass sends, waits up to the timeout for room, or raises
+        while sent[0] < total:  # each pass sends, waits up to the timeout for room, or stops
             try:
-                sent += sock.send(view[sent : sent + chunk])
+                sent[0] += sock.send(view[sent[0] : sent[0] + chunk])
             except BlockingIOError:
                 if writable is None:
                     writable = select.poll()
                     writable.register(sock, select.POLLOUT)
                 if not writable.poll(self.timeout * 1000):
-                    raise ConnectError(
-                        f"the broker at {self.addr} took no data for {self.timeout:g} s"
-                    ) from None
+                    return
                 continue
             except OSError as exc:
                 self._lost(exc)
-                return  # reconnected: the old connection's bytes are moot
+                sent[0] = total  # reconnected
+                return
             if progress is not None:
-                progress(sent)
+                progress(sent[0])
+
+    def _break(self, conn: ClientConnection, cause: BaseException) -> None:
+        """A write to ``conn`` stopped part-way: close it and its socket for good (with
+        reconnects on, the next call that needs the broker dials again)."""
+        why = str(cause) if isinstance(cause, BlipError) else (
+            f"a write was interrupted part-way ({type(cause).__name__})")
+        conn.break_off(why)
+        self.abort()
 
     def _lost(self, exc: OSError) -> None:
         """A read or write failed: report the refusal or GOODBYE that explains it, if one

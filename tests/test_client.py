@@ -3,7 +3,9 @@ paths against a scripted peer that plays a silent or misbehaving broker."""
 
 from __future__ import annotations
 
+import os
 import select
+import signal
 import socket
 import time
 
@@ -336,3 +338,51 @@ def test_bad_arguments_are_one_config_error_before_anything_is_sent(start_broker
     for timeout in (0, -1, "5"):
         with pytest.raises(ConfigError, match="timeout: must be a positive number"):
             Client(b.addr, timeout=timeout)  # type: ignore[arg-type]
+
+
+class _Interrupt(Exception):
+    """What a Ctrl-C landing mid-write stands for: raised from ``progress``."""
+
+
+def _log_of(addr: str, topic: str) -> list[bytes]:
+    with Client(addr) as c:
+        return [d.payload for d in c.subscribe(topic, start=codec.Start.EARLIEST,
+                                               until_end=True)]
+
+
+def test_a_write_interrupted_part_way_breaks_the_connection_off(start_broker) -> None:
+    """An exception in the middle of a large publish (here from ``progress``) leaves part
+    of a frame on the wire: the client breaks that connection off, so nothing written
+    later is read as the rest of the cut frame, and the broker stores nothing mangled."""
+    b = start_broker()
+    c = Client(b.addr, timeout=5)
+
+    def progress(sent: int) -> None:
+        if sent >= 1 << 20:
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        c.publish("cut/t", b"A" * 2_000_000, qos=1, progress=progress)
+    for _ in range(2):
+        with pytest.raises(ConnectError, match="broke off: a write was interrupted part-way"):
+            c.publish("cut/t", b"B" * 400_000, qos=1)
+    c.close()
+    assert _log_of(b.addr, "cut/t") == []
+
+
+def test_a_stalled_write_breaks_the_connection_off(start_broker) -> None:
+    """A write the broker takes nothing of for ``timeout`` raises ConnectError, and the
+    connection is over: once the broker reads again, the next publish raises too instead
+    of completing the cut frame with its own bytes."""
+    b = start_broker()
+    c = Client(b.addr, timeout=0.5)
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ConnectError, match=r"took no data for 0\.5 s"):
+            c.publish("stall/t", b"A" * 8_000_000, qos=1)
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    with pytest.raises(ConnectError, match=r"broke off: the broker .* took no data"):
+        c.publish("stall/t", b"B" * 1_000_000, qos=1)
+    c.close()
+    assert _log_of(b.addr, "stall/t") == []

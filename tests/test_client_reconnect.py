@@ -287,3 +287,28 @@ def test_a_sync_publish_waiting_for_its_ack_returns_after_the_reconnect(start_br
         assert c.reconnects == 1 and c.resent == 1
         c.close()
     assert _read_back(b.addr, "again/t") == [b"0", b"1"]
+
+
+def test_a_stalled_sync_write_reconnects_when_that_is_on(start_broker) -> None:
+    """A write the broker takes nothing of for ``timeout`` is a lost link like any other
+    with reconnects on: the cut connection is dropped, the client dials again, and the
+    publish returns once its message is stored whole on the new connection."""
+    b = start_broker()
+    events: list[str] = []
+
+    def down(error: Exception) -> None:
+        events.append(f"down: {error}")
+        os.kill(b.proc.pid, signal.SIGCONT)  # the broker reads again: the redial works
+
+    c = Client(b.addr, timeout=0.5, reconnect=fast(), on_disconnect=down)
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        c.publish("stall/t", b"A" * 8_000_000, qos=1)
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    assert c.reconnects == 1 and c.resent == 1
+    c.publish("stall/t", b"B" * 1000, qos=1)
+    c.close()
+    assert events == [f"down: the connection to {b.addr} broke off: the broker at {b.addr} "
+                      "took no data for 0.5 s"]
+    assert _read_back(b.addr, "stall/t") == [b"A" * 8_000_000, b"B" * 1000]

@@ -15,7 +15,8 @@
 - what both clients decide alike about reconnecting: the backoff (``Reconnect``) and where
   a subscription starts again (``restart_point``, a ``Gap`` when it may have missed some);
 - refusals: ERROR frames that answer no waiting request, kept until the caller asks;
-- why the connection closed (GOODBYE, end of stream, malformed bytes, silence);
+- why the connection closed (GOODBYE, end of stream, malformed bytes, silence, a write of
+  ours cut off part-way);
 - the PONG that answers a PING from the broker, and the keepalive decision.
 
 Bytes come in through ``receive_data`` and go out through ``data_to_send``; time comes in as
@@ -75,6 +76,7 @@ class CloseReason(Enum):
     MALFORMED = "malformed"  # the broker sent bytes that break the protocol
     SILENT = "silent"  # nothing from the broker for two keepalive intervals
     LOCAL = "local"  # we sent GOODBYE
+    BROKEN = "broken"  # our side broke the stream off: a write stopped part-way (break_off)
 
 
 class Closed(NamedTuple):
@@ -772,6 +774,8 @@ class ClientConnection:
             return ConnectError(f"the broker at {addr} sent a malformed frame: {closed.text}")
         if reason is CloseReason.SILENT:
             return ConnectError(f"no answer from the broker at {addr} for {silence:g} s")
+        if reason is CloseReason.BROKEN:
+            return ConnectError(f"the connection to {addr} broke off: {closed.text}")
         refusal = self.refusal()
         if refusal is not None:
             return BrokerError(refusal.code, refusal.text)
@@ -780,6 +784,13 @@ class ClientConnection:
         if reason is CloseReason.LOCAL:
             return ConnectError(f"the connection to {addr} is closed")
         return ConnectError(f"the broker at {addr} closed the connection")
+
+    def break_off(self, why: str) -> None:
+        """The stream is unusable from our side: a write of ``data_to_send``'s bytes stopped
+        part-way (interrupted, or the broker took nothing for too long), so what follows
+        would be read as the rest of a cut frame. Closes the connection (``BROKEN``); what
+        the broker had not confirmed is kept for ``resume``."""
+        self._close(Closed(CloseReason.BROKEN, 0, why))
 
     def _close(self, closed: Closed) -> None:
         if self.closed is None:
