@@ -306,10 +306,14 @@ class AsyncClient:
     async def __aexit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if et is None:
-            await self.close()
-        else:
-            await self._shutdown()
+        try:
+            if et is None:
+                await self.close()
+            else:
+                await self._shutdown()
+        finally:
+            await self._shutdown()  # at once if done already; else (close() cancelled) now
+            await self._leave_own()
 
     async def connect(self, nursery: trio.Nursery) -> None:
         """Connect to the first address that answers (each is tried once), then run the
@@ -378,13 +382,18 @@ class AsyncClient:
                                f"broker at {self.addr} has not taken, now dropped: {error}")
 
     async def _shutdown(self) -> None:
-        """End the client's task and wait for it (its nursery too, if it is ours)."""
+        """End the client's task and wait for it. Safe from any task or cancel scope: the
+        nursery ``async with`` opened is left by ``__aexit__`` alone (``_leave_own``)."""
         self._closing = True
         self._notify()
         self._scope.cancel()
         if self._started:
             with trio.CancelScope(shield=True):  # cancelled itself: ends at once
                 await self._stopped.wait()
+
+    async def _leave_own(self) -> None:
+        """Exit the nursery ``__aenter__`` opened, from ``__aexit__``: Trio wants a nursery
+        left by the task, and in the cancel scope, that entered it."""
         own, self._own = self._own, None
         if own is not None:
             await own.__aexit__(None, None, None)

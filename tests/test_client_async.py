@@ -479,3 +479,26 @@ async def test_a_subscribe_given_up_leaves_no_subscription_behind(start_broker) 
             assert (await pub.stats())["subscriptions"] == base
     finally:
         await trio.to_thread.run_sync(proxy.close)
+
+
+async def test_close_inside_async_with_from_a_cancel_scope_or_another_task(
+        start_broker) -> None:
+    """``close()`` may be called inside ``async with`` from a cancel scope or another task
+    (a signal handler's, say): the nursery ``async with`` opened is left by ``__aexit__``
+    only, so Trio's cancel scopes stay nested as it requires."""
+    b = start_broker()
+    async with AsyncClient(b.addr) as c:
+        await c.publish("close/t", b"x", qos=1)
+        with trio.move_on_after(5):
+            await c.close()
+        assert not c.connected
+    async with AsyncClient(b.addr) as c:
+        sub = await c.subscribe("close/t")
+
+        async def stopper() -> None:
+            await c.close()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stopper)
+            with trio.fail_after(10):
+                assert [d async for d in sub] == []  # ends when the client closes
