@@ -66,6 +66,7 @@ from blipmq_server.protocol.message import HEAD_SIZE
 _RECV = 1 << 16
 _HIGH_WATER = 1 << 20  # bytes queued for the writer before a publish waits for it
 _CHUNK = 1024  # messages publish_many adds between checkpoints (the writer runs then)
+_ASKS = 8  # times a request is asked again across reconnects before giving up
 _LOST = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -484,19 +485,21 @@ class AsyncClient:
 
     async def flush(self, timeout: float | None = None) -> None:
         """Send everything, wait until the broker processed it (PING/PONG) and confirmed
-        every QoS 1 message so far; raise the first refusal."""
+        every QoS 1 message so far; raise the first refusal. A connection lost meanwhile
+        is waited through: what it had not confirmed went to the next one, which is asked
+        again. ``timeout`` (the client's by default) bounds it all."""
         limit = self.timeout if timeout is None else timeout
         with trio.move_on_after(limit):
-            conn = await self._until_up()
-            await self._ask(conn, conn.ping(), "PONG", limit)
-            while self._conn.unconfirmed or self._conn.closed is not None:
-                if self._dead is not None:
-                    raise self._dead
-                await self._changed.wait()
-            refusal = self._conn.refusal()
-            if refusal is not None:
-                raise BrokerError(refusal.code, refusal.text)
-            return
+            while True:  # one pass per connection the flush is asked on
+                conn, _ = await self._request(lambda conn: conn.ping(), "PONG", math.inf)
+                while conn.unconfirmed and conn.closed is None:
+                    await self._changed.wait()
+                if conn.closed is not None:
+                    continue  # lost before it confirmed all: asked again on the next one
+                refusal = conn.refusal()
+                if refusal is not None:
+                    raise BrokerError(refusal.code, refusal.text)
+                return
         raise TimeoutError(f"timed out after {limit:g} s waiting for the broker at "
                            f"{self.addr} to confirm")
 
@@ -552,8 +555,7 @@ class AsyncClient:
 
     async def stats(self, timeout: float | None = None) -> dict:
         """The broker's statistics (docs/PROTOCOL.md, "Statistics"), as a dict."""
-        conn = await self._until_up_within(timeout)
-        reply = await self._ask(conn, conn.stats(), "STATS_REPORT", timeout)
+        _, reply = await self._request(lambda conn: conn.stats(), "STATS_REPORT", timeout)
         assert isinstance(reply, codec.StatsReport)
         try:
             data = json.loads(reply.data)
@@ -566,9 +568,8 @@ class AsyncClient:
 
     async def ping(self, timeout: float | None = None) -> float:
         """Round-trip time to the broker in seconds (a PING and its PONG)."""
-        conn = await self._until_up_within(timeout)
         began = trio.current_time()
-        await self._ask(conn, conn.ping(), "PONG", timeout)
+        await self._request(lambda conn: conn.ping(), "PONG", timeout)
         return trio.current_time() - began
 
     # --------------------------------------------------------------------------- waiting
@@ -610,25 +611,54 @@ class AsyncClient:
 
     async def _ask(self, conn: ClientConnection, rid: int, what: str,
                    timeout: float | None) -> codec.Frame:
-        """Send the request ``rid`` queued on ``conn`` and wait for its reply."""
-        self._kick()
+        """Send the request ``rid`` queued on ``conn`` and wait for its reply; ConnectError
+        if ``conn`` breaks first."""
         limit = self.timeout if timeout is None else timeout
         with trio.move_on_after(limit):
-            try:
-                while (reply := conn.reply(rid)) is None:
-                    if conn.closed is not None:
-                        raise ConnectError(f"the connection to {self.addr} broke while "
-                                           f"waiting for {what}")
-                    await self._changed.wait()
-            except BaseException:  # cancelled: its reply, when it comes, is not for anyone
-                conn.forget(rid)
-                raise
+            reply = await self._reply(conn, rid)
+            if reply is None:
+                raise ConnectError(f"the connection to {self.addr} broke while waiting for "
+                                   f"{what}")
             if isinstance(reply, codec.Error):
                 raise BrokerError(reply.code, reply.text)
             return reply
-        conn.forget(rid)
         raise TimeoutError(f"timed out after {limit:g} s waiting for {what} from the broker "
                            f"at {self.addr}")
+
+    async def _request(self, make: Callable[[ClientConnection], int], what: str,
+                       timeout: float | None) -> tuple[ClientConnection, codec.Frame]:
+        """Queue a request with ``make`` on the ready connection and wait for its reply,
+        asked again on the next connection when a reconnect comes in between (as the sync
+        client's ``_request``); returns the connection that answered, and the reply.
+        ``timeout`` (the client's by default) bounds it all, reconnects included."""
+        limit = self.timeout if timeout is None else timeout
+        with trio.move_on_after(limit):
+            for _ in range(_ASKS):
+                conn = await self._until_up()  # raises why, once the client gave up
+                reply = await self._reply(conn, make(conn))
+                if reply is None:
+                    continue  # the connection broke: asked again on the next one
+                if isinstance(reply, codec.Error):
+                    raise BrokerError(reply.code, reply.text)
+                return conn, reply
+            raise ConnectError(f"the connection to {self.addr} kept breaking while waiting "
+                               f"for {what}")
+        raise TimeoutError(f"timed out after {limit:g} s waiting for {what} from the broker "
+                           f"at {self.addr}")
+
+    async def _reply(self, conn: ClientConnection, rid: int) -> codec.Frame | None:
+        """Send the request ``rid`` queued on ``conn`` and wait for its reply (an ERROR
+        too); None when ``conn`` closed first. Cancelled, it forgets the request."""
+        self._kick()
+        try:
+            while (reply := conn.reply(rid)) is None:
+                if conn.closed is not None:
+                    return None
+                await self._changed.wait()
+        except BaseException:  # cancelled: its reply, when it comes, is not for anyone
+            conn.forget(rid)
+            raise
+        return reply
 
     async def _room(self, count: int, size: int, queued: int | None = None) -> ClientConnection:
         """The connection to publish on, once ``max_pending`` leaves room for ``count``

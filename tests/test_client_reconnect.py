@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from blipmq_cli import AsyncClient, Client, ConnectError, Gap, Message, Reconnect, Start
 
@@ -312,3 +313,21 @@ def test_a_stalled_sync_write_reconnects_when_that_is_on(start_broker) -> None:
     assert events == [f"down: the connection to {b.addr} broke off: the broker at {b.addr} "
                       "took no data for 0.5 s"]
     assert _read_back(b.addr, "stall/t") == [b"A" * 8_000_000, b"B" * 1000]
+
+
+async def test_close_waits_through_a_reconnect_for_what_is_unconfirmed(start_broker) -> None:
+    """``close()`` flushes first, waiting for a reconnect: its PING lost with a broker that
+    stalled and died is asked again on the new connection, which confirms the QoS 1
+    messages that were unconfirmed, and close() drops nothing."""
+    port = free_port()
+    b = start_broker({"server": {"port": port}})
+    c = AsyncClient(b.addr, timeout=20, reconnect=fast())
+    async with trio.open_nursery() as nursery:
+        await c.connect(nursery)
+        os.kill(b.proc.pid, signal.SIGSTOP)  # nothing is confirmed from here on
+        await c.publish_many(Message("closing/t", b"%d" % i, qos=1) for i in range(300))
+        nursery.start_soon(c.close)
+        await trio.testing.wait_all_tasks_blocked()  # the flush waits for its PONG
+        b = await restart(start_broker, b, port)
+    assert c.reconnects == 1 and c.pending == (0, 0)
+    assert await read_log(b.addr, "closing/t") == [b"%d" % i for i in range(300)]
