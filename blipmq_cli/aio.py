@@ -12,8 +12,9 @@ why a connection ended) lives in ``blipmq_server.protocol.connection``, shared w
 
 Tasks, all under one supervisor task that runs in the nursery ``async with`` opens (or the one
 given to ``connect(nursery)``): the supervisor dials, and it runs per live
-connection one reader (feeds the connection; stops reading while ``prefetch`` deliveries wait
-to be taken, so a slow application slows the broker down instead of filling memory), one
+connection one reader (feeds the connection; stops reading while ``prefetch`` deliveries, or
+``prefetch_bytes`` of their payloads, wait to be taken, so a slow application slows the
+broker down instead of filling memory), one
 writer (the only task that writes the socket: it sends whatever the callers queued since its
 last write, so many publishes go out in one ``send_all``) and a keepalive ticker.
 
@@ -257,6 +258,7 @@ class AsyncClient:
         max_pending_bytes: int = 64 << 20,
         block: bool = True,
         prefetch: int = 10_000,
+        prefetch_bytes: int = 64 << 20,
         on_disconnect: Callable[[BlipError], object] | None = None,
         on_reconnect: Callable[[str], object] | None = None,
         on_gap: Callable[[Gap], object] | None = None,
@@ -275,8 +277,10 @@ class AsyncClient:
         self.max_pending = arguments.count("max_pending", max_pending)
         self.max_pending_bytes = arguments.count("max_pending_bytes", max_pending_bytes)
         self.block = block
-        # deliveries read ahead of the application, at most
+        # deliveries (and their payload bytes) read ahead of the application that stop
+        # the reader until the application takes some
         self.prefetch = arguments.count("prefetch", prefetch)
+        self.prefetch_bytes = arguments.count("prefetch_bytes", prefetch_bytes)
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
         self.on_gap = on_gap
@@ -408,6 +412,12 @@ class AsyncClient:
     def max_message(self) -> int:
         """The largest payload the broker accepts (from WELCOME)."""
         return self._conn.max_message
+
+    @property
+    def buffered(self) -> tuple[int, int]:
+        """Deliveries (and their payload bytes) read from the broker and not yet taken:
+        what ``prefetch`` and ``prefetch_bytes`` bound."""
+        return self._conn.queued, self._conn.queued_bytes
 
     @property
     def pending(self) -> tuple[int, int]:
@@ -582,8 +592,13 @@ class AsyncClient:
         self._dirty.set()
 
     def _taken(self) -> None:
-        if self._gated and self._conn.queued < self.prefetch:
+        if self._gated and not self._full(self._conn):
             self._notify()
+
+    def _full(self, conn: ClientConnection) -> bool:
+        """Whether ``prefetch`` or ``prefetch_bytes`` is reached on ``conn``: its reader
+        waits for the application to take deliveries."""
+        return conn.queued >= self.prefetch or conn.queued_bytes >= self.prefetch_bytes
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -823,7 +838,7 @@ class AsyncClient:
                       scope: trio.CancelScope) -> None:
         try:
             while conn.closed is None:  # each pass takes one read
-                while conn.queued >= self.prefetch and conn.closed is None:
+                while self._full(conn) and conn.closed is None:
                     self._gated = True  # let the application catch up: TCP pushes back
                     # (a broker that cut us off meanwhile is noticed once the application
                     # takes deliveries again: its FIN waits behind what we have not read)

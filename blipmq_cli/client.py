@@ -93,6 +93,7 @@ _KEEPCNT = 3
 _ENDED, _WOKE = object(), object()  # next_of: every stream ended; a wake fd, no delivery
 _MOVED = object()  # a request's connection was replaced by a reconnect: ask again
 _ASKS = 8  # times a request is asked again across reconnects before giving up
+DEFAULT_READ_AHEAD = 64 << 20  # payload bytes of deliveries read and not yet taken, at most
 
 _T = TypeVar("_T")
 
@@ -265,6 +266,7 @@ class Client:
         on_disconnect: Callable[[BlipError], object] | None = None,
         on_reconnect: Callable[[str], object] | None = None,
         on_gap: Callable[[Gap], object] | None = None,
+        read_ahead: int = DEFAULT_READ_AHEAD,
     ) -> None:
         """``addr``: ``[tls://|tcp://]host[:port]``, or several, dialled in turn when
         reconnecting (the first that answers is used at first). TLS with ``tls://``
@@ -274,10 +276,14 @@ class Client:
         ``reconnect`` (off by default; True for ``Reconnect()``'s policy): the call that
         finds the connection lost dials again, sends the unconfirmed QoS 1 messages again,
         subscribes again (``on_gap`` and ``Subscription.gaps`` for a live subscription),
-        then goes on; ``on_disconnect(error)`` and ``on_reconnect(address)`` are told."""
+        then goes on; ``on_disconnect(error)`` and ``on_reconnect(address)`` are told.
+
+        ``read_ahead``: the payload bytes of deliveries read from the socket and not yet
+        taken that stop further reads (``buffered``; docs/CLIENT.md, "Flow control")."""
         self._targets = targets(addr, ssl_context)
         self.addr = self._targets[0][3]
         self.timeout = arguments.seconds("timeout", timeout)
+        self.read_ahead = arguments.count("read_ahead", read_ahead)
         self.name = name
         self.api_key = api_key
         self._ssl_context = ssl_context
@@ -377,6 +383,16 @@ class Client:
     def max_frame(self) -> int:
         """The largest frame the broker sends or accepts (from WELCOME)."""
         return self._conn.max_frame
+
+    @property
+    def buffered(self) -> tuple[int, int]:
+        """Deliveries (and their payload bytes) read from the broker and not yet taken."""
+        conn = self._conn
+        return conn.queued, conn.queued_bytes
+
+    def _full(self) -> bool:
+        """Whether ``read_ahead`` is reached: the socket is not read until some are taken."""
+        return self._conn.queued_bytes >= self.read_ahead
 
     @property
     def confirmed(self) -> int:
@@ -513,7 +529,8 @@ class Client:
         silent for 2 x ``timeout`` is a lost connection (reconnected when that is on)."""
         self._send_out()
         conn = self._conn
-        conn.tick(time.monotonic(), self.timeout)
+        if not self._full():  # not reading: the broker's silence would prove nothing
+            conn.tick(time.monotonic(), self.timeout)
         if conn.closed is not None:
             self._raise_closed()
         elif conn.outgoing:
@@ -735,6 +752,8 @@ class Client:
             if conn.closed is not None:
                 self._raise_closed()  # or reconnects, and the next pass asks again
                 continue
+            if self._full():
+                raise self._stuck(what)
             now = time.monotonic()
             wait = self.timeout
             # with reconnects on, a reply's wait keeps the keepalive going too: a dead link
@@ -760,6 +779,15 @@ class Client:
                 if left > 0:
                     wait = min(wait, left)
             self._receive(wait)
+
+    def _stuck(self, what: str) -> TimeoutError:
+        """What a wait raises at once when ``read_ahead`` stops reads: what it waits for
+        is behind deliveries nobody takes, and only the caller can take them."""
+        count, size = self.buffered
+        return TimeoutError(
+            f"{what} from the broker at {self.addr} waits behind {count} deliveries "
+            f"({size} bytes) not taken: read_ahead ({self.read_ahead} bytes) is reached; "
+            "take them (next_batch) or unsubscribe")
 
     def _receive(self, wait: float) -> None:
         """Receive once, waiting at most ``wait`` seconds, and hand the bytes over."""
@@ -818,7 +846,8 @@ class Client:
         tls = self._tls
         for _ in range(_POLL_READS):
             # a look first: a read that finds nothing raises, which costs 4x as much
-            if conn.closed is not None or not (arrived(0) or (tls is not None and tls.pending())):
+            if conn.closed is not None or self._full() or not (
+                    arrived(0) or (tls is not None and tls.pending())):
                 return
             try:
                 data = sock.recv(_RECV)

@@ -386,3 +386,29 @@ def test_a_stalled_write_breaks_the_connection_off(start_broker) -> None:
         c.publish("stall/t", b"B" * 1_000_000, qos=1)
     c.close()
     assert _log_of(b.addr, "stall/t") == []
+
+
+def test_the_sync_client_reads_ahead_no_more_than_read_ahead(start_broker) -> None:
+    """Deliveries nobody takes are read (by request/reply calls and the reads before each
+    write) only up to ``read_ahead`` bytes, plus one frame: the rest wait in the socket,
+    and a reply behind them raises TimeoutError at once instead of piling them up in
+    memory. Taken later, every delivery is there, in order."""
+    b = start_broker({"wal": {"enabled": False}})
+    bound, size, n = 256 << 10, 64 << 10, 200  # 12.5 MiB sent to a 256 KiB read-ahead
+    with Client(b.addr, read_ahead=bound) as c, Client(b.addr) as pub:
+        sub = c.subscribe("cam/#")
+        b.wait_subscribers(1)
+        pub.publish_many(("cam/1", bytes([i]) * size) for i in range(n))
+        pub.flush()
+        for _ in range(5):  # request/reply calls only, as a busy publisher makes them
+            try:
+                c.publish("status", b"ok")
+                c.ping()
+            except TimeoutError as exc:
+                assert "read_ahead (262144 bytes) is reached" in str(exc)
+            assert c.buffered[1] <= bound + c.max_frame
+        got: list[bytes] = []
+        while len(got) < n:  # bounded: each wait raises after 10 s
+            got += [d.payload for d in sub.next_batch(timeout=10) or ()]
+        assert got == [bytes([i]) * size for i in range(n)]
+        c.flush()  # the replies behind them came too

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 from pki import Pki, broker_tls, make_pki
 
 import blipmq_cli
@@ -502,3 +503,27 @@ async def test_close_inside_async_with_from_a_cancel_scope_or_another_task(
             nursery.start_soon(stopper)
             with trio.fail_after(10):
                 assert [d async for d in sub] == []  # ends when the client closes
+
+
+async def test_prefetch_bytes_bounds_what_a_subscriber_that_takes_nothing_holds(
+        start_broker) -> None:
+    """The reader stops once ``prefetch_bytes`` of payloads wait to be taken (plus the
+    frame that crossed it), not only at ``prefetch`` messages; the rest wait in the
+    socket and come, in order, once the application takes deliveries."""
+    b = start_broker({"wal": {"enabled": False}})
+    bound, size, n = 256 << 10, 64 << 10, 200  # 12.5 MiB sent to a 256 KiB prefetch
+    async with AsyncClient(b.addr, prefetch_bytes=bound) as c, AsyncClient(b.addr) as pub:
+        sub = await c.subscribe("cam/#")
+        b.wait_subscribers(1)
+        await pub.publish_many(("cam/1", bytes([i]) * size) for i in range(n))
+        await pub.flush()
+        with trio.fail_after(10):
+            while c.buffered[1] < bound:  # the reader reads up to the bound...
+                await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked(0.05)  # ...and then waits
+        assert c.buffered[1] <= bound + c._conn.max_frame
+        got: list[bytes] = []
+        with trio.fail_after(10):
+            while len(got) < n:
+                got += [d.payload for d in await sub.next_batch() or ()]
+        assert got == [bytes([i]) * size for i in range(n)]

@@ -173,6 +173,11 @@ def restart_point(
 # much to define, and this module is imported by every one-shot `blipmq pub`.
 
 
+def _payload_bytes(batch: tuple[Delivery, ...]) -> int:
+    """The payload bytes of a DELIVER batch (what ``queued_bytes`` counts)."""
+    return sum(len(d.payload) for d in batch)
+
+
 class _Request:
     """A request waiting for its reply."""
 
@@ -238,6 +243,7 @@ class ClientConnection:
         self._open: set[int] = set()  # tickets neither confirmed nor refused yet
         self._refused: dict[int, None] = {}  # tickets refused, until ``outcome`` reports them
         self.queued = 0  # delivered messages queued here, not yet taken by ``next_batch``
+        self.queued_bytes = 0  # the payload bytes of those messages
         self._out: list[bytes] = []  # encoded frames, in order
         self._out_size = 0
         self._records: list[bytes] = []  # message records not yet sealed into a PUBLISH
@@ -602,6 +608,7 @@ class ClientConnection:
             return None
         batch = sub.batches.popleft()
         self.queued -= len(batch)
+        self.queued_bytes -= _payload_bytes(batch)
         return batch
 
     def subscribed(self, sub_id: int) -> bool:
@@ -647,6 +654,7 @@ class ClientConnection:
                 # an empty batch is the end mark of a SUBSCRIBE_UNTIL_END: queued in order
                 sub.batches.append(frame.messages)
                 self.queued += len(frame.messages)
+                self.queued_bytes += _payload_bytes(frame.messages)
         elif kind is codec.PubAck:
             self._confirm(frame)
         elif kind is codec.Ping:
@@ -748,6 +756,7 @@ class ClientConnection:
         sub = self._subs.pop(sub_id, None)
         if sub is not None:
             self.queued -= sum(map(len, sub.batches))
+            self.queued_bytes -= sum(map(_payload_bytes, sub.batches))
 
     def _error(self, frame: codec.Error) -> None:
         rid = frame.request_id
