@@ -127,6 +127,7 @@ class AsyncSubscription:
         TimeoutError after ``timeout`` seconds without one, and why the client gave up
         when it did."""
         client = self.client
+        timeout = arguments.wait("timeout", timeout)
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:  # each pass takes a batch, moves on, ends, or waits for a change
                 if self._error is not None:
@@ -167,9 +168,10 @@ class AsyncSubscription:
     async def ack(self, *deliveries: Delivery) -> None:
         """Acknowledge deliveries (QoS 1). While the connection is down an ack is dropped:
         the broker sends those deliveries again."""
+        offsets = arguments.deliveries(deliveries)
         live = self._live()
         if live is not None:
-            live[0].ack(live[1], tuple(d.offset for d in deliveries))
+            live[0].ack(live[1], offsets)
             self.client._kick()
         await trio.lowlevel.checkpoint()
 
@@ -178,16 +180,17 @@ class AsyncSubscription:
         go out with the GOODBYE of ``close()``, so the broker does not refill the window."""
         live = self._live()
         if live is not None:
-            live[0].ack_at_close(live[1], tuple(d.offset for d in deliveries))
+            live[0].ack_at_close(live[1], arguments.deliveries(deliveries))
         await trio.lowlevel.checkpoint()
 
     async def nack(self, *deliveries: Delivery, delay_ms: int = 0, reason: str = "") -> None:
         """Give deliveries back: sent again at once, or after ``delay_ms``; ``reason`` is
         what a dead letter made by this NACK says."""
         arguments.nack(delay_ms, reason)
+        offsets = arguments.deliveries(deliveries)
         live = self._live()
         if live is not None:
-            live[0].nack(live[1], tuple(d.offset for d in deliveries), delay_ms, reason)
+            live[0].nack(live[1], offsets, delay_ms, reason)
             self.client._kick()
         await trio.lowlevel.checkpoint()
 
@@ -265,15 +268,14 @@ class AsyncClient:
     ) -> None:
         """``addr``: one address or several (``[tls://|tcp://]host[:port]``), dialled in
         turn when reconnecting. ``ssl_context`` as for ``Client``."""
+        arguments.connection(api_key, name, ssl_context)
         self._targets = targets(addr, ssl_context)
         self.addr = self._targets[0][3]  # the address of the current (or last) connection
         self.api_key = api_key
         self.timeout = arguments.seconds("timeout", timeout)
         self.name = name
         self._ssl_context = ssl_context
-        if reconnect is True:
-            reconnect = Reconnect()
-        self.reconnect: Reconnect | None = reconnect or None
+        self.reconnect = arguments.reconnect(reconnect)
         self.max_pending = arguments.count("max_pending", max_pending)
         self.max_pending_bytes = arguments.count("max_pending_bytes", max_pending_bytes)
         self.block = block
@@ -498,6 +500,7 @@ class AsyncClient:
         every QoS 1 message so far; raise the first refusal. A connection lost meanwhile
         is waited through: what it had not confirmed went to the next one, which is asked
         again. ``timeout`` (the client's by default) bounds it all."""
+        timeout = arguments.wait("timeout", timeout)
         limit = self.timeout if timeout is None else timeout
         with trio.move_on_after(limit):
             while True:  # one pass per connection the flush is asked on
@@ -531,7 +534,7 @@ class AsyncClient:
         window of unacked deliveries (0: the broker's default)."""
         if start == Start.TIME and start_time_ms:
             start_offset = start_time_ms
-        arguments.subscription(topic_filter, group, qos, credit, start_offset)
+        arguments.subscription(topic_filter, group, qos, credit, start_offset, start)
         flags = codec.SUBSCRIBE_UNTIL_END if until_end else 0
         sub = AsyncSubscription(self, topic_filter, group, qos, credit, start, start_offset,
                                 flags)
@@ -552,6 +555,7 @@ class AsyncClient:
 
     async def unsubscribe(self, topic_filter: str, *, group: str = "") -> int:
         """End this client's subscriptions on a filter, or delete a consumer group."""
+        arguments.names(topic_filter, group)
         conn = await self._until_up_within()
         reply = await self._ask(conn, conn.unsubscribe(0, topic_filter, group),
                                 "UNSUBSCRIBED", None)
@@ -565,7 +569,8 @@ class AsyncClient:
 
     async def stats(self, timeout: float | None = None) -> dict:
         """The broker's statistics (docs/PROTOCOL.md, "Statistics"), as a dict."""
-        _, reply = await self._request(lambda conn: conn.stats(), "STATS_REPORT", timeout)
+        _, reply = await self._request(lambda conn: conn.stats(), "STATS_REPORT",
+                                       arguments.wait("timeout", timeout))
         assert isinstance(reply, codec.StatsReport)
         try:
             data = json.loads(reply.data)
@@ -578,6 +583,7 @@ class AsyncClient:
 
     async def ping(self, timeout: float | None = None) -> float:
         """Round-trip time to the broker in seconds (a PING and its PONG)."""
+        timeout = arguments.wait("timeout", timeout)
         began = trio.current_time()
         await self._request(lambda conn: conn.ping(), "PONG", timeout)
         return trio.current_time() - began

@@ -186,6 +186,7 @@ class Subscription:
         Raises TimeoutError when ``timeout`` seconds pass with nothing delivered, and
         ConnectError when the broker stays silent through a keepalive PING.
         """
+        timeout = arguments.wait("timeout", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # again only after a wake fd (``Client.wake_fds``) woke the wait
             left = None if deadline is None else deadline - time.monotonic()
@@ -203,7 +204,7 @@ class Subscription:
         """Acknowledge the last deliveries this connection will take: CREDIT 0 and the ACK
         go out with the GOODBYE of ``close()``, so the broker does not refill the window
         (deliveries it sent then would go back to the group counted once more)."""
-        self.client._conn.ack_at_close(self.sub_id, tuple(d.offset for d in deliveries))
+        self.client._conn.ack_at_close(self.sub_id, arguments.deliveries(deliveries))
 
     @property
     def credit(self) -> int:
@@ -232,7 +233,12 @@ def targets(addr: str | Sequence[str], ssl_context: ssl.SSLContext | None
     """The addresses to dial, each as (host, port, TLS or not, the address as shown):
     ``tls://`` means TLS, and so does an ``ssl_context`` with no scheme; ``tcp://`` is plain
     TCP. Raises ConfigError for an address that is not one."""
-    addrs = [addr] if isinstance(addr, str) else list(addr)
+    if isinstance(addr, str):
+        addrs = [addr]
+    elif isinstance(addr, (list, tuple)):
+        addrs = list(addr)
+    else:
+        raise ConfigError(f"must be a str or a list of them, not {addr!r:.60}", "addr")
     if not addrs:
         raise ConfigError("no broker address given", "addr")
     out = []
@@ -280,6 +286,7 @@ class Client:
 
         ``read_ahead``: the payload bytes of deliveries read from the socket and not yet
         taken that stop further reads (``buffered``; docs/CLIENT.md, "Flow control")."""
+        arguments.connection(api_key, name, ssl_context)
         self._targets = targets(addr, ssl_context)
         self.addr = self._targets[0][3]
         self.timeout = arguments.seconds("timeout", timeout)
@@ -287,8 +294,7 @@ class Client:
         self.name = name
         self.api_key = api_key
         self._ssl_context = ssl_context
-        self.reconnect: Reconnect | None = Reconnect() if reconnect is True else (
-            reconnect or None)
+        self.reconnect = arguments.reconnect(reconnect)
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
         self.on_gap = on_gap
@@ -543,6 +549,7 @@ class Client:
         """Send everything, wait until the broker processed it (PING/PONG) and confirmed every
         QoS 1 message sent so far; raise the first refusal. ``timeout`` (default: the
         client's) bounds the whole wait."""
+        timeout = arguments.wait("timeout", timeout)
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         self._request(lambda conn: conn.ping(), "PONG", limit)
@@ -550,6 +557,7 @@ class Client:
 
     def wait_confirms(self, timeout: float | None = None) -> None:
         """Wait for the PUB_ACK of every QoS 1 publish sent; raise the first refusal."""
+        timeout = arguments.wait("timeout", timeout)
         self._send_out()
 
         def confirmed() -> bool | None:
@@ -588,7 +596,7 @@ class Client:
         """
         if start == codec.Start.TIME and start_time_ms:
             start_offset = start_time_ms  # the wire carries the time in start_offset
-        arguments.subscription(topic_filter, group, qos, credit, start_offset)
+        arguments.subscription(topic_filter, group, qos, credit, start_offset, start)
         flags = codec.SUBSCRIBE_UNTIL_END if until_end else 0
         reply = self._request(
             lambda conn: conn.subscribe(topic_filter, group, qos, credit, start, start_offset,
@@ -607,6 +615,7 @@ class Client:
 
     def unsubscribe(self, topic_filter: str, *, group: str = "") -> int:
         """End this connection's subscriptions on a filter, or delete a consumer group."""
+        arguments.names(topic_filter, group)
         reply = self._request(lambda conn: conn.unsubscribe(0, topic_filter, group),
                               "UNSUBSCRIBED")
         assert isinstance(reply, codec.Unsubscribed)
@@ -617,7 +626,7 @@ class Client:
 
     def ack(self, sub_id: int, *deliveries: Delivery) -> None:
         """Acknowledge deliveries (QoS 1; accepted and ignored for QoS 0)."""
-        self._conn.ack(sub_id, tuple(d.offset for d in deliveries))
+        self._conn.ack(sub_id, arguments.deliveries(deliveries))
         self._send_control()
 
     def nack(
@@ -625,14 +634,15 @@ class Client:
     ) -> None:
         """Negative ack: redeliver now (``delay_ms=0``) or once ``delay_ms`` has passed."""
         arguments.nack(delay_ms, reason)
-        self._conn.nack(sub_id, tuple(d.offset for d in deliveries), delay_ms, reason)
+        self._conn.nack(sub_id, arguments.deliveries(deliveries), delay_ms, reason)
         self._send_control()
 
     def stats(self, timeout: float | None = None) -> dict:
         """The broker's statistics (docs/PROTOCOL.md, "Statistics"), as a dict."""
         import json
 
-        reply = self._request(lambda conn: conn.stats(), "STATS_REPORT", timeout)
+        reply = self._request(lambda conn: conn.stats(), "STATS_REPORT",
+                              arguments.wait("timeout", timeout))
         assert isinstance(reply, codec.StatsReport)
         try:
             data = json.loads(reply.data)
@@ -688,6 +698,7 @@ class Client:
         """The next DELIVER batch of any of ``subs`` (taken in turn), with its subscription;
         None once all their streams ended; ``(None, ())`` when a wake fd became readable
         first. Raises like ``Subscription.next_batch``."""
+        timeout = arguments.wait("timeout", timeout)
         def batch() -> object | None:
             conn = self._conn  # a new one after a reconnect
             live = 0

@@ -412,3 +412,45 @@ def test_the_sync_client_reads_ahead_no_more_than_read_ahead(start_broker) -> No
             got += [d.payload for d in sub.next_batch(timeout=10) or ()]
         assert got == [bytes([i]) * size for i in range(n)]
         c.flush()  # the replies behind them came too
+
+
+@pytest.mark.parametrize("policy", [5, "yes", 1.0, object()])
+def test_a_reconnect_that_is_no_policy_is_a_config_error_up_front(policy: object) -> None:
+    """``reconnect=5`` used to be taken, then fail with AttributeError at the first lost
+    connection; it is refused before anything is dialled (no broker needed)."""
+    with pytest.raises(ConfigError, match="reconnect: must be True, False or a Reconnect"):
+        Client("127.0.0.1:1", reconnect=policy)  # type: ignore[arg-type]
+
+
+def test_more_bad_arguments_are_config_errors(start_broker) -> None:
+    """Connection arguments, subscription names and start, acks and a call's own timeout:
+    one ConfigError naming the argument, not a TypeError, AttributeError,
+    UnicodeEncodeError or LocalProtocolError from deep inside."""
+    b = start_broker()
+    bad_clients = [
+        (lambda: Client(12345), "addr: must be a str or a list of them"),  # type: ignore
+        (lambda: Client(b.addr, None), "api_key: must be a str"),  # type: ignore
+        (lambda: Client(b.addr, "\udc80"), "api_key: must be valid UTF-8"),
+        (lambda: Client(b.addr, name=None), "name: must be a str"),  # type: ignore
+        (lambda: Client(b.addr, name="n" * 70000), "name: must be at most 65535 bytes"),
+        (lambda: Client(b.addr, ssl_context="ctx"), "ssl_context: must be an ssl.SSLContext"),
+        (lambda: Client(b.addr, read_ahead=0), "read_ahead: must be a whole number"),
+    ]
+    with Client(b.addr, timeout=5) as c:
+        sub = c.subscribe("args/t", group="g", qos=1)
+        bad_calls = [
+            (lambda: c.subscribe("a", group="g" * 70000, qos=1), "group: must be at most"),
+            (lambda: c.subscribe("a", start="EARLIEST"), "start: must be a Start"),
+            (lambda: sub.ack(5), "deliveries: give the Delivery objects"),
+            (lambda: sub.nack(None), "deliveries: give the Delivery objects"),
+            (lambda: c.unsubscribe(None), "topic_filter: must be a str"),
+            (lambda: sub.next_batch(timeout="1"), "timeout: must be None or a number"),
+            (lambda: sub.next_batch(timeout=-1), "timeout: must be None or a number"),
+            (lambda: c.flush(timeout=-1), "timeout: must be None or a number"),
+            (lambda: c.stats(timeout="5"), "timeout: must be None or a number"),
+        ]
+        for call, text in bad_clients + bad_calls:
+            with pytest.raises(ConfigError) as info:
+                call()
+            assert text in str(info.value), text
+        assert c.stats()["connections"] == 1  # the bad calls left the connection usable

@@ -527,3 +527,39 @@ async def test_prefetch_bytes_bounds_what_a_subscriber_that_takes_nothing_holds(
             while len(got) < n:
                 got += [d.payload for d in await sub.next_batch() or ()]
         assert got == [bytes([i]) * size for i in range(n)]
+
+
+async def test_more_bad_arguments_are_config_errors(start_broker) -> None:
+    """As the sync client's: the reconnect policy, connection arguments, subscription
+    names and start, acks and a call's own timeout are checked up front."""
+    b = start_broker()
+    for make, text in [
+        (lambda: AsyncClient(b.addr, reconnect=5), "reconnect: must be True, False or a"),
+        (lambda: AsyncClient(b.addr, reconnect="yes"), "reconnect: must be True, False or a"),
+        (lambda: AsyncClient(12345), "addr: must be a str or a list of them"),
+        (lambda: AsyncClient(b.addr, None), "api_key: must be a str"),
+        (lambda: AsyncClient(b.addr, "\udc80"), "api_key: must be valid UTF-8"),
+        (lambda: AsyncClient(b.addr, name="n" * 70000), "name: must be at most 65535 bytes"),
+        (lambda: AsyncClient(b.addr, ssl_context="ctx"), "ssl_context: must be an ssl."),
+        (lambda: AsyncClient(b.addr, prefetch_bytes=0), "prefetch_bytes: must be a whole"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            make()
+        assert text in str(info.value), text
+    async with AsyncClient(b.addr, timeout=5) as c:
+        sub = await c.subscribe("args", group="g", qos=1)
+        for call, text in [
+            (c.subscribe("a", group="g" * 70000, qos=1), "group: must be at most"),
+            (c.subscribe("a", start="EARLIEST"), "start: must be a Start"),
+            (sub.ack(5), "deliveries: give the Delivery objects"),
+            (sub.nack(None), "deliveries: give the Delivery objects"),
+            (c.unsubscribe(None), "topic_filter: must be a str"),
+            (sub.next_batch(timeout="1"), "timeout: must be None or a number"),
+            (sub.next_batch(timeout=-1), "timeout: must be None or a number"),
+            (c.flush(timeout=-1), "timeout: must be None or a number"),
+            (c.ping(timeout="5"), "timeout: must be None or a number"),
+        ]:
+            with pytest.raises(ConfigError) as info:
+                await call
+            assert text in str(info.value), text
+        assert (await c.stats())["connections"] == 1
