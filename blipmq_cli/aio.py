@@ -742,11 +742,7 @@ class AsyncClient:
                 while (outcome := conn.handshake()) is None:
                     await _read_into(stream, conn)
                     if conn.closed is not None and conn.handshake() is None:
-                        if conn.closed.reason is CloseReason.EOF and not secure:
-                            raise ConnectError(f"the broker at {label} closed the connection "
-                                               "during the handshake (if it is a TLS port, "
-                                               f"connect to tls://{label})")
-                        raise conn.failure(label, self.timeout)
+                        raise self._refused(conn, label, secure)
                 if isinstance(outcome, codec.Error):
                     raise BrokerError(outcome.code, outcome.text)
                 return stream, conn
@@ -754,6 +750,19 @@ class AsyncClient:
                 await trio.aclose_forcefully(stream)
                 raise
         raise ConnectError(f"cannot connect to {label}: no handshake within {self.timeout:g} s")
+
+    def _refused(self, conn: ClientConnection, label: str, secure: bool) -> BlipError:
+        """Why ``conn`` closed during the handshake: an end of stream is a TLS port spoken
+        to in plain TCP, or over TLS a client certificate missing or refused (TLS 1.3
+        tells only after the handshake, as the sync client's ``_dial`` finds too)."""
+        if conn.closed is not None and conn.closed.reason is CloseReason.EOF:
+            if secure:
+                from blipmq_cli import tls
+
+                return tls.closed_after_handshake(label)
+            return ConnectError(f"the broker at {label} closed the connection during the "
+                                f"handshake (if it is a TLS port, connect to tls://{label})")
+        return conn.failure(label, self.timeout)
 
     async def _tls(self, tcp: trio.SocketStream, host: str, label: str) -> trio.SSLStream:
         from blipmq_cli import tls

@@ -369,11 +369,9 @@ class Client:
                 if self._tls is None:  # a TLS port takes HELLO for a broken TLS handshake
                     raise ConnectError(f"{exc} during the handshake (if it is a TLS port, "
                                        f"connect to tls://{self.addr})") from None
-                # TLS 1.3 lets the client finish its side of the handshake before the
-                # broker has looked at its certificate: a refusal shows up only now
-                raise TlsError(f"the broker at {self.addr} closed the connection after the "
-                               "TLS handshake: it may want a client certificate (--cert, "
-                               "--cert-key) or refuse this one") from None
+                from blipmq_cli import tls
+
+                raise tls.closed_after_handshake(self.addr) from None
             if isinstance(outcome, codec.Error):
                 raise BrokerError(outcome.code, outcome.text)
         except BaseException:

@@ -108,6 +108,15 @@ def problem(exc: ssl.SSLError, addr: str) -> TlsError:
     return TlsError(f"TLS with {addr} failed: {_text(exc)}")
 
 
+def closed_after_handshake(addr: str) -> TlsError:
+    """A broker that closed the connection once the TLS handshake was done, before our
+    HELLO was answered: TLS 1.3 lets the client finish its side before the broker has
+    looked at its certificate, so a refused or missing one shows up only then."""
+    return TlsError(f"the broker at {addr} closed the connection after the TLS handshake: "
+                    "it may want a client certificate (--cert, --cert-key) or refuse this "
+                    "one")
+
+
 def _text(exc: ssl.SSLError) -> str:
     """OpenSSL's reason in words, or its message without "[SSL]" and "(_ssl.c:123)"."""
     if exc.reason:

@@ -563,3 +563,17 @@ async def test_more_bad_arguments_are_config_errors(start_broker) -> None:
                 await call
             assert text in str(info.value), text
         assert (await c.stats())["connections"] == 1
+
+
+async def test_a_missing_client_certificate_is_a_tls_error(start_broker, pki: Pki) -> None:
+    """A broker that requires a client certificate refuses one missing only after the TLS
+    1.3 handshake: AsyncClient says so as a TlsError, as the sync client does."""
+    b = start_broker(broker_tls(pki, tls={"ca_file": str(pki.ca), "require_client_cert": True}))
+    tls = f"tls://127.0.0.1:{b.tls_port}"
+    with pytest.raises(TlsError, match="client certificate"):
+        async with AsyncClient(tls, ssl_context=pki.client_context(), timeout=5):
+            pass
+    with pytest.raises(TlsError, match="client certificate"):
+        Client(tls, ssl_context=pki.client_context(), timeout=5)
+    async with AsyncClient(tls, ssl_context=pki.client_context(cert=True), timeout=5) as c:
+        assert await c.ping() >= 0
