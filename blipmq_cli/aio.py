@@ -294,6 +294,7 @@ class AsyncClient:
         self._up = False  # a connection is ready and its tasks run
         self._dead: BlipError | None = None  # why the client gave up
         self._closing = False
+        self._ending = False  # close() began: publishes are refused from here on
         self._changed = trio.Event()  # set (and replaced) on every change waiters look at
         self._dirty = trio.Event()  # the writer has something to send
         self._gated = False  # the reader waits for the application to take deliveries
@@ -360,10 +361,12 @@ class AsyncClient:
         includes waiting for the reconnect), say GOODBYE and end the client's task. Raises
         the first refusal not yet reported, and ConnectError when messages are left that
         the broker has not taken (held while disconnected, or QoS 1 unconfirmed): they are
-        dropped. A second ``close()`` does nothing."""
+        dropped. Publishes are refused from the moment it begins (ConnectError: publish
+        before close()). A second ``close()`` does nothing."""
         if not self._started or self._closing:
             self._closing = True
             return
+        self._ending = True
         error: BlipError | None = None
         if self._dead is None and (self._up or self._conn.backlog[0]):
             try:
@@ -385,8 +388,9 @@ class AsyncClient:
         if error is not None and not isinstance(error, ConnectError):
             raise error
         if held:
+            why = error or "the connection closed before the broker confirmed them"
             raise ConnectError(f"closed with {held} messages ({held_size} bytes) that the "
-                               f"broker at {self.addr} has not taken, now dropped: {error}")
+                               f"broker at {self.addr} has not taken, now dropped: {why}")
 
     async def _shutdown(self) -> None:
         """End the client's task and wait for it. Safe from any task or cancel scope: the
@@ -686,6 +690,9 @@ class AsyncClient:
         messages of ``size`` bytes (or at once with nothing pending). ``queued``: how many
         messages of a ``publish_many`` went in before, for the error."""
         while True:  # each pass returns, raises, or waits for a change
+            if self._ending and not self._closing:
+                raise ConnectError(f"the client for {self.addr} is closing: publish before "
+                                   "close()")
             self._check_alive()
             conn = self._conn
             held, held_size = conn.backlog

@@ -5,6 +5,9 @@ sync client."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import trio
 import trio.testing
@@ -577,3 +580,29 @@ async def test_a_missing_client_certificate_is_a_tls_error(start_broker, pki: Pk
         Client(tls, ssl_context=pki.client_context(), timeout=5)
     async with AsyncClient(tls, ssl_context=pki.client_context(cert=True), timeout=5) as c:
         assert await c.ping() >= 0
+
+
+async def test_a_publish_after_close_began_is_refused_up_front(start_broker) -> None:
+    """Once close() began (its flush waits on a stalled broker here), a publish raises
+    ConnectError at once instead of going out behind the flush, where close() would count
+    it as dropped though the broker stored it; close() then ends quietly."""
+    b = start_broker()
+    async with AsyncClient(b.addr, timeout=20) as c:
+        await c.publish("closing/t", b"before", qos=1)
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(c.close)
+                await trio.testing.wait_all_tasks_blocked()  # its flush waits for a PONG
+                for publish in (c.publish("closing/t", b"late"),
+                                c.publish("closing/t", b"late", qos=1),
+                                c.publish_many([("closing/t", b"late")])):
+                    with pytest.raises(ConnectError, match="is closing: publish before close"):
+                        await publish
+                os.kill(b.proc.pid, signal.SIGCONT)
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+    with Client(b.addr) as r:
+        logged = [d.payload for d in r.subscribe("closing/t", start=Start.EARLIEST,
+                                                 until_end=True)]
+    assert logged == [b"before"]

@@ -657,3 +657,29 @@ def test_a_record_with_broker_made_flags_or_too_large_is_refused() -> None:
     with pytest.raises(LocalProtocolError):
         conn.publish_record(codec.message_record(Message("t", b"y" * 11)), 11)
     assert conn.data_to_send() == b""
+
+
+def test_pub_acks_after_our_goodbye_still_confirm() -> None:
+    """The broker handles what we sent before our GOODBYE: the PUB_ACK of a PUBLISH sent
+    just before it counts (``backlog`` is then empty, and close() drops nothing), and so
+    does a refusal; other frames and broken bytes are ignored."""
+    conn = ready()
+    first, second = conn.publish(Message("t", b"a", qos=1)), conn.publish(Message("t", b"b", qos=1))
+    (publish,) = sent(conn)
+    conn.publish(Message("t", b"c", qos=1))
+    (late,) = sent(conn)
+    conn.goodbye()
+    assert typed(sent(conn)) == typed([Goodbye()])
+    assert conn.backlog[0] == 3
+    conn.receive_data(encode(PubAck(2, publish.request_id))
+                      + encode(PubAck(0, late.request_id))
+                      + encode(Error(ErrorCode.MESSAGE_TOO_LARGE, "too large", 0))
+                      + encode(Ping(b"", 9)), 1.0)
+    assert conn.backlog == (0, 0) and conn.confirmed == 2
+    assert (conn.outcome(first), conn.outcome(second)) == (True, True)
+    assert conn.refusal() is not None
+    assert conn.data_to_send() == b""  # the PING is not answered: the connection is over
+    assert conn.closed == Closed(CloseReason.LOCAL, ErrorCode.NORMAL, "")
+    conn.receive_data(b"\xff" * 8, 2.0)  # broken bytes: nothing after them counts
+    conn.receive_data(encode(PubAck(1, 12345)), 3.0)
+    assert conn.confirmed == 2

@@ -254,6 +254,7 @@ class ClientConnection:
         self._at_close: list[bytes] = []  # frames that go out just before our GOODBYE
         self._heard: float | None = None  # when bytes last came from the broker
         self._probe: float | None = None  # when the unanswered keepalive PING went out
+        self._deaf = False  # broken bytes came after our GOODBYE: nothing more is read
 
     # ----------------------------------------------------------------------------- output
 
@@ -622,9 +623,12 @@ class ClientConnection:
         """Take bytes from the broker; ``b""`` means the broker ended the stream.
 
         Raises RemoteProtocolError (and closes the connection) on bytes that break the
-        protocol, after handling the whole frames before them. Ignored once closed.
+        protocol, after handling the whole frames before them. Ignored once closed, but
+        for the PUB_ACKs and ERRORs that come after our GOODBYE (``_after_goodbye``).
         """
         if self.closed is not None:
+            if data and self.closed.reason is CloseReason.LOCAL and not self._deaf:
+                self._after_goodbye(data)
             return
         if not data:
             self._close(Closed(CloseReason.EOF))
@@ -645,6 +649,23 @@ class ClientConnection:
         except RemoteProtocolError as exc:
             self._close(Closed(CloseReason.MALFORMED, exc.code, str(exc)))
             raise
+
+    def _after_goodbye(self, data: bytes) -> None:
+        """Bytes after our GOODBYE: the broker handles what we sent before it, so the
+        PUB_ACKs (and refusals) of our last PUBLISH frames still count (``backlog`` then
+        holds only what it did not take); anything else, and bytes that break the
+        protocol, are dropped, the connection being over."""
+        decoder = self._decoder
+        decoder.feed(data)
+        try:
+            for _ in range(2):  # the second raises an error held back behind frames
+                for frame in decoder.frames():
+                    if type(frame) is codec.PubAck:
+                        self._confirm(frame)
+                    elif type(frame) is codec.Error:
+                        self._error(frame)
+        except RemoteProtocolError:
+            self._deaf = True  # nothing after broken bytes can be trusted
 
     def _handle(self, frame: codec.Frame) -> None:
         kind = type(frame)
