@@ -74,7 +74,14 @@ from blipmq_server.protocol.message import (
     RawMessage,
 )
 from blipmq_server.protocol.names import filter_problem
-from blipmq_server.server.session import CloseReason, Session, _time, now_ms, wall_ms
+from blipmq_server.server.session import (
+    CloseReason,
+    Session,
+    _time,
+    log_adopted,
+    now_ms,
+    wall_ms,
+)
 
 if TYPE_CHECKING:
     from blipmq_server.server.app import Server
@@ -673,10 +680,16 @@ class MqttSession(Session):
         self.clean = packet.clean_session
         limit = server.config.mqtt.max_keepalive
         self.keepalive = float(min(packet.keepalive, limit)) if packet.keepalive else 0.0
-        if not server.mqtt_sessions.may_attach(self):  # before it counts as connected
-            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED)))
-            self._protocol_error("session_of_another_key", f"client id {client_id!r} is "
-                                 "another key's session")
+        verdict = server.mqtt_sessions.may_attach(self)  # before it counts as connected
+        if verdict != ConnackCode.ACCEPTED:
+            self.send_bytes(mqtt.encode(ConnAck(False, verdict)))
+            if verdict == ConnackCode.SERVER_UNAVAILABLE:
+                self._protocol_error("session_in_use", f"client id {client_id!r} is a "
+                                     "session of the api_keys keys that one of them still "
+                                     "uses: adopted once that connection is gone")
+            else:
+                self._protocol_error("session_of_another_key", f"client id {client_id!r} "
+                                     "is another key's session")
             return CloseReason.PROTOCOL_ERROR
         self.will = packet.will
         self.connected = self.authenticated = True
@@ -950,6 +963,8 @@ class MqttSession(Session):
             self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
             0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
             counted=not restored and old is None, holder=holder)
+        if result.adopted and share[0]:  # the session's own groups: said of the session
+            log_adopted(group, core_filter, result.adopted)
         if result.refusal is not None:
             self.refusals.append((topic_filter, result.refusal.text))
             if result.refusal.code != ErrorCode.FORBIDDEN:
