@@ -98,13 +98,15 @@ _PINGRESP = mqtt.encode(PingResp())
 _RESERVED = ("$",)
 
 
-def connection_state(topic: str, limit: int) -> bool:
-    """Whether ``topic`` is ``$SYS/broker/connection/<name>/state``, where a mosquitto
-    bridge publishes the state of its link (``notifications``, on by default) and sets its
-    will: a bridge session may publish there, and nowhere else under '$'."""
+def connection_state(topic: str, client_id: str, limit: int) -> bool:
+    """Whether ``topic`` is ``$SYS/broker/connection/<client_id>/state``, where a mosquitto
+    bridge connected with ``client_id`` publishes the state of its link
+    (``notifications``, on by default) and sets its will: a bridge session may publish
+    there, and nowhere else under '$' (not another bridge's state topic)."""
     levels = topic.split("/")
     return (len(levels) == 5 and levels[:3] == ["$SYS", "broker", "connection"]
-            and levels[4] == "state" and levels[3] not in ("", "+", "#")
+            and levels[4] == "state" and levels[3] == client_id
+            and client_id not in ("", "+", "#")
             and "\x00" not in topic and len(topic.encode("utf-8")) <= limit)
 
 
@@ -717,7 +719,8 @@ class MqttSession(Session):
         if name is not None:  # the usual: a topic this client published to before
             return raw_message(name, payload, qos, retain, self.mark)
         if topic.startswith(_RESERVED):
-            if self.bridge and connection_state(topic, self.broker.limits.max_topic_bytes):
+            if self.bridge and connection_state(topic, self.client_id,
+                                                self.broker.limits.max_topic_bytes):
                 # a mosquitto bridge's notification (and will): its link's state, kept here
                 # as mosquitto keeps it (never cached in ``_names``: checked every time)
                 return raw_message(topic.encode("utf-8"), payload, qos, retain, self.mark)

@@ -312,7 +312,7 @@ class MqttSessions:
                           session.mark)
         # a bridge's will to its link's state topic (``connection_state``) is published;
         # any other will to a '$' topic is refused by the core, as such a publish
-        internal = session.bridge and connection_state(will.topic,
+        internal = session.bridge and connection_state(will.topic, session.client_id,
                                                        self.broker.limits.max_topic_bytes)
         result = self.broker.publish((raw,), now_ms(), wall_ms(), internal=internal,
                                      access=session.access)
