@@ -30,6 +30,7 @@ import time
 import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import tomlkit
@@ -811,6 +812,28 @@ def test_stats_and_groups_are_for_admin_keys(keyed) -> None:
     for res in results[4:]:
         ok(res)
     assert json.loads(results[5].stdout)["subscriptions"] == 0
+
+
+def test_a_non_admin_stats_gets_the_restricted_report_the_docs_show(keyed) -> None:
+    """STATS from a key that is not an admin's is answered with a restricted STATS_REPORT
+    (what `blipmq version` relies on), not ERROR FORBIDDEN as docs/PROTOCOL.md's error
+    table and docs/SECURITY.md said: a third-party client read success where the docs
+    promised a refusal. The docs now show that report, field for field."""
+    reader = make("reader", subscribe=["a/#"])
+    b = keyed(reader, mqtt=False)
+    with Client(b.addr, reader.key) as rc:
+        report = rc.stats()
+    assert report["restricted"] is True and report["key"] == "reader", report
+    assert report["broker"] == "blipmq" and "topics" not in report and "groups" not in report
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md").read_text()
+    shown = re.search(r"```json\n(\{[^`]*\"restricted\": true[^`]*\})\n```", doc)
+    assert shown, "docs/PROTOCOL.md shows no restricted STATS report"
+    assert sorted(json.loads(shown.group(1))) == sorted(report)
+    forbidden_row = next(line for line in doc.splitlines() if "`FORBIDDEN`" in line
+                         and line.startswith("| 19"))
+    assert "STATS (" not in forbidden_row and "restricted report" in forbidden_row
+    security = (Path(__file__).resolve().parent.parent / "docs" / "SECURITY.md").read_text()
+    assert "another key gets `ERROR FORBIDDEN`" not in security
 
 
 def test_any_key_may_ask_the_broker_version(keyed) -> None:
