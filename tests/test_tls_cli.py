@@ -85,6 +85,25 @@ def test_trust_is_checked_and_insecure_skips_it(start_broker, pki: Pki) -> None:
     b.wait_metric("blipmq_tls_handshake_failures_total", 2, reason="peer_refused")
 
 
+def test_a_certificate_for_other_names_says_so_not_to_give_the_ca(start_broker, pki: Pki,
+                                                                   tmp_path) -> None:
+    """The right --cafile, an address the broker's certificate does not name: exit 12 with
+    a line that points at the name. It said "... IP address mismatch ... (give the CA that
+    signed it with --cafile, or --insecure to skip the check)", though the CA was given."""
+    issued = pki.authority.issue_cert("gateway.lan")
+    cert, key = tmp_path / "gateway.pem", tmp_path / "gateway.key"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    b = start_broker(broker_tls(pki, tls={"cert_file": str(cert), "key_file": str(key)}))
+    for host, mismatch in (("127.0.0.1", "IP address mismatch"),
+                           ("localhost", "Hostname mismatch")):
+        addr = f"tls://{host}:{b.tls_port}"
+        done = b.cli("pub", "t", "x", "--cafile", str(pki.ca), BLIPMQ_ADDR=addr)
+        one_line(done, Exit.TLS, f"the certificate of {addr} does not name the host "
+                 f"connected to: {mismatch}")
+        assert "--cafile" not in done.stderr.decode() and "--insecure" in done.stderr.decode()
+
+
 def test_the_wrong_port_says_so(start_broker, pki: Pki) -> None:
     b = start_broker(broker_tls(pki))
     ca = str(pki.ca)
