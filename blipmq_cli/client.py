@@ -354,8 +354,10 @@ class Client:
             self._arrived = select.poll()  # whether anything came, without waiting
             self._arrived.register(self.sock, select.POLLIN)
             self._conn.hello(self.name, self.api_key)
-            self._send_out()
             try:
+                # in the try: a broker that refuses the client certificate after the TLS
+                # handshake may close (EPIPE, ECONNRESET) while HELLO is being written
+                self._send_out()
                 outcome = self._wait(self._conn.handshake, deadline - time.monotonic(),
                                      "the handshake")
             except TimeoutError:

@@ -82,9 +82,20 @@ def connect(sock: socket.socket, ctx: ssl.SSLContext, host: str, addr: str,
     return TlsSocket(wrapped, addr)
 
 
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_EMAIL_MISMATCH,
+# X509_V_ERR_IP_ADDRESS_MISMATCH: a trusted certificate made for other names
+_NAME_MISMATCH = (62, 63, 64)
+
+
 def problem(exc: ssl.SSLError, addr: str) -> TlsError:
     """What a failed TLS step means, for a person."""
     code = exc.reason or ""
+    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_code in _NAME_MISMATCH:
+        # the CA vouched for it (the chain is checked first): it names other hosts
+        return TlsError(f"the certificate of {addr} does not name the host connected to: "
+                        f"{exc.verify_message} (connect with a host name or address the "
+                        "certificate names, as its subjectAltName lists them, or --insecure "
+                        "to skip the check)")
     if isinstance(exc, ssl.SSLCertVerificationError):
         return TlsError(f"the certificate of {addr} is not trusted: {exc.verify_message} "
                         "(give the CA that signed it with --cafile, or --insecure to skip "

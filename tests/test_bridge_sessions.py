@@ -9,7 +9,7 @@ import json
 import time
 from collections import Counter
 
-from blipmq_server.mqtt.codec import PubAck, Publish, SubAck, Subscribe
+from blipmq_server.mqtt.codec import PubAck, Publish, SubAck, Subscribe, Will
 from tests.conftest import BrokerProcess
 from tests.mqttpeer import Paho, Raw
 from tests.test_bridge import bridge_table, status, wait_status
@@ -226,6 +226,39 @@ def test_a_mosquitto_bridge_with_its_default_notifications_stays_connected(start
     raw.connect("not-a-bridge")
     raw.send(Publish(state, b"1", 1, True, False, 1))
     assert raw.wait_closed() == []
+
+
+def test_a_bridge_may_set_only_its_own_link_state(start_broker) -> None:
+    """A bridge session may publish (and leave its will) on
+    ``$SYS/broker/connection/<its own client id>/state`` only. Any bridge session could
+    write any name's: `evil` (level 0x84) set real-bridge's retained state to 0 and made a
+    `ghost` one. Now those are '$' topics like any other: dropped at QoS 0, the connection
+    closed at QoS 1, its will there not published; its own state is still kept."""
+    bp = start_broker({"mqtt": MQTT})
+    real_state = "$SYS/broker/connection/real-bridge/state"
+    real = Raw(bp.mqtt_port)
+    assert real.connect("real-bridge", level=0x84,
+                        will=Will(real_state, b"0", 1, True)).code == 0
+    real.send(Publish(real_state, b"1", 1, True, False, 1))
+    assert real.expect(PubAck) == PubAck(1)
+    evil = Raw(bp.mqtt_port)
+    assert evil.connect("evil", level=0x84, will=Will(real_state, b"0", 1, True)).code == 0
+    evil.send(Publish("$SYS/broker/connection/ghost/state", b"1", 0, True, False, 0),
+              Publish(real_state, b"0", 1, True, False, 2))
+    assert evil.wait_closed() == []  # its will is due now, and refused
+    again = Raw(bp.mqtt_port)
+    assert again.connect("evil", level=0x84).code == 0
+    again.send(Publish("$SYS/broker/connection/evil/state", b"1", 1, True, False, 3))
+    assert again.expect(PubAck) == PubAck(3)
+    again.disconnect()
+    watcher = Paho(bp.mqtt_port, "watcher")
+    assert watcher.subscribe(("$SYS/broker/connection/+/state", 0)) == [0]
+    got = sorted((m.topic, m.payload) for m in watcher.take(2))
+    watcher.sync()
+    got += [(m.topic, m.payload) for m in watcher.drained()]
+    assert got == [("$SYS/broker/connection/evil/state", b"1"), (real_state, b"1")], got
+    watcher.disconnect()
+    real.disconnect()
 
 
 def test_a_share_member_that_is_a_bridge_gets_its_share_of_bridged_messages(start_broker

@@ -30,6 +30,7 @@ import time
 import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import tomlkit
@@ -53,6 +54,7 @@ from blipmq_server.protocol.message import Delivery
 
 FORBIDDEN_EXIT = 5
 SUBACK_FAILURE = 0x80
+CONNACK_SERVER_UNAVAILABLE = 3
 CONNACK_NOT_AUTHORIZED = 5
 WAIT = 10.0
 
@@ -812,6 +814,28 @@ def test_stats_and_groups_are_for_admin_keys(keyed) -> None:
     assert json.loads(results[5].stdout)["subscriptions"] == 0
 
 
+def test_a_non_admin_stats_gets_the_restricted_report_the_docs_show(keyed) -> None:
+    """STATS from a key that is not an admin's is answered with a restricted STATS_REPORT
+    (what `blipmq version` relies on), not ERROR FORBIDDEN as docs/PROTOCOL.md's error
+    table and docs/SECURITY.md said: a third-party client read success where the docs
+    promised a refusal. The docs now show that report, field for field."""
+    reader = make("reader", subscribe=["a/#"])
+    b = keyed(reader, mqtt=False)
+    with Client(b.addr, reader.key) as rc:
+        report = rc.stats()
+    assert report["restricted"] is True and report["key"] == "reader", report
+    assert report["broker"] == "blipmq" and "topics" not in report and "groups" not in report
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md").read_text()
+    shown = re.search(r"```json\n(\{[^`]*\"restricted\": true[^`]*\})\n```", doc)
+    assert shown, "docs/PROTOCOL.md shows no restricted STATS report"
+    assert sorted(json.loads(shown.group(1))) == sorted(report)
+    forbidden_row = next(line for line in doc.splitlines() if "`FORBIDDEN`" in line
+                         and line.startswith("| 19"))
+    assert "STATS (" not in forbidden_row and "restricted report" in forbidden_row
+    security = (Path(__file__).resolve().parent.parent / "docs" / "SECURITY.md").read_text()
+    assert "another key gets `ERROR FORBIDDEN`" not in security
+
+
 def test_any_key_may_ask_the_broker_version(keyed) -> None:
     reader = make("reader", subscribe=["a/#"])
     b = keyed(reader)
@@ -854,24 +878,30 @@ def test_legacy_api_keys_keep_full_access(keyed) -> None:
 def test_what_an_api_keys_key_makes_is_not_a_named_keys_across_a_restart(keyed, start_broker
                                                                         ) -> None:
     """With authentication on, an api_keys key's MQTT session and groups belong to its
-    identity ("*"): a named key that may read the same topics can neither take the session
-    over nor use or delete the groups, before and after a restart; an admin can."""
+    identity ("*"): while an api_keys client uses them, a named key that may read the same
+    topics can neither take the session over (CONNACK 3: not yet) nor use or delete the
+    groups, before and after a restart; a key that may not read all the session's filters
+    is refused its id (CONNACK 5); an admin uses what it likes."""
     legacy = "legacy-" + secrets.token_hex(16)
     hall = make("hall", publish=["jobs/#"], subscribe=["jobs/#", "cmd/hall/#"])
+    narrow = make("narrow", publish=["jobs/#"], subscribe=["cmd/hall/#"])
     admin = root()
-    b = keyed(hall, admin, api_keys=[legacy])
+    b = keyed(hall, narrow, admin, api_keys=[legacy])
     dev = Paho(b.mqtt_port, "z2m", clean=False, username="z", password=legacy,
                will=Will("z2m/bridge/state", b"offline", 1, True))
     assert dev.subscribe(("jobs/#", 1)) == [1]
-    ok(run(b, legacy, "sub", "jobs/#", "--group", "billing", "-q", "1", "-e"))
+    billing = Client(b.addr, legacy)  # a durable group in use
     live = Client(b.addr, legacy)  # and a QoS 0 group, in memory
     try:
+        billing.subscribe("jobs/#", group="billing", qos=1)
         live.subscribe("jobs/#", group="live")
-        for clean in (False, True):
-            thief = Raw(b.mqtt_port)
-            assert thief.connect("z2m", clean=clean, username="hall",
-                                 password=hall.key.encode()).code == CONNACK_NOT_AUTHORIZED
-            thief.close()
+        for who, code in ((hall, CONNACK_SERVER_UNAVAILABLE),
+                          (narrow, CONNACK_NOT_AUTHORIZED)):
+            for clean in (False, True):
+                thief = Raw(b.mqtt_port)
+                assert thief.connect("z2m", clean=clean, username=who.name,
+                                     password=who.key.encode()).code == code
+                thief.close()
         results = run_many(b, [
             (hall, ("sub", "jobs/#", "--group", "billing", "-q", "1", "-e")),
             (hall, ("unsub", "jobs/#", "--group", "billing")),
@@ -884,24 +914,85 @@ def test_what_an_api_keys_key_makes_is_not_a_named_keys_across_a_restart(keyed, 
         assert not dev.disconnected.is_set()
     finally:
         live.close()
+        billing.close()
     dev.disconnect()
     assert b.stop() == 0
 
     again = start_broker(tomllib.loads(b.config_path.read_text()), data_dir=b.data_dir)
     thief = Raw(again.mqtt_port)
-    assert thief.connect("z2m", clean=False, username="hall",
-                         password=hall.key.encode()).code == CONNACK_NOT_AUTHORIZED
+    assert thief.connect("z2m", clean=False, username="narrow",
+                         password=narrow.key.encode()).code == CONNACK_NOT_AUTHORIZED
     thief.close()
-    forbidden(run(again, hall, "sub", "jobs/#", "--group", "billing", "-q", "1", "-e"),
-              "'billing'")
-    forbidden(run(again, hall, "unsub", "jobs/#", "--group", "billing"), "'billing'")
+    with Client(again.addr, legacy) as billing:  # still '*''s: not hall's to join
+        billing.subscribe("jobs/#", group="billing", qos=1, credit=1)
+        forbidden(run(again, hall, "sub", "jobs/#", "--group", "billing", "-q", "1", "-e"),
+                  "'billing'")
+        forbidden(run(again, hall, "unsub", "jobs/#", "--group", "billing"), "'billing'")
     assert ok(run(again, admin, "sub", "jobs/#", "--group", "billing", "-q", "1", "-C", "1",
                   "-v")) == ["jobs/1 job-1"]
     ok(run(again, admin, "unsub", "jobs/#", "--group", "billing"))
     dev = Paho(again.mqtt_port, "z2m", clean=False, username="z", password=legacy)
     assert dev.session_present
     dev.disconnect()
-    assert_nowhere(again, [hall.key, admin.key], [legacy])
+    assert_nowhere(again, [hall.key, narrow.key, admin.key], [legacy])
+
+
+def test_migrating_from_api_keys_a_named_key_adopts_its_session_and_group(keyed, start_broker
+                                                                         ) -> None:
+    """docs/SECURITY.md, "Migrating from api_keys": a device's persistent session and a
+    service's durable group, made with an api_keys key, are taken over by the named keys
+    they get (steps 1-2), whose permissions cover what they subscribe to: the device
+    resumes its session (session present, its backlog) with clean session 0, the service
+    rejoins its group (its backlog). They were refused before (CONNACK 5, FORBIDDEN). Once
+    adopted they are the named keys' (logged once), across emptying api_keys (step 3) and a
+    restart: another named key with the same permissions is refused them."""
+    legacy = "legacy-" + secrets.token_hex(16)
+    admin = root()
+    b = keyed(admin, api_keys=[legacy])
+    dev = Paho(b.mqtt_port, "esphome-kitchen", clean=False, username="k", password=legacy)
+    assert dev.subscribe(("cmd/kitchen/#", 1)) == [1]
+    dev.disconnect()
+    ok(run(b, legacy, "sub", "sensors/kitchen/#", "--group", "svc", "-q", "1", "-e"))
+    ok(run(b, legacy, "pub", "cmd/kitchen/light", "on", "-q", "1"))
+    ok(run(b, legacy, "pub", "sensors/kitchen/t", "21", "-q", "1"))
+
+    kitchen = make("kitchen", publish=["sensors/kitchen/#"], subscribe=["cmd/kitchen/#"])
+    svc = make("svc", subscribe=["sensors/#"])
+    twin = make("twin", subscribe=["cmd/kitchen/#", "sensors/kitchen/#"])
+    other = make("other", subscribe=["cmd/hall/#", "sensors/hall/#"])
+    reload_keys(b, admin, kitchen, svc, twin, other, api_keys=[legacy])  # steps 1-2
+    # a key that may not read what they subscribe to adopts nothing
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("esphome-kitchen", clean=False, username="other",
+                       password=other.key.encode()).code == CONNACK_NOT_AUTHORIZED
+    raw.close()
+    dev = mqtt_client(b, kitchen, "esphome-kitchen", clean=False)
+    assert dev.session_present
+    m = dev.get()
+    assert (m.topic, m.payload) == ("cmd/kitchen/light", b"on")
+    dev.disconnect()
+    assert ok(run(b, svc, "sub", "sensors/kitchen/#", "--group", "svc", "-q", "1", "-C", "1",
+                  "-v")) == ["sensors/kitchen/t 21"]
+    assert "is key 'kitchen''s from now on" in b.wait_log("MQTT session 'esphome-kitchen'")
+    assert "is key 'svc''s from now on" in b.wait_log("group 'svc' on 'sensors/kitchen/#'")
+    adopted = [line for line in b.log if "from now on" in line]
+    assert len(adopted) == 2, adopted  # reload_keys cleared the log: these two only
+
+    reload_keys(b, admin, kitchen, svc, twin, other)  # step 3: api_keys emptied
+    assert b.stop() == 0
+    again = start_broker(tomllib.loads(b.config_path.read_text()), data_dir=b.data_dir)
+    raw = Raw(again.mqtt_port)
+    assert raw.connect("esphome-kitchen", clean=False, username="twin",
+                       password=twin.key.encode()).code == CONNACK_NOT_AUTHORIZED
+    raw.close()
+    forbidden(run(again, twin, "sub", "sensors/kitchen/#", "--group", "svc", "-q", "1", "-e"),
+              "'svc'")
+    dev = mqtt_client(again, kitchen, "esphome-kitchen", clean=False)
+    assert dev.session_present
+    dev.disconnect()
+    ok(run(again, svc, "sub", "sensors/kitchen/#", "--group", "svc", "-q", "1", "-e"))
+    assert not [line for line in again.log if "from now on" in line]
+    assert_nowhere(again, [admin.key, kitchen.key, svc.key, twin.key, other.key], [legacy])
 
 
 # ========================================================== 9. refused keys and floods

@@ -6,6 +6,7 @@ messages and long batches, which cross TLS records and partial reads)."""
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import sys
 
@@ -84,6 +85,25 @@ def test_trust_is_checked_and_insecure_skips_it(start_broker, pki: Pki) -> None:
     b.wait_metric("blipmq_tls_handshake_failures_total", 2, reason="peer_refused")
 
 
+def test_a_certificate_for_other_names_says_so_not_to_give_the_ca(start_broker, pki: Pki,
+                                                                   tmp_path) -> None:
+    """The right --cafile, an address the broker's certificate does not name: exit 12 with
+    a line that points at the name. It said "... IP address mismatch ... (give the CA that
+    signed it with --cafile, or --insecure to skip the check)", though the CA was given."""
+    issued = pki.authority.issue_cert("gateway.lan")
+    cert, key = tmp_path / "gateway.pem", tmp_path / "gateway.key"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    b = start_broker(broker_tls(pki, tls={"cert_file": str(cert), "key_file": str(key)}))
+    for host, mismatch in (("127.0.0.1", "IP address mismatch"),
+                           ("localhost", "Hostname mismatch")):
+        addr = f"tls://{host}:{b.tls_port}"
+        done = b.cli("pub", "t", "x", "--cafile", str(pki.ca), BLIPMQ_ADDR=addr)
+        one_line(done, Exit.TLS, f"the certificate of {addr} does not name the host "
+                 f"connected to: {mismatch}")
+        assert "--cafile" not in done.stderr.decode() and "--insecure" in done.stderr.decode()
+
+
 def test_the_wrong_port_says_so(start_broker, pki: Pki) -> None:
     b = start_broker(broker_tls(pki))
     ca = str(pki.ca)
@@ -134,6 +154,32 @@ def test_client_certificates(start_broker, pki: Pki) -> None:
                  BLIPMQ_CERT_KEY=str(pki.client_key), **env)
     assert done.returncode == 0, done.stderr
     assert b.metric("blipmq_messages_published_total") == 2
+
+
+TRIES = 200
+
+
+def test_a_certificate_without_the_identity_field_is_refused_as_tls_every_time(
+        start_broker, pki: Pki) -> None:
+    """tls.client_identity names a field the client certificate lacks (san_dns): the broker
+    refuses it after the handshake, every time as a TLS refusal. The client wrote HELLO
+    outside the code that turns a close there into a TLS error, so when the close came
+    first it was a plain "closed the connection" (the CLI's exit 3), not the TLS refusal
+    that says a client certificate may be wanted (exit 12). A race: 9 of 60 CLI runs; this
+    test's 400 tries (about 1 s) met it in each of 10 runs before the fix."""
+    b = start_broker(broker_tls(pki, tls={"ca_file": str(pki.ca), "require_client_cert": True,
+                                          "client_identity": "san_dns"}))
+    addr = f"tls://127.0.0.1:{b.tls_port}"
+    for version in (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3):
+        for _ in range(TRIES):
+            context = pki.client_context(cert=True)
+            context.maximum_version = version
+            with pytest.raises(TlsError, match="it may want a client certificate"):
+                Client(addr, ssl_context=context, timeout=10).close()
+    one_line(b.cli("pub", "t", "x", "--cafile", str(pki.ca), "--cert", str(pki.client_cert),
+                   "--cert-key", str(pki.client_key), BLIPMQ_ADDR=addr), Exit.TLS,
+             "it may want a client certificate")
+    b.wait_metric("blipmq_tls_handshake_failures_total", 2 * TRIES + 1, reason="no_identity")
 
 
 def test_bench_over_tls(start_broker, pki: Pki) -> None:

@@ -15,7 +15,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from blipmq_server.broker.access import Access, matches
+from blipmq_server.broker.access import FULL, Access, matches
 from blipmq_server.broker.cursors import Cursors
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow, Queue
@@ -457,9 +457,10 @@ class Broker:
         ``access``: the subscriber's permissions (None: no limits, and a new group belongs to
         nobody in particular). A filter that could match a topic it may not read is refused
         (FORBIDDEN), and so is a group another identity made, unless ``access`` is an
-        admin's or unlimited; a new group becomes its identity's; whatever the subscription
-        then carries (live messages, retained values, a replay, a group's backlog) is
-        readable by it.
+        admin's or unlimited; a new group becomes its identity's, and so does a group of
+        the ``api_keys`` keys it adopts (``_adoptable``; the result's ``adopted``); whatever
+        the subscription then carries (live messages, retained values, a replay, a group's
+        backlog) is readable by it.
         """
         cap = self.limits.max_topic_bytes
         problem = (filter_problem(topic_filter, cap)
@@ -473,7 +474,8 @@ class Broker:
         if held >= self.limits.max_subscriptions:
             return refused(ErrorCode.LIMIT, f"this connection holds {held} subscriptions, "
                            "the most server.max_subscriptions allows")
-        owner = ""  # who a group made by this call belongs to
+        owner = ""  # who a group made (or adopted) by this call belongs to
+        adopted = ""  # the identity of the key that adopted the api_keys keys' group
         if access is not None:  # unlimited: no permission to check, but a group to own
             if not access.unlimited and not access.identity.may_subscribe(topic_filter):
                 return refused(ErrorCode.FORBIDDEN, f"this key may not subscribe to "
@@ -485,6 +487,8 @@ class Broker:
             if group and not (self.group_owner(topic_filter, group)
                               or self._group_exists(topic_filter, group)):
                 owner = access.identity.name
+            elif group and self._adoptable(access, topic_filter, group):
+                owner = adopted = access.identity.name
         registry = self.registry
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group)
@@ -494,10 +498,10 @@ class Broker:
             if (not group) if retained is None else retained:
                 self._retained_to_queue(queue, topic_filter, timestamp_ms)
             if not until_end:
-                return SubscribeResult(consumer.sub_id, bool(queue.items))
+                return SubscribeResult(consumer.sub_id, bool(queue.items), adopted=adopted)
             consumer.until = len(queue.items) if not group else 0
             end = 0 if self.cursors is None else self.cursors.log.next_offset
-            return SubscribeResult(consumer.sub_id, True, end=end)
+            return SubscribeResult(consumer.sub_id, True, end=end, adopted=adopted)
         cursors = self.cursors
         if cursors is None:
             what = "QoS 1" if qos else "--from (replay)"
@@ -530,8 +534,8 @@ class Broker:
             self.counters.retained_sent += len(values)
         if until_end:
             consumer.until = cursors.log.next_offset
-            return SubscribeResult(consumer.sub_id, True, end=consumer.until)
-        return SubscribeResult(consumer.sub_id, self.has_work(consumer))
+            return SubscribeResult(consumer.sub_id, True, end=consumer.until, adopted=adopted)
+        return SubscribeResult(consumer.sub_id, self.has_work(consumer), adopted=adopted)
 
     # ------------------------------------------------------------------ group ownership
 
@@ -544,11 +548,29 @@ class Broker:
 
     def _may_use_group(self, access: Access, topic_filter: str, group: str) -> bool:
         """Whether ``access`` may consume from, ack in or delete the group: one nobody owns
-        (not made yet, or made without permissions in force), its own, or any as an admin.
-        A group a subscription makes becomes its subscriber's (``subscribe``)."""
+        (not made yet, or made without permissions in force), its own, or any as an admin;
+        or one of the ``api_keys`` keys it may adopt (``_adoptable``). A group a
+        subscription makes or adopts becomes its subscriber's (``subscribe``)."""
         identity = access.identity
         owner = self.group_owner(topic_filter, group)
-        return identity.admin or access.unlimited or owner in ("", identity.name)
+        return (identity.admin or access.unlimited or owner in ("", identity.name)
+                or self._adoptable(access, topic_filter, group))
+
+    def _adoptable(self, access: Access, topic_filter: str, group: str) -> bool:
+        """Whether a named key takes over (adopts) a group of the ``auth.api_keys`` keys
+        (owner ``*``) by using it: the way from ``api_keys`` to named keys (docs/SECURITY.md,
+        "Migrating"). Only a key that may read every topic of the group's filter, that is
+        no admin (an admin uses any group as it is), and only while nobody consumes from
+        the group: an ``api_keys`` client still using it is not pushed aside."""
+        identity = access.identity
+        if identity.admin or access.unlimited or not identity.may_subscribe(topic_filter):
+            return False
+        if self.group_owner(topic_filter, group) != FULL.name:
+            return False
+        key = (topic_filter, group)
+        target = self.registry.groups.get(key) or (
+            None if self.cursors is None else self.cursors.durable.get(key))
+        return target is not None and not target.consumers
 
     def _group_exists(self, topic_filter: str, group: str) -> bool:
         key = (topic_filter, group)

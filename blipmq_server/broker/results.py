@@ -127,6 +127,7 @@ class SubscribeResult(NamedTuple):
     ready: bool = False
     refusal: Refusal | None = None
     end: int | None = None  # asked for (until_end): the log's next offset, 0 without a log
+    adopted: str = ""  # a group of the api_keys keys ('*') became this identity's
 
 
 class Ended(NamedTuple):

@@ -74,7 +74,14 @@ from blipmq_server.protocol.message import (
     RawMessage,
 )
 from blipmq_server.protocol.names import filter_problem
-from blipmq_server.server.session import CloseReason, Session, _time, now_ms, wall_ms
+from blipmq_server.server.session import (
+    CloseReason,
+    Session,
+    _time,
+    log_adopted,
+    now_ms,
+    wall_ms,
+)
 
 if TYPE_CHECKING:
     from blipmq_server.server.app import Server
@@ -91,13 +98,15 @@ _PINGRESP = mqtt.encode(PingResp())
 _RESERVED = ("$",)
 
 
-def connection_state(topic: str, limit: int) -> bool:
-    """Whether ``topic`` is ``$SYS/broker/connection/<name>/state``, where a mosquitto
-    bridge publishes the state of its link (``notifications``, on by default) and sets its
-    will: a bridge session may publish there, and nowhere else under '$'."""
+def connection_state(topic: str, client_id: str, limit: int) -> bool:
+    """Whether ``topic`` is ``$SYS/broker/connection/<client_id>/state``, where a mosquitto
+    bridge connected with ``client_id`` publishes the state of its link
+    (``notifications``, on by default) and sets its will: a bridge session may publish
+    there, and nowhere else under '$' (not another bridge's state topic)."""
     levels = topic.split("/")
     return (len(levels) == 5 and levels[:3] == ["$SYS", "broker", "connection"]
-            and levels[4] == "state" and levels[3] not in ("", "+", "#")
+            and levels[4] == "state" and levels[3] == client_id
+            and client_id not in ("", "+", "#")
             and "\x00" not in topic and len(topic.encode("utf-8")) <= limit)
 
 
@@ -673,10 +682,16 @@ class MqttSession(Session):
         self.clean = packet.clean_session
         limit = server.config.mqtt.max_keepalive
         self.keepalive = float(min(packet.keepalive, limit)) if packet.keepalive else 0.0
-        if not server.mqtt_sessions.may_attach(self):  # before it counts as connected
-            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.NOT_AUTHORIZED)))
-            self._protocol_error("session_of_another_key", f"client id {client_id!r} is "
-                                 "another key's session")
+        verdict = server.mqtt_sessions.may_attach(self)  # before it counts as connected
+        if verdict != ConnackCode.ACCEPTED:
+            self.send_bytes(mqtt.encode(ConnAck(False, verdict)))
+            if verdict == ConnackCode.SERVER_UNAVAILABLE:
+                self._protocol_error("session_in_use", f"client id {client_id!r} is a "
+                                     "session of the api_keys keys that one of them still "
+                                     "uses: adopted once that connection is gone")
+            else:
+                self._protocol_error("session_of_another_key", f"client id {client_id!r} "
+                                     "is another key's session")
             return CloseReason.PROTOCOL_ERROR
         self.will = packet.will
         self.connected = self.authenticated = True
@@ -704,7 +719,8 @@ class MqttSession(Session):
         if name is not None:  # the usual: a topic this client published to before
             return raw_message(name, payload, qos, retain, self.mark)
         if topic.startswith(_RESERVED):
-            if self.bridge and connection_state(topic, self.broker.limits.max_topic_bytes):
+            if self.bridge and connection_state(topic, self.client_id,
+                                                self.broker.limits.max_topic_bytes):
                 # a mosquitto bridge's notification (and will): its link's state, kept here
                 # as mosquitto keeps it (never cached in ``_names``: checked every time)
                 return raw_message(topic.encode("utf-8"), payload, qos, retain, self.mark)
@@ -950,6 +966,8 @@ class MqttSession(Session):
             self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
             0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
             counted=not restored and old is None, holder=holder)
+        if result.adopted and share[0]:  # the session's own groups: said of the session
+            log_adopted(group, core_filter, result.adopted)
         if result.refusal is not None:
             self.refusals.append((topic_filter, result.refusal.text))
             if result.refusal.code != ErrorCode.FORBIDDEN:

@@ -56,6 +56,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("blipmq.session")
 
 
+def log_adopted(group: str, topic_filter: str, name: str) -> None:
+    """A named key took over a group of the ``auth.api_keys`` keys (``Broker._adoptable``):
+    said once, since the group is its own from then on."""
+    logging.getLogger("blipmq").info(
+        "group %r on %r of the api_keys keys ('*') is key %r's from now on (adopted: the key "
+        "may read every topic of it)", group, topic_filter, name)
+
+
 class CloseReason(Enum):
     EOF = "eof"
     GOODBYE = "goodbye"
@@ -734,6 +742,8 @@ class Session:
         if result.refusal is not None:
             self.error(result.refusal.code, result.refusal.text, frame.request_id)
             return
+        if result.adopted:
+            log_adopted(frame.group, frame.topic_filter, result.adopted)
         self.send(codec.Subscribed(result.sub_id, frame.request_id, result.end))
         counts = self.broker.take_counts()
         if counts:  # a durable group created to replay: its backlog is counted apart

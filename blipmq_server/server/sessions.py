@@ -14,11 +14,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from blipmq_server.broker.access import FULL
 from blipmq_server.mqtt import state
+from blipmq_server.mqtt.packets import ConnackCode
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.session import CloseReason, now_ms, wall_ms
 
 if TYPE_CHECKING:
+    from blipmq_server.broker.access import Identity
     from blipmq_server.server.app import Server
     from blipmq_server.server.mqtt import MqttSession
 
@@ -97,15 +100,40 @@ class MqttSessions:
 
     # --------------------------------------------------------------------------- connects
 
-    def may_attach(self, session: MqttSession) -> bool:
-        """Whether the session's key may use its client id: a session (online, or
-        persistent and offline) that another key made is not its to take over or end,
-        unless the key is an admin's."""
-        owner = self.owners.get(session.client_id, "")
+    def may_attach(self, session: MqttSession) -> ConnackCode:
+        """Whether the session's key may use its client id (ACCEPTED): a session (online,
+        or persistent and offline) that another key made is not its to take over or end
+        (NOT_AUTHORIZED), unless the key is an admin's. The exception is the way from
+        ``auth.api_keys`` to named keys (docs/SECURITY.md, "Migrating"): a session of the
+        ``api_keys`` keys (``*``) is adopted by a named key that may read every filter it
+        subscribes to, once no ``api_keys`` connection uses it (until then
+        SERVER_UNAVAILABLE: the device tries again, as it does after a restart)."""
+        cid = session.client_id
+        owner = self.owners.get(cid, "")
         access = session.access
         if not owner or access is None or access.identity.admin:
-            return True
-        return access.identity.name == owner
+            return ConnackCode.ACCEPTED
+        if access.identity.name == owner:
+            return ConnackCode.ACCEPTED
+        if owner != FULL.name or not self._covered(cid, access.identity):
+            return ConnackCode.NOT_AUTHORIZED
+        if cid in self.online:
+            return ConnackCode.SERVER_UNAVAILABLE
+        log.info("MQTT session %r of the api_keys keys ('*') is key %r's from now on "
+                 "(adopted: the key may read every filter it subscribes to)", cid,
+                 access.identity.name)
+        return ConnackCode.ACCEPTED
+
+    def _covered(self, cid: str, identity: Identity) -> bool:
+        """Whether ``identity`` may read every filter the client id's session subscribes
+        to (online, or persistent and offline)."""
+        online = self.online.get(cid)
+        if online is not None:
+            filters = list(online.subs)
+        else:
+            filters = list(self.offline.get(cid, ({}, 0))[0])
+        shares = [state.share_of(f) for f in filters]
+        return all(share is not None and identity.may_subscribe(share[1]) for share in shares)
 
     def attach(self, session: MqttSession) -> bool:
         """A client connected: take over an earlier connection with its id, then start a
@@ -284,7 +312,7 @@ class MqttSessions:
                           session.mark)
         # a bridge's will to its link's state topic (``connection_state``) is published;
         # any other will to a '$' topic is refused by the core, as such a publish
-        internal = session.bridge and connection_state(will.topic,
+        internal = session.bridge and connection_state(will.topic, session.client_id,
                                                        self.broker.limits.max_topic_bytes)
         result = self.broker.publish((raw,), now_ms(), wall_ms(), internal=internal,
                                      access=session.access)
