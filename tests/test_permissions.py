@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -47,6 +48,8 @@ from blipmq_server.mqtt.packets import (
     Publish,
     PubRec,
     PubRel,
+    SubAck,
+    Subscribe,
 )
 from blipmq_server.protocol.codec import ErrorCode, Start
 from blipmq_server.protocol.message import Delivery
@@ -1199,6 +1202,99 @@ def test_a_reload_rechecks_subscriptions_whatever_the_keys_name(keyed, how: str)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _read_to_end(sock: socket.socket, timeout: float = WAIT) -> bytes:
+    """Everything the broker sends on ``sock`` until it closes the connection."""
+    sock.setblocking(True)
+    deadline = time.monotonic() + timeout
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"the broker kept the connection open ({len(data)} bytes sent)"
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(1 << 20)
+        except TimeoutError:
+            continue
+        except ConnectionError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+AFTER = b"published after the reload"
+
+
+@pytest.mark.parametrize("how", ["revoked", "narrowed"])
+def test_a_backlog_does_not_carry_messages_published_after_the_reload(keyed, how: str
+                                                                      ) -> None:
+    """Connections with a backlog of 6 MB they have not read when a reload revokes their
+    key (native and MQTT), or narrows it below an MQTT subscription: their subscriptions
+    end at the reload, so nothing published after it reaches them, however long they take
+    to read what they were sent before (the connections close at once; the backlog went
+    out while they drained it, with everything published meanwhile)."""
+    reader = make("reader", subscribe=["sensors/#"])
+    admin = root()
+    b = keyed(reader, admin)
+    native = Client(b.addr, reader.key) if how == "revoked" else None
+    if native is not None:
+        native.subscribe("sensors/#")
+    m = Raw(b.mqtt_port)
+    assert m.connect("reader-dev", username="reader", password=reader.key.encode()).code == 0
+    m.send(Subscribe(1, (("sensors/#", 0),)))
+    assert m.expect(SubAck).codes == (0,)  # type: ignore[attr-defined]
+    b.wait_metric("blipmq_subscriptions", 2 if native is not None else 1)
+    with Client(b.addr, admin.key) as publisher:
+        for _ in range(100):
+            publisher.publish("sensors/before", b"B" * 60_000)
+        publisher.flush()
+        if how == "revoked":
+            reload_keys(b, admin)
+        else:
+            reload_keys(b, Key("reader", reader.key, {"subscribe": ["sensors/public/#"]}),
+                        admin)
+            assert "1 subscription(s) ended" in b.wait_log("reloaded: keys: 2 (~reader)")
+        for i in range(5):
+            publisher.publish("sensors/secret", AFTER + b" %d" % i, qos=1)
+        publisher.flush()
+    sent = {"mqtt": _read_to_end(m.sock)}
+    if native is not None:
+        sent["native"] = _read_to_end(native.sock)
+    for protocol, data in sent.items():
+        assert (protocol, data.count(AFTER)) == (protocol, 0), "sent after the reload"
+    b.wait_metric("blipmq_connections_closed_total", len(sent), reason="revoked")
+
+
+def test_a_revoked_persistent_session_keeps_what_it_had_not_acknowledged(keyed) -> None:
+    """Its key revoked while QoS 1 deliveries are on their way (not acknowledged), an MQTT
+    persistent session loses none of them: they go back to its durable group with what is
+    published while it is away, and all reach it once its key is back."""
+    dev = make("dev", subscribe=["jobs/#"])
+    admin = root()
+    b = keyed(dev, admin)
+    m = Raw(b.mqtt_port)
+    assert m.connect("dev-1", clean=False, username="dev", password=dev.key.encode()).code == 0
+    m.send(Subscribe(1, (("jobs/#", 1),)))
+    assert m.expect(SubAck).codes == (1,)  # type: ignore[attr-defined]
+    with Client(b.addr, admin.key) as publisher:
+        for i in range(30):
+            publisher.publish(f"jobs/{i}", b"%d " % i + b"J" * 60_000, qos=1)
+        publisher.flush()
+        assert isinstance(m.expect(Publish), Publish)  # on their way; none acknowledged
+        reload_keys(b, admin)
+        m.wait_closed()
+        publisher.publish("jobs/30", b"30 while revoked", qos=1)
+        publisher.flush()
+    reload_keys(b, dev, admin)
+    back = mqtt_client(b, dev, "dev-1", clean=False)
+    seen: set[str] = set()
+    deadline = time.monotonic() + WAIT
+    while len(seen) < 31 and time.monotonic() < deadline:
+        seen.add(back.get(max(0.1, deadline - time.monotonic())).topic)
+    assert seen == {f"jobs/{i}" for i in range(31)}
+    back.disconnect()
 
 
 def pairs_of(messages: Sequence) -> list[tuple[str, bytes]]:

@@ -258,25 +258,24 @@ class Server:
 
     def _recheck(self, session: Session, identity: Identity) -> int:
         """A session's identity changed (its permissions, or its name): its subscriptions
-        the key may no longer make end (native: with ERROR FORBIDDEN; MQTT, which has no
-        word for it: the connection closes). Returns how many ended."""
+        the key may no longer make end. Native: each with ERROR FORBIDDEN. MQTT, which has
+        no word for it: the connection is cut off at once (``Session.cut_off``), every
+        subscription of it ending now. Returns how many ended."""
         if identity is FULL:  # full access: nothing it subscribed to was ever checked
             return 0
-        ended = 0
-        for consumer in list(self.broker.registry.of(session.conn_id)):
-            topic_filter = consumer.queue.filter
-            if identity.may_subscribe(topic_filter):
-                continue
-            ended += 1
-            if session.protocol == "mqtt":
-                # not revoke(): the key stays, and so does the will (published if the key's
-                # new permissions allow it)
-                session.stop_reading(CloseReason.REVOKED)
-                continue
+        lost = [consumer for consumer in self.broker.registry.of(session.conn_id)
+                if not identity.may_subscribe(consumer.queue.filter)]
+        if lost and session.protocol == "mqtt":
+            # not revoke(): the key stays, and so does the will (published if the key's
+            # new permissions allow it)
+            session.cut_off(CloseReason.REVOKED)
+            return len(lost)
+        for consumer in lost:
             self.detached(self.broker.unsubscribe(session.conn_id, consumer.sub_id).detached)
-            session.error(ErrorCode.FORBIDDEN, f"this key may no longer read {topic_filter!r}"
-                          " (the configuration was reloaded)", consumer.request_id)
-        return ended
+            session.error(ErrorCode.FORBIDDEN, "this key may no longer read "
+                          f"{consumer.queue.filter!r} (the configuration was reloaded)",
+                          consumer.request_id)
+        return len(lost)
 
     def mqtt_error(self, reason: str) -> None:
         """An MQTT connection broke the protocol, or a publish of it was dropped: counted."""
