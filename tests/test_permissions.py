@@ -1297,6 +1297,34 @@ def test_a_revoked_persistent_session_keeps_what_it_had_not_acknowledged(keyed) 
     back.disconnect()
 
 
+def test_a_demoted_admin_stops_consuming_another_keys_group(keyed) -> None:
+    """An admin consuming another key's durable group (native, and an MQTT $share member)
+    loses the right at the reload that takes its admin flag away, as a fresh join would:
+    the native subscription ends with FORBIDDEN, the MQTT connection closes, and what is
+    published after it waits for the group's owner."""
+    reader = make("reader", subscribe=["jobs/#"])
+    ops = make("ops", publish=["#"], subscribe=["#"], admin=True)
+    writer = make("writer", publish=["jobs/#"])
+    b = keyed(reader, ops, writer)
+    with Client(b.addr, reader.key) as owner:
+        owner.subscribe("jobs/#", group="g", qos=1)  # the group is reader's
+    oc = Client(b.addr, ops.key)
+    sub = oc.subscribe("jobs/#", group="g", qos=1)
+    m = mqtt_client(b, ops, "ops-dev")
+    assert m.subscribe(("$share/g/jobs/#", 1)) == [1]
+    demoted = Key("ops", ops.key, {"publish": ["#"], "subscribe": ["#"]})
+    reload_keys(b, reader, demoted, writer)
+    assert "2 subscription(s) ended" in b.wait_log("reloaded: keys: 3 (~ops)")
+    ok(run(b, writer, "pub", "jobs/x", "for reader's group", "-q", "1"))
+    text = forbidden_error(lambda: sub.next_batch(WAIT))
+    assert "may no longer use group 'g' on 'jobs/#'" in text, text
+    m.wait_closed()
+    with Client(b.addr, reader.key) as owner:
+        again = owner.subscribe("jobs/#", group="g", qos=1)
+        assert pairs(take(again, 1)) == [("jobs/x", b"for reader's group")]
+    oc.close()
+
+
 def pairs_of(messages: Sequence) -> list[tuple[str, bytes]]:
     return [(m.topic, m.payload) for m in messages]
 

@@ -258,24 +258,38 @@ class Server:
 
     def _recheck(self, session: Session, identity: Identity) -> int:
         """A session's identity changed (its permissions, or its name): its subscriptions
-        the key may no longer make end. Native: each with ERROR FORBIDDEN. MQTT, which has
-        no word for it: the connection is cut off at once (``Session.cut_off``), every
-        subscription of it ending now. Returns how many ended."""
+        the key may no longer make end (one to a filter it may no longer read, or in a
+        group it may no longer use: another key's, once it is no admin any more). Native:
+        each with ERROR FORBIDDEN. MQTT, which has no word for it: the connection is cut
+        off at once (``Session.cut_off``), every subscription of it ending now. Returns
+        how many ended."""
         if identity is FULL:  # full access: nothing it subscribed to was ever checked
             return 0
-        lost = [consumer for consumer in self.broker.registry.of(session.conn_id)
-                if not identity.may_subscribe(consumer.queue.filter)]
+        lost = [(consumer, why) for consumer in self.broker.registry.of(session.conn_id)
+                if (why := self._may_not_keep(session, identity, consumer.queue.filter,
+                                              consumer.queue.group or ""))]
         if lost and session.protocol == "mqtt":
             # not revoke(): the key stays, and so does the will (published if the key's
             # new permissions allow it)
             session.cut_off(CloseReason.REVOKED)
             return len(lost)
-        for consumer in lost:
+        for consumer, why in lost:
             self.detached(self.broker.unsubscribe(session.conn_id, consumer.sub_id).detached)
-            session.error(ErrorCode.FORBIDDEN, "this key may no longer read "
-                          f"{consumer.queue.filter!r} (the configuration was reloaded)",
-                          consumer.request_id)
+            session.error(ErrorCode.FORBIDDEN, f"this key may no longer {why} (the "
+                          "configuration was reloaded)", consumer.request_id)
         return len(lost)
+
+    def _may_not_keep(self, session: Session, identity: Identity, topic_filter: str,
+                      group: str) -> str:
+        """Why a subscription of ``session`` is one its key may no longer make ("read
+        'a/#'", "use group 'g' on 'a/#'"), as SUBSCRIBE would refuse it; "" if it may."""
+        if not identity.may_subscribe(topic_filter):
+            return f"read {topic_filter!r}"
+        access = session.access
+        if group and access is not None and not self.broker.may_use_group(
+                access, topic_filter, group):
+            return f"use group {group!r} on {topic_filter!r}"
+        return ""
 
     def mqtt_error(self, reason: str) -> None:
         """An MQTT connection broke the protocol, or a publish of it was dropped: counted."""
