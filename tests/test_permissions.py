@@ -1297,6 +1297,28 @@ def test_a_revoked_persistent_session_keeps_what_it_had_not_acknowledged(keyed) 
     back.disconnect()
 
 
+def test_removing_the_last_key_closes_its_connections(keyed) -> None:
+    """The leaked key was the only one: the reload that removes it turns authentication
+    off, and closes its connections (native: GOODBYE AUTH_FAILED) instead of leaving them
+    open with the full access every client now has. The broker says so in a warning."""
+    dev = make("dev", publish=["sensors/dev/#"], subscribe=["cmd/dev/#"])
+    b = keyed(dev)
+    native = Client(b.addr, dev.key)
+    forbidden_error(lambda: native.subscribe("#"))
+    m = mqtt_client(b, dev, "dev-1")
+    assert m.subscribe(("#", 0)) == [SUBACK_FAILURE]
+    reload_keys(b)
+    assert "2 connection(s) closed" in b.wait_log("reloaded: keys: 0 (-dev)")
+    assert "2 connection(s) made with a key were closed" in b.wait_log("authentication is off")
+    m.wait_closed()
+    with pytest.raises(BrokerError) as caught:
+        native.subscribe("#")
+    assert caught.value.code == ErrorCode.AUTH_FAILED and "revoked" in str(caught.value)
+    b.wait_metric("blipmq_connections_closed_total", 2, reason="revoked")
+    with Client(b.addr, "") as anyone:  # what authentication off means, from now on
+        anyone.subscribe("#")
+
+
 def test_a_demoted_admin_stops_consuming_another_keys_group(keyed) -> None:
     """An admin consuming another key's durable group (native, and an MQTT $share member)
     loses the right at the reload that takes its admin flag away, as a fresh join would:

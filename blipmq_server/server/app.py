@@ -39,7 +39,7 @@ from blipmq_server.broker.access import FULL, Identity
 from blipmq_server.broker.core import BRIDGE_GROUPS, Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow
-from blipmq_server.config import Config, check_tls, tls_listeners
+from blipmq_server.config import Config, check_anonymous, check_tls, tls_listeners
 from blipmq_server.counters import ConnectionCounters
 from blipmq_server.errors import ConfigError
 from blipmq_server.protocol import codec
@@ -213,6 +213,9 @@ class Server:
         connections, with their key's new permissions, and the subscriptions those still
         allow (``_recheck``)."""
         old = self.config
+        turned_off = old.auth.enabled and not new.auth.enabled
+        if turned_off:  # the MQTT listeners in force: [mqtt] changes only with a restart
+            check_anonymous(old._replace(auth=new.auth, tls=new.tls), reloading=True)
         # certificates first: a file that cannot be used raises ConfigError here, before
         # anything changed, and the reload is refused whole
         said: list[str] = [self.reload_tls(new)]
@@ -245,6 +248,10 @@ class Server:
             said.append(f"keys: {len(after)}{f' ({names})' if names else ''}; "
                         f"{revoked} connection(s) closed"
                         + (f", {narrowed} subscription(s) ended" if narrowed else ""))
+            if turned_off:
+                log.warning("authentication is off: the configuration has no keys any more, "
+                            "so every new connection is admitted with full access; the %d "
+                            "connection(s) made with a key were closed", revoked)
         if new.log.level != old.log.level:
             logging.getLogger().setLevel(new.log.level.upper())
             logging.getLogger("blipmq").setLevel(new.log.level.upper())
