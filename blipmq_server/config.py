@@ -683,18 +683,7 @@ def _check_keys(auth: AuthOptions) -> None:
 def _check_together(config: Config) -> None:
     """Refuse combinations of values that cannot work together."""
     _check_keys(config.auth)
-    m = config.mqtt
-    if (m.enabled and not config.auth.enabled and not m.allow_anonymous
-            and not _loopback(m.host)):
-        raise ConfigError(
-            f"MQTT would listen on {m.host} with authentication disabled: set auth.api_keys, "
-            "listen on loopback, or set mqtt.allow_anonymous = true to allow it", "mqtt.host")
-    if (m.enabled and m.tls and not config.auth.enabled and not m.allow_anonymous
-            and not config.tls.require_client_cert and not _loopback(m.tls_host)):
-        raise ConfigError(
-            f"MQTT over TLS would listen on {m.tls_host} with authentication disabled: set "
-            "auth.api_keys or tls.require_client_cert, listen on loopback, or set "
-            "mqtt.allow_anonymous = true to allow it", "mqtt.tls_host")
+    check_anonymous(config)
     _check_bridges(config)
     largest = config.server.max_message_bytes
     if config.queues.capacity_bytes < largest:
@@ -702,6 +691,31 @@ def _check_together(config: Config) -> None:
             f"{config.queues.capacity_bytes} is less than server.max_message_bytes ({largest}): "
             "a queue could never hold the largest message", "queues.capacity_bytes")
     check_tls(config)
+
+
+def check_anonymous(config: Config, reloading: bool = False) -> None:
+    """Refuse authentication off while an MQTT listener is reachable beyond loopback
+    (unless ``mqtt.allow_anonymous`` or, over TLS, ``tls.require_client_cert``). A reload
+    (``reloading``) asks it of the listeners in force with the new keys: ``[mqtt]``
+    changes only with a restart, so its advice differs."""
+    m = config.mqtt
+    if not m.enabled or config.auth.enabled or m.allow_anonymous:
+        return
+    if not _loopback(m.host):
+        where, key, what = m.host, "mqtt.host", "MQTT"
+    elif m.tls and not config.tls.require_client_cert and not _loopback(m.tls_host):
+        where, key, what = m.tls_host, "mqtt.tls_host", "MQTT over TLS"
+    else:
+        return
+    if reloading:
+        raise ConfigError(
+            f"{what} listens on {where}: a configuration without keys would turn "
+            "authentication off there; keep a key, or move the listener to loopback (or set "
+            "mqtt.allow_anonymous = true) and restart", key)
+    also = " or tls.require_client_cert" if key == "mqtt.tls_host" else ""
+    raise ConfigError(
+        f"{what} would listen on {where} with authentication disabled: set auth.api_keys"
+        f"{also}, listen on loopback, or set mqtt.allow_anonymous = true to allow it", key)
 
 
 def _check_bridges(config: Config) -> None:

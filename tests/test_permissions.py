@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -48,6 +49,8 @@ from blipmq_server.mqtt.packets import (
     Publish,
     PubRec,
     PubRel,
+    SubAck,
+    Subscribe,
 )
 from blipmq_server.protocol.codec import ErrorCode, Start
 from blipmq_server.protocol.message import Delivery
@@ -1290,6 +1293,149 @@ def test_a_reload_rechecks_subscriptions_whatever_the_keys_name(keyed, how: str)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _read_to_end(sock: socket.socket, timeout: float = WAIT) -> bytes:
+    """Everything the broker sends on ``sock`` until it closes the connection."""
+    sock.setblocking(True)
+    deadline = time.monotonic() + timeout
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"the broker kept the connection open ({len(data)} bytes sent)"
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(1 << 20)
+        except TimeoutError:
+            continue
+        except ConnectionError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+AFTER = b"published after the reload"
+
+
+@pytest.mark.parametrize("how", ["revoked", "narrowed"])
+def test_a_backlog_does_not_carry_messages_published_after_the_reload(keyed, how: str
+                                                                      ) -> None:
+    """Connections with a backlog of 6 MB they have not read when a reload revokes their
+    key (native and MQTT), or narrows it below an MQTT subscription: their subscriptions
+    end at the reload, so nothing published after it reaches them, however long they take
+    to read what they were sent before (the connections close at once; the backlog went
+    out while they drained it, with everything published meanwhile)."""
+    reader = make("reader", subscribe=["sensors/#"])
+    admin = root()
+    b = keyed(reader, admin)
+    native = Client(b.addr, reader.key) if how == "revoked" else None
+    if native is not None:
+        native.subscribe("sensors/#")
+    m = Raw(b.mqtt_port)
+    assert m.connect("reader-dev", username="reader", password=reader.key.encode()).code == 0
+    m.send(Subscribe(1, (("sensors/#", 0),)))
+    assert m.expect(SubAck).codes == (0,)  # type: ignore[attr-defined]
+    b.wait_metric("blipmq_subscriptions", 2 if native is not None else 1)
+    with Client(b.addr, admin.key) as publisher:
+        for _ in range(100):
+            publisher.publish("sensors/before", b"B" * 60_000)
+        publisher.flush()
+        if how == "revoked":
+            reload_keys(b, admin)
+        else:
+            reload_keys(b, Key("reader", reader.key, {"subscribe": ["sensors/public/#"]}),
+                        admin)
+            assert "1 subscription(s) ended" in b.wait_log("reloaded: keys: 2 (~reader)")
+        for i in range(5):
+            publisher.publish("sensors/secret", AFTER + b" %d" % i, qos=1)
+        publisher.flush()
+    sent = {"mqtt": _read_to_end(m.sock)}
+    if native is not None:
+        sent["native"] = _read_to_end(native.sock)
+    for protocol, data in sent.items():
+        assert (protocol, data.count(AFTER)) == (protocol, 0), "sent after the reload"
+    b.wait_metric("blipmq_connections_closed_total", len(sent), reason="revoked")
+
+
+def test_a_revoked_persistent_session_keeps_what_it_had_not_acknowledged(keyed) -> None:
+    """Its key revoked while QoS 1 deliveries are on their way (not acknowledged), an MQTT
+    persistent session loses none of them: they go back to its durable group with what is
+    published while it is away, and all reach it once its key is back."""
+    dev = make("dev", subscribe=["jobs/#"])
+    admin = root()
+    b = keyed(dev, admin)
+    m = Raw(b.mqtt_port)
+    assert m.connect("dev-1", clean=False, username="dev", password=dev.key.encode()).code == 0
+    m.send(Subscribe(1, (("jobs/#", 1),)))
+    assert m.expect(SubAck).codes == (1,)  # type: ignore[attr-defined]
+    with Client(b.addr, admin.key) as publisher:
+        for i in range(30):
+            publisher.publish(f"jobs/{i}", b"%d " % i + b"J" * 60_000, qos=1)
+        publisher.flush()
+        assert isinstance(m.expect(Publish), Publish)  # on their way; none acknowledged
+        reload_keys(b, admin)
+        m.wait_closed()
+        publisher.publish("jobs/30", b"30 while revoked", qos=1)
+        publisher.flush()
+    reload_keys(b, dev, admin)
+    back = mqtt_client(b, dev, "dev-1", clean=False)
+    seen: set[str] = set()
+    deadline = time.monotonic() + WAIT
+    while len(seen) < 31 and time.monotonic() < deadline:
+        seen.add(back.get(max(0.1, deadline - time.monotonic())).topic)
+    assert seen == {f"jobs/{i}" for i in range(31)}
+    back.disconnect()
+
+
+def test_removing_the_last_key_closes_its_connections(keyed) -> None:
+    """The leaked key was the only one: the reload that removes it turns authentication
+    off, and closes its connections (native: GOODBYE AUTH_FAILED) instead of leaving them
+    open with the full access every client now has. The broker says so in a warning."""
+    dev = make("dev", publish=["sensors/dev/#"], subscribe=["cmd/dev/#"])
+    b = keyed(dev)
+    native = Client(b.addr, dev.key)
+    forbidden_error(lambda: native.subscribe("#"))
+    m = mqtt_client(b, dev, "dev-1")
+    assert m.subscribe(("#", 0)) == [SUBACK_FAILURE]
+    reload_keys(b)
+    assert "2 connection(s) closed" in b.wait_log("reloaded: keys: 0 (-dev)")
+    assert "2 connection(s) made with a key were closed" in b.wait_log("authentication is off")
+    m.wait_closed()
+    with pytest.raises(BrokerError) as caught:
+        native.subscribe("#")
+    assert caught.value.code == ErrorCode.AUTH_FAILED and "revoked" in str(caught.value)
+    b.wait_metric("blipmq_connections_closed_total", 2, reason="revoked")
+    with Client(b.addr, "") as anyone:  # what authentication off means, from now on
+        anyone.subscribe("#")
+
+
+def test_a_demoted_admin_stops_consuming_another_keys_group(keyed) -> None:
+    """An admin consuming another key's durable group (native, and an MQTT $share member)
+    loses the right at the reload that takes its admin flag away, as a fresh join would:
+    the native subscription ends with FORBIDDEN, the MQTT connection closes, and what is
+    published after it waits for the group's owner."""
+    reader = make("reader", subscribe=["jobs/#"])
+    ops = make("ops", publish=["#"], subscribe=["#"], admin=True)
+    writer = make("writer", publish=["jobs/#"])
+    b = keyed(reader, ops, writer)
+    with Client(b.addr, reader.key) as owner:
+        owner.subscribe("jobs/#", group="g", qos=1)  # the group is reader's
+    oc = Client(b.addr, ops.key)
+    sub = oc.subscribe("jobs/#", group="g", qos=1)
+    m = mqtt_client(b, ops, "ops-dev")
+    assert m.subscribe(("$share/g/jobs/#", 1)) == [1]
+    demoted = Key("ops", ops.key, {"publish": ["#"], "subscribe": ["#"]})
+    reload_keys(b, reader, demoted, writer)
+    assert "2 subscription(s) ended" in b.wait_log("reloaded: keys: 3 (~ops)")
+    ok(run(b, writer, "pub", "jobs/x", "for reader's group", "-q", "1"))
+    text = forbidden_error(lambda: sub.next_batch(WAIT))
+    assert "may no longer use group 'g' on 'jobs/#'" in text, text
+    m.wait_closed()
+    with Client(b.addr, reader.key) as owner:
+        again = owner.subscribe("jobs/#", group="g", qos=1)
+        assert pairs(take(again, 1)) == [("jobs/x", b"for reader's group")]
+    oc.close()
 
 
 def pairs_of(messages: Sequence) -> list[tuple[str, bytes]]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
 from blipmq_server import config as config_module
+from blipmq_server.errors import ConfigError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode, Message
 from blipmq_server.server.app import Bound, Server
@@ -538,3 +540,23 @@ async def test_retention_keeps_what_its_round_carried_when_a_burst_follows(
         await trio.sleep(0.05)  # its retention
     server._written = real  # type: ignore[method-assign]
     assert ("jobs", "g") in await _groups_after_restart(nursery, server, tmp_path)
+
+
+def test_a_reload_that_would_turn_authentication_off_beyond_loopback_is_refused() -> None:
+    """The MQTT listener in force is beyond loopback, and ``[mqtt]`` changes only with a
+    restart: a configuration without keys is refused on reload (ConfigError: the broker
+    logs "reload refused"), even one that would pass at start because it moves the
+    listener to loopback or allows anonymous clients; the keys in force stay. (In
+    process: a test must not listen beyond loopback, and the refusal comes first.)"""
+    keyed = make_config(auth={"api_keys": ("k",)},
+                        mqtt={"enabled": True, "host": "gateway.lan"})
+    server = Server(keyed)
+    for new in (make_config(mqtt={"enabled": True}),
+                make_config(mqtt={"enabled": True, "host": "gateway.lan",
+                                  "allow_anonymous": True})):
+        with pytest.raises(ConfigError, match=r"mqtt\.host: MQTT listens on gateway\.lan"):
+            server.reload(new)
+        assert server.keys.enabled and server.config.auth == keyed.auth
+    # keys kept, or anonymous clients allowed by the configuration in force: applied
+    assert "keys: 1" in " ".join(server.reload(make_config(
+        auth={"api_keys": ("k2",)}, mqtt={"enabled": True, "host": "gateway.lan"})))

@@ -480,7 +480,7 @@ class Broker:
             if not access.unlimited and not access.identity.may_subscribe(topic_filter):
                 return refused(ErrorCode.FORBIDDEN, f"this key may not subscribe to "
                                f"{topic_filter!r}: it could match topics the key may not read")
-            if group and not self._may_use_group(access, topic_filter, group):
+            if group and not self.may_use_group(access, topic_filter, group):
                 # as UNSUBSCRIBE says it: not whose the group is
                 return refused(ErrorCode.FORBIDDEN, f"this key may not use group {group!r} "
                                f"on {topic_filter!r}")
@@ -546,7 +546,7 @@ class Broker:
         owner = self.states.get(key)
         return owner.decode("utf-8", "replace") if owner else self._group_owners.get(key, "")
 
-    def _may_use_group(self, access: Access, topic_filter: str, group: str) -> bool:
+    def may_use_group(self, access: Access, topic_filter: str, group: str) -> bool:
         """Whether ``access`` may consume from, ack in or delete the group: one nobody owns
         (not made yet, or made without permissions in force), its own, or any as an admin;
         or one of the ``api_keys`` keys it may adopt (``_adoptable``). A group a
@@ -658,7 +658,7 @@ class Broker:
                 return UnsubscribeResult(0, refusal=Refusal(code, problem))
             if access is not None and not access.unlimited and not access.identity.admin and (
                     not self._group_exists(topic_filter, group)
-                    or not self._may_use_group(access, topic_filter, group)):
+                    or not self.may_use_group(access, topic_filter, group)):
                 # the same answer whether it exists or is another key's: a key learns
                 # nothing of groups it may not use
                 return UnsubscribeResult(0, refusal=Refusal(

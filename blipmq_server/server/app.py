@@ -39,7 +39,7 @@ from blipmq_server.broker.access import FULL, Identity
 from blipmq_server.broker.core import BRIDGE_GROUPS, Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow
-from blipmq_server.config import Config, check_tls, tls_listeners
+from blipmq_server.config import Config, check_anonymous, check_tls, tls_listeners
 from blipmq_server.counters import ConnectionCounters
 from blipmq_server.errors import ConfigError
 from blipmq_server.protocol import codec
@@ -213,6 +213,9 @@ class Server:
         connections, with their key's new permissions, and the subscriptions those still
         allow (``_recheck``)."""
         old = self.config
+        turned_off = old.auth.enabled and not new.auth.enabled
+        if turned_off:  # the MQTT listeners in force: [mqtt] changes only with a restart
+            check_anonymous(old._replace(auth=new.auth, tls=new.tls), reloading=True)
         # certificates first: a file that cannot be used raises ConfigError here, before
         # anything changed, and the reload is refused whole
         said: list[str] = [self.reload_tls(new)]
@@ -245,6 +248,10 @@ class Server:
             said.append(f"keys: {len(after)}{f' ({names})' if names else ''}; "
                         f"{revoked} connection(s) closed"
                         + (f", {narrowed} subscription(s) ended" if narrowed else ""))
+            if turned_off:
+                log.warning("authentication is off: the configuration has no keys any more, "
+                            "so every new connection is admitted with full access; the %d "
+                            "connection(s) made with a key were closed", revoked)
         if new.log.level != old.log.level:
             logging.getLogger().setLevel(new.log.level.upper())
             logging.getLogger("blipmq").setLevel(new.log.level.upper())
@@ -258,25 +265,38 @@ class Server:
 
     def _recheck(self, session: Session, identity: Identity) -> int:
         """A session's identity changed (its permissions, or its name): its subscriptions
-        the key may no longer make end (native: with ERROR FORBIDDEN; MQTT, which has no
-        word for it: the connection closes). Returns how many ended."""
+        the key may no longer make end (one to a filter it may no longer read, or in a
+        group it may no longer use: another key's, once it is no admin any more). Native:
+        each with ERROR FORBIDDEN. MQTT, which has no word for it: the connection is cut
+        off at once (``Session.cut_off``), every subscription of it ending now. Returns
+        how many ended."""
         if identity is FULL:  # full access: nothing it subscribed to was ever checked
             return 0
-        ended = 0
-        for consumer in list(self.broker.registry.of(session.conn_id)):
-            topic_filter = consumer.queue.filter
-            if identity.may_subscribe(topic_filter):
-                continue
-            ended += 1
-            if session.protocol == "mqtt":
-                # not revoke(): the key stays, and so does the will (published if the key's
-                # new permissions allow it)
-                session.stop_reading(CloseReason.REVOKED)
-                continue
+        lost = [(consumer, why) for consumer in self.broker.registry.of(session.conn_id)
+                if (why := self._may_not_keep(session, identity, consumer.queue.filter,
+                                              consumer.queue.group or ""))]
+        if lost and session.protocol == "mqtt":
+            # not revoke(): the key stays, and so does the will (published if the key's
+            # new permissions allow it)
+            session.cut_off(CloseReason.REVOKED)
+            return len(lost)
+        for consumer, why in lost:
             self.detached(self.broker.unsubscribe(session.conn_id, consumer.sub_id).detached)
-            session.error(ErrorCode.FORBIDDEN, f"this key may no longer read {topic_filter!r}"
-                          " (the configuration was reloaded)", consumer.request_id)
-        return ended
+            session.error(ErrorCode.FORBIDDEN, f"this key may no longer {why} (the "
+                          "configuration was reloaded)", consumer.request_id)
+        return len(lost)
+
+    def _may_not_keep(self, session: Session, identity: Identity, topic_filter: str,
+                      group: str) -> str:
+        """Why a subscription of ``session`` is one its key may no longer make ("read
+        'a/#'", "use group 'g' on 'a/#'"), as SUBSCRIBE would refuse it; "" if it may."""
+        if not identity.may_subscribe(topic_filter):
+            return f"read {topic_filter!r}"
+        access = session.access
+        if group and access is not None and not self.broker.may_use_group(
+                access, topic_filter, group):
+            return f"use group {group!r} on {topic_filter!r}"
+        return ""
 
     def mqtt_error(self, reason: str) -> None:
         """An MQTT connection broke the protocol, or a publish of it was dropped: counted."""

@@ -66,9 +66,12 @@ class Keyring:
         return None
 
     def find(self, key_digest: bytes) -> Identity | None:
-        """The identity of a key already accepted (after a reload: None if revoked)."""
+        """The identity of a key already accepted (after a reload: None if revoked). Without
+        keys, a connection admitted without one (digest b"") is ``FULL``; one admitted with
+        a key is revoked: the reload that removed the last key does not hand its
+        connections full access."""
         if not self.enabled:
-            return FULL
+            return None if key_digest else FULL
         return self.identities.get(key_digest)
 
     def names(self) -> dict[str, Identity]:

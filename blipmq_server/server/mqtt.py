@@ -216,7 +216,7 @@ class MqttSession(Session):
     def revoke(self) -> None:
         # its key is gone: nothing more goes out on that key's authority, the will neither
         self.will = None
-        self.stop_reading(CloseReason.REVOKED)  # 3.1.1 has no word for it: the close says it
+        self.cut_off(CloseReason.REVOKED)  # 3.1.1 has no word for it: the close says it
 
     def closed(self) -> None:
         self.server.mqtt_sessions.closed(self)

@@ -148,6 +148,9 @@ class Session:
         self._scope: trio.CancelScope | None = None
         self._fd = stream.socket.fileno()
         self._full = False  # the last read filled the buffer: the next need not wait
+        # the outbox starts with the rest of a frame a write took only part of
+        # (``deliver_now``): nothing may be said before or instead of it (``cut_off``)
+        self._torn = False
         # deliveries routed here go through the writer (``deliver_now``): with a linger, or
         # over TLS
         self._via_writer = server.config.delivery.flush_interval_ms > 0 or tls is not None
@@ -192,6 +195,7 @@ class Session:
         self.pending_bytes -= sent
         if sent < len(data):
             self.outbox.insert(0, data[sent:])  # still counted in pending_bytes
+            self._torn = True
             self.wake()
             return
         if self.paused:  # the reader waits until the writer caught up
@@ -214,10 +218,29 @@ class Session:
             self.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
 
     def revoke(self) -> None:
-        """A reload removed its key: say so, and close once what is queued went out."""
-        self.send(codec.Goodbye(ErrorCode.AUTH_FAILED, "the key of this connection was "
-                                "revoked"))
-        self.stop_reading(CloseReason.REVOKED)
+        """A reload removed its key: nothing more goes out on its authority, and the
+        connection closes at once, saying so when it can (``cut_off``)."""
+        self.cut_off(CloseReason.REVOKED, codec.encode(codec.Goodbye(
+            ErrorCode.AUTH_FAILED, "the key of this connection was revoked")))
+
+    def cut_off(self, reason: CloseReason, last: bytes = b"") -> None:
+        """End the connection at once on the broker's word (a reload took its key's
+        authority away). Its subscriptions end now, not after a drain: what they had
+        queued for it and not yet written goes with them, and what it had in flight from
+        the log goes back to its group unacked (a persistent session's durable groups
+        keep it for the session's next connection). Nothing is read any more. What it is
+        owed already (replies) goes out, then ``last`` (the native GOODBYE), then the
+        connection closes; but with a write under way, or the rest of one waiting, the
+        connection closes at once instead: a frame cut short cannot be followed by
+        another, and finishing it could take as long as the peer likes."""
+        self.server.detached(self.broker.disconnect(self.conn_id, wall_ms()))
+        self.server.log_touched()  # a durable group's idle record
+        if self.sending_since is not None or self._torn:
+            self.abort(reason)
+            return
+        if last:
+            self.send_bytes(last)
+        self.stop_reading(reason)
 
     def closed(self) -> None:
         """The connection has ended, before its subscriptions are detached."""
@@ -460,6 +483,7 @@ class Session:
         to their cursor, one delivery count higher."""
         parts = self.outbox
         self.outbox = []
+        self._torn = False  # what it held is in ``parts``, which go out whole (or abort)
         owed = sum(map(len, parts))  # counted in pending_bytes when they were sent
         taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, int(now * 1000),
                                     int(_time() * 1000), qos0_only=self.closing)
