@@ -108,7 +108,7 @@ def start(config: str | None = None, **flags: str | None) -> int:
     try:
         lock = lock_data_dir(cfg.storage.data_dir)
     except OSError as exc:
-        sys.stderr.write(f"blipmq: cannot use data directory: {exc.strerror or exc}\n")
+        sys.stderr.write(f"blipmq: cannot use data directory: {_why(exc)}\n")
         return 1
 
     import trio
@@ -139,11 +139,19 @@ def start(config: str | None = None, **flags: str | None) -> int:
         failure = _inner(exc, OSError)
         if failure is None:
             raise
-        sys.stderr.write(f"blipmq: cannot start: {failure.strerror or failure}\n")  # type: ignore[attr-defined]
+        sys.stderr.write(f"blipmq: cannot start: {_why(failure)}\n")  # type: ignore[arg-type]
         return 1
     finally:
         lock.close()
     return 0
+
+
+def _why(exc: OSError) -> str:
+    """An OS error as one line, naming the file when it is about one (a segment that
+    cannot be read, a directory that cannot be written)."""
+    if exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return exc.strerror or str(exc)
 
 
 def _inner(exc: BaseException, kind: type[BaseException]) -> BaseException | None:

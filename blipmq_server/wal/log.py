@@ -133,7 +133,18 @@ class Log:
         self.synced_offset = 0
         self._unsynced = {seg.path: seg for seg in self.segments}
         self._dir_unsynced = bool(self.segments)
+        self._check_writable()
         return done.found
+
+    def _check_writable(self) -> None:
+        """Raise PermissionError (naming the path) at the start, when the directory or the
+        segment the next records go to cannot be written, rather than refuse every write
+        once serving."""
+        probe = os.path.join(self.directory, ".write-check")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        os.remove(probe)
+        if self._tail is not None:
+            os.close(os.open(self._tail.path, os.O_WRONLY | os.O_APPEND))
 
     # ----------------------------------------------------------------------------- appends
 
