@@ -91,6 +91,23 @@ def _fill(where: Path) -> Path:
     return filler
 
 
+def test_until_end_finishes_when_the_last_batch_was_refused(start_broker, tiny_fs: Path) -> None:
+    """The last thing appended was a QoS 1 publish the full disk refused: the log ends in a
+    gap of offsets, and SUBSCRIBED's end is past it. The end mark waited for a record at
+    end - 1, which never comes, even once there is room again."""
+    b = start_broker(data_dir=tiny_fs / "data")
+    assert b.cli("pub", "t", "before", "--qos", "1").returncode == 0
+    filler = _fill(tiny_fs)
+    # larger than a page: what is left of the segment's last page cannot take it
+    refused = b.cli("pub", "t", "x" * 20_000, "--qos", "1")
+    assert refused.returncode == Exit.REFUSED, refused
+    filler.unlink()
+    got = b.cli("sub", "#", "--from", "earliest", "--until-end", timeout=10)
+    assert got.returncode == 0, got
+    assert got.stdout == b"before\n"
+    assert b.stop() == 0
+
+
 def test_an_in_bridge_on_a_full_disk_says_so_once_not_once_a_message(
         start_broker, tiny_fs: Path) -> None:
     """Each message from the upstream the log cannot store ends the link (the upstream sends

@@ -124,8 +124,7 @@ class Server:
             self.flusher = Flusher(self.wal, fsync, self._wake_durable, w.unconfirmed_sync_ms,
                                    tailing=lambda: self.broker.tailing(),
                                    acks_due=lambda: self.broker.acks_due(),
-                                   on_lost=lambda first, last: self.broker.relog(
-                                       first, last, wall_ms()))
+                                   on_lost=self._lost)
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,
@@ -612,6 +611,13 @@ class Server:
 
     def _wake_durable(self) -> None:
         self.wake(self.broker.cursor_conns())
+
+    def _lost(self, first: int, last: int) -> None:
+        """The disk refused the records ``first``..``last``: the core restates what they
+        said of its state, and cursor consumers look again (one waiting for the end of the
+        log may have it now: those offsets are never stored)."""
+        self.broker.relog(first, last, wall_ms())
+        self._wake_durable()
 
     # ------------------------------------------------------- wake-ups the core asks for
 
