@@ -560,7 +560,7 @@ class Server:
         if not await self._retain(wall, carried_from):
             return False  # nothing past the cap: the disk is full of something else
         log.warning("the disk refuses writes and the log has no reserve: retention deleted "
-                    "segments past wal.retention_bytes before the copies of what a restart "
+                    "segments past the retention limits before the copies of what a restart "
                     "needs were written (they are written next)")
         self.flusher.hold()
         await self._copies_written(interval)
