@@ -56,22 +56,39 @@ def overrides(
     return out
 
 
-def lock_data_dir(path: str) -> IO[str]:
-    """Create the data directory and hold its lock for the life of the process."""
+def lock_data_dir(path: str) -> tuple[int, IO[str]]:
+    """Create the data directory and hold its lock for the life of the process: an flock
+    on the directory itself, which a cleanup cannot delete and create again as it can a
+    file, and one on ``blipmq.lock``, which names the owner's PID (and is what brokers
+    before this one lock). Returns both, for ``unlock_data_dir``."""
     os.makedirs(path, exist_ok=True)
-    handle = open(os.path.join(path, "blipmq.lock"), "a+")
+    directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        handle = open(os.path.join(path, "blipmq.lock"), "a+")
+    except OSError:
+        os.close(directory)
+        raise
+    try:
+        fcntl.flock(directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         owner = handle.read().strip() or "?"
         handle.close()
+        os.close(directory)
         raise OSError(f"data directory {path} is in use by another broker (pid {owner})") from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
     handle.flush()
-    return handle
+    return directory, handle
+
+
+def unlock_data_dir(lock: tuple[int, IO[str]]) -> None:
+    """Give the data directory's locks back (closing their descriptors)."""
+    directory, handle = lock
+    handle.close()
+    os.close(directory)
 
 
 def start(config: str | None = None, **flags: str | None) -> int:
@@ -142,7 +159,7 @@ def start(config: str | None = None, **flags: str | None) -> int:
         sys.stderr.write(f"blipmq: cannot start: {_why(failure)}\n")  # type: ignore[arg-type]
         return 1
     finally:
-        lock.close()
+        unlock_data_dir(lock)
     return 0
 
 

@@ -342,6 +342,25 @@ def test_second_broker_on_same_data_dir_is_refused(start_broker) -> None:
     assert res.returncode == 1 and b"in use" in res.stderr
 
 
+def test_second_broker_is_refused_after_the_lock_file_was_deleted(start_broker) -> None:
+    """A stale-lock cleanup deletes ``blipmq.lock`` under a running broker: the lock was
+    only an flock on that file, so a second broker started on the same directory and both
+    appended to the same segment (confirmed messages were lost at the next start). The
+    directory itself is locked too, and it cannot be deleted and made again under it."""
+    b = start_broker()
+    (b.data_dir / "blipmq.lock").unlink()
+    second = start_broker(expect_ready=False, data_dir=b.data_dir)  # ports of its own
+    try:
+        second.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass  # it runs (the fixture kills it)
+    assert second.proc.poll() == 1, "a second broker runs on the same data directory"
+    assert second.log_ended.wait(10)
+    assert any("in use" in line for line in second.log), second.log
+    assert b.cli("pub", "t", "still", "--qos", "1").returncode == 0
+    assert b.stop() == 0
+
+
 def test_config_init_writes_the_commented_default(tmp_path: Path) -> None:
     target = tmp_path / "my.toml"
     res = subprocess.run([BLIPMQ, "config", "init", str(target)], capture_output=True)

@@ -91,6 +91,23 @@ def _fill(where: Path) -> Path:
     return filler
 
 
+def test_until_end_finishes_when_the_last_batch_was_refused(start_broker, tiny_fs: Path) -> None:
+    """The last thing appended was a QoS 1 publish the full disk refused: the log ends in a
+    gap of offsets, and SUBSCRIBED's end is past it. The end mark waited for a record at
+    end - 1, which never comes, even once there is room again."""
+    b = start_broker(data_dir=tiny_fs / "data")
+    assert b.cli("pub", "t", "before", "--qos", "1").returncode == 0
+    filler = _fill(tiny_fs)
+    # larger than a page: what is left of the segment's last page cannot take it
+    refused = b.cli("pub", "t", "x" * 20_000, "--qos", "1")
+    assert refused.returncode == Exit.REFUSED, refused
+    filler.unlink()
+    got = b.cli("sub", "#", "--from", "earliest", "--until-end", timeout=10)
+    assert got.returncode == 0, got
+    assert got.stdout == b"before\n"
+    assert b.stop() == 0
+
+
 def test_an_in_bridge_on_a_full_disk_says_so_once_not_once_a_message(
         start_broker, tiny_fs: Path) -> None:
     """Each message from the upstream the log cannot store ends the link (the upstream sends
@@ -158,6 +175,76 @@ def test_a_full_disk_with_the_log_over_its_cap_does_not_need_a_restart(
     assert state.stdout == b"0\n", state
     again = b2.cli("sub", "o/after", "--from", "earliest", "-W", "2")
     assert again.stdout == b"again\n", again
+
+
+def _confirmed_again(b, within: float) -> None:
+    """Publish a QoS 1 message until one is confirmed (bounded by ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while True:  # bounded by the deadline: a few maintenance rounds
+        after = b.cli("pub", "o/after", "again", "--qos", "1", timeout=10)
+        if after.returncode == 0:
+            return
+        assert time.monotonic() < deadline, (
+            f"writes never resumed: {after.stderr!r}\n" + "\n".join(b.log[-20:]))
+
+
+def _over_the_cap_and_full(b, tiny_fs: Path) -> None:
+    """Idle durable groups made first (their records in the oldest segment), a log past its
+    cap with one message of the groups' after it, the disk full to its last byte. A hundred
+    groups: their checkpoints are more than what is left of a segment's last page."""
+    from blipmq_cli.client import Client
+
+    with Client(b.addr) as c:
+        for i in range(100):
+            c.subscribe("k", group=f"g{i}", qos=1)
+    lines = b"".join(b"%05d" % i + b"x" * 995 + b"\n" for i in range(400))
+    assert b.cli("pub", "o/flood", "-", "--lines", input=lines).returncode == 0
+    assert b.cli("pub", "k", "kept", "--qos", "1").returncode == 0
+    _fill(tiny_fs)
+    # more, so that what is left of the files' last pages is taken too
+    assert b.cli("pub", "o/flood", "-", "--lines", input=lines[:100_000]).returncode == 0
+    b.wait_metric_at_least("blipmq_wal_write_failures_total", 1)
+
+
+def test_a_flood_that_fills_the_disk_before_the_first_maintenance_round_is_not_for_good(
+        start_broker, tiny_fs: Path) -> None:
+    """The reserve was made by the first maintenance round: a flood that filled the disk
+    before it, with any durable group (whose checkpoint retention waits for), left no room
+    for that checkpoint and no reserve to release, and writes stayed refused for good. The
+    reserve is made at start, before anything is read."""
+    config = {"wal": {"segment_bytes": 65536, "retention_bytes": 262144,
+                      "maintenance_interval_ms": 2000}}
+    b = start_broker(config, data_dir=tiny_fs / "data")
+    _over_the_cap_and_full(b, tiny_fs)
+    _confirmed_again(b, 20)
+    b.wait_log("released the log's reserve")
+    assert b.stop() == 0
+
+
+def test_a_restart_on_a_full_disk_without_a_reserve_serves_again(
+        start_broker, tiny_fs: Path) -> None:
+    """The disk is full, the log past its cap, and there is no reserve (none could be made,
+    or the broker stopped before it made it again): retention waited for a group's
+    checkpoint the disk refused, before a restart and after it. Retention now deletes what
+    is past the cap first, the checkpoint is written into that room, and the group's
+    message is still its own after another restart."""
+    config = {"wal": {"segment_bytes": 65536, "retention_bytes": 262144,
+                      "maintenance_interval_ms": 60_000}}  # no round before the restart
+    b = start_broker(config, data_dir=tiny_fs / "data")
+    (tiny_fs / "data" / "wal" / "reserve").unlink(missing_ok=True)  # made at start
+    _over_the_cap_and_full(b, tiny_fs)
+    b.stop()
+    config["wal"]["maintenance_interval_ms"] = 300
+    b2 = start_broker(config, data_dir=tiny_fs / "data")
+    b2.wait_metric_at_least("blipmq_wal_write_failures_total", 1)  # the first round's copies
+    _confirmed_again(b2, 20)
+    b2.wait_log("the log has no reserve: retention deleted segments")
+    assert b2.stop() == 0
+    b3 = start_broker(config, data_dir=tiny_fs / "data")
+    for group in ("g0", "g99"):
+        res = b3.cli("sub", "k", "--group", group, "--qos", "1", "-C", "1", "-W", "5")
+        assert res.stdout == b"kept\n", res
+    assert b3.stop() == 0
 
 
 def test_a_full_disk_recovers_while_a_logged_flood_goes_on(start_broker, tiny_fs: Path) -> None:

@@ -80,6 +80,26 @@ def test_offsets_are_not_reused_after_a_damaged_end_even_across_a_second_restart
     assert b3.stop() == 0
 
 
+def test_until_end_finishes_when_damage_ended_the_newest_segment(start_broker) -> None:
+    """Recovery set aside the last records and goes on at the next offset: SUBSCRIBED's end
+    is past offsets no record will ever have. The end mark waited for a record at end - 1
+    and never came; it comes once the cursor read past the last record stored."""
+    b = start_broker()
+    assert b.shell("seq 1 10 | blipmq pub t --qos 1 --lines -").returncode == 0
+    assert b.stop() == 0
+    segment, = (b.data_dir / "wal").glob("*.seg")
+    _, pos = records_of(segment)[-1]
+    data = bytearray(segment.read_bytes())
+    data[pos:pos + 4] = (3).to_bytes(4, "big")  # a length below any record's: not a torn tail
+    segment.write_bytes(bytes(data))
+    b2 = start_broker(data_dir=b.data_dir)
+    assert b2.metric("blipmq_wal_recovery_quarantined") == 1
+    got = b2.cli("sub", "#", "--from", "earliest", "--until-end", timeout=10)
+    assert got.returncode == 0, got
+    assert got.stdout.split() == [b"%d" % i for i in range(1, 10)]
+    assert b2.stop() == 0
+
+
 @pytest.mark.parametrize(("kind", "body"), [
     (rec.Kind.STATE, b"\x00"),
     (rec.Kind.STATE, b"\x00\x10key"),  # its key's length runs past the body

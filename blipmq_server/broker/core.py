@@ -901,15 +901,26 @@ class Broker:
             return self.cursors.has_work(consumer, target)  # type: ignore[union-attr]
         return bool(target.items)
 
-    @staticmethod
-    def _at_end(consumer: Consumer) -> bool:
-        """An until_end subscription has had all it asked for: a cursor is past its end
-        offset with nothing below it in flight; a queue took its retained values."""
+    def _at_end(self, consumer: Consumer) -> bool:
+        """An until_end subscription has had all it asked for: a cursor has read past the
+        last record the log stores below its end offset, with nothing below that in
+        flight; a queue took its retained values."""
         target, until = consumer.queue, consumer.until
         assert until is not None
         if isinstance(target, DurableGroup):
-            return target.next >= until and target.floor >= until
+            reach = self._stored_end(until)
+            return target.next >= reach and target.floor >= reach
         return until <= 0
+
+    def _stored_end(self, until: int) -> int:
+        """One past the last offset below ``until`` the log stores or may still store: a
+        log that ends in a gap (a batch the disk refused, damage set aside by recovery)
+        stores nothing more below ``until`` once no append below it waits."""
+        log = self.log
+        assert log is not None
+        if log.pending_from < until:
+            return until
+        return min(until, log.written_offset + 1)
 
     def take(
         self, consumer: Consumer, limit: int, max_bytes: int, now_ms: int, wall_ms: int = 0

@@ -57,6 +57,14 @@ class MessageLog(Protocol):
         """The oldest offset the log still holds, written or waiting."""
         ...
 
+    @property
+    def pending_from(self) -> int:
+        """The first offset appended and not written yet (waiting, or in the batch being
+        written): ``next_offset`` when nothing waits. No offset between ``written_offset``
+        and this one is ever stored: the disk refused its batch, or recovery set damage
+        there aside."""
+        ...
+
     def append(self, kind: int, body: bytes, timestamp_ms: int) -> int:
         """Buffer one record; returns its offset."""
         ...
@@ -103,6 +111,10 @@ class MemoryLog:
     @property
     def first_offset(self) -> int:
         return self.records[0].offset if self.records else self.next_offset
+
+    @property
+    def pending_from(self) -> int:
+        return self.written_offset + 1
 
     def append(self, kind: int, body: bytes, timestamp_ms: int) -> int:
         return self.append_many(kind, (body,), timestamp_ms)

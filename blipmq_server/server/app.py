@@ -124,8 +124,7 @@ class Server:
             self.flusher = Flusher(self.wal, fsync, self._wake_durable, w.unconfirmed_sync_ms,
                                    tailing=lambda: self.broker.tailing(),
                                    acks_due=lambda: self.broker.acks_due(),
-                                   on_lost=lambda first, last: self.broker.relog(
-                                       first, last, wall_ms()))
+                                   on_lost=self._lost)
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,
@@ -335,6 +334,11 @@ class Server:
                         "delivery(ies) durable group %r on %r had in flight, not acked, "
                         "before the restart: lost", lost, group.group, group.filter)
         self._lost_at_start = []
+        if self.wal is not None:
+            # room for a full disk before anything is read: a flood that fills the disk
+            # before the first maintenance round would otherwise find none (a write and an
+            # fsync only when the file is missing or smaller than it should be)
+            await trio.to_thread.run_sync(self.wal.make_reserve)
         groups = await self._listen()
         port, mqtt_port, mqtts_port, tls_port = (
             None if g is None else g.listeners[0].socket.getsockname()[1] for g in groups)
@@ -499,7 +503,8 @@ class Server:
 
     async def _retention_loop(self) -> None:
         """Drop expired durable groups, checkpoint groups, then delete segments past the
-        retention limits (only once every group's checkpoint is on disk)."""
+        retention limits (once every group's checkpoint is on disk; on a full disk, in the
+        room the log's reserve makes, or without it, ``_make_room``)."""
         assert self.wal is not None and self.flusher is not None
         wal, broker = self.wal, self.broker
         reserved = wal.has_reserve()  # room set aside for a full disk (``Log.make_reserve``)
@@ -539,10 +544,12 @@ class Server:
                                     "so that retention can make room")
                         self.flusher.hold()
                         held = True
-                        deadline = trio.current_time() + interval
-                        while (anchors := self._anchors()) > wal.written_offset and (
-                                trio.current_time() < deadline):  # restated if refused
-                            await self._written(anchors, deadline)
+                        await self._copies_written(interval)
+                if anchors > wal.written_offset and self.flusher.failing and not held:
+                    # no reserve (none could be made, or it was too small): what is past
+                    # the cap goes first, so that the copies fit in the room it leaves
+                    held = await self._make_room(wall, newest, interval)
+                    continue
                 if anchors > wal.written_offset:
                     continue  # not on disk yet (the disk refuses writes): retain next time
                 await self._retain(wall, newest)
@@ -552,11 +559,38 @@ class Server:
                 if held:
                     self.flusher.let_go()
 
-    async def _retain(self, wall: int, carried_from: int) -> None:
+    async def _copies_written(self, interval: float) -> None:
+        """Wait, at most ``interval`` seconds, until what retention copied forward (and
+        restated since, if the disk refused it) is written."""
+        assert self.wal is not None
+        deadline = trio.current_time() + interval
+        while (anchors := self._anchors()) > self.wal.written_offset and (
+                trio.current_time() < deadline):  # restated if refused
+            await self._written(anchors, deadline)
+
+    async def _make_room(self, wall: int, carried_from: int, interval: float) -> bool:
+        """The disk refuses the copies a maintenance round made of what a restart needs, and
+        there is no reserve to release: retention deletes the segments past the size cap
+        before they are written (the broker's memory holds them, and they are written
+        again with the next batch), then readers wait until they are. A broker that dies
+        before that batch loses what only the deleted segments held of its groups and
+        retained values; without this, writes stayed refused for good, a restart too.
+        Returns whether readers are held (the caller lets them go)."""
+        assert self.flusher is not None
+        if not await self._retain(wall, carried_from):
+            return False  # nothing past the cap: the disk is full of something else
+        log.warning("the disk refuses writes and the log has no reserve: retention deleted "
+                    "segments past the retention limits before the copies of what a restart "
+                    "needs were written (they are written next)")
+        self.flusher.hold()
+        await self._copies_written(interval)
+        return True
+
+    async def _retain(self, wall: int, carried_from: int) -> bool:
         """Retention's part of a maintenance round, once its copies are on disk: segments
         past the limits leave the log (none holding offsets from ``carried_from`` on, where
         the round carried what a restart needs), and what the size cap took from durable
-        groups is counted and logged."""
+        groups is counted and logged. Returns whether segments left the log."""
         assert self.wal is not None
         wal, broker = self.wal, self.broker
         holds = [b.floor() for b in self.bridges.values() if b.spec.backlog == "block"]
@@ -580,6 +614,7 @@ class Server:
                             skipped, group.group, group.filter)
             # their backlogs counted what is gone: counted again from the log's start
             self.prefetcher.request(broker.take_counts())  # type: ignore[union-attr]
+        return bool(result.removed)
 
     def _size_cap_took(self, group: DurableGroup, records: int) -> None:
         """The size cap took ``records`` from ``group`` (counted in its ``skipped``): a
@@ -632,6 +667,13 @@ class Server:
 
     def _wake_durable(self) -> None:
         self.wake(self.broker.cursor_conns())
+
+    def _lost(self, first: int, last: int) -> None:
+        """The disk refused the records ``first``..``last``: the core restates what they
+        said of its state, and cursor consumers look again (one waiting for the end of the
+        log may have it now: those offsets are never stored)."""
+        self.broker.relog(first, last, wall_ms())
+        self._wake_durable()
 
     # ------------------------------------------------------- wake-ups the core asks for
 

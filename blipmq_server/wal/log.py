@@ -340,6 +340,15 @@ class Log:
         return self.next_offset
 
     @property
+    def pending_from(self) -> int:
+        """The first offset appended and not committed yet (pending, or in the batch being
+        written), or ``next_offset``. Offsets between ``written_offset`` and this one are
+        never stored: a batch the disk refused, or damage recovery set aside."""
+        if self._in_flight is not None:
+            return self._in_flight.first_offset
+        return self.next_offset - self._pending
+
+    @property
     def total_bytes(self) -> int:
         return sum(s.size for s in self.segments)
 
