@@ -12,7 +12,7 @@ Pure and synchronous: never imports trio, never sleeps, never reads a clock.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from blipmq_server.broker.access import FULL, Access, matches
@@ -102,6 +102,10 @@ class Broker:
         # front ends' saved state (MQTT persistent sessions), by key, and its record's offset
         self.states: dict[bytes, bytes] = {}
         self._state_at: dict[bytes, int] = {}
+        # what a front end checks of its keys' values at recovery: a key prefix -> a
+        # function raising ValueError for a value it cannot read (the record is then set
+        # aside as damage, as one whose body does not parse)
+        self.state_checks: dict[bytes, Callable[[bytes, bytes], object]] = {}
         # each key's newest STATE record, a value or a deletion, while it may be unwritten
         # (``relog`` restates those of a batch the disk refused; pruned once written)
         self._state_recent: Unwritten[bytes] = Unwritten(self.log)
@@ -1138,6 +1142,9 @@ class Broker:
                 raise ValueError(f"its key of {n} bytes runs past its {len(body)}-byte body")
             key, value = body[2:2 + n], body[2 + n:]
             if value:
+                for prefix, check in self.state_checks.items():
+                    if key.startswith(prefix):
+                        check(key, value)  # ValueError: not applied, set aside
                 self.states[key] = value
                 self._state_at[key] = record.offset
             else:

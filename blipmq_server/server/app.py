@@ -487,6 +487,7 @@ class Server:
     def _open_log(self) -> None:
         assert self.wal is not None and self.flusher is not None
         started = time.monotonic()
+        self.broker.state_checks.update(self.mqtt_sessions.checks())
         found = self.recovery = self.wal.open(on_record=self.broker.recover,
                                               message_flags=codec.FLAG_RETAIN, bodies=True)
         self._lost_at_start = self.broker.recovered(wall_ms())
