@@ -198,6 +198,29 @@ def test_offsets_are_not_reused_when_the_newest_segment_is_unreadable(tmp_path: 
     assert again.next_offset == first_new
 
 
+@pytest.mark.parametrize("newest", [True, False], ids=["newest", "older"])
+def test_a_flipped_bit_in_a_header_s_base_offset_is_repaired_from_the_name(
+    tmp_path: Path, newest: bool
+) -> None:
+    """D6: no CRC covers the header's base offset, and recovery trusted it over the file
+    name: one flipped bit in the newest segment's header made the next offset 2**48 + 1,
+    with no warning."""
+    opts = LogOptions(segment_bytes=1000)
+    write_log(tmp_path, 60, opts)
+    seg = segments(tmp_path)[-1 if newest else 1]
+    original = seg.read_bytes()
+    flip(seg, 9, 0x01)  # base offset + 2**48
+    log, found = reopen(tmp_path, opts)
+    assert log.next_offset == 61
+    assert [r.offset for r in everything(log)] == list(range(1, 61))
+    assert any(f"{seg.name}: its header states base offset {int(seg.stem) + 2**48}" in note
+               and "header rewritten" in note for note in found.notes), found.notes
+    assert not found.quarantined and seg.read_bytes() == original
+    log.close()
+    _, again = reopen(tmp_path, opts)
+    assert not again.notes
+
+
 def test_an_unfinished_rewrite_is_discarded(tmp_path: Path) -> None:
     write_log(tmp_path, 20)
     seg = segments(tmp_path)[-1]

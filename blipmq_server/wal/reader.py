@@ -38,7 +38,7 @@ class Damage(NamedTuple):
 class Checked:
     """One segment's bytes, checked: its valid records and the damage between them."""
 
-    base: int | None  # the base offset its header (or else its name) states
+    base: int | None  # the base offset its name (or else its header) states, as recovery
     records: list[tuple[int, int]]  # (offset, position) of every valid record, in order
     damage: tuple[Damage, ...]
     partial: int  # bytes of a torn tail left out (a write under way, or interrupted)
@@ -69,7 +69,7 @@ def check(data: bytes, name: str = "", *, open_tail: bool = True, last_offset: i
     if header_ok:
         magic, version, stated = rec.HEADER.unpack_from(data)
         header_ok = magic == rec.MAGIC and version == rec.FORMAT_VERSION
-        base = stated if header_ok else base
+        base = stated if header_ok and base is None else base  # no CRC covers the header
     records: list[tuple[int, int]] = []
     damage: list[Damage] = []
     last = last_offset

@@ -156,12 +156,12 @@ def _segment(
         found.torn_bytes += len(data)
         found.notes.append(f"{name}: torn segment header ({len(data)} bytes) removed")
         return None, used
-    base = hint
+    stated = None  # the base offset the header states, if the header is readable
     header_ok = len(data) >= rec.HEADER_SIZE
     if header_ok:
-        magic, version, base = rec.HEADER.unpack_from(data)
+        magic, version, stated = rec.HEADER.unpack_from(data)
         header_ok = magic == rec.MAGIC and version == rec.FORMAT_VERSION
-        base = base if header_ok else hint
+        stated = stated if header_ok else None
     records: list[tuple[int, int]] = []  # (offset, position) of every valid record
     others: list[int] = []  # positions of the valid records that are not MESSAGE
     runs: list[tuple[int, int]] = []  # byte ranges of valid records
@@ -203,7 +203,12 @@ def _segment(
         if is_last:
             used = max(used, _bound(data, 0, max(last, used), below))
         return None, used
-    rewrite = bool(damaged) or not header_ok
+    base = _base(stated, hint, records[0][0] if records else None)
+    if header_ok and base != stated:  # no CRC covers the header: a flipped bit goes unseen
+        says = "its name says" if hint is not None else "its first record says"
+        found.notes.append(f"{name}: its header states base offset {stated}, {says} {base}; "
+                           "header rewritten")
+    rewrite = bool(damaged) or base != stated
     if pos is None:  # the damage runs to the end of the file
         if is_last and torn:
             cut = len(data) - damage_at
@@ -220,8 +225,6 @@ def _segment(
         kept = "; the valid records after it are kept" if end < len(data) else ""
         found.notes.append(f"{name}: {why} at byte {start}; {end - start} bytes set aside "
                            f"in {os.path.basename(aside)}{kept}")
-    if base is None:  # neither header nor name says: the first record does
-        base = records[0][0]
     if rewrite:  # without the damage: a new file, then renamed over the segment
         data = rec.header(base) + b"".join(data[a:b] for a, b in runs)
         disk.write_file(path + TEMP, data)
@@ -243,6 +246,17 @@ def _segment(
         seg.index = records[::index_every]
         seg.last_ts = rec.decode_at(data, records[-1][1])[0].timestamp_ms
     return seg, used
+
+
+def _base(stated: int | None, hint: int | None, first: int | None) -> int:
+    """A segment's base offset: its name's (the log names a segment after its first
+    offset), else its header's when no record lies below it, else its first record's."""
+    if hint is not None:
+        return hint
+    if stated is not None and (first is None or stated <= first):
+        return stated
+    assert first is not None  # recovery keeps no segment without a header or a record
+    return first
 
 
 def _regular(path: str) -> bool:
