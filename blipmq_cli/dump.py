@@ -105,6 +105,7 @@ def dump(data_dir: str, out: str, *, device_id: str | None = None, window: Windo
                 for p, s in sizes.items())
     done = new = grown = added_records = added_bytes = 0
     damage: list[str] = [f"{os.path.basename(p)}: {reader.ODD}" for p in source.odd]
+    damage += [f"{os.path.basename(p)}: {reader.STRAY}" for p in source.strays]
     last_name = os.path.basename(source.segments[-1]) if source.segments else ""
     for path in source.segments:
         name = os.path.basename(path)

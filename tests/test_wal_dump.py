@@ -369,6 +369,23 @@ def test_a_fifo_named_like_a_segment_is_refused_not_waited_on(tmp_path) -> None:
     assert res.returncode == Exit.USAGE and b"not a regular file" in res.stderr
 
 
+def test_a_segment_file_not_named_after_an_offset_is_not_read(tmp_path) -> None:
+    """D8: with a copy of a segment kept as ``wal/12.seg``, `wal cat` printed its messages
+    too (duplicates, offsets going backwards) where broker recovery set them aside. Like
+    recovery now, the readers leave such a file out of the log, and say so."""
+    data_dir, good = _crafted_log(tmp_path, [])
+    segment = data_dir / "wal" / "00000000000000000001.seg"
+    (data_dir / "wal" / "12.seg").write_bytes(segment.read_bytes())
+    for args in (("cat", str(data_dir), "--format", "lines"), ("inspect", str(data_dir)),
+                 ("dump", "--data-dir", str(data_dir), "--out", str(tmp_path / "d"))):
+        res = subprocess.run([BLIPMQ, "wal", *args], capture_output=True, timeout=20)
+        assert res.returncode == 0, res.stderr
+        assert b"12.seg: not named after an offset" in res.stdout + res.stderr
+    assert blipmq("wal", "cat", str(data_dir), "--format", "lines").stdout.split() == good
+    assert blipmq("wal", "cat", str(tmp_path / "d"), "--format", "lines").stdout.split() == good
+    assert sorted(p.name for p in (tmp_path / "d" / "wal").iterdir()) == [segment.name]
+
+
 def _dump_of_three_segments(start_broker, tmp_path) -> Path:
     b = start_broker({"wal": {"segment_bytes": 4096}})
     assert b.shell("seq 1 300 | blipmq pub t --qos 1 --lines -").returncode == 0

@@ -221,6 +221,24 @@ def test_a_flipped_bit_in_a_header_s_base_offset_is_repaired_from_the_name(
     assert not again.notes
 
 
+@pytest.mark.parametrize("name", ["12.seg", "00000000000000000001.bak.seg"])
+def test_a_segment_file_not_named_after_an_offset_is_left_alone(tmp_path: Path, name: str) -> None:
+    """D8: a copy of a segment kept as ``12.seg`` was read as part of the log (sorted first):
+    its records came before the real ones, which recovery then set aside as out of order,
+    and the copy was rewritten to a bare header. It is not part of the log now."""
+    opts = LogOptions(segment_bytes=1000)
+    write_log(tmp_path, 60, opts)
+    copy = tmp_path / name
+    copy.write_bytes(segments(tmp_path)[1].read_bytes())
+    kept = copy.read_bytes()
+    log, found = reopen(tmp_path, opts)
+    assert [r.offset for r in everything(log)] == list(range(1, 61))
+    assert not found.quarantined and log.next_offset == 61
+    assert found.notes == [f"{name}: not named after an offset (00000000000000000001.seg ...); "
+                           "left alone, not part of the log"]
+    assert copy.read_bytes() == kept
+
+
 def test_an_unfinished_rewrite_is_discarded(tmp_path: Path) -> None:
     write_log(tmp_path, 20)
     seg = segments(tmp_path)[-1]

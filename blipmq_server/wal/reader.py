@@ -22,7 +22,7 @@ from typing import NamedTuple
 from blipmq_server.errors import WalError
 from blipmq_server.kinds import Kind
 from blipmq_server.wal import record as rec
-from blipmq_server.wal.segment import SUFFIX, base_of
+from blipmq_server.wal.segment import SUFFIX, base_of, offset_named
 
 MANIFEST = "manifest.json"  # what makes a directory a dump (``blipmq wal dump``)
 WAL_DIR = "wal"  # where segments live, in a data directory and in a dump alike
@@ -112,6 +112,7 @@ class LogFiles:
     segments: tuple[str, ...]  # segment file paths, in offset order
     dump: bool  # a dump made by ``blipmq wal dump`` (its manifest is in ``root``)
     odd: tuple[str, ...] = ()  # named like segments but not regular files (FIFOs, devices...)
+    strays: tuple[str, ...] = ()  # *.seg files not named after an offset: not of the log
 
 
 def find_log(path: str) -> LogFiles:
@@ -156,10 +157,12 @@ def _log_in(directory: str) -> LogFiles | None:
             continue
         names = sorted(n for n in os.listdir(where) if n.endswith(SUFFIX))
         odd = [n for n in names if not regular(os.path.join(where, n))]
+        strays = [n for n in names if not offset_named(n) and n not in odd]
         if names or where == sub:  # a log with no segment yet is still a log
             return LogFiles(directory, tuple(os.path.join(where, n) for n in names
-                                             if n not in odd), dump,
-                            tuple(os.path.join(where, n) for n in odd))
+                                             if n not in odd and n not in strays), dump,
+                            tuple(os.path.join(where, n) for n in odd),
+                            tuple(os.path.join(where, n) for n in strays))
     return None
 
 
@@ -173,6 +176,7 @@ def regular(path: str) -> bool:
 
 
 ODD = "not a regular file (a FIFO, a device or a socket); not read"
+STRAY = "not named after an offset, as the log names its segments; not part of the log, not read"
 
 
 # ------------------------------------------------------------------------- dump manifests
@@ -264,6 +268,7 @@ def log_problems(log: LogFiles) -> tuple[list[Missing], dict[str, int] | None]:
     segments that are not regular files, and for a dump, its manifest against its files.
     Also the CRC each dump segment must have (None: not a dump)."""
     problems = [Missing(os.path.basename(p), 0, ODD) for p in log.odd]
+    problems += [Missing(os.path.basename(p), 0, STRAY) for p in log.strays]
     if not log.dump:
         return problems, None
     manifest, problem = load_manifest(log.root)

@@ -23,7 +23,15 @@ from blipmq_server.errors import WalError
 from blipmq_server.kinds import Kind
 from blipmq_server.wal import record as rec
 from blipmq_server.wal.disk import Disk
-from blipmq_server.wal.segment import CORRUPT, SUFFIX, TEMP, Segment, base_of, segment_name
+from blipmq_server.wal.segment import (
+    CORRUPT,
+    SUFFIX,
+    TEMP,
+    Segment,
+    base_of,
+    offset_named,
+    segment_name,
+)
 
 
 class Recovery:
@@ -74,6 +82,10 @@ def recover(
     for name in [n for n in names if not _regular(os.path.join(directory, n))]:
         names.remove(name)  # reading a FIFO would wait for a writer, and the start with it
         found.notes.append(f"{name}: not a regular file (a FIFO, a device or a socket); "
+                           "left alone, not part of the log")
+    for name in [n for n in names if not offset_named(n)]:
+        names.remove(name)  # a copy kept by someone: its records would repeat the log's
+        found.notes.append(f"{name}: not named after an offset ({segment_name(1)} ...); "
                            "left alone, not part of the log")
     for name in names:  # before anything is repaired: a newer log is not ours to change
         _check_version(os.path.join(directory, name))

@@ -25,6 +25,14 @@ def base_of(name: str) -> int | None:
     return int(stem) if stem.isdigit() and len(stem) == 20 else None
 
 
+def offset_named(name: str) -> bool:
+    """Whether ``name`` is a segment's name as the log makes them (``segment_name``): a
+    file named otherwise (``12.seg``, a copy kept as ``<name>.bak.seg``) is not part of the
+    log, for recovery and every reader alike."""
+    base = base_of(name)
+    return base is not None and name == segment_name(base)
+
+
 class Segment:
     """One segment file. ``size`` counts committed bytes (header included) on disk."""
 
