@@ -288,4 +288,32 @@ def test_session_state_records_that_do_not_parse_are_set_aside_once(start_broker
     assert b3.metric("blipmq_wal_recovery_quarantined") == 0
     warned = [line for line in b3.log if "not restored" in line]
     assert len(warned) == 1 and "dev3" in warned[0], warned  # the newer one, kept
+def test_a_group_delete_inside_a_damaged_payload_is_not_applied(start_broker, tmp_path) -> None:
+    """D1 (c): a client published a payload holding a valid GROUP DELETE record of durable
+    group g; one flipped bit in that message's record made recovery resync onto it, apply
+    it, and g vanished with its backlog of confirmed messages."""
+    from blipmq_server.broker.durable import group_body
+
+    b = start_broker()
+    made = b.cli("sub", "t", "--group", "g", "--qos", "1", "--timeout", "0.2")
+    assert made.returncode != 0 and not made.stdout  # created, nothing to read yet
+    assert b.cli("pub", "t", "first", "--qos", "1").returncode == 0
+    assert b.stop() == 0
+    segment, = (b.data_dir / "wal").glob("*.seg")
+    hostile = records_of(segment)[-1][0] + 1  # the offset the next message gets
+    forged = rec.encode(rec.Kind.GROUP, hostile + 1, 0, group_body(2, 0, "t", "g"))
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(b"x" + forged + b"-tail")
+    b2 = start_broker(data_dir=b.data_dir)
+    assert b2.cli("pubfile", "t", str(payload), "--qos", "1").returncode == 0
+    assert b2.shell("seq 1 20 | blipmq pub t --qos 1 --lines -").returncode == 0
+    assert b2.stop() == 0
+    pos = dict(records_of(segment))[hostile]
+    flip(segment, pos + 20, 0x01)  # its timestamp: its CRC fails, its length holds
+    b3 = start_broker(data_dir=b.data_dir)
+    assert b3.metric("blipmq_wal_recovery_quarantined") == 1
+    got = b3.cli("sub", "t", "--group", "g", "--qos", "1", "--count", "21", "--format", "lines",
+                 "--timeout", "10", timeout=30)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.decode().split() == ["first", *map(str, range(1, 21))]
     assert b3.stop() == 0

@@ -235,6 +235,25 @@ def test_check_cuts_a_partial_tail_at_every_byte() -> None:
         assert bool(closed.damage) == (cut not in ends)
 
 
+def test_check_never_reads_a_record_inside_a_damaged_payload() -> None:
+    """D1: ``blipmq wal`` and the dump readers resynced onto a record a client had put in a
+    payload, after one flipped bit in that message's record (and lost the records after
+    it when its offset was large)."""
+    from blipmq_server.protocol.message import Message, message_record
+
+    forged = rec.encode(1, 1000, 5, message_record(Message("forged", b"!")))
+    bodies = [message_record(Message("t", p)) for p in (b"a", b"x" + forged + b"y", b"b")]
+    data = bytearray(rec.header(1) + b"".join(rec.encode_many(1, 1, 5, bodies)))
+    second = rec.scan(bytes(data)).records[1][1]
+    for where, mask in ((1, 0xFF), (20, 0x01)):  # its length; its timestamp
+        damaged = bytearray(data)
+        damaged[second + where] ^= mask
+        for open_tail in (True, False):
+            got = reader.check(bytes(damaged), open_tail=open_tail)
+            assert [o for o, _ in got.records] == [1, 3]
+            assert [(d.start, d.end) for d in got.damage] == [(second, got.records[1][1])]
+
+
 def test_dump_draws_its_progress_on_a_terminal(tmp_path) -> None:
     from blipmq_server.protocol.message import Message, message_record
 

@@ -226,17 +226,102 @@ _TOPIC_AT = RECORD_OVERHEAD + MSG_HEAD_SIZE  # a MESSAGE record's topic, from it
 _KIND_BYTE = re.compile(b"[" + bytes(sorted(_KINDS)) + b"]")
 
 
-def resync(data: bytes, start: int, last_offset: int, below: int | None = None,
+def resync(data: bytes, at: int, last_offset: int, below: int | None = None,
            end: int | None = None, bodies: bool = False) -> int | None:
-    """Where the first whole, valid record at or after ``start`` begins, or None.
+    """Where the first whole, valid record after the damaged record at ``at`` begins, or
+    None.
 
-    Recovery calls this after damage: a position counts when a record starts there whose
-    length fits before ``end``, whose CRC matches, whose kind is known and whose offset is
-    above ``last_offset`` (and below ``below``, the next segment's base, when known). The
-    candidates are the bytes after a known kind byte, found by a regular expression, so
-    ordinary payload bytes are skipped in C. Never raises on bad bytes.
+    First the damaged record's own length: when a valid record starts where it says the
+    record ends, the damage was inside it (its payload, its CRC, its fixed fields) and
+    that is the answer. Nothing inside it is looked at: a message's payload may hold a
+    whole, valid record (a client published one, or a segment file), which must not be
+    taken for the log's. Otherwise (its length is damaged, or the damage covers the
+    records after it too: a zeroed or overwritten block) the bytes after ``at`` are
+    searched (``_next_valid``). Never raises on bad bytes.
     """
     size = len(data) if end is None else min(end, len(data))
+    if at < HEADER_SIZE:  # the segment header is damaged: the first record may be too
+        if valid_at(data, HEADER_SIZE, last_offset, below, bodies, size):
+            return HEADER_SIZE
+        at = HEADER_SIZE
+    pos, start = at, at + 1
+    for _ in range(_CHAIN):  # damaged records one after another, each by its own framing
+        if size - pos < PREFIX.size:
+            return None
+        length = PREFIX.unpack_from(data, pos)[0]
+        after = pos + 4 + length
+        framed = length >= MIN_LENGTH and after <= size
+        if framed and after == size:
+            return None  # it ends the data: nothing after it to keep
+        if framed and valid_at(data, after, last_offset, below, bodies, size):
+            return after
+        found = _crc_end(data, pos, size)  # its length alone damaged: its CRC says its end
+        if found is not None and (found == size or valid_at(
+                data, found, last_offset, below, bodies, size)):
+            return None if found == size else found
+        if not framed:
+            if after > size:
+                # cut short (a torn write, a truncated file): what its bytes hold is its
+                # payload, never taken for records; or its length damaged along with
+                # something else, and then nothing tells its end from its payload
+                return None
+            break
+        pos = start = after  # the damage runs on into the next record: not inside this one
+    return _next_valid(data, max(start, HEADER_SIZE), last_offset, below, size, bodies)
+
+
+_CHAIN = 16  # damaged records ``resync`` follows by their own lengths before it searches
+_CRC_REACH = 1 << 24  # how far ``_crc_end`` looks for a record's end, bytes
+
+
+def _crc_end(data: bytes, pos: int, size: int) -> int | None:
+    """Where the record at ``pos`` ends if only its length field is damaged: the first
+    position after its fixed fields, where a record could start (a known kind byte 8 bytes
+    on) or ``size`` is, up to which its stored CRC holds, within ``_CRC_REACH`` bytes.
+    None when there is none. Each byte is taken into the CRC once."""
+    if size - pos < RECORD_OVERHEAD:
+        return None
+    crc = PREFIX.unpack_from(data, pos)[1]
+    view = memoryview(data)
+    reach = min(size, pos + _CRC_REACH)
+    done = pos + 8
+    running = 0
+    for match in _KIND_BYTE.finditer(data, pos + RECORD_OVERHEAD + 8, reach):
+        end = match.start() - 8
+        running = crc32c(view[done:end], running)
+        done = end
+        if running == crc:
+            return end
+    if reach == size and crc32c(view[done:size], running) == crc:
+        return size
+    return None
+
+
+def valid_at(data: bytes, pos: int, last_offset: int, below: int | None = None,
+             bodies: bool = False, end: int | None = None) -> bool:
+    """Whether a whole, valid record starts at ``pos``: its length fits before ``end``, its
+    CRC holds, its kind is known, its offset is above ``last_offset`` (and below
+    ``below``), and with ``bodies`` ``body_problem`` finds nothing wrong."""
+    size = len(data) if end is None else min(end, len(data))
+    if size - pos < RECORD_OVERHEAD:
+        return False
+    length, crc = PREFIX.unpack_from(data, pos)
+    stop = pos + 4 + length
+    if length < MIN_LENGTH or stop > size:
+        return False
+    kind, offset, _ = FIXED.unpack_from(data, pos + 8)
+    if kind not in _KINDS or offset <= last_offset or (below is not None and offset >= below):
+        return False
+    if crc32c(memoryview(data)[pos + 8 : stop]) != crc:
+        return False
+    return not bodies or body_problem(data, pos, stop) is None
+
+
+def _next_valid(data: bytes, start: int, last_offset: int, below: int | None, size: int,
+                bodies: bool) -> int | None:
+    """The first position at or after ``start`` where a whole, valid record begins (as
+    ``valid_at`` says), or None. The candidates are the bytes after a known kind byte,
+    found by a regular expression, so ordinary payload bytes are skipped in C."""
     view = memoryview(data)
     unpack_prefix = PREFIX.unpack_from
     unpack_fixed = FIXED.unpack_from
@@ -254,6 +339,25 @@ def resync(data: bytes, start: int, last_offset: int, below: int | None = None,
                 and (not bodies or body_problem(data, pos, pos + 4 + length) is None)):
             return pos
     return None
+
+
+def ends_in_records(data: bytes, start: int) -> bool:
+    """Whether, somewhere at or after ``start``, whole records with matching CRCs and known
+    kinds begin that run exactly to the end of ``data``. Damage that runs past the end of
+    the newest segment is a torn write only when this is False: else it may be a damaged
+    length followed by the log's valid records, which are kept. (A torn record whose
+    payload holds records ends inside them, not after one.) Never raises on bad bytes."""
+    size = len(data)
+    for match in _KIND_BYTE.finditer(data, start + 8):
+        pos = match.start() - 8
+        if size - pos < RECORD_OVERHEAD:
+            return False
+        length, _ = PREFIX.unpack_from(data, pos)
+        if MIN_LENGTH <= length and pos + 4 + length <= size:
+            found = scan(data, pos)
+            if found.records and found.problem is None:
+                return True
+    return False
 
 
 def offset_bound(data: bytes, start: int, end: int, last_offset: int) -> int:

@@ -1,7 +1,8 @@
 """Recovery on open: check every segment, cut a torn tail, set damage aside, keep the rest.
 
 Only the log's last record can be torn (an interrupted write). Damage followed by a valid
-record is corruption: recovery finds the next valid record (``record.resync``), moves the
+record is corruption: recovery finds where the damaged record ends by its own framing, and
+the next valid record after it (``record.resync``: never inside its payload), moves the
 damaged bytes to ``<segment>.<position>.corrupt``, and rewrites the segment without them
 (temporary file, fsync, rename, fsync of the directory), so every valid record after the
 damage is kept, in any segment. A record whose CRC holds but whose body its owner cannot
@@ -192,7 +193,10 @@ def _segment(
             if scan.problem is None:
                 break
             damage_at, problem, torn = scan.good_end, scan.problem, scan.torn
-        pos = rec.resync(data, max(damage_at + 1, rec.HEADER_SIZE), last, below, bodies=bodies)
+        if is_last and torn and not rec.ends_in_records(data, damage_at + 1):
+            pos = None  # a torn write: what its bytes hold is never taken for records
+            break
+        pos = rec.resync(data, damage_at, last, below, bodies=bodies)
         if pos is None:
             break
         damaged.append((damage_at, pos, problem))
@@ -222,7 +226,9 @@ def _segment(
                            "header rewritten")
     rewrite = bool(damaged) or base != stated
     if pos is None:  # the damage runs to the end of the file
-        if is_last and torn:
+        # a torn write ends the log; records running to the end after the damage (the
+        # log's, after a damaged length) are not cut but set aside, for inspection
+        if is_last and torn and not rec.ends_in_records(data, damage_at + 1):
             cut = len(data) - damage_at
             found.torn_bytes += cut
             found.notes.append(f"{name}: torn tail cut at byte {damage_at} ({cut} bytes: "
