@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 from blipmq_server.broker.access import FULL
 from blipmq_server.mqtt import state
-from blipmq_server.mqtt.packets import ConnackCode
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.session import CloseReason, now_ms, wall_ms
 
 if TYPE_CHECKING:
     from blipmq_server.broker.access import Identity
+    from blipmq_server.mqtt.packets import ConnackCode
     from blipmq_server.server.app import Server
     from blipmq_server.server.mqtt import MqttSession
 
@@ -121,6 +121,8 @@ class MqttSessions:
         ``api_keys`` keys (``*``) is adopted by a named key that may read every filter it
         subscribes to, once no ``api_keys`` connection uses it (until then
         SERVER_UNAVAILABLE: the device tries again, as it does after a restart)."""
+        from blipmq_server.mqtt.packets import ConnackCode  # only with MQTT connections
+
         cid = session.client_id
         owner = self.owners.get(cid, "")
         access = session.access
