@@ -18,6 +18,7 @@ import pytest
 import trio
 import trio.testing
 
+from blipmq_cli import Client
 from blipmq_server.counters import ConnectionCounters
 from blipmq_server.mqtt import codec as mqtt
 from blipmq_server.mqtt.packets import Connect, Publish, Subscribe, Will
@@ -221,16 +222,16 @@ def test_a_waiting_reader_keeps_no_message(start_broker) -> None:
 @pytest.mark.slow
 def test_a_connection_waiting_for_room_before_its_handshake_still_times_out(
         start_broker) -> None:
-    """One connection part way through a 1 MiB PUBLISH holds most of the budget (the
-    largest native frame, 1.13 MiB, as it is less than that); another sends all but the
-    last byte of a 180 kB CONNECT (its will, user name and password) and waits for room:
-    the handshake's deadline still ends it (it waited for good while not reading)."""
+    """Handshakes share the room of one largest frame (1.13 MiB here): a peer sends the
+    header of a 1 MiB CONNECT and 70 kB of it; another sends all but the last byte of a
+    180 kB CONNECT (its will, user name and password) and waits for room: the handshake's
+    deadline still ends it (it waited for good while not reading), and the first."""
     bp = start_broker({"mqtt": {"enabled": True, "port": 0},
                        "server": {"max_message_bytes": BIG, "max_reading_bytes": 1 << 20,
                                   "handshake_timeout_ms": 1000}})
     assert bp.mqtt_port is not None
-    holder = _connect(bp.mqtt_port, "holder")
-    holder.sendall(mqtt.encode(Publish("big/x", b"b" * BIG))[:-1])
+    holder = socket.create_connection(("127.0.0.1", bp.mqtt_port), timeout=10)
+    holder.sendall(b"\x10" + _remaining(BIG) + b"\0" * 70_000)
     deadline = time.monotonic() + 10
     late = socket.create_connection(("127.0.0.1", bp.mqtt_port), timeout=10)
     late.sendall(mqtt.encode(Connect("MQTT", 4, True, 0, "late",
@@ -244,6 +245,38 @@ def test_a_connection_waiting_for_room_before_its_handshake_still_times_out(
     except ConnectionResetError:  # closed with the rest of its CONNECT unread
         got = b""
     assert got == b"", "closed at the handshake's deadline"
-    assert bp.metric("blipmq_mqtt_protocol_errors_total", reason="handshake_timeout") == 1
+    bp.wait_metric("blipmq_mqtt_protocol_errors_total", 2, reason="handshake_timeout")
     holder.close()
     late.close()
+
+
+def _remaining(n: int) -> bytes:
+    """MQTT's remaining length field for ``n``."""
+    out = bytearray()
+    while True:
+        n, digit = divmod(n, 128)
+        out.append(digit | (128 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def test_peers_that_never_authenticate_hold_back_no_large_frame_of_those_that_did(
+        start_broker) -> None:
+    """h26 D2: two native peers that never send HELLO announce 1 MiB frames and send 70 kB
+    of each; they took the budget of large frames (``server.max_reading_bytes``), so an
+    authenticated client's 900 kB publish waited until their handshakes timed out. The
+    handshakes now share a room of their own: the publish goes through at once."""
+    bp = start_broker({"server": {"max_message_bytes": BIG, "max_reading_bytes": 1 << 20,
+                                  "handshake_timeout_ms": 60_000}})
+    peers = []
+    for _ in range(2):
+        peer = socket.create_connection(("127.0.0.1", bp.port), timeout=10)
+        peer.sendall(BIG.to_bytes(4, "big") + b"\x10" + b"\0" * 70_000)
+        peers.append(peer)
+    bp.wait_metric("blipmq_reading_waits_total", 1)  # the first holds its room, one waits
+    started = time.monotonic()
+    with Client(f"127.0.0.1:{bp.port}", timeout=10) as client:
+        client.publish("big", b"x" * 900_000, qos=1)
+    assert time.monotonic() - started < 5
+    for peer in peers:
+        peer.close()

@@ -179,6 +179,9 @@ class Server:
         # large frames in progress, all connections together: at least one of each kind
         self.intake = Intake(max(config.server.max_reading_bytes, self.max_frame + 4,
                                  self.mqtt_max_packet), self.counters)
+        # ... of connections not yet authenticated, apart: peers that never authenticate
+        # cannot hold back the large frames of those that did (one frame at a time here)
+        self.handshakes = Intake(max(self.max_frame + 4, self.mqtt_max_packet), self.counters)
         self.keys = Keyring(config.auth)
         self.bridges: dict[int, Bridge] = {}  # by the connection id each consumes as
 
@@ -899,6 +902,7 @@ class Server:
         finally:
             del self.sessions[session.conn_id]
             self.intake.give_back(session.conn_id)
+            self.handshakes.give_back(session.conn_id)
             self.counters.open -= 1
             reason = session.close_reason.value if session.close_reason else "cancelled"
             closed = self.counters.closed

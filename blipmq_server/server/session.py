@@ -305,8 +305,9 @@ class Session:
         ends one that never does), while more than ``wal.max_unwritten_bytes`` waits for
         the disk (publishers outrun it), or while the frame it is reading is larger than
         ``intake.FREE`` and the broker's ``server.max_reading_bytes`` has no room for it
-        (``Intake``; before the handshake is done, until its deadline ``until`` at most:
-        TooSlowError, as a read's). Whether it waited (then look again)."""
+        (``Intake``; before the handshake is done, the room of one frame that handshakes
+        share, until its deadline ``until`` at most: TooSlowError, as a read's). Whether
+        it waited (then look again)."""
         if self.pending_bytes > budget:
             self._drained = trio.Event()
             await self._waiting(self._drained.wait())
@@ -317,7 +318,12 @@ class Session:
         if flusher is not None and flusher.full(limit):
             await self._waiting(flusher.room(limit))
             return True
-        intake = server.intake
+        # before the handshake is done, from a pool of their own: peers that never
+        # authenticate cannot take the room of those that did (``Server.handshakes``)
+        intake, other = ((server.intake, server.handshakes) if self.authenticated
+                         else (server.handshakes, server.intake))
+        if other.held:
+            other.give_back(self.conn_id)  # the frame of the handshake is done
         if decoder.buffered > FREE:
             wanted = decoder.wanted
             if intake.held.get(self.conn_id, 0) < wanted and not intake.take(self.conn_id,
