@@ -8,6 +8,8 @@ functions in ``commands`` / ``blipmq_server.daemon``.
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from typing import Annotated
 
@@ -463,5 +465,21 @@ def run_app(argv: list[str]) -> int:
     except typer.Abort:
         return Exit.INTERRUPTED
     except SystemExit as exc:
+        if exc.code == 1 and _reader_gone():
+            return Exit.OK  # ``| head``: exit 0, as for every other command
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return result if isinstance(result, int) else 0
+
+
+def _reader_gone() -> bool:
+    """Whether the help framework ended with exit 1 because stdout's reader went away:
+    click then wraps stdout (``PacifyFlushWrapper``), and rich points fd 1 at /dev/null
+    (neither exits 1 otherwise, and stdout that was /dev/null from the start cannot
+    break)."""
+    if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+        return True
+    try:
+        return os.fstat(1).st_rdev == os.stat(os.devnull).st_rdev and stat.S_ISCHR(
+            os.fstat(1).st_mode)
+    except OSError:
+        return False

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from blipmq_cli.client import DEFAULT_ADDR, connect_from_env
-from blipmq_cli.commands import UsageError, guarded, say
+from blipmq_cli.commands import UsageError, guarded, say, stderr_is_terminal
 from blipmq_cli.exits import Exit, for_error
 from blipmq_server.errors import BlipError
 from blipmq_server.protocol.codec import Message
@@ -492,7 +492,7 @@ def _collect(plan: Plan, broker: Broker | None, procs: list, conns: dict, go: th
     cpu_before = None
     finished: set = set()
     bar = None
-    if not as_json and sys.stderr.isatty():
+    if not as_json and stderr_is_terminal():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
         bar = Progress("{task.description}", BarColumn(), MofNCompleteColumn(),

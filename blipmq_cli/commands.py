@@ -52,6 +52,12 @@ def say(text: str) -> None:
         pass
 
 
+def stderr_is_terminal() -> bool:
+    """Whether stderr is a terminal (progress and hints go there); False when it is closed
+    (``2>&-``: ``sys.stderr`` is None)."""
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
 def guarded(fn: Callable[[], int]) -> int:
     """Run a command; map every failure to one stderr line and an exit code."""
     try:
@@ -320,7 +326,7 @@ def pubfile(
                 data = _read_bounded(f.fileno(), client, path)
         else:
             data = _read_bounded(stream.fileno(), client, "stdin")
-        if sys.stderr.isatty() and len(data) >= 1 << 20:
+        if stderr_is_terminal() and len(data) >= 1 << 20:
             _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path, retain)
         else:
             client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)

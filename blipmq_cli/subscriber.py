@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blipmq_cli.client import Client, Subscription, connect_from_env
-from blipmq_cli.commands import say
+from blipmq_cli.commands import say, stderr_is_terminal
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, terminated
 from blipmq_cli.output import Writer
 from blipmq_server.errors import ConnectError
@@ -161,7 +161,7 @@ class _Run:
             if pid:
                 say(f"subscribed to {what}, in the background (pid {pid})")
                 os._exit(0)
-        elif sys.stderr.isatty():
+        elif stderr_is_terminal():
             say(f"subscribed to {what}")
 
     def _reconnect(self, pause: float) -> Client | None:

@@ -347,7 +347,7 @@ class _progress:
     """A progress bar on stderr when it is a terminal; otherwise nothing."""
 
     def __enter__(self) -> Callable[[int, int], None] | None:
-        if not sys.stderr.isatty():
+        if sys.stderr is None or not sys.stderr.isatty():  # closed (2>&-), or not a terminal
             self.bar = None
             return None
         from rich.console import Console

@@ -465,6 +465,8 @@ def _check(key: Key, value: object, name: str) -> object:
             raise ConfigError(f"{value!r} is not {key.allowed}", name)
         if not value.strip() and not key.empty:
             raise ConfigError("must not be empty", name)
+        if "\0" in value:  # no path, host, name or key holds one
+            raise ConfigError("must not contain a NUL character", name)
         if key.check is not None:
             problem = key.check(value)
             if problem:

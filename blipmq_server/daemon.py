@@ -20,9 +20,13 @@ from blipmq_server.errors import ConfigError, WalError
 
 def _split_bind(value: str, key: str) -> dict[str, object]:
     host, sep, port = value.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"{value!r} is not HOST:PORT", key)
-    return {"host": host.strip("[]"), "port": port}
+    inner = host[1:-1]
+    bracketed = (host[:1] == "[" and host[-1:] == "]" and bool(inner)
+                 and "[" not in inner and "]" not in inner)
+    if not sep or not host or (("[" in host or "]" in host) and not bracketed):
+        raise ConfigError(f"{value!r} is not HOST:PORT (an IPv6 address: [ADDRESS]:PORT)",
+                          key)
+    return {"host": inner if bracketed else host, "port": port}
 
 
 def overrides(

@@ -171,3 +171,50 @@ def test_odd_arguments_and_a_closed_stdin_are_one_line_and_their_code(start_brok
     assert (res.returncode, res.stdout) == (0, b"x\xff\n"), res.stderr
     # with stderr closed the exit code still tells
     assert b.shell("blipmq pub '' x 2>&-").returncode == Exit.BAD_NAME
+
+
+def test_commands_with_stderr_closed_still_do_their_work(start_broker, tmp_path: Path) -> None:
+    """h26 D1: `2>&-` (cron jobs, daemon wrappers) made `sub`, `pubfile` and `pub -f` exit 1
+    ("internal error") before doing anything: they asked a closed stderr whether it is a
+    terminal. Now they work, and only what they would say goes unsaid."""
+    b = start_broker()
+    (tmp_path / "m").write_bytes(b"from a file")
+    res = b.shell(f"blipmq pubfile t {tmp_path / 'm'} -r 2>&- && blipmq sub t -C 1 2>&-")
+    assert res.returncode == 0, res
+    assert res.stdout == b"from a file\n"
+    res = b.shell(f"blipmq pub t2 -r -f {tmp_path / 'm'} 2>&- && blipmq sub t2 -C 1 2>&-")
+    assert (res.returncode, res.stdout) == (0, b"from a file\n"), res
+
+
+def test_help_and_wal_output_into_a_reader_that_goes_away_exit_0(
+        start_broker, tmp_path: Path) -> None:
+    """h26 D3: `blipmq --help | head -1` and `wal inspect DIR | head -1` exited 1 (the help
+    framework's answer to EPIPE), which the README documents as a bug: a reader that
+    went away is exit 0, as for `sub | head`."""
+    b = start_broker()
+    assert b.cli("pub", "t", "x", "--qos", "1").returncode == 0
+    for command in ("blipmq --help", "blipmq sub --help", "blipmq pub -h",
+                    f"blipmq wal inspect {b.data_dir}"):
+        res = b.shell(f"{command} | head -c 1 >/dev/null")  # pipefail: the command's code
+        assert res.returncode == 0, (command, res.stderr)
+    assert b.shell("blipmq sub --help > /dev/full").returncode == Exit.USAGE
+
+
+def test_a_nul_in_a_setting_and_a_broken_ipv6_bind_are_config_errors(tmp_path: Path) -> None:
+    """h26 D4: a NUL in storage.data_dir gave a traceback and exit 1; `--bind '[::1'` was
+    taken as host "[:" port 1 (the log recovered in ./data, then exit 1). Both are config
+    errors now: one line, exit 2, before anything is made."""
+    config = tmp_path / "nul.toml"
+    config.write_text('[storage]\ndata_dir = "/tmp/x\\u0000y"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")}
+    res = subprocess.run([BLIPMQ, "start", "--config", str(config)], capture_output=True,
+                         timeout=30, env=env, cwd=tmp_path)
+    assert res.returncode == 2 and b"storage.data_dir" in res.stderr and b"NUL" in res.stderr
+    one_line(res.stderr)
+    for bind in ("[::1", "[::1]]:7", "[]:7"):
+        res = subprocess.run([BLIPMQ, "start", "--bind", bind, "--data-dir",
+                              str(tmp_path / "d")], capture_output=True, timeout=30, env=env,
+                             cwd=tmp_path)
+        assert res.returncode == 2 and b"--bind" in res.stderr, (bind, res.stderr)
+        one_line(res.stderr)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "data").exists()
