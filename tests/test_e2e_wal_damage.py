@@ -5,10 +5,13 @@ read back through the CLI."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import BLIPMQ
 
 from blipmq_server.wal import record as rec
 
@@ -201,25 +204,26 @@ def test_a_flipped_version_bit_over_valid_records_is_repaired(start_broker) -> N
     assert segment.read_bytes()[6:8] == rec.FORMAT_VERSION.to_bytes(2, "big")
 
 
+def start_without_root_file_rights(b) -> subprocess.CompletedProcess[bytes]:
+    """``blipmq start`` on ``b``'s configuration and data, without the capabilities that
+    let root read and write any file (``setpriv``): file modes apply, as to a service user."""
+    caps = "-dac_override,-dac_read_search"
+    return subprocess.run(
+        ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", BLIPMQ, "start",
+         "--config", str(b.config_path), "--data-dir", str(b.data_dir)],
+        capture_output=True, timeout=30,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")})
+
+
 def test_a_segment_the_broker_may_not_read_is_named_in_the_one_line(start_broker) -> None:
     """h25 D9: `cannot start: Permission denied` named no file. Run without the capability
     that lets root read any file (``setpriv``), the broker now names the segment."""
-    import os
-    import subprocess
-
-    from conftest import BLIPMQ
-
     b = start_broker()
     assert b.cli("pub", "t", "one", "--qos", "1").returncode == 0
     assert b.stop() == 0
     segment, = (b.data_dir / "wal").glob("*.seg")
     segment.chmod(0)
-    caps = "-dac_override,-dac_read_search"
-    res = subprocess.run(
-        ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", BLIPMQ, "start",
-         "--config", str(b.config_path), "--data-dir", str(b.data_dir)],
-        capture_output=True, timeout=30,
-        env={k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")})
+    res = start_without_root_file_rights(b)
     assert res.returncode == 1, res.stderr
     assert res.stderr.decode() == f"blipmq: cannot start: Permission denied: {segment}\n"
 
@@ -228,23 +232,13 @@ def test_a_segment_the_broker_may_not_read_is_named_in_the_one_line(start_broker
 def test_a_log_the_broker_may_not_write_refuses_the_start(start_broker, what: str) -> None:
     """h25 D9: with the newest segment or wal/ not writable, the broker started, listened,
     and refused every QoS 1 publish with STORAGE. Now it does not start, and says which."""
-    import os
-    import subprocess
-
-    from conftest import BLIPMQ
-
     b = start_broker()
     assert b.cli("pub", "t", "one", "--qos", "1").returncode == 0
     assert b.stop() == 0
     segment, = (b.data_dir / "wal").glob("*.seg")
     target = segment if what == "segment" else segment.parent
     target.chmod(0o444 if what == "segment" else 0o555)
-    caps = "-dac_override,-dac_read_search"
-    res = subprocess.run(
-        ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", BLIPMQ, "start",
-         "--config", str(b.config_path), "--data-dir", str(b.data_dir)],
-        capture_output=True, timeout=30,
-        env={k: v for k, v in os.environ.items() if not k.startswith("BLIPMQ_")})
+    res = start_without_root_file_rights(b)
     target.chmod(0o644 if what == "segment" else 0o755)
     assert res.returncode == 1, res.stderr
     err = res.stderr.decode()
