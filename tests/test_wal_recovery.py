@@ -520,17 +520,24 @@ def test_recovery_keeps_every_intact_record_and_never_a_damaged_one(flips, cut) 
         again.close()
 
 
-def test_a_zeroed_block_loses_only_the_records_it_touches(tmp_path: Path) -> None:
-    """A 4 KiB block of zeros (a bad sector) over many records: each record it touches is
-    set aside and every other record kept, before and after it; the damaged records' own
-    lengths lead into the zeros, so the records after are found by their bytes."""
+@pytest.mark.parametrize("fill", [b"\0", b"\xff", b"random"], ids=["zeros", "erased", "random"])
+@pytest.mark.parametrize("at", [7, 3001, 123_457])
+def test_an_overwritten_block_loses_only_the_records_it_touches(
+        tmp_path: Path, fill: bytes, at: int) -> None:
+    """A 4 KiB block of zeros (a bad sector), of 0xFF (erased flash) or of random bytes
+    over many records: each record it touches is set aside and every other record kept,
+    before and after it. The damaged records' own lengths lead into the block, whose
+    "lengths" are no record's, so the records after are found by their bytes. (Erased and
+    random blocks lost every record after them in the first version of the payload fix:
+    a length past the end was taken for a record cut short.)"""
     opts = LogOptions(segment_bytes=1 << 20)
     write_log(tmp_path, 3000, opts, batch=100)
     seg, = segments(tmp_path)
     data = bytearray(seg.read_bytes())
     placed = rec.scan(bytes(data)).records
-    start = len(data) // 2 + 7
-    data[start:start + 4096] = bytes(4096)
+    start = len(data) // 2 + at % 4096
+    block = random.Random(at).randbytes(4096) if fill == b"random" else fill * 4096
+    data[start:start + 4096] = block
     seg.write_bytes(bytes(data))
     ends = [pos for _, pos in placed[1:]] + [len(data)]
     touched = {offset for (offset, pos), end in zip(placed, ends, strict=True)
@@ -539,3 +546,26 @@ def test_a_zeroed_block_loses_only_the_records_it_touches(tmp_path: Path) -> Non
     assert [r.offset for r in everything(log)] == [
         offset for offset, _ in placed if offset not in touched]
     assert len(found.quarantined) == 1 and found.torn_bytes == 0
+
+
+def test_a_damaged_length_before_a_torn_tail_keeps_the_records_between(tmp_path: Path) -> None:
+    """The newest segment: one record's length damaged (past the end of the file), and the
+    last record torn. The first version of the payload fix cut everything from the damaged
+    record on as a torn tail (whole records no longer ran to the end), and gave their
+    offsets again; the damaged record's CRC finds its end now, and only the torn record is
+    cut."""
+    write_log(tmp_path, 400, batch=50)
+    seg = segments(tmp_path)[-1]
+    data = bytearray(seg.read_bytes())
+    placed = rec.scan(bytes(data)).records
+    offset, at = placed[len(placed) // 2]
+    data[at] ^= 0x80  # its length: past the end
+    seg.write_bytes(bytes(data[:-30]))  # and the last record torn
+    log, found = reopen(tmp_path)
+    kept = [r.offset for r in everything(log)]
+    last = placed[-1][0]
+    assert offset not in kept and last not in kept
+    assert [o for o, _ in placed if o not in (offset, last)] == [
+        o for o in kept if o >= placed[0][0]]
+    assert found.torn_bytes > 0 and len(found.quarantined) == 1
+    assert log.next_offset >= last  # a torn record's offset may be given again (WAL.md)

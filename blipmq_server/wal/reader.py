@@ -91,13 +91,12 @@ def check(data: bytes, name: str = "", *, open_tail: bool = True, last_offset: i
             if scan.problem is None:
                 return Checked(base, records, tuple(damage), 0, size)
             damage_at, problem, torn = scan.good_end, scan.problem, scan.torn
-        if torn and open_tail and not rec.ends_in_records(data, damage_at + 1):
-            break  # a torn write, as the broker's recovery says (``recovery._segment``)
         pos = rec.resync(data, damage_at, last, bodies=True)
         if pos is None:
             break
         damage.append(Damage(damage_at, pos, problem))
-    if torn and open_tail and (damage_at > 0 or size < rec.HEADER_SIZE):
+    if torn and open_tail and (damage_at > 0 or size < rec.HEADER_SIZE) and not (
+            rec.ends_in_records(data, damage_at + 1)):  # records after it: damage, as recovery says
         return Checked(base, records, tuple(damage), size - damage_at, size)
     damage.append(Damage(damage_at, size, problem))
     return Checked(base, records, tuple(damage), 0, size)

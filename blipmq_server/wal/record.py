@@ -260,10 +260,12 @@ def resync(data: bytes, at: int, last_offset: int, below: int | None = None,
                 data, found, last_offset, below, bodies, size)):
             return None if found == size else found
         if not framed:
-            if after > size:
-                # cut short (a torn write, a truncated file): what its bytes hold is its
-                # payload, never taken for records; or its length damaged along with
-                # something else, and then nothing tells its end from its payload
+            if after > size and _plausible_head(data, pos, last_offset):
+                # cut short (a torn write, a truncated file): a record's own head, so what
+                # its bytes hold is its payload, never taken for records (or its length
+                # damaged along with something else: nothing tells its end from its
+                # payload). A head that is no record's (an erased or overwritten block)
+                # is searched past.
                 return None
             break
         pos = start = after  # the damage runs on into the next record: not inside this one
@@ -272,13 +274,24 @@ def resync(data: bytes, at: int, last_offset: int, below: int | None = None,
 
 _CHAIN = 16  # damaged records ``resync`` follows by their own lengths before it searches
 _CRC_REACH = 1 << 24  # how far ``_crc_end`` looks for a record's end, bytes
+_CRC_TRIES = 1 << 16  # ... and at how many places at most (payload bytes can make each one)
+_NEAR = 1 << 20  # a record's offset this far past the last good one is plausible
+
+
+def _plausible_head(data: bytes, pos: int, last_offset: int) -> bool:
+    """Whether the fixed fields at ``pos`` read as a record's own: a known kind and an
+    offset after ``last_offset``, not far past it."""
+    if len(data) - pos < RECORD_OVERHEAD:
+        return False
+    kind, offset, _ = FIXED.unpack_from(data, pos + 8)
+    return kind in _KINDS and last_offset < offset <= last_offset + _NEAR
 
 
 def _crc_end(data: bytes, pos: int, size: int) -> int | None:
     """Where the record at ``pos`` ends if only its length field is damaged: the first
     position after its fixed fields, where a record could start (a known kind byte 8 bytes
-    on) or ``size`` is, up to which its stored CRC holds, within ``_CRC_REACH`` bytes.
-    None when there is none. Each byte is taken into the CRC once."""
+    on) or ``size`` is, up to which its stored CRC holds, within ``_CRC_REACH`` bytes and
+    ``_CRC_TRIES`` places. None when there is none. Each byte is taken into the CRC once."""
     if size - pos < RECORD_OVERHEAD:
         return None
     crc = PREFIX.unpack_from(data, pos)[1]
@@ -286,7 +299,11 @@ def _crc_end(data: bytes, pos: int, size: int) -> int | None:
     reach = min(size, pos + _CRC_REACH)
     done = pos + 8
     running = 0
+    tries = 0
     for match in _KIND_BYTE.finditer(data, pos + RECORD_OVERHEAD + 8, reach):
+        tries += 1
+        if tries > _CRC_TRIES:
+            return None
         end = match.start() - 8
         running = crc32c(view[done:end], running)
         done = end

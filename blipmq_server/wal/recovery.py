@@ -193,9 +193,6 @@ def _segment(
             if scan.problem is None:
                 break
             damage_at, problem, torn = scan.good_end, scan.problem, scan.torn
-        if is_last and torn and not rec.ends_in_records(data, damage_at + 1):
-            pos = None  # a torn write: what its bytes hold is never taken for records
-            break
         pos = rec.resync(data, damage_at, last, below, bodies=bodies)
         if pos is None:
             break
