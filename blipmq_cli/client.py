@@ -304,6 +304,7 @@ class Client:
         self._next_target = 1
         self._recovering = True  # no reconnects before the first connection is up
         self._closing = False
+        self._dropping = False  # close(): deliveries not taken are dropped, not waited behind
         self._tls: TlsSocket | None = None  # the TLS layer (None: plain TCP)
         # while waiting for deliveries: wake when one of these fds is readable, and raise
         # BrokenPipeError when ``hangup_fd`` (stdout) reports that its reader went away
@@ -424,9 +425,12 @@ class Client:
             self.abort()
 
     def close(self) -> None:
-        """Flush, say GOODBYE and close; raises the first refusal not yet reported."""
+        """Flush, say GOODBYE and close; raises the first refusal not yet reported.
+        Deliveries read and not taken are dropped, so that a full ``read_ahead`` does not
+        hold the flush back (a group's go back to it unacked)."""
         conn = self._conn
         self._closing = self.reconnect is None  # with reconnects, the flush may need one
+        self._dropping = True
         try:
             if conn.closed is not None:
                 # the broker ended the connection: nothing to flush, but say why it refused
@@ -764,7 +768,9 @@ class Client:
                 self._raise_closed()  # or reconnects, and the next pass asks again
                 continue
             if self._full():
-                raise self._stuck(what)
+                if not self._dropping:
+                    raise self._stuck(what)
+                conn.drop_deliveries()  # close(): what is buffered will never be taken
             now = time.monotonic()
             wait = self.timeout
             # with reconnects on, a reply's wait keeps the keepalive going too: a dead link

@@ -414,6 +414,29 @@ def test_the_sync_client_reads_ahead_no_more_than_read_ahead(start_broker) -> No
         c.flush()  # the replies behind them came too
 
 
+def test_close_with_read_ahead_full_drops_what_was_not_taken_and_closes(start_broker) -> None:
+    """h28 D4: a client whose own subscription filled ``read_ahead`` could not close: the
+    flush behind the unread deliveries raised the same TimeoutError ("take them"). close()
+    drops them now (a group's go back to it unacked), flushes and says GOODBYE; every
+    QoS 1 message it published is in the log."""
+    b = start_broker()
+    c = Client(b.addr, timeout=3, read_ahead=10_000)
+    c.subscribe("ra/t", qos=1, credit=100_000)
+    with pytest.raises(TimeoutError, match="read_ahead"):
+        for _ in range(50):
+            c.publish("ra/t", b"x" * 1000, qos=1)
+        c.wait_confirms(timeout=5)
+    sent = c.qos1_sent
+    c.close()  # no TimeoutError: the deliveries nobody takes are dropped
+    assert c.confirmed == sent
+    with Client(b.addr) as reader:
+        replay = reader.subscribe("ra/t", start=codec.Start.EARLIEST)
+        got = 0
+        while got < sent:  # bounded: each wait raises after 10 s
+            got += len(replay.next_batch(timeout=10) or ())
+    assert got == sent
+
+
 @pytest.mark.parametrize("policy", [5, "yes", 1.0, object()])
 def test_a_reconnect_that_is_no_policy_is_a_config_error_up_front(policy: object) -> None:
     """``reconnect=5`` used to be taken, then fail with AttributeError at the first lost

@@ -815,6 +815,13 @@ class ClientConnection:
             return ConnectError(f"the connection to {addr} is closed")
         return ConnectError(f"the broker at {addr} closed the connection")
 
+    def drop_deliveries(self) -> None:
+        """Forget the deliveries queued and not taken (a client closing will never take
+        them; a group's go back to it unacked when the connection ends)."""
+        for sub in self._subs.values():
+            sub.batches.clear()
+        self.queued = self.queued_bytes = 0
+
     def break_off(self, why: str) -> None:
         """The stream is unusable from our side: a write of ``data_to_send``'s bytes stopped
         part-way (interrupted, or the broker took nothing for too long), so what follows
