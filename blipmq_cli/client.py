@@ -235,10 +235,13 @@ def targets(addr: str | Sequence[str], ssl_context: ssl.SSLContext | None
     TCP. Raises ConfigError for an address that is not one."""
     if isinstance(addr, str):
         addrs = [addr]
-    elif isinstance(addr, (list, tuple)):
-        addrs = list(addr)
-    else:
-        raise ConfigError(f"must be a str or a list of them, not {addr!r:.60}", "addr")
+    else:  # any iterable of them (a list, a tuple, a generator)
+        try:
+            addrs = list(addr)
+        except TypeError:
+            addrs = [addr]  # type: ignore[list-item]
+        if not all(isinstance(a, str) for a in addrs):
+            raise ConfigError(f"must be a str or a list of them, not {addr!r:.60}", "addr")
     if not addrs:
         raise ConfigError("no broker address given", "addr")
     out = []

@@ -477,3 +477,17 @@ def test_more_bad_arguments_are_config_errors(start_broker) -> None:
                 call()
             assert text in str(info.value), text
         assert c.stats()["connections"] == 1  # the bad calls left the connection usable
+
+
+def test_any_iterable_of_addresses_is_taken() -> None:
+    """h28: the argument checks took only a str, a list or a tuple of addresses, where any
+    iterable of them worked before (a deque, a generator)."""
+    from collections import deque
+
+    from blipmq_cli.client import targets
+
+    assert [t[:2] for t in targets(deque(["127.0.0.1:1", "127.0.0.1:2"]), None)] == [
+        ("127.0.0.1", 1), ("127.0.0.1", 2)]
+    assert [t[:2] for t in targets((a for a in ["127.0.0.1:3"]), None)] == [("127.0.0.1", 3)]
+    with pytest.raises(ConfigError, match="addr: must be a str or a list of them"):
+        targets([1], None)  # type: ignore[list-item]
