@@ -231,13 +231,17 @@ def resync(data: bytes, at: int, last_offset: int, below: int | None = None,
     """Where the first whole, valid record after the damaged record at ``at`` begins, or
     None.
 
-    First the damaged record's own length: when a valid record starts where it says the
-    record ends, the damage was inside it (its payload, its CRC, its fixed fields) and
-    that is the answer. Nothing inside it is looked at: a message's payload may hold a
-    whole, valid record (a client published one, or a segment file), which must not be
-    taken for the log's. Otherwise (its length is damaged, or the damage covers the
-    records after it too: a zeroed or overwritten block) the bytes after ``at`` are
-    searched (``_next_valid``). Never raises on bad bytes.
+    The damaged record's end is found by its own framing, and nothing inside it is
+    looked at: a message's payload may hold a whole, valid record (a client published
+    one, or a segment file), which must not be taken for the log's. In turn: where its
+    length says it ends, when a valid record starts there (the damage was in its payload,
+    its CRC or its fixed fields); where its stored CRC holds, when a valid record starts
+    there (its length alone was damaged: ``_crc_end``); a length past the end under a
+    head that reads as a record's own is a record cut short (None: all of it is damage);
+    a length that lands on more damage is followed to the next record, the same way (up
+    to ``_CHAIN``). Only past a length that is no record's (a zeroed, erased or
+    overwritten block) are the bytes searched for the next valid record (``_next_valid``).
+    Never raises on bad bytes.
     """
     size = len(data) if end is None else min(end, len(data))
     if at < HEADER_SIZE:  # the segment header is damaged: the first record may be too
