@@ -90,11 +90,11 @@ def recover(
                            "left alone, not part of the log")
     for name in names:  # before anything is repaired: a newer log is not ours to change
         _check_version(os.path.join(directory, name))
-    bases = [base_of(n) for n in names]
+    bases = [base_of(n) for n in names]  # every name states one (``offset_named``)
     segments: list[Segment] = []
     last = used = 0  # newest valid offset; highest offset the files show as used
     for i, name in enumerate(names):
-        below = next((b for b in bases[i + 1:] if b is not None), None)
+        below = bases[i + 1] if i + 1 < len(names) else None
         path = os.path.join(directory, name)
         seg, seen = _segment(path, disk, i == len(names) - 1, last, below, found,
                              index_every, on_record, message_flags, bodies)
@@ -162,8 +162,9 @@ def _segment(
     name = os.path.basename(path)
     directory = os.path.dirname(path)
     data = disk.read(path)
-    hint = base_of(name)
-    used = hint - 1 if hint else 0
+    base = base_of(name)  # the log names a segment after its first offset
+    assert base is not None  # ``recover`` reads only such files (``offset_named``)
+    used = base - 1 if base else 0
     if is_last and len(data) < rec.HEADER_SIZE:  # torn while being created
         disk.remove(path)
         found.torn_bytes += len(data)
@@ -216,11 +217,9 @@ def _segment(
         if is_last:
             used = max(used, _bound(data, 0, max(last, used), below))
         return None, used
-    base = _base(stated, hint, records[0][0] if records else None)
     if header_ok and base != stated:  # no CRC covers the header: a flipped bit goes unseen
-        says = "its name says" if hint is not None else "its first record says"
-        found.notes.append(f"{name}: its header states base offset {stated}, {says} {base}; "
-                           "header rewritten")
+        found.notes.append(f"{name}: its header states base offset {stated}, its name says "
+                           f"{base}; header rewritten")
     rewrite = bool(damaged) or base != stated
     if pos is None:  # the damage runs to the end of the file
         # a torn write ends the log; records running to the end after the damage (the
@@ -261,17 +260,6 @@ def _segment(
         seg.index = records[::index_every]
         seg.last_ts = rec.decode_at(data, records[-1][1])[0].timestamp_ms
     return seg, used
-
-
-def _base(stated: int | None, hint: int | None, first: int | None) -> int:
-    """A segment's base offset: its name's (the log names a segment after its first
-    offset), else its header's when no record lies below it, else its first record's."""
-    if hint is not None:
-        return hint
-    if stated is not None and (first is None or stated <= first):
-        return stated
-    assert first is not None  # recovery keeps no segment without a header or a record
-    return first
 
 
 def _regular(path: str) -> bool:
