@@ -44,7 +44,7 @@ from typing import Any, Self
 import trio
 
 from blipmq_cli import arguments
-from blipmq_cli.client import DEFAULT_ADDR, DEFAULT_TIMEOUT, targets
+from blipmq_cli.client import ASKS, DEFAULT_ADDR, DEFAULT_TIMEOUT, targets
 from blipmq_server.errors import (
     BlipError,
     BrokerError,
@@ -67,7 +67,6 @@ from blipmq_server.protocol.message import HEAD_SIZE
 _RECV = 1 << 16
 _HIGH_WATER = 1 << 20  # bytes queued for the writer before a publish waits for it
 _CHUNK = 1024  # messages publish_many adds between checkpoints (the writer runs then)
-_ASKS = 8  # times a request is asked again across reconnects before giving up
 _LOST = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -658,7 +657,7 @@ class AsyncClient:
         ``timeout`` (the client's by default) bounds it all, reconnects included."""
         limit = self.timeout if timeout is None else timeout
         with trio.move_on_after(limit):
-            for _ in range(_ASKS):
+            for _ in range(ASKS):
                 conn = await self._until_up()  # raises why, once the client gave up
                 reply = await self._reply(conn, make(conn))
                 if reply is None:

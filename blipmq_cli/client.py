@@ -92,7 +92,7 @@ _POLL_READS = 4  # reads of what already arrived before a write; more waits for 
 _KEEPCNT = 3
 _ENDED, _WOKE = object(), object()  # next_of: every stream ended; a wake fd, no delivery
 _MOVED = object()  # a request's connection was replaced by a reconnect: ask again
-_ASKS = 8  # times a request is asked again across reconnects before giving up
+ASKS = 8  # times a request is asked again across reconnects before giving up (both clients)
 DEFAULT_READ_AHEAD = 64 << 20  # payload bytes of deliveries read and not yet taken, at most
 
 _T = TypeVar("_T")
@@ -676,7 +676,7 @@ class Client:
         new connection when a reconnect came in between)."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        for _ in range(_ASKS):
+        for _ in range(ASKS):
             if self._conn.closed is not None:
                 self._raise_closed()
             conn = self._conn
