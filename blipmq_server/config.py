@@ -517,6 +517,9 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: {_syntax_error(str(exc))}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables by recursion
+        raise ConfigError(f"{p}: arrays or tables nested too deeply: not a configuration"
+                          ) from None
     out: dict[str, dict[str, object]] = {}
     for section, table in doc.items():
         if section == "bridge":  # [[bridge]]: an array of tables
@@ -710,9 +713,11 @@ def check_anonymous(config: Config, reloading: bool = False) -> None:
     else:
         return
     if reloading:
+        without = ("without keys or tls.require_client_cert" if key == "mqtt.tls_host"
+                   else "without keys")
         raise ConfigError(
-            f"{what} listens on {where}: a configuration without keys would turn "
-            "authentication off there; keep a key, or move the listener to loopback (or set "
+            f"{what} listens on {where}: a configuration {without} would admit anyone "
+            "there with full access; keep a key, or move the listener to loopback (or set "
             "mqtt.allow_anonymous = true) and restart", key)
     also = " or tls.require_client_cert" if key == "mqtt.tls_host" else ""
     raise ConfigError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 
 from blipmq_server.protocol import codec
@@ -184,3 +185,29 @@ def test_head_has_no_body_and_bare_newlines_end_a_request(start_broker) -> None:
     bare = ask(b"GET /health HTTP/1.0\nHost: x\n\n")
     assert bare.startswith(b"HTTP/1.1 200 OK\r\n") and bare.endswith(b"\r\n\r\nok\n"), bare
     assert ask(b"\r\n\r\n").startswith(b"HTTP/1.1 400 Bad Request")
+
+
+def test_the_metrics_docs_tell_to_watch_are_exported(start_broker) -> None:
+    """docs/OPERATIONS.md's "What to watch in Prometheus" (its table and alert rules) names
+    only series the broker exports: a rule on a name it no longer has is silently empty
+    (regression: the group-lag alert used blipmq_group_log_behind, long replaced)."""
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.upstream import free_port
+
+    doc = (Path(__file__).parent.parent / "docs" / "OPERATIONS.md").read_text()
+    section = doc.split("### What to watch in Prometheus", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"\bblipmq_[a-z0-9_]+", section))
+    assert len(named) >= 10
+    nobody = free_port()  # a bridge whose upstream refuses: its series are there
+    b = start_broker({"bridge": [{"name": "up", "addresses": [f"127.0.0.1:{nobody}"],
+                                  "topics": ["up/# out 1"]}]})
+    assert b.cli("pub", "--qos", "1", "t", "one").returncode == 0
+    assert b.cli("sub", "t", "--group", "g", "--qos", "1", "--from", "earliest",
+                 "-e").returncode == 0
+    exported = set()
+    for family in text_string_to_metric_families(b.metrics()):
+        exported |= {family.name, *(s.name for s in family.samples)}
+    assert sorted(named - exported) == []

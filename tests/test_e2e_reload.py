@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import tomlkit
 
 from blipmq_cli.keys import mint
+from blipmq_server import config as config_module
+from blipmq_server.server.app import Server
 
 
 def key(name: str, *, publish: tuple[str, ...] = ("#",), subscribe: tuple[str, ...] = ("#",),
@@ -103,6 +106,51 @@ def test_sighup_without_changes_and_the_log_level(start_broker) -> None:
     assert "not applied until a restart: [queues]" in line
     assert b.proc.poll() is None
     assert b.stop() == 0
+
+
+def test_a_reload_of_a_deeply_nested_file_or_a_fifo_is_refused_and_the_broker_serves(
+        start_broker, tmp_path) -> None:
+    # regression: a file of arrays nested 1,000 deep raised RecursionError, which the
+    # reload did not catch: the broker died with a traceback. A FIFO in the file's place
+    # held the event loop in open() until someone wrote to it: nothing was served
+    from conftest import BLIPMQ
+
+    b = start_broker()
+    kept = b.config_path.read_text()
+    b.config_path.write_text("x = " + "[" * 1000 + "]" * 1000 + "\n")
+    b.proc.send_signal(signal.SIGHUP)
+    assert "nested too deeply" in b.wait_log("reload refused")
+    assert b.proc.poll() is None and b.cli("ping").returncode == 0
+    # `blipmq start` with that file: exit 2 and one line, no traceback
+    done = subprocess.run([BLIPMQ, "start", "--config", str(b.config_path)],
+                          capture_output=True, timeout=30)
+    assert done.returncode == 2 and b"nested too deeply" in done.stderr, done.stderr
+    assert done.stderr.count(b"\n") == 1 and b"Traceback" not in done.stderr
+
+    b.config_path.unlink()
+    os.mkfifo(b.config_path)
+    b.proc.send_signal(signal.SIGHUP)
+    started = time.monotonic()
+    assert "not a regular file" in b.wait_log("a reload reads the file again")
+    assert b.cli("ping").returncode == 0
+    assert time.monotonic() - started < 5
+    b.config_path.unlink()
+    b.config_path.write_text(kept)
+    b.proc.send_signal(signal.SIGHUP)
+    b.wait_log("reloaded: nothing changed")
+    assert b.stop() == 0
+
+
+def test_a_reload_names_log_format_as_needing_a_restart() -> None:
+    # regression: [log] format was taken as applied (``reloaded: nothing changed``) and
+    # kept so, while the lines stayed in the old format
+    base = {"server.port": 0, "metrics.enabled": False, "wal.enabled": False}
+    server = Server(config_module.load(None, env={}, overrides={**base,
+                                                                "log.format": "plain"}))
+    json = config_module.load(None, env={}, overrides={**base, "log.format": "json"})
+    for _ in range(2):  # not applied: said again at the next reload
+        assert server.reload(json) == ["not applied until a restart: log.format"]
+    assert server.config.log.format == "plain"
 
 
 def test_keys_new_prints_a_key_once_and_its_hash(tmp_path) -> None:

@@ -216,8 +216,10 @@ class Server:
         allow (``_recheck``)."""
         old = self.config
         turned_off = old.auth.enabled and not new.auth.enabled
-        if turned_off:  # the MQTT listeners in force: [mqtt] changes only with a restart
-            check_anonymous(old._replace(auth=new.auth, tls=new.tls), reloading=True)
+        # the MQTT listeners in force ([mqtt] changes only with a restart) with the new keys
+        # and TLS settings: dropping the last key, or tls.require_client_cert, must not
+        # open a listener beyond loopback to anyone
+        check_anonymous(old._replace(auth=new.auth, tls=new.tls), reloading=True)
         # certificates first: a file that cannot be used raises ConfigError here, before
         # anything changed, and the reload is refused whole
         said: list[str] = [self.reload_tls(new)]
@@ -258,11 +260,15 @@ class Server:
             logging.getLogger().setLevel(new.log.level.upper())
             logging.getLogger("blipmq").setLevel(new.log.level.upper())
             said.append(f"log level: {old.log.level} -> {new.log.level}")
-        rest = sorted(k for k in _sections(old) if getattr(old, k) != getattr(new, k)
-                      and k not in ("auth", "log", "tls"))
+        rest = [f"[{k}]" for k in sorted(_sections(old)) if getattr(old, k) != getattr(new, k)
+                and k not in ("auth", "log", "tls")]
+        if new.log.format != old.log.format:  # the handlers are made once, at the start
+            rest.append("log.format")
         if rest:
-            said.append(f"not applied until a restart: [{'], ['.join(rest)}]")
-        self.config = old._replace(auth=new.auth, log=new.log, tls=new.tls)
+            said.append(f"not applied until a restart: {', '.join(rest)}")
+        # what is not applied stays as it is in force, so each later reload names it again
+        self.config = old._replace(auth=new.auth, tls=new.tls,
+                                   log=new.log._replace(format=old.log.format))
         return [s for s in said if s]
 
     def _recheck(self, session: Session, identity: Identity) -> int:
@@ -962,18 +968,30 @@ def _sections(config: Config) -> tuple[str, ...]:
     return config._fields
 
 
-def _reload(server: Server, reload: Callable[[], Config] | None) -> None:
-    """SIGHUP: the configuration again; a bad one is refused and the old one stays."""
+async def _reload(server: Server, reload: Callable[[], Config] | None,
+                  one_at_a_time: trio.Lock) -> None:
+    """SIGHUP: the configuration again; a bad one is refused and the old one stays. The
+    file is read in a worker thread, so a slow or hung filesystem holds the reload (for
+    ``_RELOAD_READ_S`` at most), never the broker."""
     if reload is None:
         log.warning("received SIGHUP: nothing to reload (the broker was not started from "
                     "`blipmq start`)")
         return
     try:
-        said = server.reload(reload())
+        async with one_at_a_time:
+            new = None
+            with trio.move_on_after(_RELOAD_READ_S):
+                new = await trio.to_thread.run_sync(reload, abandon_on_cancel=True)
+            if new is None:
+                raise ConfigError(f"reading the configuration took over {_RELOAD_READ_S:g} s")
+            said = server.reload(new)
     except (ConfigError, OSError) as exc:
         log.error("reload refused, the configuration in force is unchanged: %s", exc)
         return
     log.info("reloaded: %s", "; ".join(said) or "nothing changed")
+
+
+_RELOAD_READ_S = 10.0
 
 
 class _Listening(NamedTuple):
@@ -1026,7 +1044,7 @@ async def run(config: Config, reload: Callable[[], Config] | None = None) -> Non
     server = Server(config)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, signals, server, reload)
+            nursery.start_soon(_watch_signals, signals, server, reload, nursery)
             await server.serve()
             nursery.cancel_scope.cancel()
 
@@ -1037,12 +1055,13 @@ SAME_SIGNAL_S = 0.5
 
 
 async def _watch_signals(signals: AsyncIterator[int], server: Server,
-                         reload: Callable[[], Config] | None) -> None:
+                         reload: Callable[[], Config] | None, nursery: trio.Nursery) -> None:
     last: dict[int, float] = {}  # SIGINT/SIGTERM -> when it was acted on (trio's clock)
+    one_at_a_time = trio.Lock()  # reloads in the order of their signals
     async for signum in signals:
         name = signal.Signals(signum).name
-        if signum == signal.SIGHUP:
-            _reload(server, reload)
+        if signum == signal.SIGHUP:  # in its own task: a signal during it is heard at once
+            nursery.start_soon(_reload, server, reload, one_at_a_time)
             continue
         now = trio.current_time()
         if now - last.get(signum, -math.inf) < SAME_SIGNAL_S:

@@ -7,24 +7,21 @@ key offered by a client is hashed and compared with every digest in constant tim
 (``hmac.compare_digest``), so neither the comparison nor the order of the keys tells a
 guesser anything. A refused key is answered only after ``auth.failure_delay_ms`` (1 s by
 default), and refusals are counted by reason and logged at most once per source address per
-``_LOG_EVERY_S``, so a flood of bad keys neither guesses fast nor floods the log.
+``hush.EVERY_S``, so a flood of bad keys neither guesses fast nor floods the log.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import time
 
 import trio
 
 from blipmq_server.broker.access import FULL, Access, Identity, digest
 from blipmq_server.config import AuthOptions
+from blipmq_server.server.hush import EVERY_S, Hush
 
 log = logging.getLogger("blipmq.auth")
-
-_LOG_EVERY_S = 60.0  # one log line per source address and interval
-_SOURCES_KEPT = 4096  # source addresses whose last log line is remembered
 
 
 class Keyring:
@@ -44,7 +41,7 @@ class Keyring:
         self.enabled = bool(identities)
         self.delay_s = auth.failure_delay_ms / 1000  # before a refused key is answered
         self.failures: dict[str, int] = {}  # by reason
-        self._logged: dict[str, float] = {}  # source address -> when last logged
+        self._hush = Hush()
 
     def check(self, given: bytes) -> tuple[bytes, Identity] | None:
         """(the key's digest, the identity it is); None for a refused key. Without keys,
@@ -87,14 +84,9 @@ class Keyring:
     async def refused(self, peer: str, reason: str) -> None:
         """Count and (rarely) log a refused key, then make its sender wait."""
         self.failures[reason] = self.failures.get(reason, 0) + 1
-        source = peer.rpartition(":")[0] or peer
-        now = time.monotonic()
-        last = self._logged.get(source)
-        if last is None or now - last >= _LOG_EVERY_S:
-            if len(self._logged) >= _SOURCES_KEPT:
-                self._logged.clear()
-            self._logged[source] = now
+        source = self._hush.due(peer)
+        if source is not None:
             log.warning("refused a key from %s (%s); further refusals from there are "
                         "counted, not logged, for %d s (blipmq_auth_failures_total)",
-                        source, reason, _LOG_EVERY_S)
+                        source, reason, EVERY_S)
         await trio.sleep(self.delay_s)

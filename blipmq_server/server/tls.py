@@ -36,6 +36,7 @@ import trio
 
 from blipmq_server.config import TlsOptions
 from blipmq_server.errors import ConfigError
+from blipmq_server.server.hush import EVERY_S, Hush
 from blipmq_server.server.session import peer_of
 
 if TYPE_CHECKING:
@@ -204,6 +205,7 @@ class Tls:
     def __init__(self, options: TlsOptions, errors: dict[str, int]) -> None:
         self.options = options
         self.errors = errors  # ConnectionCounters.tls_errors
+        self._hush = Hush()
         self.context = context(options)
         self._digests = self._read_digests(options)
 
@@ -256,7 +258,10 @@ class Tls:
             reason = "no_identity"
             text = f"the client certificate has no {self.options.client_identity}"
         self.errors[reason] = self.errors.get(reason, 0) + 1
-        log.info("TLS handshake from %s failed: %s (%s)", peer, reason, text)
+        if self._hush.due(peer, reason) is not None:  # a flood: one line a minute
+            log.info("TLS handshake from %s failed: %s (%s); further such failures from there "
+                     "are counted, not logged, for %d s (blipmq_tls_handshake_failures_total)",
+                     peer, reason, text, EVERY_S)
         alert = _alert(tls)
         if alert:  # so the client can say why ("certificate required", "protocol version")
             with trio.move_on_after(_ALERT_WAIT_S):
