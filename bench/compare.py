@@ -713,12 +713,13 @@ def mqtt_idle(kind: str, work: Path, conns: int, window: float, rows: list[Row])
           f"{round(cpu / window * 1000, 2)} ms CPU/s", file=sys.stderr)
 
 
-def mqtt_sessions(work: Path, n: int, sample: int, rows: list[Row]) -> None:
+def mqtt_sessions(work: Path, n: int, sample: int, idle_s: float, rows: list[Row]) -> None:
     """BlipMQ: n persistent sessions (clean session 0, one QoS 1 subscription each), the
     broker stopped (SIGTERM) and started again on the same data: the time to accepting
     (both ports open) and to its ready line, its CPU and RSS then, the sessions its log
-    says it restored, and ``sample`` of them, spread over all, connected again: how many
-    CONNACKs said "session present"."""
+    says it restored, its CPU per second over ``idle_s`` while every session is offline,
+    and ``sample`` of them, spread over all, connected again: how many CONNACKs said
+    "session present"."""
     broker = start_broker("blipmq", work, mqtt=True)
     try:
         created = outcome(mqttload("sessions", broker.mqtt_url, n, "bench-s-"), 600)
@@ -733,6 +734,9 @@ def mqtt_sessions(work: Path, n: int, sample: int, rows: list[Row]) -> None:
         ready_ms = (again.ready_at - again.started) * 1000 if again.ready_at else None
         found = [re.search(r"(\d+) persistent session\(s\) restored", x) for x in again.lines]
         restored = next((int(m.group(1)) for m in found if m), 0)
+        before, quiet = again.cpu_s(), time.monotonic()  # idle, every session offline
+        time.sleep(idle_s)
+        idle_ms = (again.cpu_s() - before) * 1000 / (time.monotonic() - quiet)
         step = max(n // sample, 1)
         back = outcome(mqttload("resume", again.mqtt_url, min(sample, n), "bench-s-", step), 600)
     finally:
@@ -746,10 +750,12 @@ def mqtt_sessions(work: Path, n: int, sample: int, rows: list[Row]) -> None:
                  "startup_ms": round(again.startup_ms, 1),
                  "ready_ms": round(ready_ms, 1) if ready_ms is not None else None,
                  "broker_cpu_s": round(cpu, 3), "rss_mb": rss, "restored": restored,
+                 "cpu_ms_per_s": round(idle_ms, 1),
                  "resumed": back["present"], "resume_sample": min(sample, n),
                  "resume_seconds": back["seconds"]})
     print(f"  blipmq {n} sessions: created in {created['seconds']} s; restart: accepting "
-          f"after {again.startup_ms:.0f} ms, {restored} restored, {back['present']}/"
+          f"after {again.startup_ms:.0f} ms, {restored} restored, idle {idle_ms:.1f} ms/s of "
+          f"CPU, {back['present']}/"
           f"{min(sample, n)} resumed", file=sys.stderr)
 
 
@@ -783,7 +789,7 @@ def mqtt(kinds: list[str], work: Path, quick: bool, rows: list[Row], repeat: int
         attempt("idle", kind, mqtt_idle, kind, work, counts["idle"], counts["idle_s"], rows)
     if "blipmq" in mine:
         attempt("sessions", "blipmq", mqtt_sessions, work, counts["sessions"], counts["sample"],
-                rows)
+                min(counts["idle_s"], 10), rows)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -999,7 +1005,8 @@ def mqtt_table(rows: list[Row]) -> list[str]:
         out.append(f"| {int(r['messages']):,} persistent sessions (QoS 1 subscription each), "
                    f"restart: start-up to accepting, ms | {r['startup_ms']} (ready line "
                    f"{r['ready_ms']} ms; {r['restored']:,} restored, {r['resumed']}/"
-                   f"{r['resume_sample']} resumed; RSS {r['rss_mb']} MB) | - | - |")
+                   f"{r['resume_sample']} resumed; RSS {r['rss_mb']} MB; CPU while they "
+                   f"are offline {r['cpu_ms_per_s']} ms/s) | - | - |")
     return [*out, ""]
 
 

@@ -112,6 +112,7 @@ def check_mqtt(rows: list[dict], by: dict, mosquitto: bool) -> None:
     assert s["delivered"] == s["messages"] == s["restored"] > 0, s  # all made, all restored
     assert s["resumed"] == s["resume_sample"] > 0, s  # CONNACK: session present
     assert s["startup_ms"] > 0 and s["ready_ms"] > 0 and s["rss_mb"] > 0, s
+    assert s["cpu_ms_per_s"] >= 0, s  # idle, every session offline
 
 
 def test_archive_uri_reads_deb822_and_one_line_sources(tmp_path: Path) -> None:

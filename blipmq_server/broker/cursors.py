@@ -52,6 +52,9 @@ class Cursors:
         self._index: FilterIndex[DurableGroup] = FilterIndex()  # every cursor by its filter
         self._ids: dict[int, DurableGroup] = {}  # durable groups by id (their create offset)
         self._plain: list[DurableGroup] = []  # cursors of subscriptions without a group
+        # cursors that put deliveries in flight since ``redeliver`` last found them with
+        # none (``DurableGroup.flying``), in the order they did: all it has to look at
+        self.flying: dict[DurableGroup, None] = {}
         self._by_key: dict[int, DurableGroup] = {}  # every cursor by its key
         self._next_key = 1
         self._fetches: list[Fetch] = []  # disk reads cursors wait for, not yet handed out
@@ -124,6 +127,8 @@ class Cursors:
         old = self.durable.get((topic_filter, group))
         if old is not None:
             self._index.remove(old.levels, old)
+            self.flying.pop(old, None)
+            old.flying = None
         self.durable[(topic_filter, group)] = target
         self._index.add(target.levels, target)
         self._ids[gid] = target
@@ -131,6 +136,7 @@ class Cursors:
         return target
 
     def _keep(self, target: DurableGroup) -> None:
+        target.flying = self.flying
         target.key = self._next_key
         self._next_key += 1
         self._by_key[target.key] = target
@@ -147,6 +153,8 @@ class Cursors:
             self._index.remove(target.levels, target)
             self.generation += 1
         self._by_key.pop(target.key, None)
+        self.flying.pop(target, None)
+        target.flying = None
 
     def delete(self, target: DurableGroup, timestamp_ms: int) -> int:
         """Delete a durable group (unsubscribe, expiry): a GROUP delete record says so.
@@ -373,9 +381,14 @@ class Cursors:
     def redeliver(self, now_ms: int, timestamp_ms: int, dead: list[RawMessage]
                   ) -> frozenset[int]:
         woken: set[int] = set()
-        for target in self.all:
+        flying = self.flying
+        for target in tuple(flying):  # only cursors with deliveries in flight can have any due
+            if not target.inflight:
+                del flying[target]  # until it puts one in flight again (``take_new``)
+                continue
             late, due = target.expire(now_ms)
-            target.back(self._spend(target, late, _late, timestamp_ms, dead))
+            if late:
+                target.back(self._spend(target, late, _late, timestamp_ms, dead))
             if late or due:
                 woken.update(c.conn for c in target.consumers)
         return frozenset(woken)

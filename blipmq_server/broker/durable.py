@@ -140,6 +140,7 @@ class DurableGroup:
         "fetching",
         "filter",
         "first",
+        "flying",
         "group",
         "held",
         "id",
@@ -201,6 +202,10 @@ class DurableGroup:
         self.fetching = False
         self.key = 0  # the broker's handle for this cursor (durable or not)
         self._matches: dict[bytes, bool] = {}
+        # the cursors that may have deliveries in flight (``Cursors.flying``, shared): this
+        # one joins when it puts one in flight, so that ``Cursors.redeliver`` looks only
+        # at those, not at every cursor of the broker every 100 ms
+        self.flying: dict[DurableGroup, None] | None = None
 
     def __repr__(self) -> str:
         return f"DurableGroup({self.filter!r}, {self.group!r}, next={self.next})"
@@ -281,6 +286,7 @@ class DurableGroup:
                 self.inflight[record.offset] = flight
                 self.ready.append(record.offset)
         self.pending.clear()
+        self._flies()
 
     def offer_retained(self, values: list[Any], dflags: int) -> None:
         """Retained values (``retained.Value``) for a new QoS 1 subscription: in flight and
@@ -290,6 +296,12 @@ class DurableGroup:
             flight.count = 0
             self.inflight[value.offset] = flight
             self.ready.append(value.offset)
+        self._flies()
+
+    def _flies(self) -> None:
+        """Deliveries may be in flight now: among the cursors ``redeliver`` looks at."""
+        if self.inflight and self.flying is not None:
+            self.flying[self] = None
 
     def wants(self, topic: bytes) -> bool:
         hit = self._matches.get(topic)
@@ -397,6 +409,8 @@ class DurableGroup:
         self.backlog -= taken
         if acks and out:
             self.held[sub_id] = self.held.get(sub_id, 0) + len(out)
+            if self.flying is not None:
+                self.flying[self] = None
         return out, size, expired, full
 
     def ack(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
