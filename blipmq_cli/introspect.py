@@ -45,6 +45,9 @@ def _groups_table(report: dict[str, Any]) -> Any:
     for g in report.get("groups", []):
         table.add_row(g["filter"], g["group"], "durable" if g["durable"] else "memory",
                       str(g["backlog"]), str(g["in_flight"]), str(g["consumers"]))
+    omitted = report.get("groups_omitted", 0)
+    if omitted:
+        table.caption = f"{omitted} more group(s) not listed"
     return table
 
 
@@ -164,7 +167,8 @@ def groups(*, addr: str | None, api_key: str | None, as_json: bool = False) -> i
     if _restricted(report):
         return Exit.AUTH
     if as_json:
-        _json_line({"groups": report.get("groups", [])})
+        _json_line({"groups": report.get("groups", []),
+                    "groups_omitted": report.get("groups_omitted", 0)})
         return Exit.OK
     from rich.console import Console
 
@@ -188,6 +192,9 @@ def _bridges_table(report: dict[str, Any]) -> Any:
             "-" if age is None else f"{age:.1f} s", str(b["in_flight"]), str(b["forwarded"]),
             str(b["redelivered"]), str(b["reconnects"]), str(b["dropped"]),
             str(b["dead_lettered"]), b["last_error"] or "-")
+    omitted = report.get("bridges_omitted", 0)
+    if omitted:
+        table.caption = f"{omitted} more bridge(s) not listed"
     return table
 
 
@@ -197,10 +204,10 @@ def bridges(*, addr: str | None, api_key: str | None, as_json: bool = False) -> 
     if _restricted(report):
         return Exit.AUTH
     if as_json:
-        _json_line({"bridges": report.get("bridges", [])})
+        _json_line({"bridges": report.get("bridges", []),
+                    "bridges_omitted": report.get("bridges_omitted", 0)})
         return Exit.OK
-    found = report.get("bridges", [])
-    if not found:
+    if not report.get("bridges") and not report.get("bridges_omitted"):
         sys.stdout.write("no bridges configured ([[bridge]] in the broker's config file)\n")
         return Exit.OK
     from rich.console import Console

@@ -107,3 +107,35 @@ def test_stats_watch_json_prints_a_line_per_refresh(start_broker) -> None:
     assert first["messages"]["published"] == 0
     proc.kill()
     proc.wait()
+
+
+def test_stats_fits_the_frame_listing_the_groups_with_most_backlog(start_broker) -> None:
+    # h29: with many groups the report outgrew the client's frame limit: `blipmq stats`,
+    # `groups` and `bridges` failed ("frame of 325470 bytes exceeds the maximum", exit 3).
+    # The smallest frame limit there is (131,372 bytes), and five groups of 40 KB filters
+    b = start_broker({"server": {"max_message_bytes": 1, "max_topic_bytes": 65535},
+                      "delivery": {"max_batch_bytes": 1024}})
+    pad = "p" * 40_000
+    with Client(b.addr) as c:
+        for i in range(5):
+            c.subscribe(f"{i}/{pad}/#", group=f"g{i}", qos=1)
+    with Client(b.addr) as c:  # the groups stay, without consumers: g3 has a backlog
+        c.publish(f"3/{pad}/x", b"x", qos=1)
+    res = b.cli("stats", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    # the topic, then the groups: most backlog first, then by filter
+    assert [(g["group"], g["backlog"]) for g in report["groups"]] == [("g3", 1), ("g0", 0)]
+    assert report["groups_omitted"] == 3
+    assert [t["topic"] for t in report["topics"]] == [f"3/{pad}/x"]
+    res = b.cli("groups", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == {"groups": report["groups"], "groups_omitted": 3}
+    res = b.cli("groups")
+    assert res.returncode == 0, res.stderr
+    assert b"3 more group(s) not listed" in res.stdout
+    res = b.cli("stats")
+    assert res.returncode == 0 and b"3 more group(s) not listed" in res.stdout, res.stderr
+    res = b.cli("bridges")
+    assert res.returncode == 0 and res.stdout.startswith(b"no bridges configured"), res.stderr
+
