@@ -352,7 +352,12 @@ def _send_with_progress(
             drawn = percent
             progress.update(task, completed=sent, refresh=True)
 
-    name = "stdin" if path == "-" else os.path.basename(path)
+    from rich.markup import escape
+
+    from blipmq_cli.literal import visible
+
+    # the description is read as markup: a file's name is not (literal.py)
+    name = "stdin" if path == "-" else escape(visible(os.path.basename(path)))
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(f"sending {name}", total=total)
         client.publish(topic, data, qos=qos, ttl_ms=ttl, key=key, retain=retain,

@@ -15,6 +15,7 @@ from typing import Any
 
 from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit
+from blipmq_cli.literal import cell, json_visible, visible
 from blipmq_server.protocol.codec import VERSION
 from blipmq_server.version import version
 
@@ -42,9 +43,13 @@ def _groups_table(report: dict[str, Any]) -> Any:
     for name in ("filter", "group", "kind", "backlog", "in flight", "consumers"):
         table.add_column(name, justify="right" if name in ("backlog", "in flight", "consumers")
                          else "left")
-    for g in report.get("groups", []):
-        table.add_row(g["filter"], g["group"], "durable" if g["durable"] else "memory",
-                      str(g["backlog"]), str(g["in_flight"]), str(g["consumers"]))
+    for g in report.get("groups", []):  # names any client chose: literal text (literal.py)
+        table.add_row(*map(cell, (g["filter"], g["group"],
+                                  "durable" if g["durable"] else "memory", g["backlog"],
+                                  g["in_flight"], g["consumers"])))
+    omitted = report.get("groups_omitted", 0)
+    if omitted:
+        table.caption = cell(f"{omitted} more group(s) not listed")
     return table
 
 
@@ -86,23 +91,24 @@ def _render(report: dict[str, Any], addr: str) -> Any:
                              f"{mqtt['wills_published']} will(s) published"
                              + (f"; protocol errors: {errors}" if errors else "")))
     for name, value in rows:
-        summary.add_row(name, value)
+        summary.add_row(name, cell(value))
     topics = Table(title="topics", title_justify="left")
     topics.add_column("topic")
     topics.add_column("messages", justify="right")
     topics.add_column("bytes", justify="right")
     topics.add_column("retained")
     for t in report.get("topics", []):
-        topics.add_row(t["topic"], str(t["messages"]), _size(t["bytes"]),
-                       "yes" if t["retained"] else "")
+        topics.add_row(*map(cell, (t["topic"], t["messages"], _size(t["bytes"]),
+                                   "yes" if t["retained"] else "")))
     omitted = report.get("topics_omitted", 0)
     if omitted:
-        topics.caption = f"{omitted} more topic(s) not listed"
+        topics.caption = cell(f"{omitted} more topic(s) not listed")
     return Group(summary, topics, _groups_table(report))
 
 
 def _json_line(report: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(report, ensure_ascii=False) + "\n")
+    # the exact strings: JSON escapes C0 controls, json_visible the others
+    sys.stdout.write(json_visible(json.dumps(report, ensure_ascii=False)) + "\n")
     sys.stdout.flush()
 
 
@@ -164,7 +170,8 @@ def groups(*, addr: str | None, api_key: str | None, as_json: bool = False) -> i
     if _restricted(report):
         return Exit.AUTH
     if as_json:
-        _json_line({"groups": report.get("groups", [])})
+        _json_line({"groups": report.get("groups", []),
+                    "groups_omitted": report.get("groups_omitted", 0)})
         return Exit.OK
     from rich.console import Console
 
@@ -182,12 +189,15 @@ def _bridges_table(report: dict[str, Any]) -> Any:
         table.add_column(name, justify="right" if name in right else "left")
     for b in report.get("bridges", []):
         age = b["oldest_age_s"]
-        table.add_row(
+        table.add_row(*map(cell, (
             b["name"], f"up {b['address']}" if b["connected"] else "down",
-            str(b["backlog_messages"]), str(b["backlog_bytes"]),
-            "-" if age is None else f"{age:.1f} s", str(b["in_flight"]), str(b["forwarded"]),
-            str(b["redelivered"]), str(b["reconnects"]), str(b["dropped"]),
-            str(b["dead_lettered"]), b["last_error"] or "-")
+            b["backlog_messages"], b["backlog_bytes"],
+            "-" if age is None else f"{age:.1f} s", b["in_flight"], b["forwarded"],
+            b["redelivered"], b["reconnects"], b["dropped"],
+            b["dead_lettered"], b["last_error"] or "-")))  # an upstream's words, too
+    omitted = report.get("bridges_omitted", 0)
+    if omitted:
+        table.caption = cell(f"{omitted} more bridge(s) not listed")
     return table
 
 
@@ -197,10 +207,10 @@ def bridges(*, addr: str | None, api_key: str | None, as_json: bool = False) -> 
     if _restricted(report):
         return Exit.AUTH
     if as_json:
-        _json_line({"bridges": report.get("bridges", [])})
+        _json_line({"bridges": report.get("bridges", []),
+                    "bridges_omitted": report.get("bridges_omitted", 0)})
         return Exit.OK
-    found = report.get("bridges", [])
-    if not found:
+    if not report.get("bridges") and not report.get("bridges_omitted"):
         sys.stdout.write("no bridges configured ([[bridge]] in the broker's config file)\n")
         return Exit.OK
     from rich.console import Console
@@ -239,6 +249,7 @@ def versions(*, addr: str | None, api_key: str | None, as_json: bool = False) ->
         _json_line({**client_line, "broker": report.get("version"),
                     "broker_protocol": report.get("protocol"), "addr": client.addr})
     else:
-        sys.stdout.write(f"broker {report.get('version')} (protocol {report.get('protocol')}) "
-                         f"at {client.addr}\n")
+        sys.stdout.write(visible(f"broker {report.get('version')} "
+                                 f"(protocol {report.get('protocol')}) at {client.addr}")
+                         + "\n")
     return Exit.OK

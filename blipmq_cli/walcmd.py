@@ -26,6 +26,7 @@ import typer
 from blipmq_cli import commands
 from blipmq_cli.dump import Window, dump
 from blipmq_cli.exits import Exit
+from blipmq_cli.literal import cell, visible
 from blipmq_server.broker import durable
 from blipmq_server.broker.retained import parse_carry
 from blipmq_server.broker.topics import matches, split
@@ -195,15 +196,17 @@ def _show(path: str, s: Survey, top: int) -> None:
 
     console = Console() if sys.stdout.isatty() else Console(width=160)
     total = sum(r.records for r in s.segments)
-    console.print(f"[bold]{path}[/]: {len(s.segments)} segment(s), {total:,} record(s), "
-                  f"{iso(s.first_ms)} .. {iso(s.last_ms)}")
+    head = cell(f"{path}: {len(s.segments)} segment(s), {total:,} record(s), "
+                f"{iso(s.first_ms)} .. {iso(s.last_ms)}")
+    head.stylize("bold", 0, len(visible(path)))
+    console.print(head)
     table = Table(title="Segments", title_justify="left")
     for col in ("segment", "records", "bytes", "offsets", "first", "last", "damaged bytes"):
         table.add_column(col, justify="right" if col in ("records", "bytes") else "left")
     for r in s.segments:
         offsets = f"{r.first}..{r.last}" if r.first is not None else "-"
         damaged = f"{r.damaged:,}" + (f" (+{r.partial:,} partial)" if r.partial else "")
-        table.add_row(r.name, f"{r.records:,}", f"{r.size:,}", offsets, iso(r.first_ms),
+        table.add_row(cell(r.name), f"{r.records:,}", f"{r.size:,}", offsets, iso(r.first_ms),
                       iso(r.last_ms), damaged)
     console.print(table)
     kinds = Table(title="Records by kind", title_justify="left")
@@ -220,14 +223,14 @@ def _show(path: str, s: Survey, top: int) -> None:
     topics.add_column("payload bytes", justify="right")
     ranked = sorted(s.topics.items(), key=lambda t: (-t[1][0], t[0]))
     for topic, (n, size) in ranked[:top]:
-        topics.add_row(topic, f"{n:,}", f"{size:,}")
+        topics.add_row(cell(topic), f"{n:,}", f"{size:,}")  # any publisher's: literal.py
     if len(ranked) > top:
         topics.add_row(f"... {len(ranked) - top} more", "", "")
     console.print(topics)
     if s.damage:
         console.print(f"[bold red]Damage found[/]: {len(s.damage)} part(s)")
         for line in s.damage:
-            console.print(f"  {line}", markup=False)
+            console.print(cell(f"  {line}"))
     else:
         console.print("No damage found.")
 

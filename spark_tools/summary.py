@@ -8,23 +8,27 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from blipmq_cli.literal import cell
+
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
     table = Table(title=title, title_justify="left")
     for col in columns:
         table.add_column(col, justify="left" if col in ("device", "topic", "group", "filter",
                                                         "reason", "segment") else "right")
-    for row in rows:
-        table.add_row(*[f"{v:,}" if isinstance(v, int) else str(v) for v in row])
+    for row in rows:  # names and reasons any publisher chose: literal text (literal.py)
+        table.add_row(*[f"{v:,}" if isinstance(v, int) else cell(v) for v in row])
     return table
 
 
 def show(done: Any, output: str, top: int = 15) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     agg = done.aggregates
-    console.print(f"[bold]exported[/] {done.rows:,} records from {done.devices} device(s) to "
-                  f"{output}; damage skipped: {done.damaged_parts} part(s), "
-                  f"{done.damaged_bytes:,} bytes")
+    line = cell(f"exported {done.rows:,} records from {done.devices} device(s) to "
+                f"{output}; damage skipped: {done.damaged_parts} part(s), "
+                f"{done.damaged_bytes:,} bytes")
+    line.stylize("bold", 0, len("exported"))
+    console.print(line)
     devices = sorted(agg["devices"], key=lambda r: r["device"])
     console.print(_table("Devices", ["device", "messages", "bytes", "topics", "first seen",
                                      "last seen"],

@@ -386,3 +386,22 @@ def test_a_connection_holds_at_most_max_subscriptions() -> None:
     assert b.subscribe(2, "t/3").sub_id  # another connection has its own
     b.unsubscribe(1, ids[0])
     assert b.subscribe(1, "t/3").sub_id  # room again
+
+
+def test_stats_lists_the_groups_with_most_backlog_first_and_counts_the_rest() -> None:
+    # h29: every group listed made a report too large for a frame (blipmq stats broke);
+    # the core ranks them and lists at most max_groups, without a row for the others
+    b = Broker()
+    for i, backlog in enumerate((1, 0, 3, 3, 2)):
+        sub(b, i, f"t{i}", group=f"g{i}")
+        if backlog:
+            b.publish([raw(f"t{i}", bytes([n])) for n in range(backlog)], 0)
+    everything = b.stats()
+    assert [(g["group"], g["backlog"]) for g in everything["groups"]] == [
+        ("g2", 3), ("g3", 3), ("g4", 2), ("g0", 1), ("g1", 0)]  # ties: by filter, group
+    assert everything["groups_omitted"] == 0
+    report = b.stats(max_groups=2)
+    assert [g["group"] for g in report["groups"]] == ["g2", "g3"]
+    assert report["groups_omitted"] == 3
+    assert report["groups"] == everything["groups"][:2]
+    assert b.stats(max_groups=0)["groups"] == [] and b.stats(max_groups=0)["groups_omitted"] == 5

@@ -799,3 +799,17 @@ def test_pub_lines_notices_a_silent_link_and_says_how_far_it_got(start_broker) -
         assert "no answer from the broker" in err and re.search(
             r"\b[0-2] of 2 messages confirmed", err), err
         assert b.metric("blipmq_messages_published_total") == 2
+
+
+def test_progress_shows_a_file_name_as_literal_text(start_broker, tmp_path: Path) -> None:
+    # h29: the bar's description is rich markup: a file's name was drawn as markup (styled,
+    # a link; '[/]' in a directory's name made pub fail), an escape sequence in it reached
+    # the terminal as it was
+    from terminal import stderr_on_terminal
+
+    b = start_broker()
+    blob = tmp_path / "[bold red]\x1b[2Jbig.bin"
+    blob.write_bytes(os.urandom(1 << 20))
+    status, text = stderr_on_terminal([BLIPMQ, "pubfile", "fw", str(blob)], b.env)
+    assert status == 0, text[-500:]
+    assert "sending [bold red]\\x1b[2Jbig.bin" in text and "\x1b[2Jbig" not in text, text[-500:]

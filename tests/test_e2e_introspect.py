@@ -107,3 +107,107 @@ def test_stats_watch_json_prints_a_line_per_refresh(start_broker) -> None:
     assert first["messages"]["published"] == 0
     proc.kill()
     proc.wait()
+
+
+def test_stats_fits_the_frame_listing_the_groups_with_most_backlog(start_broker) -> None:
+    # h29: with many groups the report outgrew the client's frame limit: `blipmq stats`,
+    # `groups` and `bridges` failed ("frame of 325470 bytes exceeds the maximum", exit 3).
+    # The smallest frame limit there is (131,372 bytes), and five groups of 40 KB filters
+    b = start_broker({"server": {"max_message_bytes": 1, "max_topic_bytes": 65535},
+                      "delivery": {"max_batch_bytes": 1024}})
+    pad = "p" * 40_000
+    with Client(b.addr) as c:
+        for i in range(5):
+            c.subscribe(f"{i}/{pad}/#", group=f"g{i}", qos=1)
+    with Client(b.addr) as c:  # the groups stay, without consumers: g3 has a backlog
+        c.publish(f"3/{pad}/x", b"x", qos=1)
+    res = b.cli("stats", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    # the topic, then the groups: most backlog first, then by filter
+    assert [(g["group"], g["backlog"]) for g in report["groups"]] == [("g3", 1), ("g0", 0)]
+    assert report["groups_omitted"] == 3
+    assert [t["topic"] for t in report["topics"]] == [f"3/{pad}/x"]
+    res = b.cli("groups", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == {"groups": report["groups"], "groups_omitted": 3}
+    res = b.cli("groups")
+    assert res.returncode == 0, res.stderr
+    assert b"3 more group(s) not listed" in res.stdout
+    res = b.cli("stats")
+    assert res.returncode == 0 and b"3 more group(s) not listed" in res.stdout, res.stderr
+    res = b.cli("bridges")
+    assert res.returncode == 0 and res.stdout.startswith(b"no bridges configured"), res.stderr
+
+
+HOSTILE = ("a/[bold red]FAKE ALERT[/] [link=https://evil.example]docs[/link]",
+           "b/\x1b]0;owned\x07\x1b[2J\x1b[Hclear", "c/[/]", "e/\u202etxt.exe", "f/\x9b31m\x7f")
+RAW_CONTROLS = ("\x1b", "\x07", "\x9b", "\x7f", "\u202e")
+
+
+def _literal(text: str) -> str:
+    """How a table shows a name: its control characters as escapes."""
+    return "".join(ch if ch not in RAW_CONTROLS else f"\\x{ord(ch):02x}" if ord(ch) < 0x100
+                   else f"\\u{ord(ch):04x}" for ch in text)
+
+
+def test_stats_and_groups_show_names_as_literal_text(start_broker) -> None:
+    # h29: topic names and filters were read as rich markup and written raw: a publish to
+    # 'c/[/]' made `blipmq stats` fail (MarkupError, exit 1), '[link=...]' drew a link,
+    # ESC [2J cleared the admin's terminal
+    b = start_broker()
+    for topic in HOSTILE:
+        assert b.cli("pub", topic, "1").returncode == 0
+    with Client(b.addr) as c:
+        c.subscribe("d/[/]/#", group="g", qos=1)
+    wide = {"COLUMNS": "400", "FORCE_COLOR": "", "TTY_COMPATIBLE": ""}
+    res = b.cli("stats", **wide)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.decode()
+    assert not any(ch in out for ch in RAW_CONTROLS), out
+    for topic in HOSTILE:
+        assert _literal(topic) in out, (topic, out)
+    assert "d/[/]/#" in out and "https://evil.example" in out
+    res = b.cli("groups", **wide)
+    assert res.returncode == 0 and "d/[/]/#" in res.stdout.decode(), res.stderr
+    # --json: the exact names, every control character escaped by JSON
+    res = b.cli("stats", "--json")
+    assert res.returncode == 0, res.stderr
+    assert not any(ch in res.stdout.decode() for ch in RAW_CONTROLS)
+    assert {t["topic"] for t in json.loads(res.stdout)["topics"]} == set(HOSTILE)
+    res = b.cli("groups", "--json")
+    assert [g["filter"] for g in json.loads(res.stdout)["groups"]] == ["d/[/]/#"]
+    # the log's own view of the topics, likewise
+    res = b.cli("wal", "inspect", str(b.data_dir), **wide)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.decode()
+    assert not any(ch in out for ch in RAW_CONTROLS)
+    assert all(_literal(topic) in out for topic in HOSTILE), out
+
+
+def test_tables_show_broker_strings_as_literal_text() -> None:
+    # what a broker, or an upstream broker a bridge talks to, says: never markup or control
+    from rich.console import Console
+
+    from blipmq_cli import introspect
+
+    report = {"broker": "blipmq", "version": "[/]\x1b[2J", "protocol": 2, "uptime_s": 1,
+              "connections": 0, "log": None, "retained": {"topics": 0, "bytes": 0},
+              "topics": [{"topic": "[/]", "messages": 1, "bytes": 1, "retained": False}],
+              "topics_omitted": 0, "groups": [], "groups_omitted": 0,
+              "mqtt": {"online": 1, "offline": 0, "inflight": 0, "wills_published": 0,
+                       "protocol_errors": {"[bold]x\x1b[H": 1}},
+              "bridges": [{"name": "up[/]", "connected": False, "address": "",
+                           "backlog_messages": 0, "backlog_bytes": 0, "oldest_age_s": None,
+                           "in_flight": 0, "forwarded": 0, "redelivered": 0,
+                           "reconnects": 0, "dropped": 0, "dead_lettered": 0,
+                           "last_error": "upstream said [link=https://x]\x1b]8;;x\x07"}],
+              "bridges_omitted": 0}
+    console = Console(width=400, color_system=None, force_terminal=False)
+    with console.capture() as got:
+        console.print(introspect._render(report, "127.0.0.1:1"))
+        console.print(introspect._bridges_table(report))
+    out = got.get()
+    assert not any(ch in out for ch in RAW_CONTROLS)
+    assert "[/]\\x1b[2J" in out and "[bold]x\\x1b[H 1" in out and "up[/]" in out
+    assert "upstream said [link=https://x]\\x1b]8;;x\\x07" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import struct
 
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError
+from blipmq_server.protocol import report as stats_report
 from blipmq_server.protocol.codec import (
     DEFAULT_MAX_FRAME,
     MAX_BATCH,
@@ -882,3 +884,73 @@ def test_a_frame_fed_a_byte_at_a_time_costs_about_its_size_in_memory() -> None:
     dec.feed(frame[-1:])
     assert dec.frames() == [Ping(b"p" * 400_000, 1)]
     assert dec.buffered == 0
+
+
+# ----------------------------------------------------------- STATS_REPORT within a frame
+
+
+def _group(i: int, width: int = 20) -> dict:
+    return {"filter": f"f/{i}/" + "x" * width, "group": f"g{i}", "durable": True,
+            "backlog": i, "in_flight": 0, "consumers": 0, "skipped": 0}
+
+
+def _report(topics: int, groups: int, width: int = 20) -> dict:
+    return {"broker": "blipmq", "version": "0.1.0", "uptime_s": 1.5,
+            "topics": [{"topic": f"t/{i}", "messages": i, "bytes": i, "retained": False}
+                       for i in range(topics)],
+            "topics_omitted": 7, "topics_untracked": {"messages": 0, "bytes": 0},
+            "groups": [_group(i, width) for i in range(groups)], "groups_omitted": 0,
+            "bridges": [], "bridges_omitted": 0, "log": None}
+
+
+def test_stats_report_that_fits_is_the_report() -> None:
+    whole = _report(3, 4)
+    assert json.loads(stats_report.fit(whole, 1 << 20)) == whole
+
+
+def test_stats_report_always_fits_listing_fewer_entries_of_every_list() -> None:
+    # h29: a report listing 3,000 groups was sent whole, larger than the client's frame
+    # limit, and `blipmq stats` / `groups` failed ("frame of 325470 bytes exceeds ...")
+    whole = _report(500, 3000, width=100)
+    for limit in (1_000, 20_000, 131_367, 262_150):
+        data = stats_report.fit(whole, limit)
+        assert len(data) <= limit
+        got = json.loads(data)
+        for name in ("topics", "groups"):
+            kept = got[name]
+            assert kept == whole[name][: len(kept)]  # the first ones, in the report's order
+            assert got[f"{name}_omitted"] == (whole[f"{name}_omitted"] + len(whole[name])
+                                              - len(kept))
+        # the lists share the room: many long groups do not crowd the topics out
+        assert limit < 20_000 or (got["topics"] and got["groups"])
+        assert {k: v for k, v in got.items() if k not in
+                ("topics", "groups", "topics_omitted", "groups_omitted")} == {
+            k: v for k, v in whole.items() if k not in
+            ("topics", "groups", "topics_omitted", "groups_omitted")}
+
+
+def test_stats_report_entry_larger_than_the_room_ends_its_list_only() -> None:
+    whole = _report(2, 0)
+    whole["groups"] = [_group(0, 5000), _group(1)]
+    got = json.loads(stats_report.fit(whole, 2000))
+    assert got["groups"] == [] and got["groups_omitted"] == 2  # a prefix: not g1 alone
+    assert len(got["topics"]) == 2 and got["topics_omitted"] == 7
+    assert stats_report.most(2000) * stats_report.ENTRY_MIN <= 2000
+
+
+@settings(max_examples=100, deadline=None)
+@given(topics=st.integers(0, 60), groups=st.integers(0, 60), width=st.integers(0, 300),
+       limit=st.integers(600, 20_000))
+def test_hypothesis_stats_report_fits(topics: int, groups: int, width: int, limit: int
+                                      ) -> None:
+    whole = _report(topics, groups, width)
+    data = stats_report.fit(whole, limit)
+    assert len(data) <= limit
+    got = json.loads(data)
+    assert got["groups"] == whole["groups"][: len(got["groups"])]
+    assert len(got["groups"]) + got["groups_omitted"] == groups
+
+
+def test_stats_report_without_room_for_its_fields_is_refused() -> None:
+    with pytest.raises(LocalProtocolError):
+        stats_report.fit(_report(0, 0), 50)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
+from heapq import nsmallest
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 from blipmq_server.broker.access import FULL, Access, matches
@@ -74,6 +77,17 @@ def _check_message(record: bytes) -> None:
     size = record_size(record)
     if size > len(record):
         raise ValueError(f"a message record of {size} bytes in {len(record)}")
+
+
+def _durable_row(g: DurableGroup) -> dict[str, Any]:
+    return {"filter": g.filter, "group": g.group, "durable": True, "backlog": max(0, g.backlog),
+            "in_flight": len(g.inflight), "consumers": len(g.consumers), "skipped": g.skipped}
+
+
+def _memory_row(topic_filter: str, group: str, q: Queue) -> dict[str, Any]:
+    return {"filter": topic_filter, "group": group, "durable": False, "backlog": len(q.items),
+            "in_flight": 0, "consumers": len(q.consumers),
+            "dropped": q.dropped_oldest + q.dropped_new + q.dropped_ttl + q.dropped_no_consumer}
 
 
 def _owner_key(topic_filter: str, group: str) -> bytes:
@@ -1179,10 +1193,12 @@ class Broker:
 
     # ------------------------------------------------------------------------------ views
 
-    def stats(self, max_topics: int = 500) -> dict[str, Any]:
+    def stats(self, max_topics: int = 500, max_groups: int | None = None) -> dict[str, Any]:
         """A snapshot for STATS (plain values, ready for JSON; docs/PROTOCOL.md,
-        "Statistics"): topics (the ``max_topics`` with most messages), groups with their
-        backlog, subscriptions, in-flight deliveries, drops by reason, retained values."""
+        "Statistics"): topics (the ``max_topics`` with most messages), groups (the
+        ``max_groups`` with the largest backlog, all of them when None), each list with how
+        many it leaves out; subscriptions, in-flight deliveries, drops by reason, retained
+        values."""
         c = self.counters
         usage = self.usage
         rows = usage.rows()
@@ -1190,21 +1206,25 @@ class Broker:
         topics = [{"topic": t, "messages": m, "bytes": n,
                    "retained": t.encode("utf-8") in retained}
                   for t, m, n in rows[:max_topics]]
-        groups: list[dict[str, Any]] = [
-            {"filter": g.filter, "group": g.group, "durable": True, "backlog": max(0, g.backlog),
-             "in_flight": len(g.inflight), "consumers": len(g.consumers), "skipped": g.skipped}
-            for g in self.durable_groups]
-        groups += [
-            {"filter": f, "group": name, "durable": False, "backlog": len(q.items),
-             "in_flight": 0, "consumers": len(q.consumers),
-             "dropped": q.dropped_oldest + q.dropped_new + q.dropped_ttl + q.dropped_no_consumer}
-            for (f, name), q in self.registry.groups.items()]
+        # most backlog first, then by filter and group: ranked without building a row,
+        # nor a list, for the groups left out (there may be very many)
+        memory = self.registry.groups
+        durable = () if self.cursors is None else self.cursors.durable.values()
+        total = len(memory) + len(durable)
+        candidates = chain(
+            ((-max(0, g.backlog), g.filter, g.group, True, g) for g in durable),
+            ((-len(q.items), f, name, False, q) for (f, name), q in memory.items()))
+        kept = nsmallest(total if max_groups is None else max(0, max_groups), candidates,
+                         key=itemgetter(0, 1, 2, 3))
+        groups = [_durable_row(g) if isinstance(g := e[4], DurableGroup)
+                  else _memory_row(e[1], e[2], g) for e in kept]
         consumers = self.registry.consumers.values()
         return {
             "topics": topics,
             "topics_omitted": max(0, len(rows) - max_topics),
             "topics_untracked": {"messages": usage.other[0], "bytes": usage.other[1]},
             "groups": groups,
+            "groups_omitted": total - len(groups),
             "subscriptions": len(self.registry.consumers),
             "subscribers": sum(1 for x in consumers if not x.queue.group),
             "in_flight": sum(len(t.inflight) for t in self.all_cursors),

@@ -655,12 +655,16 @@ class Server:
         return {"broker": "blipmq", "version": version(), "protocol": codec.VERSION,
                 "uptime_s": round(trio.current_time() - self.started_at, 3)}
 
-    def stats(self) -> dict:
+    def stats(self, most: int | None = None) -> dict:
         """The STATS report: the core's snapshot plus what the shell knows (docs/PROTOCOL.md,
-        "Statistics")."""
+        "Statistics"); ``most`` entries of each list at most (all when None), with how many
+        each leaves out."""
         from blipmq_server.version import version
 
-        report = self.broker.stats()
+        report = (self.broker.stats() if most is None
+                  else self.broker.stats(max_topics=min(500, most), max_groups=most))
+        bridges = list(self.bridges.values())
+        listed = bridges if most is None else bridges[:most]
         wal = self.wal
         report.update(
             broker="blipmq", version=version(), protocol=codec.VERSION,
@@ -668,7 +672,8 @@ class Server:
             connections=self.counters.open,
             mqtt=dict(self.mqtt_sessions.stats(),
                       protocol_errors=dict(self.counters.mqtt_errors)),
-            bridges=[b.status() for b in self.bridges.values()],
+            bridges=[b.status() for b in listed],
+            bridges_omitted=len(bridges) - len(listed),
             log=None if wal is None else {
                 "bytes": wal.total_bytes, "segments": len(wal.segments),
                 "first_offset": wal.first_offset, "next_offset": wal.next_offset},

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - a trio that moved it
 
 from blipmq_server.errors import RemoteProtocolError
 from blipmq_server.mqtt.state import SESSION_GROUPS
-from blipmq_server.protocol import codec
+from blipmq_server.protocol import codec, report
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server.intake import FREE, Partial
 
@@ -788,16 +788,10 @@ class Session:
                 "restricted": True, "key": self.access.identity.name}).encode()
             self.send(codec.StatsReport(data, request_id))
             return
-        report = self.server.stats()
-        limit = self.server.max_frame - 5
-        while True:  # within the frame limit: fewer topics listed if need be
-            data = json.dumps(report, separators=(",", ":")).encode()
-            topics = report["topics"]
-            if len(data) <= limit or not topics:
-                break
-            report["topics_omitted"] += len(topics) - len(topics) // 2
-            report["topics"] = topics[: len(topics) // 2]
-        self.send(codec.StatsReport(data, request_id))
+        # within the frame the client decodes with: fewer entries listed if need be
+        limit = self.server.max_frame - codec.MIN_LENGTH
+        self.send(codec.StatsReport(report.fit(self.server.stats(report.most(limit)), limit),
+                                    request_id))
 
     def _unsubscribe(self, frame: codec.Unsubscribe) -> None:
         if self._session_group(frame.group, frame.request_id):
