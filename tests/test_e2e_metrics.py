@@ -184,3 +184,57 @@ def test_head_has_no_body_and_bare_newlines_end_a_request(start_broker) -> None:
     bare = ask(b"GET /health HTTP/1.0\nHost: x\n\n")
     assert bare.startswith(b"HTTP/1.1 200 OK\r\n") and bare.endswith(b"\r\n\r\nok\n"), bare
     assert ask(b"\r\n\r\n").startswith(b"HTTP/1.1 400 Bad Request")
+
+
+def _read_once_closed(s: socket.socket, timeout: float = 10) -> bytes:
+    """The answer, read only once the broker has ended the connection, as a client on a
+    slow link reads it: a broker that closes with unread input resets the connection (RST)
+    and the client's read fails (ECONNRESET) instead of returning the answer."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == 1:  # ESTABLISHED
+        assert time.monotonic() < deadline, "the broker did not end the connection"
+        time.sleep(0.01)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got
+
+
+def _ask(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        return _read_once_closed(s)
+
+
+def test_the_answer_survives_input_the_broker_did_not_read(start_broker) -> None:
+    """A request with a body (or a head too long) left input unread, and closing then reset
+    the connection: the client lost the answer (ECONNRESET). The broker now ends its side
+    after the answer and reads what still comes before it closes. A 405 says what is
+    allowed; a head over 8 KiB is answered 431 (it was answered from its first 8 KiB)."""
+    b = start_broker()
+    got = _ask(b.metrics_port, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5000"
+               b"\r\n\r\n" + b"x" * 5000)
+    assert got.startswith(b"HTTP/1.1 405 Method Not Allowed\r\n"), got
+    assert b"\r\nAllow: GET, HEAD\r\n" in got
+    got = _ask(b.metrics_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nCookie: " + b"a" * 20000
+               + b"\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), got
+    got = _ask(b.metrics_port, b"GET /health HTTP/1.1\r\nHost: x\r\nCookie: " + b"a" * 8000
+               + b"\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\nok\n"), got
+
+
+def test_absolute_targets_and_an_empty_line_before_the_request(start_broker) -> None:
+    """RFC 9112: a server must accept a target in absolute form (it was a 404), and should
+    skip an empty line before the request line (it was a 400)."""
+    b = start_broker()
+    port = b.metrics_port
+    got = _ask(port, f"GET http://127.0.0.1:{port}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"ok\n"), got
+    got = _ask(port, b"GET HTTP://example.org/metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and b"blipmq_messages_published_total" in got
+    got = _ask(port, b"\r\nGET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"ready\n"), got
+    assert _ask(port, b"\r\n\r\n").startswith(b"HTTP/1.1 400 Bad Request")
