@@ -2,12 +2,17 @@
 HTTPS with ``metrics.tls``, with the TLS listeners' certificate (server/tls.py).
 
 At most ``MAX_CONNECTIONS`` connections are served at once, each for at most ``_WAIT_S``
-seconds of handshake, as long again for its request and as long again to send its answer;
-one more is closed as soon as it is accepted and counted
+seconds of handshake, as long again for its request, as long again for the /metrics page and
+as long again to send its answer; one more is closed as soon as it is accepted and counted
 (``ConnectionCounters.metrics_refused``). Once answered, a connection gives its place back
 and, among at most ``MAX_LINGERING``, reads what its client still sends for at most
 ``_LINGER_S`` before it is closed (``_linger``). These are not client connections: they
 count neither towards ``server.max_connections`` nor against it.
+
+/metrics is written by one connection at a time, a part at a time, with a checkpoint between
+parts, and handed to every scrape that came meanwhile, a large one to those that come soon
+after too (``Page``): scrapes cannot hold the event loop for longer than a part takes
+(~1 ms), however many groups there are, nor keep it writing pages most of the time.
 """
 
 from __future__ import annotations
@@ -30,9 +35,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blipmq.http")
 _MAX_HEAD = 8192  # the request line and headers; more is answered 431
-_WAIT_S = 5  # for the TLS handshake, then for the request, then for sending the answer
+_WAIT_S = 5  # for the TLS handshake, the request, the /metrics page, sending the answer
 MAX_CONNECTIONS = 16  # a scraper or two and a health check need a few; stalled ones wait
 MAX_LINGERING = 16  # answered connections reading what their client still sends (_linger)
+# a page that took ``_SLOW_S`` or more to write is handed out again for ``_REUSE`` times as
+# long as it took, up to ``FRESH_S``, after it is written: scrapes without pause then keep
+# the event loop writing pages a tenth of the time at most (less for pages that take more
+# than 0.1 s); a small page is written anew for every scrape
+_SLOW_S = 0.01
+_REUSE = 10
+FRESH_S = 1.0
 # after the answer: how long and how much of what the client still sends (a body, the rest
 # of a long head) is read and dropped, so that closing does not reset the connection
 _LINGER_S = 1.0
@@ -47,22 +59,82 @@ class Answer(NamedTuple):
     headers: str = ""  # more header lines, each ending in CRLF
 
 
+def reuse_for(took: float) -> float:
+    """How long after it is written a page that took ``took`` seconds to write is handed
+    out again."""
+    return 0.0 if took < _SLOW_S else min(FRESH_S, _REUSE * took)
+
+
+class _Writing:
+    """A page being written: those who wait for it wait for ``done``, then read ``page``
+    (None: its writer gave up)."""
+
+    __slots__ = ("done", "page")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.page: bytes | None = None
+
+
+class Page:
+    """The /metrics page as the connections get it: at most one is written at a time, a
+    part at a time with a checkpoint between parts (``metrics.pages``); a scrape that comes
+    while one is being written waits for it and gets it, and a large page is handed out
+    again for a while (``reuse_for``) without writing another."""
+
+    def __init__(self, sources: metrics.Sources) -> None:
+        self.sources = sources
+        self._kept: tuple[float, bytes] | None = None  # until when it is handed out, a page
+        self._writing: _Writing | None = None
+
+    async def get(self) -> bytes:
+        while True:
+            if self._kept is not None:
+                if trio.current_time() < self._kept[0]:
+                    return self._kept[1]
+                self._kept = None  # not held in memory until the next one is written
+            writing = self._writing
+            if writing is None:
+                return await self._write()
+            await writing.done.wait()
+            if writing.page is not None:
+                return writing.page
+            # its writer gave up (its scraper's time ran out): write one here
+
+    async def _write(self) -> bytes:
+        self._writing = writing = _Writing()
+        began = trio.current_time()
+        try:
+            parts: list[bytes] = []
+            for part in metrics.pages(self.sources):
+                parts.append(part)
+                await trio.lowlevel.checkpoint()
+            writing.page = page = b"".join(parts)
+            now = trio.current_time()
+            if reuse := reuse_for(now - began):
+                self._kept = (now + reuse, page)
+            return page
+        finally:
+            self._writing = None
+            writing.done.set()
+
+
 async def serve_http(server: Server, *, task_status: trio.TaskStatus[int]) -> None:
     cfg = server.config.metrics
     listeners = await open_listeners(cfg.host, cfg.port, "metrics listener")
-    sources = metrics.Sources(
+    page = Page(metrics.Sources(
         server.broker, server.counters, server.wal,
         None if server.flusher is None else server.flusher.counters, server.recovery,
         server.mqtt_sessions.stats if server.config.mqtt.enabled else None,
-        (lambda: [b.status() for b in server.bridges.values()]) if server.bridges else None)
+        (lambda: [b.status() for b in server.bridges.values()]) if server.bridges else None))
     task_status.started(listeners[0].socket.getsockname()[1])
     slots = trio.Semaphore(MAX_CONNECTIONS)
     lingering = trio.Semaphore(MAX_LINGERING)
-    await trio.serve_listeners(partial(_admit, server, sources, slots, lingering), listeners)
+    await trio.serve_listeners(partial(_admit, server, page, slots, lingering), listeners)
 
 
-async def _admit(server: Server, sources: metrics.Sources, slots: trio.Semaphore,
-                 lingering: trio.Semaphore, socket: trio.SocketStream) -> None:
+async def _admit(server: Server, page: Page, slots: trio.Semaphore, lingering: trio.Semaphore,
+                 socket: trio.SocketStream) -> None:
     """Serve a connection if fewer than ``MAX_CONNECTIONS`` are; else close it at once.
     Once answered, it gives its place back and lingers apart (``_linger``), so that a
     scraper that comes back at once is not turned away by its own last connection."""
@@ -74,7 +146,7 @@ async def _admit(server: Server, sources: metrics.Sources, slots: trio.Semaphore
         return
     try:
         try:
-            answered = await _serve(server, sources, socket)
+            answered = await _serve(server, page, socket)
         finally:
             slots.release()
         if answered:
@@ -85,7 +157,7 @@ async def _admit(server: Server, sources: metrics.Sources, slots: trio.Semaphore
         await trio.aclose_forcefully(socket)  # over TLS too: no close_notify, as ever
 
 
-async def _serve(server: Server, sources: metrics.Sources, socket: trio.SocketStream) -> bool:
+async def _serve(server: Server, page: Page, socket: trio.SocketStream) -> bool:
     """Read a request and answer it; True once the answer is sent whole."""
     stream: trio.abc.Stream = socket
     if server.config.metrics.tls:
@@ -102,10 +174,12 @@ async def _serve(server: Server, sources: metrics.Sources, socket: trio.SocketSt
     try:
         answer = (Answer(head, f"{head.split(' ', 1)[1].lower()}\n".encode())
                   if isinstance(head, str) else
-                  await _respond(server, sources, head))
+                  await _respond(server, page, head))
     except Exception:  # a bug here must not take the broker down
         log.exception("error while answering an HTTP request")
         answer = Answer("500 Internal Server Error", b"error\n")
+    if answer is None:
+        return False
     challenge = "WWW-Authenticate: Bearer\r\n" if answer.status.startswith("401") else ""
     wire = (
         f"HTTP/1.1 {answer.status}\r\n{challenge}{answer.headers}"
@@ -188,8 +262,8 @@ def _allowed(server: Server, head: bytes, path: str) -> bool:
         digest(token), bytes.fromhex(cfg.token_hash.split(":", 1)[1]))
 
 
-async def _respond(server: Server, sources: metrics.Sources, head: bytes) -> Answer:
-    """The answer to a request."""
+async def _respond(server: Server, page: Page, head: bytes) -> Answer | None:
+    """The answer to a request; None: none in time (the page took too long)."""
     try:
         method, target, _ = head.splitlines()[0].decode("latin-1").split(" ", 2)
     except (ValueError, IndexError):
@@ -204,7 +278,9 @@ async def _respond(server: Server, sources: metrics.Sources, head: bytes) -> Ans
         refused["metrics"] = refused.get("metrics", 0) + 1
         return Answer("401 Unauthorized", b"a token is required (metrics.token_hash)\n")
     if path == "/metrics":
-        return Answer("200 OK", metrics.render(sources), metrics.CONTENT_TYPE)
+        with trio.move_on_after(_WAIT_S):
+            return Answer("200 OK", await page.get(), metrics.CONTENT_TYPE)
+        return None
     if path == "/health":
         return Answer("200 OK", b"ok\n")
     if path == "/ready":
