@@ -174,3 +174,31 @@ def test_groups_may_come_and_go_while_a_page_is_written(broker: Broker) -> None:
         assert page.count(f"blipmq_group_{family}{{") == 3000
     assert "new0" not in page
 
+
+async def test_refusals_are_logged_once_a_minute_per_address_with_how_many_came(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused metrics token goes the way of a refused key (server/keys.py): the first
+    from an address is logged at once, the next line about it a minute later at the
+    soonest and says how many were counted in between."""
+    from blipmq_server.config import AuthOptions
+    from blipmq_server.server import keys
+
+    now = [1000.0]
+    monkeypatch.setattr(keys.time, "monotonic", lambda: now[0])
+    ring = keys.Keyring(AuthOptions(failure_delay_ms=0))
+    with caplog.at_level("WARNING", logger="blipmq.auth"):
+        for _ in range(5):
+            await ring.refused("10.0.0.5:4711", "metrics", "a metrics token")
+        await ring.refused("10.0.0.6:80", "native")
+        now[0] += 59
+        await ring.refused("10.0.0.5:4712", "metrics", "a metrics token")
+        now[0] += 1
+        await ring.refused("10.0.0.5:4713", "metrics", "a metrics token")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("refused a metrics token from 10.0.0.5 (metrics); further")
+    assert lines[1].startswith("refused a key from 10.0.0.6 (native); further")
+    assert lines[2].startswith("refused a metrics token from 10.0.0.5 (metrics), and 5 more "
+                               "since the last line; further")
+    assert ring.failures == {"metrics": 7, "native": 1}

@@ -4,10 +4,11 @@ HTTPS with ``metrics.tls``, with the TLS listeners' certificate (server/tls.py).
 At most ``MAX_CONNECTIONS`` connections are served at once, each for at most ``_WAIT_S``
 seconds of handshake, as long again for its request, as long again for the /metrics page and
 as long again to send its answer; one more is closed as soon as it is accepted and counted
-(``ConnectionCounters.metrics_refused``). Once answered, a connection gives its place back
-and, among at most ``MAX_LINGERING``, reads what its client still sends for at most
-``_LINGER_S`` before it is closed (``_linger``). These are not client connections: they
-count neither towards ``server.max_connections`` nor against it.
+(``ConnectionCounters.metrics_refused``). A refused token is answered only after
+``auth.failure_delay_ms``, its place held meanwhile (server/keys.py). Once answered, a
+connection gives its place back and, among at most ``MAX_LINGERING``, reads what its client
+still sends for at most ``_LINGER_S`` before it is closed (``_linger``). These are not
+client connections: they count neither towards ``server.max_connections`` nor against it.
 
 /metrics is written by one connection at a time, a part at a time, with a checkpoint between
 parts, and handed to every scrape that came meanwhile, a large one to those that come soon
@@ -29,6 +30,7 @@ import trio
 from blipmq_server import metrics
 from blipmq_server.broker.access import digest
 from blipmq_server.server.listeners import open_listeners
+from blipmq_server.server.session import peer_of
 
 if TYPE_CHECKING:
     from blipmq_server.server.app import Server
@@ -174,7 +176,7 @@ async def _serve(server: Server, page: Page, socket: trio.SocketStream) -> bool:
     try:
         answer = (Answer(head, f"{head.split(' ', 1)[1].lower()}\n".encode())
                   if isinstance(head, str) else
-                  await _respond(server, page, head))
+                  await _respond(server, page, head, peer_of(socket)))
     except Exception:  # a bug here must not take the broker down
         log.exception("error while answering an HTTP request")
         answer = Answer("500 Internal Server Error", b"error\n")
@@ -262,7 +264,7 @@ def _allowed(server: Server, head: bytes, path: str) -> bool:
         digest(token), bytes.fromhex(cfg.token_hash.split(":", 1)[1]))
 
 
-async def _respond(server: Server, page: Page, head: bytes) -> Answer | None:
+async def _respond(server: Server, page: Page, head: bytes, peer: str) -> Answer | None:
     """The answer to a request; None: none in time (the page took too long)."""
     try:
         method, target, _ = head.splitlines()[0].decode("latin-1").split(" ", 2)
@@ -276,6 +278,9 @@ async def _respond(server: Server, page: Page, head: bytes) -> Answer | None:
         server.counters.auth_failures += 1
         refused = server.counters.auth_refused
         refused["metrics"] = refused.get("metrics", 0) + 1
+        # as a refused key: logged rarely, answered after auth.failure_delay_ms, the
+        # connection's slot held meanwhile
+        await server.keys.refused(peer, "metrics", "a metrics token")
         return Answer("401 Unauthorized", b"a token is required (metrics.token_hash)\n")
     if path == "/metrics":
         with trio.move_on_after(_WAIT_S):

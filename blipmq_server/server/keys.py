@@ -7,7 +7,9 @@ key offered by a client is hashed and compared with every digest in constant tim
 (``hmac.compare_digest``), so neither the comparison nor the order of the keys tells a
 guesser anything. A refused key is answered only after ``auth.failure_delay_ms`` (1 s by
 default), and refusals are counted by reason and logged at most once per source address per
-``_LOG_EVERY_S``, so a flood of bad keys neither guesses fast nor floods the log.
+``_LOG_EVERY_S`` (that line says how many came since the last one), so a flood of bad keys
+neither guesses fast nor floods the log. A refused metrics token (server/http.py) costs the
+same.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Keyring:
         self.delay_s = auth.failure_delay_ms / 1000  # before a refused key is answered
         self.failures: dict[str, int] = {}  # by reason
         self._logged: dict[str, float] = {}  # source address -> when last logged
+        self._quiet: dict[str, int] = {}  # source address -> refusals not logged since
 
     def check(self, given: bytes) -> tuple[bytes, Identity] | None:
         """(the key's digest, the identity it is); None for a refused key. Without keys,
@@ -84,8 +87,11 @@ class Keyring:
         that the sessions and groups it makes belong to its identity (``*``)."""
         return Access(identity) if self.enabled else None
 
-    async def refused(self, peer: str, reason: str) -> None:
-        """Count and (rarely) log a refused key, then make its sender wait."""
+    async def refused(self, peer: str, reason: str, what: str = "a key") -> None:
+        """Count and (rarely) log a refused key (``what``: a metrics token too), then make
+        its sender wait. The first refusal from a source address is logged at once; the
+        next line about it, ``_LOG_EVERY_S`` later at the soonest, says how many were
+        counted in between."""
         self.failures[reason] = self.failures.get(reason, 0) + 1
         source = peer.rpartition(":")[0] or peer
         now = time.monotonic()
@@ -93,8 +99,14 @@ class Keyring:
         if last is None or now - last >= _LOG_EVERY_S:
             if len(self._logged) >= _SOURCES_KEPT:
                 self._logged.clear()
+                self._quiet.clear()
             self._logged[source] = now
-            log.warning("refused a key from %s (%s); further refusals from there are "
+            quiet = self._quiet.pop(source, 0)
+            log.warning("refused %s from %s (%s)%s; further refusals from there are "
                         "counted, not logged, for %d s (blipmq_auth_failures_total)",
-                        source, reason, _LOG_EVERY_S)
+                        what, source, reason,
+                        f", and {quiet} more since the last line" if quiet else "",
+                        _LOG_EVERY_S)
+        else:
+            self._quiet[source] = self._quiet.get(source, 0) + 1
         await trio.sleep(self.delay_s)
