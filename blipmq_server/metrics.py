@@ -7,11 +7,16 @@ no trio, no import circle. It writes the Prometheus text format (version 0.0.4) 
 a broker's worth of counters and gauges needs a few lines, where a client library would
 stay in an idle broker's memory for its whole life (docs/PERFORMANCE.md, "Idle memory").
 A counter named ``x`` is exposed as ``x_total``.
+
+A page with many groups is long (20,000 groups: 3.7 MB, some 60,000 lines), so ``pages``
+writes it in parts, and the groups' samples are read as their lines are written: the
+server lets its other tasks run between two parts (server/http.py). A page is therefore
+not one instant's picture, only each sample is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from blipmq_server.broker.core import Broker
@@ -22,21 +27,27 @@ from blipmq_server.wal.recovery import Recovery
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+Sample = tuple[Sequence[str], float]  # label values, value
+PART_LINES = 1000  # lines of a part of the page (~1 ms to write)
+
+
 class Family:
-    """One metric: its name, ``counter`` or ``gauge``, help text and samples. (A plain
-    class: the broker defines it on every start, where a dataclass costs 0.3 ms.)"""
+    """One metric: its name, ``counter`` or ``gauge``, help text and samples: a list, or
+    any iterable read once, as the lines are written (the groups'). (A plain class: the
+    broker defines it on every start, where a dataclass costs 0.3 ms.)"""
 
     __slots__ = ("doc", "kind", "labels", "name", "samples")
 
     def __init__(self, name: str, kind: str, doc: str, labels: tuple[str, ...] = (),
-                 samples: list[tuple[tuple[str, ...], float]] | None = None) -> None:
+                 samples: Iterable[Sample] | None = None) -> None:
         self.name = name
         self.kind = kind
         self.doc = doc
         self.labels = labels
-        self.samples: list[tuple[tuple[str, ...], float]] = [] if samples is None else samples
+        self.samples: Iterable[Sample] = [] if samples is None else samples
 
-    def add(self, values: list[str] | tuple[str, ...], value: float) -> None:
+    def add(self, values: Sequence[str], value: float) -> None:
+        assert isinstance(self.samples, list)
         self.samples.append((tuple(values), value))
 
     def lines(self) -> Iterator[str]:
@@ -212,24 +223,21 @@ class BrokerCollector:
             "a consumer",
             broker.counters.idle_groups_dropped,
         )
+        # the groups at this instant (a tuple); each one's figures are read as its line is
+        # written, a part at a time, while groups come and go
         labels = ("filter", "group")
-        behind = Family(
+        yield Family(
             "blipmq_group_backlog", "gauge",
             "Logged messages of the group's own topics it has not delivered yet (counted on "
-            "append; after a restart or a replay's creation, once its count is done)", labels)
-        flying = Family("blipmq_group_in_flight", "gauge", "Deliveries waiting for an ack", labels)
-        skipped = Family(
+            "append; after a restart or a replay's creation, once its count is done)", labels,
+            (((g.filter, g.group), max(0, g.backlog)) for g in groups))
+        yield Family("blipmq_group_in_flight", "gauge", "Deliveries waiting for an ack", labels,
+                     (((g.filter, g.group), len(g.inflight)) for g in groups))
+        yield Family(
             "blipmq_group_skipped", "counter",
             "Records the retention size cap removed before the group read them (or, "
-            "counted at start, while its deliveries of them were unacked)", labels)
-        for g in groups:
-            key = [g.filter, g.group]
-            behind.add(key, max(0, g.backlog))
-            flying.add(key, len(g.inflight))
-            skipped.add(key, g.skipped)
-        yield behind
-        yield flying
-        yield skipped
+            "counted at start, while its deliveries of them were unacked)", labels,
+            (((g.filter, g.group), g.skipped) for g in groups))
 
     def _wal(self) -> Iterator[Family]:
         wal, w, found = self.sources.wal, self.sources.writes, self.sources.recovery
@@ -267,10 +275,23 @@ class BrokerCollector:
                         len(found.quarantined))
 
 
+def pages(sources: Sources, lines: int = PART_LINES) -> Iterator[bytes]:
+    """The /metrics page in parts of ``lines`` lines (the last one shorter): every family in
+    the Prometheus text format. Nothing is read before the first part is asked for."""
+    part: list[str] = []
+    for family in BrokerCollector(sources).collect():
+        for line in family.lines():
+            part.append(line)
+            if len(part) >= lines:
+                yield ("\n".join(part) + "\n").encode()
+                part = []
+    if part:
+        yield ("\n".join(part) + "\n").encode()
+
+
 def render(sources: Sources) -> bytes:
-    """The /metrics page: every family in the Prometheus text format."""
-    lines = [line for family in BrokerCollector(sources).collect() for line in family.lines()]
-    return ("\n".join(lines) + "\n").encode()
+    """The /metrics page whole, at once."""
+    return b"".join(pages(sources))
 
 
 _BRIDGE_FAMILIES = (

@@ -211,3 +211,122 @@ def test_the_metrics_docs_tell_to_watch_are_exported(start_broker) -> None:
     for family in text_string_to_metric_families(b.metrics()):
         exported |= {family.name, *(s.name for s in family.samples)}
     assert sorted(named - exported) == []
+
+
+def _token_hash(token: str) -> str:
+    import hashlib
+
+    return "blake2b:" + hashlib.blake2b(token.encode()).hexdigest()
+
+
+def test_a_refused_metrics_token_costs_what_a_refused_key_costs(start_broker) -> None:
+    """A wrong token is answered 401 only after auth.failure_delay_ms, as a refused API key
+    is, with its connection's slot held meanwhile (16 at once: more are closed at once and
+    counted), while clients are served; the first refusal from an address is logged, the
+    next ones are counted (it was answered at once: 10,000 guesses in 2 s, none logged)."""
+    import http.client
+    import select
+    import time
+
+    token = "scrape-" + "t" * 24
+    b = start_broker({"metrics": {"token_hash": _token_hash(token)},
+                      "auth": {"failure_delay_ms": 1000}})
+    guess = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer guess\r\n\r\n"
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", b.metrics_port), timeout=10) as s:
+        s.sendall(guess)
+        assert s.recv(12) == b"HTTP/1.1 401"
+    assert time.monotonic() - t0 >= 0.9
+    line = b.wait_log("refused a metrics token from 127.0.0.1")
+    assert "guess" not in line
+
+    guessers = [socket.create_connection(("127.0.0.1", b.metrics_port), timeout=10)
+                for _ in range(24)]
+    t0 = time.monotonic()
+    for s in guessers:
+        s.sendall(guess)
+    # the broker serves its clients while the guessers wait
+    assert any(isinstance(f, codec.Pong) for f in raw_session(b.addr))
+    assert time.monotonic() - t0 < 0.9
+    answered = closed = 0
+    for s in guessers:
+        assert select.select([s], [], [], 10)[0], "no answer, no close"
+        try:
+            first = s.recv(12)
+        except ConnectionResetError:
+            first = b""
+        if first:
+            assert first == b"HTTP/1.1 401" and time.monotonic() - t0 >= 0.9
+            answered += 1
+        else:
+            closed += 1
+        s.close()
+    assert answered <= 16 and closed >= 8 and answered + closed == 24
+    b.metrics_token = token
+    deadline = time.monotonic() + 10
+    turned_away = 0
+    while True:  # the slots are free once the broker has seen the guessers leave
+        try:
+            refused = b.metric("blipmq_metrics_connections_refused_total")
+            break
+        except (OSError, http.client.HTTPException):
+            assert time.monotonic() < deadline, "the metrics listener stays full"
+            turned_away += 1
+            time.sleep(0.05)
+    assert refused == closed + turned_away
+    assert b.metric("blipmq_auth_refused_total", reason="metrics") == 1 + answered
+    assert sum("refused a metrics token" in line for line in b.log) == 1
+
+
+def _read_once_closed(s: socket.socket, timeout: float = 10) -> bytes:
+    """The answer, read only once the broker has ended the connection, as a client on a
+    slow link reads it: a broker that closes with unread input resets the connection (RST)
+    and the client's read fails (ECONNRESET) instead of returning the answer."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == 1:  # ESTABLISHED
+        assert time.monotonic() < deadline, "the broker did not end the connection"
+        time.sleep(0.01)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got
+
+
+def _ask(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        return _read_once_closed(s)
+
+
+def test_the_answer_survives_input_the_broker_did_not_read(start_broker) -> None:
+    """A request with a body (or a head too long) left input unread, and closing then reset
+    the connection: the client lost the answer (ECONNRESET). The broker now ends its side
+    after the answer and reads what still comes before it closes. A 405 says what is
+    allowed; a head over 8 KiB is answered 431 (it was answered from its first 8 KiB)."""
+    b = start_broker()
+    got = _ask(b.metrics_port, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5000"
+               b"\r\n\r\n" + b"x" * 5000)
+    assert got.startswith(b"HTTP/1.1 405 Method Not Allowed\r\n"), got
+    assert b"\r\nAllow: GET, HEAD\r\n" in got
+    got = _ask(b.metrics_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nCookie: " + b"a" * 20000
+               + b"\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), got
+    got = _ask(b.metrics_port, b"GET /health HTTP/1.1\r\nHost: x\r\nCookie: " + b"a" * 8000
+               + b"\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\nok\n"), got
+
+
+def test_absolute_targets_and_an_empty_line_before_the_request(start_broker) -> None:
+    """RFC 9112: a server must accept a target in absolute form (it was a 404), and should
+    skip an empty line before the request line (it was a 400)."""
+    b = start_broker()
+    port = b.metrics_port
+    got = _ask(port, f"GET http://127.0.0.1:{port}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"ok\n"), got
+    got = _ask(port, b"GET HTTP://example.org/metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and b"blipmq_messages_published_total" in got
+    got = _ask(port, b"\r\nGET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"ready\n"), got
+    assert _ask(port, b"\r\n\r\n").startswith(b"HTTP/1.1 400 Bad Request")

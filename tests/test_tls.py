@@ -206,6 +206,26 @@ def test_metrics_over_https(start_broker, pki: Pki) -> None:
     b.wait_metric("blipmq_tls_handshake_failures_total", 1, reason="not_tls")
 
 
+def test_https_answers_survive_a_body_left_unread(start_broker, pki: Pki) -> None:
+    """Over HTTPS too, the broker ends its side after the answer and reads what the client
+    still sends before it closes: a POST with a 40 KB body gets its 405 (closing with the
+    body unread reset the connection, and the client lost the answer)."""
+    b = start_broker(broker_tls(pki, metrics={"tls": True}))
+    raw = socket.create_connection(("127.0.0.1", b.metrics_port), timeout=10)
+    with pki.client_context().wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        s.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 40000\r\n\r\n"
+                  + b"x" * 40000)
+        deadline = time.monotonic() + 10
+        while s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == 1:  # ESTABLISHED
+            assert time.monotonic() < deadline, "the broker did not end the connection"
+            time.sleep(0.01)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 405 Method Not Allowed\r\n"), got
+    assert b"\r\nAllow: GET, HEAD\r\n" in got
+
+
 def test_sighup_reloads_the_certificate_without_dropping_connections(
     start_broker, pki: Pki, tmp_path: Path
 ) -> None:

@@ -16,18 +16,22 @@ class Hush:
 
     def __init__(self, every_s: float = EVERY_S) -> None:
         self.every_s = every_s
-        self._said: dict[tuple[str, str], float] = {}  # (source, what) -> when last said
+        # (source, what) -> when last said, and how many were not said since
+        self._said: dict[tuple[str, str], tuple[float, int]] = {}
 
-    def due(self, peer: str, what: str = "") -> str | None:
-        """The source address of ``peer`` ("host:port") if a line about ``what`` from there
-        is due now (and noted as said), else None. Another ``what`` (a failure of another
-        kind) gets its own line."""
+    def due(self, peer: str, what: str = "") -> tuple[str, int] | None:
+        """If a line about ``what`` from the source address of ``peer`` ("host:port") is due
+        now: that address and how many times it was not due since the last line (the line
+        is noted as said); else None. Another ``what`` (a failure of another kind) gets its
+        own lines."""
         source = peer.rpartition(":")[0] or peer
         now = time.monotonic()
-        last = self._said.get((source, what))
-        if last is not None and now - last < self.every_s:
+        key = (source, what)
+        last = self._said.get(key)
+        if last is not None and now - last[0] < self.every_s:
+            self._said[key] = (last[0], last[1] + 1)
             return None
         if len(self._said) >= _SOURCES_KEPT:
             self._said.clear()
-        self._said[source, what] = now
-        return source
+        self._said[key] = (now, 0)
+        return source, 0 if last is None else last[1]

@@ -7,7 +7,9 @@ key offered by a client is hashed and compared with every digest in constant tim
 (``hmac.compare_digest``), so neither the comparison nor the order of the keys tells a
 guesser anything. A refused key is answered only after ``auth.failure_delay_ms`` (1 s by
 default), and refusals are counted by reason and logged at most once per source address per
-``hush.EVERY_S``, so a flood of bad keys neither guesses fast nor floods the log.
+``hush.EVERY_S`` (that line says how many came since the last one), so a flood of bad keys
+neither guesses fast nor floods the log. A refused metrics token (server/http.py) costs the
+same.
 """
 
 from __future__ import annotations
@@ -81,12 +83,18 @@ class Keyring:
         that the sessions and groups it makes belong to its identity (``*``)."""
         return Access(identity) if self.enabled else None
 
-    async def refused(self, peer: str, reason: str) -> None:
-        """Count and (rarely) log a refused key, then make its sender wait."""
+    async def refused(self, peer: str, reason: str, what: str = "a key") -> None:
+        """Count and (rarely) log a refused key (``what``: a metrics token too), then make
+        its sender wait. The first refusal from a source address is logged at once; the
+        next line about it, ``hush.EVERY_S`` later at the soonest, says how many were
+        counted in between."""
         self.failures[reason] = self.failures.get(reason, 0) + 1
-        source = self._hush.due(peer)
-        if source is not None:
-            log.warning("refused a key from %s (%s); further refusals from there are "
+        said = self._hush.due(peer)
+        if said is not None:
+            source, unsaid = said
+            log.warning("refused %s from %s (%s)%s; further refusals from there are "
                         "counted, not logged, for %d s (blipmq_auth_failures_total)",
-                        source, reason, EVERY_S)
+                        what, source, reason,
+                        f", and {unsaid} more since the last line" if unsaid else "",
+                        EVERY_S)
         await trio.sleep(self.delay_s)

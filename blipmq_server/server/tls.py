@@ -258,10 +258,12 @@ class Tls:
             reason = "no_identity"
             text = f"the client certificate has no {self.options.client_identity}"
         self.errors[reason] = self.errors.get(reason, 0) + 1
-        if self._hush.due(peer, reason) is not None:  # a flood: one line a minute
-            log.info("TLS handshake from %s failed: %s (%s); further such failures from there "
-                     "are counted, not logged, for %d s (blipmq_tls_handshake_failures_total)",
-                     peer, reason, text, EVERY_S)
+        said = self._hush.due(peer, reason)  # a flood: one line a minute
+        if said is not None:
+            log.info("TLS handshake from %s failed: %s (%s)%s; further such failures from "
+                     "there are counted, not logged, for %d s "
+                     "(blipmq_tls_handshake_failures_total)", peer, reason, text,
+                     f", and {said[1]} more since the last line" if said[1] else "", EVERY_S)
         alert = _alert(tls)
         if alert:  # so the client can say why ("certificate required", "protocol version")
             with trio.move_on_after(_ALERT_WAIT_S):
