@@ -17,6 +17,7 @@ from fleet import CONFIG, drive
 from terminal import stderr_on_terminal
 
 from blipmq_cli.exits import Exit
+from blipmq_server.errors import WalError
 from blipmq_server.wal import reader
 from blipmq_server.wal import record as rec
 
@@ -493,3 +494,64 @@ def test_dump_again_after_recovery_rewrote_the_segment(start_broker, tmp_path) -
     dumped = blipmq("wal", "cat", str(out), "--topic", "shift", "--format", "lines").stdout
     kept = blipmq("wal", "cat", str(b.data_dir), "--topic", "shift", "--format", "lines").stdout
     assert dumped == kept and b"msg-00101\n" in dumped and b"msg-00200\n" in dumped
+
+
+def _log_of(wal: Path, segments: list[list[tuple[int, bytes]]]) -> Path:
+    """A data directory whose segments hold messages on topic ``t``: (timestamp_ms, payload)
+    each, offsets from 1 on. Returns the data directory."""
+    wal.mkdir(parents=True)
+    offset = 1
+    for records in segments:
+        data = [rec.encode(rec.Kind.MESSAGE, offset + i, ts, _message("t", payload))
+                for i, (ts, payload) in enumerate(records)]
+        (wal / f"{offset:020d}.seg").write_bytes(rec.header(offset) + b"".join(data))
+        offset += len(records)
+    return wal.parent
+
+
+def test_a_directory_of_dumps_never_hides_a_device(tmp_path) -> None:
+    """h30 #2: a stray segment file copied to the top of a directory of dumps was read as
+    the only log there, every device dump one level down silently left out; a device's dump
+    named ``wal`` was taken for the directory's own (empty) log: "the logs hold no records".
+    A dump named ``wal`` is a device like any other now, and a directory holding a log of its
+    own (or a manifest) and logs one level down is refused in one line naming both."""
+    data_dir = _log_of(tmp_path / "data" / "wal", [[(1795363200000, b"a"), (1795363201000, b"b")]])
+    dumps = tmp_path / "dumps"
+    for device in ("dev1", "wal"):
+        res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(dumps / device),
+                     "--device-id", device)
+        assert res.returncode == 0, res.stderr
+
+    def roots(path: Path) -> list[str]:
+        return [os.path.relpath(log.root, tmp_path) for log in reader.find_logs(str(path))]
+
+    assert roots(dumps) == ["dumps/dev1", "dumps/wal"]
+    # the documented layouts as before: a data directory, its wal/, a dump, one segment
+    assert roots(data_dir) == ["data"] and roots(data_dir / "wal") == ["data/wal"]
+    assert roots(dumps / "wal") == ["dumps/wal"]
+    assert [len(log.segments) for log in reader.find_logs(str(dumps / "wal"))] == [1]
+    assert cat_json(dumps / "wal") == cat_json(data_dir)
+    (tmp_path / "fresh" / "wal").mkdir(parents=True)  # a log with no segment yet is a log
+    assert roots(tmp_path / "fresh") == ["fresh"]
+    res = blipmq("wal", "inspect", str(dumps))  # one log wanted: name the ones there
+    assert res.returncode == Exit.USAGE and res.stderr.count(b"\n") == 1, res.stderr
+    assert b"(dev1, wal): give one of them" in res.stderr
+    segment = dumps / "dev1" / "wal" / "00000000000000000001.seg"
+    strays = {"a segment file": (dumps / segment.name, segment.read_bytes()),
+              "a manifest": (dumps / "manifest.json", (dumps / "dev1" / "manifest.json")
+                             .read_bytes())}
+    for what, (stray, data) in strays.items():
+        stray.write_bytes(data)
+        with pytest.raises(WalError, match=r"ambiguous: .*\(dev1, wal\)") as refused:
+            reader.find_logs(str(dumps))
+        assert stray.name in str(refused.value), what
+        res = blipmq("export", str(dumps), "--output", str(tmp_path / "out"))
+        assert res.returncode == Exit.USAGE and res.stderr.count(b"\n") == 1, res.stderr
+        assert b"ambiguous" in res.stderr and stray.name.encode() in res.stderr, what
+        stray.unlink()
+    # a data directory holding a dump: which one is meant cannot be told either
+    os.rename(dumps / "dev1", data_dir / "dev1")
+    with pytest.raises(WalError, match=r"ambiguous: .*\(a wal/ directory of segments\)"):
+        reader.find_logs(str(data_dir))
+    assert not (tmp_path / "out").exists()
+
