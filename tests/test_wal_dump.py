@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -554,4 +556,66 @@ def test_a_directory_of_dumps_never_hides_a_device(tmp_path) -> None:
     with pytest.raises(WalError, match=r"ambiguous: .*\(a wal/ directory of segments\)"):
         reader.find_logs(str(data_dir))
     assert not (tmp_path / "out").exists()
+
+
+_KILLED_DUMP = """
+import os, signal, sys
+from blipmq_cli.dump import dump
+dump(sys.argv[1], sys.argv[2], device_id=sys.argv[3] or None,
+     progress=lambda done, total: os.kill(os.getpid(), signal.SIGKILL))
+"""
+
+
+def _killed_dump(data_dir: Path, out: Path, device_id: str = "") -> None:
+    """``wal dump`` SIGKILLed right after copying its first segment (progress is reported
+    after each copy), as a reboot or the OOM killer would cut it."""
+    res = subprocess.run([sys.executable, "-c", _KILLED_DUMP, str(data_dir), str(out),
+                          device_id], capture_output=True, timeout=60)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+
+
+def test_a_first_dump_killed_midway_is_completed_by_the_next_run(tmp_path) -> None:
+    """h30 #7: a first ``wal dump`` killed before it wrote manifest.json left PATH with
+    segments and no manifest, and every later run refused it for good ("exists and is not a
+    dump"). A first run writes its manifest before copying, so the next run completes it; a
+    directory without a manifest is still someone else's and refused."""
+    t = 1795363200000
+    data_dir = _log_of(tmp_path / "data" / "wal",
+                       [[(t + 10 * s + i, b"s%d-%d" % (s, i)) for i in range(10)]
+                        for s in range(3)])
+    out = tmp_path / "dump"
+    _killed_dump(data_dir, out, "k")
+    assert [p.name for p in (out / "wal").iterdir()] == ["00000000000000000001.seg"]
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert b"dump of k in" in res.stderr and b"30 record(s) in all" in res.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["device_id"] == "k" and manifest["records"] == 30
+    assert len(manifest["segments"]) == 3
+    before = cat_json(out)
+    assert before == cat_json(data_dir)
+    assert b"No damage found." in blipmq("wal", "inspect", str(out)).stdout
+    # a later run cut short leaves the previous dump readable, and the next one goes on
+    (data_dir / "wal" / "00000000000000000031.seg").write_bytes(
+        rec.header(31) + b"".join(rec.encode(rec.Kind.MESSAGE, 31 + i, t + 100 + i,
+                                             _message("t", b"m%d" % i)) for i in range(5)))
+    _killed_dump(data_dir, out)
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert cat_json(out)[:30] == before  # (its new copy is reported as not listed)
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(out))
+    assert res.returncode == 0 and b"35 record(s) in all" in res.stderr, res.stderr
+    assert cat_json(out) == cat_json(data_dir)
+    assert b"No damage found." in blipmq("wal", "inspect", str(out)).stdout
+    # killed while writing its first manifest: only the temporary file is there
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "manifest.json.tmp").write_text('{"format": "blip')
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(tmp_path / "early"))
+    assert res.returncode == 0, res.stderr
+    # segments without a manifest are not this dump's: refused, as before
+    foreign = tmp_path / "foreign"
+    (foreign / "wal").mkdir(parents=True)
+    (foreign / "wal" / "00000000000000000001.seg").write_bytes(
+        (data_dir / "wal" / "00000000000000000001.seg").read_bytes())
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(foreign))
+    assert res.returncode == Exit.USAGE and b"is not a dump" in res.stderr, res.stderr
 
