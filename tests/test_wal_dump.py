@@ -619,3 +619,27 @@ def test_a_first_dump_killed_midway_is_completed_by_the_next_run(tmp_path) -> No
     res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(foreign))
     assert res.returncode == Exit.USAGE and b"is not a dump" in res.stderr, res.stderr
 
+
+def test_a_bare_year_or_date_is_a_date_not_milliseconds(tmp_path) -> None:
+    """h30 #16: ``--since 2026`` and ``--since 20261127`` were read as ms since the epoch
+    (a moment on 1 January 1970), so they kept everything."""
+    day = 86_400_000
+    nov27 = 1795737600000  # 2026-11-27T00:00:00Z
+    stamps = [nov27 - 400 * day, nov27 - day // 2, nov27 + day // 2]
+    data_dir = _log_of(tmp_path / "data" / "wal", [[(ts, b"r%d" % i) for i, ts in
+                                                    enumerate(stamps)]])
+
+    def window(name: str, *args: str) -> list[bytes]:
+        out = tmp_path / name
+        res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(out), *args)
+        assert res.returncode == 0, res.stderr
+        return blipmq("wal", "cat", str(out), "--format", "lines").stdout.split()
+
+    assert window("date", "--since", "20261127") == [b"r2"]
+    assert window("year", "--since", "2026", "--until", "20261127") == [b"r1"]
+    assert window("ms", "--since", str(nov27 - day)) == [b"r1", b"r2"]  # 13 digits: ms
+    assert window("iso", "--until", "2026-11-27") == [b"r0", b"r1"]
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(tmp_path / "bad"),
+                 "--since", "20261340")
+    assert res.returncode == Exit.USAGE and res.stderr.count(b"\n") == 1, res.stderr
+    assert b"not a date" in res.stderr and b"20261127" in res.stderr
