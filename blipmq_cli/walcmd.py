@@ -332,7 +332,7 @@ def dump_command(
     data_dir: Annotated[str, typer.Option("--data-dir", help="The broker's data directory")],
     out: Annotated[str, typer.Option("--out", help="Dump directory (re-runs add what is new)")],
     device_id: Annotated[
-        str | None, typer.Option("--device-id", help="Device name [default: the hostname]")
+        str | None, typer.Option("--device-id", help="Device name \\[default: the hostname]")
     ] = None,
     since: Annotated[
         str | None, typer.Option("--since", help="Only records at or after TIME: ISO 8601 "
