@@ -33,17 +33,19 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(walcmd.app, name="wal")
 app.command("export")(export.command)
 
+# Help texts are rich markup: a literal "[" before a word is written "\\[", or rich takes
+# "[default: ...]" for a style and drops it (tests/test_cli_help.py).
 Addr = Annotated[
     str | None,
     typer.Option("--addr", envvar="BLIPMQ_ADDR",
-                 help="Broker HOST:PORT, tls://HOST:PORT for TLS [default: 127.0.0.1:7878]"),
+                 help="Broker HOST:PORT, tls://HOST:PORT for TLS \\[default: 127.0.0.1:7878]"),
 ]
 # bench reads BLIPMQ_ADDR itself: an address from the environment is not an --addr given
 # (with --start it is not used at all)
 BenchAddr = Annotated[
     str | None,
     typer.Option("--addr", help="Broker HOST:PORT, tls://HOST:PORT for TLS, instead of "
-                 "--start [env BLIPMQ_ADDR; default: 127.0.0.1:7878]", show_default=False),
+                 "--start \\[env BLIPMQ_ADDR; default: 127.0.0.1:7878]", show_default=False),
 ]
 ApiKey = Annotated[
     str | None, typer.Option("--api-key", envvar="BLIPMQ_API_KEY", help="API key for the broker")
@@ -55,18 +57,18 @@ Tls = Annotated[bool, typer.Option(
     "becomes 127.0.0.1:7879)")]
 CaFile = Annotated[str | None, typer.Option(
     "--cafile", help="CA certificates (PEM) that vouch for the broker's certificate "
-    "[env BLIPMQ_CAFILE; default: the system's]", show_default=False)]
+    "\\[env BLIPMQ_CAFILE; default: the system's]", show_default=False)]
 Cert = Annotated[str | None, typer.Option(
     "--cert", help="Client certificate (PEM), for a broker that asks for one "
-    "[env BLIPMQ_CERT]", show_default=False)]
+    "\\[env BLIPMQ_CERT]", show_default=False)]
 CertKey = Annotated[str | None, typer.Option(
     "--cert-key", help="The client certificate's private key (PEM), unless --cert holds it "
-    "[env BLIPMQ_CERT_KEY]", show_default=False)]
+    "\\[env BLIPMQ_CERT_KEY]", show_default=False)]
 Insecure = Annotated[bool, typer.Option(
     "--insecure", help="Do not verify the broker's certificate: still encrypted, but not "
-    "protected from a man in the middle [env BLIPMQ_INSECURE=1]")]
+    "protected from a man in the middle \\[env BLIPMQ_INSECURE=1]")]
 Ttl = Annotated[str | None, typer.Option(
-    "--ttl", help="Time to live: 5000 (ms), 30s, 5m, 2h [default: the broker's]")]
+    "--ttl", help="Time to live: 5000 (ms), 30s, 5m, 2h \\[default: the broker's]")]
 Qos = Annotated[int, typer.Option("-q", "--qos", min=0, max=1,
                                   help="0 at most once, 1 at least once")]
 Key = Annotated[str | None, typer.Option("--key", help="Message key")]
@@ -376,11 +378,11 @@ def bench(
         "--timeout", help="Seconds the run may take before it stops and counts what came")
     ] = 120.0,
     log: Annotated[bool | None, typer.Option(
-        "--log/--no-log", help="With --start: the write-ahead log on or off [default: on]",
+        "--log/--no-log", help="With --start: the write-ahead log on or off \\[default: on]",
         show_default=False)] = None,
     fsync: Annotated[str | None, typer.Option(
         "--fsync", help="With --start: always | none | every_n:N | interval_ms:M "
-        "[default: always]")] = None,
+        "\\[default: always]")] = None,
     as_json: Json = False,
     addr: BenchAddr = None,
     api_key: ApiKey = None,
@@ -433,7 +435,7 @@ def keys_new(
     admin: Annotated[bool, typer.Option(
         "--admin", help="It may read stats and groups, and use others' groups")] = False,
 ) -> None:
-    """Mint a random key: the key once on stdout's first line, then the [[auth.keys]]
+    """Mint a random key: the key once on stdout's first line, then the [\\[auth.keys]]
     stanza (with the key's hash, never the key) to paste into the config."""
     from blipmq_cli import keys
 

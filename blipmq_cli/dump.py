@@ -13,7 +13,10 @@ Layout of a dump (docs/ANALYTICS.md)::
 Re-running into the same PATH only adds what is new: segments it has not copied, and the
 records appended to a segment since the last run (appended to its copy). The manifest is
 written last, through a temporary file and a rename, so an interrupted dump leaves the
-previous one usable (a copy longer than its manifest says is cut back on the next run).
+previous one usable (a copy longer than its manifest says is cut back on the next run). A
+first run writes a manifest listing no segment before it copies anything, so a first run
+cut short is still a dump (of no listed segment) that the next run completes, while a
+directory without a manifest is someone else's and refused.
 Pure synchronous code; imports nothing beyond the runtime dependencies.
 """
 
@@ -98,6 +101,12 @@ def dump(data_dir: str, out: str, *, device_id: str | None = None, window: Windo
                            f"({old.get('window')}); use a new output directory")
     device_id = device_id or socket.gethostname()
     entries: dict[str, dict[str, Any]] = {e["name"]: e for e in (old or {}).get("segments", [])}
+    if old is None:
+        # a first run writes its manifest (listing no segment) before copying anything: a
+        # run cut short is then still this dump, and the next run completes it
+        os.makedirs(out, exist_ok=True)
+        old = _summary(device_id, window, [], None)
+        _write_json(os.path.join(out, reader.MANIFEST), old)
     wal_out = os.path.join(out, reader.WAL_DIR)
     os.makedirs(wal_out, exist_ok=True)
     sizes = {p: _size(p) for p in source.segments}
@@ -257,7 +266,9 @@ def _summary(device_id: str, window: Window, entries: list[dict[str, Any]],
 def _manifest(out: str) -> dict[str, Any] | None:
     path = os.path.join(out, reader.MANIFEST)
     if not os.path.exists(path):
-        if os.path.isdir(out) and os.listdir(out):
+        # a first run cut short before its manifest was renamed into place leaves its
+        # temporary file only
+        if os.path.isdir(out) and set(os.listdir(out)) - {reader.MANIFEST + _TMP}:
             raise WalError(f"{out}: exists and is not a dump (no {reader.MANIFEST}); "
                            "give a new or empty directory")
         return None
@@ -279,8 +290,11 @@ def load_manifest(path: str) -> dict[str, Any] | None:
         return None
 
 
+_TMP = ".tmp"
+
+
 def _write_json(path: str, value: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
+    tmp = path + _TMP
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(value, f, indent=1)
         f.write("\n")

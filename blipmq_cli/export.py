@@ -120,9 +120,9 @@ def command(
     dumps: Annotated[list[str], typer.Argument(
         help="Dumps (blipmq wal dump), directories of dumps (one per device), or data dirs")],
     output: Annotated[str | None, typer.Option(
-        "--output", help="Output directory (Parquet tables) [required]")] = None,
+        "--output", help="Output directory (Parquet tables) \\[required]")] = None,
     master: Annotated[str | None, typer.Option(
-        "--master", help="Spark master URL [default: local Spark, or spark-submit's]")] = None,
+        "--master", help="Spark master URL \\[default: local Spark, or spark-submit's]")] = None,
     conf: Annotated[list[str] | None, typer.Option(
         "--conf", help="Spark setting KEY=VALUE (repeatable)")] = None,
     report: Annotated[str | None, typer.Option(

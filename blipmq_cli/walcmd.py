@@ -48,14 +48,28 @@ _BODY = rec.RECORD_OVERHEAD  # a record's body starts here
 
 
 def parse_time(text: str) -> int:
-    """ms since the epoch from an ISO 8601 time (UTC unless it says), a date, or an int."""
-    if text.isdigit():
-        return int(text)
+    """ms since the epoch from an ISO 8601 time (UTC unless it says), a date, or an int.
+
+    A bare number of 4 or 8 digits is a year or a date (``2026``, ``20261127``, ISO 8601's
+    basic form): as ms since the epoch it would fall on 1 January 1970, which nobody means.
+    """
+    word = text.strip()
+    if word.isascii() and word.isdigit():
+        if len(word) not in (4, 8):
+            return int(word)
+        try:  # 2026 -> 2026-01-01, 20261127 -> 2026-11-27
+            when = datetime(int(word), 1, 1) if len(word) == 4 else datetime.strptime(
+                word, "%Y%m%d")
+        except ValueError:
+            raise BlipError(f"{text!r} is not a date: a bare number of 4 or 8 digits is a "
+                            "year or a date (2026, 20261127); ms since the epoch are longer "
+                            "(1795363200000)") from None
+        return int(when.replace(tzinfo=UTC).timestamp() * 1000)
     try:
-        when = datetime.fromisoformat(text)
+        when = datetime.fromisoformat(word)
     except ValueError:
-        raise BlipError(f"{text!r} is not a time (ISO 8601, e.g. 2026-11-22T16:00:00Z, or "
-                        "ms since the epoch)") from None
+        raise BlipError(f"{text!r} is not a time (ISO 8601, e.g. 2026-11-22T16:00:00Z or "
+                        "2026-11-22, or ms since the epoch)") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return int(when.timestamp() * 1000)
@@ -318,13 +332,15 @@ def dump_command(
     data_dir: Annotated[str, typer.Option("--data-dir", help="The broker's data directory")],
     out: Annotated[str, typer.Option("--out", help="Dump directory (re-runs add what is new)")],
     device_id: Annotated[
-        str | None, typer.Option("--device-id", help="Device name [default: the hostname]")
+        str | None, typer.Option("--device-id", help="Device name \\[default: the hostname]")
     ] = None,
     since: Annotated[
-        str | None, typer.Option("--since", help="Only records at or after TIME (ISO 8601 or ms)")
+        str | None, typer.Option("--since", help="Only records at or after TIME: ISO 8601 "
+                                 "(2026-11-27T10:00:00Z, 2026-11-27, 20261127, 2026; UTC unless "
+                                 "it says) or ms since the epoch")
     ] = None,
     until: Annotated[
-        str | None, typer.Option("--until", help="Only records before TIME (ISO 8601 or ms)")
+        str | None, typer.Option("--until", help="Only records before TIME (as --since)")
     ] = None,
 ) -> None:
     """Copy the log (sealed segments and the written part of the active one) for analytics.

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,6 +19,7 @@ from fleet import CONFIG, drive
 from terminal import stderr_on_terminal
 
 from blipmq_cli.exits import Exit
+from blipmq_server.errors import WalError
 from blipmq_server.wal import reader
 from blipmq_server.wal import record as rec
 
@@ -493,3 +496,150 @@ def test_dump_again_after_recovery_rewrote_the_segment(start_broker, tmp_path) -
     dumped = blipmq("wal", "cat", str(out), "--topic", "shift", "--format", "lines").stdout
     kept = blipmq("wal", "cat", str(b.data_dir), "--topic", "shift", "--format", "lines").stdout
     assert dumped == kept and b"msg-00101\n" in dumped and b"msg-00200\n" in dumped
+
+
+def _log_of(wal: Path, segments: list[list[tuple[int, bytes]]]) -> Path:
+    """A data directory whose segments hold messages on topic ``t``: (timestamp_ms, payload)
+    each, offsets from 1 on. Returns the data directory."""
+    wal.mkdir(parents=True)
+    offset = 1
+    for records in segments:
+        data = [rec.encode(rec.Kind.MESSAGE, offset + i, ts, _message("t", payload))
+                for i, (ts, payload) in enumerate(records)]
+        (wal / f"{offset:020d}.seg").write_bytes(rec.header(offset) + b"".join(data))
+        offset += len(records)
+    return wal.parent
+
+
+def test_a_directory_of_dumps_never_hides_a_device(tmp_path) -> None:
+    """h30 #2: a stray segment file copied to the top of a directory of dumps was read as
+    the only log there, every device dump one level down silently left out; a device's dump
+    named ``wal`` was taken for the directory's own (empty) log: "the logs hold no records".
+    A dump named ``wal`` is a device like any other now, and a directory holding a log of its
+    own (or a manifest) and logs one level down is refused in one line naming both."""
+    data_dir = _log_of(tmp_path / "data" / "wal", [[(1795363200000, b"a"), (1795363201000, b"b")]])
+    dumps = tmp_path / "dumps"
+    for device in ("dev1", "wal"):
+        res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(dumps / device),
+                     "--device-id", device)
+        assert res.returncode == 0, res.stderr
+
+    def roots(path: Path) -> list[str]:
+        return [os.path.relpath(log.root, tmp_path) for log in reader.find_logs(str(path))]
+
+    assert roots(dumps) == ["dumps/dev1", "dumps/wal"]
+    # the documented layouts as before: a data directory, its wal/, a dump, one segment
+    assert roots(data_dir) == ["data"] and roots(data_dir / "wal") == ["data/wal"]
+    assert roots(dumps / "wal") == ["dumps/wal"]
+    assert [len(log.segments) for log in reader.find_logs(str(dumps / "wal"))] == [1]
+    assert cat_json(dumps / "wal") == cat_json(data_dir)
+    (tmp_path / "fresh" / "wal").mkdir(parents=True)  # a log with no segment yet is a log
+    assert roots(tmp_path / "fresh") == ["fresh"]
+    res = blipmq("wal", "inspect", str(dumps))  # one log wanted: name the ones there
+    assert res.returncode == Exit.USAGE and res.stderr.count(b"\n") == 1, res.stderr
+    assert b"(dev1, wal): give one of them" in res.stderr
+    segment = dumps / "dev1" / "wal" / "00000000000000000001.seg"
+    strays = {"a segment file": (dumps / segment.name, segment.read_bytes()),
+              "a manifest": (dumps / "manifest.json", (dumps / "dev1" / "manifest.json")
+                             .read_bytes())}
+    for what, (stray, data) in strays.items():
+        stray.write_bytes(data)
+        with pytest.raises(WalError, match=r"ambiguous: .*\(dev1, wal\)") as refused:
+            reader.find_logs(str(dumps))
+        assert stray.name in str(refused.value), what
+        res = blipmq("export", str(dumps), "--output", str(tmp_path / "out"))
+        assert res.returncode == Exit.USAGE and res.stderr.count(b"\n") == 1, res.stderr
+        assert b"ambiguous" in res.stderr and stray.name.encode() in res.stderr, what
+        stray.unlink()
+    # a data directory holding a dump: which one is meant cannot be told either
+    os.rename(dumps / "dev1", data_dir / "dev1")
+    with pytest.raises(WalError, match=r"ambiguous: .*\(a wal/ directory of segments\)"):
+        reader.find_logs(str(data_dir))
+    assert not (tmp_path / "out").exists()
+
+
+_KILLED_DUMP = """
+import os, signal, sys
+from blipmq_cli.dump import dump
+dump(sys.argv[1], sys.argv[2], device_id=sys.argv[3] or None,
+     progress=lambda done, total: os.kill(os.getpid(), signal.SIGKILL))
+"""
+
+
+def _killed_dump(data_dir: Path, out: Path, device_id: str = "") -> None:
+    """``wal dump`` SIGKILLed right after copying its first segment (progress is reported
+    after each copy), as a reboot or the OOM killer would cut it."""
+    res = subprocess.run([sys.executable, "-c", _KILLED_DUMP, str(data_dir), str(out),
+                          device_id], capture_output=True, timeout=60)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+
+
+def test_a_first_dump_killed_midway_is_completed_by_the_next_run(tmp_path) -> None:
+    """h30 #7: a first ``wal dump`` killed before it wrote manifest.json left PATH with
+    segments and no manifest, and every later run refused it for good ("exists and is not a
+    dump"). A first run writes its manifest before copying, so the next run completes it; a
+    directory without a manifest is still someone else's and refused."""
+    t = 1795363200000
+    data_dir = _log_of(tmp_path / "data" / "wal",
+                       [[(t + 10 * s + i, b"s%d-%d" % (s, i)) for i in range(10)]
+                        for s in range(3)])
+    out = tmp_path / "dump"
+    _killed_dump(data_dir, out, "k")
+    assert [p.name for p in (out / "wal").iterdir()] == ["00000000000000000001.seg"]
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert b"dump of k in" in res.stderr and b"30 record(s) in all" in res.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["device_id"] == "k" and manifest["records"] == 30
+    assert len(manifest["segments"]) == 3
+    before = cat_json(out)
+    assert before == cat_json(data_dir)
+    assert b"No damage found." in blipmq("wal", "inspect", str(out)).stdout
+    # a later run cut short leaves the previous dump readable, and the next one goes on
+    (data_dir / "wal" / "00000000000000000031.seg").write_bytes(
+        rec.header(31) + b"".join(rec.encode(rec.Kind.MESSAGE, 31 + i, t + 100 + i,
+                                             _message("t", b"m%d" % i)) for i in range(5)))
+    _killed_dump(data_dir, out)
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert cat_json(out)[:30] == before  # (its new copy is reported as not listed)
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(out))
+    assert res.returncode == 0 and b"35 record(s) in all" in res.stderr, res.stderr
+    assert cat_json(out) == cat_json(data_dir)
+    assert b"No damage found." in blipmq("wal", "inspect", str(out)).stdout
+    # killed while writing its first manifest: only the temporary file is there
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "manifest.json.tmp").write_text('{"format": "blip')
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(tmp_path / "early"))
+    assert res.returncode == 0, res.stderr
+    # segments without a manifest are not this dump's: refused, as before
+    foreign = tmp_path / "foreign"
+    (foreign / "wal").mkdir(parents=True)
+    (foreign / "wal" / "00000000000000000001.seg").write_bytes(
+        (data_dir / "wal" / "00000000000000000001.seg").read_bytes())
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(foreign))
+    assert res.returncode == Exit.USAGE and b"is not a dump" in res.stderr, res.stderr
+
+
+def test_a_bare_year_or_date_is_a_date_not_milliseconds(tmp_path) -> None:
+    """h30 #16: ``--since 2026`` and ``--since 20261127`` were read as ms since the epoch
+    (a moment on 1 January 1970), so they kept everything."""
+    day = 86_400_000
+    nov27 = 1795737600000  # 2026-11-27T00:00:00Z
+    stamps = [nov27 - 400 * day, nov27 - day // 2, nov27 + day // 2]
+    data_dir = _log_of(tmp_path / "data" / "wal", [[(ts, b"r%d" % i) for i, ts in
+                                                    enumerate(stamps)]])
+
+    def window(name: str, *args: str) -> list[bytes]:
+        out = tmp_path / name
+        res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(out), *args)
+        assert res.returncode == 0, res.stderr
+        return blipmq("wal", "cat", str(out), "--format", "lines").stdout.split()
+
+    assert window("date", "--since", "20261127") == [b"r2"]
+    assert window("year", "--since", "2026", "--until", "20261127") == [b"r1"]
+    assert window("ms", "--since", str(nov27 - day)) == [b"r1", b"r2"]  # 13 digits: ms
+    assert window("iso", "--until", "2026-11-27") == [b"r0", b"r1"]
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(tmp_path / "bad"),
+                 "--since", "20261340")
+    assert res.returncode == Exit.USAGE and res.stderr.count(b"\n") == 1, res.stderr
+    assert b"not a date" in res.stderr and b"20261127" in res.stderr

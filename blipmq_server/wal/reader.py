@@ -1,7 +1,8 @@
 """Reading a log that is not open: for ``blipmq wal``, dumps and the Spark source.
 
 Finds the segment files under a path (a data directory, its ``wal/`` directory, a dump
-made by ``blipmq wal dump``, one segment file, or a directory holding several of those) and
+made by ``blipmq wal dump``, one segment file, or a directory holding several of those; one
+that holds a log of its own and others one level down is refused, docs/ANALYTICS.md) and
 checks a segment's bytes with the code recovery uses (``record.scan``, ``record.resync``),
 but repairs nothing: damage is a value (where, how many bytes, why) and every valid record
 around it is kept. A segment that a running broker is appending to may end inside a record
@@ -128,6 +129,10 @@ def find_log(path: str) -> LogFiles:
         raise WalError(f"{path}: no such file or directory")
     found = _log_in(path)
     if found is None:
+        below = _logs_below(path, None)
+        if below:
+            raise WalError(f"{path}: a directory of {len(below)} log(s), one level down "
+                           f"({_names(below)}): give one of them")
         raise WalError(f"{path}: holds no BlipMQ log (no {WAL_DIR}/ directory, no {SUFFIX} "
                        "files, no dump manifest)")
     return found
@@ -135,36 +140,92 @@ def find_log(path: str) -> LogFiles:
 
 def find_logs(path: str) -> list[LogFiles]:
     """Every log at ``path``: the log itself, or each log one level below it (a directory of
-    dumps, one per device). Raises WalError when there is none."""
+    dumps, one per device). Raises WalError when there is none, and when ``path`` holds a
+    log of its own (or a dump manifest) and logs one level down too: reading only one of
+    them would make the others vanish without a word."""
     if os.path.isfile(path) or not os.path.isdir(path):
         return [find_log(path)]
     found = _log_in(path)
+    below = _logs_below(path, found)
+    own = _own(path, found)
+    if own and below:
+        raise WalError(f"{path}: ambiguous: it holds a log of its own ({own}) and "
+                       f"{len(below)} log(s) one level down ({_names(below)}); move what does "
+                       "not belong elsewhere, or name each log")
     if found is not None:
         return [found]
-    logs = [log for name in sorted(os.listdir(path))
-            if os.path.isdir(os.path.join(path, name))
-            and (log := _log_in(os.path.join(path, name))) is not None]
-    if not logs:
+    if not below:
         raise WalError(f"{path}: holds no BlipMQ log or dump (no {WAL_DIR}/ directory, no "
                        f"{SUFFIX} files, no dump manifest, at its top or one level down)")
-    return logs
+    return below
 
 
 def _log_in(directory: str) -> LogFiles | None:
+    """The log of ``directory`` itself: its ``wal/`` directory (a data directory or a dump),
+    else the segment files at its top (a data directory's ``wal/`` given as such). A ``wal/``
+    holding a dump manifest or a ``wal/`` of its own is not a log's segment directory (a log
+    never holds either) but a device's dump named ``wal`` in a directory of dumps."""
     dump = os.path.isfile(os.path.join(directory, MANIFEST))
-    sub = os.path.join(directory, WAL_DIR)
-    for where in (sub, directory):
-        if not os.path.isdir(where):
-            continue
-        names = sorted(n for n in os.listdir(where) if n.endswith(SUFFIX))
-        odd = [n for n in names if not regular(os.path.join(where, n))]
-        strays = [n for n in names if not offset_named(n) and n not in odd]
-        if names or where == sub:  # a log with no segment yet is still a log
-            return LogFiles(directory, tuple(os.path.join(where, n) for n in names
-                                             if n not in odd and n not in strays), dump,
-                            tuple(os.path.join(where, n) for n in odd),
-                            tuple(os.path.join(where, n) for n in strays))
+    sub = _wal_dir(directory)
+    if sub is not None:
+        return _files(directory, sub, dump)  # a log with no segment yet is still a log
+    if _segment_names(directory):
+        return _files(directory, directory, dump)
     return None
+
+
+def _wal_dir(directory: str) -> str | None:
+    """``directory``'s ``wal/``, when that is a log's segment directory: not where a log
+    lives itself (a dump manifest, or a ``wal/`` of its own, in it)."""
+    sub = os.path.join(directory, WAL_DIR)
+    if not os.path.isdir(sub) or os.path.isfile(os.path.join(sub, MANIFEST)) or os.path.isdir(
+            os.path.join(sub, WAL_DIR)):
+        return None
+    return sub
+
+
+def _segment_names(where: str) -> list[str]:
+    return sorted(n for n in os.listdir(where) if n.endswith(SUFFIX))
+
+
+def _files(root: str, where: str, dump: bool) -> LogFiles:
+    names = _segment_names(where)
+    odd = [n for n in names if not regular(os.path.join(where, n))]
+    strays = [n for n in names if not offset_named(n) and n not in odd]
+    return LogFiles(root, tuple(os.path.join(where, n) for n in names
+                                if n not in odd and n not in strays), dump,
+                    tuple(os.path.join(where, n) for n in odd),
+                    tuple(os.path.join(where, n) for n in strays))
+
+
+def _logs_below(path: str, own: LogFiles | None) -> list[LogFiles]:
+    """The logs one level below ``path``, but for ``own``'s segment directory."""
+    mine = _wal_dir(path) if own is not None else None
+    return [log for name in sorted(os.listdir(path))
+            if os.path.join(path, name) != mine and os.path.isdir(os.path.join(path, name))
+            and (log := _log_in(os.path.join(path, name))) is not None]
+
+
+def _own(path: str, found: LogFiles | None) -> str:
+    """What makes ``path`` a log of its own, in words ("" when nothing does)."""
+    what = []
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        what.append(MANIFEST)
+    if found is not None and _wal_dir(path) is not None:
+        what.append(f"a {WAL_DIR}/ directory of segments")
+    elif found is not None:
+        names = [os.path.basename(p) for p in (*found.segments, *found.odd, *found.strays)]
+        what.append(f"{len(names)} {SUFFIX} file(s) at its top: {_listed(sorted(names))}")
+    return ", ".join(what)
+
+
+def _names(logs: list[LogFiles]) -> str:
+    return _listed([os.path.basename(log.root.rstrip("/")) for log in logs])
+
+
+def _listed(names: list[str], most: int = 3) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def regular(path: str) -> bool:
