@@ -2,7 +2,10 @@
 
 The installer runs for real, as root, into a throwaway root (DESTDIR under tmp_path with
 its own etc/passwd), never into this machine's /etc. The unit it installs must pass
-``systemd-analyze verify`` without a warning.
+``systemd-analyze verify`` without a warning. Where a test needs this machine to look
+otherwise (a noexec temp dir, a small RAM disk, a user blipmq of its own), it runs in a
+private mount namespace (``unshare -m``), so nothing of the real system changes.
+Upgrades and uninstalls under running processes: tests/test_dist_upgrade.py.
 """
 
 from __future__ import annotations
@@ -34,10 +37,29 @@ def throwaway_root(path: Path) -> Path:
     return path
 
 
-def install(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DESTDIR": str(root)}
-    return subprocess.run(["sh", str(INSTALL), *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+def install(root: Path, *args: str, env: dict[str, str] | None = None,
+            under: tuple[str, ...] = (), timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """install.sh ARGS with DESTDIR=root; ``under`` runs it under another program."""
+    env = {**os.environ, "DESTDIR": str(root), **(env or {})}
+    return subprocess.run([*under, "sh", str(INSTALL), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def private_mounts(*commands: str) -> tuple[str, ...]:
+    """A prefix that runs a program in a mount namespace of its own after shell commands
+    (mounts); skips the test where this machine allows no such namespace."""
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("unshare -m is not allowed here")
+    return ("unshare", "-m", "sh", "-c", " && ".join(commands) + ' && exec "$@"', "mounts")
+
+
+def user_ids(root: Path) -> tuple[int, int]:
+    (user,) = blipmq_users(root)
+    uid = int(user.split(":")[2])
+    (gid,) = (int(g.split(":")[2]) for g in (root / "etc/group").read_text().splitlines()
+              if g.startswith("blipmq:"))
+    return uid, gid
 
 
 def blipmq_users(root: Path) -> list[str]:
@@ -60,6 +82,8 @@ def test_install_twice_then_uninstall_then_purge(executable: Executable, tmp_pat
     assert len(blipmq_users(root)) == 1
     installed = root / "usr/local/lib/blipmq/blipmq"
     assert installed.read_bytes() == executable.path.read_bytes()
+    # the stable path is a link to the version's own file (tests/test_dist_upgrade.py)
+    assert installed.is_symlink() and os.readlink(installed).startswith("blipmq-0.")
     assert os.readlink(root / WANTS) == "/" + UNIT
     data = root / "var/lib/blipmq"
     uid, gid = (int(f) for f in blipmq_users(root)[0].split(":")[2:4])
@@ -156,3 +180,124 @@ def test_wrapper_leaves_tmpdir_alone_without_ram(tmp_path: Path) -> None:
     got = _wrapper_tmpdir(env)
     assert got in (None, "/dev/shm")
     assert got == ("/dev/shm" if _exec_tmpfs("/dev/shm") else None)
+
+
+# --- the installer's checks, ids, modes and paths -------------------------------------------
+
+
+@pytest.mark.slow
+@needs_root
+def test_config_is_root_blipmq_0640_and_a_reinstall_fixes_one_readable_by_all(
+    executable: Executable, tmp_path: Path
+) -> None:
+    # it may come to hold API keys in clear or a bridge's password (the template shows one)
+    root = throwaway_root(tmp_path / "root")
+    assert install(root, str(executable.path)).returncode == 0
+    config = root / "etc/blipmq/blipmq.toml"
+    _uid, gid = user_ids(root)
+    st = config.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, gid, 0o640)
+
+    config.chmod(0o644)  # as installed before, or by hand
+    os.chown(config, 0, 0)
+    done = install(root, str(executable.path))
+    assert done.returncode == 0, done.stderr
+    assert "other users could read: made it root:blipmq 0640" in done.stderr
+    st = config.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, gid, 0o640)
+
+    config.chmod(0o600)  # the operator's own choice, readable by nobody else: left alone
+    assert install(root, str(executable.path)).returncode == 0
+    assert config.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.slow
+@needs_root
+def test_install_refuses_what_is_not_a_blipmq_executable(
+    executable: Executable, tmp_path: Path
+) -> None:
+    root = throwaway_root(tmp_path / "root")
+    assert install(root, str(executable.path)).returncode == 0
+    lib = root / "usr/local/lib/blipmq"
+    before = sorted(p.name for p in lib.iterdir())
+    wrapper_copy = tmp_path / "blipmq"  # `sudo sh install.sh $(command -v blipmq)`, copied
+    shutil.copy(root / "usr/local/bin/blipmq", wrapper_copy)
+    fake = tmp_path / "fake"  # a script that answers --version as the executable does
+    fake.write_text("#!/bin/sh\necho 'blipmq 9.9.9 linux-x86_64 (onefile executable)'\n")
+    fake.chmod(0o755)
+    env = {"BLIPMQ_BINARY": str(lib / "blipmq")}  # the wrapper runs the installed executable
+    for source in (wrapper_copy, root / "usr/local/bin/blipmq", lib / "blipmq",
+                   lib / before[0], fake, Path("/bin/true")):
+        done = install(root, str(source), env=env, timeout=30)
+        assert done.returncode == 1, (source, done.stderr)
+        assert done.stderr.count("\n") == 1, done.stderr
+    assert sorted(p.name for p in lib.iterdir()) == before
+    assert (lib / "blipmq").read_bytes() == executable.path.read_bytes()
+
+
+@pytest.mark.slow
+@needs_root
+def test_install_works_with_a_noexec_temp_dir(executable: Executable, tmp_path: Path) -> None:
+    # CIS-hardened hosts mount /tmp noexec; the executable unpacks there by default
+    root = throwaway_root(tmp_path / "root")
+    noexec = tmp_path / "noexec"
+    noexec.mkdir()
+    under = private_mounts(f"mount -t tmpfs -o noexec,size=64m tmpfs '{noexec}'")
+    done = install(root, str(executable.path), env={"TMPDIR": str(noexec)}, under=under)
+    assert done.returncode == 0, done.stderr
+    assert (root / "etc/blipmq/blipmq.toml").exists()
+    assert [p.name for p in (root / "usr/local/lib/blipmq").iterdir() if p.name[0] == "."] == []
+
+
+@pytest.mark.slow
+@needs_root
+def test_a_destdir_with_spaces(executable: Executable, tmp_path: Path) -> None:
+    # an SD card image mounted at "/media/me/SD card/rootfs"
+    root = throwaway_root(tmp_path / "SD card" / "root fs")
+    done = install(root, str(executable.path))
+    assert done.returncode == 0, done.stderr
+    assert len(blipmq_users(root)) == 1
+    assert (root / "usr/local/lib/blipmq/blipmq").read_bytes() == executable.path.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SD card"]  # nothing at "SD"
+    done = install(root, "--uninstall", "--purge")
+    assert done.returncode == 0, done.stderr
+    assert not blipmq_users(root) and not (root / "var/lib/blipmq").exists()
+
+
+@pytest.mark.slow
+@needs_root
+def test_a_destdir_install_gives_the_data_to_the_images_user(
+    executable: Executable, tmp_path: Path
+) -> None:
+    # this machine has a user blipmq of its own (uid 4242): the image's files are not its
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "passwd").write_text(Path("/etc/passwd").read_text()
+                                 + "blipmq:x:4242:4242::/nonexistent:/usr/sbin/nologin\n")
+    (host / "group").write_text(Path("/etc/group").read_text() + "blipmq:x:4242:\n")
+    under = private_mounts(f"mount --bind '{host}/passwd' /etc/passwd",
+                           f"mount --bind '{host}/group' /etc/group")
+    root = throwaway_root(tmp_path / "root")
+    done = install(root, str(executable.path), under=under)
+    assert done.returncode == 0, done.stderr
+    uid, gid = user_ids(root)
+    assert uid != 4242
+    data = (root / "var/lib/blipmq").stat()
+    assert (data.st_uid, data.st_gid) == (uid, gid)
+    assert (root / "etc/blipmq/blipmq.toml").stat().st_gid == gid
+
+
+@pytest.mark.slow
+@needs_root
+def test_a_failed_step_exits_1(executable: Executable, tmp_path: Path) -> None:
+    # the documented codes are 0, 1 and 2: a step's own code (useradd's 3, ...) becomes 1
+    root = throwaway_root(tmp_path / "root")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    useradd = bin_dir / "useradd"
+    useradd.write_text("#!/bin/sh\necho 'useradd: cannot do that' >&2\nexit 3\n")
+    useradd.chmod(0o755)
+    done = install(root, str(executable.path), env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-2:] == [
+        "useradd: cannot do that", "install.sh: failed (a step exited with 3)"]
