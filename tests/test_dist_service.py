@@ -182,6 +182,64 @@ def test_wrapper_leaves_tmpdir_alone_without_ram(tmp_path: Path) -> None:
     assert got == ("/dev/shm" if _exec_tmpfs("/dev/shm") else None)
 
 
+# --- the unit ---------------------------------------------------------------------------------
+
+
+def unit_settings() -> dict[str, list[str]]:
+    """packaging/blipmq.service: every setting's values, in order."""
+    found: dict[str, list[str]] = {}
+    for line in (TOP / "packaging" / "blipmq.service").read_text().splitlines():
+        if "=" in line and not line.startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            found.setdefault(key.strip(), []).append(value.strip())
+    return found
+
+
+def _seconds(value: str) -> float:
+    for suffix, factor in (("min", 60.0), ("ms", 0.001), ("s", 1.0)):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * factor
+    return float(value)
+
+
+def test_unit_does_not_restart_a_config_error_and_its_start_limit_can_trigger() -> None:
+    unit = unit_settings()
+    assert "2" in " ".join(unit["RestartPreventExitStatus"]).split()
+    # any other failure within seconds of each start: burst+1 starts, RestartSec apart (plus
+    # the ~0.2 s a start takes to fail), must fit in the interval or the limit never triggers
+    restart = _seconds(unit["RestartSec"][-1])
+    burst = int(unit["StartLimitBurst"][-1])
+    interval = _seconds(unit["StartLimitIntervalSec"][-1])
+    assert burst * (restart + 0.2) < interval
+
+
+def test_unit_allows_more_open_files_than_connections() -> None:
+    # systemd's default soft limit is 1024; server.max_connections is 1024 by default
+    assert int(unit_settings()["LimitNOFILE"][-1]) >= 65536
+
+
+def test_unit_unpacks_into_its_runtime_directory() -> None:
+    # the service's /tmp (PrivateTmp: a directory of the host's /tmp) may be noexec
+    unit = unit_settings()
+    assert unit["ExecStart"][-1].startswith("/usr/local/lib/blipmq/blipmq start ")
+    assert unit["RuntimeDirectory"] == ["blipmq"]
+    assert "TMPDIR=/run/blipmq" in unit["Environment"]
+
+
+@pytest.mark.slow
+def test_a_config_error_exits_with_the_status_the_unit_does_not_restart(
+    executable: Executable, tmp_path: Path
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[server]\nport = \"many\"\n")
+    done = subprocess.run(
+        [str(executable.path), "start", "--config", str(config), "--data-dir",
+         str(tmp_path / "data")], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp_path)})
+    prevented = " ".join(unit_settings()["RestartPreventExitStatus"]).split()
+    assert str(done.returncode) in prevented, done.stderr
+
+
 # --- the installer's checks, ids, modes and paths -------------------------------------------
 
 
