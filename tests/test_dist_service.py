@@ -135,13 +135,18 @@ def test_installed_unit_passes_systemd_analyze_verify(
     assert (done.returncode, done.stdout + done.stderr) == (0, "")
 
 
-def _wrapper_tmpdir(env: dict[str, str]) -> str | None:
-    """The TMPDIR the wrapper hands to the executable (here /usr/bin/env, which prints it)."""
-    base = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "XDG_RUNTIME_DIR")}
-    out = subprocess.run(["sh", str(WRAPPER)], capture_output=True, text=True, check=True,
-                         env={**base, "BLIPMQ_BINARY": "/usr/bin/env", **env}).stdout
-    found = [line.split("=", 1)[1] for line in out.splitlines() if line.startswith("TMPDIR=")]
-    return found[0] if found else None
+def _wrapper_env(env: dict[str, str], under: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment the wrapper hands to the executable (here /usr/bin/env, which prints it)."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("TMPDIR", "XDG_RUNTIME_DIR", "BLIPMQ_TMPDIR_ORIG")}
+    out = subprocess.run([*under, "sh", str(WRAPPER)], capture_output=True, text=True,
+                         check=True, env={**base, "BLIPMQ_BINARY": "/usr/bin/env", **env}).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def _wrapper_tmpdir(env: dict[str, str], under: tuple[str, ...] = ()) -> str | None:
+    """The TMPDIR the wrapper hands to the executable."""
+    return _wrapper_env(env, under).get("TMPDIR")
 
 
 def _exec_tmpfs(path: str) -> bool:
@@ -238,6 +243,37 @@ def test_a_config_error_exits_with_the_status_the_unit_does_not_restart(
         env={**os.environ, "TMPDIR": str(tmp_path)})
     prevented = " ".join(unit_settings()["RestartPreventExitStatus"]).split()
     assert str(done.returncode) in prevented, done.stderr
+
+
+# --- the wrapper's choices ---------------------------------------------------------------------
+
+@pytest.mark.skipif(not _exec_tmpfs("/dev/shm"), reason="/dev/shm is not an exec tmpfs here")
+def test_wrapper_saves_the_callers_tmpdir_when_it_sets_one(tmp_path: Path) -> None:
+    # `sub --exec` gives its commands the caller's TMPDIR back from BLIPMQ_TMPDIR_ORIG
+    runtime = Path("/dev/shm") / f"blipmq-test-{os.getpid()}"
+    runtime.mkdir()
+    try:
+        got = _wrapper_env({"XDG_RUNTIME_DIR": str(runtime), "BLIPMQ_TMPDIR_ORIG": "stale"})
+        assert (got["TMPDIR"], got["BLIPMQ_TMPDIR_ORIG"]) == (str(runtime), "")
+        got = _wrapper_env({"TMPDIR": str(tmp_path), "BLIPMQ_TMPDIR_ORIG": "stale"})
+        assert got["TMPDIR"] == str(tmp_path) and "BLIPMQ_TMPDIR_ORIG" not in got
+    finally:
+        runtime.rmdir()
+
+
+@needs_root
+def test_wrapper_passes_over_a_ram_dir_without_room_for_the_bundle(tmp_path: Path) -> None:
+    # /run/user/UID is 10% of RAM (about 51 MB on a Pi Zero 2 W): a few commands fill it.
+    # The bundle needs twice the executable's size, at least 8 MiB (here /usr/bin/env's).
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.mkdir()
+    large.mkdir()
+    under = private_mounts(f"mount -t tmpfs -o size=4m tmpfs '{small}'",
+                           f"mount -t tmpfs -o size=64m tmpfs '{large}'")
+    assert _wrapper_tmpdir({"XDG_RUNTIME_DIR": str(large)}, under) == str(large)
+    got = _wrapper_tmpdir({"XDG_RUNTIME_DIR": str(small)}, under)
+    assert got != str(small)
+    assert got == ("/dev/shm" if _exec_tmpfs("/dev/shm") else None)
 
 
 # --- the installer's checks, ids, modes and paths -------------------------------------------
