@@ -11,8 +11,7 @@ Standard library only; never imports the core or the shell.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from blipmq_server.errors import LocalProtocolError
@@ -31,12 +30,16 @@ def most(limit: int) -> int:
     return max(0, limit // (ENTRY_MIN + 1))
 
 
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: not one per entry
+_ENCODE: list[Callable[[Any], str]] = []  # one encoder, made at the first report
 
 
 def _json(value: Any) -> bytes:
     # ASCII only (a str's length is its byte length), no spaces
-    return _ENCODE(value).encode()
+    if not _ENCODE:
+        import json  # deferred (blipmq_server/deferred.py): the broker loads it only here
+
+        _ENCODE.append(json.JSONEncoder(separators=(",", ":")).encode)
+    return _ENCODE[0](value).encode()
 
 
 def _member(name: str, value: bytes) -> bytes:
