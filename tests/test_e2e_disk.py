@@ -161,7 +161,7 @@ def test_a_full_disk_with_the_log_over_its_cap_does_not_need_a_restart(
     _fill(tiny_fs)  # to the last byte
     # more, so that what is left of the files' last pages is taken too
     assert b.cli("pub", "o/flood", "-", "--lines", input=lines[:100_000]).returncode == 0
-    b.wait_metric_at_least("blipmq_wal_write_failures_total", 1)
+    b.wait_metric_at_least("blipmq_wal_write_failures_total", 1, timeout=30)  # a busy CI
     deadline = time.monotonic() + 30
     while True:  # bounded by the deadline: a few maintenance rounds
         after = b.cli("pub", "o/after", "again", "--qos", "1", timeout=10)
