@@ -72,8 +72,29 @@ def _output_error(exc: OSError) -> int:
     return Exit.USAGE
 
 
+def _fill_standard_fds() -> None:
+    """Put /dev/null on whichever of fds 0, 1 and 2 is closed (``>&- 2>&-``, a careless
+    daemonizer), so that nothing opened later lands there: the broker's lock file or its
+    data directory as fd 2 would take every log line and traceback, and an ``--exec``
+    command would inherit a socket as its stdout. Python still sees the stream as closed
+    (``sys.stdout`` is None: the command reports a closed stdout as before); a closed stderr
+    becomes /dev/null for Python too, so that writing an error line never raises and the
+    exit code still tells (``start`` exits 2 for a configuration error, not 1)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    _fill_standard_fds()
     if sys.stdout is None:  # fd 1 closed
         sys.stdout = io.TextIOWrapper(_ClosedStdout(), write_through=True)
     # only the frozen executable has a forwarding parent; the broker handles its own signals
