@@ -94,6 +94,12 @@ def _fill_standard_fds() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["start"]:
+        # first thing: until the broker handles signals, SIGHUP (a reload) and SIGTERM
+        # would kill it with no line logged (blipmq_server/startup.py)
+        from blipmq_server import startup
+
+        startup.hold()
     _fill_standard_fds()
     if sys.stdout is None:  # fd 1 closed
         sys.stdout = io.TextIOWrapper(_ClosedStdout(), write_through=True)

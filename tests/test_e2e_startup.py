@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import BLIPMQ, _default_signals
 
 
@@ -72,3 +73,193 @@ def test_closed_standard_descriptors_get_dev_null_not_the_lock_file(tmp_path: Pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class _Broker:
+    """``blipmq start`` with its log collected, on a free port."""
+
+    def __init__(self, tmp_path: Path, extra: str = "", **env: str) -> None:
+        self.data = tmp_path / "data"
+        self.lock = self.data / "blipmq.lock"
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(
+            [BLIPMQ, "start", "--config", str(_config(tmp_path, extra)), "--data-dir",
+             str(self.data), "--log-format", "plain"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env={**_env(), **env}, preexec_fn=_default_signals)
+        import threading
+
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            self.log.append(raw.decode(errors="replace").rstrip("\n"))
+
+    def said(self, text: str) -> str | None:
+        return next((line for line in self.log if text in line), None)
+
+    def locked(self) -> bool:
+        """The configuration was read and the data directory taken (the next steps import
+        the server and start it)."""
+        try:
+            return self.lock.read_text().strip() == str(self.proc.pid)
+        except OSError:
+            return False
+
+    def catches(self, signum: int) -> bool:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+        return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+    def end(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(20)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def test_sighup_is_caught_before_the_configuration_is_read(tmp_path: Path) -> None:
+    """h31 #3: until trio ran, SIGHUP killed the broker (exit 129, no line) and SIGTERM too;
+    `systemctl reload` right after a start hit that. Now SIGHUP is held from the first
+    thing main() does, before the heavy imports and the configuration."""
+    b = _Broker(tmp_path)
+    try:
+        _wait_for(lambda: b.proc.poll() is not None or b.catches(signal.SIGHUP),
+                  what="SIGHUP caught")
+        assert not b.locked(), "SIGHUP was first caught after the configuration was read"
+        b.proc.send_signal(signal.SIGHUP)
+        _wait_for(lambda: b.proc.poll() is not None or b.said("listening on"),
+                  what="listening")
+        assert b.proc.poll() is None, "\n".join(b.log)
+    finally:
+        assert b.end() == 0, "\n".join(b.log)
+
+
+def test_a_sighup_after_the_configuration_was_read_is_a_reload_once_listening(
+    tmp_path: Path,
+) -> None:
+    """The file may have changed after the start read it: the SIGHUP is not dropped (it was
+    ignored, or killed the broker during its imports), it reloads once the broker listens."""
+    b = _Broker(tmp_path)
+    try:
+        _wait_for(lambda: b.proc.poll() is not None or b.locked(), timeout=20,
+                  what="the data directory taken")
+        b.proc.send_signal(signal.SIGHUP)
+        _wait_for(lambda: b.proc.poll() is not None or b.said("reloaded"), what="a reload")
+        assert b.proc.poll() is None, "\n".join(b.log)
+        assert b.said("received SIGHUP during start-up"), "\n".join(b.log)
+        listening, reloaded = b.said("listening on"), b.said("reloaded")
+        assert listening and reloaded
+        assert b.log.index(listening) < b.log.index(reloaded)
+    finally:
+        assert b.end() == 0, "\n".join(b.log)
+
+
+def test_a_sigterm_during_start_up_is_a_clean_stop(tmp_path: Path) -> None:
+    """SIGTERM during the imports killed the broker by the signal (no line); now it is
+    held and the broker stops cleanly, exit 0, saying so."""
+    b = _Broker(tmp_path)
+    _wait_for(lambda: b.proc.poll() is not None or b.locked(), what="the data directory taken")
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.proc.wait(20) == 0, "\n".join(b.log)
+    time.sleep(0.1)  # the last lines
+    assert b.said("received SIGTERM during start-up"), "\n".join(b.log)
+    # and before the data directory was taken: not started at all
+    (tmp_path / "c").mkdir()
+    c = _Broker(tmp_path / "c")
+    _wait_for(lambda: c.proc.poll() is not None or c.catches(signal.SIGTERM),
+              what="SIGTERM caught")
+    c.proc.send_signal(signal.SIGTERM)
+    assert c.proc.wait(20) == 0, "\n".join(c.log)
+    time.sleep(0.1)
+    assert c.said("SIGTERM during start-up"), "\n".join(c.log)
+
+
+def _notes(sock, until: str, timeout: float = 20) -> list[str]:  # type: ignore[no-untyped-def]
+    """The notes received until one holding ``until``."""
+    got: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not any(until in note for note in got):
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        got.append(sock.recv(4096).decode())
+    return got
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["path", "abstract"])
+def test_systemd_hears_ready_once_the_broker_listens(tmp_path: Path, abstract: bool) -> None:
+    """Type=notify: READY=1 on $NOTIFY_SOCKET once the broker listens (not before: a
+    `systemctl reload` waits for it), RELOADING=1/READY=1 around a reload, STOPPING=1."""
+    import socket
+    import tempfile
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    short = tempfile.mkdtemp(prefix="bq-", dir="/tmp")  # sun_path holds 107 bytes
+    name = f"@blipmq-test-{os.getpid()}" if abstract else os.path.join(short, "notify")
+    sock.bind("\0" + name[1:] if abstract else name)
+    b = _Broker(tmp_path, NOTIFY_SOCKET=name)
+    try:
+        ready = _notes(sock, "READY=1")
+        assert ready[-1].splitlines()[0] == "READY=1"
+        listening = _wait_for(lambda: b.said("listening on"), what="the listening line")
+        port = int(listening.split("listening on 127.0.0.1:")[1].split(";")[0])
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # was listening
+        assert f"STATUS=listening on 127.0.0.1:{port}" in ready[-1]
+        b.proc.send_signal(signal.SIGHUP)
+        reload = _notes(sock, "READY=1")
+        assert reload[0].startswith("RELOADING=1\nMONOTONIC_USEC="), reload
+        b.proc.send_signal(signal.SIGTERM)
+        assert _notes(sock, "STOPPING=1")[-1] == "STOPPING=1"
+        assert b.proc.wait(20) == 0
+    finally:
+        b.end()
+        sock.close()
+        if not abstract:
+            os.unlink(name)
+        os.rmdir(short)
+
+
+def test_a_long_start_asks_systemd_for_more_time() -> None:
+    """Type=notify: a start longer than TimeoutStartSec (a large log recovering on an SD
+    card) would be killed and restarted forever; until READY=1 the broker asks for more."""
+    import socket
+    import tempfile
+
+    from blipmq_server import notify
+
+    short = tempfile.mkdtemp(prefix="bq-", dir="/tmp")
+    name = os.path.join(short, "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(name)
+    old = os.environ.get("NOTIFY_SOCKET")
+    os.environ["NOTIFY_SOCKET"] = name
+    try:
+        starting = notify.Starting(every_s=0.05, by_s=30)
+        sock.settimeout(5)
+        assert sock.recv(4096).decode().startswith("EXTEND_TIMEOUT_USEC=30000000\n")
+        starting.end()
+        time.sleep(0.2)
+        sock.settimeout(0)
+        while True:  # what was in flight
+            try:
+                sock.recv(4096)
+            except BlockingIOError:
+                break
+        time.sleep(0.2)
+        with pytest.raises(BlockingIOError):
+            sock.recv(4096)
+        assert notify.address({"NOTIFY_SOCKET": "@x"}) == "\0x"
+        assert notify.address({"NOTIFY_SOCKET": "vsock:2:9"}) is None
+        assert not notify.send("READY=1", environ={})
+    finally:
+        if old is None:
+            os.environ.pop("NOTIFY_SOCKET", None)
+        else:
+            os.environ["NOTIFY_SOCKET"] = old
+        sock.close()
+        os.unlink(name)
+        os.rmdir(short)
