@@ -136,6 +136,15 @@ def start(config: str | None = None, **flags: str | None) -> int:
         logging.getLogger("blipmq").info("received %s during start-up: not started",
                                          signal.Signals(stop).name)
         return 0
+    from blipmq_server import descriptors
+
+    budget = descriptors.apply(cfg)  # the soft open-file limit up to the hard one
+    if budget.warning:
+        import logging
+
+        logging.getLogger("blipmq").warning("%s", budget.warning)
+    if budget.max_connections != cfg.server.max_connections:  # a reload keeps [server]
+        cfg = cfg._replace(server=cfg.server._replace(max_connections=budget.max_connections))
     try:
         lock = lock_data_dir(cfg.storage.data_dir)
     except OSError as exc:

@@ -7,7 +7,9 @@ executable where the bootloader matters."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -75,10 +77,18 @@ def test_closed_standard_descriptors_get_dev_null_not_the_lock_file(tmp_path: Pa
             proc.wait()
 
 
+def _limited(nofile: tuple[int, int] | None) -> None:
+    """In the child: SIGINT to its default, and the open-file limit (soft, hard)."""
+    _default_signals()
+    if nofile is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+
 class _Broker:
     """``blipmq start`` with its log collected, on a free port."""
 
-    def __init__(self, tmp_path: Path, extra: str = "", **env: str) -> None:
+    def __init__(self, tmp_path: Path, extra: str = "", nofile: tuple[int, int] | None = None,
+                 **env: str) -> None:
         self.data = tmp_path / "data"
         self.lock = self.data / "blipmq.lock"
         self.log: list[str] = []
@@ -86,7 +96,7 @@ class _Broker:
             [BLIPMQ, "start", "--config", str(_config(tmp_path, extra)), "--data-dir",
              str(self.data), "--log-format", "plain"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env={**_env(), **env}, preexec_fn=_default_signals)
+            env={**_env(), **env}, preexec_fn=lambda: _limited(nofile))
         import threading
 
         threading.Thread(target=self._drain, daemon=True).start()
@@ -263,3 +273,79 @@ def test_a_long_start_asks_systemd_for_more_time() -> None:
         sock.close()
         os.unlink(name)
         os.rmdir(short)
+
+
+def _limits(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return int(soft), int(hard)
+
+
+def _listening_port(b: _Broker) -> int:
+    line = _wait_for(lambda: b.proc.poll() is not None or b.said("listening on"),
+                     what="listening")
+    assert b.proc.poll() is None, "\n".join(b.log)
+    return int(line.split("listening on 127.0.0.1:")[1].split(";")[0].split(",")[0])
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one(tmp_path: Path) -> None:
+    """h31 #2: the broker kept systemd's default soft limit (1024) below the default
+    server.max_connections plus its log's descriptors."""
+    b = _Broker(tmp_path, nofile=(256, 4096))
+    try:
+        _listening_port(b)
+        assert _limits(b.proc.pid) == (4096, 4096)
+        assert not b.said("WARNING"), "\n".join(b.log)
+    finally:
+        assert b.end() == 0, "\n".join(b.log)
+
+
+def test_a_hard_limit_too_low_serves_fewer_connections_and_the_log_keeps_writing(
+    tmp_path: Path,
+) -> None:
+    """h31 #2 (r_nofile_wal2.sh): with the open-file limit below max_connections, idle
+    clients took every descriptor and the next log segment could not be opened: "Too many
+    open files; 200 record(s) not stored", the QoS 1 publisher exit 9. Now the broker serves
+    fewer connections, says so once at start, and refuses the rest."""
+    b = _Broker(tmp_path, extra="[wal]\nsegment_bytes = 8192\n", nofile=(256, 256))
+    held: list[socket.socket] = []
+    try:
+        port = _listening_port(b)
+        warning = b.said("server.max_connections = 1024 lowered to")
+        assert warning and "open-file limit is 256" in warning, "\n".join(b.log)
+        served = int(warning.split("lowered to ")[1].split(":")[0])
+        assert 50 < served < 256 - 64
+        pub = subprocess.Popen(
+            [BLIPMQ, "pub", "--addr", f"127.0.0.1:{port}", "-q", "1", "-l", "t"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=_env(), preexec_fn=_default_signals)
+        assert pub.stdin is not None
+        pub.stdin.write(b"first\n")
+        pub.stdin.flush()
+        time.sleep(0.5)  # connected
+        for _ in range(256):  # every descriptor the broker has, and more
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:
+                break
+        time.sleep(1)
+        line = b"x" * 90
+        pub.stdin.write(b"".join(b"%d-%s\n" % (i, line) for i in range(200)))
+        pub.stdin.close()
+        assert pub.wait(60) is not None and pub.stderr is not None
+        err = pub.stderr.read()
+        assert pub.returncode == 0, (err, "\n".join(b.log[-10:]))
+        assert not b.said("write-ahead log write failed"), "\n".join(b.log)
+        refused = 0
+        for s in held:  # those past the limit were told, not left to a handshake timeout
+            s.settimeout(0.01)
+            try:
+                refused += bool(s.recv(64))
+            except OSError:
+                pass
+        assert refused >= len(held) - served
+    finally:
+        for s in held:
+            s.close()
+        assert b.end() == 0, "\n".join(b.log)
