@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         # collector on they pay for dozens of collections. The broker turns it back on
         # (Server.serve) before it recovers its log.
         gc.disable()
-        return _run(args)
+        try:
+            return _run(args)
+        finally:
+            startup.ignore()  # a forwarded copy after the end must not change the exit
     if not getattr(sys, "frozen", False):
         return _run(args)
     _one_interrupt_per_press()

@@ -37,6 +37,15 @@ def hold() -> None:
         signal.signal(signum, _hold)
 
 
+def ignore() -> None:
+    """The command is over: from now on these signals are ignored. Python's exit puts the
+    default action back in place of a handler of its own, and in the onefile executable
+    the bootloader's forwarded copy of a signal to the group can come that late: it would
+    turn the exit code (0, 1, 2) into death by the signal."""
+    for signum in HELD:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def forget_reloads() -> None:
     """The configuration is about to be read: a SIGHUP held so far is answered by that."""
     if signal.SIGHUP in _held:

@@ -11,6 +11,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -349,3 +350,23 @@ def test_a_hard_limit_too_low_serves_fewer_connections_and_the_log_keeps_writing
         for s in held:
             s.close()
         assert b.end() == 0, "\n".join(b.log)
+
+
+def test_a_signal_after_the_start_ended_does_not_change_its_exit_code(tmp_path: Path) -> None:
+    """The onefile's bootloader forwards its copy of a signal to the group, and it can come
+    after the start has ended (a configuration error, a stop during start-up, a clean
+    shutdown): Python's exit puts the default action back in place of the handlers `start`
+    installs, so the copy turned exit 2 (or 0) into death by SIGTERM (-15 from the
+    executable in test_dist_smoke.py's TLS test)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[server]\nport = "x"\n')
+    script = (
+        "import os, signal, sys\n"
+        "from blipmq_cli.main import main\n"
+        f"code = main(['start', '--config', {str(bad)!r}])\n"
+        "for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n"
+        "    os.kill(os.getpid(), signum)\n"
+        "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=30,
+                          env=_env(), preexec_fn=_default_signals)
+    assert done.returncode == 2, done
