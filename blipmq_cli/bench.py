@@ -44,6 +44,7 @@ from pathlib import Path
 
 from blipmq_cli.client import DEFAULT_ADDR, connect_from_env
 from blipmq_cli.commands import UsageError, guarded, say, stderr_is_terminal
+from blipmq_cli.environment import for_children
 from blipmq_cli.exits import Exit, for_error
 from blipmq_server.errors import BlipError
 from blipmq_server.protocol.codec import Message
@@ -292,6 +293,9 @@ class Broker:
             # `python -m` puts its working directory first on the import path: from a source
             # tree of another version the broker would be that tree's, not this CLI's
             cwd=self.dir,
+            # the frozen executable's own variables would make the new broker take itself
+            # for this process's child (environment.py)
+            env=for_children(os.environ),
         )
         self.tail: deque[str] = deque(maxlen=20)
         self.addr = self._ready(timeout)

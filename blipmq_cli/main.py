@@ -72,8 +72,35 @@ def _output_error(exc: OSError) -> int:
     return Exit.USAGE
 
 
+def _fill_standard_fds() -> None:
+    """Put /dev/null on whichever of fds 0, 1 and 2 is closed (``>&- 2>&-``, a careless
+    daemonizer), so that nothing opened later lands there: the broker's lock file or its
+    data directory as fd 2 would take every log line and traceback, and an ``--exec``
+    command would inherit a socket as its stdout. Python still sees the stream as closed
+    (``sys.stdout`` is None: the command reports a closed stdout as before); a closed stderr
+    becomes /dev/null for Python too, so that writing an error line never raises and the
+    exit code still tells (``start`` exits 2 for a configuration error, not 1)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["start"]:
+        # first thing: until the broker handles signals, SIGHUP (a reload) and SIGTERM
+        # would kill it with no line logged (blipmq_server/startup.py)
+        from blipmq_server import startup
+
+        startup.hold()
+    _fill_standard_fds()
     if sys.stdout is None:  # fd 1 closed
         sys.stdout = io.TextIOWrapper(_ClosedStdout(), write_through=True)
     # only the frozen executable has a forwarding parent; the broker handles its own signals
@@ -82,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         # collector on they pay for dozens of collections. The broker turns it back on
         # (Server.serve) before it recovers its log.
         gc.disable()
-        return _run(args)
+        try:
+            return _run(args)
+        finally:
+            startup.ignore()  # a forwarded copy after the end must not change the exit
     if not getattr(sys, "frozen", False):
         return _run(args)
     _one_interrupt_per_press()

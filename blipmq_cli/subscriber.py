@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from blipmq_cli.client import Client, Subscription, connect_from_env
 from blipmq_cli.commands import say, stderr_is_terminal
+from blipmq_cli.environment import for_children
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, terminated
 from blipmq_cli.output import Writer
 from blipmq_server.errors import ConnectError
@@ -410,8 +411,9 @@ def _stdout_gone() -> bool:
 
 
 def _start(command: str, d: Delivery) -> subprocess.Popen[bytes]:
-    """Run ``command`` by the shell with the payload on stdin and the message in env."""
-    env = dict(os.environ)
+    """Run ``command`` by the shell with the payload on stdin and the message in env (the
+    user's environment, not the bundle's: ``environment.for_children``)."""
+    env = for_children(os.environ)
     env.update(BLIPMQ_TOPIC=d.topic, BLIPMQ_OFFSET=str(d.offset), BLIPMQ_QOS=str(d.qos),
                BLIPMQ_DELIVERY_COUNT=str(d.delivery_count))
     if d.key is not None:

@@ -21,10 +21,19 @@ def _machine() -> str:
 
 
 def _frozen_form() -> str:
-    """``onefile`` (unpacked into a temporary directory) or ``onedir`` (an unpacked folder)."""
+    """``onefile`` (unpacked into a temporary directory) or ``onedir`` (an unpacked folder).
+
+    Decided by what the bootloader states: a onefile parent tells its child where it
+    unpacked the bundle in ``_PYI_APPLICATION_HOME_DIR``, which is then ``sys._MEIPASS``;
+    a onedir executable is one process and runs from its ``_internal`` folder. (Whether
+    the bundle lies below the executable's directory says nothing: a onefile copied to
+    /tmp unpacks into /tmp/_MEI....)"""
+    bundle = os.path.realpath(getattr(sys, "_MEIPASS", ""))
+    unpacked = os.environ.get("_PYI_APPLICATION_HOME_DIR")
+    if unpacked:
+        return "onefile" if os.path.realpath(unpacked) == bundle else "onedir"
     home = os.path.dirname(os.path.realpath(sys.executable))
-    bundle = os.path.realpath(getattr(sys, "_MEIPASS", home))
-    return "onedir" if os.path.commonpath([home, bundle]) == home else "onefile"
+    return "onedir" if bundle in (home, os.path.join(home, "_internal")) else "onefile"
 
 
 def describe() -> str:

@@ -101,8 +101,10 @@ def start(config: str | None = None, **flags: str | None) -> int:
 
     deferred.defer()  # before the broker's modules and trio: what they need only later waits
     from blipmq_server import config as config_module
-    from blipmq_server import logs
+    from blipmq_server import logs, startup
 
+    startup.hold()  # (main did already: this is for callers that did not)
+    startup.forget_reloads()  # the file is read now: a SIGHUP until here is answered
     try:
         cfg = config_module.load(config, overrides=overrides(**flags))
     except ConfigError as exc:
@@ -127,6 +129,22 @@ def start(config: str | None = None, **flags: str | None) -> int:
         import logging  # logs.setup has it loaded; not at the top (deferred.py's order)
 
         logging.getLogger("blipmq").warning("config: %s", line)
+    stop = startup.stop_held()
+    if stop:  # before anything was started: nothing to drain
+        import logging
+
+        logging.getLogger("blipmq").info("received %s during start-up: not started",
+                                         signal.Signals(stop).name)
+        return 0
+    from blipmq_server import descriptors
+
+    budget = descriptors.apply(cfg)  # the soft open-file limit up to the hard one
+    if budget.warning:
+        import logging
+
+        logging.getLogger("blipmq").warning("%s", budget.warning)
+    if budget.max_connections != cfg.server.max_connections:  # a reload keeps [server]
+        cfg = cfg._replace(server=cfg.server._replace(max_connections=budget.max_connections))
     try:
         lock = lock_data_dir(cfg.storage.data_dir)
     except OSError as exc:
@@ -145,13 +163,11 @@ def start(config: str | None = None, **flags: str | None) -> int:
                               "device): a reload reads the file again, so it must be one")
         return config_module.load(config, overrides=overrides(**flags))
 
-    # From here on the broker's own handling (app.run) decides what a signal does. Outside
-    # it, at the start of trio.run and after the server has stopped, these are ignored: in
-    # the onefile executable a signal to the process group arrives twice, and the forwarded
-    # copy can come after the broker has stopped, where the default action would turn a
-    # clean exit 0 into death by signal.
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
+    # From here on the broker's own handling (app.run) decides what a signal does, and
+    # takes what was held until it ran (startup.take). After the server has stopped they
+    # are still held, never acted on: in the onefile executable a signal to the process
+    # group arrives twice, and the forwarded copy can come after the broker has stopped,
+    # where the default action would turn a clean exit 0 into death by signal.
     try:
         trio.run(run, cfg, reload)
     except (OSError, ConfigError, WalError, BaseExceptionGroup) as exc:

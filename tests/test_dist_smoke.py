@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import tomllib
@@ -242,3 +243,34 @@ def test_commands_that_need_spark_fail_in_one_line(runner: Runner, tmp_path: Pat
         assert done.stderr.count(b"\n") == 1 and b"Traceback" not in done.stderr
         assert b"the spark extra is not installed" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_onefile_copied_into_its_own_tmpdir_says_onefile(runner: Runner) -> None:
+    """h31 #12: copied to /tmp (the install guide's scp target) and run there with the
+    default TMPDIR, it unpacked below its own directory and called itself "onedir"."""
+    copy = runner.tmpdir / "blipmq"
+    shutil.copy2(runner.binary, copy)
+    done = runner.run_program(str(copy), "--version")
+    assert done.returncode == 0, done.stderr
+    assert b"(onefile executable)" in done.stdout, done.stdout
+
+
+def test_exec_jobs_get_the_users_environment(runner: Runner, tmp_path: Path) -> None:
+    """h31 #5: a `sub --exec` job inherited LD_LIBRARY_PATH=<the unpacked bundle> (every
+    program it ran loaded the bundle's libraries), _PYI_* and the wrapper's TMPDIR."""
+    config = tmp_path / "blipmq.toml"
+    config.write_text("")
+    broker = start_broker(runner, config, tmp_path / "data")
+    done = runner.run("pub", "jobs", "one", "-q", "1", "--addr", broker.addr)
+    assert done.returncode == 0, done.stderr
+    for given, expected in (({}, None), ({"LD_LIBRARY_PATH": "/opt/mine"}, "/opt/mine")):
+        done = runner.run("sub", "jobs", "--from", "earliest", "--count", "1", "--exec", "env",
+                          "--addr", broker.addr, env={**given, "BLIPMQ_TMPDIR_ORIG": "/home/x"})
+        assert done.returncode == 0, done.stderr
+        env = dict(line.split("=", 1) for line in done.stdout.decode().splitlines()
+                   if "=" in line)
+        assert env.get("LD_LIBRARY_PATH") == expected, env.get("LD_LIBRARY_PATH")
+        assert not [k for k in env if k.startswith(("_PYI_", "_MEIPASS", "LD_LIBRARY_PATH_"))]
+        assert env["TMPDIR"] == "/home/x" and "BLIPMQ_TMPDIR_ORIG" not in env
+    broker.proc.send_signal(signal.SIGTERM)
+    assert broker.proc.wait(SLOW) == 0

@@ -107,3 +107,30 @@ def test_a_signal_to_sub_ends_its_running_command(start_broker, tmp_path: Path,
         for pid in pids:
             if _alive([pid]):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_exec_commands_get_the_users_environment_not_the_bundles(start_broker) -> None:
+    """h31 #5: a job inherited the onefile bootloader's variables (_PYI_*, which make a
+    onefile `blipmq` in the job take itself for the bundle's child) and the wrapper's TMPDIR
+    in RAM. (LD_LIBRARY_PATH is the bootloader's only in the frozen executable: the pip
+    install leaves it alone; tests/test_cli_environment.py and test_dist_smoke.py.)"""
+    b = start_broker()
+    assert b.cli("pub", "jobs", "one", "-q", "1").returncode == 0
+    res = b.cli("sub", "jobs", "--from", "earliest", "--count", "1", "--exec", "env",
+                _PYI_ARCHIVE_FILE="/tmp/_MEIabc/blipmq", _PYI_PARENT_PROCESS_LEVEL="0",
+                _PYI_APPLICATION_HOME_DIR="/tmp/_MEIabc", _MEIPASS2="/tmp/_MEIabc",
+                TMPDIR="/dev/shm", BLIPMQ_TMPDIR_ORIG="/home/me/tmp",
+                LD_LIBRARY_PATH="/opt/mine")
+    assert res.returncode == 0, res.stderr
+    env = dict(line.split("=", 1) for line in res.stdout.decode().splitlines() if "=" in line)
+    assert not [k for k in env if k.startswith(("_PYI_", "_MEIPASS"))], env
+    assert env["TMPDIR"] == "/home/me/tmp"
+    assert "BLIPMQ_TMPDIR_ORIG" not in env
+    assert env["LD_LIBRARY_PATH"] == "/opt/mine"
+    assert env["BLIPMQ_TOPIC"] == "jobs"
+    # the wrapper had found no TMPDIR: the job has none either
+    res = b.cli("sub", "jobs", "--from", "earliest", "--count", "1", "--exec", "env",
+                TMPDIR="/dev/shm", BLIPMQ_TMPDIR_ORIG="")
+    assert res.returncode == 0, res.stderr
+    names = {line.split("=", 1)[0] for line in res.stdout.decode().splitlines()}
+    assert "TMPDIR" not in names and "BLIPMQ_TMPDIR_ORIG" not in names

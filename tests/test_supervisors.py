@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import subprocess
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -160,3 +164,100 @@ def test_as_pid_1_of_a_container(runner: Runner, tmp_path: Path) -> None:
     assert [ln.split()[-1] for ln in status.splitlines() if ln.startswith("NSpid:")] == ["1"]
     os.kill(init, signal.SIGTERM)
     stopped_once(broker)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+
+def _spawn_start(runner: Runner, tmp_path: Path, *under: str) -> Broker:
+    config = tmp_path / "blipmq.toml"
+    config.write_text("")
+    proc = runner.spawn_program(
+        *under, str(runner.binary), "start", "--config", str(config), "--data-dir",
+        str(tmp_path / "data"), "--bind", "127.0.0.1:0", "--metrics-bind", "127.0.0.1:0",
+        "--mqtt-bind", "off", "--log-format", "plain")
+    broker = Broker(proc, [])
+
+    def drain() -> None:
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            broker.log.append(raw.decode(errors="replace").rstrip("\n"))
+        broker.log_ended.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    return broker
+
+
+def test_a_sighup_during_start_up_neither_kills_the_broker_nor_is_lost(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """h31 #3: `systemctl reload` right after a start (kill -HUP $MAINPID: the bootloader,
+    which forwards it) killed the broker during its imports, exit 129 and no line. The
+    broker catches SIGHUP before it reads its configuration; one after that reading is a
+    reload once it listens."""
+    broker = _spawn_start(runner, tmp_path)
+    child = child_of(broker.proc.pid)
+    deadline = time.monotonic() + SLOW
+    while not _catches(child, signal.SIGHUP):
+        assert time.monotonic() < deadline and broker.proc.poll() is None, broker.log
+        time.sleep(0.001)
+    assert not (tmp_path / "data" / "blipmq.lock").exists(), "caught only after the start"
+    os.kill(broker.proc.pid, signal.SIGHUP)
+    while not (tmp_path / "data" / "blipmq.lock").exists():
+        assert time.monotonic() < deadline and broker.proc.poll() is None, broker.log
+        time.sleep(0.001)
+    os.kill(broker.proc.pid, signal.SIGHUP)  # after the configuration was read
+    wait_for_line(broker, "listening on")
+    wait_for_line(broker, "reloaded")
+    assert broker.proc.poll() is None
+    os.kill(broker.proc.pid, signal.SIGTERM)
+    stopped_once(broker)
+
+
+def test_started_with_sighup_ignored_even_the_unpacking_survives_one(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """What PyInstaller's bootloader leaves open (it installs its handlers only once it has
+    started the broker, after unpacking), a SIGHUP ignored at exec closes: the bootloader
+    and, inherited, the broker's interpreter ignore it until the broker takes it over."""
+    broker = _spawn_start(runner, tmp_path, "env", "--ignore-signal=HUP")
+    os.kill(broker.proc.pid, signal.SIGHUP)  # unpacking
+    child_of(broker.proc.pid)
+    os.kill(broker.proc.pid, signal.SIGHUP)  # forwarded to an interpreter starting up
+    wait_for_line(broker, "listening on")
+    assert broker.proc.poll() is None
+    os.kill(broker.proc.pid, signal.SIGHUP)  # and a reload as usual once running
+    wait_for_line(broker, "reloaded")
+    os.kill(broker.proc.pid, signal.SIGTERM)
+    stopped_once(broker)
+
+
+def test_ready_comes_from_the_broker_not_the_bootloader(runner: Runner, tmp_path: Path) -> None:
+    """Type=notify: READY=1 once listening. Its sender is the bootloader's child, not the
+    main PID systemd knows, which is why the unit says NotifyAccess=all."""
+    short = tempfile.mkdtemp(prefix="bq-", dir="/tmp")
+    name = os.path.join(short, "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(name)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    sock.settimeout(SLOW)
+    try:
+        config = tmp_path / "blipmq.toml"
+        config.write_text("")
+        broker = start_broker(runner, config, tmp_path / "data", env={"NOTIFY_SOCKET": name})
+        creds = struct.calcsize("3i")
+        data, ancillary, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(creds))
+        assert data.startswith(b"READY=1\n"), data
+        (level, kind, cred), = ancillary
+        assert (level, kind) == (socket.SOL_SOCKET, socket.SCM_CREDENTIALS)
+        pid = struct.unpack("3i", cred[:creds])[0]
+        assert pid == child_of(broker.proc.pid) != broker.proc.pid
+        os.killpg(broker.proc.pid, signal.SIGTERM)
+        stopped_once(broker)
+    finally:
+        sock.close()
+        os.unlink(name)
+        os.rmdir(short)

@@ -30,11 +30,12 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
+from blipmq_server import notify, startup
 from blipmq_server.broker.access import FULL, Identity
 from blipmq_server.broker.core import BRIDGE_GROUPS, Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.durable import DurableGroup
@@ -167,6 +168,7 @@ class Server:
         self.room: dict[int, trio.Event] = {}  # queue id -> set when a blocked queue has room
         self.shutdown = trio.Event()
         self.stopped = trio.Event()  # serve has finished: the log is closed
+        self.listening = trio.Event()  # serve listens (and told systemd: READY=1)
         self.started_at = 0.0
         self.published_at = -math.inf  # when a client last published (backlog drains yield)
         self._next_conn_id = 1
@@ -327,6 +329,7 @@ class Server:
         self, *, task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED
     ) -> None:
         cfg = self.config
+        starting = notify.Starting()  # systemd waits for READY=1 as long as this takes
         set_aside = not gc.isenabled()  # `blipmq start` imports with it off (blipmq_cli/main.py)
         if set_aside:
             # The imports' objects all sit in the youngest generation: turned on as they are,
@@ -387,9 +390,13 @@ class Server:
                     f"{len(self.keys.identities)} key(s)" if self.keys.enabled
                     else "disabled (no keys configured)",
                 )
+                notify.ready(f"listening on {cfg.server.host}:{port}")
+                starting.end()
+                self.listening.set()
                 task_status.started(Bound(port, metrics_port, mqtt_port, mqtts_port, tls_port))
                 _settle_heap(set_aside)
                 await self.shutdown.wait()
+                notify.stopping()
                 await self._drain(accept_scope, listeners, conns)
             bridging.cancel()  # links close; their last state goes to the log
             await bridged.wait()
@@ -982,6 +989,16 @@ async def _reload(server: Server, reload: Callable[[], Config] | None,
         log.warning("received SIGHUP: nothing to reload (the broker was not started from "
                     "`blipmq start`)")
         return
+    await server.listening.wait()  # a SIGHUP during start-up: once the broker listens
+    notify.reloading()
+    try:
+        await _reload_now(server, reload, one_at_a_time)
+    finally:
+        notify.ready()
+
+
+async def _reload_now(server: Server, reload: Callable[[], Config],
+                      one_at_a_time: trio.Lock) -> None:
     try:
         async with one_at_a_time:
             new = None
@@ -1053,7 +1070,9 @@ async def run(config: Config, reload: Callable[[], Config] | None = None) -> Non
     server = Server(config)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, signals, server, reload, nursery)
+            # what came before this receiver was open (blipmq_server/startup.py) first
+            nursery.start_soon(_watch_signals, signals, server, reload, nursery,
+                               startup.take())
             await server.serve()
             nursery.cancel_scope.cancel()
 
@@ -1064,21 +1083,31 @@ SAME_SIGNAL_S = 0.5
 
 
 async def _watch_signals(signals: AsyncIterator[int], server: Server,
-                         reload: Callable[[], Config] | None, nursery: trio.Nursery) -> None:
+                         reload: Callable[[], Config] | None, nursery: trio.Nursery,
+                         held: Sequence[int] = ()) -> None:
+    """Act on each signal: ``held`` ones (they came during start-up) first."""
     last: dict[int, float] = {}  # SIGINT/SIGTERM -> when it was acted on (trio's clock)
     one_at_a_time = trio.Lock()  # reloads in the order of their signals
-    async for signum in signals:
+
+    def act(signum: int, early: bool = False) -> None:
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:  # in its own task: a signal during it is heard at once
+            if early:
+                log.info("received SIGHUP during start-up: reloading once listening")
             nursery.start_soon(_reload, server, reload, one_at_a_time)
-            continue
+            return
         now = trio.current_time()
         if now - last.get(signum, -math.inf) < SAME_SIGNAL_S:
-            continue  # the same delivery again (the group's and the forwarded one)
+            return  # the same delivery again (the group's and the forwarded one)
         last[signum] = now
         if server.shutdown.is_set():
             log.warning("second %s: exiting at once", name)
             logging.shutdown()
             os._exit(128 + signum)
-        log.info("received %s", name)
+        log.info("received %s%s", name, " during start-up" if early else "")
         server.shutdown.set()
+
+    for signum in held:
+        act(signum, early=True)
+    async for signum in signals:
+        act(signum)
