@@ -294,3 +294,43 @@ def test_damage_the_export_crashed_on_or_missed_is_reported(spark, fleet, tmp_pa
     (empty / "00000000000000000009.seg").write_bytes(os.urandom(100))
     with pytest.raises(WalError, match="hold no records"):
         export(spark, ExportOptions((str(tmp_path / "empty"),), str(tmp_path / "out")))
+
+
+def test_a_group_deleted_and_created_again_is_two_instances(spark) -> None:
+    """h30 #1: a DELETE names a group by filter and name; it ends the instance live then, and
+    nothing after it counts for that instance (each DELETE joined every instance of the name
+    before: 2 instances made 4 rows, the live one showed deleted, published ran on)."""
+    from datetime import UTC, datetime
+
+    t = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    base = {"device": "d", "segment": "s", "position": 0}
+    m = {**base, "kind": "message", "qos": 1, "ttl_ms": 0, "topic": "t", "payload_size": 1}
+    g = {**base, "kind": "group", "topic": "t", "group_name": "g"}
+
+    def at(o: int) -> dict:
+        return {"offset": o, "timestamp": t.replace(second=o)}
+
+    rows = [
+        {**g, **at(1), "group_op": "create", "group_start": 1},
+        {**m, **at(2)},
+        {**base, **at(3), "kind": "ack", "group_id": 1, "ack_floor": 3, "acked": [2]},
+        {**g, **at(4), "group_op": "delete"},
+        {**m, **at(5)},  # after the delete, before the next create: nobody's
+        {**g, **at(6), "group_op": "create", "group_start": 6},
+        {**m, **at(7)},
+        {**g, **at(8), "group_op": "idle"},
+        {**m, **at(9)},
+        {**g, **at(10), "group_op": "delete"},
+        {**m, **at(11)},
+        {**g, **at(12), "group_op": "create", "group_start": 12},
+        {**m, **at(13)},
+    ]
+    got = {r.group_id: r for r in analytics.groups(_records(spark, rows)).collect()}
+    assert sorted(got) == [1, 6, 12]
+    one, two, live = got[1], got[6], got[12]
+    assert (one.published, one.acked, one.lag) == (1, 1, 0)
+    assert one.deleted == t.replace(second=4).replace(tzinfo=None)
+    assert (two.published, two.acked, two.lag) == (2, 0, 0)  # 7 and 9; deleted: no lag
+    assert two.deleted == t.replace(second=10).replace(tzinfo=None)
+    assert (live.published, live.lag, live.deleted) == (1, 1, None)
+    assert live.created == t.replace(second=12).replace(tzinfo=None)
