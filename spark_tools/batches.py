@@ -210,8 +210,8 @@ def _groups(data: bytes, pos: np.ndarray, kind: np.ndarray, offsets: np.ndarray
                 elif g.op == durable.CREATE:
                     gid[i] = int(offsets[i])
             else:
-                gid[i], floor[i], offsets = durable.parse_ack(body)
-                acked[i] = list(offsets)
+                gid[i], floor[i], ack_offsets = durable.parse_ack(body)
+                acked[i] = list(ack_offsets)
         except (struct.error, UnicodeDecodeError):
             continue  # valid CRC, unreadable body: the row keeps its kind and offset
     return {"group_name": pa.array(name, pa.string()), "group_op": pa.array(op, pa.string()),

@@ -334,3 +334,184 @@ def test_a_group_deleted_and_created_again_is_two_instances(spark) -> None:
     assert two.deleted == t.replace(second=10).replace(tzinfo=None)
     assert (live.published, live.lag, live.deleted) == (1, 1, None)
     assert live.created == t.replace(second=12).replace(tzinfo=None)
+
+
+# ------------------------------------------------------------- h30: forged logs and dumps
+
+T0 = 1_795_740_000_000  # 2026-11-27 00:40 UTC
+
+
+def _message(topic: str, payload: bytes) -> bytes:
+    from blipmq_server.protocol import message as msg
+
+    t = topic.encode()
+    return msg.MSG_HEAD.pack(msg.FLAG_QOS1, 0, len(t), 0, len(payload)) + t + payload
+
+
+def _log(data_dir: Path, records: list[tuple[int, bytes]], first: int = 1) -> Path:
+    """A data directory with one segment of ``records`` (kind, body), offsets from
+    ``first``, a second apart."""
+    from blipmq_server.wal import record as rec
+
+    wal = data_dir / "wal"
+    wal.mkdir(parents=True, exist_ok=True)
+    seg = wal / f"{first:020d}.seg"
+    seg.write_bytes(rec.header(first) + b"".join(
+        rec.encode(kind, first + i, T0 + 1000 * i, body) for i, (kind, body) in
+        enumerate(records)))
+    return seg
+
+
+def _dump(data_dir: Path, out: Path, device: str) -> Path:
+    from blipmq_cli import dump
+
+    dump.dump(str(data_dir), str(out), device_id=device)
+    return out
+
+
+def _messages(n: int, topic: str = "t") -> list[tuple[int, bytes]]:
+    return [(1, _message(topic, b"m%03d" % i)) for i in range(n)]
+
+
+def test_create_rows_carry_their_group_id(tmp_path) -> None:
+    """h30 #15: a GROUP create row's group_id is the group's id (its offset), as the schema
+    says; delete and idle rows name the group by filter and name only."""
+    from blipmq_server.broker import durable
+    from blipmq_server.wal import reader
+    from spark_tools.batches import segment_batches
+
+    seg = _log(tmp_path, [(2, durable.group_body(durable.CREATE, 1, "t", "g")),
+                          *_messages(2),
+                          (3, durable.ack_body(1, 3, [2])),
+                          (2, durable.group_body(durable.DELETE, 0, "t", "g"))])
+    data = seg.read_bytes()
+    (batch,) = segment_batches(data, reader.check(data, seg.name), "d", seg.name)
+    rows = batch.to_pylist()
+    assert [(r["kind"], r["group_op"], r["group_id"]) for r in rows] == [
+        ("group", "create", 1), ("message", None, None), ("message", None, None),
+        ("ack", None, 1), ("group", "delete", None)]
+
+
+def test_reads_stop_at_the_sizes_planned(tmp_path) -> None:
+    """h30 #4: one plan is one snapshot: records appended after planning (a live data
+    directory) are not read, however often the plan is read."""
+    from spark_tools.source import plan, read_pieces
+
+    seg = _log(tmp_path / "data", _messages(5))
+    groups = plan([str(tmp_path / "data")])
+    from blipmq_server.wal import record as rec
+
+    with open(seg, "ab") as f:  # the broker goes on writing
+        f.write(rec.encode(1, 6, T0 + 9000, _message("t", b"late")))
+    offsets = [o for g in groups for b in read_pieces(g) for o in b.column("offset").to_pylist()]
+    assert offsets == [1, 2, 3, 4, 5]
+
+
+def test_damage_counted_by_the_dump_becomes_rows(spark, tmp_path) -> None:
+    """h30 #5: ``wal dump`` does not copy damaged bytes but counts them in its manifest;
+    that count reaches the data as damage rows (both readers) and the export's figures."""
+    seg = _log(tmp_path / "data", _messages(20))
+    data = bytearray(seg.read_bytes())
+    data[300] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    dump = _dump(tmp_path / "data", tmp_path / "dumps" / "dev", "dev")
+    damaged = json.loads((dump / "manifest.json").read_text())["damaged_bytes"]
+    assert damaged > 0
+    for via in ("tasks", "binaryFile"):
+        path = str(dump) if via == "tasks" else f"file://{dump}"
+        rows = read_wal(spark, [path], via=via).where("kind = 'damage'").collect()
+        assert [(r.device, r.payload_size) for r in rows] == [("dev", damaged)], via
+        assert "not copied" in rows[0].problem
+    done = export(spark, ExportOptions((str(dump),), str(tmp_path / "out")))
+    assert (done.damaged_parts, done.damaged_bytes) == (1, damaged)
+    (row,) = done.aggregates["damage"]
+    assert (row["device"], row["bytes"]) == ("dev", damaged)
+
+
+def test_a_log_given_twice_or_two_logs_of_one_device_are_refused(tmp_path) -> None:
+    """h30 #6: the same dump through two paths doubled every record; two dumps naming one
+    device merged into one."""
+    from blipmq_server.errors import WalError
+    from spark_tools.source import plan
+
+    _log(tmp_path / "a", _messages(3))
+    _log(tmp_path / "b", _messages(3))
+    dumps = tmp_path / "dumps"
+    _dump(tmp_path / "a", dumps / "one", "dev")
+    _dump(tmp_path / "b", tmp_path / "other", "dev")
+    with pytest.raises(WalError, match="given twice"):
+        plan([str(dumps), str(dumps / "one")])
+    with pytest.raises(WalError, match="two logs of device 'dev'"):
+        plan([str(dumps), str(tmp_path / "other")])
+    assert len(plan([str(dumps)])) == 1
+
+
+@pytest.mark.parametrize("device_id", ["", "  ", None, "a\nb"])
+def test_a_device_id_that_names_no_device_is_refused(tmp_path, device_id) -> None:
+    """h30 #12: an empty device_id was written as __HIVE_DEFAULT_PARTITION__ (a null
+    device), after which every export into that output failed sorting devices."""
+    from blipmq_server.errors import WalError
+    from spark_tools.source import plan
+
+    _log(tmp_path / "a", _messages(3))
+    dump = _dump(tmp_path / "a", tmp_path / "dump", "dev")
+    manifest = json.loads((dump / "manifest.json").read_text())
+    manifest["device_id"] = device_id
+    (dump / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(WalError, match="device_id"):
+        plan([str(dump)])
+
+
+def test_summary_and_report_take_a_null_device() -> None:
+    """h30 #12: an output poisoned by an old export (device null) still shows."""
+    from datetime import UTC, datetime
+
+    from spark_tools import report, summary
+    from spark_tools.job import Exported
+
+    t = datetime(2026, 11, 27, 0, 40, tzinfo=UTC)
+    dev = {"messages": 1, "bytes": 1, "topics": 1, "first_seen": t, "last_seen": t}
+    traffic = {"topic": "t", "messages": 1, "bytes": 1, "size_p50": 1, "size_p95": 1,
+               "size_p99": 1}
+    grp = {"group_name": "g", "filter": "t", "published": 1, "acked": 1, "lag": 0,
+           "deleted": None}
+    agg = {"devices": [{**dev, "device": None}, {**dev, "device": "a"}],
+           "traffic": [{**traffic, "device": None}, {**traffic, "device": "a"}],
+           "rates": [{"device": None, "minute": t, "messages": 1},
+                     {"device": "a", "minute": t, "messages": 1}],
+           "sizes": [], "groups": [{**grp, "device": None}, {**grp, "device": "a"}],
+           "dead_letters": [{"device": None, "topic": "t", "reason": "r", "messages": 1},
+                            {"device": "a", "topic": "t", "reason": "r", "messages": 1}],
+           "damage": []}
+    done = Exported(2, 0, 0, 2, agg)
+    summary.show(done, "out")
+    assert "device" in report.render(done)
+
+
+def test_load_takes_a_list_of_paths_and_paths_with_commas(spark, tmp_path) -> None:
+    """h30 #9: ``load([a, b])`` passes a JSON array in ``paths``; it was split on commas,
+    as was one path holding a comma."""
+    _log(tmp_path / "a", _messages(3))
+    _log(tmp_path / "b", _messages(4))
+    a = _dump(tmp_path / "a", tmp_path / "x,y" / "one", "one")
+    b = _dump(tmp_path / "b", tmp_path / "two", "two")
+    both = spark.read.format("blipmq-wal").load([str(a), str(b)])
+    assert both.where("kind = 'message'").count() == 7
+    assert spark.read.format("blipmq-wal").load(str(a)).count() == 3
+    assert spark.read.format("blipmq-wal").load(str(tmp_path / "x,y")).count() == 3
+    assert read_wal(spark, [str(a), str(b)], via="source").count() == 7
+
+
+def test_binary_file_path_skips_files_not_named_after_an_offset(spark, tmp_path) -> None:
+    """h30 #10: a copy ``...1.bak.seg`` beside its segment was read twice by the binaryFile
+    path (hdfs://, s3a://); the local reader reports it and does not read it."""
+    seg = _log(tmp_path / "d0", _messages(10))
+    shutil.copy(seg, seg.with_name(seg.stem + ".bak.seg"))
+    got = {}
+    for via in ("tasks", "binaryFile"):
+        df = read_wal(spark, [f"file://{tmp_path / 'd0'}"], via=via)
+        got[via] = sorted((r.kind, r.segment, r.problem) for r in df.where(
+            "kind = 'damage' OR offset = 1").collect())
+        assert df.where("kind = 'message'").count() == 10, via
+    assert got["tasks"] == got["binaryFile"]
+    assert any(p and "not named after an offset" in p for _, _, p in got["binaryFile"])
