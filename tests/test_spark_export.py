@@ -9,6 +9,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from conftest import kill_brokers, launch_broker
 from fleet import CONFIG, Published, drive
@@ -515,3 +516,80 @@ def test_binary_file_path_skips_files_not_named_after_an_offset(spark, tmp_path)
         assert df.where("kind = 'message'").count() == 10, via
     assert got["tasks"] == got["binaryFile"]
     assert any(p and "not named after an offset" in p for _, _, p in got["binaryFile"])
+
+
+def test_a_re_export_replaces_every_aggregate_of_the_device(spark, tmp_path) -> None:
+    """h30 #3: the device's old damage, groups and dead letters stayed after a re-export
+    from a clean dump (dynamic overwrite replaces only the partitions written); also #16:
+    what a killed export left (``.spark-staging-*``) is cleaned up by the next one, and #13:
+    timestamps are Parquet INT64 microseconds marked UTC, not INT96."""
+    import pyarrow.parquet as pq
+
+    from blipmq_server.broker import durable
+
+    seg = _log(tmp_path / "bad", [(2, durable.group_body(durable.CREATE, 1, "t", "g")),
+                                  *_messages(20)])
+    data = bytearray(seg.read_bytes())
+    data[500] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    _log(tmp_path / "good", _messages(5))
+    _log(tmp_path / "other", [(2, durable.group_body(durable.CREATE, 1, "t", "h")),
+                              *_messages(2)])
+    bad = _dump(tmp_path / "bad", tmp_path / "bad-dump", "dev")
+    good = _dump(tmp_path / "good", tmp_path / "good-dump", "dev")
+    other = _dump(tmp_path / "other", tmp_path / "other-dump", "other")
+    out = tmp_path / "out"
+    first = export(spark, ExportOptions((str(bad), str(other)), str(out)))
+    assert {r["device"] for r in first.aggregates["damage"]} == {"dev"}
+    assert {r["device"] for r in first.aggregates["groups"]} == {"dev", "other"}
+    left = [out / "records" / ".spark-staging-0f0f", out / "aggregates" / "traffic" /
+            ".spark-staging-1e1e"]
+    for path in left:  # as an export killed while writing leaves them
+        (path / "device=dev").mkdir(parents=True)
+    again = export(spark, ExportOptions((str(good),), str(out)))
+    assert again.aggregates["damage"] == []
+    assert {r["device"] for r in again.aggregates["groups"]} == {"other"}
+    assert {(r["device"], r["messages"]) for r in again.aggregates["devices"]} == {
+        ("dev", 5), ("other", 2)}
+    assert not any(path.exists() for path in left)
+    assert not list(out.rglob(".replaced-*"))
+    one = next((out / "records").rglob("*.parquet"))
+    assert pq.read_schema(one).field("timestamp").type == pa.timestamp("us", tz="UTC")
+
+
+def test_times_read_back_are_utc_whatever_the_local_zone(spark, tmp_path, monkeypatch) -> None:
+    """h30 #8: ``collect`` gives naive local times; the report labelled them UTC."""
+    import time
+    from datetime import UTC, datetime
+
+    from spark_tools import report
+    from spark_tools.job import read_back
+
+    _log(tmp_path / "a", _messages(3))
+    dump = _dump(tmp_path / "a", tmp_path / "dump", "dev")
+    export(spark, ExportOptions((str(dump),), str(tmp_path / "out")))
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        agg = read_back(spark, str(tmp_path / "out"))
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    (dev,) = agg["devices"]
+    assert dev["first_seen"] == datetime(2026, 11, 27, 0, 40, tzinfo=UTC)
+    assert report.line_chart({"dev": [(r["minute"], r["messages"]) for r in agg["rates"]]},
+                             "m").count("2026-11-27 00:40 UTC") == 1
+    assert report.when(dev["last_seen"]) == "2026-11-27 00:40:02 UTC"
+
+
+def test_a_failed_job_says_its_root_cause(spark, tmp_path) -> None:
+    """h30 #11: the first line of a Py4JJavaError is "An error occurred while calling
+    o99.parquet."; the cause is at the end of the Java exception chain."""
+    from spark_tools.job import first_line
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(Exception) as caught:
+        spark.range(1).write.parquet(str(tmp_path / "file" / "out"))
+    line = first_line(caught.value)
+    assert "An error occurred while calling" not in line
+    assert "not a directory" in line.lower() or "mkdirs" in line.lower(), line
