@@ -7,7 +7,8 @@ Output under ``--output``::
                                                   dead_letters, damage (analytics.ALL)
 
 Both are written with dynamic partition overwrite: re-exporting one device replaces its
-partitions and leaves the other devices' alone. The summary and the report are made from
+partitions and leaves the other devices' alone; a device's aggregates are replaced whole,
+also where it has no row any more (``output.py``). The summary and the report are made from
 the aggregates read back from ``--output`` (so they show the whole fleet exported there).
 
 The master: ``--master`` if given; under ``spark-submit`` the submitter's; else local
