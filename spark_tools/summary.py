@@ -47,9 +47,9 @@ def show(done: Any, output: str, top: int = 15) -> None:
                          [[t, n, b] for t, (n, b) in ranked]))
     groups = sorted(agg["groups"], key=lambda r: (r["device"] or "", r["group_name"] or ""))
     console.print(_table("Consumer groups", ["device", "group", "filter", "published", "acked",
-                                             "lag"],
+                                             "lag", "deleted (UTC)"],
                          [[r["device"], r["group_name"], r["filter"], r["published"],
-                           r["acked"], r["lag"]] for r in groups]))
+                           r["acked"], r["lag"], r.get("deleted") or ""] for r in groups]))
     if agg["dead_letters"]:
         console.print(_table("Dead letters", ["device", "topic", "reason", "messages"],
                              [[r["device"], r["topic"], r["reason"], r["messages"]]
