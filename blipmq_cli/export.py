@@ -3,7 +3,8 @@
 This module checks what it can without Spark (the inputs hold logs, the spark extra and
 Java are installed, a ``spark://`` master answers) so that each problem is one line with
 what to do and a documented exit code; only then does it import ``spark_tools.job``, which
-does the work. Exit codes: 2 bad input (missing, empty or foreign directory, bad option),
+does the work. Exit codes: 2 bad input (missing, empty or foreign directory, a log given
+twice, two logs of one device, an --output or --report that cannot be written, bad option),
 3 the master is unreachable, 10 the spark extra or Java is missing, 11 the Spark job
 failed (its first error line is printed; Spark's log is in a file named on stderr).
 """
@@ -36,11 +37,25 @@ class Refused(BlipError):
 
 
 def check_inputs(paths: list[str]) -> None:
+    from spark_tools import devices  # stdlib and wal.reader only: no Spark yet
+
     for path in paths:
         try:
             reader.find_logs(path)
         except BlipError as exc:
             raise Refused(str(exc), Exit.USAGE) from None
+    try:  # each log once, one log per device, device ids that can name a partition
+        devices.logs(paths)
+    except BlipError as exc:
+        raise Refused(str(exc), Exit.USAGE) from None
+
+
+def check_targets(output: str, report: str | None) -> None:
+    from spark_tools import targets  # stdlib only: no Spark yet
+
+    why = targets.output_problem(output) or (report and targets.report_problem(report))
+    if why:
+        raise Refused(why, Exit.USAGE)
 
 
 def check_extra() -> None:
@@ -107,6 +122,7 @@ def run(dumps: list[str], output: str | None, master: str | None, conf: list[str
             return Exit.OK
         check_java()
         check_inputs(dumps)
+        check_targets(output, report)
         check_master(master)
     except Refused as exc:
         commands.say(str(exc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.window import Window
 
 PERCENTILES = [0.5, 0.95, 0.99]
 
@@ -85,11 +86,25 @@ def filter_matches(filter_col: str, topic_col: str) -> Column:
     return F.expr(expr)
 
 
-def groups(records: DataFrame) -> DataFrame:
-    """Consumer health per device and durable group: messages published to it since it was
-    created, offsets acked (dead-lettered ones included, as the log records them), and the
-    lag at dump time: matching messages at or above its ack floor that were not acked."""
-    g = records.where(F.col("kind") == "group")
+def instances(records: DataFrame) -> DataFrame:
+    """Each durable group instance (device, group_id: the offset of its create record, or
+    the id its checkpoints carry when the create is gone) with its filter, name, start,
+    creation time and, if deleted, the offset and time of its deletion. A DELETE record
+    names a group by filter and name only: it ends the instance of that name live then (the
+    latest create or checkpoint before it), so a name deleted and created again is two
+    instances, each with its own deletion or none."""
+    g = records.where((F.col("kind") == "group")
+                      & F.col("group_op").isin("create", "checkpoint", "delete"))
+    owner = F.when(F.col("group_op") == "create", F.col("offset")).when(
+        F.col("group_op") == "checkpoint", F.col("group_id"))
+    order = (Window.partitionBy("device", "topic", "group_name").orderBy("offset")
+             .rowsBetween(Window.unboundedPreceding, -1))
+    deletes = (g.withColumn("_owner", owner)
+               .withColumn("_live", F.last("_owner", ignorenulls=True).over(order))
+               .where((F.col("group_op") == "delete") & F.col("_live").isNotNull())
+               .groupBy("device", F.col("_live").alias("group_id"))
+               .agg(F.min("offset").alias("deleted_offset"),
+                    F.min("timestamp").alias("deleted")))
     created = (g.where(F.col("group_op") == "create")
                .select("device", F.col("offset").alias("group_id"),
                        F.col("topic").alias("filter"), "group_name",
@@ -102,10 +117,16 @@ def groups(records: DataFrame) -> DataFrame:
     known = (created.unionByName(anchored).groupBy("device", "group_id")
              .agg(F.first("filter").alias("filter"), F.first("group_name").alias("group_name"),
                   F.min("start").alias("start"), F.min("created").alias("created")))
-    deleted = (g.where(F.col("group_op") == "delete")
-               .select("device", F.col("topic").alias("filter"), "group_name",
-                       F.col("timestamp").alias("deleted")))
-    acks = records.where(F.col("kind").isin("ack") | (F.col("group_op") == "checkpoint"))
+    return known.join(deletes, ["device", "group_id"], "left")
+
+
+def groups(records: DataFrame) -> DataFrame:
+    """Consumer health per device and durable group instance: messages published to it from
+    its creation to its deletion (if any), offsets acked (dead-lettered ones included, as the
+    log records them), and the lag at dump time: matching messages at or above its ack floor
+    that were not acked (0 for a deleted group: nothing waits for it any more)."""
+    known = instances(records)
+    acks = records.where((F.col("kind") == "ack") | (F.col("group_op") == "checkpoint"))
     acked = (acks.select("device", "group_id", F.explode("acked").alias("acked_offset"))
              .distinct())
     floors = (records.where(F.col("kind") == "ack").groupBy("device", "group_id")
@@ -113,10 +134,14 @@ def groups(records: DataFrame) -> DataFrame:
     msgs = messages(records).select("device", "topic", "offset")
     matched = (msgs.alias("m").join(F.broadcast(known.alias("k")), on="device")
                .where(filter_matches("k.filter", "m.topic")
-                      & (F.col("m.offset") >= F.col("k.start")))
-               .select("device", "group_id", F.col("m.offset").alias("msg_offset")))
+                      & (F.col("m.offset") >= F.col("k.start"))
+                      & (F.col("k.deleted_offset").isNull()
+                         | (F.col("m.offset") < F.col("k.deleted_offset"))))
+               .select("device", "group_id", F.col("m.offset").alias("msg_offset"),
+                       F.col("k.deleted_offset").alias("deleted_offset")))
     published = matched.groupBy("device", "group_id").agg(F.count("*").alias("published"))
-    pending = (matched.join(floors, ["device", "group_id"], "left")
+    pending = (matched.where(F.col("deleted_offset").isNull())
+               .join(floors, ["device", "group_id"], "left")
                .where(F.col("floor").isNull() | (F.col("msg_offset") >= F.col("floor")))
                .join(acked.withColumnRenamed("acked_offset", "msg_offset"),
                      ["device", "group_id", "msg_offset"], "left_anti")
@@ -125,7 +150,6 @@ def groups(records: DataFrame) -> DataFrame:
     return (known.join(published, ["device", "group_id"], "left")
             .join(n_acked, ["device", "group_id"], "left")
             .join(pending, ["device", "group_id"], "left")
-            .join(deleted, ["device", "filter", "group_name"], "left")
             .select("device", "group_id", "filter", "group_name", "start", "created", "deleted",
                     F.coalesce("published", F.lit(0)).alias("published"),
                     F.coalesce("acked", F.lit(0)).alias("acked"),

@@ -46,7 +46,7 @@ SCHEMA = pa.schema([
     ("dead_reason", pa.string()),
     ("group_name", pa.string()),
     ("group_op", pa.string()),  # create | delete | idle | checkpoint
-    ("group_id", pa.int64()),  # ACK and CHECKPOINT: the group's id (its create offset)
+    ("group_id", pa.int64()),  # CREATE, CHECKPOINT, ACK: the group's id (its create offset)
     ("group_start", pa.int64()),  # CREATE and CHECKPOINT: the next offset the group reads
     ("ack_floor", pa.int64()),
     ("acked", pa.list_(pa.int64())),  # ACK: offsets acked; CHECKPOINT: acked above start
@@ -128,7 +128,7 @@ def _batch(data: bytes, buf: np.ndarray, whole: pa.Buffer, pos: np.ndarray, devi
             dead = None
         if dead is not None:
             dead_n[i], dead_why[i] = dead.deliveries, dead.reason
-    groups = _groups(data, pos, kind)
+    groups = _groups(data, pos, kind, head["f1"])
     topic = topic.cast(pa.string()) if _utf8(topic) else _decode(topic)
     if groups["filter"].null_count != n:  # GROUP records name their filter in the topic
         topic = pc.coalesce(groups["filter"], topic)
@@ -183,9 +183,12 @@ def _decode(values: pa.Array) -> pa.Array:
                      for v in values.to_pylist()], pa.string())
 
 
-def _groups(data: bytes, pos: np.ndarray, kind: np.ndarray) -> dict[str, pa.Array]:
+def _groups(data: bytes, pos: np.ndarray, kind: np.ndarray, offsets: np.ndarray
+            ) -> dict[str, pa.Array]:
     """The group columns, and the filter of GROUP records (for the topic column), decoded
-    by the broker's own readers."""
+    by the broker's own readers. A group's id is its create record's offset: a create row
+    carries it; delete and idle rows name the group by filter and name only (they apply to
+    the instance of that name live then, ``analytics.instances``)."""
     n = len(pos)
     others = np.flatnonzero((kind == _GROUP) | (kind == _ACK))
     name: list[str | None] = [None] * n
@@ -204,9 +207,11 @@ def _groups(data: bytes, pos: np.ndarray, kind: np.ndarray) -> dict[str, pa.Arra
                 start[i] = g.start if g.op in (durable.CREATE, durable.CHECKPOINT) else None
                 if g.op == durable.CHECKPOINT:
                     gid[i], acked[i] = g.group_id, list(g.acked)
+                elif g.op == durable.CREATE:
+                    gid[i] = int(offsets[i])
             else:
-                gid[i], floor[i], offsets = durable.parse_ack(body)
-                acked[i] = list(offsets)
+                gid[i], floor[i], ack_offsets = durable.parse_ack(body)
+                acked[i] = list(ack_offsets)
         except (struct.error, UnicodeDecodeError):
             continue  # valid CRC, unreadable body: the row keeps its kind and offset
     return {"group_name": pa.array(name, pa.string()), "group_op": pa.array(op, pa.string()),

@@ -7,7 +7,8 @@ Output under ``--output``::
                                                   dead_letters, damage (analytics.ALL)
 
 Both are written with dynamic partition overwrite: re-exporting one device replaces its
-partitions and leaves the other devices' alone. The summary and the report are made from
+partitions and leaves the other devices' alone; a device's aggregates are replaced whole,
+also where it has no row any more (``output.py``). The summary and the report are made from
 the aggregates read back from ``--output`` (so they show the whole fleet exported there).
 
 The master: ``--master`` if given; under ``spark-submit`` the submitter's; else local
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -25,11 +27,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from spark_tools import analytics
+from spark_tools.output import Output
 from spark_tools.source import read_wal
 
 LOG4J = """\
@@ -90,6 +94,9 @@ def session(master: str | None, conf: tuple[tuple[str, str], ...], log_conf: str
         "spark.driver.extraJavaOptions": java_opts,
         "spark.executor.extraJavaOptions": java_opts,
         "spark.sql.parquet.compression.codec": "zstd",
+        # timestamps as Parquet's INT64 microseconds marked UTC, which every reader knows
+        # (INT96, Spark's default, reads back naive, and far dates wrong, outside Spark)
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
         "spark.sql.shuffle.partitions": str(max(4, 2 * (os.cpu_count() or 1))),
     }
     if (master or "local").startswith("local"):
@@ -127,11 +134,18 @@ def export(spark: SparkSession, opts: ExportOptions) -> Exported:
     the payloads cost more than decoding twice (docs/PERFORMANCE.md, the phases)."""
     timings: dict[str, float] = {}
     clock = _Clock(timings)
+    out = Output(spark, opts.output)
+    out.clean()  # what a killed export left there
     source = read_wal(spark, list(opts.inputs), opts.partition_bytes, opts.via)
     records = source.drop("key", "payload").cache()
     try:
-        counts = {r["kind"]: (r["n"], r["b"]) for r in records.groupBy("kind").agg(
-            F.count("*").alias("n"), F.sum("payload_size").alias("b")).collect()}
+        counts: dict[str, tuple[int, int]] = {}
+        exported: set[str] = set()
+        for r in records.groupBy("kind", "device").agg(
+                F.count("*").alias("n"), F.sum("payload_size").alias("b")).collect():
+            n, b = counts.get(r["kind"], (0, 0))
+            counts[r["kind"]] = (n + r["n"], b + (r["b"] or 0))
+            exported.add(r["device"])
         clock.lap("decode and cache")
         if not sum(n for kind, (n, _) in counts.items() if kind != "damage"):
             from blipmq_server.errors import WalError  # damage only is no record either
@@ -143,10 +157,17 @@ def export(spark: SparkSession, opts: ExportOptions) -> Exported:
         write_records(source, os.path.join(opts.output, "records"))
         clock.lap("records")
         for name, fn in analytics.ALL.items():
-            if name == "groups" and "group" not in counts:
-                continue  # no GROUP record, no group: nothing to write (its joins cost seconds)
-            fn(records).write.mode("overwrite").partitionBy("device").parquet(
-                os.path.join(opts.output, "aggregates", name))
+            # a device's aggregate is replaced whole, also where it has no row any more
+            table = os.path.join("aggregates", name)
+            moved = out.set_aside(table, sorted(exported))
+            try:
+                if name != "groups" or "group" in counts:  # no GROUP record, no group (and
+                    fn(records).write.mode("overwrite").partitionBy("device").parquet(
+                        os.path.join(opts.output, table))  # its joins cost seconds)
+            except BaseException:
+                out.restore(table, moved)
+                raise
+            out.drop(table)
             clock.lap(name)
     finally:
         records.unpersist()
@@ -181,16 +202,31 @@ def write_records(records: DataFrame, path: str) -> None:
 
 
 def read_back(spark: SparkSession, output: str) -> dict[str, list[dict]]:
+    """The aggregates under ``output``; timestamps as aware UTC datetimes (``collect`` would
+    give naive ones in this process's local time zone)."""
     out = {}
     for name in analytics.ALL:
         path = os.path.join(output, "aggregates", name)
         try:
-            out[name] = [r.asDict() for r in spark.read.parquet(path).collect()]
+            df = spark.read.parquet(path)
         except Exception as exc:  # an aggregate with no rows has no files
             if "UNABLE_TO_INFER_SCHEMA" not in str(exc) and "PATH_NOT_FOUND" not in str(exc):
                 raise
             out[name] = []
+            continue
+        stamps = [f.name for f in df.schema.fields if f.dataType.typeName() == "timestamp"]
+        df = df.select(*[F.unix_micros(c).alias(c) if c in stamps else F.col(c)
+                         for c in df.columns])
+        out[name] = [{k: _utc(v) if k in stamps else v for k, v in r.asDict().items()}
+                     for r in df.collect()]
     return out
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _utc(micros: int | None) -> datetime | None:
+    return None if micros is None else _EPOCH + timedelta(microseconds=micros)
 
 
 class _Progress:
@@ -238,7 +274,9 @@ def main(opts: ExportOptions, say: Callable[[str], None] | None = None) -> int:
 
     say = say or cli_say
     log_conf = spark_log()
-    log_file = os.path.join(os.path.dirname(log_conf), "spark.log")
+    where = os.path.dirname(log_conf)
+    log_file = os.path.join(where, "spark.log")
+    keep = True  # Spark's log stays where a failure names it; else it goes with the run
     try:
         spark = session(opts.master, opts.conf, log_conf)
     except Exception as exc:
@@ -251,11 +289,19 @@ def main(opts: ExportOptions, say: Callable[[str], None] | None = None) -> int:
         if opts.report:
             from spark_tools import report
 
-            report.write(opts.report, done)
+            try:
+                report.write(opts.report, done)
+            except OSError as exc:
+                say(f"exported, but the report was not written: {opts.report}: "
+                    f"{exc.strerror or exc}")
+                keep = False
+                return Exit.USAGE
             say(f"report written to {opts.report}")
+        keep = False
         return Exit.OK
     except BlipError as exc:
         say(str(exc))
+        keep = False
         return Exit.USAGE
     except KeyboardInterrupt:
         return Exit.INTERRUPTED
@@ -264,8 +310,34 @@ def main(opts: ExportOptions, say: Callable[[str], None] | None = None) -> int:
         return Exit.JOB_FAILED
     finally:
         spark.stop()
+        if not keep:
+            shutil.rmtree(where, ignore_errors=True)
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    """One line saying why: the root cause of a Java exception (a Py4JJavaError's first line
+    is only "An error occurred while calling o99.parquet"), the last line of a Python
+    worker's traceback, else the exception's first line."""
+    text = _root_cause(exc) or str(exc).strip() or type(exc).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "Traceback (most recent call last)" in text:  # a Python worker's: the error is last
+        return lines[-1][:300]
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
+def _root_cause(exc: BaseException) -> str | None:
+    java = getattr(exc, "java_exception", None) or getattr(exc, "_origin", None)
+    if java is None:
+        return None
+    try:
+        root = java
+        for _ in range(100):  # a cause chain may loop
+            cause = root.getCause()
+            if cause is None or cause.equals(root):
+                break
+            root = cause
+        message = root.getMessage()
+        name = root.getClass().getName()
+    except Exception:  # the JVM is gone: what Python has will do
+        return None
+    return f"{message}" if message else name

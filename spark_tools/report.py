@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 from collections import defaultdict
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 W, H, PAD = 760, 260, 48
@@ -34,7 +34,18 @@ def _axes(ymax: float, label: str) -> list[str]:
     return out
 
 
+def utc(t: datetime) -> datetime:
+    """``t`` in UTC (a naive time is taken as UTC already, as the export's session has it)."""
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+def when(t: object) -> str:
+    """A time as the report and the summary show it: UTC, and saying so."""
+    return utc(t).strftime("%Y-%m-%d %H:%M:%S UTC") if isinstance(t, datetime) else str(t)
+
+
 def line_chart(series: dict[str, list[tuple[datetime, int]]], label: str) -> str:
+    series = {d: [(utc(t), v) for t, v in pts] for d, pts in series.items()}
     points = [p for s in series.values() for p in s]
     if not points:
         return "<p>No messages.</p>"
@@ -43,7 +54,7 @@ def line_chart(series: dict[str, list[tuple[datetime, int]]], label: str) -> str
     span = max(t1 - t0, 60.0)
     ymax = max(v for _, v in points) or 1
     out = _axes(ymax, label)
-    for i, (device, pts) in enumerate(sorted(series.items())):
+    for i, (device, pts) in enumerate(sorted(series.items(), key=lambda d: d[0] or "")):
         colour = COLOURS[i % len(COLOURS)]
         xy = [(PAD + (t.timestamp() - t0) / span * (W - PAD - 20),
                H - PAD - v / ymax * (H - PAD - 10)) for t, v in sorted(pts)]
@@ -53,7 +64,7 @@ def line_chart(series: dict[str, list[tuple[datetime, int]]], label: str) -> str
         out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>' for x, y in xy]
         out.append(f'<text x="{W - 12}" y="{20 + 14 * i}" class="legend" text-anchor="end" '
                    f'fill="{colour}">{_esc(device)}</text>')
-    start = datetime.fromtimestamp(t0).strftime("%Y-%m-%d %H:%M")
+    start = datetime.fromtimestamp(t0, UTC).strftime("%Y-%m-%d %H:%M")
     out.append(f'<text x="{PAD}" y="{H - PAD + 18}" class="tick">{_esc(start)} UTC</text>')
     return _svg(out)
 
@@ -93,6 +104,8 @@ def _fmt(v: object) -> str:
         return f"{v:,}"
     if isinstance(v, float):
         return f"{v:,.1f}"
+    if isinstance(v, datetime):
+        return when(v)
     return "" if v is None else str(v)
 
 
@@ -103,16 +116,18 @@ def render(done: Any) -> str:
         per_minute[r["device"]].append((r["minute"], r["messages"]))
     topics: dict[str, int] = defaultdict(int)
     for r in agg["traffic"]:
-        topics[r["topic"]] += r["messages"]
+        topics[r["topic"] or ""] += r["messages"]
     top = sorted(topics.items(), key=lambda t: (-t[1], t[0]))[:12]
     buckets: dict[int, int] = defaultdict(int)
     for r in agg["sizes"]:
         buckets[r["size_up_to"]] += r["messages"]
     sizes = [(f"≤{b:,} B", n) for b, n in sorted(buckets.items())]
+    # a device of None: an output written before device ids were checked (h30 #12)
     lag = [(f"{r['device']}/{r['group_name']}", r["lag"]) for r in
-           sorted(agg["groups"], key=lambda r: (r["device"], r["group_name"] or ""))]
-    devices = sorted(agg["devices"], key=lambda r: r["device"])
-    traffic = sorted(agg["traffic"], key=lambda r: (-r["messages"], r["device"], r["topic"]))
+           sorted(agg["groups"], key=lambda r: (r["device"] or "", r["group_name"] or ""))]
+    devices = sorted(agg["devices"], key=lambda r: r["device"] or "")
+    traffic = sorted(agg["traffic"], key=lambda r: (-r["messages"], r["device"] or "",
+                                                    r["topic"] or ""))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>BlipMQ fleet report</title>
 <style>
@@ -131,7 +146,7 @@ th {{ background: #edf2f7; }} td:first-child {{ text-align: left; }}
 <span><b>{done.rows:,}</b> records exported</span>
 <span><b>{sum(topics.values()):,}</b> messages</span>
 <span><b>{done.damaged_parts}</b> damaged part(s) skipped ({done.damaged_bytes:,} bytes)</span></p>
-<h2>Fleet traffic over time (messages per minute)</h2>{line_chart(per_minute, "messages")}
+<h2>Fleet traffic over time (messages per minute, UTC)</h2>{line_chart(per_minute, "messages")}
 <h2>Top topics</h2>{bar_chart(top, "messages")}
 <h2>Payload sizes</h2>{bar_chart(sizes, "messages")}
 <h2>Consumer lag at dump time</h2>{bar_chart(lag, "messages not acked")}

@@ -1,12 +1,13 @@
 """The ``blipmq-wal`` PySpark data source: dumps and data directories as a DataFrame.
 
 ``spark.read.format("blipmq-wal").load(path)``, or in SQL
-``CREATE TEMPORARY VIEW w USING `blipmq-wal` OPTIONS (path '...')``. ``path`` (or ``paths``,
-comma-separated) is a dump, a directory of dumps, a data directory or a segment file. One
-input partition per segment, or per group of small segments of about ``partitionBytes``
-(default 64 MiB). Each task reads its files, checks them with the log's code and yields
-Arrow record batches (``batches.py``). A device is named by its dump's manifest, else by the
-directory holding the log.
+``CREATE TEMPORARY VIEW w USING `blipmq-wal` OPTIONS (path '...')``. ``path`` (one path), or
+``paths`` (``load([a, b])``'s JSON array, or comma-separated) is a dump, a directory of
+dumps, a data directory or a segment file. One input partition per segment, or per group
+of small segments of about ``partitionBytes`` (default 64 MiB), each read up to its size
+when planned. Each task reads its files, checks them with the log's code and yields Arrow
+record batches (``batches.py``). A device is named by its dump's manifest, else by the
+directory holding the log (``devices.py``: one log per device, each log once).
 
 Paths a plain Python reader cannot open (``hdfs://``, ``s3a://``, ...) go through Spark's
 ``binaryFile`` source and ``mapInArrow`` with the same decoder (``read_wal`` picks).
@@ -21,10 +22,13 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from blipmq_server.errors import WalError
 from blipmq_server.wal import reader
+from blipmq_server.wal.segment import offset_named
+from spark_tools import devices
 from spark_tools.batches import SCHEMA, damage_batch, segment_batches
 
 NAME = "blipmq-wal"
@@ -47,6 +51,9 @@ class Piece:
     crc: int | None = None  # a dump segment's CRC-32C in its manifest (checked when read)
     notes: tuple[reader.Missing, ...] = ()  # damage known without reading (a lost segment)
     skip: bool = False  # nothing to read: a missing segment, a file that is not a segment
+    # bytes to read, pinned when planned: every read of one plan (the export decodes twice)
+    # sees the same bytes of a log that is still being written. None: the whole file.
+    size: int | None = None
 
 
 class Files(InputPartition):
@@ -55,43 +62,66 @@ class Files(InputPartition):
         self.pieces = pieces
 
 
-def device_of(log: reader.LogFiles) -> str:
-    if log.dump:
+def dump_damage(log: reader.LogFiles) -> list[reader.Missing]:
+    """The damage ``blipmq wal dump`` met on the device and did not copy, as its manifest
+    counts it: one note per segment (``damaged_bytes``), and the rest of the dump's total
+    if the segments' add up to less."""
+    if not log.dump:
+        return []
+    manifest, _ = reader.load_manifest(log.root)
+    return manifest_damage(manifest) if manifest is not None else []
+
+
+def manifest_damage(manifest: dict) -> list[reader.Missing]:
+    out: list[reader.Missing] = []
+    listed = 0
+    for entry in manifest.get("segments", []):
         try:
-            with open(os.path.join(log.root, reader.MANIFEST), encoding="utf-8") as f:
-                return str(json.load(f)["device_id"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    root = os.path.abspath(log.root)
-    if os.path.isfile(root):  # a lone segment: name it after its directory's owner
-        root = os.path.dirname(root)
-        if os.path.basename(root) == reader.WAL_DIR:
-            root = os.path.dirname(root)
-    return os.path.basename(root.rstrip("/")) or "unknown"
+            name, n = str(entry["name"]), int(entry.get("damaged_bytes") or 0)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if n > 0:
+            listed += n
+            out.append(reader.Missing(name, n, DUMPED_DAMAGE.format(n=n)))
+    try:
+        rest = int(manifest.get("damaged_bytes") or 0) - listed
+    except (TypeError, ValueError):
+        rest = 0
+    if rest > 0:
+        out.append(reader.Missing(reader.MANIFEST, rest, DUMPED_DAMAGE.format(n=rest)))
+    return out
+
+
+DUMPED_DAMAGE = ("damaged on the device: {n:,} bytes not copied by blipmq wal dump "
+                 "(counted in the dump's manifest)")
 
 
 def plan(paths: list[str], partition_bytes: int = PARTITION_BYTES) -> list[list[Piece]]:
-    """Segments grouped into partitions of about ``partition_bytes`` (never split)."""
+    """Segments grouped into partitions of about ``partition_bytes`` (never split), each
+    with its size now: reads stop there. Refuses (WalError) a log given twice and two logs
+    of one device (``devices.logs``)."""
     groups: list[list[Piece]] = []
     current: list[Piece] = []
     size = 0
-    for path in paths:
-        for log in reader.find_logs(path):
-            device = device_of(log)
-            problems, crcs = reader.log_problems(log)
-            where = os.path.dirname(log.segments[0]) if log.segments else log.root
-            if problems:  # rows of their own, read with the first partition
-                current.append(Piece(device, os.path.join(where, "-"), False,
-                                     notes=tuple(problems), skip=True))
-            for i, seg in enumerate(log.segments):
-                seg_size = os.path.getsize(seg) if os.path.exists(seg) else 0
-                if current and size + seg_size > partition_bytes:
-                    groups.append(current)
-                    current, size = [], 0
-                name = os.path.basename(seg)
-                current.append(Piece(device, seg, not log.dump and i == len(log.segments) - 1,
-                                     crc=(crcs or {}).get(name)))
-                size += seg_size
+    for device, log in devices.logs(paths):
+        problems, crcs = reader.log_problems(log)
+        problems += dump_damage(log)
+        where = os.path.dirname(log.segments[0]) if log.segments else log.root
+        if problems:  # rows of their own, read with the first partition
+            current.append(Piece(device, os.path.join(where, "-"), False,
+                                 notes=tuple(problems), skip=True))
+        for i, seg in enumerate(log.segments):
+            try:
+                seg_size = os.path.getsize(seg)
+            except OSError:  # gone meanwhile (retention): reading it says nothing
+                seg_size = 0
+            if current and size + seg_size > partition_bytes:
+                groups.append(current)
+                current, size = [], 0
+            name = os.path.basename(seg)
+            current.append(Piece(device, seg, not log.dump and i == len(log.segments) - 1,
+                                 crc=(crcs or {}).get(name), size=seg_size))
+            size += seg_size
     if current:
         groups.append(current)
     return groups
@@ -110,7 +140,7 @@ def read_pieces(pieces: list[Piece]) -> Iterator[pa.RecordBatch]:
             continue
         try:
             with open(piece.path, "rb") as f:
-                data = f.read()
+                data = f.read() if piece.size is None else f.read(piece.size)
         except FileNotFoundError:
             continue
         checked = reader.check(data, name, open_tail=piece.open_tail)
@@ -132,8 +162,8 @@ class WalReader(DataSourceReader):
 
 
 class WalSource(DataSource):
-    """``format("blipmq-wal")``: options ``path`` or ``paths`` (comma-separated), and
-    ``partitionBytes``."""
+    """``format("blipmq-wal")``: options ``path`` (one path) or ``paths`` (a JSON array, as
+    ``load([a, b])`` gives it, or comma-separated), and ``partitionBytes``."""
 
     @classmethod
     def name(cls) -> str:
@@ -144,12 +174,27 @@ class WalSource(DataSource):
 
     def reader(self, schema: object) -> DataSourceReader:
         opts = self.options
-        raw = opts.get("paths") or opts.get("path") or ""
-        paths = [p for p in raw.split(",") if p]
+        paths = option_paths(opts.get("path"), opts.get("paths"))
         if not paths:
             raise WalError("blipmq-wal: give a path (load(path) or option path)")
         size = int(opts.get("partitionBytes", PARTITION_BYTES))
         return WalReader([local(p) for p in paths], size)
+
+
+def option_paths(path: str | None, paths: str | None) -> list[str]:
+    """The paths of the options: ``path`` is one path (commas and all); ``paths`` is what
+    ``load([a, b])`` passes (a JSON array), else a comma-separated list."""
+    out = [path] if path else []
+    if paths:
+        try:
+            listed = json.loads(paths)
+        except ValueError:
+            listed = None
+        if isinstance(listed, list) and all(isinstance(p, str) for p in listed):
+            out += listed
+        else:
+            out += [p for p in paths.split(",") if p]
+    return out
 
 
 def local(path: str) -> str:
@@ -170,7 +215,7 @@ def read_wal(spark: SparkSession, paths: list[str], partition_bytes: int = PARTI
     if via == "auto":
         via = "tasks" if all(is_local(p) for p in paths) else "binaryFile"
     if via == "source":
-        return (spark.read.format(NAME).option("paths", ",".join(paths))
+        return (spark.read.format(NAME).option("paths", json.dumps(paths))
                 .option("partitionBytes", str(partition_bytes)).load())
     if via == "tasks":
         groups = plan([local(p) for p in paths], partition_bytes)
@@ -180,9 +225,17 @@ def read_wal(spark: SparkSession, paths: list[str], partition_bytes: int = PARTI
         return ids.mapInArrow(_Tasks(groups), DDL)
     files = (spark.read.format("binaryFile").option("pathGlobFilter", "*.seg")
              .option("recursiveFileLookup", "true").load(paths))
-    notes, crcs, sealed = _audit_remote(spark, paths,
-                                        files.select("path", "length").collect())
-    decoded = files.select("path", "content").mapInArrow(_DecodeFiles(crcs, sealed), DDL)
+    listing = [(r["path"], r["length"]) for r in files.select("path", "length").collect()]
+    _distinct(listing)
+    # files not named after an offset are not of the log (reader.STRAY): reported, not read
+    strays = [p for p, _ in listing if not offset_named(p.rstrip("/").split("/")[-1])]
+    listing = [(p, n) for p, n in listing if p not in strays]
+    notes, crcs, sealed = _audit_remote(spark, paths, listing)
+    notes += [(_owner(p)[1], p.rstrip("/").split("/")[-1], 0, reader.STRAY) for p in strays]
+    if strays:
+        files = files.where(~F.col("path").isin(strays))
+    decoded = files.select("path", "content").mapInArrow(
+        _DecodeFiles(crcs, sealed, dict(listing)), DDL)
     if not notes:
         return decoded
     return decoded.unionByName(spark.range(1, numPartitions=1).mapInArrow(_Notes(notes), DDL))
@@ -196,7 +249,21 @@ def _owner(path: str) -> tuple[str, str]:
     return "/".join(parts[:-1]), parts[-2] if len(parts) >= 2 else "unknown"
 
 
-def _audit_remote(spark: SparkSession, paths: list[str], listing: list
+def _distinct(listing: list[tuple[str, int]]) -> None:
+    """Refuses a segment listed twice (one log given twice) and two logs of one device."""
+    seen: set[str] = set()
+    roots: dict[str, str] = {}
+    for path, _ in listing:
+        if path in seen:
+            raise WalError(f"{path}: listed twice (one log given twice); give each log once")
+        seen.add(path)
+        root, device = _owner(path)
+        if roots.setdefault(device, root) != root:
+            raise WalError(f"{root} and {roots[device]}: two logs of device {device!r}; "
+                           "export each device once")
+
+
+def _audit_remote(spark: SparkSession, paths: list[str], listing: list[tuple[str, int]]
                   ) -> tuple[list[tuple[str, str, int, str]], dict[str, int], set[str]]:
     """The dumps' manifests (read through ``binaryFile`` too) against the segment files
     listed: what is missing or cut short becomes damage rows, what matches gets its CRC
@@ -210,9 +277,9 @@ def _audit_remote(spark: SparkSession, paths: list[str], listing: list
             raise
         found = []
     sizes: dict[str, dict[str, int]] = {}
-    for row in listing:
-        root, _ = _owner(row["path"])
-        sizes.setdefault(root, {})[row["path"].rstrip("/").split("/")[-1]] = row["length"]
+    for path, length in listing:
+        root, _ = _owner(path)
+        sizes.setdefault(root, {})[path.rstrip("/").split("/")[-1]] = length
     notes: list[tuple[str, str, int, str]] = []
     crcs: dict[str, int] = {}
     sealed: set[str] = set()
@@ -226,6 +293,7 @@ def _audit_remote(spark: SparkSession, paths: list[str], listing: list
             continue
         sealed.add(root)
         missing, expected = reader.audit(manifest, sizes.get(root, {}))
+        missing += manifest_damage(manifest)
         notes += [(device, m.segment, m.bytes, m.problem) for m in missing]
         crcs |= {f"{root}/{reader.WAL_DIR}/{name}": crc for name, crc in expected.items()}
     return notes, crcs, sealed
@@ -258,11 +326,13 @@ class _Tasks:
 class _DecodeFiles:
     """``mapInArrow`` over (path, content) rows of ``binaryFile``: the same decoder. The
     device is the directory holding the segment's ``wal/`` directory. A dump's segment
-    (its root in ``sealed``) is sealed and checked against its manifest's CRC."""
+    (its root in ``sealed``) is sealed and checked against its manifest's CRC. A file is
+    read up to its size when listed (``sizes``): one snapshot of a log still written."""
 
-    def __init__(self, crcs: dict[str, int], sealed: set[str]) -> None:
+    def __init__(self, crcs: dict[str, int], sealed: set[str], sizes: dict[str, int]) -> None:
         self.crcs = crcs
         self.sealed = sealed
+        self.sizes = sizes
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
@@ -270,6 +340,8 @@ class _DecodeFiles:
                                      batch.column("content").to_pylist(), strict=True):
                 name = path.rstrip("/").split("/")[-1]
                 root, owner = _owner(path)
+                if (size := self.sizes.get(path)) is not None and len(content) > size:
+                    content = content[:size]
                 checked = reader.check(content, name, open_tail=root not in self.sealed)
                 outs = list(segment_batches(content, checked, owner, name))
                 if not checked.damage and (

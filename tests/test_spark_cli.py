@@ -232,3 +232,57 @@ def test_print_submit_ships_the_packages(dumps, tmp_path) -> None:
             "pyspark_blipmq_wal/__init__.py"} <= set(names)
     entry = next(a for a in args if a.endswith("entry.py"))
     assert os.path.isfile(entry) and args[args.index(entry) + 1] == str(dumps)
+
+
+def test_refusals_of_inputs_and_targets_before_spark(dumps, tmp_path) -> None:
+    """h30 #6, #11, #12: a log given twice, two logs of one device, an empty device id, an
+    --output that is a file, a --report nowhere: one line, exit 2, before Spark starts (it
+    said "the Spark job failed: An error occurred while calling o99.parquet" after the job,
+    or exported everything twice)."""
+    import json
+    import shutil
+
+    out = str(tmp_path / "o")
+    res = export(str(dumps), str(dumps / "east"), "--output", out)
+    assert res.returncode == Exit.USAGE and "given twice" in _one_line(res)
+    twin = tmp_path / "twin"
+    shutil.copytree(dumps / "west", twin)
+    manifest = json.loads((twin / "manifest.json").read_text())
+    res = export(str(dumps), str(twin), "--output", out)
+    assert res.returncode == Exit.USAGE and "two logs of device 'west'" in _one_line(res)
+    manifest["device_id"] = ""
+    (twin / "manifest.json").write_text(json.dumps(manifest))
+    res = export(str(twin), "--output", out)
+    assert res.returncode == Exit.USAGE and "device_id is empty" in _one_line(res)
+    (tmp_path / "afile").write_text("x")
+    res = export(str(dumps), "--output", str(tmp_path / "afile"))
+    assert res.returncode == Exit.USAGE and "not a directory" in _one_line(res)
+    res = export(str(dumps), "--output", str(tmp_path / "afile" / "out"))
+    assert res.returncode == Exit.USAGE and "cannot be created" in _one_line(res)
+    res = export(str(dumps), "--output", out, "--report", str(tmp_path / "no" / "r.html"))
+    assert res.returncode == Exit.USAGE and "--report" in _one_line(res)
+    res = export(str(dumps), "--output", out, "--report", str(tmp_path))
+    assert res.returncode == Exit.USAGE and "is a directory" in _one_line(res)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_an_export_leaves_no_temporary_directory_and_shows_utc(dumps, tmp_path) -> None:
+    """h30 #16: every export left /tmp/blipmq-export-*; #8: the summary's times were the
+    local time of the machine, unlabelled."""
+    import datetime as dt
+    import json
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    report = tmp_path / "r.html"
+    res = export(str(dumps), "--output", str(tmp_path / "out"), "--master", "local[2]",
+                 "--report", str(report), TMPDIR=str(tmp), TZ="Asia/Tokyo")
+    assert res.returncode == 0, res.stderr
+    assert list(tmp.iterdir()) == []
+    first = min(json.loads((dumps / d / "manifest.json").read_text())["first_ms"]
+                for d in ("east", "west"))
+    utc = dt.datetime.fromtimestamp(first / 1000, dt.UTC)
+    assert "first seen (UTC)" in res.stdout.decode()
+    assert utc.strftime("%Y-%m-%d %H:%M") in res.stdout.decode()
+    assert utc.strftime("%Y-%m-%d %H:%M") + " UTC" in report.read_text()

@@ -9,6 +9,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from conftest import kill_brokers, launch_broker
 from fleet import CONFIG, Published, drive
@@ -294,3 +295,301 @@ def test_damage_the_export_crashed_on_or_missed_is_reported(spark, fleet, tmp_pa
     (empty / "00000000000000000009.seg").write_bytes(os.urandom(100))
     with pytest.raises(WalError, match="hold no records"):
         export(spark, ExportOptions((str(tmp_path / "empty"),), str(tmp_path / "out")))
+
+
+def test_a_group_deleted_and_created_again_is_two_instances(spark) -> None:
+    """h30 #1: a DELETE names a group by filter and name; it ends the instance live then, and
+    nothing after it counts for that instance (each DELETE joined every instance of the name
+    before: 2 instances made 4 rows, the live one showed deleted, published ran on)."""
+    from datetime import UTC, datetime
+
+    t = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    base = {"device": "d", "segment": "s", "position": 0}
+    m = {**base, "kind": "message", "qos": 1, "ttl_ms": 0, "topic": "t", "payload_size": 1}
+    g = {**base, "kind": "group", "topic": "t", "group_name": "g"}
+
+    def at(o: int) -> dict:
+        return {"offset": o, "timestamp": t.replace(second=o)}
+
+    rows = [
+        {**g, **at(1), "group_op": "create", "group_start": 1},
+        {**m, **at(2)},
+        {**base, **at(3), "kind": "ack", "group_id": 1, "ack_floor": 3, "acked": [2]},
+        {**g, **at(4), "group_op": "delete"},
+        {**m, **at(5)},  # after the delete, before the next create: nobody's
+        {**g, **at(6), "group_op": "create", "group_start": 6},
+        {**m, **at(7)},
+        {**g, **at(8), "group_op": "idle"},
+        {**m, **at(9)},
+        {**g, **at(10), "group_op": "delete"},
+        {**m, **at(11)},
+        {**g, **at(12), "group_op": "create", "group_start": 12},
+        {**m, **at(13)},
+    ]
+    got = {r.group_id: r for r in analytics.groups(_records(spark, rows)).collect()}
+    assert sorted(got) == [1, 6, 12]
+    one, two, live = got[1], got[6], got[12]
+    assert (one.published, one.acked, one.lag) == (1, 1, 0)
+    assert one.deleted == t.replace(second=4).replace(tzinfo=None)
+    assert (two.published, two.acked, two.lag) == (2, 0, 0)  # 7 and 9; deleted: no lag
+    assert two.deleted == t.replace(second=10).replace(tzinfo=None)
+    assert (live.published, live.lag, live.deleted) == (1, 1, None)
+    assert live.created == t.replace(second=12).replace(tzinfo=None)
+
+
+# ------------------------------------------------------------- h30: forged logs and dumps
+
+T0 = 1_795_740_000_000  # 2026-11-27 00:40 UTC
+
+
+def _message(topic: str, payload: bytes) -> bytes:
+    from blipmq_server.protocol import message as msg
+
+    t = topic.encode()
+    return msg.MSG_HEAD.pack(msg.FLAG_QOS1, 0, len(t), 0, len(payload)) + t + payload
+
+
+def _log(data_dir: Path, records: list[tuple[int, bytes]], first: int = 1) -> Path:
+    """A data directory with one segment of ``records`` (kind, body), offsets from
+    ``first``, a second apart."""
+    from blipmq_server.wal import record as rec
+
+    wal = data_dir / "wal"
+    wal.mkdir(parents=True, exist_ok=True)
+    seg = wal / f"{first:020d}.seg"
+    seg.write_bytes(rec.header(first) + b"".join(
+        rec.encode(kind, first + i, T0 + 1000 * i, body) for i, (kind, body) in
+        enumerate(records)))
+    return seg
+
+
+def _dump(data_dir: Path, out: Path, device: str) -> Path:
+    from blipmq_cli import dump
+
+    dump.dump(str(data_dir), str(out), device_id=device)
+    return out
+
+
+def _messages(n: int, topic: str = "t") -> list[tuple[int, bytes]]:
+    return [(1, _message(topic, b"m%03d" % i)) for i in range(n)]
+
+
+def test_create_rows_carry_their_group_id(tmp_path) -> None:
+    """h30 #15: a GROUP create row's group_id is the group's id (its offset), as the schema
+    says; delete and idle rows name the group by filter and name only."""
+    from blipmq_server.broker import durable
+    from blipmq_server.wal import reader
+    from spark_tools.batches import segment_batches
+
+    seg = _log(tmp_path, [(2, durable.group_body(durable.CREATE, 1, "t", "g")),
+                          *_messages(2),
+                          (3, durable.ack_body(1, 3, [2])),
+                          (2, durable.group_body(durable.DELETE, 0, "t", "g"))])
+    data = seg.read_bytes()
+    (batch,) = segment_batches(data, reader.check(data, seg.name), "d", seg.name)
+    rows = batch.to_pylist()
+    assert [(r["kind"], r["group_op"], r["group_id"]) for r in rows] == [
+        ("group", "create", 1), ("message", None, None), ("message", None, None),
+        ("ack", None, 1), ("group", "delete", None)]
+
+
+def test_reads_stop_at_the_sizes_planned(tmp_path) -> None:
+    """h30 #4: one plan is one snapshot: records appended after planning (a live data
+    directory) are not read, however often the plan is read."""
+    from spark_tools.source import plan, read_pieces
+
+    seg = _log(tmp_path / "data", _messages(5))
+    groups = plan([str(tmp_path / "data")])
+    from blipmq_server.wal import record as rec
+
+    with open(seg, "ab") as f:  # the broker goes on writing
+        f.write(rec.encode(1, 6, T0 + 9000, _message("t", b"late")))
+    offsets = [o for g in groups for b in read_pieces(g) for o in b.column("offset").to_pylist()]
+    assert offsets == [1, 2, 3, 4, 5]
+
+
+def test_damage_counted_by_the_dump_becomes_rows(spark, tmp_path) -> None:
+    """h30 #5: ``wal dump`` does not copy damaged bytes but counts them in its manifest;
+    that count reaches the data as damage rows (both readers) and the export's figures."""
+    seg = _log(tmp_path / "data", _messages(20))
+    data = bytearray(seg.read_bytes())
+    data[300] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    dump = _dump(tmp_path / "data", tmp_path / "dumps" / "dev", "dev")
+    damaged = json.loads((dump / "manifest.json").read_text())["damaged_bytes"]
+    assert damaged > 0
+    for via in ("tasks", "binaryFile"):
+        path = str(dump) if via == "tasks" else f"file://{dump}"
+        rows = read_wal(spark, [path], via=via).where("kind = 'damage'").collect()
+        assert [(r.device, r.payload_size) for r in rows] == [("dev", damaged)], via
+        assert "not copied" in rows[0].problem
+    done = export(spark, ExportOptions((str(dump),), str(tmp_path / "out")))
+    assert (done.damaged_parts, done.damaged_bytes) == (1, damaged)
+    (row,) = done.aggregates["damage"]
+    assert (row["device"], row["bytes"]) == ("dev", damaged)
+
+
+def test_a_log_given_twice_or_two_logs_of_one_device_are_refused(tmp_path) -> None:
+    """h30 #6: the same dump through two paths doubled every record; two dumps naming one
+    device merged into one."""
+    from blipmq_server.errors import WalError
+    from spark_tools.source import plan
+
+    _log(tmp_path / "a", _messages(3))
+    _log(tmp_path / "b", _messages(3))
+    dumps = tmp_path / "dumps"
+    _dump(tmp_path / "a", dumps / "one", "dev")
+    _dump(tmp_path / "b", tmp_path / "other", "dev")
+    with pytest.raises(WalError, match="given twice"):
+        plan([str(dumps), str(dumps / "one")])
+    with pytest.raises(WalError, match="two logs of device 'dev'"):
+        plan([str(dumps), str(tmp_path / "other")])
+    assert len(plan([str(dumps)])) == 1
+
+
+@pytest.mark.parametrize("device_id", ["", "  ", None, "a\nb"])
+def test_a_device_id_that_names_no_device_is_refused(tmp_path, device_id) -> None:
+    """h30 #12: an empty device_id was written as __HIVE_DEFAULT_PARTITION__ (a null
+    device), after which every export into that output failed sorting devices."""
+    from blipmq_server.errors import WalError
+    from spark_tools.source import plan
+
+    _log(tmp_path / "a", _messages(3))
+    dump = _dump(tmp_path / "a", tmp_path / "dump", "dev")
+    manifest = json.loads((dump / "manifest.json").read_text())
+    manifest["device_id"] = device_id
+    (dump / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(WalError, match="device_id"):
+        plan([str(dump)])
+
+
+def test_summary_and_report_take_a_null_device() -> None:
+    """h30 #12: an output poisoned by an old export (device null) still shows."""
+    from datetime import UTC, datetime
+
+    from spark_tools import report, summary
+    from spark_tools.job import Exported
+
+    t = datetime(2026, 11, 27, 0, 40, tzinfo=UTC)
+    dev = {"messages": 1, "bytes": 1, "topics": 1, "first_seen": t, "last_seen": t}
+    traffic = {"topic": "t", "messages": 1, "bytes": 1, "size_p50": 1, "size_p95": 1,
+               "size_p99": 1}
+    grp = {"group_name": "g", "filter": "t", "published": 1, "acked": 1, "lag": 0,
+           "deleted": None}
+    agg = {"devices": [{**dev, "device": None}, {**dev, "device": "a"}],
+           "traffic": [{**traffic, "device": None}, {**traffic, "device": "a"}],
+           "rates": [{"device": None, "minute": t, "messages": 1},
+                     {"device": "a", "minute": t, "messages": 1}],
+           "sizes": [], "groups": [{**grp, "device": None}, {**grp, "device": "a"}],
+           "dead_letters": [{"device": None, "topic": "t", "reason": "r", "messages": 1},
+                            {"device": "a", "topic": "t", "reason": "r", "messages": 1}],
+           "damage": []}
+    done = Exported(2, 0, 0, 2, agg)
+    summary.show(done, "out")
+    assert "device" in report.render(done)
+
+
+def test_load_takes_a_list_of_paths_and_paths_with_commas(spark, tmp_path) -> None:
+    """h30 #9: ``load([a, b])`` passes a JSON array in ``paths``; it was split on commas,
+    as was one path holding a comma."""
+    _log(tmp_path / "a", _messages(3))
+    _log(tmp_path / "b", _messages(4))
+    a = _dump(tmp_path / "a", tmp_path / "x,y" / "one", "one")
+    b = _dump(tmp_path / "b", tmp_path / "two", "two")
+    both = spark.read.format("blipmq-wal").load([str(a), str(b)])
+    assert both.where("kind = 'message'").count() == 7
+    assert spark.read.format("blipmq-wal").load(str(a)).count() == 3
+    assert spark.read.format("blipmq-wal").load(str(tmp_path / "x,y")).count() == 3
+    assert read_wal(spark, [str(a), str(b)], via="source").count() == 7
+
+
+def test_binary_file_path_skips_files_not_named_after_an_offset(spark, tmp_path) -> None:
+    """h30 #10: a copy ``...1.bak.seg`` beside its segment was read twice by the binaryFile
+    path (hdfs://, s3a://); the local reader reports it and does not read it."""
+    seg = _log(tmp_path / "d0", _messages(10))
+    shutil.copy(seg, seg.with_name(seg.stem + ".bak.seg"))
+    got = {}
+    for via in ("tasks", "binaryFile"):
+        df = read_wal(spark, [f"file://{tmp_path / 'd0'}"], via=via)
+        got[via] = sorted((r.kind, r.segment, r.problem) for r in df.where(
+            "kind = 'damage' OR offset = 1").collect())
+        assert df.where("kind = 'message'").count() == 10, via
+    assert got["tasks"] == got["binaryFile"]
+    assert any(p and "not named after an offset" in p for _, _, p in got["binaryFile"])
+
+
+def test_a_re_export_replaces_every_aggregate_of_the_device(spark, tmp_path) -> None:
+    """h30 #3: the device's old damage, groups and dead letters stayed after a re-export
+    from a clean dump (dynamic overwrite replaces only the partitions written); also #16:
+    what a killed export left (``.spark-staging-*``) is cleaned up by the next one, and #13:
+    timestamps are Parquet INT64 microseconds marked UTC, not INT96."""
+    import pyarrow.parquet as pq
+
+    from blipmq_server.broker import durable
+
+    seg = _log(tmp_path / "bad", [(2, durable.group_body(durable.CREATE, 1, "t", "g")),
+                                  *_messages(20)])
+    data = bytearray(seg.read_bytes())
+    data[500] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    _log(tmp_path / "good", _messages(5))
+    _log(tmp_path / "other", [(2, durable.group_body(durable.CREATE, 1, "t", "h")),
+                              *_messages(2)])
+    bad = _dump(tmp_path / "bad", tmp_path / "bad-dump", "dev")
+    good = _dump(tmp_path / "good", tmp_path / "good-dump", "dev")
+    other = _dump(tmp_path / "other", tmp_path / "other-dump", "other")
+    out = tmp_path / "out"
+    first = export(spark, ExportOptions((str(bad), str(other)), str(out)))
+    assert {r["device"] for r in first.aggregates["damage"]} == {"dev"}
+    assert {r["device"] for r in first.aggregates["groups"]} == {"dev", "other"}
+    left = [out / "records" / ".spark-staging-0f0f", out / "aggregates" / "traffic" /
+            ".spark-staging-1e1e"]
+    for path in left:  # as an export killed while writing leaves them
+        (path / "device=dev").mkdir(parents=True)
+    again = export(spark, ExportOptions((str(good),), str(out)))
+    assert again.aggregates["damage"] == []
+    assert {r["device"] for r in again.aggregates["groups"]} == {"other"}
+    assert {(r["device"], r["messages"]) for r in again.aggregates["devices"]} == {
+        ("dev", 5), ("other", 2)}
+    assert not any(path.exists() for path in left)
+    assert not list(out.rglob(".replaced-*"))
+    one = next((out / "records").rglob("*.parquet"))
+    assert pq.read_schema(one).field("timestamp").type == pa.timestamp("us", tz="UTC")
+
+
+def test_times_read_back_are_utc_whatever_the_local_zone(spark, tmp_path, monkeypatch) -> None:
+    """h30 #8: ``collect`` gives naive local times; the report labelled them UTC."""
+    import time
+    from datetime import UTC, datetime
+
+    from spark_tools import report
+    from spark_tools.job import read_back
+
+    _log(tmp_path / "a", _messages(3))
+    dump = _dump(tmp_path / "a", tmp_path / "dump", "dev")
+    export(spark, ExportOptions((str(dump),), str(tmp_path / "out")))
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        agg = read_back(spark, str(tmp_path / "out"))
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    (dev,) = agg["devices"]
+    assert dev["first_seen"] == datetime(2026, 11, 27, 0, 40, tzinfo=UTC)
+    assert report.line_chart({"dev": [(r["minute"], r["messages"]) for r in agg["rates"]]},
+                             "m").count("2026-11-27 00:40 UTC") == 1
+    assert report.when(dev["last_seen"]) == "2026-11-27 00:40:02 UTC"
+
+
+def test_a_failed_job_says_its_root_cause(spark, tmp_path) -> None:
+    """h30 #11: the first line of a Py4JJavaError is "An error occurred while calling
+    o99.parquet."; the cause is at the end of the Java exception chain."""
+    from spark_tools.job import first_line
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(Exception) as caught:
+        spark.range(1).write.parquet(str(tmp_path / "file" / "out"))
+    line = first_line(caught.value)
+    assert "An error occurred while calling" not in line
+    assert "not a directory" in line.lower() or "mkdirs" in line.lower(), line
