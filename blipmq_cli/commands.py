@@ -18,6 +18,7 @@ from typing import BinaryIO
 from blipmq_cli import durations
 from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, for_error, terminated
+from blipmq_cli.literal import visible
 from blipmq_cli.output import TemplateError, writer
 from blipmq_server.errors import BlipError, BrokerError, ConnectError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
@@ -43,10 +44,14 @@ def _check_group(group: str) -> None:
 
 
 def say(text: str) -> None:
+    """One line on stderr, ``blipmq: `` first. What it quotes may come from a client or a
+    file name (a topic, a segment's name, the broker's error text): control characters are
+    written as escapes (``literal.visible``), so the line can neither move the cursor,
+    retitle or clear the terminal, nor break in two."""
     if sys.stderr is None:  # closed (2>&-): the exit code still tells
         return
     try:
-        sys.stderr.write(f"blipmq: {text}\n")
+        sys.stderr.write(f"blipmq: {visible(text)}\n")
         sys.stderr.flush()
     except OSError:
         pass

@@ -81,8 +81,12 @@ def json_record(d: Delivery) -> dict[str, object]:
 def _json(batch: Sequence[Delivery]) -> bytes:
     import json
 
-    return "".join(
-        json.dumps(json_record(d), ensure_ascii=False) + "\n" for d in batch).encode()
+    from blipmq_cli.literal import json_visible
+
+    # C1 controls and bidi overrides in a topic or payload as \u escapes (the same values):
+    # raw, a terminal the output reaches would act on them (JSON escapes C0 itself)
+    return json_visible("".join(
+        json.dumps(json_record(d), ensure_ascii=False) + "\n" for d in batch)).encode()
 
 
 # ------------------------------------------------------------------------------- templates

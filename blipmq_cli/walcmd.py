@@ -26,7 +26,7 @@ import typer
 from blipmq_cli import commands
 from blipmq_cli.dump import Window, dump
 from blipmq_cli.exits import Exit
-from blipmq_cli.literal import cell, visible
+from blipmq_cli.literal import cell, json_visible, visible
 from blipmq_server.broker import durable
 from blipmq_server.broker.retained import parse_carry
 from blipmq_server.broker.topics import matches, split
@@ -315,7 +315,7 @@ def cat(path: str, fmt: str, topic_filter: str | None) -> int:
                 commands.say(f"{seg.name}: record {r.offset} has an unreadable body; skipped")
                 continue
             if wanted is None or matches(wanted, split(row["topic"])):
-                chunk.append(json.dumps(row, ensure_ascii=False).encode() + b"\n")
+                chunk.append(json_visible(json.dumps(row, ensure_ascii=False)).encode() + b"\n")
             if len(chunk) >= 1024:
                 out.write(b"".join(chunk))
                 chunk = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -556,6 +557,55 @@ def test_a_directory_of_dumps_never_hides_a_device(tmp_path) -> None:
     with pytest.raises(WalError, match=r"ambiguous: .*\(a wal/ directory of segments\)"):
         reader.find_logs(str(data_dir))
     assert not (tmp_path / "out").exists()
+
+
+def test_logs_two_levels_down_beside_one_level_down_are_named_not_left_out(tmp_path) -> None:
+    """h32 #6: ``top/b`` (a dump) and ``top/site1/a`` (a dump a level further down): the
+    directory of dumps read ``b`` and left ``a`` out without a word. Now refused in one line
+    naming both levels; a subdirectory with no log anywhere (lost+found) is still passed
+    over, and names with escape sequences are shown as escapes on the terminal."""
+    data_dir = _log_of(tmp_path / "data" / "wal", [[(1795363200000, b"a")]])
+    top = tmp_path / "top"
+    for where in ("b", "site1/a", "site1/\x1b[2Jc"):
+        res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(top / where),
+                     "--device-id", where.rpartition("/")[2])
+        assert res.returncode == 0, res.stderr
+    (top / "lost+found").mkdir()
+    with pytest.raises(WalError, match=r"1 log\(s\) one level down \(b\) and more two levels "
+                                       r"down \(site1/\x1b\[2Jc, site1/a\)"):
+        reader.find_logs(str(top))
+    res = blipmq("export", str(top), "--output", str(tmp_path / "out"))
+    assert res.returncode == Exit.USAGE and res.stderr.count(b"\n") == 1, res.stderr
+    assert b"site1/a" in res.stderr and b"\x1b" not in res.stderr  # shown as \\x1b
+    assert b"site1/\\x1b[2Jc" in res.stderr
+    shutil.rmtree(top / "site1")
+    assert [os.path.basename(log.root) for log in reader.find_logs(str(top))] == ["b"]
+
+
+def test_json_lines_write_terminal_controls_as_escapes_of_the_same_values(
+        start_broker, tmp_path) -> None:
+    """h32 #5: `wal cat` (and `sub --format json`) wrote C1 controls and bidi overrides in a
+    topic or payload raw, for a terminal to act on (CSI 2J clears it), where `stats --json`
+    wrote them as escapes. Now as \\uXXXX escapes: the same values once decoded."""
+    topic, payload = "c1/\u009b2J/\u202eevil", "p\u2028q\u0085"
+    wal = tmp_path / "data" / "wal"
+    wal.mkdir(parents=True)
+    record = rec.encode(rec.Kind.MESSAGE, 1, 1795363200000, _message(topic, payload.encode()))
+    (wal / f"{1:020d}.seg").write_bytes(rec.header(1) + record)
+    res = blipmq("wal", "cat", str(tmp_path / "data"))
+    assert res.returncode == 0, res.stderr
+    for raw in ("\u009b", "\u202e", "\u2028", "\u0085"):
+        assert raw.encode() not in res.stdout, raw
+    [row] = [json.loads(line) for line in res.stdout.splitlines()]
+    assert row["topic"] == topic
+    b = start_broker()
+    sub = b.spawn("sub", "c1/#", "--format", "json", "--count", "1")
+    b.wait_subscribers(1)
+    assert b.cli("pub", topic, payload).returncode == 0
+    out, err = sub.communicate(timeout=10)
+    assert sub.returncode == 0, err
+    assert b"\\u009b" in out and "\u009b".encode() not in out
+    assert json.loads(out)["topic"] == topic and json.loads(out)["payload"] == payload
 
 
 _KILLED_DUMP = """

@@ -157,7 +157,32 @@ def find_logs(path: str) -> list[LogFiles]:
     if not below:
         raise WalError(f"{path}: holds no BlipMQ log or dump (no {WAL_DIR}/ directory, no "
                        f"{SUFFIX} files, no dump manifest, at its top or one level down)")
+    deeper = _logs_deeper(path, below)
+    if deeper:
+        raise WalError(f"{path}: holds {len(below)} log(s) one level down ({_names(below)}) "
+                       f"and more two levels down ({', '.join(deeper[:3])}"
+                       f"{' and more' if len(deeper) > 3 else ''}), which a directory of "
+                       "dumps does not read: move them up a level, or name each log")
     return below
+
+
+def _logs_deeper(path: str, below: list[LogFiles]) -> list[str]:
+    """The logs two levels below ``path`` under its subdirectories that are not logs
+    themselves ("site1/pi-17"): a directory of dumps is read one level down, and those
+    would be left out without a word."""
+    logs = {os.path.normpath(log.root) for log in below}
+    found = []
+    for name in sorted(os.listdir(path)):
+        sub = os.path.join(path, name)
+        if os.path.normpath(sub) in logs or not os.path.isdir(sub):
+            continue
+        try:
+            inner = sorted(os.listdir(sub))
+        except OSError:
+            continue  # unreadable (lost+found): nothing of it was going to be read anyway
+        found += [f"{name}/{n}" for n in inner
+                  if os.path.isdir(os.path.join(sub, n)) and _log_in(os.path.join(sub, n))]
+    return found
 
 
 def _log_in(directory: str) -> LogFiles | None:
