@@ -13,6 +13,7 @@ with their own kind): defining one costs a fifth of what a frozen dataclass does
 # typing compiles each NamedTuple field's into a ForwardRef, ~5 us a field on every start.
 
 import os
+import stat
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -498,13 +499,23 @@ def _parse_text(key: Key, text: str, name: str) -> object:
 _MAX_FILE_CHARS = 4 << 20  # a config file, [[bridge]] tables and all, is far smaller
 
 
-def _read_file(path: str | os.PathLike[str]) -> dict[str, dict[str, object]]:
+def _read_file(path: str | os.PathLike[str], regular: bool = False
+               ) -> dict[str, dict[str, object]]:
+    """``regular``: refuse anything but a regular file (a reload: the pipe of
+    ``--config <(...)`` was read once, at the start, and a FIFO would hold the read until
+    someone writes to it). Checked on the opened descriptor, so a FIFO renamed into the
+    file's place between a check and the open cannot slip through."""
     import tomllib  # only with a file: a broker on its defaults, flags and environment
     # never loads it (nor the datetime module it brings)
 
     p = os.fspath(path)  # not pathlib: the broker process does not need it otherwise
     try:
-        with open(p, encoding="utf-8") as f:
+        fd = os.open(p, os.O_RDONLY | (os.O_NONBLOCK if regular else 0))
+        if regular and not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfigError(f"config file {p} is not a regular file (a pipe or a device): "
+                              "a reload reads the file again, so it must be one")
+        with open(fd, encoding="utf-8") as f:
             text = f.read(_MAX_FILE_CHARS + 1)  # /dev/zero, a log given by mistake: not all
         if len(text) > _MAX_FILE_CHARS:
             raise ConfigError(f"config file {p} is over {_MAX_FILE_CHARS >> 20} MiB: not a "
@@ -613,9 +624,11 @@ def load(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, object] | None = None,
+    regular: bool = False,
 ) -> Config:
-    """Build the configuration; raises ConfigError naming the first bad key."""
-    values = _read_file(path) if path is not None else {}
+    """Build the configuration; raises ConfigError naming the first bad key. ``regular``:
+    the file must be a regular one (a reload's)."""
+    values = _read_file(path, regular) if path is not None else {}
     for name, text in (os.environ if env is None else env).items():
         if not name.startswith(_ENV_PREFIXES) or name in _OTHER_ENV:
             continue

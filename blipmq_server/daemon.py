@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
-import stat
 import sys
 from typing import IO, Any
 
@@ -156,12 +155,7 @@ def start(config: str | None = None, **flags: str | None) -> int:
     from blipmq_server.server.app import run
 
     def reload() -> Any:  # SIGHUP: the same file, environment and flags, read again
-        if config is not None and not stat.S_ISREG(os.stat(config).st_mode):
-            # a pipe (`--config <(...)`) was read once, at the start; a FIFO would hold the
-            # reload until someone writes to it
-            raise ConfigError(f"config file {config} is not a regular file (a pipe or a "
-                              "device): a reload reads the file again, so it must be one")
-        return config_module.load(config, overrides=overrides(**flags))
+        return config_module.load(config, overrides=overrides(**flags), regular=True)
 
     # From here on the broker's own handling (app.run) decides what a signal does, and
     # takes what was held until it ran (startup.take). After the server has stopped they

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import BLIPMQ, _default_signals
 
+from blipmq_server.errors import ConfigError
+
 
 def _wait_for(check, timeout: float = 20, what: str = "condition"):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
@@ -231,6 +233,50 @@ def test_systemd_hears_ready_once_the_broker_listens(tmp_path: Path, abstract: b
         sock.close()
         if not abstract:
             os.unlink(name)
+        os.rmdir(short)
+
+
+def test_no_reload_note_after_stopping_and_a_fifo_is_refused_without_waiting(
+        tmp_path: Path) -> None:
+    """h32: a SIGHUP right after a SIGTERM sent RELOADING=1 and READY=1 after STOPPING=1
+    (systemd would take the stopping broker for ready again); now a SIGHUP while shutting
+    down is not a reload. And a reload's read of a FIFO renamed into the file's place after
+    a check of the path could hang its thread for good: the opened descriptor is checked."""
+    import socket
+    import tempfile
+
+    from blipmq_server import config
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        config.load(fifo, env={}, regular=True)  # no writer: must not wait for one
+    assert time.monotonic() - started < 5
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    short = tempfile.mkdtemp(prefix="bq-", dir="/tmp")
+    name = os.path.join(short, "notify")
+    sock.bind(name)
+    b = _Broker(tmp_path, NOTIFY_SOCKET=name)
+    try:
+        _notes(sock, "READY=1")
+        b.proc.send_signal(signal.SIGTERM)
+        b.proc.send_signal(signal.SIGHUP)
+        assert b.proc.wait(20) == 0
+        after: list[str] = []
+        sock.settimeout(0.5)
+        try:
+            while True:  # bounded: the broker is gone, the queue runs dry
+                after.append(sock.recv(4096).decode())
+        except TimeoutError:
+            pass
+        stopping = [i for i, note in enumerate(after) if note.startswith("STOPPING=1")]
+        assert stopping, after
+        assert not [n for n in after[stopping[0]:] if "READY=1" in n or "RELOADING" in n], after
+    finally:
+        b.end()
+        sock.close()
+        os.unlink(name)
         os.rmdir(short)
 
 

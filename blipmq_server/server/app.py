@@ -981,7 +981,7 @@ def _sections(config: Config) -> tuple[str, ...]:
 
 
 async def _reload(server: Server, reload: Callable[[], Config] | None,
-                  one_at_a_time: trio.Lock) -> None:
+                  one_at_a_time: trio.Lock, threads: trio.CapacityLimiter) -> None:
     """SIGHUP: the configuration again; a bad one is refused and the old one stays. The
     file is read in a worker thread, so a slow or hung filesystem holds the reload (for
     ``_RELOAD_READ_S`` at most), never the broker."""
@@ -990,23 +990,31 @@ async def _reload(server: Server, reload: Callable[[], Config] | None,
                     "`blipmq start`)")
         return
     await server.listening.wait()  # a SIGHUP during start-up: once the broker listens
-    notify.reloading()
-    try:
-        await _reload_now(server, reload, one_at_a_time)
-    finally:
-        notify.ready()
+    async with one_at_a_time:  # in the order of the signals, each one's notes around it
+        if server.shutdown.is_set():  # stopping: no reload, and no READY after STOPPING
+            log.info("received SIGHUP while shutting down: not reloaded")
+            return
+        notify.reloading()
+        try:
+            await _reload_now(server, reload, threads)
+        finally:
+            if not server.shutdown.is_set():
+                notify.ready()
 
 
 async def _reload_now(server: Server, reload: Callable[[], Config],
-                      one_at_a_time: trio.Lock) -> None:
+                      threads: trio.CapacityLimiter) -> None:
     try:
-        async with one_at_a_time:
-            new = None
-            with trio.move_on_after(_RELOAD_READ_S):
-                new = await trio.to_thread.run_sync(reload, abandon_on_cancel=True)
-            if new is None:
-                raise ConfigError(f"reading the configuration took over {_RELOAD_READ_S:g} s")
-            said = server.reload(new)
+        new = None
+        with trio.move_on_after(_RELOAD_READ_S):
+            # a limiter of its own: a read that hangs for good (a dead NFS mount) keeps its
+            # thread, but never one of the tokens the log's writes and reads take (with
+            # _HUNG_READS hung, the next reload waits its 10 s and is refused)
+            new = await trio.to_thread.run_sync(reload, abandon_on_cancel=True,
+                                                limiter=threads)
+        if new is None:
+            raise ConfigError(f"reading the configuration took over {_RELOAD_READ_S:g} s")
+        said = server.reload(new)
     except (ConfigError, OSError) as exc:
         log.error("reload refused, the configuration in force is unchanged: %s", exc)
         return
@@ -1018,6 +1026,7 @@ async def _reload_now(server: Server, reload: Callable[[], Config],
 
 
 _RELOAD_READ_S = 10.0
+_HUNG_READS = 4  # reads of the configuration that may hang at once (each keeps a thread)
 
 
 class _Listening(NamedTuple):
@@ -1088,13 +1097,14 @@ async def _watch_signals(signals: AsyncIterator[int], server: Server,
     """Act on each signal: ``held`` ones (they came during start-up) first."""
     last: dict[int, float] = {}  # SIGINT/SIGTERM -> when it was acted on (trio's clock)
     one_at_a_time = trio.Lock()  # reloads in the order of their signals
+    threads = trio.CapacityLimiter(_HUNG_READS)  # the reloads' reads of the file
 
     def act(signum: int, early: bool = False) -> None:
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:  # in its own task: a signal during it is heard at once
             if early:
                 log.info("received SIGHUP during start-up: reloading once listening")
-            nursery.start_soon(_reload, server, reload, one_at_a_time)
+            nursery.start_soon(_reload, server, reload, one_at_a_time, threads)
             return
         now = trio.current_time()
         if now - last.get(signum, -math.inf) < SAME_SIGNAL_S:
