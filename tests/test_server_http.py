@@ -202,3 +202,31 @@ async def test_refusals_are_logged_once_a_minute_per_address_with_how_many_came(
     assert lines[2].startswith("refused a metrics token from 10.0.0.5 (metrics), and 5 more "
                                "since the last line; further")
     assert ring.failures == {"metrics": 7, "native": 1}
+
+
+def test_the_log_lines_stay_bounded_whatever_the_number_of_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """h32: once 4,096 sources were remembered the table was cleared: a flood from more
+    addresses (an IPv6 /64) got a line each (8,200 lines for 8,200 failures), and the count
+    of what a source had not been told was lost. Now a source not remembered joins the
+    others' one line a minute, and the counts of sources forgotten for room go there."""
+    from blipmq_server.server import hush
+
+    now = [1000.0]
+    monkeypatch.setattr(hush.time, "monotonic", lambda: now[0])
+    h = hush.Hush(kept=4)
+    assert h.due("10.0.0.1:1", "tls") == ("10.0.0.1", 0)
+    for _ in range(19):
+        assert h.due("10.0.0.1:2", "tls") is None
+    said = [h.due(f"10.1.0.{i}:9", "tls") for i in range(100)]  # many addresses at once
+    lines = [x for x in said if x is not None]
+    assert lines == [("10.1.0.0", 0), ("10.1.0.1", 0), ("10.1.0.2", 0), (hush.OTHERS, 0)]
+    assert h.due("10.0.0.1:3", "tls") is None  # still remembered: its 19 stay counted
+    now[0] += 61
+    assert h.due("10.0.0.1:4", "tls") == ("10.0.0.1", 20)  # the count kept
+    assert h.due("10.2.0.1:1", "tls") == ("10.2.0.1", 0)  # room: an old line forgotten
+    # the others' line says how many of them were not said, and those forgotten for room
+    assert h.due("10.3.0.1:1", "tls") == ("10.3.0.1", 0)
+    said = [h.due(f"10.4.0.{i}:9", "tls") for i in range(10)]
+    assert [x for x in said if x is not None] == [("10.4.0.0", 0), (hush.OTHERS, 96)]

@@ -226,7 +226,7 @@ class Server:
         # anything changed, and the reload is refused whole
         said: list[str] = [self.reload_tls(new)]
         if new.auth != old.auth:
-            keys = Keyring(new.auth)
+            keys = Keyring(new.auth, self.keys.hush)
             before, after = self.keys.names(), keys.names()
             added = sorted(set(after) - set(before))
             removed = sorted(set(before) - set(after))

@@ -27,7 +27,7 @@ log = logging.getLogger("blipmq.auth")
 
 
 class Keyring:
-    def __init__(self, auth: AuthOptions) -> None:
+    def __init__(self, auth: AuthOptions, hush: Hush | None = None) -> None:
         # digest -> identity, the one rule both check and find follow (the configuration
         # refuses a key listed twice); the config hashed api_keys when it loaded them
         # ("blake2b:<hex>")
@@ -43,7 +43,9 @@ class Keyring:
         self.enabled = bool(identities)
         self.delay_s = auth.failure_delay_ms / 1000  # before a refused key is answered
         self.failures: dict[str, int] = {}  # by reason
-        self._hush = Hush()
+        # the refusals' log lines, per source and kind (a reload hands the last one on: the
+        # lines of a flood do not start again with each reload)
+        self.hush = hush or Hush()
 
     def check(self, given: bytes) -> tuple[bytes, Identity] | None:
         """(the key's digest, the identity it is); None for a refused key. Without keys,
@@ -89,7 +91,7 @@ class Keyring:
         next line about it, ``hush.EVERY_S`` later at the soonest, says how many were
         counted in between."""
         self.failures[reason] = self.failures.get(reason, 0) + 1
-        said = self._hush.due(peer)
+        said = self.hush.due(peer, reason)  # a kind's flood does not hide another's
         if said is not None:
             source, unsaid = said
             log.warning("refused %s from %s (%s)%s; further refusals from there are "
