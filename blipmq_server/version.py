@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 from functools import cache
-from typing import Any
 
 BUILD_INFO = "blipmq_build.json"
 
@@ -23,7 +22,7 @@ def frozen() -> bool:
     return bool(getattr(sys, "frozen", False))
 
 
-def build_info() -> dict[str, Any]:
+def build_info() -> dict[str, object]:
     """The frozen executable's build facts (version, arch, glibc floor); OSError or
     ValueError when its bundle holds none that can be read."""
     import json
