@@ -69,19 +69,9 @@ class DumpResult:
 
 
 def blipmq_version() -> str:
-    import sys
-    from importlib import metadata
+    from blipmq_server.version import version  # the build's own record when frozen
 
-    if getattr(sys, "frozen", False):  # the edge executable: its build facts (version.py)
-        try:
-            with open(os.path.join(getattr(sys, "_MEIPASS", ""), "blipmq_build.json")) as f:
-                return str(json.load(f)["version"])
-        except (OSError, ValueError, KeyError):
-            return "unknown"
-    try:
-        return metadata.version("blipmq")
-    except metadata.PackageNotFoundError:  # a frozen executable without package metadata
-        return "unknown"
+    return version()
 
 
 def dump(data_dir: str, out: str, *, device_id: str | None = None, window: Window = Window(),

@@ -1,15 +1,16 @@
 """What ``blipmq --version`` prints: the version, the architecture and the glibc it needs.
 
 In the frozen executable these are the build's facts, written by packaging/buildinfo.py into
-``blipmq_build.json`` inside the bundle: the glibc floor is the newest glibc symbol version
-any bundled library needs, so a device whose ``ldd --version`` is at least that runs it. From
-a pip install it is the installed distribution's version and the running system's glibc.
+``blipmq_build.json`` inside the bundle and read through blipmq_server/version.py, the one
+source of the version (``blipmq version`` and the broker's STATS say the same): the glibc
+floor is the newest glibc symbol version any bundled library needs, so a device whose ``ldd
+--version`` is at least that runs it. From a pip install it is the installed distribution's
+version and the running system's glibc.
 Imports only the standard library, and only when asked.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -37,19 +38,16 @@ def _frozen_form() -> str:
 
 
 def describe() -> str:
-    if getattr(sys, "frozen", False):
-        path = os.path.join(getattr(sys, "_MEIPASS", ""), "blipmq_build.json")
-        with open(path) as f:
-            info = json.load(f)
+    from blipmq_server.version import build_info, frozen, version
+
+    if frozen():
+        info = build_info()
         return (
             f"blipmq {info['version']} linux-{info['arch']} ({_frozen_form()} executable); "
             f"needs glibc >= {info['glibc_floor']} (built on glibc {info['built_on_glibc']})"
         )
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ours = version("blipmq")
-    except PackageNotFoundError:
+    ours = version()
+    if ours == "unknown":
         ours = "unknown (not installed)"
     libc, libc_version = platform.libc_ver()
     runtime = f"{libc} {libc_version}" if libc else "libc unknown"

@@ -30,7 +30,14 @@
 # file that no process runs, names the processes running the others and keeps those files:
 # stop them and run --uninstall again.
 #
-# Exit codes: 0 done, 1 failed, 2 bad usage.
+# One run at a time per root: each holds a lock on /usr/local/lib/blipmq/.lock (flock) from
+# before it unpacks anything until it exits, and waits for it up to BLIPMQ_INSTALL_WAIT
+# seconds (default 120). Under the lock it first removes what a run killed before it left
+# there (.unpack.* directories, .*.new files). A stderr whose reader went away does not stop
+# it half-way: it carries on without its messages.
+#
+# Exit codes: 0 done, 1 failed, 2 bad usage, 3 another install.sh on the same root held the
+# lock for BLIPMQ_INSTALL_WAIT seconds (nothing was changed: run it again).
 set -eu
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -40,20 +47,29 @@ UNIT=/etc/systemd/system/blipmq.service
 WANTS=/etc/systemd/system/multi-user.target.wants/blipmq.service
 unpack=""     # a directory that allows executing, where the executable unpacks while we run it
 undo_to=""    # on a failure before anything was installed: remove "$D$LIB" up to this one
+locked=""     # yes once this run holds the lock (fd 9 on $D$LIB/.lock)
+busy=""       # yes when another run held the lock too long: exit 3
+tmp=.new.$$   # the suffix of this run's temporary names in $D$LIB
 
-say() { echo "install.sh: $*" >&2; }
+# a write to a stderr whose reader went away must not end the run half-way (SIGPIPE ignored)
+say() { echo "install.sh: $*" >&2 2>/dev/null || :; }
 die() { say "$*"; exit 1; }
 usage() { say "usage: $0 BINARY | $0 --uninstall [--purge]   (DESTDIR=... for another root)"; exit 2; }
 
 finish() {
     rc=$1
     [ -z "$unpack" ] || rm -rf "$unpack"
-    if [ -n "$undo_to" ]; then
-        dir=$D$LIB
-        while rmdir "$dir" 2>/dev/null && [ "$dir" != "$undo_to" ]; do
-            dir=$(dirname "$dir")
-        done
+    if [ -n "$locked" ]; then
+        # the lock file goes with us: a run waiting on it sees it gone and takes a new one
+        rm -f "$D$LIB/.lock" "$D$LIB/.blipmq$tmp"
+        if [ -n "$undo_to" ]; then
+            dir=$D$LIB
+            while rmdir "$dir" 2>/dev/null && [ "$dir" != "$undo_to" ]; do
+                dir=$(dirname "$dir")
+            done
+        fi
     fi
+    [ -z "$busy" ] || exit 3
     if [ "$rc" -gt 2 ]; then  # a step above failed with its own code: ours is 1
         say "failed (a step exited with $rc)"
         exit 1
@@ -61,6 +77,7 @@ finish() {
 }
 trap 'finish $?' EXIT
 trap 'exit 1' HUP INT TERM
+trap '' PIPE
 
 if [ -n "$D" ]; then
     [ -d "$D" ] || die "DESTDIR $D is not a directory"
@@ -118,15 +135,44 @@ remove_unused() {
     fi
 }
 
+# lock: hold $D$LIB/.lock (creating $D$LIB) for the rest of the run, so that two runs on
+# one root never interleave (one's clean-up removing the other's new file, a link left
+# pointing at nothing). Children inherit the descriptor: a killed run's executable still
+# unpacking keeps the lock until it ends. Then remove what killed runs left behind.
+lock() {
+    command -v flock >/dev/null || die "flock not found (Debian package util-linux)"
+    wait=${BLIPMQ_INSTALL_WAIT:-120}
+    case $wait in "" | *[!0-9]*) die "BLIPMQ_INSTALL_WAIT=$wait: not a number of seconds" ;; esac
+    while :; do
+        undo_to=""
+        dir=$D$LIB
+        while [ ! -d "$dir" ]; do
+            undo_to=$dir
+            dir=$(dirname "$dir")
+        done
+        install -d -m 0755 "$D$LIB"
+        exec 9>>"$D$LIB/.lock"
+        if ! flock -w "$wait" 9; then
+            busy=yes
+            say "another install.sh is working on ${D:-/} (it holds $LIB/.lock) and did not finish within ${wait}s: nothing changed; run this again once it is done"
+            exit 3
+        fi
+        # the run before us removes the lock file as it ends: hold the one now at that path
+        if [ "$(stat -L -c %d:%i "$D$LIB/.lock" 2>/dev/null)" = "$(stat -L -c %d:%i "/proc/$$/fd/9")" ]; then
+            break
+        fi
+        exec 9>&-
+    done
+    locked=yes
+    # left by runs killed before us (each can be as large as the executable unpacked)
+    rm -rf "$D$LIB"/.unpack.* "$D$LIB"/.blipmq.new "$D$LIB"/.blipmq.new.* "$D$LIB"/.blipmq-*.new \
+        "$D$LIB"/.blipmq-*.new.*
+}
+
 # a directory under $D$LIB for the executable to unpack into while we run it: /tmp (its
 # default) may be mounted noexec
 make_unpack() {
-    dir=$D$LIB
-    while [ ! -d "$dir" ]; do
-        undo_to=$dir
-        dir=$(dirname "$dir")
-    done
-    install -d -m 0755 "$D$LIB"
+    lock
     unpack=$(mktemp -d "$D$LIB/.unpack.XXXXXX")
 }
 
@@ -159,7 +205,8 @@ check_source() {
     esac
 }
 
-# put_file SRC DEST MODE: DEST replaced in one rename (a process reading it keeps the old one)
+# put_file SRC DEST MODE: DEST replaced in one rename (a process reading it keeps the old one);
+# DEST.new is this run's alone, as it holds the lock
 put_file() {
     install -m "$3" "$1" "$2.new"
     mv -f "$2.new" "$2"
@@ -169,8 +216,8 @@ install_executable() {
     digest=$(sha256sum < "$src" | cut -c 1-12)
     name=blipmq-$version-$digest
     if ! cmp -s "$src" "$D$LIB/$name" 2>/dev/null; then
-        install -m 0755 "$src" "$D$LIB/.$name.new"
-        mv -f "$D$LIB/.$name.new" "$D$LIB/$name"
+        install -m 0755 "$src" "$D$LIB/.$name$tmp"
+        mv -f "$D$LIB/.$name$tmp" "$D$LIB/$name"
     fi
     undo_to=""
 
@@ -185,20 +232,22 @@ install_executable() {
         previous=blipmq-old-$(sha256sum < "$stable" | cut -c 1-12)
         [ -e "$D$LIB/$previous" ] || ln "$stable" "$D$LIB/$previous"
     fi
-    ln -sfn "$name" "$D$LIB/.blipmq.new"
-    mv -Tf "$D$LIB/.blipmq.new" "$stable"
+    ln -sfn "$name" "$D$LIB/.blipmq$tmp"
+    mv -Tf "$D$LIB/.blipmq$tmp" "$stable"
     say "installed $(printf '%s\n' "$out" | head -n 1) as $LIB/$name"
     if [ -n "$legacy" ]; then
         say "process(es) $legacy run the executable installed before versioned files, now replaced: restart them"
     fi
 
-    # keep this version and the previous one; older ones go unless something still runs them
+    # keep this version and the previous one; older ones go unless something still runs them.
+    # Never the link's target, whatever it is by now.
     rm -f "$D$LIB/blipmq.new"
     [ "$previous" != "$name" ] || return 0
+    current=$(readlink "$stable" || :)
     for file in "$D$LIB"/blipmq-*; do
         [ -f "$file" ] || continue
         case ${file##*/} in
-            "$name" | "$previous") ;;
+            "$name" | "$previous" | "$current") ;;
             *) remove_unused "$file" ;;
         esac
     done
@@ -260,18 +309,18 @@ install_all() {
 uninstall_all() {
     purge=$1
     [ "$(id -u)" -eq 0 ] || die "must run as root"
+    lock  # also removes what killed runs left in $D$LIB
     if live; then
         systemctl disable --now blipmq.service 2>/dev/null || true
     fi
-    rm -f "$D$WANTS" "$D$UNIT" "$D/usr/local/bin/blipmq" "$D$LIB/blipmq" "$D$LIB/blipmq.new" \
-        "$D$LIB/.blipmq.new"
-    rm -rf "$D$LIB"/.unpack.*
-    for file in "$D$LIB"/blipmq-* "$D$LIB"/.blipmq-*.new; do
+    rm -f "$D$WANTS" "$D$UNIT" "$D/usr/local/bin/blipmq" "$D$LIB/blipmq" "$D$LIB/blipmq.new"
+    for file in "$D$LIB"/blipmq-*; do
         if [ -f "$file" ]; then
             remove_unused "$file"
         fi
     done
-    rmdir "$D$LIB" 2>/dev/null || true
+    # the lock file and the directory go once this run ends (finish), if nothing is kept
+    [ -n "$undo_to" ] || undo_to=$D$LIB
     live && systemctl daemon-reload
     if [ "$purge" = yes ]; then
         rm -rf "$D/etc/blipmq" "$D/var/lib/blipmq"

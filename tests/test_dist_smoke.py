@@ -67,6 +67,26 @@ def test_version_names_version_architecture_and_glibc_floor(
         assert floor <= here
 
 
+def test_version_and_stats_say_the_builds_version(runner: Runner, tmp_path: Path) -> None:
+    # a bundle carries no package metadata (a build from a clean checkout has no
+    # blipmq.egg-info to pick up): the version comes from its blipmq_build.json, as --version's
+    config = tmp_path / "blipmq.toml"
+    assert runner.run("config", "init", str(config)).returncode == 0
+    broker = start_broker(runner, config, tmp_path / "data")
+    env = {"BLIPMQ_ADDR": broker.addr}
+    ours = project_version()
+    done = runner.run("version", env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.decode().splitlines()
+    assert lines[0].startswith(f"client {ours} (protocol "), lines
+    assert lines[1].startswith(f"broker {ours} (protocol "), lines
+    done = runner.run("stats", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.decode().splitlines()[0])["version"] == ours
+    os.killpg(broker.proc.pid, signal.SIGTERM)
+    assert broker.proc.wait(SLOW) == 0, "\n".join(broker.log)
+
+
 def test_size_within_budget(executable: Executable) -> None:
     size = executable.path.stat().st_size
     assert size <= SIZE_BUDGET, f"{executable.path.name} is {size / 1e6:.1f} MB"
