@@ -382,13 +382,18 @@ class Cursors:
                   ) -> frozenset[int]:
         woken: set[int] = set()
         flying = self.flying
-        for target in tuple(flying):  # only cursors with deliveries in flight can have any due
+        # only cursors with deliveries held by a consumer, or delayed, can have any due
+        for target in tuple(flying):
             if not target.inflight:
-                del flying[target]  # until it puts one in flight again (``take_new``)
+                del flying[target]  # until it hands one out again (``take_new``)
                 continue
-            late, due = target.expire(now_ms)
+            late, due, waiting = target.expire(now_ms)
             if late:
                 target.back(self._spend(target, late, _late, timestamp_ms, dead))
+            elif not waiting:
+                # what is in flight waits in ``ready`` (its consumer left) or for a holder:
+                # nothing comes due until it is handed out or delayed again (``_flies``)
+                del flying[target]
             if late or due:
                 woken.update(c.conn for c in target.consumers)
         return frozenset(woken)

@@ -299,7 +299,8 @@ class DurableGroup:
         self._flies()
 
     def _flies(self) -> None:
-        """Deliveries may be in flight now: among the cursors ``redeliver`` looks at."""
+        """Deliveries may come due now (held by a consumer, or nacked with a delay): among
+        the cursors ``redeliver`` looks at."""
         if self.inflight and self.flying is not None:
             self.flying[self] = None
 
@@ -348,6 +349,8 @@ class DurableGroup:
                 break
         if kept is not None and not kept:
             del self.kept[holder]
+        if out:
+            self._flies()  # held by a consumer again: they may come due
         return out, size
 
     def take_new(
@@ -451,6 +454,8 @@ class DurableGroup:
             flight.due = now_ms + delay_ms
         if not delay_ms:
             self.ready.extendleft(reversed([o for o in offsets if self.inflight[o].sub_id == 0]))
+        elif offsets:
+            self._flies()  # the delayed ones come due
 
     def _holders(self) -> dict[int, str] | None:
         """sub_id -> holder of this group's consumers that have one (None: none has)."""
@@ -499,20 +504,25 @@ class DurableGroup:
         self.held.pop(sub_id, None)
         return n
 
-    def expire(self, now_ms: int) -> tuple[list[int], int]:
+    def expire(self, now_ms: int) -> tuple[list[int], int, int]:
         """Deliveries whose consumer did not ack them in time (still in flight, to be decided
-        by the caller), and how many delayed nacks became ready."""
+        by the caller), how many delayed nacks became ready, and how many deliveries may
+        still come due later (held by a consumer, or nacked with a delay, and not due now):
+        none, and nothing of this group can come due before it hands a delivery out again
+        (``take_new``, ``take_ready``) or a NACK delays one (``back``)."""
         late = []
-        woke = 0
+        woke = waiting = 0
         for offset, f in self.inflight.items():
-            if f.sub_id and f.sub_id != KEPT and f.due <= now_ms:
-                if f.sub_id == DELAYED:
+            if f.sub_id and f.sub_id != KEPT:
+                if f.due > now_ms:
+                    waiting += 1
+                elif f.sub_id == DELAYED:
                     f.sub_id = 0
                     self.ready.append(offset)
                     woke += 1
                 else:
                     late.append(offset)
-        return late, woke
+        return late, woke, waiting
 
     def in_flight_for(self, sub_id: int) -> int:
         return self.held.get(sub_id, 0)
