@@ -6,10 +6,12 @@ Output under ``--output``::
     aggregates/<name>/device=ID/*.parquet         traffic, rates, devices, sizes, groups,
                                                   dead_letters, damage (analytics.ALL)
 
-Both are written with dynamic partition overwrite: re-exporting one device replaces its
-partitions and leaves the other devices' alone; a device's aggregates are replaced whole,
-also where it has no row any more (``output.py``). The summary and the report are made from
-the aggregates read back from ``--output`` (so they show the whole fleet exported there).
+Each table is written whole into a hidden directory, then swapped in partition by
+partition (``output.py``): re-exporting one device replaces its partitions and leaves the
+other devices' alone; a device's aggregates are replaced whole, also where it has no row
+any more; an export killed half way is settled by the next one. The summary and the report
+are made from the aggregates read back from ``--output`` (so they show the whole fleet
+exported there), partition values as text.
 
 The master: ``--master`` if given; under ``spark-submit`` the submitter's; else local
 Spark on every core. Spark's own log goes to a file (named on failure), not the terminal.
@@ -87,7 +89,6 @@ def session(master: str | None, conf: tuple[tuple[str, str], ...], log_conf: str
         builder = builder.master(master or "local[*]")
     java_opts = f"-Dlog4j2.configurationFile=file:{log_conf}"
     settings = {
-        "spark.sql.sources.partitionOverwriteMode": "dynamic",
         "spark.sql.session.timeZone": "UTC",
         "spark.ui.showConsoleProgress": "false",
         "spark.ui.enabled": "false",
