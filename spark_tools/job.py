@@ -6,10 +6,12 @@ Output under ``--output``::
     aggregates/<name>/device=ID/*.parquet         traffic, rates, devices, sizes, groups,
                                                   dead_letters, damage (analytics.ALL)
 
-Both are written with dynamic partition overwrite: re-exporting one device replaces its
-partitions and leaves the other devices' alone; a device's aggregates are replaced whole,
-also where it has no row any more (``output.py``). The summary and the report are made from
-the aggregates read back from ``--output`` (so they show the whole fleet exported there).
+Each table is written whole into a hidden directory, then swapped in partition by
+partition (``output.py``): re-exporting one device replaces its partitions and leaves the
+other devices' alone; a device's aggregates are replaced whole, also where it has no row
+any more; an export killed half way is settled by the next one. The summary and the report
+are made from the aggregates read back from ``--output`` (so they show the whole fleet
+exported there), partition values as text.
 
 The master: ``--master`` if given; under ``spark-submit`` the submitter's; else local
 Spark on every core. Spark's own log goes to a file (named on failure), not the terminal.
@@ -87,7 +89,6 @@ def session(master: str | None, conf: tuple[tuple[str, str], ...], log_conf: str
         builder = builder.master(master or "local[*]")
     java_opts = f"-Dlog4j2.configurationFile=file:{log_conf}"
     settings = {
-        "spark.sql.sources.partitionOverwriteMode": "dynamic",
         "spark.sql.session.timeZone": "UTC",
         "spark.ui.showConsoleProgress": "false",
         "spark.ui.enabled": "false",
@@ -154,20 +155,14 @@ def export(spark: SparkSession, opts: ExportOptions) -> Exported:
                            + (f" (damage only: {parts} part(s), {damaged or 0:,} bytes)"
                               if parts else ""))
         rows = sum(n for kind, (n, _) in counts.items() if kind != "damage")
-        write_records(source, os.path.join(opts.output, "records"))
+        out.replace("records", 2, lambda path: write_records(source, path))
         clock.lap("records")
         for name, fn in analytics.ALL.items():
-            # a device's aggregate is replaced whole, also where it has no row any more
-            table = os.path.join("aggregates", name)
-            moved = out.set_aside(table, sorted(exported))
-            try:
+            def write(path: str, name: str = name, fn: Callable = fn) -> None:
                 if name != "groups" or "group" in counts:  # no GROUP record, no group (and
-                    fn(records).write.mode("overwrite").partitionBy("device").parquet(
-                        os.path.join(opts.output, table))  # its joins cost seconds)
-            except BaseException:
-                out.restore(table, moved)
-                raise
-            out.drop(table)
+                    fn(records).write.partitionBy("device").parquet(path)  # its joins cost)
+            # a device's aggregate is replaced whole, also where it has no row any more
+            out.replace(os.path.join("aggregates", name), 1, write, sorted(exported))
             clock.lap(name)
     finally:
         records.unpersist()
@@ -198,28 +193,40 @@ def write_records(records: DataFrame, path: str) -> None:
     shuffle every record once more)."""
     (records.where(F.col("kind") != "damage").drop("problem")
      .withColumn("date", F.to_date("timestamp"))
-     .write.mode("overwrite").partitionBy("date", "device").parquet(path))
+     .write.partitionBy("date", "device").parquet(path))
+
+
+INFERENCE = "spark.sql.sources.partitionColumnTypeInference.enabled"
 
 
 def read_back(spark: SparkSession, output: str) -> dict[str, list[dict]]:
     """The aggregates under ``output``; timestamps as aware UTC datetimes (``collect`` would
-    give naive ones in this process's local time zone)."""
-    out = {}
-    for name in analytics.ALL:
-        path = os.path.join(output, "aggregates", name)
-        try:
-            df = spark.read.parquet(path)
-        except Exception as exc:  # an aggregate with no rows has no files
-            if "UNABLE_TO_INFER_SCHEMA" not in str(exc) and "PATH_NOT_FOUND" not in str(exc):
-                raise
-            out[name] = []
-            continue
-        stamps = [f.name for f in df.schema.fields if f.dataType.typeName() == "timestamp"]
-        df = df.select(*[F.unix_micros(c).alias(c) if c in stamps else F.col(c)
-                         for c in df.columns])
-        out[name] = [{k: _utc(v) if k in stamps else v for k, v in r.asDict().items()}
-                     for r in df.collect()]
-    return out
+    give naive ones in this process's local time zone). Partition values stay text: with
+    type inference (Spark's default) ``device=007`` would read back as the number 7."""
+    before = spark.conf.get(INFERENCE, None)
+    spark.conf.set(INFERENCE, "false")
+    try:
+        return {name: _read(spark, os.path.join(output, "aggregates", name))
+                for name in analytics.ALL}
+    finally:
+        if before is None:
+            spark.conf.unset(INFERENCE)
+        else:
+            spark.conf.set(INFERENCE, before)
+
+
+def _read(spark: SparkSession, path: str) -> list[dict]:
+    try:
+        df = spark.read.parquet(path)
+    except Exception as exc:  # an aggregate with no rows has no files
+        if "UNABLE_TO_INFER_SCHEMA" not in str(exc) and "PATH_NOT_FOUND" not in str(exc):
+            raise
+        return []
+    stamps = [f.name for f in df.schema.fields if f.dataType.typeName() == "timestamp"]
+    df = df.select(*[F.unix_micros(c).alias(c) if c in stamps else F.col(c)
+                     for c in df.columns])
+    return [{k: _utc(v) if k in stamps else v for k, v in r.asDict().items()}
+            for r in df.collect()]
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -8,7 +8,10 @@ behind them. Everything is escaped; values come from ``job.Exported.aggregates``
 
 from __future__ import annotations
 
+import contextlib
 import html
+import os
+import secrets
 from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
@@ -164,5 +167,24 @@ th {{ background: #edf2f7; }} td:first-child {{ text-align: left; }}
 
 
 def write(path: str, done: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(render(done))
+    """Write the report to a temporary file next to ``path`` and rename it there: a write
+    that fails (a full disk) leaves the previous report whole, or no file, and no
+    temporary (a link at ``path`` is followed: its target is replaced)."""
+    put(os.path.realpath(path), render(done).encode("utf-8"))
+
+
+def put(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data``: all of it or, on any error, nothing."""
+    where, name = os.path.split(path)
+    tmp = os.path.join(where, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

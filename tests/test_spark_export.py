@@ -593,3 +593,261 @@ def test_a_failed_job_says_its_root_cause(spark, tmp_path) -> None:
     line = first_line(caught.value)
     assert "An error occurred while calling" not in line
     assert "not a directory" in line.lower() or "mkdirs" in line.lower(), line
+
+
+# ------------------------------------------------- h32: kills, numeric device ids, full disk
+
+TRAFFIC = Path("aggregates") / "traffic"
+HIDDEN = (".replaced-", ".new-", ".spark-staging-")
+
+
+def _traffic(spark, out: Path) -> dict[str, int]:
+    from spark_tools.job import read_back
+
+    return {r["device"]: r["messages"] for r in read_back(spark, str(out))["traffic"]}
+
+
+def _leftovers(out: Path) -> list[Path]:
+    return [p for p in out.rglob("*") if p.name.startswith(HIDDEN)]
+
+
+@pytest.fixture(scope="module")
+def outputs(spark, tmp_path_factory) -> tuple[Path, Path, dict[str, Path]]:
+    """An output of devA (5 messages) and devB (2), and the same output after devA was
+    exported again (7 messages)."""
+    where = tmp_path_factory.mktemp("outputs")
+    dumps = {}
+    for name, device, n in (("a-old", "devA", 5), ("a-new", "devA", 7), ("b", "devB", 2)):
+        _log(where / name, _messages(n))
+        dumps[name] = _dump(where / name, where / "dumps" / name, device)
+    old = where / "old"
+    export(spark, ExportOptions((str(dumps["a-old"]), str(dumps["b"])), str(old)))
+    new = where / "new"
+    shutil.copytree(old, new)
+    export(spark, ExportOptions((str(dumps["a-new"]),), str(new)))
+    assert _traffic(spark, old) == {"devA": 5, "devB": 2}
+    assert _traffic(spark, new) == {"devA": 7, "devB": 2}
+    return old, new, dumps
+
+
+def _killed(old: Path, new: Path, at: Path, point: str) -> Path:
+    """``old`` as a re-export of devA killed at ``point`` leaves it (``new``: where that
+    export would have got to); the kill hit while ``aggregates/traffic`` was replaced."""
+    shutil.copytree(old, at)
+    table = at / TRAFFIC
+    place, aside, staged = (table / "device=devA", table / ".replaced-dead" / "device=devA",
+                            table / ".new-dead")
+    fresh = new / TRAFFIC / "device=devA"
+    aside.parent.mkdir()
+    if point == "aside made":  # between the mkdirs and the rename
+        return at
+    place.rename(aside)  # the old partition set aside...
+    if point == "set aside":
+        return at
+    if point == "writing":  # ...the new one half written, in the write's own directories
+        (staged / "_temporary" / "0" / "task_1" / "device=devA").mkdir(parents=True)
+        (staged / "device=devA").mkdir(parents=True)
+        (table / ".spark-staging-0f0f" / "device=devA").mkdir(parents=True)  # older exports'
+        for part in fresh.glob("*.parquet"):
+            shutil.copy(part, staged / "_temporary" / "0" / "task_1" / "device=devA")
+            (staged / "device=devA" / part.name).write_bytes(part.read_bytes()[:100])
+        return at
+    shutil.copytree(fresh, place)  # ...the new one renamed into its place
+    staged.mkdir()
+    (staged / "_SUCCESS").write_bytes(b"")
+    if point == "swapped in":
+        return at
+    (aside.parent / "_written").write_bytes(b"")
+    for part in aside.glob("*.parquet"):  # the old one partly deleted
+        part.unlink()
+        break
+    assert point == "dropping", point
+    return at
+
+
+@pytest.mark.parametrize(("point", "want"), [
+    ("aside made", 5), ("set aside", 5), ("writing", 5), ("swapped in", 7), ("dropping", 7)])
+def test_a_re_export_killed_anywhere_leaves_the_old_or_the_new_partition(
+        spark, outputs, tmp_path, point, want) -> None:
+    """h32 #1: a re-export killed once a partition was set aside (``.replaced-*``) lost it
+    for good: the next export's start deleted ``.replaced-*`` whatever was in its place. Each
+    kill point's directories, settled by the next start, read as the old partition or the
+    new one, and leave nothing hidden behind."""
+    from spark_tools.output import Output
+
+    old, new, _ = outputs
+    out = _killed(old, new, tmp_path / "out", point)
+    Output(spark, str(out)).clean()
+    assert _traffic(spark, out) == {"devA": want, "devB": 2}
+    assert _leftovers(out) == []
+    assert Output(spark, str(out)).clean().restored == ()  # settled once
+
+
+def test_the_next_export_puts_back_what_a_killed_one_set_aside(spark, outputs, tmp_path) -> None:
+    """h32 #1, the attack's sequence: killed with devA's traffic set aside, then devB alone
+    exported into the same output (exit 0): devA's aggregate is back."""
+    old, new, dumps = outputs
+    out = _killed(old, new, tmp_path / "out", "set aside")
+    assert _traffic(spark, out) == {"devB": 2}  # what a reader sees until the next export
+    done = export(spark, ExportOptions((str(dumps["b"]),), str(out)))
+    assert {r["device"]: r["messages"] for r in done.aggregates["traffic"]} == {
+        "devA": 5, "devB": 2}
+    assert _leftovers(out) == []
+
+
+def test_a_failed_write_or_swap_leaves_the_old_partitions(spark, outputs, tmp_path,
+                                                         monkeypatch) -> None:
+    """h32 #1: a write that fails moves nothing; a swap that fails half way puts the old
+    partitions back; one that succeeds drops the partitions of devices with no new rows."""
+    from spark_tools.output import Output
+
+    old, new, _ = outputs
+    out = tmp_path / "out"
+    shutil.copytree(old, out)
+    fresh = new / TRAFFIC / "device=devA"
+
+    def write(path: str) -> None:
+        shutil.copytree(fresh, Path(path) / "device=devA")
+
+    def broken(path: str) -> None:
+        write(path)
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        Output(spark, str(out)).replace(str(TRAFFIC), 1, broken, ["devA"])
+    assert _traffic(spark, out) == {"devA": 5, "devB": 2}
+    assert _leftovers(out) == []
+
+    moves = []
+    real = Output._move
+
+    def move(self, src, dst) -> None:
+        moves.append(dst.toString())
+        if len(moves) == 2:  # the old one is aside, the new one fails to go in
+            raise OSError("rename failed")
+        real(self, src, dst)
+
+    monkeypatch.setattr(Output, "_move", move)
+    with pytest.raises(OSError, match="rename failed"):
+        Output(spark, str(out)).replace(str(TRAFFIC), 1, write, ["devA"])
+    monkeypatch.undo()
+    assert _traffic(spark, out) == {"devA": 5, "devB": 2}
+    assert _leftovers(out) == []
+
+    Output(spark, str(out)).replace(str(TRAFFIC), 1, write, ["devA", "devB"])
+    assert _traffic(spark, out) == {"devA": 7}  # devB has no rows in the new table
+    assert _leftovers(out) == []
+
+
+def test_device_ids_that_look_like_numbers_stay_text(spark, tmp_path) -> None:
+    """h32 #2: Spark's partition type inference read ``device=007`` back as the number 7
+    (summary and report showed 7; ``007`` and ``7`` both as 7)."""
+    from spark_tools import report
+
+    dumps = []
+    for device, n in (("007", 3), ("7", 4), ("1e3", 5)):
+        _log(tmp_path / device, _messages(n))
+        dumps.append(str(_dump(tmp_path / device, tmp_path / "dumps" / device, device)))
+    out = tmp_path / "out"
+    export(spark, ExportOptions(tuple(dumps[:1]), str(out)))
+    done = export(spark, ExportOptions(tuple(dumps[1:]), str(out)))
+    assert {r["device"]: r["messages"] for r in done.aggregates["devices"]} == {
+        "007": 3, "7": 4, "1e3": 5}
+    for name, rows in done.aggregates.items():
+        assert all(isinstance(r["device"], str) for r in rows), name
+    assert done.devices == 3
+    assert "<td>007</td>" in report.render(done)
+    assert spark.conf.get("spark.sql.sources.partitionColumnTypeInference.enabled") == "true"
+
+
+def _done(devices: list[str]):
+    from datetime import UTC, datetime
+
+    from spark_tools.job import Exported
+
+    t = datetime(2026, 11, 27, 0, 40, tzinfo=UTC)
+    rows = [{"device": d, "messages": 1, "bytes": 1, "topics": 1, "first_seen": t,
+             "last_seen": t} for d in devices]
+    agg = {"devices": rows, "traffic": [], "rates": [], "sizes": [], "groups": [],
+           "dead_letters": [], "damage": []}
+    return Exported(len(rows), 0, 0, len(rows), agg)
+
+
+def test_a_report_that_cannot_be_made_leaves_the_previous_one(tmp_path, monkeypatch) -> None:
+    """h32 #3: the report was opened (truncated) before it was made and written in place:
+    any failure left the previous report cut short, or a 0-byte file."""
+    from spark_tools import report
+
+    path = tmp_path / "r.html"
+    path.write_text("<html>last week</html>")
+    broken = _done(["a"])
+    broken.aggregates["groups"].append({"device": "a"})  # a row render cannot show
+    with pytest.raises(KeyError):
+        report.write(str(path), broken)
+    assert path.read_text() == "<html>last week</html>"
+
+    def full(*args) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report.os, "replace", full)
+    with pytest.raises(OSError):
+        report.write(str(path), _done(["a"]))
+    monkeypatch.undo()
+    assert path.read_text() == "<html>last week</html>"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]
+    report.write(str(path), _done(["a"]))
+    assert "<td>a</td>" in path.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]
+
+
+FULL_DISK = """
+import os, sys
+from datetime import UTC, datetime
+from spark_tools import report
+from spark_tools.job import Exported
+t = datetime(2026, 11, 27, tzinfo=UTC)
+dev = {"device": "a", "messages": 1, "bytes": 1, "topics": 1, "first_seen": t, "last_seen": t}
+done = Exported(1, 0, 0, 1, {"devices": [dev] * 2000, "traffic": [], "rates": [], "sizes": [],
+                             "groups": [], "dead_letters": [], "damage": []})
+where = sys.argv[1]
+with open(os.path.join(where, "old.html"), "w") as f:
+    f.write("<html>last week</html>")
+try:
+    with open(os.path.join(where, "fill"), "wb") as f:
+        while True:
+            f.write(b"x" * 4096)
+            f.flush()
+except OSError:
+    pass
+for name in ("old.html", "first.html"):
+    try:
+        report.write(os.path.join(where, name), done)
+        print(name, "written")
+    except OSError as exc:
+        print(name, "failed", exc.errno)
+for name in sorted(os.listdir(where)):
+    if name != "fill":
+        print(name, open(os.path.join(where, name)).read() if name == "old.html" else "")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root")
+def test_a_report_on_a_full_disk_leaves_the_previous_one(tmp_path) -> None:
+    """h32 #3 as the attack ran it: a full tmpfs (private mount namespace)."""
+    import subprocess
+    import sys
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    script = tmp_path / "full.py"
+    script.write_text(FULL_DISK)
+    res = subprocess.run(
+        ["unshare", "-m", "sh", "-c", 'mount --make-rprivate / && mount -t tmpfs -o size=64k '
+         'tmpfs "$1" && exec "$2" "$3" "$1"', "sh", str(mnt), sys.executable, str(script)],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    if "mount" in res.stderr and res.returncode:
+        pytest.skip(f"no private tmpfs here: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["old.html failed 28", "first.html failed 28",
+                                       "old.html <html>last week</html>"], res.stdout
