@@ -129,7 +129,6 @@ def test_metrics_connections_are_capped(start_broker) -> None:
     handshake and 5 s for its request); one more is closed as soon as it is accepted and
     counted, so stalled connections cannot pile up file descriptors. Client connections are
     not affected."""
-    import http.client
     import select
     import time
 
@@ -152,16 +151,7 @@ def test_metrics_connections_are_capped(start_broker) -> None:
     assert res.returncode == 0, res.stderr
     for s in stalled:
         s.close()
-    deadline = time.monotonic() + 10
-    turned_away = 0
-    while True:  # the served ones end once their peers are gone
-        try:
-            refused = b.metric("blipmq_metrics_connections_refused_total")
-            break
-        except (OSError, http.client.HTTPException):
-            assert time.monotonic() < deadline, "the metrics listener stays full"
-            turned_away += 1
-            time.sleep(0.05)
+    refused, turned_away = _refused_once_free(b)  # the served ones end with their peers
     assert refused == 24 + turned_away
 
 
@@ -224,7 +214,6 @@ def test_a_refused_metrics_token_costs_what_a_refused_key_costs(start_broker) ->
     is, with its connection's slot held meanwhile (16 at once: more are closed at once and
     counted), while clients are served; the first refusal from an address is logged, the
     next ones are counted (it was answered at once: 10,000 guesses in 2 s, none logged)."""
-    import http.client
     import select
     import time
 
@@ -263,19 +252,27 @@ def test_a_refused_metrics_token_costs_what_a_refused_key_costs(start_broker) ->
         s.close()
     assert answered <= 16 and closed >= 8 and answered + closed == 24
     b.metrics_token = token
-    deadline = time.monotonic() + 10
+    refused, turned_away = _refused_once_free(b)  # free once the guessers are seen to go
+    assert refused == closed + turned_away
+    assert b.metric("blipmq_auth_refused_total", reason="metrics") == 1 + answered
+    assert sum("refused a metrics token" in line for line in b.log) == 1
+
+
+def _refused_once_free(b, timeout: float = 10) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """``blipmq_metrics_connections_refused_total`` once the metrics listener takes a
+    scrape again, and how many scrapes it turned away meanwhile (each one counted)."""
+    import http.client
+    import time
+
+    deadline = time.monotonic() + timeout
     turned_away = 0
-    while True:  # the slots are free once the broker has seen the guessers leave
+    while True:  # bounded by the deadline
         try:
-            refused = b.metric("blipmq_metrics_connections_refused_total")
-            break
+            return b.metric("blipmq_metrics_connections_refused_total"), turned_away
         except (OSError, http.client.HTTPException):
             assert time.monotonic() < deadline, "the metrics listener stays full"
             turned_away += 1
             time.sleep(0.05)
-    assert refused == closed + turned_away
-    assert b.metric("blipmq_auth_refused_total", reason="metrics") == 1 + answered
-    assert sum("refused a metrics token" in line for line in b.log) == 1
 
 
 def _read_once_closed(s: socket.socket, timeout: float = 10) -> bytes:

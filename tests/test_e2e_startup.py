@@ -19,15 +19,7 @@ import pytest
 from conftest import BLIPMQ, _default_signals
 
 from blipmq_server.errors import ConfigError
-
-
-def _wait_for(check, timeout: float = 20, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout} s for {what}")
-        time.sleep(0.02)
-    return got
+from tests.test_e2e_exec_lifecycle import _wait_for
 
 
 def _config(tmp_path: Path, extra: str = "") -> Path:
