@@ -662,16 +662,15 @@ class Server:
         return {"broker": "blipmq", "version": version(), "protocol": codec.VERSION,
                 "uptime_s": round(trio.current_time() - self.started_at, 3)}
 
-    def stats(self, most: int | None = None) -> dict:
+    def stats(self, most: int) -> dict:
         """The STATS report: the core's snapshot plus what the shell knows (docs/PROTOCOL.md,
-        "Statistics"); ``most`` entries of each list at most (all when None), with how many
-        each leaves out."""
+        "Statistics"); ``most`` entries of each list at most, with how many each leaves
+        out."""
         from blipmq_server.version import version
 
-        report = (self.broker.stats() if most is None
-                  else self.broker.stats(max_topics=min(500, most), max_groups=most))
+        report = self.broker.stats(max_topics=min(500, most), max_groups=most)
         bridges = list(self.bridges.values())
-        listed = bridges if most is None else bridges[:most]
+        listed = bridges[:most]
         wal = self.wal
         report.update(
             broker="blipmq", version=version(), protocol=codec.VERSION,
