@@ -77,6 +77,8 @@ def blipmq_version() -> str:
 def dump(data_dir: str, out: str, *, device_id: str | None = None, window: Window = Window(),
          progress: Progress | None = None) -> DumpResult:
     """Copy what is new in the log of ``data_dir`` into the dump at ``out``."""
+    if device_id is not None and (why := reader.device_problem(device_id)) is not None:
+        raise WalError(f"--device-id {why}: it names the device's partition in an export")
     source = reader.find_log(data_dir)
     if source.dump:
         raise WalError(f"{data_dir}: is a dump, not a data directory")
@@ -90,6 +92,8 @@ def dump(data_dir: str, out: str, *, device_id: str | None = None, window: Windo
             raise WalError(f"{out}: was dumped with another --since/--until "
                            f"({old.get('window')}); use a new output directory")
     device_id = device_id or socket.gethostname()
+    if (why := reader.device_problem(device_id)) is not None:  # the hostname's
+        raise WalError(f"the hostname {why}: give the device a name (--device-id ID)")
     entries: dict[str, dict[str, Any]] = {e["name"]: e for e in (old or {}).get("segments", [])}
     if old is None:
         # a first run writes its manifest (listing no segment) before copying anything: a

@@ -16,21 +16,6 @@ import os
 from blipmq_server.errors import WalError
 from blipmq_server.wal import reader
 
-MAX_ID = 200  # characters: a directory name under the output, with room for "device="
-
-
-def problem(device: object) -> str | None:
-    """Why ``device`` cannot name a device (None: it can)."""
-    if not isinstance(device, str):
-        return f"is not text ({device!r})"
-    if not device.strip():
-        return "is empty"
-    if any(ord(c) < 32 or ord(c) == 127 for c in device):
-        return "holds control characters"
-    if len(device) > MAX_ID:
-        return f"is longer than {MAX_ID} characters"
-    return None
-
 
 def device_of(log: reader.LogFiles) -> str:
     """The manifest's ``device_id`` of a dump, else the directory holding the log."""
@@ -42,7 +27,7 @@ def device_of(log: reader.LogFiles) -> str:
             found = None
         if isinstance(found, dict) and "device_id" in found:
             device = found["device_id"]
-            if (why := problem(device)) is not None:
+            if (why := reader.device_problem(device)) is not None:
                 raise WalError(f"{log.root}: the manifest's device_id {why}: give the dump a "
                                "device id (blipmq wal dump --device-id ID)")
             return str(device)

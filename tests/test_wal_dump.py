@@ -512,6 +512,24 @@ def _log_of(wal: Path, segments: list[list[tuple[int, bytes]]]) -> Path:
     return wal.parent
 
 
+@pytest.mark.parametrize("device", ["", "  ", "pi\x1b[2J", "x" * 201])
+def test_dump_refuses_a_device_id_that_export_would_refuse(tmp_path, device: str) -> None:
+    """A device id ``blipmq export`` refuses in a manifest (empty, control characters, over
+    200 characters) was written into the dump, to be refused only later on the analytics
+    side: ``wal dump`` refuses it at once, exit 2, one line, and writes nothing."""
+    data_dir = _log_of(tmp_path / "data" / "wal", [[(1795363200000, b"a")]])
+    out = tmp_path / "dump"
+    res = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(out),
+                 "--device-id", device)
+    assert res.returncode == Exit.USAGE, res.stderr
+    assert res.stderr.startswith(b"blipmq: --device-id ") and res.stderr.count(b"\n") == 1
+    assert not out.exists()
+    ok = blipmq("wal", "dump", "--data-dir", str(data_dir), "--out", str(out),
+                "--device-id", "x" * 200)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((out / "manifest.json").read_text())["device_id"] == "x" * 200
+
+
 def test_a_directory_of_dumps_never_hides_a_device(tmp_path) -> None:
     """h30 #2: a stray segment file copied to the top of a directory of dumps was read as
     the only log there, every device dump one level down silently left out; a device's dump

@@ -279,6 +279,21 @@ class Missing(NamedTuple):
 
 DUMP_FORMAT = "blipmq-wal-dump"
 DUMP_VERSION = 1
+MAX_DEVICE_ID = 200  # characters: a directory name under an export, with room for "device="
+
+
+def device_problem(device: object) -> str | None:
+    """Why ``device`` cannot be a dump's ``device_id`` (None: it can). ``blipmq wal dump``
+    refuses such an id at once, ``blipmq export`` a manifest that holds one."""
+    if not isinstance(device, str):
+        return f"is not text ({device!r})"
+    if not device.strip():
+        return "is empty"
+    if any(ord(c) < 32 or ord(c) == 127 for c in device):
+        return "holds control characters"
+    if len(device) > MAX_DEVICE_ID:
+        return f"is longer than {MAX_DEVICE_ID} characters"
+    return None
 
 
 def load_manifest(root: str) -> tuple[dict | None, str | None]:
