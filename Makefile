@@ -26,7 +26,7 @@ run: $(VENV)/.installed
 test: $(STAMP)
 	$(BIN)/ruff check .
 	scripts/test-deps
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 ## test-fast: the suite without the tests marked slow
 test-fast: $(STAMP)
