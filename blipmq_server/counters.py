@@ -15,12 +15,14 @@ from __future__ import annotations
 class ConnectionCounters:
     """What the listeners and connections count (read by ``metrics`` at scrape time)."""
 
-    __slots__ = ("accepted", "auth_failures", "auth_refused", "closed", "metrics_refused",
-                 "mqtt_errors", "open", "reading_waits", "refused", "tls_errors")
+    __slots__ = ("accepted", "auth_failures", "auth_refused", "closed", "evicted",
+                 "metrics_refused", "mqtt_errors", "open", "reading_waits", "refused",
+                 "tls_errors")
 
     def __init__(self, closed: dict[str, int] | None = None) -> None:
         self.accepted = 0
         self.refused = 0  # at max_connections
+        self.evicted = 0  # unauthenticated ones closed at max_connections for a newcomer
         self.metrics_refused = 0  # metrics listener connections beyond its cap (server/http.py)
         self.auth_failures = 0
         self.auth_refused: dict[str, int] = {}  # by where: native, mqtt, metrics

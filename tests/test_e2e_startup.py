@@ -376,14 +376,15 @@ def test_a_hard_limit_too_low_serves_fewer_connections_and_the_log_keeps_writing
         err = pub.stderr.read()
         assert pub.returncode == 0, (err, "\n".join(b.log[-10:]))
         assert not b.said("write-ahead log write failed"), "\n".join(b.log)
-        refused = 0
-        for s in held:  # those past the limit were told, not left to a handshake timeout
-            s.settimeout(0.01)
+        ended = 0
+        for s in held:  # those past the limit were not left to a handshake timeout: told
+            s.settimeout(0.01)  # (ERROR), or closed to make room for a newer one (EOF)
             try:
-                refused += bool(s.recv(64))
+                s.recv(64)
+                ended += 1
             except OSError:
                 pass
-        assert refused >= len(held) - served
+        assert ended >= len(held) - served
     finally:
         for s in held:
             s.close()

@@ -476,3 +476,61 @@ def test_a_reload_may_not_open_mqtts_beyond_loopback_to_anyone(pki: Pki) -> None
     # a reload that keeps client certificates required goes through
     assert server.reload(config_module.load(None, env={}, overrides={
         **base, "tls.require_client_cert": True, "log.level": "debug"}))
+
+
+def test_idle_sockets_from_one_source_give_way_at_max_connections(start_broker,
+                                                                   pki: Pki) -> None:
+    """h34 #8: sockets that never finish a handshake (TLS, or HELLO/CONNECT on a plain
+    port) held every slot of server.max_connections until their handshakes timed out: one
+    source opening them in a loop kept every other client out, the loopback services too
+    (CONNACK 3). At the cap, the oldest unproven connection of the source holding the most
+    now gives way to a newcomer; an authenticated connection never does."""
+    b = start_broker(broker_tls(pki, server={"max_connections": 6,
+                                             "handshake_timeout_ms": 60_000}))
+    flood = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0))
+             for port in (b.mqtts_port, b.tls_port, b.mqtt_port, b.port, b.mqtts_port,
+                          b.mqtts_port)]  # six slots, none of them ever says a word
+    try:
+        b.wait_metric("blipmq_connections_total", 6)
+        # an MQTT device on the plain port is served all the same: one of the flood gives way
+        done = mosquitto("mosquitto_pub", b.mqtt_port, "-t", "served/mqtt", "-m", "x", "-q", "1")
+        assert done.returncode == 0, done.stderr
+        assert b.metric("blipmq_connections_evicted_total") == 1
+        # it left: room for one native subscriber; the second one takes another flood slot
+        subs = [b.spawn("sub", "full/0")]
+        b.wait_subscribers(1)
+        subs.append(b.spawn("sub", "full/1"))
+        b.wait_subscribers(2)
+        assert b.metric("blipmq_connections_evicted_total") == 2
+        tls = {"BLIPMQ_ADDR": f"tls://127.0.0.1:{b.tls_port}", "BLIPMQ_CAFILE": str(pki.ca)}
+        done = b.cli("pub", "-q", "1", "served/tls", "z", **tls)
+        assert done.returncode == 0, done.stderr
+        assert b.metric("blipmq_connections_evicted_total") == 3
+        assert b.metric("blipmq_connections_refused_total") == 0
+        assert sum(_wait_closed_or_open(s) for s in flood) == 3  # three of the flood only
+        line = b.wait_log("closed a connection from 127.0.0.2 that had not authenticated")
+        assert "at max_connections (6)" in line
+        # authenticated connections never give way: six subscribers fill the broker
+        for s in flood:
+            s.close()
+        b.wait_metric("blipmq_connections_open", 2)
+        subs += [b.spawn("sub", f"full/{i}") for i in range(2, 6)]
+        b.wait_subscribers(6)
+        refused = b.cli("pub", "full/0", "no")
+        assert refused.returncode != 0 and b"max_connections" in refused.stderr
+        assert b.metric("blipmq_connections_refused_total") == 1
+        assert b.metric("blipmq_subscriptions") == 6
+        for sub in subs:
+            sub.terminate()
+            sub.wait(10)
+    finally:
+        for s in flood:
+            s.close()
+
+
+def _wait_closed_or_open(sock: socket.socket) -> bool:
+    """Whether the broker closed ``sock`` (looked at for up to 2 s)."""
+    try:
+        return _wait_closed(sock, 2) < 2
+    except AssertionError:
+        return False

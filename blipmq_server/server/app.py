@@ -46,12 +46,14 @@ from blipmq_server.errors import ConfigError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server import heap
+from blipmq_server.server.admission import Unproven, host_of
 from blipmq_server.server.flusher import Flusher
+from blipmq_server.server.hush import Hush
 from blipmq_server.server.intake import Intake
 from blipmq_server.server.keys import Keyring
 from blipmq_server.server.listeners import open_listeners
 from blipmq_server.server.prefetch import Prefetcher
-from blipmq_server.server.session import CloseReason, Session, now_ms, wall_ms
+from blipmq_server.server.session import CloseReason, Session, now_ms, peer_of, wall_ms
 from blipmq_server.server.sessions import MqttSessions
 from blipmq_server.wal import policy
 from blipmq_server.wal.log import Log, LogOptions, Recovery
@@ -157,6 +159,8 @@ class Server:
         # TLS, so that a broker without it never loads ssl (docs/SECURITY.md)
         self.tls: Tls | None = None
         self.handshaking = 0  # TLS handshakes under way: they count towards max_connections
+        self.unproven = Unproven()  # who gives way at max_connections (server/admission.py)
+        self._evictions = Hush()  # ... and the lines saying so: one per source a minute
         if tls_listeners(config):
             from blipmq_server.server.tls import Tls
 
@@ -878,32 +882,54 @@ class Server:
             _keepalive(stream, self.config.server.keepalive_ms)
             conns.start_soon(self._connection, stream, kind, secure)
 
+    async def _refuse(self, stream: trio.SocketStream, kind: type[Session], secure: bool
+                      ) -> None:
+        """At ``max_connections`` with nobody to give way: refused (CONNACK 3 / ERROR
+        TOO_MANY_CONNECTIONS over plain TCP; a TLS client is only closed)."""
+        self.counters.refused += 1
+        limit = self.config.server.max_connections
+        refusal = (_CONNACK_UNAVAILABLE if kind.protocol == "mqtt" else codec.encode(
+            codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
+                        f"the broker is at max_connections ({limit})")))
+        # a TLS client would read the plain refusal as a broken handshake: closed only
+        with trio.move_on_after(0 if secure else 1):
+            try:
+                await stream.send_all(refusal)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        await trio.aclose_forcefully(stream)
+
+    def _gave_way(self, source: str) -> None:
+        self.counters.evicted += 1
+        said = self._evictions.due(f"{source}:", "evicted")
+        if said is not None:
+            where, unsaid = said
+            log.warning("at max_connections (%d): closed a connection from %s that had not "
+                        "authenticated yet, to make room%s", self.config.server.max_connections,
+                        where, f" ({unsaid} more since the last line)" if unsaid else "")
+
     async def _connection(self, stream: trio.SocketStream, kind: type[Session],
                           secure: bool = False) -> None:
         self.counters.accepted += 1
         if len(self.sessions) + self.handshaking >= self.config.server.max_connections:
-            self.counters.refused += 1
-            limit = self.config.server.max_connections
-            refusal = (_CONNACK_UNAVAILABLE if kind.protocol == "mqtt" else codec.encode(
-                codec.Error(ErrorCode.TOO_MANY_CONNECTIONS,
-                            f"the broker is at max_connections ({limit})")))
-            # a TLS client would read the plain refusal as a broken handshake: closed only
-            with trio.move_on_after(0 if secure else 1):
-                try:
-                    await stream.send_all(refusal)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-            await trio.aclose_forcefully(stream)
-            return
+            if (source := self.unproven.evict()) is not None:  # a flood gives way first
+                self._gave_way(source)
+            else:
+                await self._refuse(stream, kind, secure)
+                return
         tls = identity = None
         if secure:
             assert self.tls is not None
             self.handshaking += 1
-            try:
-                accepted = await self.tls.accept(
-                    stream, self.config.server.handshake_timeout_ms / 1000)
-            finally:
-                self.handshaking -= 1
+            accepted = None
+            with trio.CancelScope() as shaking:
+                self.unproven.add(shaking, host_of(peer_of(stream)), shaking.cancel, _never)
+                try:
+                    accepted = await self.tls.accept(
+                        stream, self.config.server.handshake_timeout_ms / 1000)
+                finally:
+                    self.handshaking -= 1
+                    self.unproven.discard(shaking)
             if accepted is None or self.shutdown.is_set():
                 await trio.aclose_forcefully(stream)
                 return
@@ -912,12 +938,16 @@ class Server:
         self._next_conn_id += 1
         self.sessions[session.conn_id] = session
         self.counters.open += 1
+        self.unproven.add(session, host_of(session.peer),
+                          lambda: session.abort(CloseReason.EVICTED),
+                          lambda: session.authenticated or session.closing)
         try:
             await session.run()
         except Exception:  # a bug in one connection must not end the others
             log.exception("connection %d from %s failed", session.conn_id, session.peer)
         finally:
             del self.sessions[session.conn_id]
+            self.unproven.discard(session)
             self.intake.give_back(session.conn_id)
             self.handshakes.give_back(session.conn_id)
             self.counters.open -= 1
@@ -1044,6 +1074,10 @@ _GC_THRESHOLDS = (20_000, 10, 10)
 
 # accept errors that mean "overloaded for now" (trio's serve_listeners retries the same)
 _OVERLOADED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def _never() -> bool:
+    return False
 
 
 def _keepalive(stream: trio.SocketStream, keepalive_ms: int) -> None:

@@ -77,6 +77,7 @@ class CloseReason(Enum):
     WRITE_FAILED = "write_failed"
     TAKEN_OVER = "taken_over"  # an MQTT client connected again with the same client id
     REVOKED = "revoked"  # its key left the configuration (a reload)
+    EVICTED = "evicted"  # not authenticated yet, closed at max_connections for a newcomer
 
 
 def now_ms() -> int:
