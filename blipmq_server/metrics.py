@@ -256,6 +256,9 @@ class BrokerCollector:
              w.maintenance_runs),
             ("read_waits", "Reads of a connection held back while more than "
              "wal.max_unwritten_bytes waited for the disk", w.read_waits),
+            ("restores", "Times the log's directory or segment files were found deleted "
+             "under the running broker (the directory made again, the segment being "
+             "written written back)", w.restores),
         ):
             yield counter(f"blipmq_wal_{name}", doc, value)
         yield counter("blipmq_wal_cache_hits", "Log reads served from the recent-records cache",

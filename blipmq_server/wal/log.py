@@ -139,12 +139,13 @@ class Log:
     def _check_writable(self) -> None:
         """Raise PermissionError (naming the path) at the start, when the directory or the
         segment the next records go to cannot be written, rather than refuse every write
-        once serving."""
+        once serving. That segment stays open for appends from now on: should it be
+        deleted before its first write, its descriptor still has it (``Disk.restore``)."""
         probe = os.path.join(self.directory, ".write-check")
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         os.remove(probe)
         if self._tail is not None:
-            os.close(os.open(self._tail.path, os.O_WRONLY | os.O_APPEND))
+            self.disk.open(self._tail.path)
 
     # ----------------------------------------------------------------------------- appends
 
@@ -237,7 +238,8 @@ class Log:
             covered += [p.segment for p in parts if p.segment.path not in unsynced]
         else:
             covered = [p.segment for p in parts]
-        plan = Sync(covered, self.directory if creates or self._dir_unsynced else None)
+        plan = Sync(covered, self.directory if creates or self._dir_unsynced else None,
+                    self.directory)
         sealed = [p.segment for p in parts if p.segment is not tail]
         before = self._batch_tail  # its last records may have gone out with an earlier batch
         if before is not None and before is not tail and before not in sealed:
@@ -306,7 +308,7 @@ class Log:
         if not self.unsynced:
             return None
         self._syncing = Sync(list(self._unsynced.values()),
-                             self.directory if self._dir_unsynced else None)
+                             self.directory if self._dir_unsynced else None, self.directory)
         return self._syncing
 
     def synced(self, sync: Sync) -> None:
@@ -501,6 +503,30 @@ class Log:
             self.delete(result.paths)
             result.paths = []
         return result
+
+    def missing(self) -> list[Segment]:
+        """Blocking (any thread): the segments whose files are gone from the directory
+        (deleted under the broker), the one being written excepted. Asked after
+        ``Batch.restored`` or a file not found: what could not be written back."""
+        return [seg for seg in list(self.segments) if seg.created and not seg.removed
+                and seg is not self._tail and not os.path.exists(seg.path)]
+
+    def drop(self, gone: list[Segment]) -> list[Segment]:
+        """Segments whose files were deleted under the broker (``missing``) leave the log,
+        as retention's do: their records are lost. Returns those that left (none that
+        holds records not yet written)."""
+        batch = self._in_flight
+        left = [seg for seg in gone if seg in self.segments and seg is not self._tail
+                and not seg.pending and not (batch is not None and any(
+                    p.segment is seg for p in batch.parts))]
+        for seg in left:
+            self.segments.remove(seg)
+            self._unsynced.pop(seg.path, None)
+            seg.removed = True
+            self.disk.forget(seg.path)
+        if left:
+            self._cache.drop(self.first_offset)
+        return left
 
     @property
     def reserve_path(self) -> str:
