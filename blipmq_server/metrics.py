@@ -274,8 +274,9 @@ class BrokerCollector:
             yield gauge("blipmq_wal_recovery_torn_bytes",
                         "Bytes cut off a torn tail at the last start", found.torn_bytes)
             yield gauge("blipmq_wal_recovery_quarantined",
-                        "Damaged segment parts set aside at the last start",
-                        len(found.quarantined))
+                        "Damaged segment parts set aside at the last start (or, with no "
+                        "room for that, left in place and skipped)",
+                        len(found.quarantined) + len(found.in_place))
 
 
 def pages(sources: Sources, lines: int = PART_LINES) -> Iterator[bytes]:

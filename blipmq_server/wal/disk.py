@@ -268,6 +268,22 @@ class Disk:
         finally:
             os.close(fd)
 
+    def free(self, directory: str) -> tuple[int, int]:
+        """Bytes free for this process on ``directory``'s file system, and its block size."""
+        st = os.statvfs(directory)
+        return st.f_bavail * st.f_frsize, st.f_frsize
+
+    def overwrite(self, path: str, pos: int, data: bytes) -> None:
+        """Write ``data`` over the bytes of ``path`` at ``pos`` and fsync it (recovery's
+        repair of a segment header, in place)."""
+        self.forget(path)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, pos)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def truncate(self, path: str, size: int) -> None:
         """Cut ``path`` to ``size`` bytes: through its append descriptor if it has one (the
         file may be gone from its directory, and written back from that descriptor later)."""

@@ -58,6 +58,17 @@ class LogOptions(NamedTuple):
 
 
 _first = itemgetter(0)
+_end = itemgetter(1)
+
+
+def _around(holes: list[tuple[int, int]], pos: int, stop: int) -> tuple[int, int]:
+    """``pos`` moved past a damaged range it is in (or at), and where the valid bytes from
+    there end: the next damaged range, or ``stop``. Records never straddle one."""
+    i = bisect.bisect_right(holes, pos, key=_end)  # the first range ending after pos
+    while i < len(holes) and holes[i][0] <= pos:
+        pos = holes[i][1]
+        i += 1
+    return pos, min(stop, holes[i][0]) if i < len(holes) else stop
 
 
 def _last_ts(seg: Segment) -> int:
@@ -419,7 +430,8 @@ class Log:
     ) -> list[rec.Record]:
         """``read`` from the segment files only. Safe in a worker thread while the event loop
         appends, commits and retains: it works on a snapshot of the segment list and reads
-        committed bytes only; a segment deleted meanwhile raises OSError."""
+        committed bytes only, never a damaged range recovery left in a segment (``holes``);
+        a segment deleted meanwhile raises OSError."""
         self.cache_misses += 1
         out: list[rec.Record] = []
         size = 0
@@ -432,8 +444,14 @@ class Log:
             j = bisect.bisect_right(seg.index, from_offset, key=_first) - 1
             pos = seg.index[j][1] if j >= 0 else rec.HEADER_SIZE
             stop = seg.size  # committed bytes now (a commit on the event loop may add more)
+            holes = seg.holes
+            end = stop
             while pos < stop and len(out) < max_records and size < max_bytes:
-                chunk = self.disk.pread(seg.path, pos, min(stop - pos, _READ_CHUNK))
+                if holes:  # damage recovery left in place: never read as records
+                    pos, end = _around(holes, pos, stop)
+                    if pos >= stop:
+                        break
+                chunk = self.disk.pread(seg.path, pos, min(end - pos, _READ_CHUNK))
                 at, added = rec.decode_run(chunk, 0, out, max_records, max_bytes - size,
                                            from_offset)
                 if at == 0 and len(chunk) >= rec.RECORD_OVERHEAD:
