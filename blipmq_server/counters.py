@@ -39,7 +39,7 @@ class WalCounters:
     """What the log writer (``server/flusher.py``) counts."""
 
     __slots__ = ("batches", "bytes", "failures", "fsyncs", "maintenance_runs", "read_waits",
-                 "records", "records_lost", "syncs", "unsynced")
+                 "records", "records_lost", "restores", "syncs", "unsynced")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -52,3 +52,4 @@ class WalCounters:
         self.unsynced = 0  # records written since the last sync (a gauge)
         self.maintenance_runs = 0  # rounds of group expiry, checkpoints and retention
         self.read_waits = 0  # reads held back while too much waited for the disk (``room``)
+        self.restores = 0  # files of the log found deleted under the broker (and put back)

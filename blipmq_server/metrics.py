@@ -259,6 +259,9 @@ class BrokerCollector:
              w.maintenance_runs),
             ("read_waits", "Reads of a connection held back while more than "
              "wal.max_unwritten_bytes waited for the disk", w.read_waits),
+            ("restores", "Times the log's directory or segment files were found deleted "
+             "under the running broker (the directory made again, the segment being "
+             "written written back)", w.restores),
         ):
             yield counter(f"blipmq_wal_{name}", doc, value)
         yield counter("blipmq_wal_cache_hits", "Log reads served from the recent-records cache",
@@ -274,8 +277,9 @@ class BrokerCollector:
             yield gauge("blipmq_wal_recovery_torn_bytes",
                         "Bytes cut off a torn tail at the last start", found.torn_bytes)
             yield gauge("blipmq_wal_recovery_quarantined",
-                        "Damaged segment parts set aside at the last start",
-                        len(found.quarantined))
+                        "Damaged segment parts set aside at the last start (or, with no "
+                        "room for that, left in place and skipped)",
+                        len(found.quarantined) + len(found.in_place))
 
 
 def pages(sources: Sources, lines: int = PART_LINES) -> Iterator[bytes]:

@@ -303,3 +303,60 @@ def test_a_full_disk_recovers_while_a_logged_flood_goes_on(start_broker, tiny_fs
         flooder.join(30)
     b.wait_log("released the log's reserve")
     assert b.stop() == 0
+
+
+def _damaged_mid_segment(b, tiny_fs: Path) -> tuple[Path, int]:
+    """300 messages of 1 KB confirmed into one segment, the broker stopped, and the CRC of
+    the 151st broken (a flipped payload bit): damage followed by valid records. Returns
+    the segment and the damaged record's offset."""
+    from blipmq_server.wal import record as rec
+
+    lines = b"".join(b"%04d" % i + b"x" * 996 + b"\n" for i in range(300))
+    assert b.cli("pub", "t", "-", "--qos", "1", "--lines", input=lines).returncode == 0
+    assert b.stop() == 0
+    segment, = (tiny_fs / "data" / "wal").glob("*.seg")
+    data = bytearray(segment.read_bytes())
+    offset, pos = rec.scan(bytes(data)).records[150]
+    data[pos + rec.RECORD_OVERHEAD + 40] ^= 0x01
+    segment.write_bytes(bytes(data))
+    return segment, offset
+
+
+def _numbers(b) -> list[int]:
+    got = b.cli("sub", "t", "--from", "earliest", "--timeout", "2", "--format", "json")
+    return [int(json.loads(line)["payload"][:4]) for line in got.stdout.decode().splitlines()]
+
+
+def test_damage_inside_a_segment_does_not_need_a_copy_s_room_to_start(
+        start_broker, tiny_fs: Path) -> None:
+    """Recovery sets damage followed by valid records aside by rewriting the segment into a
+    copy: on a card too full for the copy the broker did not start (one line, `No space
+    left on device`) until room was made. Without room the damage now stays in place,
+    skipped by every read, and the broker starts with every valid record; a start with
+    room rewrites the segment as before."""
+    b = start_broker(data_dir=tiny_fs / "data")
+    segment, offset = _damaged_mid_segment(b, tiny_fs)
+    size = segment.stat().st_size
+    filler = _fill(tiny_fs)
+    b2 = start_broker(data_dir=tiny_fs / "data")
+    said = b2.wait_log("left in place")
+    assert "CRC mismatch" in said and "the valid records after it are kept" in said, said
+    need = int(re.search(r"it needs (\d+) bytes free", said).group(1))  # type: ignore[union-attr]
+    assert size <= need < size + 64 * 1024, said  # the copy, and the bytes set aside
+    assert b2.metric("blipmq_wal_recovery_quarantined") == 1
+    assert _numbers(b2) == [i for i in range(300) if i != offset - 1]
+    assert segment.stat().st_size == size  # nothing rewritten, nothing set aside
+    assert not list(segment.parent.glob("*.corrupt"))
+    assert b2.stop() == 0
+    filler.unlink()
+    b3 = start_broker(data_dir=tiny_fs / "data")
+    said = b3.wait_log("set aside in")
+    assert "kept" in said, said
+    assert len(list(segment.parent.glob("*.corrupt"))) == 1
+    assert _numbers(b3) == [i for i in range(300) if i != offset - 1]
+    assert b3.cli("pub", "t", "9999", "--qos", "1").returncode == 0
+    assert b3.stop() == 0
+    b4 = start_broker(data_dir=tiny_fs / "data")  # nothing left to repair
+    assert not [line for line in b4.log if "WARNING" in line], b4.log
+    assert _numbers(b4)[-1] == 9999
+    assert b4.stop() == 0

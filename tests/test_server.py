@@ -8,6 +8,7 @@ import trio.testing
 
 from blipmq_server import config as config_module
 from blipmq_server.errors import ConfigError
+from blipmq_server.kinds import Kind
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode, Message
 from blipmq_server.server.app import Bound, Server
@@ -392,12 +393,12 @@ async def test_qos1_confirms_come_in_order_and_share_fsyncs(
     server.shutdown.set()
 
 
-async def test_a_segment_deleted_under_the_broker_is_refused_not_written_into(
+async def test_a_segment_deleted_under_the_broker_is_written_back_before_a_confirm(
     nursery: trio.Nursery, tmp_path
 ) -> None:
-    """Somebody deletes the segment being written: a QoS 1 publish after that gets ERROR
-    STORAGE, not a PUB_ACK for records written into a file that is gone (the next start
-    would not find them)."""
+    """Somebody deletes the segment being written: the next batch, written into the deleted
+    file (still open), finds it gone and writes it back, from its descriptor, before it
+    confirms. A restart reads what was confirmed before the deletion and after it."""
     cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)})
     server, port = await start(nursery, cfg)
     conn = await connect(port)
@@ -405,16 +406,114 @@ async def test_a_segment_deleted_under_the_broker_is_refused_not_written_into(
     assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 4)
     for segment in (tmp_path / "wal").glob("*.seg"):
         segment.unlink()
-    await conn.send(publish_qos1(("t", b"into-nothing"), rid=5))
-    for rid in (5, 6):  # and again: not written into a new file without its header either
-        if rid == 6:
-            await conn.send(publish_qos1(("t", b"into-a-new-file"), rid=6))
-        err = await conn.expect(codec.Error)
-        assert err.code == ErrorCode.STORAGE, err
-        assert rid == 6 or "was deleted while the broker ran" in err.text, err
-        assert (await conn.expect(codec.PubAck)) == codec.PubAck(0, rid)
-    assert list((tmp_path / "wal").glob("*.seg")) == []
+    await conn.send(publish_qos1(("t", b"after"), rid=5))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 5)
+    await conn.send(publish_qos1(("t", b"again"), rid=6))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 6)
+    assert server.flusher is not None
+    assert server.flusher.counters.restores == 1 and server.flusher.counters.failures == 0
+    assert [p.name for p in (tmp_path / "wal").glob("*.seg")] == ["00000000000000000001.seg"]
     server.shutdown.set()
+    await server.stopped.wait()
+    assert _stored(tmp_path) == [b"stored", b"after", b"again"]
+
+
+def _stored(data_dir) -> list[bytes]:
+    """The payloads a restart finds in the log under ``data_dir``, which recovery leaves
+    as it is."""
+    log = Log(str(data_dir / "wal"))
+    found = log.open()
+    assert found.torn_bytes == 0 and not found.quarantined and not found.notes
+    out = [codec.decode_one(codec.encode_publish([r.body])).decoded()[0].payload
+           for r in log.read(0) if r.kind == Kind.MESSAGE]
+    log.close()
+    return out
+
+
+async def test_a_log_directory_deleted_during_the_fsync_is_made_again_before_the_confirm(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    """The directory goes while the batch's fsync runs, after its write went into the
+    still open segment: the fsync succeeds (on the deleted file) and a check before the
+    write was passed. The confirm waits until the directory is made again and the segment
+    written back (a check after the fsync), so a restart reads it."""
+    import shutil
+
+    cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)})
+    server = Server(cfg)
+    disk = FaultyDisk()
+    assert server.wal is not None
+    server.wal.disk = disk
+    bound: Bound = await nursery.start(server.serve)
+    conn = await connect(bound.port)
+    await conn.send(publish_qos1(("t", b"stored"), rid=4))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 4)
+    disk.hold_fsync()
+    await conn.send(publish_qos1(("t", b"during"), rid=5))
+    with trio.fail_after(10):
+        while not disk.fsync_held.is_set():
+            await trio.sleep(0.01)
+    shutil.rmtree(tmp_path / "wal")
+    disk.release_fsync()
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 5)
+    assert server.flusher is not None and server.flusher.counters.restores == 1
+    server.shutdown.set()
+    await server.stopped.wait()
+    assert _stored(tmp_path) == [b"stored", b"during"]
+
+
+async def test_a_log_directory_deleted_under_an_idle_broker_is_made_again_within_a_round(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    """Nothing is written after the deletion: the maintenance round's check notices it,
+    and the segment being written is back (what a kill -9 would then leave) without
+    waiting for the next write."""
+    import shutil
+
+    cfg = make_config(wal={"enabled": True, "maintenance_interval_ms": 100},
+                      storage={"data_dir": str(tmp_path)})
+    server, port = await start(nursery, cfg)
+    conn = await connect(port)
+    await conn.send(publish_qos1(("t", b"stored"), rid=4))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 4)
+    shutil.rmtree(tmp_path / "wal")
+    segment = tmp_path / "wal" / "00000000000000000001.seg"
+    with trio.fail_after(10):
+        while server.flusher is None or server.flusher.counters.restores < 1:
+            await trio.sleep(0.02)
+    assert segment.exists()
+    shutil.copytree(tmp_path / "wal", tmp_path / "killed" / "wal")  # as a kill -9 leaves it
+    assert _stored(tmp_path / "killed") == [b"stored"]
+    server.shutdown.set()
+
+
+async def test_segments_deleted_with_the_directory_leave_the_log_and_what_they_held_is_restated(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    """The directory is deleted once the log has rotated: the segment being written is
+    written back, the older ones are gone. They leave the log (their records are lost, and
+    counted), and the durable group whose create record only they held is restated in a
+    checkpoint, so a restart still finds it and where it was."""
+    import shutil
+
+    cfg = make_config(wal={"enabled": True, "segment_bytes": 4096},
+                      storage={"data_dir": str(tmp_path)})
+    server, port = await start(nursery, cfg)
+    conn = await connect(port)
+    await conn.send(codec.Subscribe("jobs", "g", 1, request_id=3))
+    await conn.expect(codec.Subscribed)
+    for rid in range(10, 40):  # 30 x 200 bytes: past the first segment
+        await conn.send(publish_qos1(("other", b"x" * 200), rid=rid))
+        assert (await conn.expect(codec.PubAck)).count == 1
+    assert server.wal is not None and len(server.wal.segments) >= 2
+    shutil.rmtree(tmp_path / "wal")
+    await conn.send(publish_qos1(("other", b"after"), rid=40))
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 40)
+    assert len(server.wal.segments) == 1
+    assert server.flusher is not None and server.flusher.counters.restores == 1
+    await conn.send(publish_qos1(("other", b"then"), rid=41))  # the checkpoint is durable
+    assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 41)
+    assert await _groups_after_restart(nursery, server, tmp_path) == [("jobs", "g")]
 
 
 async def _durable_group(nursery: trio.Nursery, tmp_path, disk: FaultyDisk

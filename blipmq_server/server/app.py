@@ -56,7 +56,7 @@ from blipmq_server.server.prefetch import Prefetcher
 from blipmq_server.server.session import CloseReason, Session, now_ms, peer_of, wall_ms
 from blipmq_server.server.sessions import MqttSessions
 from blipmq_server.wal import policy
-from blipmq_server.wal.log import Log, LogOptions, Recovery
+from blipmq_server.wal.log import Log, LogOptions, Recovery, Segment
 
 if TYPE_CHECKING:
     from blipmq_server.server.bridge import Bridge
@@ -127,7 +127,7 @@ class Server:
             self.flusher = Flusher(self.wal, fsync, self._wake_durable, w.unconfirmed_sync_ms,
                                    tailing=lambda: self.broker.tailing(),
                                    acks_due=lambda: self.broker.acks_due(),
-                                   on_lost=self._lost)
+                                   on_lost=self._lost, on_restored=self._restored)
         self.broker = Broker(
             Limits(
                 capacity=q.capacity,
@@ -542,6 +542,7 @@ class Server:
             broker.carry_states(wall, newest)
             self.log_touched()
             self.flusher.counters.maintenance_runs += 1
+            self.flusher.look()  # files deleted under an idle log: noticed within a round
             for bridge in self.bridges.values():  # every round: a hold must not wait for
                 bridge.check_hold()  # the checkpoints below to reach the disk
             # retention needs the checkpoints and carried values just appended on disk:
@@ -699,6 +700,25 @@ class Server:
         log may have it now: those offsets are never stored)."""
         self.broker.relog(first, last, wall_ms())
         self._wake_durable()
+
+    def _restored(self, gone: list[Segment]) -> None:
+        """Segment files deleted under the broker, which could not be written back, left
+        the log: durable groups that had not read them skip them (counted, as what the size
+        cap takes), and what a restart needs that they held (groups' checkpoints, retained
+        values, sessions' states) is written again."""
+        assert self.wal is not None
+        wal, broker = self.wal, self.broker
+        for group, skipped in broker.skip_to(wal.first_offset):
+            self._size_cap_took(group, skipped)
+            log.warning("wal: the deleted segment files held %d record(s) durable group %r "
+                        "on %r had not consumed", skipped, group.group, group.filter)
+        self.prefetcher.request(broker.take_counts())  # type: ignore[union-attr]
+        below = max(seg.last if seg.count else seg.base for seg in gone) + 1
+        wall = wall_ms()
+        broker.checkpoint(wall, below)
+        broker.carry_retained(wall, below)
+        broker.carry_states(wall, below)
+        self.log_touched()
 
     # ------------------------------------------------------- wake-ups the core asks for
 

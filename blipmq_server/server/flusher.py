@@ -33,7 +33,10 @@ plus the frame each connection is reading, and TCP pushes back on the publishers
 
 After a batch lands (and, under ``always``, is synced), QoS 1 publishers whose records it
 held get their PUB_ACK, in offset order; if the disk fails, they get ERROR STORAGE instead
-and the broker keeps serving (the next batch tries the disk again). ``close`` waits for the
+and the broker keeps serving (the next batch tries the disk again). A batch is landed only
+once its files were found where a restart reads them (``Batch.write``): files deleted under
+the broker are written back first; the segments that could not be leave the log, with one
+line, and ``on_restored`` restates what they held. ``close`` waits for the
 batch in flight, then writes and syncs what is left, whatever the policy.
 """
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from operator import itemgetter
@@ -51,7 +55,8 @@ import trio
 
 from blipmq_server.counters import WalCounters
 from blipmq_server.server import heap
-from blipmq_server.wal.log import Batch, Log
+from blipmq_server.wal.disk import Restored
+from blipmq_server.wal.log import Batch, Log, Segment, Sync
 from blipmq_server.wal.policy import FsyncPolicy
 
 
@@ -84,6 +89,7 @@ class Flusher:
         tailing: Callable[[], bool] | None = None,
         acks_due: Callable[[], bool] | None = None,
         on_lost: Callable[[int, int], None] | None = None,
+        on_restored: Callable[[list[Segment]], None] | None = None,
     ) -> None:
         self.wal = wal
         self.policy = policy
@@ -92,6 +98,8 @@ class Flusher:
         self.acks_due = acks_due  # do the pending acks hold enough to go now (the core says)?
         # the disk refused the records first..last: the core restates what they said
         self.on_lost = on_lost
+        # segments deleted under the broker left the log: the core restates what they held
+        self.on_restored = on_restored
         self.unconfirmed_sync = unconfirmed_sync_ms / 1000
         self.counters = WalCounters()
         self._wake = trio.Event()
@@ -102,6 +110,7 @@ class Flusher:
         self._last_sync = 0.0
         self._unsynced_since: float | None = None  # first write not synced yet
         self._sync_wanted = False  # a waiter's records are written but not synced yet
+        self._look = False  # check the log's files with nothing to write (``look``)
         self._lingering = False  # run() holds a small batch back (ended by _hurry)
         self._taken: trio.Event | None = None  # readers wait for the next batch (``room``)
         self.failing = False
@@ -227,7 +236,7 @@ class Flusher:
         if self.wal.unsynced:  # what the last run wrote may not be on stable storage
             self._unsynced_since = self._last_sync
         while True:
-            if not self.wal.pending_records and not self._sync_wanted:
+            if not self.wal.pending_records and not self._sync_wanted and not self._look:
                 if self._trim:  # a flood is over: what its batches held goes back
                     self._trim = False
                     await trio.to_thread.run_sync(heap.trim)
@@ -258,8 +267,29 @@ class Flusher:
                     await self.flush_once()
                 elif self._sync_wanted or trio.current_time() >= self._sync_due():
                     await self.sync()
+                elif self._look:
+                    await self._check()
             finally:
                 self._lock.release()
+
+    def look(self) -> None:
+        """Check soon, with nothing to write, that the log's files are where a restart reads
+        them, and write back what was deleted (each batch and sync checks anyway: this is
+        for a broker that writes nothing for a while, asked at each maintenance round)."""
+        self._look = True
+        self._wake.set()
+
+    async def _check(self) -> None:
+        self._look = False
+        plan = Sync([], None, self.wal.directory)  # nothing to fsync: the check alone
+        try:
+            await trio.to_thread.run_sync(plan.run, self.wal.disk, abandon_on_cancel=True)
+        except OSError as exc:
+            exc.__traceback__ = None  # as in ``flush_once``
+            self.counters.failures += 1
+            self._failed(exc, "files of the log deleted under the broker are not written back")
+        if plan.restored is not None:
+            await self._restored(plan.restored)
 
     async def flush_once(self, force_sync: bool = False) -> None:
         """Write one batch (syncing it by policy, or if ``force_sync``); with nothing to
@@ -289,6 +319,8 @@ class Flusher:
             if self.on_lost is not None:
                 self.on_lost(batch.first_offset, batch.last_offset)
             self._settle(batch.last_offset, f"the log could not be written: {exc.strerror or exc}")
+            if batch.restored is not None or isinstance(exc, FileNotFoundError):
+                await self._restored(batch.restored)
             return
         if self.failing:
             log.warning("write-ahead log writes succeed again")
@@ -307,6 +339,8 @@ class Flusher:
             self.counters.unsynced += batch.records
             if self._unsynced_since is None:
                 self._unsynced_since = trio.current_time()
+        if batch.restored is not None:  # the log as it is now, before anybody hears of it
+            await self._restored(batch.restored)
         self._settle(self._confirmable(), None)
         if self._waiters and self._waiters[0][0] <= self.wal.written_offset:
             self._sync_wanted = True  # a publisher started waiting once its batch was taken
@@ -330,10 +364,31 @@ class Flusher:
             self._unsynced_since = trio.current_time()
             self._settle(self.wal.written_offset,
                          f"the log could not be synced: {exc.strerror or exc}")
+            if plan.restored is not None or isinstance(exc, FileNotFoundError):
+                await self._restored(plan.restored)
             return
         self.wal.synced(plan)
         self._synced(plan.calls)
+        if plan.restored is not None:
+            await self._restored(plan.restored)
         self._settle(self._confirmable(), None)
+
+    async def _restored(self, restored: Restored | None) -> None:
+        """Files of the log were deleted under the broker (what ``restored`` wrote back, or
+        a file not found): the segments whose files are gone leave the log, one line says
+        what happened, and ``on_restored`` restates what those segments held."""
+        wal = self.wal
+        if restored is not None and not (restored.made or restored.names):
+            restored = None  # a file retention closed and deleted meanwhile: nothing put back
+        gone = wal.drop(await trio.to_thread.run_sync(wal.missing))
+        if restored is None and not gone:
+            return
+        self.counters.restores += 1
+        lost = sum(seg.count for seg in gone)
+        (log.error if lost else log.warning)("write-ahead log: %s",
+                                             deleted_line(wal.directory, restored, gone))
+        if self.on_restored is not None and gone:
+            self.on_restored(gone)
 
     def _synced(self, calls: int) -> None:
         c = self.counters
@@ -382,3 +437,27 @@ class Flusher:
         done = not self.wal.pending_records and not self.wal.unsynced
         self.wal.close()
         return done
+
+
+def deleted_line(directory: str, restored: Restored | None, gone: list[Segment]) -> str:
+    """What was deleted under the broker, what was put back and what is lost, in one line."""
+    back = restored.names if restored is not None else ()
+    size = restored.size if restored is not None else 0
+    if restored is not None and restored.made:
+        said = f"{directory} was deleted while the broker ran: made it again"
+        if back:
+            said += f", and wrote {', '.join(back)} back ({size} bytes, all written to it)"
+    elif back:
+        said = (f"{', '.join(back)} was deleted while the broker ran: written back ({size} "
+                "bytes, all written to it)")
+    else:
+        said = f"{', '.join(os.path.basename(seg.path) for seg in gone)} was deleted while " \
+               "the broker ran"
+    if gone and (back or (restored is not None and restored.made)):
+        said += f"; {len(gone)} older segment file(s) went with it"
+    held = [seg for seg in gone if seg.count]
+    if held:
+        said += (f"; their {sum(seg.count for seg in held)} record(s), offsets "
+                 f"{min(seg.first for seg in held)} to {max(seg.last for seg in held)}, "
+                 "are lost")
+    return said

@@ -4,16 +4,22 @@
 ``Part`` per segment it touches); ``Batch.write`` writes each part with one call, fsyncs what
 its ``Sync`` plan covers when asked, and closes the append descriptors of sealed segments.
 A failed write undoes what it can and re-raises; the log then drops the batch (``abort``).
+Neither says a record is stored before a check after its writes and fsyncs found every file
+open for appends still at its path (``Disk.intact``); where one is not (the directory or
+the file deleted under the broker), it is written back first (``Disk.restore``, and a new
+segment this batch wrote and closed, from memory) and ``restored`` says so.
 Standard library only; no trio. Plain slotted classes, not dataclasses: each start of the
 broker defines them, and a dataclass costs about 0.3 ms of generated code there.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Callable
 
 from blipmq_server.wal import record as rec
-from blipmq_server.wal.disk import Disk
+from blipmq_server.wal.disk import Disk, Restored
 from blipmq_server.wal.segment import Segment
 
 
@@ -37,19 +43,39 @@ class Sync:
     directory when a file was created since the directory's last fsync. One ``run`` makes
     all of it durable (files first, then the directory that names them)."""
 
-    __slots__ = ("directory", "segments")
+    __slots__ = ("directory", "home", "restored", "segments")
 
-    def __init__(self, segments: list[Segment], directory: str | None) -> None:
+    def __init__(self, segments: list[Segment], directory: str | None, home: str) -> None:
         self.segments = segments
         self.directory = directory
+        self.home = home  # the log's directory (``directory`` is set only to fsync it)
+        self.restored: Restored | None = None  # set by ``run``: files deleted, written back
 
     @property
     def calls(self) -> int:
         """fsync calls ``run`` makes."""
         return len(self.segments) + (self.directory is not None)
 
-    def run(self, disk: Disk) -> None:
-        """Blocking: fsync every file, then the directory."""
+    def run(self, disk: Disk, restore: Callable[[Disk], Restored] | None = None) -> None:
+        """Blocking: fsync every file, then the directory; then check that every file open
+        for appends is still at its path. Where one is not, or a file or the directory was
+        gone for an fsync, ``restore`` (``Disk.restore`` by default) writes back what it
+        can and everything is fsynced again: raises OSError if something is still gone
+        (a closed segment deleted: its records are lost, the log drops it, ``missing``)."""
+        try:
+            self._fsync(disk)
+            if disk.intact():
+                return
+        except FileNotFoundError:
+            pass
+        done = restore(disk) if restore is not None else disk.restore(self.home)
+        self.restored = done.joined(self.restored)
+        self._fsync(disk)
+        if not disk.intact():
+            raise OSError(errno.ENOENT, "the log's files were deleted again while they were "
+                          "written back")
+
+    def _fsync(self, disk: Disk) -> None:
         for seg in self.segments:
             try:
                 disk.fsync(seg.path)
@@ -64,8 +90,8 @@ class Sync:
 class Batch:
     """Records appended since the previous batch, grouped by segment, ready to write."""
 
-    __slots__ = ("directory", "first_offset", "last_offset", "parts", "plan", "records",
-                 "sealed", "synced")
+    __slots__ = ("_written", "directory", "first_offset", "last_offset", "parts", "plan",
+                 "records", "restored", "sealed", "synced")
 
     def __init__(self, parts: list[Part], first_offset: int, last_offset: int, records: int,
                  directory: str, plan: Sync, sealed: list[Segment]) -> None:
@@ -78,6 +104,10 @@ class Batch:
         self.plan = plan
         self.sealed = sealed  # full since the last batch: no more appends (the log rotated)
         self.synced = False  # set by ``write``: the batch and ``plan`` were fsynced
+        # set by ``write``: files of the log were deleted and written back (or, on failure,
+        # what was put back before it)
+        self.restored: Restored | None = None
+        self._written = 0  # parts written so far
 
     @property
     def seals(self) -> bool:
@@ -85,8 +115,10 @@ class Batch:
         return bool(self.sealed)
 
     def write(self, disk: Disk, sync: bool) -> None:
-        """Blocking: write, and fsync everything in ``plan`` if ``sync``; close the append
-        descriptors of sealed segments. On failure, undo partial writes and re-raise."""
+        """Blocking: write, and fsync everything in ``plan`` if ``sync``; check that what
+        was written is where a restart reads it (``Sync.run``), writing back what was
+        deleted; close the append descriptors of sealed segments. On failure, undo partial
+        writes and re-raise."""
         done: list[tuple[Segment, int]] = []
         try:
             for part in self.parts:
@@ -97,20 +129,40 @@ class Batch:
                     if start or os.path.exists(seg.path):
                         disk.truncate(seg.path, start)
                     seg.stale = False
-                disk.append(seg.path, rec.header(seg.base) + data if part.new_file else data)
-                if any(seg is s for s in self.sealed):  # one batch may fill many segments
+                data = rec.header(seg.base) + data if part.new_file else data
+                try:
+                    disk.append(seg.path, data)
+                except FileNotFoundError:
+                    if not part.new_file:
+                        raise
+                    # the log's directory is gone: made again, with what it held put back
+                    self.restored = self._restore(disk).joined(self.restored)
+                    disk.append(seg.path, data)
+                self._written += 1
+                # One batch may fill many segments: each new one is closed once written
+                # (its bytes are all in ``part``). One written before stays open until the
+                # end: should it be deleted meanwhile, only its descriptor still has it all.
+                if part.new_file and any(seg is s for s in self.sealed):
                     disk.seal(seg.path)
             if sync:
-                self.plan.run(disk)
+                self.plan.run(disk, self._restore)
+                if self.plan.restored is not None:
+                    self.restored = self.plan.restored.joined(self.restored)
                 self.synced = True
+            elif not disk.intact():
+                self.restored = self._restore(disk).joined(self.restored)
+                if not disk.intact():
+                    raise OSError(errno.ENOENT, "the log's files were deleted again while "
+                                  "they were written back")
         except OSError:
             for seg, start in done:
                 try:
-                    disk.seal(seg.path)
-                    if start:
+                    if start:  # through its descriptor: the file may be gone from its path
                         disk.truncate(seg.path, start)
-                    elif os.path.exists(seg.path):
-                        disk.remove(seg.path)
+                    else:
+                        disk.seal(seg.path)
+                        if os.path.exists(seg.path):
+                            disk.remove(seg.path)
                 except OSError:
                     # The next write cuts it first. Should the broker stop before that, the
                     # next start keeps these records: never confirmed, at worst duplicates.
@@ -119,3 +171,21 @@ class Batch:
         finally:
             for seg in self.sealed:
                 disk.seal(seg.path)
+
+    def _restore(self, disk: Disk) -> Restored:
+        """Files of the log were deleted under it: ``Disk.restore`` (the directory, files
+        open for appends), and each new segment this batch wrote and closed, gone with
+        them, written again from memory (all of it is in its part)."""
+        done = disk.restore(self.directory)
+        names: list[str] = []
+        size = 0
+        for part in self.parts[: self._written]:
+            path = part.segment.path
+            if part.new_file and not disk.is_open(path) and not os.path.exists(path):
+                data = rec.header(part.segment.base) + part.data
+                disk.write_file(path, data)
+                names.append(os.path.basename(path))
+                size += len(data)
+        if names:
+            disk.fsync_dir(self.directory)
+        return Restored(done.made, done.names + tuple(names), done.size + size)

@@ -58,6 +58,17 @@ class LogOptions(NamedTuple):
 
 
 _first = itemgetter(0)
+_end = itemgetter(1)
+
+
+def _around(holes: list[tuple[int, int]], pos: int, stop: int) -> tuple[int, int]:
+    """``pos`` moved past a damaged range it is in (or at), and where the valid bytes from
+    there end: the next damaged range, or ``stop``. Records never straddle one."""
+    i = bisect.bisect_right(holes, pos, key=_end)  # the first range ending after pos
+    while i < len(holes) and holes[i][0] <= pos:
+        pos = holes[i][1]
+        i += 1
+    return pos, min(stop, holes[i][0]) if i < len(holes) else stop
 
 
 def _last_ts(seg: Segment) -> int:
@@ -139,12 +150,13 @@ class Log:
     def _check_writable(self) -> None:
         """Raise PermissionError (naming the path) at the start, when the directory or the
         segment the next records go to cannot be written, rather than refuse every write
-        once serving."""
+        once serving. That segment stays open for appends from now on: should it be
+        deleted before its first write, its descriptor still has it (``Disk.restore``)."""
         probe = os.path.join(self.directory, ".write-check")
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         os.remove(probe)
         if self._tail is not None:
-            os.close(os.open(self._tail.path, os.O_WRONLY | os.O_APPEND))
+            self.disk.open(self._tail.path)
 
     # ----------------------------------------------------------------------------- appends
 
@@ -237,7 +249,8 @@ class Log:
             covered += [p.segment for p in parts if p.segment.path not in unsynced]
         else:
             covered = [p.segment for p in parts]
-        plan = Sync(covered, self.directory if creates or self._dir_unsynced else None)
+        plan = Sync(covered, self.directory if creates or self._dir_unsynced else None,
+                    self.directory)
         sealed = [p.segment for p in parts if p.segment is not tail]
         before = self._batch_tail  # its last records may have gone out with an earlier batch
         if before is not None and before is not tail and before not in sealed:
@@ -306,7 +319,7 @@ class Log:
         if not self.unsynced:
             return None
         self._syncing = Sync(list(self._unsynced.values()),
-                             self.directory if self._dir_unsynced else None)
+                             self.directory if self._dir_unsynced else None, self.directory)
         return self._syncing
 
     def synced(self, sync: Sync) -> None:
@@ -417,7 +430,8 @@ class Log:
     ) -> list[rec.Record]:
         """``read`` from the segment files only. Safe in a worker thread while the event loop
         appends, commits and retains: it works on a snapshot of the segment list and reads
-        committed bytes only; a segment deleted meanwhile raises OSError."""
+        committed bytes only, never a damaged range recovery left in a segment (``holes``);
+        a segment deleted meanwhile raises OSError."""
         self.cache_misses += 1
         out: list[rec.Record] = []
         size = 0
@@ -430,8 +444,14 @@ class Log:
             j = bisect.bisect_right(seg.index, from_offset, key=_first) - 1
             pos = seg.index[j][1] if j >= 0 else rec.HEADER_SIZE
             stop = seg.size  # committed bytes now (a commit on the event loop may add more)
+            holes = seg.holes
+            end = stop
             while pos < stop and len(out) < max_records and size < max_bytes:
-                chunk = self.disk.pread(seg.path, pos, min(stop - pos, _READ_CHUNK))
+                if holes:  # damage recovery left in place: never read as records
+                    pos, end = _around(holes, pos, stop)
+                    if pos >= stop:
+                        break
+                chunk = self.disk.pread(seg.path, pos, min(end - pos, _READ_CHUNK))
                 at, added = rec.decode_run(chunk, 0, out, max_records, max_bytes - size,
                                            from_offset)
                 if at == 0 and len(chunk) >= rec.RECORD_OVERHEAD:
@@ -501,6 +521,30 @@ class Log:
             self.delete(result.paths)
             result.paths = []
         return result
+
+    def missing(self) -> list[Segment]:
+        """Blocking (any thread): the segments whose files are gone from the directory
+        (deleted under the broker), the one being written excepted. Asked after
+        ``Batch.restored`` or a file not found: what could not be written back."""
+        return [seg for seg in list(self.segments) if seg.created and not seg.removed
+                and seg is not self._tail and not os.path.exists(seg.path)]
+
+    def drop(self, gone: list[Segment]) -> list[Segment]:
+        """Segments whose files were deleted under the broker (``missing``) leave the log,
+        as retention's do: their records are lost. Returns those that left (none that
+        holds records not yet written)."""
+        batch = self._in_flight
+        left = [seg for seg in gone if seg in self.segments and seg is not self._tail
+                and not seg.pending and not (batch is not None and any(
+                    p.segment is seg for p in batch.parts))]
+        for seg in left:
+            self.segments.remove(seg)
+            self._unsynced.pop(seg.path, None)
+            seg.removed = True
+            self.disk.forget(seg.path)
+        if left:
+            self._cache.drop(self.first_offset)
+        return left
 
     @property
     def reserve_path(self) -> str:

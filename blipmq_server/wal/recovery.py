@@ -5,16 +5,20 @@ record is corruption: recovery finds where the damaged record ends by its own fr
 the next valid record after it (``record.resync``: never inside its payload), moves the
 damaged bytes to ``<segment>.<position>.corrupt``, and rewrites the segment without them
 (temporary file, fsync, rename, fsync of the directory), so every valid record after the
-damage is kept, in any segment. A record whose CRC holds but whose body its owner cannot
-read (``on_record`` says why) is damage too, set aside the same way. The next offset is
-beyond every offset the files show as used, damaged records included; when that is past
-the last valid record, an empty segment named after it keeps it for later restarts. Runs
+damage is kept, in any segment. That takes room, up to a segment's size: on a file system
+without it the damage stays where it is, and reads skip it (``Segment.holes``); a header is
+repaired in place and a torn tail cut, neither needing room. A record whose CRC holds but
+whose body its owner cannot read (``on_record`` says why) is damage too, set aside the same
+way. The next offset is beyond every offset the files show as used, damaged records
+included; when that is past the last valid record (or damage left in place ends the newest
+segment), an empty segment named after it keeps it for later restarts. Runs
 before the broker serves: plain blocking calls through the log's ``Disk``. Standard library
 and ``crc32c``; no trio, no clock.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
@@ -40,13 +44,15 @@ class Recovery:
     plain class, ``Recovered`` a NamedTuple: a dataclass costs 0.3 ms to define, on every
     start.)"""
 
-    __slots__ = ("notes", "quarantined", "records", "segments", "torn_bytes")
+    __slots__ = ("in_place", "notes", "quarantined", "records", "segments", "torn_bytes")
 
     def __init__(self) -> None:
         self.segments = 0
         self.records = 0
         self.torn_bytes = 0  # bytes cut off a torn tail
         self.quarantined: list[str] = []  # files set aside
+        # damaged parts left in their segment (no room to set them aside): ``<name>@<byte>``
+        self.in_place: list[str] = []
         self.notes: list[str] = []
 
 
@@ -105,11 +111,19 @@ def recover(
         if seg.count:
             last = seg.last
     next_offset = max(last + 1, used + 1, segments[-1].base if segments else 1)
-    if next_offset > last + 1 and (not segments or segments[-1].base < next_offset):
+    # damage left at the end of the newest segment: nothing may be appended after it (a
+    # later start could take what follows for the damaged record's payload)
+    damaged_end = bool(segments) and any(end == segments[-1].size
+                                         for _, end in segments[-1].holes)
+    if damaged_end:
+        next_offset = max(next_offset, segments[-1].base + 1)
+    if (next_offset > last + 1 or damaged_end) and (
+            not segments or segments[-1].base < next_offset):
         # Damaged records used offsets past the last valid one; once their bytes are set
         # aside only a segment named after the next offset says so to a later restart.
         path = os.path.join(directory, segment_name(next_offset))
-        disk.write_file(path, rec.header(next_offset))
+        _mandatory(lambda: disk.write_file(path, rec.header(next_offset)), directory,
+                   f"a new segment, {os.path.basename(path)}", rec.HEADER_SIZE, disk)
         disk.fsync_dir(directory)
         seg = Segment(path, next_offset)
         seg.created = True
@@ -199,6 +213,7 @@ def _segment(
             break
         damaged.append((damage_at, pos, problem))
     if on_record is not None:  # before the rewrite: a record refused is set aside with it
+        refused_at: set[int] = set()
         for at in others:
             record, end = rec.decode_at(data, at)
             refused = on_record(record)
@@ -207,6 +222,9 @@ def _segment(
                 damaged.append((at, end, f"{_kind_name(record.kind)} record {record.offset} "
                                          f"cannot be read ({refused})"))
                 used = max(used, record.offset)
+                refused_at.add(at)
+        if refused_at:  # damage now, wherever its bytes end up
+            records = [r for r in records if r[1] not in refused_at]
     if not runs and not header_ok:  # nothing valid in the file: set all of it aside
         aside = f"{path}.0{CORRUPT}"
         disk.rename(path, aside)
@@ -220,46 +238,132 @@ def _segment(
     if header_ok and base != stated:  # no CRC covers the header: a flipped bit goes unseen
         found.notes.append(f"{name}: its header states base offset {stated}, its name says "
                            f"{base}; header rewritten")
-    rewrite = bool(damaged) or base != stated
+    cut = None  # where a torn tail is cut
     if pos is None:  # the damage runs to the end of the file
         # a torn write ends the log; records running to the end after the damage (the
         # log's, after a damaged length) are not cut but set aside, for inspection
         if is_last and torn and not rec.ends_in_records(data, damage_at + 1):
-            cut = len(data) - damage_at
-            found.torn_bytes += cut
-            found.notes.append(f"{name}: torn tail cut at byte {damage_at} ({cut} bytes: "
-                               f"{problem})")
+            cut = damage_at
+            found.torn_bytes += len(data) - cut
+            found.notes.append(f"{name}: torn tail cut at byte {cut} ({len(data) - cut} "
+                               f"bytes: {problem})")
         else:
             damaged.append((damage_at, len(data), problem))
             used = max(used, _bound(data, damage_at, last, below))
-    for start, end, why in sorted(damaged):
-        aside = f"{path}.{start}{CORRUPT}"
-        disk.write_file(aside, data[start:end])
-        found.quarantined.append(os.path.basename(aside))
-        kept = "; the valid records after it are kept" if end < len(data) else ""
-        found.notes.append(f"{name}: {why} at byte {start}; {end - start} bytes set aside "
-                           f"in {os.path.basename(aside)}{kept}")
-    if rewrite:  # without the damage: a new file, then renamed over the segment
+    damaged.sort()
+    header_fix = not header_ok or base != stated
+    # Damage followed by valid records can only leave the file in a rewritten copy (the
+    # header alone is rewritten in place, a damaged end is cut): done when the file system
+    # has room for it and the bytes set aside, else the damage stays where it is, skipped
+    # by every read (``Segment.holes``), until a start with that room.
+    copy = any(HEADER < end < len(data) for _, end, _ in damaged)
+    free = need = 0
+    if damaged:
+        new = rec.HEADER_SIZE + sum(b - a for a, b in runs) if copy else 0
+        free, block = disk.free(directory)
+        need = sum(_blocks(n, block) for n in [new] + [end - a for a, end, _ in damaged])
+    holes: list[tuple[int, int]] = []
+    aside = bool(damaged) and need <= free and _set_aside(path, data, damaged, runs, base,
+                                                          copy, disk, found)
+    if damaged and not aside:
+        holes = [(max(a, HEADER), end) for a, end, _ in damaged if end > HEADER]
+        how = "rewrites the segment: it needs" if copy else "needs"
+        for start, end, why in damaged:
+            what = ("header rewritten in place" if end <= HEADER else
+                    f"{end - start} bytes left in place, never read (setting them aside "
+                    f"{how} {need} bytes free, there are {free}; a start with that room "
+                    "does)")
+            kept = "; the valid records after it are kept" if end < len(data) else ""
+            if end > HEADER:
+                found.in_place.append(f"{name}@{start}")
+            found.notes.append(f"{name}: {why} at byte {start}; {what}{kept}")
+        copy = False
+    elif damaged and copy:  # rewritten from the valid records: a torn tail is gone too
+        cut = None
         data = rec.header(base) + b"".join(data[a:b] for a, b in runs)
-        disk.write_file(path + TEMP, data)
-        disk.rename(path + TEMP, path)
         scan = rec.scan(data, message_flags=message_flags, bodies=bodies)
         records, others = scan.records, scan.others
-    elif pos is None:
-        disk.truncate(path, damage_at)
+    elif damaged:  # set aside: what is left of the damage is a damaged end, cut
+        cut = damaged[-1][0] if damaged[-1][1] == len(data) else cut
+    if header_fix and not copy:  # 16 bytes, in place: torn, it is a damaged header again
+        _mandatory(lambda: disk.overwrite(path, 0, rec.header(base)), directory,
+                   f"{name}'s header", rec.HEADER_SIZE, disk)
+    if cut is not None:
+        disk.truncate(path, cut)
         disk.fsync(path)
-        data = data[:damage_at]
-    if rewrite or pos is None:
+        data = data[:cut]
+    if aside or cut is not None:
         disk.fsync_dir(directory)
     seg = Segment(path, base)
     seg.created = True
     seg.size = seg.projected = len(data)
     seg.count = len(records)
+    seg.holes = holes
     if records:
         seg.first, seg.last = records[0][0], records[-1][0]
         seg.index = records[::index_every]
         seg.last_ts = rec.decode_at(data, records[-1][1])[0].timestamp_ms
     return seg, used
+
+
+HEADER = rec.HEADER_SIZE
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _blocks(size: int, block: int) -> int:
+    """``size`` bytes rounded up to whole blocks of the file system (what a file takes)."""
+    return -(-size // block) * block
+
+
+def _set_aside(path: str, data: bytes, damaged: list[tuple[int, int, str]],
+               runs: list[tuple[int, int]], base: int, copy: bool, disk: Disk,
+               found: Recovery) -> bool:
+    """Write each damaged range to ``<segment>.<position>.corrupt`` and, with ``copy``,
+    the segment without them to ``<segment>.tmp``, renamed over it (a crash leaves the old
+    file or the new one). False, with nothing changed, when the disk has no room."""
+    name = os.path.basename(path)
+    written: list[str] = []
+    try:
+        for start, end, _ in damaged:
+            aside = f"{path}.{start}{CORRUPT}"
+            written.append(aside)  # before: a write refused halfway leaves a file too
+            disk.write_file(aside, data[start:end])
+        if copy:
+            written.append(path + TEMP)
+            disk.write_file(path + TEMP, rec.header(base) + b"".join(
+                data[a:b] for a, b in runs))
+            disk.rename(path + TEMP, path)
+    except OSError as exc:
+        if exc.errno not in _NO_ROOM:
+            raise
+        for leftover in written:
+            try:
+                disk.remove(leftover)
+            except FileNotFoundError:
+                pass
+        return False
+    for start, end, why in damaged:
+        aside = f"{name}.{start}{CORRUPT}"
+        found.quarantined.append(aside)
+        kept = "; the valid records after it are kept" if end < len(data) else ""
+        found.notes.append(f"{name}: {why} at byte {start}; {end - start} bytes set aside "
+                           f"in {aside}{kept}")
+    return True
+
+
+def _mandatory(write: Callable[[], object], directory: str, what: str, size: int,
+               disk: Disk) -> None:
+    """A write recovery cannot do without: on a full disk, the one line says how much room
+    it needs."""
+    try:
+        write()
+    except OSError as exc:
+        if exc.errno not in _NO_ROOM:
+            raise
+        free, block = disk.free(directory)
+        raise WalError(f"{directory}: recovery needs room for {what} ({size} bytes, "
+                       f"{_blocks(size, block)} on this file system; {free} bytes free): "
+                       "make room and start again") from None
 
 
 def _regular(path: str) -> bool:

@@ -36,9 +36,9 @@ def offset_named(name: str) -> bool:
 class Segment:
     """One segment file. ``size`` counts committed bytes (header included) on disk."""
 
-    __slots__ = ("base", "count", "created", "first", "index", "last", "last_ts", "path",
-                 "pending", "pending_first", "pending_ts", "projected", "removed", "size",
-                 "stale")
+    __slots__ = ("base", "count", "created", "first", "holes", "index", "last", "last_ts",
+                 "path", "pending", "pending_first", "pending_ts", "projected", "removed",
+                 "size", "stale")
 
     def __init__(self, path: str, base: int) -> None:
         self.path = path
@@ -50,6 +50,9 @@ class Segment:
         self.last_ts = 0
         self.count = 0
         self.index: list[tuple[int, int]] = []  # sparse (offset, position)
+        # damaged byte ranges recovery left in the file (no room to rewrite it without
+        # them), in file order: reads skip them
+        self.holes: list[tuple[int, int]] = []
         # Appended, not yet written. Their offsets are contiguous from pending_first, so only
         # the encoded bytes are kept per record (the hot path appends one bytes object).
         self.pending: list[bytes] = []
