@@ -96,6 +96,7 @@ class MqttOptions(NamedTuple):
     max_keepalive: int = 65535
     max_inflight: int = 64
     session_expiry_ms: int = 7 * 24 * 3600 * 1000
+    max_sessions: int = 100_000
     queue_qos0: bool = False
 
 
@@ -333,6 +334,9 @@ SCHEMA: tuple[Key, ...] = (
         "subscription", 1, 65535),
     Key("mqtt", "session_expiry_ms", int, "A persistent session (clean session 0) offline "
         "this long is deleted with its backlog (0 = never)", 0, 2**50),
+    Key("mqtt", "max_sessions", int, "Persistent sessions (clean session 0) the broker keeps, "
+        "online and offline; a CONNECT that would make one more gets CONNACK 3 (server "
+        "unavailable). Each key has a share of it too (docs/SECURITY.md)", 1, 10_000_000),
     Key("mqtt", "queue_qos0", bool, "Keep QoS 0 messages for offline persistent sessions"),
     Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
         10_000_000),

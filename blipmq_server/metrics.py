@@ -69,8 +69,9 @@ def _label(value: str) -> str:
 
 
 # the caps ``blipmq_limit_refusals_total`` counts refusals at (every one shown, 0 or not)
-_LIMITS = ("queues.max_durable_groups", "auth.keys.max_durable_groups",
-           "auth.keys.max_retained_topics", "auth.keys.max_retained_bytes")
+_LIMITS = ("queues.max_durable_groups", "mqtt.max_sessions", "auth.keys.max_durable_groups",
+           "auth.keys.max_sessions", "auth.keys.max_retained_topics",
+           "auth.keys.max_retained_bytes")
 
 
 def counter(name: str, doc: str, value: float) -> Family:
@@ -175,9 +176,9 @@ class BrokerCollector:
                       "retained.max_topics or retained.max_bytes, or at the publishing key's "
                       "share of them", retained.refused)
         limited = Family("blipmq_limit_refusals", "counter", "Refusals at a cap on what the "
-                         "broker holds, by the cap: queues.max_durable_groups, and a key's "
-                         "share (auth.keys.max_durable_groups, _retained_topics, "
-                         "_retained_bytes)", ("limit",))
+                         "broker holds, by the cap: queues.max_durable_groups, "
+                         "mqtt.max_sessions, and a key's share (auth.keys.max_durable_groups, "
+                         "_sessions, _retained_topics, _retained_bytes)", ("limit",))
         for limit in _LIMITS:
             limited.add([limit], c.limited.get(limit, 0))
         yield limited

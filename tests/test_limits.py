@@ -1,10 +1,11 @@
 """What one client may make the broker hold: subscriptions per connection
 (``server.max_subscriptions``), durable groups in all (``queues.max_durable_groups``),
-and each key's share of durable groups and retained values (docs/SECURITY.md, "Shares"),
-through the real broker process, over MQTT and the native protocol. Without them a client
-subscribing to distinct filters grew the broker by about 3 KB each (630 MB for 200,000); one
-restricted key made 100,000 durable groups in 18 s, or filled the retained values in 0.1 s,
-and every other key, admin included, was refused them from then on."""
+persistent MQTT sessions in all (``mqtt.max_sessions``), and each key's share of durable
+groups, sessions and retained values (docs/SECURITY.md, "Shares"), through the real broker
+process, over MQTT and the native protocol. Without them a client subscribing to distinct
+filters grew the broker by about 3 KB each (630 MB for 200,000); one restricted key made
+100,000 durable groups in 18 s, 60,000 persistent sessions at 1,750/s, or filled the retained
+values in 0.1 s, and every other key, admin included, was refused them from then on."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from blipmq_server.mqtt.packets import (
 )
 from blipmq_server.protocol.codec import ErrorCode
 
+SERVER_UNAVAILABLE = 3
 LIMIT_EXIT = 9
 
 
@@ -201,6 +203,59 @@ def test_a_keys_own_limit_replaces_its_share(start_broker) -> None:
                   BLIPMQ_API_KEY=clear).returncode == 0
     sub = bp.cli("sub", "jobs/#", "--group", "b", "-q", "1", "-W", "1", BLIPMQ_API_KEY=clear)
     assert sub.returncode == LIMIT_EXIT and b"(1: max_durable_groups" in sub.stderr, sub
+
+
+def test_persistent_sessions_are_bounded_in_all_and_per_key(start_broker) -> None:
+    """Finding 3 of the h34 review: persistent sessions were unbounded (one key left 60,000
+    behind, ~1.1 KB each, kept a week across restarts). Now mqtt.max_sessions bounds them
+    all (CONNACK 3 past it) and each key its share (a third of 6 here); resuming a session
+    kept, and clean sessions, go on; refusals are counted and logged once a minute per
+    source."""
+    bp = start_broker(keyed(mqtt={"enabled": True, "port": 0, "max_sessions": 6}))
+    assert bp.mqtt_port is not None
+
+    def connect(cid: str, secret: str, clean: bool = False) -> ConnAck:
+        c = Raw(bp.mqtt_port)  # type: ignore[arg-type]
+        ack = c.connect(cid, clean=clean, username="d", password=secret.encode())
+        c.sock.close()
+        return ack
+
+    assert [connect(f"junk-{n}", SENSOR).code for n in range(4)] == [0, 0, SERVER_UNAVAILABLE,
+                                                                     SERVER_UNAVAILABLE]
+    said = bp.wait_log("key 'sensor' keeps 2 persistent sessions, the most its share allows "
+                       "(2: max_sessions")
+    assert "refused (CONNACK 3" in said and "'junk-2'" in said
+    assert sum("persistent sessions" in line for line in bp.log) == 1, bp.log  # hushed
+    assert connect("junk-0", SENSOR) == ConnAck(True, 0)  # its own, kept: resumed
+    assert connect("junk-9", SENSOR, clean=True).code == 0  # a clean session: never kept
+    assert [connect(f"kitchen-{n}", KITCHEN).code for n in range(2)] == [0, 0]
+    assert [connect(f"root-{n}", ROOT).code for n in range(3)] == [0, 0, SERVER_UNAVAILABLE]
+    bp.wait_log("the broker keeps 6 persistent sessions, the most mqtt.max_sessions allows")
+    assert bp.metric("blipmq_limit_refusals_total", limit="auth.keys.max_sessions") == 2
+    assert bp.metric("blipmq_limit_refusals_total", limit="mqtt.max_sessions") == 1
+    assert bp.metric("blipmq_connections_closed_total", reason="limit") == 3
+    # ending one (clean session 1 with its id) makes room, for its key too
+    assert connect("junk-1", SENSOR, clean=True) == ConnAck(False, 0)
+    assert connect("junk-5", SENSOR).code == 0
+    # restored at start, they count again
+    assert bp.stop() == 0
+    bp = start_broker(keyed(mqtt={"enabled": True, "port": 0, "max_sessions": 6}),
+                      data_dir=bp.data_dir)
+    assert connect("junk-6", SENSOR).code == SERVER_UNAVAILABLE
+    assert connect("root-9", ROOT).code == SERVER_UNAVAILABLE
+    assert connect("junk-5", SENSOR) == ConnAck(True, 0)
+
+
+def test_without_keys_sessions_are_bounded_by_mqtt_max_sessions(start_broker) -> None:
+    bp = start_broker({"mqtt": {"enabled": True, "port": 0, "max_sessions": 2}})
+    assert bp.mqtt_port is not None
+    acks = []
+    for cid in ("a", "b", "c"):
+        c = Raw(bp.mqtt_port)
+        acks.append(c.connect(cid, clean=False).code)
+        c.sock.close()
+    assert acks == [0, 0, SERVER_UNAVAILABLE]
+    bp.wait_log("the broker keeps 2 persistent sessions, the most mqtt.max_sessions allows")
 
 
 def test_a_key_at_its_share_of_retained_values_leaves_the_others_theirs(start_broker) -> None:

@@ -73,7 +73,8 @@ class Counters:
         self.groups_expired = 0
         self.idle_groups_dropped = 0  # QoS 0 groups dropped beyond ``limits.max_idle_groups``
         # refusals at a cap on what the broker holds, by the cap's name: the broker-wide
-        # "queues.max_durable_groups" and a key's "auth.keys.max_..."
+        # "queues.max_durable_groups" and a key's "auth.keys.max_..." (the shell counts
+        # "mqtt.max_sessions" and "auth.keys.max_sessions" here too)
         self.limited: dict[str, int] = {}
 
     def __eq__(self, other: object) -> bool:  # by value, as the dataclass it was (tests)

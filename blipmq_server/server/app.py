@@ -153,7 +153,7 @@ class Server:
         limits = self.broker.limits
         # the broker-wide caps a key's default quota is a share of (``access.share``); they
         # change only with a restart, a key's own limits with a reload
-        self.caps = Quota(limits.max_durable_groups, None,
+        self.caps = Quota(limits.max_durable_groups, config.mqtt.max_sessions,
                           limits.retained_max_topics, limits.retained_max_bytes)
         self.prefetcher = (None if self.wal is None
                            else Prefetcher(self.wal, self.broker, self.wake))

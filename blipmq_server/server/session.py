@@ -77,6 +77,7 @@ class CloseReason(Enum):
     WRITE_FAILED = "write_failed"
     TAKEN_OVER = "taken_over"  # an MQTT client connected again with the same client id
     REVOKED = "revoked"  # its key left the configuration (a reload)
+    LIMIT = "limit"  # an MQTT CONNECT refused at mqtt.max_sessions or its key's share
 
 
 def now_ms() -> int:
