@@ -56,6 +56,17 @@ class KeySpec(NamedTuple):
     subscribe: tuple[str, ...] = ()
     subscribe_deny: tuple[str, ...] = ()
     admin: bool = False
+    # what the key may make the broker hold (None: its default share, docs/SECURITY.md)
+    max_durable_groups: int | None = None
+    max_sessions: int | None = None
+    max_retained_topics: int | None = None
+    max_retained_bytes: int | None = None
+
+    @property
+    def limits(self) -> tuple[int | None, int | None, int | None, int | None]:
+        """Its own limits, in ``access.Quota``'s order (None: its default share)."""
+        return (self.max_durable_groups, self.max_sessions, self.max_retained_topics,
+                self.max_retained_bytes)
 
 
 class AuthOptions(NamedTuple):
@@ -85,6 +96,7 @@ class MqttOptions(NamedTuple):
     max_keepalive: int = 65535
     max_inflight: int = 64
     session_expiry_ms: int = 7 * 24 * 3600 * 1000
+    max_sessions: int = 100_000
     queue_qos0: bool = False
 
 
@@ -322,6 +334,9 @@ SCHEMA: tuple[Key, ...] = (
         "subscription", 1, 65535),
     Key("mqtt", "session_expiry_ms", int, "A persistent session (clean session 0) offline "
         "this long is deleted with its backlog (0 = never)", 0, 2**50),
+    Key("mqtt", "max_sessions", int, "Persistent sessions (clean session 0) the broker keeps, "
+        "online and offline; a CONNECT that would make one more gets CONNACK 3 (server "
+        "unavailable). Each key has a share of it too (docs/SECURITY.md)", 1, 10_000_000),
     Key("mqtt", "queue_qos0", bool, "Keep QoS 0 messages for offline persistent sessions"),
     Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
         10_000_000),
@@ -341,7 +356,7 @@ SCHEMA: tuple[Key, ...] = (
         "group goes with its last consumer)", 0, 1_000_000),
     Key("queues", "max_durable_groups", int, "Durable groups (and MQTT persistent sessions' "
         "subscriptions) the broker holds; a subscription that would make one more is "
-        "refused", 1, 10_000_000),
+        "refused. Each key has a share of it too (docs/SECURITY.md)", 1, 10_000_000),
     Key("delivery", "max_batch", int, "Most messages in one DELIVER frame", 1, 65535),
     Key("delivery", "max_batch_bytes", int, "Approximate byte cap of one DELIVER frame",
         1024, 64 * MiB),
@@ -380,9 +395,11 @@ SCHEMA: tuple[Key, ...] = (
         "which the broker stops reading publishers until the log caught up (bounds memory "
         "under a flood faster than the disk)", 1 * MiB, 1024 * MiB),
     Key("retained", "max_topics", int, "Topics that may hold a retained value; a retained "
-        "publish to one more is refused (0 = retained publishes are refused)", 0, 10_000_000),
+        "publish to one more is refused (0 = retained publishes are refused). Each key has "
+        "a share of it too (docs/SECURITY.md)", 0, 10_000_000),
     Key("retained", "max_bytes", int, "Bytes of retained messages kept (also capped at half "
-        "of wal.segment_bytes); a retained publish past it is refused", 0, 2**40),
+        "of wal.segment_bytes); a retained publish past it is refused. Each key has a share "
+        "of it too", 0, 2**40),
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
     Key("metrics", "host", str, "Address of the metrics listener", check=_host_problem),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),
@@ -564,6 +581,9 @@ def _hashed(key: str) -> str:
         from hashlib import blake2b
     return _HASH_PREFIX + blake2b(key.encode("utf-8")).hexdigest()
 _SPEC_LISTS = ("publish", "publish_deny", "subscribe", "subscribe_deny")
+# a key's own limits (``KeySpec``): the most each may be
+_SPEC_LIMITS = {"max_durable_groups": 10_000_000, "max_sessions": 10_000_000,
+                "max_retained_topics": 10_000_000, "max_retained_bytes": 2**40}
 
 
 def _key_specs(value: object) -> tuple[KeySpec, ...]:
@@ -576,10 +596,11 @@ def _key_specs(value: object) -> tuple[KeySpec, ...]:
     seen: set[str] = set()
     for i, table in enumerate(value):
         where = f"auth.keys[{i}]"
-        unknown = sorted(set(table) - {"name", "hash", "admin", *_SPEC_LISTS})
+        unknown = sorted(set(table) - {"name", "hash", "admin", *_SPEC_LISTS, *_SPEC_LIMITS})
         if unknown:
             raise ConfigError(f"unknown field {unknown[0]!r} (known: name, hash, publish, "
-                              "publish_deny, subscribe, subscribe_deny, admin)", where)
+                              "publish_deny, subscribe, subscribe_deny, admin, "
+                              f"{', '.join(_SPEC_LIMITS)})", where)
         name = table.get("name")
         if not isinstance(name, str) or not name.strip():
             raise ConfigError("needs a name (a non-empty string)", where)
@@ -607,7 +628,16 @@ def _key_specs(value: object) -> tuple[KeySpec, ...]:
         admin = table.get("admin", False)
         if not isinstance(admin, bool):
             raise ConfigError("admin must be true or false", where)
-        specs.append(KeySpec(name, digest, admin=admin, **lists))
+        limits: dict[str, int] = {}
+        for field_name, high in _SPEC_LIMITS.items():
+            if field_name not in table:
+                continue
+            n = table[field_name]
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= high:
+                raise ConfigError(f"{field_name} must be an integer from 0 to {high} (absent: "
+                                  "the key's share of the broker-wide cap)", where)
+            limits[field_name] = n
+        specs.append(KeySpec(name, digest, admin=admin, **lists, **limits))
     return tuple(specs)
 
 
@@ -839,6 +869,9 @@ _KEYS_EXAMPLE = [
     "# publish = [\"sensors/hall/#\"]",
     "# subscribe = [\"cmd/hall/#\"]",
     "# admin = false",
+    "# A key's share of what the broker holds, when the default (docs/SECURITY.md) does not",
+    "# fit: max_durable_groups, max_sessions, max_retained_topics, max_retained_bytes, e.g.",
+    "# max_retained_topics = 8000",
 ]
 
 

@@ -68,6 +68,12 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+# the caps ``blipmq_limit_refusals_total`` counts refusals at (every one shown, 0 or not)
+_LIMITS = ("queues.max_durable_groups", "mqtt.max_sessions", "auth.keys.max_durable_groups",
+           "auth.keys.max_sessions", "auth.keys.max_retained_topics",
+           "auth.keys.max_retained_bytes")
+
+
 def counter(name: str, doc: str, value: float) -> Family:
     return Family(name, "counter", doc, samples=[((), value)])
 
@@ -170,7 +176,15 @@ class BrokerCollector:
         yield counter("blipmq_retained_sent", "Retained values handed to new subscriptions",
                       c.retained_sent)
         yield counter("blipmq_retained_refused", "Retained publishes refused at "
-                      "retained.max_topics or retained.max_bytes", retained.refused)
+                      "retained.max_topics or retained.max_bytes, or at the publishing key's "
+                      "share of them", retained.refused)
+        limited = Family("blipmq_limit_refusals", "counter", "Refusals at a cap on what the "
+                         "broker holds, by the cap: queues.max_durable_groups, "
+                         "mqtt.max_sessions, and a key's share (auth.keys.max_durable_groups, "
+                         "_sessions, _retained_topics, _retained_bytes)", ("limit",))
+        for limit in _LIMITS:
+            limited.add([limit], c.limited.get(limit, 0))
+        yield limited
         yield from self._groups()
 
     def _mqtt(self) -> Iterator[Family]:

@@ -68,3 +68,14 @@ def test_a_deny_wins_for_publishing() -> None:
     assert not access.may_publish(b"other") and not access.may_publish(b"\xff")
     assert access.may_publish(b"sensors/hall")  # remembered, the same verdict
     assert Access(FULL).unlimited and not access.unlimited
+
+
+def test_a_default_share_divides_each_cap_among_the_keys_by_four_at_most() -> None:
+    from blipmq_server.broker.access import Quota, share
+
+    caps = Quota(100_000, 100_000, 10_000, 16 << 20)
+    assert share(caps, 1) == caps  # the only key: everything, as before shares
+    assert share(caps, 2) == Quota(50_000, 50_000, 5_000, 8 << 20)
+    assert share(caps, 3) == Quota(33_334, 33_334, 3_334, -(-(16 << 20) // 3))  # rounded up
+    assert share(caps, 4) == share(caps, 40) == Quota(25_000, 25_000, 2_500, 4 << 20)
+    assert share(Quota(1, None, 0, 3), 4) == Quota(1, None, 0, 1)

@@ -662,6 +662,42 @@ def test_a_group_restated_after_a_lost_batch_keeps_its_idle_time(tmp_path: Path)
     again.log.close()
 
 
+def test_a_key_holds_durable_groups_within_its_share(tmp_path: Path) -> None:
+    """docs/SECURITY.md, "Shares": a key's new durable groups count against its quota; at
+    it, the key is refused (LIMIT, naming the limit and its count) and others are not; a
+    group deleted or expired gives its place back, and a restart counts them again from
+    their owners' records."""
+    from blipmq_server.broker.access import Access, Identity, Quota
+
+    s = Setup(tmp_path, group_expiry_ms=1000)
+    b = s.broker
+    hog = Access(Identity("hog", subscribe=("a/#",), quota=Quota(durable_groups=2)))
+    other = Access(Identity("other", subscribe=("a/#",), quota=Quota(durable_groups=2)))
+    for g in ("g1", "g2"):
+        assert b.subscribe(1, "a/#", g, qos=1, access=hog).sub_id
+    over = b.subscribe(1, "a/#", "g3", qos=1, access=hog)
+    assert over.refusal is not None and over.refusal.code == ErrorCode.LIMIT
+    assert over.refusal.text.startswith("key 'hog' holds 2 durable groups, the most its "
+                                        "share allows (2: max_durable_groups"), over.refusal
+    assert b.subscribe(2, "a/#", "o1", qos=1, access=other).sub_id  # another key: served
+    assert b.subscribe(3, "a/#", "g1", qos=1, access=hog).sub_id  # joining its own: fine
+    assert b.subscribe(1, "a/#", qos=1, access=hog).sub_id  # a cursor of its own: no group
+    assert b.counters.limited == {"auth.keys.max_durable_groups": 1}
+    assert b.unsubscribe(1, 0, "a/#", "g2", 0, access=hog).count
+    assert b.subscribe(1, "a/#", "g3", qos=1, access=hog).sub_id  # room again
+    assert b.groups_held == {"hog": 2, "other": 1}
+    s.commit()
+    s.log.close()
+    again = Setup(tmp_path, group_expiry_ms=1000)
+    again.broker.recovered(5_000)
+    assert again.broker.groups_held == {"hog": 2, "other": 1}
+    assert again.broker.subscribe(1, "a/#", "g4", qos=1, access=hog).refusal is not None
+    assert len(again.broker.expire_groups(10_000)) == 3  # nobody consumes: they expire
+    assert again.broker.groups_held == {}
+    assert again.broker.subscribe(1, "a/#", "g4", qos=1, access=hog).sub_id
+    again.log.close()
+
+
 def test_the_broker_holds_at_most_max_durable_groups(tmp_path: Path) -> None:
     s = Setup(tmp_path, max_durable_groups=2)
     b = s.broker

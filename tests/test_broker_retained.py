@@ -202,3 +202,56 @@ def test_a_value_set_after_its_carried_copy_wins_on_recovery(tmp_path: Path) -> 
     assert [d.payload for d in deliveries(b2, sub(b2, 1, "cfg"))] == [b"new"]
     assert b2.offset == 3  # the last message; the carried copy is not one
     log2.close()
+
+
+def test_a_key_keeps_retained_values_within_its_share() -> None:
+    """docs/SECURITY.md, "Shares": a key's retained values count against its quota (topics
+    and bytes), the latest publisher's; another key, and a clear, go on. Values that expire
+    give their count back."""
+    from blipmq_server.broker.access import Access, Identity, Quota
+
+    b = Broker(Limits(retained_max_topics=100), log=MemoryLog())
+    hog = Access(Identity("hog", publish=("#",), quota=Quota(retained_topics=2,
+                                                             retained_bytes=300)))
+    other = Access(Identity("other", publish=("#",), quota=Quota(retained_topics=2)))
+    assert b.publish([raw("h/1", b"1"), raw("h/2", b"2")], 0, 1, access=hog).refusal is None
+    res = b.publish([raw("h/1", b"again"), raw("h/3", b"3")], 0, 2, access=hog)
+    assert res.accepted == 1 and res.refusal is not None  # its own topic again: fine
+    assert res.refusal.code == ErrorCode.LIMIT
+    assert res.refusal.text.startswith("key 'hog' keeps retained values for 2 topics, the most "
+                                       "its share allows (2: max_retained_topics"), res.refusal
+    assert b.publish([raw("o/1", b"mine")], 0, 3, access=other).refusal is None
+    assert b.publish([raw("h/1", b"")], 0, 4, access=hog).refusal is None  # a clear
+    assert b.publish([raw("h/3", b"3")], 0, 5, access=hog).refusal is None  # room again
+    # a value published over another key's is the publisher's now
+    assert b.publish([raw("h/3", b"taken")], 0, 6, access=other).refusal is None
+    size = {t: len(v.record) for t, v in b.retained.values.items()}
+    assert b.retained_shares.held == {"hog": [1, size[b"h/2"]],
+                                      "other": [2, size[b"o/1"] + size[b"h/3"]]}
+    over = b.publish([raw("h/4", b"x" * 400)], 0, 7, access=hog)
+    assert over.refusal is not None and "max_retained_bytes" in over.refusal.text
+    assert b.counters.limited == {"auth.keys.max_retained_topics": 1,
+                                  "auth.keys.max_retained_bytes": 1}
+    assert b.retained.refused == 2
+    # expiry (found on the way by a subscription) gives the count back
+    assert b.publish([raw("h/5", b"brief", ttl=10)], 0, 10, access=hog).refusal is None
+    assert b.publish([raw("h/6", b"no")], 0, 11, access=hog).refusal is not None
+    sub(b, 1, "h/#", timestamp_ms=100)
+    assert b.publish([raw("h/6", b"yes")], 0, 101, access=hog).refusal is None
+
+
+def test_recovered_retained_values_are_nobodys() -> None:
+    """A record does not say who published it: at start every key's count is zero."""
+    from blipmq_server.broker.access import Access, Identity, Quota
+
+    log = MemoryLog()
+    b = Broker(log=log)
+    hog = Access(Identity("hog", publish=("#",), quota=Quota(retained_topics=1)))
+    assert b.publish([raw("h/1", b"1")], 0, 1, access=hog).refusal is None
+    assert b.publish([raw("h/2", b"2")], 0, 1, access=hog).refusal is not None
+    again = Broker(log=MemoryLog())
+    for record in log.records:
+        assert again.recover(record) is None
+    assert len(again.retained) == 1 and again.retained_shares.held == {}
+    assert again.publish([raw("h/2", b"2")], 0, 2, access=hog).refusal is None
+    assert again.publish([raw("h/3", b"3")], 0, 2, access=hog).refusal is not None

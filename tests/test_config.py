@@ -226,3 +226,20 @@ def test_a_bridge_rule_too_long_for_max_topic_bytes_is_named_in_one_short_line(
     assert text.startswith("bridge[0] (c): the rule 'aaaa"), text
     assert "the local filter is 2000 bytes long, server.max_topic_bytes is 1024" in text
     assert len(text) < 200, text
+
+
+def test_a_keys_own_limits_are_integers_in_range() -> None:
+    base = {"name": "hall", "hash": "blake2b:" + "ab" * 64}
+    ok = config.load(None, env={}, overrides={"auth.keys": [
+        {**base, "max_retained_topics": 8000, "max_sessions": 0}]})
+    (spec,) = ok.auth.keys
+    assert spec.limits == (None, 0, 8000, None)  # absent: the default share
+    for bad in ({"max_sessions": -1}, {"max_durable_groups": True},
+                {"max_retained_bytes": "1 MiB"}, {"max_retained_topics": 10_000_001}):
+        err = error_of(lambda bad=bad: config.load(None, env={}, overrides={
+            "auth.keys": [{**base, **bad}]}))
+        assert str(err).startswith(f"auth.keys[0] (hall): {next(iter(bad))} must be an integer "
+                                   "from 0 to "), err
+    err = error_of(lambda: config.load(None, env={}, overrides={
+        "auth.keys": [{**base, "max_groups": 1}]}))
+    assert "unknown field 'max_groups'" in str(err) and "max_retained_bytes" in str(err)

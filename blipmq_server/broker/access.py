@@ -2,7 +2,9 @@
 
 An ``Identity`` is a named key's permissions: allow and deny lists of topic filters for
 publishing and for subscribing, and ``admin`` (statistics, the groups view, other
-identities' durable groups). A deny always wins over an allow.
+identities' durable groups). A deny always wins over an allow. Its ``Quota`` bounds what
+it may make the broker hold beyond a connection (durable groups, persistent MQTT sessions,
+retained values), so that one key cannot take a broker-wide budget from the others.
 
 Publishing to a topic needs an allow filter that matches it and no deny filter that does.
 Subscribing to a filter needs an allow filter that *covers* it (every topic the filter can
@@ -99,6 +101,31 @@ def overlaps(one: str, other: str) -> bool:
     return len(longer) == min(len(a), len(b)) + 1 and longer[-1] == "#"
 
 
+class Quota(NamedTuple):
+    """What one key may make the broker hold (docs/SECURITY.md, "Shares"): durable groups,
+    persistent MQTT sessions, topics with a retained value and bytes of retained values.
+    None: no limit of its own (the broker-wide one still applies). The same order serves
+    for the broker-wide caps (``share``)."""
+
+    durable_groups: int | None = None
+    sessions: int | None = None
+    retained_topics: int | None = None
+    retained_bytes: int | None = None
+
+
+UNLIMITED = Quota()
+_PARTS = 4  # a default share is at least a quarter of the broker-wide cap
+
+
+def share(caps: Quota, owners: int) -> Quota:
+    """A non-admin key's default quota: each broker-wide cap of ``caps`` divided among the
+    ``owners`` (named keys, and the ``api_keys`` keys as one), by four at most (rounded
+    up). The only key has it all; two keys half each; one key of many, a quarter, so it
+    always leaves three quarters to the others."""
+    parts = max(1, min(owners, _PARTS))
+    return Quota(*(None if cap is None else -(-cap // parts) for cap in caps))
+
+
 class Identity(NamedTuple):
     name: str
     publish: tuple[str, ...] = ()
@@ -106,6 +133,7 @@ class Identity(NamedTuple):
     subscribe: tuple[str, ...] = ()
     subscribe_deny: tuple[str, ...] = ()
     admin: bool = False
+    quota: Quota = UNLIMITED
 
     def may_publish(self, topic: str) -> bool:
         return (any(matches(f, topic) for f in self.publish)

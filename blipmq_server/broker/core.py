@@ -38,6 +38,7 @@ from blipmq_server.broker.results import (
     refused,
 )
 from blipmq_server.broker.retained import Retained, Value, carry_body, parse_carry, topic_of
+from blipmq_server.broker.shares import RetainedShares
 from blipmq_server.broker.storage import MessageLog, StoredRecord, Unwritten
 from blipmq_server.broker.usage import Usage
 from blipmq_server.kinds import Kind
@@ -109,6 +110,10 @@ class Broker:
         self.cursors = (None if self.log is None
                         else Cursors(self.limits, self.log, self.counters))
         self.retained = Retained(self.limits.retained_max_topics, self.limits.retained_max_bytes)
+        self.retained_shares = RetainedShares()  # whose retained values are which
+        # durable groups by the key that owns them (those with an owner), against each
+        # key's ``Quota.durable_groups``
+        self.groups_held: dict[str, int] = {}
         self.usage = Usage(self._durable_matching, woken=self._rouse)
         self._generation = 0  # of the durable groups ``usage`` knows
         self._roused_at = 0  # when ``redeliver`` last looked at the dozing consumers (ms)
@@ -259,10 +264,22 @@ class Broker:
             run_bytes += m.payload_len
             if m.retain:  # kept as the topic's value, always logged: the slow path
                 problem = self.retained.refusal(m.topic, len(m.record), m.payload_len)
+                # whose the value is: its key's (one with full access, or none: nobody's)
+                owner = "" if access is None else access.identity.name
+                if problem is None and access is not None and m.payload_len:
+                    over = self.retained_shares.refusal(
+                        self.retained.values, m.topic, len(m.record), owner,
+                        access.identity.quota)
+                    if over is not None:
+                        self.retained.refused += 1
+                        self._limited(over[0])
+                        problem = over[1]
                 if problem is not None:
                     run_bytes -= m.payload_len
                     refusal = Refusal(ErrorCode.LIMIT, problem)
                     break
+                self.retained_shares.put(self.retained.values, m.topic, owner,
+                                         len(m.record) if m.payload_len else 0)
                 if logged is None:
                     offset += 1
                 else:
@@ -530,16 +547,29 @@ class Broker:
         if (topic_filter, group) in registry.groups:
             return refused(ErrorCode.INVALID_REQUEST,
                            f"group {group!r} on {topic_filter!r} already exists as a QoS 0 group")
-        if (group and (topic_filter, group) not in cursors.durable
-                and len(cursors.durable) >= self.limits.max_durable_groups):
+        new = bool(group) and (topic_filter, group) not in cursors.durable
+        if new and len(cursors.durable) >= self.limits.max_durable_groups:
+            self._limited("queues.max_durable_groups")
             return refused(ErrorCode.LIMIT, f"the broker holds {len(cursors.durable)} durable "
                            "groups, the most queues.max_durable_groups allows: delete unused "
                            "ones (blipmq unsub --group) or raise it")
+        if new and owner:  # a new group of its own: within its key's share
+            most = access.identity.quota.durable_groups  # type: ignore[union-attr]
+            held = self.groups_held.get(owner, 0)
+            if most is not None and held >= most:
+                self._limited("auth.keys.max_durable_groups")
+                return refused(ErrorCode.LIMIT, f"key {owner!r} holds {held} durable groups, "
+                               f"the most its share allows ({most}: max_durable_groups, "
+                               "docs/SECURITY.md): delete unused ones (blipmq unsub --group) "
+                               "or raise it")
         target = cursors.open(topic_filter, group, qos, start, start_offset, timestamp_ms)
         if isinstance(target, Refusal):
             return SubscribeResult(0, refusal=target)
         if owner:
             self._owned(topic_filter, group, owner, timestamp_ms, durable=True)
+            if adopted:  # the api_keys keys' group: its key's now
+                self._hold(FULL.name, -1)
+            self._hold(owner, 1)
         credit = (credit or self.limits.default_credit) if qos else 0xFFFFFFFF
         consumer = registry.add(conn, target, qos, credit, request_id)
         consumer.patient = patient
@@ -588,6 +618,20 @@ class Broker:
         target = self.registry.groups.get(key) or (
             None if self.cursors is None else self.cursors.durable.get(key))
         return target is not None and not target.consumers
+
+    def _hold(self, owner: str, n: int) -> None:
+        """``owner`` holds ``n`` durable groups more (or fewer)."""
+        if owner:
+            held = self.groups_held.get(owner, 0) + n
+            if held > 0:
+                self.groups_held[owner] = held
+            else:
+                self.groups_held.pop(owner, None)
+
+    def _limited(self, limit: str) -> None:
+        """Something was refused at the cap ``limit`` (counted for metrics)."""
+        limited = self.counters.limited
+        limited[limit] = limited.get(limit, 0) + 1
 
     def _group_exists(self, topic_filter: str, group: str) -> bool:
         key = (topic_filter, group)
@@ -681,6 +725,7 @@ class Broker:
                 return UnsubscribeResult(0, refusal=Refusal(
                     ErrorCode.FORBIDDEN, f"no group {group!r} on {topic_filter!r} that this "
                     "key may delete"))
+            owner = self.group_owner(topic_filter, group)
             logged = self._owned(topic_filter, group, "", timestamp_ms)
             cursors = self.cursors
             target: Queue | DurableGroup | None = (
@@ -688,6 +733,7 @@ class Broker:
             released: tuple[int, ...] = ()
             if target is not None:
                 logged = cursors.delete(target, timestamp_ms)  # type: ignore[union-attr,arg-type]
+                self._hold(owner, -1)
             else:
                 target = registry.groups.pop((topic_filter, group), None)
                 if target is None:
@@ -1029,6 +1075,7 @@ class Broker:
         """Drop durable groups without a consumer for ``group_expiry_ms``."""
         gone = [] if self.cursors is None else self.cursors.expire(wall_ms)
         for g in gone:
+            self._hold(self.group_owner(g.filter, g.group), -1)
             self._owned(g.filter, g.group, "", wall_ms)
         return gone
 
@@ -1188,6 +1235,9 @@ class Broker:
         first, last = self._bookkeeping
         end = self.log.next_offset - 1
         self.offset = first - 1 if last == end else end
+        self.groups_held = {}
+        for g in self.cursors.durable.values():  # their owners' records are read by now
+            self._hold(self.group_owner(g.filter, g.group), 1)
         return self.cursors.recovered(wall_ms)
 
     # ------------------------------------------------------------------------------ views

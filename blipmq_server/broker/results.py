@@ -47,8 +47,8 @@ class Counters:
 
     __slots__ = ("acked", "dead_lettered", "dead_letters_dropped", "delivered", "dropped_new",
                  "dropped_no_consumer", "dropped_oldest", "dropped_ttl", "enqueued",
-                 "groups_expired", "idle_groups_dropped", "nacked", "published", "redelivered",
-                 "refused", "retained_sent", "unrouted")
+                 "groups_expired", "idle_groups_dropped", "limited", "nacked", "published",
+                 "redelivered", "refused", "retained_sent", "unrouted")
 
     def __init__(self) -> None:
         self.published = 0
@@ -72,6 +72,10 @@ class Counters:
         self.dead_letters_dropped = 0
         self.groups_expired = 0
         self.idle_groups_dropped = 0  # QoS 0 groups dropped beyond ``limits.max_idle_groups``
+        # refusals at a cap on what the broker holds, by the cap's name: the broker-wide
+        # "queues.max_durable_groups" and a key's "auth.keys.max_..." (the shell counts
+        # "mqtt.max_sessions" and "auth.keys.max_sessions" here too)
+        self.limited: dict[str, int] = {}
 
     def __eq__(self, other: object) -> bool:  # by value, as the dataclass it was (tests)
         if type(other) is not Counters:

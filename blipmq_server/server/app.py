@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import trio
 
 from blipmq_server import notify, startup
-from blipmq_server.broker.access import FULL, Identity
+from blipmq_server.broker.access import FULL, UNLIMITED, Identity, Quota
 from blipmq_server.broker.core import BRIDGE_GROUPS, Blocked, Broker, Detached, Ended, Limits
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.queue import Overflow
@@ -152,6 +152,11 @@ class Server:
             ),
             log=self.wal,
         )
+        limits = self.broker.limits
+        # the broker-wide caps a key's default quota is a share of (``access.share``); they
+        # change only with a restart, a key's own limits with a reload
+        self.caps = Quota(limits.max_durable_groups, config.mqtt.max_sessions,
+                          limits.retained_max_topics, limits.retained_max_bytes)
         self.prefetcher = (None if self.wal is None
                            else Prefetcher(self.wal, self.broker, self.wake))
         self.counters = ConnectionCounters(closed={r.value: 0 for r in CloseReason})
@@ -188,7 +193,7 @@ class Server:
         # ... of connections not yet authenticated, apart: peers that never authenticate
         # cannot hold back the large frames of those that did (one frame at a time here)
         self.handshakes = Intake(max(self.max_frame + 4, self.mqtt_max_packet), self.counters)
-        self.keys = Keyring(config.auth)
+        self.keys = Keyring(config.auth, caps=self.caps)
         self.bridges: dict[int, Bridge] = {}  # by the connection id each consumes as
 
     def authenticate(self, session: Session, given: bytes) -> Identity | None:
@@ -230,11 +235,17 @@ class Server:
         # anything changed, and the reload is refused whole
         said: list[str] = [self.reload_tls(new)]
         if new.auth != old.auth:
-            keys = Keyring(new.auth, self.keys.hush)
+            keys = Keyring(new.auth, self.keys.hush, self.caps)
             before, after = self.keys.names(), keys.names()
             added = sorted(set(after) - set(before))
             removed = sorted(set(before) - set(after))
-            changed = sorted(n for n in set(before) & set(after) if before[n] != after[n])
+            # changed: its permissions, or the limits its entry sets (not a default share,
+            # which follows the number of keys)
+            own_before = {spec.name: spec.limits for spec in old.auth.keys}
+            own_after = {spec.name: spec.limits for spec in new.auth.keys}
+            changed = sorted(n for n in set(before) & set(after)
+                             if _rights(before[n]) != _rights(after[n])
+                             or own_before.get(n) != own_after.get(n))
             self.keys = keys
             revoked = narrowed = 0
             for session in list(self.sessions.values()):
@@ -251,7 +262,7 @@ class Server:
                     # api_keys to a named entry, may have lost permissions too
                     before = None if session.access is None else session.access.identity
                     session.access = keys.access_for(identity)
-                    if identity != before:
+                    if _rights(identity) != _rights(before):
                         narrowed += self._recheck(session, identity)
             names = ", ".join([*(f"+{n}" for n in added), *(f"-{n}" for n in removed),
                                *(f"~{n}" for n in changed)])
@@ -1027,6 +1038,12 @@ class Server:
 
 def _sections(config: Config) -> tuple[str, ...]:
     return config._fields
+
+
+def _rights(identity: Identity | None) -> Identity | None:
+    """An identity's permissions and name, without its quota (what a subscription it holds
+    depends on)."""
+    return None if identity is None else identity._replace(quota=UNLIMITED)
 
 
 async def _reload(server: Server, reload: Callable[[], Config] | None,

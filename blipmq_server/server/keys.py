@@ -19,7 +19,7 @@ import logging
 
 import trio
 
-from blipmq_server.broker.access import FULL, Access, Identity, digest
+from blipmq_server.broker.access import FULL, UNLIMITED, Access, Identity, Quota, digest, share
 from blipmq_server.config import AuthOptions
 from blipmq_server.server.hush import EVERY_S, Hush
 
@@ -27,7 +27,11 @@ log = logging.getLogger("blipmq.auth")
 
 
 class Keyring:
-    def __init__(self, auth: AuthOptions, hush: Hush | None = None) -> None:
+    def __init__(self, auth: AuthOptions, hush: Hush | None = None,
+                 caps: Quota = UNLIMITED) -> None:
+        """``caps``: the broker-wide caps a key's default quota is a share of (``share``):
+        a non-admin key's, unless its entry sets its own; an admin's (and the ``api_keys``
+        keys') is none beyond the broker-wide caps."""
         # digest -> identity, the one rule both check and find follow (the configuration
         # refuses a key listed twice); the config hashed api_keys when it loaded them
         # ("blake2b:<hex>")
@@ -35,10 +39,14 @@ class Keyring:
         for k in auth.api_keys:
             identities.setdefault(bytes.fromhex(k.split(":", 1)[1]) if k.startswith("blake2b:")
                                   else digest(k.encode("utf-8")), FULL)
+        shared = share(caps, len(auth.keys) + bool(auth.api_keys))
         for spec in auth.keys:
+            base = UNLIMITED if spec.admin else shared
+            quota = Quota(*(b if o is None else o
+                            for b, o in zip(base, spec.limits, strict=True)))
             identities.setdefault(bytes.fromhex(spec.hash.split(":", 1)[1]), Identity(
                 spec.name, spec.publish, spec.publish_deny, spec.subscribe,
-                spec.subscribe_deny, spec.admin))
+                spec.subscribe_deny, spec.admin, quota))
         self.identities = identities
         self.enabled = bool(identities)
         self.delay_s = auth.failure_delay_ms / 1000  # before a refused key is answered

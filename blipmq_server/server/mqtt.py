@@ -693,6 +693,11 @@ class MqttSession(Session):
                 self._protocol_error("session_of_another_key", f"client id {client_id!r} "
                                      "is another key's session")
             return CloseReason.PROTOCOL_ERROR
+        over = server.mqtt_sessions.room(self)
+        if over is not None:  # the device tries again later, as after a restart
+            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.SERVER_UNAVAILABLE)))
+            server.mqtt_sessions.refused(self, *over)
+            return CloseReason.LIMIT
         self.will = packet.will
         self.connected = self.authenticated = True
         if self.bridge:

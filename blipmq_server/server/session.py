@@ -78,6 +78,7 @@ class CloseReason(Enum):
     TAKEN_OVER = "taken_over"  # an MQTT client connected again with the same client id
     REVOKED = "revoked"  # its key left the configuration (a reload)
     EVICTED = "evicted"  # not authenticated yet, closed at max_connections for a newcomer
+    LIMIT = "limit"  # an MQTT CONNECT refused at mqtt.max_sessions or its key's share
 
 
 def now_ms() -> int:

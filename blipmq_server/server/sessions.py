@@ -5,8 +5,9 @@ subscriptions, with its durable groups reading the log meanwhile), or unknown. A
 session is saved in the core's STATE records (``mqtt.state`` makes the bodies), so it
 survives a restart of the broker, SIGKILL included: the subscriptions, the inbound QoS 2
 packet ids between PUBREC and PUBREL, the outbound ones owed a PUBCOMP, and the key that
-made it (another key may not take it over). Lives in the shell: it holds sessions and reads
-the clock.
+made it (another key may not take it over). Persistent sessions are bounded: in all by
+``mqtt.max_sessions``, and for each key by its quota (``access.Quota.sessions``). Lives in
+the shell: it holds sessions and reads the clock.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from blipmq_server.broker.access import FULL
 from blipmq_server.mqtt import state
 from blipmq_server.protocol.codec import ErrorCode
+from blipmq_server.server.hush import Hush
 from blipmq_server.server.session import CloseReason, now_ms, wall_ms
 
 if TYPE_CHECKING:
@@ -44,6 +46,11 @@ class MqttSessions:
         # the key (by name) a client id's session belongs to, online or persistent; "" or
         # absent: nobody in particular (made while authentication was off)
         self.owners: dict[str, str] = {}
+        # the persistent sessions (online or offline): client id -> the key (name) it counts
+        # against ("" none), and how many each key has (``room``)
+        self.kept: dict[str, str] = {}
+        self.kept_by: dict[str, int] = {}
+        self.hush = Hush()  # the refusals' log lines (``room``), per source address
         self.wills = 0
         self.expired = 0
         # persistent sessions restored at start, and the log's end then: what they had not
@@ -83,6 +90,8 @@ class MqttSessions:
                     self.owners[cid] = value.decode("utf-8", "replace")
             except ValueError as exc:
                 log.warning("MQTT session %r not restored: %s", key, exc)
+        for cid in self.offline:
+            self._keep(cid, self.owners.get(cid, ""))
         for key, ids in whole:
             self._in_blocks(key, ids, wall)
         if whole:
@@ -139,6 +148,59 @@ class MqttSessions:
                  access.identity.name)
         return ConnackCode.ACCEPTED
 
+    def room(self, session: MqttSession) -> tuple[str, str] | None:
+        """(the limit, why) if the session would be a persistent session past
+        ``mqtt.max_sessions`` or past its key's share; None if not (a clean session, or one
+        resumed or taken over: it is kept already)."""
+        cid = session.client_id
+        if session.clean or cid in self.kept:
+            return None
+        most = self.server.config.mqtt.max_sessions
+        if len(self.kept) >= most:
+            return "mqtt.max_sessions", (f"the broker keeps {len(self.kept)} persistent "
+                                         "sessions, the most mqtt.max_sessions allows")
+        access = session.access
+        if access is None:
+            return None
+        name = access.identity.name
+        most_own = access.identity.quota.sessions
+        held = self.kept_by.get(name, 0)
+        if most_own is not None and held >= most_own:
+            return "auth.keys.max_sessions", (
+                f"key {name!r} keeps {held} persistent sessions, the most its share allows "
+                f"({most_own}: max_sessions, docs/SECURITY.md)")
+        return None
+
+    def refused(self, session: MqttSession, limit: str, why: str) -> None:
+        """A CONNECT refused at a limit (``room``): counted, and logged at most once per
+        source address and limit per ``hush.EVERY_S`` (a device retrying, or a flood of
+        client ids, does not fill the log)."""
+        limited = self.broker.counters.limited
+        limited[limit] = limited.get(limit, 0) + 1
+        said = self.hush.due(session.peer, limit)
+        if said is not None:
+            source, unsaid = said
+            log.warning("MQTT client %r from %s refused (CONNACK 3, server unavailable): "
+                        "%s%s; further refusals at %s from there are counted, not logged, "
+                        "for %d s (blipmq_limit_refusals_total)", session.client_id, source,
+                        why, f", and {unsaid} more since the last line" if unsaid else "",
+                        limit, self.hush.every_s)
+
+    def _keep(self, cid: str, owner: str) -> None:
+        """The client id's persistent session is kept, against ``owner``'s share."""
+        self._unkeep(cid)
+        self.kept[cid] = owner
+        self.kept_by[owner] = self.kept_by.get(owner, 0) + 1
+
+    def _unkeep(self, cid: str) -> None:
+        owner = self.kept.pop(cid, None)
+        if owner is not None:
+            left = self.kept_by[owner] - 1
+            if left:
+                self.kept_by[owner] = left
+            else:
+                del self.kept_by[owner]
+
     def _covered(self, cid: str, identity: Identity) -> bool:
         """Whether ``identity`` may read every filter the client id's session subscribes
         to (online, or persistent and offline)."""
@@ -178,6 +240,7 @@ class MqttSessions:
         self.owners[cid] = name
         if session.clean:
             return False
+        self._keep(cid, name)  # new, or resumed by its key (or an admin's, or adopted)
         if subs is None:
             self._save(session)
             return False
@@ -368,6 +431,7 @@ class MqttSessions:
         blocks = [state.block_key(prefix, cid, block) for prefix, sets in self._sets.items()
                   for block in sorted({state.block_of(pid) for pid in sets.pop(cid, ())})]
         self.owners.pop(cid, None)
+        self._unkeep(cid)
         self.restored.discard(cid)  # a new session by that id starts afresh
         for key in (state.subs_key(cid), state.qos2_key(cid), state.pubrel_key(cid),
                     state.owner_key(cid), *blocks):
