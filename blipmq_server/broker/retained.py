@@ -15,19 +15,28 @@ The latest record of a topic, MESSAGE or RETAINED, is its value.
     RETAINED body: | offset u64 | timestamp_ms u64 | message record |
 
 ``offset`` and ``timestamp_ms`` are the original publish's, so a subscriber sees the same
-offset and time however often the value was carried. Pure: no trio, no clock.
+offset and time however often the value was carried.
+
+The values are indexed by topic level (a tree: level -> the levels under it, a topic's
+value at its last level), so that a filter walks only the branches it can match: an exact
+level follows one branch, ``+`` each of one level's, ``#`` one subtree. A SUBSCRIBE's
+filter that matches nothing costs a few steps, however many values the broker holds.
+Values with a time to live are also kept by expiry (a heap), so that every expired one
+goes at the next ``matching`` without a pass over the others. Pure: no trio, no clock.
 """
 
 from __future__ import annotations
 
+import heapq
+import operator
 import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from blipmq_server.broker.topics import matches
 from blipmq_server.protocol.message import HEAD_SIZE, MSG_HEAD
 
 _CARRY = struct.Struct(">QQ")  # offset, timestamp_ms
+_OFFSET = operator.itemgetter(0)  # a Value's: the order of their publishes
 
 
 class Value(NamedTuple):
@@ -56,13 +65,28 @@ def parse_carry(body: bytes) -> tuple[int, int, bytes]:
     return offset, timestamp_ms, body[_CARRY.size :]
 
 
+class _Level:
+    """A topic prefix of retained values: the levels that follow it (None: none), and the
+    topic that ends here when it has a value."""
+
+    __slots__ = ("children", "topic")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Level] | None = None
+        self.topic: bytes | None = None
+
+
 class Retained:
     def __init__(self, max_topics: int, max_bytes: int) -> None:
         self.max_topics = max_topics
         self.max_bytes = max_bytes
-        self.values: dict[bytes, Value] = {}
+        self.values: dict[bytes, Value] = {}  # read by others; changed only here
         self.size = 0  # bytes of the records held
         self.refused = 0  # retained publishes refused at a bound
+        self._root = _Level()  # the values' topics by level (``matching``)
+        # (expires_ms, topic) of the values with a time to live, soonest first; an entry
+        # whose value has been replaced or cleared since is skipped when it comes up
+        self._expiry: list[tuple[int, bytes]] = []
 
     def __len__(self) -> int:
         return len(self.values)
@@ -91,25 +115,60 @@ class Retained:
             self.size -= len(old.record)
         _, ttl, _, _, plen = MSG_HEAD.unpack_from(record)
         if not plen:
+            if old is not None:
+                self._unlink(old.levels)
             return
-        levels = tuple(topic.decode("utf-8", "replace").split("/"))
-        self.values[topic] = Value(offset, timestamp_ms, record, levels,
-                                   timestamp_ms + ttl if ttl else 0, anchor)
+        levels = old.levels if old is not None else tuple(
+            topic.decode("utf-8", "replace").split("/"))
+        expires = timestamp_ms + ttl if ttl else 0
+        self.values[topic] = Value(offset, timestamp_ms, record, levels, expires, anchor)
         self.size += len(record)
+        if old is None:
+            self._link(levels, topic)
+        if expires:
+            expiry = self._expiry
+            heapq.heappush(expiry, (expires, topic))
+            if len(expiry) > 2 * len(self.values) + 64:  # mostly replaced values' entries
+                self._expiry = [(v.expires_ms, t) for t, v in self.values.items()
+                                if v.expires_ms]
+                heapq.heapify(self._expiry)
 
     def matching(self, topic_filter: str, wall_ms: int) -> list[Value]:
         """The live values of topics ``topic_filter`` matches, oldest publish first
-        (expired ones are dropped on the way)."""
-        levels = tuple(topic_filter.split("/"))
-        out = []
-        for topic, value in list(self.values.items()):
-            if value.expires_ms and value.expires_ms <= wall_ms:
-                del self.values[topic]
-                self.size -= len(value.record)
+        (expired ones are dropped first). As in MQTT (``topics.matches``), ``a/#`` matches
+        ``a`` too, and a filter whose first level is a wildcard no topic starting with
+        '$'."""
+        self._expire(wall_ms)
+        levels = topic_filter.split("/")
+        last = len(levels)
+        found: list[bytes] = []
+        todo = [(self._root, 0)]
+        while todo:
+            node, i = todo.pop()
+            if i == last:
+                if node.topic is not None:
+                    found.append(node.topic)
                 continue
-            if matches(levels, value.levels):
-                out.append(value)
-        out.sort()
+            children = node.children
+            level = levels[i]
+            if level == "#":
+                self._under(node, i == 0, found)
+            elif children is None:
+                continue
+            elif level == "+":
+                if i + 1 == last:  # the last level: the topics right below, no step more
+                    found.extend(child.topic for name, child in children.items()
+                                 if child.topic is not None and (i or name[:1] != "$"))
+                else:
+                    todo.extend((child, i + 1) for name, child in children.items()
+                                if i or name[:1] != "$")
+            else:
+                child = children.get(level)
+                if child is not None:
+                    todo.append((child, i + 1))
+        values = self.values
+        out = [values[topic] for topic in found]
+        out.sort(key=_OFFSET)
         return out
 
     def stale(self, below: int) -> Iterator[tuple[bytes, Value]]:
@@ -124,3 +183,64 @@ class Retained:
 
     def newest_anchor(self) -> int:
         return max((v.anchor for v in self.values.values()), default=0)
+
+    @staticmethod
+    def _under(node: _Level, top: bool, found: list[bytes]) -> None:
+        """Into ``found``: the topics at ``node`` and below it (``top``: the root, whose
+        '$' branches a '#' does not match)."""
+        if node.topic is not None:
+            found.append(node.topic)
+        children = node.children
+        if children is None:
+            return
+        todo = [child for name, child in children.items() if not top or name[:1] != "$"]
+        while todo:
+            node = todo.pop()
+            if node.topic is not None:
+                found.append(node.topic)
+            if node.children is not None:
+                todo.extend(node.children.values())
+
+    def _expire(self, wall_ms: int) -> None:
+        """Drop the values whose time to live has passed."""
+        expiry = self._expiry
+        values = self.values
+        while expiry and expiry[0][0] <= wall_ms:
+            _, topic = heapq.heappop(expiry)
+            value = values.get(topic)
+            if value is not None and value.expires_ms and value.expires_ms <= wall_ms:
+                del values[topic]
+                self.size -= len(value.record)
+                self._unlink(value.levels)
+
+    def _link(self, levels: tuple[str, ...], topic: bytes) -> None:
+        node = self._root
+        for level in levels:
+            children = node.children
+            if children is None:
+                children = node.children = {}
+            child = children.get(level)
+            if child is None:
+                child = children[level] = _Level()
+            node = child
+        node.topic = topic
+
+    def _unlink(self, levels: tuple[str, ...]) -> None:
+        """The topic at ``levels`` has no value any more: its levels that lead to no other
+        value go too."""
+        path = [self._root]
+        for level in levels:
+            children = path[-1].children
+            child = None if children is None else children.get(level)
+            if child is None:
+                return
+            path.append(child)
+        path[-1].topic = None
+        for depth in range(len(levels), 0, -1):
+            node = path[depth]
+            if node.topic is not None or node.children:
+                return
+            parent = path[depth - 1]
+            del parent.children[levels[depth - 1]]  # type: ignore[union-attr]
+            if not parent.children:
+                parent.children = None
