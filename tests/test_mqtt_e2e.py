@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -177,6 +178,84 @@ def test_retained_values_cross_between_mqtt_and_the_native_cli(start_broker) -> 
     assert b.cli("pub", "-q", "1", "interop/live/2", "cli-live").returncode == 0
     m = client.get()
     assert (m.topic, m.payload, m.qos, m.retain) == ("interop/live/2", b"cli-live", 1, False)
+
+
+def _retained_values(port: int, topics: list[str]) -> None:
+    """One retained QoS 0 value on each of ``topics``, all taken once a PINGRESP comes."""
+    pub = Raw(port)
+    assert pub.connect("retainer").code == 0
+    pub.send_bytes(b"".join(encode(Publish(t, b"v", 0, True)) for t in topics))
+    pub.send(PingReq())
+    pub.expect(PingResp, timeout=60)
+    pub.disconnect()
+
+
+def test_one_subscribe_listing_a_filter_thousands_of_times_stalls_nobody(
+        start_broker) -> None:
+    """h34 #6: with 10,000 retained values, each filter of a SUBSCRIBE walked all of them
+    (2 ms), once per occurrence: one SUBSCRIBE of 2,000 copies of a filter matching none
+    held the broker ~4 s (another client's PINGREQ p99 3.2 s, one unanswered for 5 s). Now
+    the filter walks only its branch of the retained topics, the retained values go to
+    its last occurrence only, and the reader lets the others in between two filters: a
+    bystander's PINGREQs are answered within a second throughout (the old code: several)."""
+    b = start_broker(MQTT)
+    _retained_values(b.mqtt_port, [f"sensors/hall/r{i}" for i in range(10_000)])
+    b.wait_metric("blipmq_retained_topics", 10_000)
+    stop = threading.Event()
+    rtts: list[float] = []
+    pinger = Raw(b.mqtt_port)
+    assert pinger.connect("bystander").code == 0
+
+    def ping() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            pinger.send(PingReq())
+            pinger.expect(PingResp, timeout=30)
+            rtts.append(time.monotonic() - sent)
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=ping, daemon=True)
+    thread.start()
+    try:
+        hog = Raw(b.mqtt_port)
+        assert hog.connect("hog").code == 0
+        time.sleep(0.1)  # pings going on
+        hog.send(Subscribe(1, (("cmd/hall/#", 0),) * 3000))
+        assert hog.expect(SubAck, timeout=60) == SubAck(1, (0,) * 3000)
+        time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(40)
+    assert len(rtts) >= 5 and max(rtts) < 1.0, f"a PINGREQ waited {max(rtts):.2f} s"
+    assert b.metric("blipmq_retained_sent_total") == 0
+
+
+def test_a_filter_listed_again_in_one_subscribe_gets_its_retained_values_once(
+        start_broker) -> None:
+    """MQTT-3.8.4-3: a filter subscribed again replaces the subscription, and the retained
+    values come again. Listed again in one SUBSCRIBE, only its last occurrence counts: the
+    values come once (they came once per occurrence: 3 x 2 here), and the SUBACK still has
+    a code for each occurrence; so too when the occurrences change the subscription's kind
+    (QoS 1, 0, 1: a log cursor, a live queue, a log cursor)."""
+    b = start_broker(MQTT)
+    _retained_values(b.mqtt_port, ["twice/a", "twice/b"])
+    for n, asked in enumerate(((0, 0, 0), (1, 0, 1))):
+        c = Raw(b.mqtt_port)
+        assert c.connect(f"twice-{n}").code == 0
+        filters = (("twice/#", asked[0]), ("other", 0), ("twice/#", asked[1]),
+                   ("twice/#", asked[2]))
+        c.send(Subscribe(1, filters))
+        assert c.expect(SubAck) == SubAck(1, (asked[0], 0, asked[1], asked[2]))
+        got = [c.expect(Publish) for _ in range(2)]
+        assert sorted((p.topic, p.retain) for p in got) == [("twice/a", True),
+                                                            ("twice/b", True)]
+        for p in got:
+            if p.qos:
+                c.send(PubAck(p.packet_id))
+        c.send(PingReq())  # nothing more came before this one's answer
+        assert c.recv() == PingResp()
+        c.disconnect()
+    assert b.metric("blipmq_retained_sent_total") == 4
 
 
 # ------------------------------------------------------------------------------ 3. wills

@@ -659,3 +659,55 @@ def test_a_reload_that_would_turn_authentication_off_beyond_loopback_is_refused(
     # keys kept, or anonymous clients allowed by the configuration in force: applied
     assert "keys: 1" in " ".join(server.reload(make_config(
         auth={"api_keys": ("k2",)}, mqtt={"enabled": True, "host": "gateway.lan"})))
+
+
+async def test_a_subscribe_of_many_filters_lets_the_others_in_between_two(
+        nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """h34 #6: MQTT's reader took every filter of a SUBSCRIBE in one turn of the event loop:
+    one SUBSCRIBE of 2,000 filters held the whole broker ~4 s (10,000 retained values).
+    Now it lets the other tasks in between two filters once it has worked for its turn
+    (made 0 here: every filter is a turn of its own), and its SUBACK still answers them
+    all, in order."""
+    from blipmq_server.mqtt import codec as mqtt
+    from blipmq_server.mqtt.packets import ConnAck, Connect, Publish, SubAck, Subscribe
+    from blipmq_server.server import mqtt as front
+
+    monkeypatch.setattr(front, "_TURN_S", -1.0, raising=False)
+    done: list[str] = []
+    subscribe_one = front.MqttSession.subscribe_one
+
+    def counted(self: front.MqttSession, topic_filter: str, qos: int, retained: bool,
+                restored: bool = False) -> tuple[int, bool]:
+        done.append(topic_filter)
+        return subscribe_one(self, topic_filter, qos, retained, restored)
+
+    monkeypatch.setattr(front.MqttSession, "subscribe_one", counted)
+    server = Server(make_config(mqtt={"enabled": True, "port": 0}))
+    bound: Bound = await nursery.start(server.serve)
+    assert bound.mqtt_port is not None
+    stream = await trio.open_tcp_stream("127.0.0.1", bound.mqtt_port)
+    decoder = mqtt.Decoder()
+    ready: list[object] = []
+
+    async def recv() -> object:
+        with trio.fail_after(10):
+            while not ready:
+                decoder.feed(await stream.receive_some(65536))
+                ready.extend(decoder.packets())
+        return ready.pop(0)
+
+    await stream.send_all(mqtt.encode(Connect("MQTT", 4, True, 0, "many")))
+    assert isinstance(await recv(), ConnAck)
+    filters = [f"f/{i}" for i in range(200)]
+    await stream.send_all(mqtt.encode(Subscribe(1, tuple((f, 0) for f in filters))))
+    with trio.fail_after(10):
+        while not done:  # this task runs again once the reader has begun
+            await trio.sleep(0)
+    seen = len(done)
+    assert await recv() == SubAck(1, (0,) * 200)
+    assert seen < len(filters), "the SUBSCRIBE's filters were all done in one turn"
+    assert done == filters
+    await stream.send_all(mqtt.encode(Publish("f/199", b"last")))
+    got = await recv()
+    assert isinstance(got, Publish) and (got.topic, got.payload) == ("f/199", b"last")
+    server.shutdown.set()

@@ -75,6 +75,7 @@ from blipmq_server.protocol.message import (
 )
 from blipmq_server.protocol.names import filter_problem
 from blipmq_server.server.session import (
+    _TURN_S,
     CloseReason,
     Session,
     _time,
@@ -161,6 +162,7 @@ class MqttSession(Session):
         self._names: dict[str, bytes] = {}  # topics published to and found fine, as UTF-8
         self._salts: dict[int, int] = {}  # sub id -> where its packet ids start (``_pid_for``)
         self._batch_key = 0  # the last ``confirming`` key of a batch's PUBACKs
+        self._turn = 0.0  # when the reader lets the other tasks in (``_let_others_in``)
 
     # ------------------------------------------------------------- the base class's hooks
 
@@ -512,6 +514,7 @@ class MqttSession(Session):
                 if data is None:
                     continue
                 self.heard_at = self.read_at = clock()
+                self._turn = self.read_at + _TURN_S
                 if not data:
                     return CloseReason.EOF
                 decoder.feed(data)
@@ -551,11 +554,16 @@ class MqttSession(Session):
                                 continue
                             reason = await self._publish_batch(batch, pids)
                             if reason is None:
-                                reason = self._handle(packet)
+                                if packet.__class__ is Subscribe and self.connected:
+                                    await self._subscribe_packet(packet)  # type: ignore[arg-type]
+                                else:
+                                    reason = self._handle(packet)
                             if reason is not None:
                                 return reason
                             if self.held is not None:  # CONNACK waits for the log
                                 await self._reply_out()
+                            if clock() > self._turn:  # many packets in a row
+                                await self._let_others_in()
                         reason = await self._publish_batch(batch, pids)
                         if reason is not None:
                             return reason
@@ -566,6 +574,19 @@ class MqttSession(Session):
                     # reader's): a message can be max_message_bytes
                     packets = batch = packet = raw = None  # type: ignore[assignment]
         return self.close_reason or CloseReason.SHUTDOWN
+
+    async def _let_others_in(self) -> None:
+        """The reader has worked for ``_TURN_S`` without a wait (many packets, or a
+        SUBSCRIBE of many filters): what it routed goes out, what it appended goes to the
+        flusher, and the other tasks run before it goes on, as the native reader does
+        between frames. Nothing of this client's is reordered: its next packet, or the
+        rest of the SUBSCRIBE, waits for it."""
+        server = self.server
+        server.deliver_routed(self.read_at)
+        server.log_touched()
+        await trio.lowlevel.checkpoint()
+        self.read_at = self.clock()
+        self._turn = self.read_at + _TURN_S
 
     def _protocol_error(self, reason: str, text: str) -> None:
         self.server.mqtt_error(reason)
@@ -626,8 +647,6 @@ class MqttSession(Session):
                 # PUBCOMP once the id is free on disk too (a persistent session's)
                 at = self.server.mqtt_sessions.qos2_released(self, pid)
                 self._once_durable(at, pid, PubComp(pid))
-            case Subscribe():
-                self._subscribe(packet)
             case Unsubscribe():
                 self._unsubscribe(packet)
             case PingReq():
@@ -876,13 +895,37 @@ class MqttSession(Session):
 
     # ----------------------------------------------------------------------- subscriptions
 
-    def _subscribe(self, packet: Subscribe) -> None:
+    async def _subscribe_packet(self, packet: Subscribe) -> None:
+        """A SUBSCRIBE: each filter in turn (MQTT-3.8.4-4: as if each came in a SUBSCRIBE of
+        its own), then one SUBACK with a code for each. A filter listed again in the same
+        packet replaces the subscription the earlier one made (MQTT-3.8.4-3), so only its
+        last occurrence is sent the retained values (not once per occurrence). After
+        ``_TURN_S`` of work the other tasks run between two filters (``_let_others_in``):
+        a packet of thousands of filters does not hold the broker. Each subscription's
+        retained values still come before what is published to it later, and SUBACK after
+        them all; a message published meanwhile to a filter already done may come before
+        the SUBACK, as 3.1.1 allows (3.8.4)."""
+        topics = packet.topics
+        last = {topic_filter: i for i, (topic_filter, _) in enumerate(topics)}
+        made: set[str] = set()  # filters one of this packet's occurrences subscribed
         codes = []
         ready = False
-        for topic_filter, qos in packet.topics:
-            code, woke = self.subscribe_one(topic_filter, qos, retained=True)
+        clock = self.clock
+        for i, (topic_filter, qos) in enumerate(topics):
+            if i and clock() > self._turn:
+                self._owners_changed()  # what the writer may do meanwhile goes by them
+                await self._let_others_in()
+            final = last[topic_filter] == i
+            code, woke = self.subscribe_one(topic_filter, qos, retained=final)
             codes.append(code)
             ready = ready or woke
+            if code != SUBACK_FAILURE:
+                made.add(topic_filter)
+            elif final and topic_filter in made and topic_filter in self.subs:
+                # the last occurrence was refused, an earlier one's subscription stays:
+                # its retained values, which it was made without
+                ready = self.broker.retained_again(self.conn_id, self.subs[topic_filter][0],
+                                                   wall_ms()) or ready
         self.say_refusals(len(codes))
         self._owners_changed()
         # a persistent session's SUBACK once the subscription is on disk
