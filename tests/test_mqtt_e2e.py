@@ -864,6 +864,35 @@ def test_bad_input_costs_only_its_own_connection(start_broker) -> None:
     assert b.metric("blipmq_connections_open") == 1
 
 
+def test_a_flood_of_bad_connections_is_counted_not_logged_line_by_line(start_broker) -> None:
+    """h34 #1: every connection closed for a protocol error wrote an INFO line: one peer
+    with no key, a 2-byte packet of type 0 per connection, wrote 42,676 lines (5.6 MB) in
+    10 s. Now such closes are counted in full and logged at most once per source address
+    and reason a minute (docs/SECURITY.md), before CONNECT and after it alike; another
+    reason from the same address gets its own line."""
+    b = start_broker(MQTT)
+    for _ in range(150):
+        raw = Raw(b.mqtt_port)
+        raw.send_bytes(b"\x00\x00")  # packet type 0: reserved
+        assert raw.wait_closed() == []
+    for n in range(50):  # connected first: a second CONNECT
+        raw = Raw(b.mqtt_port)
+        assert raw.connect(f"again-{n}").code == 0
+        raw.send(Connect("MQTT", 4, True, 0, f"again-{n}"))
+        assert raw.wait_closed() == []
+    b.wait_metric("blipmq_mqtt_protocol_errors_total", 150, reason="packet_type")
+    b.wait_metric("blipmq_mqtt_protocol_errors_total", 50, reason="second_connect")
+    raw = Raw(b.mqtt_port)
+    raw.send(PingReq())  # before CONNECT: another reason, its own line
+    assert raw.wait_closed() == []
+    line = b.wait_log("the first packet must be CONNECT")  # after the others' lines
+    log = list(b.log)
+    assert sum("packet type 0 is reserved" in x for x in log) == 1, len(log)
+    assert sum("a second CONNECT" in x for x in log) == 1
+    assert "further such closes from there are counted, not logged, for 60 s" in line
+    assert b.metric("blipmq_connections_closed_total", reason="protocol_error") == 201
+
+
 def test_mqtt5_connect_gets_connack_0x01(start_broker) -> None:
     """MQTT-3.1.2-2: an unsupported protocol level gets CONNACK 0x01, then the close."""
     b = start_broker(MQTT)

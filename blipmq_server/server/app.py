@@ -194,6 +194,9 @@ class Server:
         # cannot hold back the large frames of those that did (one frame at a time here)
         self.handshakes = Intake(max(self.max_frame + 4, self.mqtt_max_packet), self.counters)
         self.keys = Keyring(config.auth, caps=self.caps)
+        # the MQTT front end's lines about what a client can do at will (protocol errors):
+        # per source address and kind, one a minute
+        self.mqtt_hush = Hush()
         self.bridges: dict[int, Bridge] = {}  # by the connection id each consumes as
 
     def authenticate(self, session: Session, given: bytes) -> Identity | None:

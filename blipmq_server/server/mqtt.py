@@ -74,6 +74,7 @@ from blipmq_server.protocol.message import (
     RawMessage,
 )
 from blipmq_server.protocol.names import filter_problem
+from blipmq_server.server.hush import EVERY_S, OTHERS
 from blipmq_server.server.session import (
     _TURN_S,
     CloseReason,
@@ -589,9 +590,18 @@ class MqttSession(Session):
         self._turn = self.read_at + _TURN_S
 
     def _protocol_error(self, reason: str, text: str) -> None:
+        """The connection closes for breaking the protocol (or for a refusal 3.1.1 has no
+        answer for): counted by ``reason``, and logged at most once per source address
+        and reason a minute (``hush``), before and after CONNECT alike: a peer that loops
+        connecting and sending garbage, or an authenticated client that connects again
+        after each close, writes one line a minute, not one per connection."""
         self.server.mqtt_error(reason)
-        log.info("MQTT connection %d from %s (client %r) closed: %s", self.conn_id, self.peer,
-                 self.client_id, text)
+        said = self.server.mqtt_hush.due(self.peer, reason)
+        if said is not None:
+            log.info("MQTT connection %d from %s (client %r) closed: %s%s; further such "
+                     "closes from there are counted, not logged, for %d s "
+                     "(blipmq_mqtt_protocol_errors_total{reason=%r})", self.conn_id,
+                     self.peer, self.client_id, text, _since(said), EVERY_S, reason)
 
     def _handle(self, packet: object) -> CloseReason | None:
         if not self.connected:
@@ -1082,6 +1092,14 @@ class MqttSession(Session):
 
     def saved_subs(self) -> bytes:
         return stored_subs({f: q for f, (_, q) in self.subs.items()})
+
+
+def _since(said: tuple[str, int]) -> str:
+    """What a line of ``Hush.due`` adds: how many it did not say since the last one."""
+    source, unsaid = said
+    if not unsaid:
+        return ""
+    return f", and {unsaid} more{' from ' + source if source == OTHERS else ''} since the last line"
 
 
 def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool, mark: int = 0
