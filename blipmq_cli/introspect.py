@@ -81,15 +81,18 @@ def _render(report: dict[str, Any], addr: str) -> Any:
     rows.append(("dropped", ", ".join(f"{k} {v}" for k, v in drops.items())))
     mqtt = report.get("mqtt")
     if mqtt and (mqtt.get("online") or mqtt.get("offline") or mqtt.get("wills_published")
-                 or mqtt.get("protocol_errors")):
+                 or mqtt.get("protocol_errors") or mqtt.get("qos0_dropped")):
         errors = ", ".join(f"{k} {v}" for k, v in sorted(mqtt["protocol_errors"].items()))
+        # QoS 0 publishes dropped, by reason (an older broker's report has none)
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(mqtt.get("qos0_dropped", {}).items()))
         bridges = mqtt.get("bridges")  # sessions that connected as a bridge (level 0x84)
         rows.append(("mqtt", f"{mqtt['online']} online"
                              + (f" ({bridges} bridge(s))" if bridges else "")
                              + f", {mqtt['offline']} offline "
                              f"session(s), {mqtt['inflight']} in flight, "
                              f"{mqtt['wills_published']} will(s) published"
-                             + (f"; protocol errors: {errors}" if errors else "")))
+                             + (f"; protocol errors: {errors}" if errors else "")
+                             + (f"; QoS 0 dropped: {dropped}" if dropped else "")))
     for name, value in rows:
         summary.add_row(name, cell(value))
     topics = Table(title="topics", title_justify="left")

@@ -16,8 +16,8 @@ class ConnectionCounters:
     """What the listeners and connections count (read by ``metrics`` at scrape time)."""
 
     __slots__ = ("accepted", "auth_failures", "auth_refused", "closed", "evicted",
-                 "metrics_refused", "mqtt_errors", "open", "reading_waits", "refused",
-                 "tls_errors")
+                 "metrics_refused", "mqtt_dropped", "mqtt_errors", "open", "reading_waits",
+                 "refused", "tls_errors")
 
     def __init__(self, closed: dict[str, int] | None = None) -> None:
         self.accepted = 0
@@ -29,6 +29,7 @@ class ConnectionCounters:
         self.open = 0
         self.closed: dict[str, int] = {} if closed is None else closed  # by close reason
         self.mqtt_errors: dict[str, int] = {}  # by reason (docs/MQTT.md)
+        self.mqtt_dropped: dict[str, int] = {}  # MQTT QoS 0 publishes dropped, by reason
         # TLS handshakes that failed, by reason (docs/SECURITY.md); never became a connection
         self.tls_errors: dict[str, int] = {}
         # reads held back until server.max_reading_bytes had room for a large frame

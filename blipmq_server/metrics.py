@@ -110,9 +110,10 @@ class BrokerCollector:
             ("unrouted", "Accepted messages no subscription matched", c.unrouted),
             ("enqueued", "Message copies put on subscription queues", c.enqueued),
             ("delivered", "Message copies handed to subscriber connections", c.delivered),
-            ("refused", "Published messages answered with an error frame and not stored: the "
-             "refused one and the rest of its batch, and QoS 1 messages the log could not "
-             "store (STORAGE)", c.refused),
+            ("refused", "Published messages refused and not stored: a native PUBLISH's "
+             "refused one and the rest of its batch (answered with an error frame), each "
+             "MQTT publish refused, and QoS 1 messages the log could not store (STORAGE)",
+             c.refused),
             ("acked", "QoS 1 deliveries acknowledged", c.acked),
             ("redelivered", "QoS 1 deliveries sent again (unacked in time, or consumer left)",
              c.redelivered),
@@ -211,6 +212,13 @@ class BrokerCollector:
         for reason, n in sorted(self.sources.connections.mqtt_errors.items()):
             errors.add([reason], n)
         yield errors
+        dropped = Family("blipmq_mqtt_qos0_dropped", "counter", "MQTT QoS 0 publishes "
+                         "dropped, by reason: the key may not publish there (forbidden), a "
+                         "'$' topic (reserved_topic), or the code of the broker's refusal "
+                         "(limit, message_too_large, invalid_topic)", ("reason",))
+        for reason, n in sorted(self.sources.connections.mqtt_dropped.items()):
+            dropped.add([reason], n)
+        yield dropped
 
     def _bridges(self) -> Iterator[Family]:
         read = self.sources.bridges

@@ -503,6 +503,41 @@ def test_a_dollar_topic_publish_is_counted_once(start_broker) -> None:
     assert mqtt_stats(b)["protocol_errors"] == {"reserved_topic": 2}
 
 
+def test_qos0_publishes_the_broker_drops_are_counted_not_logged_one_by_one(
+        start_broker) -> None:
+    """h34 #5: each QoS 0 publish the broker refused (a retained value past
+    retained.max_topics, a payload over server.max_message_bytes) wrote an INFO line: one
+    client wrote 50,000 lines (8.45 MB) in 1 s, and the connection stayed up to go on. Now
+    each is counted, by reason, in blipmq_mqtt_qos0_dropped_total, and logged at most once
+    per source address and reason a minute; blipmq_messages_refused_total counts each once
+    (it counted the rest of the read's batch with each refusal: 5,000 here were 12,038,205)."""
+    b = start_broker({**MQTT, "retained": {"max_topics": 2},
+                      "server": {"max_message_bytes": 1024}})
+    c = Raw(b.mqtt_port)
+    assert c.connect("dropper").code == 0
+    c.send_bytes(b"".join([encode(Publish(f"r/{i}", b"v", 0, True)) for i in range(4902)]
+                          + [encode(Publish("big", b"x" * 2000))] * 100
+                          + [encode(Publish("$SYS/x", b"v"))] * 10))
+    c.send(PingReq())
+    assert c.expect(PingResp, timeout=30) == PingResp()  # the connection stays
+    b.wait_metric("blipmq_mqtt_protocol_errors_total", 5000, reason="refused")
+    c.send(PingReq())
+    assert c.expect(PingResp) == PingResp()
+    lines = [x for x in b.log if "QoS 0 publish dropped" in x]
+    assert len(lines) == 2, len(lines)
+    assert "retained.max_topics" in lines[0] and "max_message_bytes" in lines[1], lines
+    assert all("further such drops from there are counted, not logged, for 60 s" in x
+               for x in lines), lines
+    dropped = {reason: b.metric("blipmq_mqtt_qos0_dropped_total", reason=reason)
+               for reason in ("limit", "message_too_large", "reserved_topic")}
+    assert dropped == {"limit": 4900, "message_too_large": 100, "reserved_topic": 10}
+    assert b.metric("blipmq_messages_refused_total") == 5000
+    assert mqtt_stats(b)["qos0_dropped"] == {"limit": 4900, "message_too_large": 100,
+                                             "reserved_topic": 10}
+    assert "QoS 0 dropped: limit 4900, message_too_large 100, reserved_topic 10" in (
+        b.cli("stats", COLUMNS="400").stdout.decode())
+
+
 def test_a_will_to_a_dollar_topic_is_not_published(start_broker) -> None:
     """A will is a publish by the client: not to the broker's '$' topics either."""
     b = start_broker(MQTT)

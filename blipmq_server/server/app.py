@@ -194,8 +194,8 @@ class Server:
         # cannot hold back the large frames of those that did (one frame at a time here)
         self.handshakes = Intake(max(self.max_frame + 4, self.mqtt_max_packet), self.counters)
         self.keys = Keyring(config.auth, caps=self.caps)
-        # the MQTT front end's lines about what a client can do at will (protocol errors):
-        # per source address and kind, one a minute
+        # the MQTT front end's lines about what a client can do at will (protocol errors,
+        # QoS 0 publishes dropped): per source address and kind, one a minute
         self.mqtt_hush = Hush()
         self.bridges: dict[int, Bridge] = {}  # by the connection id each consumes as
 
@@ -330,6 +330,11 @@ class Server:
         """An MQTT connection broke the protocol, or a publish of it was dropped: counted."""
         errors = self.counters.mqtt_errors
         errors[reason] = errors.get(reason, 0) + 1
+
+    def mqtt_dropped(self, reason: str) -> None:
+        """An MQTT QoS 0 publish was dropped (3.1.1 cannot refuse one): counted."""
+        dropped = self.counters.mqtt_dropped
+        dropped[reason] = dropped.get(reason, 0) + 1
 
     def reload_tls(self, new: Config | None = None) -> str:
         """Re-read the certificate files (those ``new.tls`` names, when given) and use them
@@ -696,7 +701,8 @@ class Server:
             uptime_s=round(trio.current_time() - self.started_at, 3),
             connections=self.counters.open,
             mqtt=dict(self.mqtt_sessions.stats(),
-                      protocol_errors=dict(self.counters.mqtt_errors)),
+                      protocol_errors=dict(self.counters.mqtt_errors),
+                      qos0_dropped=dict(self.counters.mqtt_dropped)),
             bridges=[b.status() for b in listed],
             bridges_omitted=len(bridges) - len(listed),
             log=None if wal is None else {

@@ -603,6 +603,27 @@ class MqttSession(Session):
                      "(blipmq_mqtt_protocol_errors_total{reason=%r})", self.conn_id,
                      self.peer, self.client_id, text, _since(said), EVERY_S, reason)
 
+    def _goes_on(self, rest: int) -> None:
+        """After a message of a batch the core refused, the ``rest`` of it goes on: the core
+        counted them refused with it (a native batch ends there), each counts for itself."""
+        self.broker.counters.refused -= rest
+
+    def _dropped(self, code: ErrorCode, text: str) -> None:
+        """A QoS 0 publish the broker refused is dropped (3.1.1 cannot refuse one): counted
+        by the refusal's code, and logged at most once per source address and code a
+        minute, so that a client publishing in a loop what the broker refuses (a retained
+        value past retained.max_topics, a message too large) does not fill the log."""
+        reason = code.name.lower()
+        server = self.server
+        server.mqtt_error("refused")
+        server.mqtt_dropped(reason)
+        said = server.mqtt_hush.due(self.peer, "qos0_dropped:" + reason)
+        if said is not None:
+            log.info("MQTT client %r from %s: QoS 0 publish dropped: %s%s; further such drops "
+                     "from there are counted, not logged, for %d s "
+                     "(blipmq_mqtt_qos0_dropped_total{reason=%r})", self.client_id,
+                     self.peer, text, _since(said), EVERY_S, reason)
+
     def _handle(self, packet: object) -> CloseReason | None:
         if not self.connected:
             if packet.__class__ is not Connect:
@@ -763,6 +784,7 @@ class MqttSession(Session):
                                      f"publish to the broker's topic {topic!r}")
                 return CloseReason.PROTOCOL_ERROR
             self.server.mqtt_error("reserved_topic")
+            self.server.mqtt_dropped("reserved_topic")
             return None
         name = topic.encode("utf-8")
         cap = self.broker.limits.max_topic_bytes
@@ -808,14 +830,17 @@ class MqttSession(Session):
                         if pid:  # after the earlier publishes' PUBACKs (MQTT-4.6.0-2)
                             self._once_durable(self._appended(), pid,
                                                _PUBACK + pid.to_bytes(2, "big"))
+                        else:
+                            server.mqtt_dropped("forbidden")
+                        self._goes_on(len(messages) - done - 1)
                         at += 1
                         messages = batch[at:]
                         continue
                     if pid:
                         self._protocol_error("refused", f"publish refused: {text}")
                         return CloseReason.PROTOCOL_ERROR
-                    server.mqtt_error("refused")
-                    log.info("MQTT client %r: QoS 0 publish dropped: %s", self.client_id, text)
+                    self._dropped(result.refusal.code, text)
+                    self._goes_on(len(messages) - done - 1)
                     at += 1
                     messages = batch[at:]
                     continue
@@ -872,10 +897,11 @@ class MqttSession(Session):
                 if qos:  # after the earlier publishes' (MQTT-4.6.0-2, -3)
                     self._once_durable(self._appended(), packet.packet_id,
                                        (PubAck if qos == 1 else PubRec)(packet.packet_id))
+                else:
+                    self.server.mqtt_dropped("forbidden")
                 return None
             if not qos:
-                self.server.mqtt_error("refused")
-                log.info("MQTT client %r: QoS 0 publish dropped: %s", self.client_id, text)
+                self._dropped(refusal.code, text)  # type: ignore[attr-defined]
                 return None
             self._protocol_error("refused", f"publish refused: {text}")
             return CloseReason.PROTOCOL_ERROR
