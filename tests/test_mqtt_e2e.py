@@ -27,6 +27,7 @@ from blipmq_server.mqtt.codec import (
     PingResp,
     PubAck,
     Publish,
+    PubRec,
     SubAck,
     Subscribe,
     Will,
@@ -570,6 +571,29 @@ def test_a_bad_filter_gets_0x80_and_the_others_are_granted(start_broker) -> None
     lines = [x for x in b.log if "$share/g" in x]
     assert len(lines) == 1 and "refused (0x80)" in lines[0] and "closed" not in lines[0], lines
 
+
+
+def test_refused_filters_and_reused_qos2_ids_in_a_loop_are_not_logged_one_by_one(
+        start_broker) -> None:
+    """Like h34 #5: a SUBSCRIBE with a refused filter wrote a line (5,000 SUBSCRIBEs in
+    0.1 s: 5,000 lines), and so did a QoS 2 PUBLISH that used again an id still owed a
+    PUBREL (5,135 lines in 2 s). Now each is logged at most once per source address a
+    minute; the SUBACKs and the messages are what they were."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("loops").code == 0
+    raw.send(*(Subscribe(n, (("a/#/b", 0), ("ok/+", 0))) for n in range(1, 301)))
+    assert [raw.expect(SubAck) for _ in range(300)] == [
+        SubAck(n, (0x80, 0)) for n in range(1, 301)]
+    for n in range(50):
+        raw.send(Publish("q2/t", f"m{n}".encode(), 2, False, False, 7))  # DUP 0, no PUBREL
+        assert raw.recv() == PubRec(7)
+    b.wait_metric("blipmq_messages_published_total", 50)
+    line = b.wait_log("used again")
+    log = list(b.log)
+    assert sum("filter(s) refused (0x80)" in x for x in log) == 1, len(log)
+    assert sum("used again" in x for x in log) == 1, len(log)
+    assert "further such messages from there are not logged for 60 s" in line, line
 
 
 def test_unsubscribe_stops_delivery(start_broker) -> None:

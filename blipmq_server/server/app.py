@@ -195,7 +195,8 @@ class Server:
         self.handshakes = Intake(max(self.max_frame + 4, self.mqtt_max_packet), self.counters)
         self.keys = Keyring(config.auth, caps=self.caps)
         # the MQTT front end's lines about what a client can do at will (protocol errors,
-        # QoS 0 publishes dropped): per source address and kind, one a minute
+        # QoS 0 publishes dropped, filters refused, QoS 2 ids used again): per source
+        # address and kind, one a minute
         self.mqtt_hush = Hush()
         self.bridges: dict[int, Bridge] = {}  # by the connection id each consumes as
 

@@ -1,7 +1,7 @@
-"""Log lines about failures that a stranger can cause at will (a refused key, a failed TLS
-handshake, an MQTT connection closed for a protocol error), at most one per source address,
-kind of failure and interval: a flood is counted in full by the caller's metrics, while the
-log, on an SD card's journal, gets one line a minute.
+"""Log lines about failures that a peer can cause at will (a refused key, a failed TLS
+handshake; over MQTT a protocol error, a QoS 0 publish dropped, a refused filter), at most
+one per source address, kind of failure and interval: a flood is counted in full by the
+caller's metrics, while the log, on an SD card's journal, gets one line a minute.
 
 At most ``_SOURCES_KEPT`` sources are remembered. When that many were heard from within
 the interval (a flood from a whole IPv6 /64), a new one joins ``OTHERS``: all of them

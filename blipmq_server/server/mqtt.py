@@ -873,8 +873,11 @@ class MqttSession(Session):
             # delivered like any other. The id now stands for this one: its PUBREC waits
             # for this message and the id's record after it (``_published``), and its
             # PUBREL releases it
-            log.info("MQTT client %r: QoS 2 packet id %d used again before its PUBREL, "
-                     "with DUP 0: a new message", self.client_id, pid)
+            said = self.server.mqtt_hush.due(self.peer, "qos2_id_reused")
+            if said is not None:  # a client doing it in a loop: a line a minute
+                log.info("MQTT client %r: QoS 2 packet id %d used again before its PUBREL, "
+                         "with DUP 0: a new message%s; further such messages from there "
+                         "are not logged for %d s", self.client_id, pid, _since(said), EVERY_S)
         raw = self._message(packet)
         if raw is None or raw.__class__ is CloseReason:
             return raw
@@ -975,13 +978,19 @@ class MqttSession(Session):
 
     def say_refusals(self, asked: int) -> None:
         """One log line for the filters of a SUBSCRIBE (or a session restored) that were
-        refused (0x80), however many: the first three with their reasons, and how many."""
+        refused (0x80), however many: the first three with their reasons, and how many. At
+        most one such line per source address a minute (``hush``; the next says how many
+        were not logged), so that SUBSCRIBEs of a refused filter in a loop do not fill the
+        log."""
         refusals = self.refusals
         if refusals:
-            named = "; ".join(f"{f!r}: {why}" for f, why in refusals[:3])
-            more = f" (and {len(refusals) - 3} more)" if len(refusals) > 3 else ""
-            log.info("MQTT client %r: %d of %d filter(s) refused (0x80): %s%s",
-                     self.client_id, len(refusals), asked, named, more)
+            said = self.server.mqtt_hush.due(self.peer, "filters_refused")
+            if said is not None:
+                named = "; ".join(f"{f!r}: {why}" for f, why in refusals[:3])
+                more = f" (and {len(refusals) - 3} more)" if len(refusals) > 3 else ""
+                log.info("MQTT client %r: %d of %d filter(s) refused (0x80): %s%s%s; further "
+                         "such refusals from there are not logged for %d s", self.client_id,
+                         len(refusals), asked, named, more, _since(said), EVERY_S)
             refusals.clear()
 
     def subscribe_one(self, topic_filter: str, qos: int, retained: bool,
