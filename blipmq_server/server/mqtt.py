@@ -600,7 +600,7 @@ class MqttSession(Session):
         if said is not None:
             log.info("MQTT connection %d from %s (client %r) closed: %s%s; further such "
                      "closes from there are counted, not logged, for %d s "
-                     "(blipmq_mqtt_protocol_errors_total{reason=%r})", self.conn_id,
+                     "(blipmq_mqtt_protocol_errors_total{reason=\"%s\"})", self.conn_id,
                      self.peer, self.client_id, text, _since(said), EVERY_S, reason)
 
     def _goes_on(self, rest: int) -> None:
@@ -621,7 +621,7 @@ class MqttSession(Session):
         if said is not None:
             log.info("MQTT client %r from %s: QoS 0 publish dropped: %s%s; further such drops "
                      "from there are counted, not logged, for %d s "
-                     "(blipmq_mqtt_qos0_dropped_total{reason=%r})", self.client_id,
+                     "(blipmq_mqtt_qos0_dropped_total{reason=\"%s\"})", self.client_id,
                      self.peer, text, _since(said), EVERY_S, reason)
 
     def _handle(self, packet: object) -> CloseReason | None:
