@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.results import Fetch
 from blipmq_server.broker.storage import READ_AHEAD_BYTES, READ_AHEAD_RECORDS, MemoryLog
 from blipmq_server.broker.topics import matches, split
@@ -344,8 +345,6 @@ def test_a_redelivery_pass_looks_only_at_cursors_with_deliveries_in_flight() -> 
     10,000 offline persistent MQTT sessions (a durable group each) an idle broker spent 105
     ms of CPU a second on it (6 ms after). Only cursors that put deliveries in flight are
     looked at, until a pass finds them with none; what comes due still comes back."""
-    from blipmq_server.broker.durable import DurableGroup
-
     log = MemoryLog()
     b = Broker(Limits(retry_backoff_ms=100, max_retries=10), log=log)
     for i in range(1000):  # idle groups, as offline sessions' are
@@ -392,8 +391,6 @@ def test_deliveries_left_by_a_gone_consumer_cost_the_redelivery_tick_nothing() -
     offline MQTT sessions that dropped with unacked QoS 1 messages) stayed among those a
     tick walks, every flight looked at every 100 ms (10,000 such groups: 38-46 ms of CPU a
     second). Nothing of them can come due until they are handed out again."""
-    from blipmq_server.broker.durable import DurableGroup
-
     log = MemoryLog()
     b = Broker(Limits(retry_backoff_ms=100, max_retries=10), log=log)
     b.subscribe(1, "t", "g", qos=1)
@@ -426,3 +423,60 @@ def test_deliveries_left_by_a_gone_consumer_cost_the_redelivery_tick_nothing() -
         assert 2 in b.redeliver(460, 0)  # due: ready again
     finally:
         DurableGroup.expire = expire  # type: ignore[method-assign]
+
+
+# ------------------------------------------------ what cursors hold in memory (h34 finding 7)
+
+_MATCH_COST = 80  # what ``durable`` charges a remembered topic besides its bytes
+
+
+def _cursor(b: Broker, conn: int) -> DurableGroup:
+    [consumer] = b.registry.of(conn)
+    assert isinstance(consumer.queue, DurableGroup)
+    return consumer.queue
+
+
+def _publish_to_many(b: Broker, topics: list[str]) -> None:
+    for k in range(0, len(topics), 512):
+        recs = [message_record(Message(t, b"", 0)) for t in topics[k : k + 512]]
+        assert b.publish(decode_one(encode_publish(recs)).messages, 0, 1000).refusal is None
+
+
+def _read_to_the_end(b: Broker, conn: int, log: MemoryLog) -> list[bytes]:
+    """Deliveries to ``conn`` until its cursors read the whole log, its disk reads served."""
+    got: list[bytes] = []
+    for _ in range(10_000):
+        taken = b.deliver(conn, 256, 1 << 20, 0, 0)
+        got += payloads([r for _, records in taken.batches for r in records])
+        for fetch in taken.fetches:
+            b.fill(fetch.key, log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+        if not taken.batches and not taken.fetches:
+            return got
+    raise AssertionError("never read to the end")
+
+
+def test_a_replay_past_many_long_topics_remembers_a_bounded_number_of_bytes() -> None:
+    """h34 finding 7: a cursor remembered, for each topic it read past, whether its filter
+    matched, up to 4,096 topics whatever their length: with topics of 1 KB, 3.8 MB a
+    cursor, and a key may run 10,000 replays on a connection (1,000 of them from EARLIEST
+    took a broker to 3.9 GB). Now a cursor remembers at most 256 KiB of topics
+    (``durable.MATCHES_BYTES``, each charged its length and ~80 B). A few thousand short
+    topics, as a fleet has, still fit: a replay does not match each record again."""
+    log = MemoryLog()
+    b = Broker(Limits(), log=log)
+    _publish_to_many(b, [f"sensors/hall/{'z' * 950}/{i}" for i in range(4096)])
+    log.store()
+    b.subscribe(1, "cmd/hall/#", qos=1, start=Start.EARLIEST)  # matches none of them
+    assert _read_to_the_end(b, 1, log) == []
+    cursor = _cursor(b, 1)
+    assert cursor.next == log.written_offset + 1
+    remembered = sum(len(t) + _MATCH_COST for t in cursor._matches)
+    assert remembered <= 256 * 1024, f"{len(cursor._matches)} topics, {remembered} bytes"
+
+    short = MemoryLog()
+    b = Broker(Limits(), log=short)
+    _publish_to_many(b, [f"r/d{i:04d}" for i in range(2000)] * 2)
+    short.store()
+    b.subscribe(1, "r/#", qos=1, credit=10**6, start=Start.EARLIEST)
+    assert len(_read_to_the_end(b, 1, short)) == 4000
+    assert len(_cursor(b, 1)._matches) == 2000  # all of them known at once: no matching again
