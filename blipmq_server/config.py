@@ -136,6 +136,7 @@ class WalOptions(NamedTuple):
     retention_bytes: int = 1024 * MiB
     retention_ms: int = 0
     cache_bytes: int = 4 * MiB
+    read_ahead_bytes: int = 64 * MiB
     maintenance_interval_ms: int = 5000
     unconfirmed_sync_ms: int = 1000
     shutdown_timeout_ms: int = 10000
@@ -384,6 +385,10 @@ SCHEMA: tuple[Key, ...] = (
         "(0 = keep)", 0, 2**50),
     Key("wal", "cache_bytes", int, "Recently written records kept in memory for durable "
         "consumers (0 = read the segment files)", 0, 1024 * MiB),
+    Key("wal", "read_ahead_bytes", int, "Records read from the log ahead of durable and "
+        "replaying consumers, with the topics their cursors know, all cursors together; past "
+        "it the cursors used least recently let go of theirs and read again when their "
+        "consumer takes (bounds memory however many replays run)", 1 * MiB, 2**40),
     Key("wal", "maintenance_interval_ms", int, "How often retention and group expiry run",
         100, 3_600_000),
     Key("wal", "unconfirmed_sync_ms", int, "With fsync = always: longest a written record "

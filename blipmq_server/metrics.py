@@ -290,6 +290,14 @@ class BrokerCollector:
                       wal.cache_hits)
         yield counter("blipmq_wal_cache_misses", "Log reads that went to the segment files",
                       wal.cache_misses)
+        cursors = self.sources.broker.cursors
+        if cursors is not None:
+            budget = cursors.budget
+            yield gauge("blipmq_wal_read_ahead_bytes", "Records read ahead of log cursors' "
+                        "consumers, with the topics the cursors know (wal.read_ahead_bytes)",
+                        budget.held)
+            yield counter("blipmq_wal_read_ahead_sheds", "Cursors that let go of their "
+                          "read-ahead to keep within wal.read_ahead_bytes", budget.sheds)
         yield gauge("blipmq_wal_segments", "Segment files", len(wal.segments))
         yield gauge("blipmq_wal_size_bytes", "Bytes in segment files", wal.total_bytes)
         yield gauge("blipmq_wal_pending_records", "Appended, not yet written",

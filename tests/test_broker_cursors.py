@@ -428,6 +428,7 @@ def test_deliveries_left_by_a_gone_consumer_cost_the_redelivery_tick_nothing() -
 # ------------------------------------------------ what cursors hold in memory (h34 finding 7)
 
 _MATCH_COST = 80  # what ``durable`` charges a remembered topic besides its bytes
+_READ_AHEAD_LIMIT = getattr(Limits(), "read_ahead_bytes", 64 << 20)  # wal.read_ahead_bytes
 
 
 def _cursor(b: Broker, conn: int) -> DurableGroup:
@@ -480,3 +481,123 @@ def test_a_replay_past_many_long_topics_remembers_a_bounded_number_of_bytes() ->
     b.subscribe(1, "r/#", qos=1, credit=10**6, start=Start.EARLIEST)
     assert len(_read_to_the_end(b, 1, short)) == 4000
     assert len(_cursor(b, 1)._matches) == 2000  # all of them known at once: no matching again
+
+
+def test_cursors_whose_consumers_do_not_take_hold_at_most_the_read_ahead_budget() -> None:
+    """h34 finding 7: each replay whose consumer takes one message and then nothing more (a
+    QoS 1 window of one, never acked) kept a disk read of 256 KiB ahead; 400 of them held
+    about 100 MB, and a connection may have 10,000. All cursors together now hold at most
+    ``wal.read_ahead_bytes`` (64 MiB) and one read: the ones used least recently let go
+    of theirs. One that takes again reads again, from where it was."""
+    log = MemoryLog(cached_from=10**9)  # every read is a disk read
+    b = Broker(Limits(), log=log)
+    publish(b, "t", *(b"%05d" % i + b"x" * 300 for i in range(2000)), qos=0)
+    log.store()
+    n = 400
+    for conn in range(1, n + 1):
+        b.subscribe(conn, "t", qos=1, credit=1, start=Start.EARLIEST)
+        [fetch] = b.deliver(conn, 100, 1 << 20, 0, 0).fetches
+        b.fill(fetch.key, log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+        [(_, batch)] = b.deliver(conn, 100, 1 << 20, 0, 0).batches
+        assert [p[:5] for p in payloads(batch)] == [b"00000"]
+    cursors = [_cursor(b, conn) for conn in range(1, n + 1)]
+    held = sum(len(r.body) for c in cursors for r in c.ahead)
+    assert held <= _READ_AHEAD_LIMIT + READ_AHEAD_BYTES, f"{held / 2**20:.1f} MiB read ahead"
+    assert not cursors[0].ahead  # used least recently: let go of first
+    # its consumer acks and takes again: the next message, read again from the log
+    [consumer] = b.registry.of(1)
+    b.ack(1, consumer.sub_id, (cursors[0].next - 1,), 0)
+    [fetch] = b.deliver(1, 100, 1 << 20, 0, 0).fetches
+    b.fill(fetch.key, log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+    [(_, again)] = b.deliver(1, 100, 1 << 20, 0, 0).batches
+    assert [p[:5] for p in payloads(again)] == [b"00001"]
+
+
+def test_consumers_reading_past_a_small_budget_get_everything_once_in_order() -> None:
+    """Ten replays and a durable group read a log from disk at once with a budget of one
+    MiB, so that they make each other let go of their read-aheads all the time: each gets
+    every message once, in order, and the budget holds (one read over it at most)."""
+    from blipmq_server.broker.durable import RECORD_COST
+
+    log = MemoryLog(cached_from=10**9)
+    b = Broker(Limits(read_ahead_bytes=1 << 20), log=log)  # type: ignore[call-arg]
+    b.subscribe(1, "t", "g", qos=1, credit=10**6)
+    n = 3000
+    publish(b, "t", *(b"%05d" % i + b"y" * 200 for i in range(n)), qos=0)
+    log.store()
+    for _ in range(10):
+        b.subscribe(1, "t", qos=1, credit=10**6, start=Start.EARLIEST)
+    budget = b.cursors.budget  # type: ignore[union-attr]
+    got: dict[int, list[bytes]] = {}
+    waiting: list[Fetch] = []
+    for _ in range(10_000):
+        taken = b.deliver(1, 100, 1 << 20, 0, 0)
+        for sub_id, records in taken.batches:
+            got.setdefault(sub_id, []).extend(p[:5] for p in payloads(records))
+            offsets = [m.offset for m in decode_one(encode_deliver(1, records)).messages]  # type: ignore
+            b.ack(1, sub_id, tuple(offsets), 0)
+        waiting += taken.fetches
+        if waiting:  # one read at a time, oldest first, as the prefetcher does
+            fetch = waiting.pop(0)
+            b.fill(fetch.key, log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+            assert budget.held <= (1 << 20) + READ_AHEAD_BYTES + READ_AHEAD_RECORDS * RECORD_COST
+        elif not taken.batches:
+            break
+    assert len(got) == 11 and budget.sheds > 0
+    assert all(g == [b"%05d" % i for i in range(n)] for g in got.values())
+
+
+def test_a_cursor_lets_go_of_its_read_ahead_when_its_consumer_leaves() -> None:
+    """h34 finding 7: a durable group whose consumer left kept its read-ahead and its
+    remembered topics for as long as it exists (until it is deleted or expires). Now they
+    go when its last consumer does, as a replay's go with its subscription; the group
+    reads again, from where it was, when a consumer comes back."""
+    log = MemoryLog(cached_from=10**9)
+    b = Broker(Limits(), log=log)
+    b.subscribe(1, "t", "g", qos=1, credit=1)
+    publish(b, "t", *(b"%05d" % i for i in range(2000)), qos=0)
+    log.store()
+    [fetch] = b.deliver(1, 100, 1 << 20, 0, 0).fetches
+    b.fill(fetch.key, log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+    assert len(b.deliver(1, 100, 1 << 20, 0, 0).batches) == 1
+    group = b.cursors.durable[("t", "g")]  # type: ignore[union-attr]
+    assert group.ahead and group._matches
+    b.subscribe(2, "t", qos=1, credit=1, start=Start.EARLIEST)  # and a replay
+    replay = _cursor(b, 2)
+    [fetch] = b.deliver(2, 100, 1 << 20, 0, 0).fetches
+    b.fill(fetch.key, log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+    assert replay.ahead
+    b.disconnect(1)
+    b.disconnect(2)
+    assert not group.ahead and not group._matches
+    assert not replay.ahead and not replay._matches
+    assert b.cursors.budget.held == 0  # type: ignore[union-attr]
+    b.subscribe(3, "t", "g", qos=1, credit=10**6)  # back: the unacked one first, then on
+    assert _read_to_the_end(b, 3, log) == [b"%05d" % i for i in range(2000)]
+
+
+def test_a_read_under_way_when_the_read_ahead_goes_is_dropped_leaving_no_gap() -> None:
+    """The next read starts at the end of the read-ahead; should the read-ahead go while
+    it is under way (the budget), the read would join on after a gap: it is dropped, and
+    the cursor reads again from where it is."""
+    log = MemoryLog(cached_from=10**9)
+    b = Broker(Limits(), log=log)
+    b.subscribe(7, "t", "g", qos=1, credit=10**6)
+    n = READ_AHEAD_RECORDS * 2
+    publish(b, "t", *(b"%d" % i for i in range(n)), qos=0)
+    log.store()
+    [fetch] = b.deliver(7, 100, 1 << 20, 0, 0).fetches
+    b.fill(fetch.key, log.read(fetch.offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+    got: list[bytes] = []
+    fetches: list[Fetch] = []
+    while not fetches:  # until the read-ahead runs low and the next read starts
+        taken = b.deliver(7, 100, 1 << 20, 0, 0)
+        got += payloads([r for _, records in taken.batches for r in records])
+        fetches = taken.fetches
+    group = _cursor(b, 7)
+    assert group.ahead and fetches[0].offset > group.next
+    group.shed()  # as the budget makes the cursor used least recently do
+    b.fill(fetches[0].key, log.read(fetches[0].offset, READ_AHEAD_RECORDS, READ_AHEAD_BYTES))
+    assert not group.ahead
+    got += _read_to_the_end(b, 7, log)
+    assert got == [b"%d" % i for i in range(n)]

@@ -11,7 +11,7 @@ import pytest
 
 from blipmq_cli.client import Client
 from blipmq_cli.exits import Exit
-from blipmq_server.protocol.codec import Message
+from blipmq_server.protocol.codec import Message, Start
 
 
 def lines_of(out: bytes) -> list[str]:
@@ -436,3 +436,22 @@ def test_a_restored_groups_backlog_does_not_wait_for_every_groups_count(start_br
     assert backlogs == want
     assert b2.metric("blipmq_group_backlog", filter="d/+", group="all") == 26
     assert b2.metric("blipmq_group_backlog", filter="d/3", group="g3") == 4
+
+
+def test_replays_memory_goes_with_their_connection(start_broker) -> None:
+    """h34 finding 7, end to end: replays of a filter that matches nothing in a log of
+    long topics remember what they read past (bounded: ``wal.read_ahead_bytes`` for all);
+    once their connection closes, the broker holds nothing of theirs."""
+    b = start_broker()
+    with Client(b.addr) as pub:
+        pub.publish_many([Message(f"sensors/{'z' * 900}/{i}", b"") for i in range(2000)])
+        pub.flush()
+    client = Client(b.addr)
+    subs = [client.subscribe("cmd/#", qos=1, start=Start.EARLIEST, until_end=True)
+            for _ in range(20)]
+    for sub in subs:
+        assert not sub.next_batch(10) and sub.at_end  # read it all: nothing was theirs
+    held = b.metric("blipmq_wal_read_ahead_bytes")
+    assert 0 < held <= 20 * 256 * 1024  # topics each remembers (read-ahead: all passed)
+    client.close()
+    b.wait_metric("blipmq_wal_read_ahead_bytes", 0)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from blipmq_server.broker import durable
+from blipmq_server.broker.budget import Budget
 from blipmq_server.broker.durable import DurableGroup
 from blipmq_server.broker.results import Count, Counters, Fetch, Limits, Refusal
 from blipmq_server.broker.storage import READ_AHEAD_RECORDS, MessageLog, StoredRecord, Unwritten
@@ -56,6 +57,8 @@ class Cursors:
         # none (``DurableGroup.flying``), in the order they did: all it has to look at
         self.flying: dict[DurableGroup, None] = {}
         self._by_key: dict[int, DurableGroup] = {}  # every cursor by its key
+        # read-aheads and topic matches, all cursors together (``broker.budget``)
+        self.budget = Budget(limits.read_ahead_bytes)
         self._next_key = 1
         self._fetches: list[Fetch] = []  # disk reads cursors wait for, not yet handed out
         self._buried: list[tuple[DurableGroup, int]] = []  # dead-lettered, ACK not yet logged
@@ -129,6 +132,7 @@ class Cursors:
             self._index.remove(old.levels, old)
             self.flying.pop(old, None)
             old.flying = None
+            old.shed()
         self.durable[(topic_filter, group)] = target
         self._index.add(target.levels, target)
         self._ids[gid] = target
@@ -137,6 +141,7 @@ class Cursors:
 
     def _keep(self, target: DurableGroup) -> None:
         target.flying = self.flying
+        target.budget = self.budget
         target.key = self._next_key
         self._next_key += 1
         self._by_key[target.key] = target
@@ -155,6 +160,7 @@ class Cursors:
         self._by_key.pop(target.key, None)
         self.flying.pop(target, None)
         target.flying = None
+        target.shed()  # its read-ahead and matches go now, whoever still refers to it
 
     def delete(self, target: DurableGroup, timestamp_ms: int) -> int:
         """Delete a durable group (unsubscribe, expiry): a GROUP delete record says so.
@@ -204,6 +210,7 @@ class Cursors:
         if not target.persistent:
             self._forget(target)
         elif not target.consumers and self.durable.get((target.filter, target.group)) is target:
+            target.shed()  # read again when a consumer comes back
             target.idle_since = timestamp_ms
             self._recent.note(target.id, self.log.append(Kind.GROUP, durable.group_body(
                 durable.IDLE, 0, target.filter, target.group), timestamp_ms))
@@ -254,6 +261,7 @@ class Cursors:
         room = min(limit, consumer.credit - target.in_flight_for(consumer.sub_id))
         if room <= 0:
             return []
+        self.budget.touch(target)  # a consumer with room: what is read for it is taken
         if target.pending:  # unacked before a restart, named by a checkpoint
             target.load_pending([r for o in sorted(target.pending)
                                  for r in log.read(o, max_records=1)
@@ -329,6 +337,8 @@ class Cursors:
         target.fill(records)
         if not target.ahead:  # nothing there: the segment went (retention), read on after it
             target.move_to(self.log.first_offset)
+        if not target.consumers:  # the last one left during the read: not kept for nobody
+            target.shed()
         return frozenset(c.conn for c in target.consumers)
 
     def _backoff(self, count: int) -> int:

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from operator import itemgetter
 from typing import Any, NamedTuple
 
+from blipmq_server.broker.budget import Budget
 from blipmq_server.broker.results import Count
 from blipmq_server.broker.topics import matches
 from blipmq_server.kinds import Kind
@@ -57,6 +59,10 @@ _MESSAGE = int(Kind.MESSAGE)  # a plain int for the per-record test
 # full, they are forgotten and learnt again. 4,096 topics of 1 KB each once cost 3.8 MB.
 MATCHES_BYTES = 256 * 1024
 _MATCH_COST = 80
+# What a record read ahead costs besides its body: the record tuple, its ints, the body's
+# bytes header, the deque slot (measured: 175 B)
+RECORD_COST = 176
+_body = itemgetter(3)
 
 
 class GroupRecord(NamedTuple):
@@ -134,13 +140,16 @@ class Flight:
 
 class DurableGroup:
     __slots__ = (
+        "_chunks",
         "_matches",
         "_matches_size",
+        "_void",
         "acked",
         "acks",
         "ahead",
         "anchor",
         "backlog",
+        "budget",
         "consumers",
         "epoch",
         "fetching",
@@ -155,6 +164,7 @@ class DurableGroup:
         "kept",
         "key",
         "levels",
+        "memory",
         "next",
         "pending",
         "persistent",
@@ -206,9 +216,16 @@ class DurableGroup:
         # the event loop (``fetching`` while such a read is under way).
         self.ahead: deque[Any] = deque()
         self.fetching = False
+        # each fill's last offset and bytes, oldest first: let go of once the cursor passed it
+        self._chunks: deque[tuple[int, int]] = deque()
+        # what was read ahead went while a read was under way (``shed``): that read would
+        # leave a gap, and is dropped when it comes (``fill``)
+        self._void = False
         self.key = 0  # the broker's handle for this cursor (durable or not)
         self._matches: dict[bytes, bool] = {}  # topic -> whether it matches the filter
         self._matches_size = 0  # bytes charged for them (``MATCHES_BYTES``)
+        self.memory = 0  # bytes held for speed: read-ahead and matches (``budget``)
+        self.budget: Budget | None = None  # the broker's, shared by every cursor
         # the cursors that may have deliveries in flight (``Cursors.flying``, shared): this
         # one joins when it puts one in flight, so that ``Cursors.redeliver`` looks only
         # at those, not at every cursor of the broker every 100 ms
@@ -264,18 +281,62 @@ class DurableGroup:
         """Read on from ``offset`` (records below it were removed): forget the read-ahead."""
         if offset > self.next:
             self.next = offset
-            self.ahead.clear()
+            self._drop_ahead()
 
     def fill(self, records: list[Any]) -> None:
         """Records read from the log at ``next``, or after the read-ahead's last one: onto
         the read-ahead (what ``next`` or the read-ahead passed meanwhile is dropped)."""
+        if self._void:
+            self._void = False
+            return
+        if not records:
+            return
         ahead = self.ahead
         nxt = max(self.next, ahead[-1][1] + 1) if ahead else self.next
-        ahead.extend(r for r in records if r.offset >= nxt)
+        if records[0][1] < nxt:
+            records = [r for r in records if r[1] >= nxt]
+            if not records:
+                return
+        ahead.extend(records)
+        size = sum(map(len, map(_body, records))) + RECORD_COST * len(records)
+        self._chunks.append((records[-1][1], size))
+        self._charge(size)
+
+    def _charge(self, n: int) -> None:
+        self.memory += n
+        if self.budget is not None:
+            self.budget.charge(self, n)
+
+    def _release(self, n: int) -> None:
+        self.memory -= n
+        if self.budget is not None:
+            self.budget.release(self, n)
+
+    def _drop_ahead(self) -> None:
+        """Forget the read-ahead (a read under way then leaves a gap: dropped too)."""
+        if self.ahead:
+            self.ahead.clear()
+            if self.fetching:
+                self._void = True
+        if self._chunks:
+            self._release(sum(n for _, n in self._chunks))
+            self._chunks.clear()
+
+    def _drop_matches(self) -> None:
+        self._matches.clear()  # not a new dict: ``take_new`` holds its ``get``
+        if self._matches_size:
+            self._release(self._matches_size)
+            self._matches_size = 0
+
+    def shed(self) -> None:
+        """Let go of what is held for speed only (``budget``; a consumer that left): the
+        read-ahead, read again when a consumer takes, and the topic matches."""
+        self._drop_ahead()
+        self._drop_matches()
 
     def restore(self, g: GroupRecord) -> None:
         """State from a checkpoint record."""
-        self.ahead.clear()
+        self._drop_ahead()
         self.next = g.start
         self.pending = set(g.unacked)
         self.acked = set(g.acked)
@@ -321,10 +382,10 @@ class DurableGroup:
             hit = matches(self.levels, levels)
             cost = len(topic) + _MATCH_COST
             if self._matches_size + cost > MATCHES_BYTES:
-                self._matches.clear()  # not a new dict: ``take_new`` holds its ``get``
-                self._matches_size = 0
+                self._drop_matches()
             self._matches[topic] = hit
             self._matches_size += cost
+            self._charge(cost)
         return hit
 
     def take_ready(
@@ -421,6 +482,12 @@ class DurableGroup:
             size += PREFIX_SIZE + len(body)
         self.next = nxt
         self.backlog -= taken
+        chunks = self._chunks
+        if chunks and chunks[0][0] < nxt:  # whole reads passed: no longer held
+            passed = 0
+            while chunks and chunks[0][0] < nxt:
+                passed += chunks.popleft()[1]
+            self._release(passed)
         if acks and out:
             self.held[sub_id] = self.held.get(sub_id, 0) + len(out)
             if self.flying is not None:

@@ -40,6 +40,8 @@ class Limits(NamedTuple):
     max_topic_bytes: int = 1024  # longest topic name or filter (at most 65,535)
     max_subscriptions: int = 10_000  # subscriptions one connection may hold at once
     max_durable_groups: int = 100_000  # durable groups in the broker (each a log cursor)
+    # records log cursors hold read ahead, with their topic matches, all together
+    read_ahead_bytes: int = 64 * 1024 * 1024
 
 
 class Counters:

@@ -145,6 +145,7 @@ class Server:
                 max_idle_groups=q.max_idle_groups,
                 max_subscriptions=config.server.max_subscriptions,
                 max_durable_groups=q.max_durable_groups,
+                read_ahead_bytes=w.read_ahead_bytes,
                 retained_max_topics=config.retained.max_topics,
                 # carried forward at once, retained values must fit in half a segment
                 retained_max_bytes=min(config.retained.max_bytes,
