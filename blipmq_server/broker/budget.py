@@ -26,12 +26,13 @@ class Holder(Protocol):
 
 
 class Budget:
-    __slots__ = ("_holders", "held", "limit", "sheds")
+    __slots__ = ("_holders", "held", "limit", "shed_bytes", "sheds")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0  # bytes charged, all cursors together
         self.sheds = 0  # cursors made to let go of theirs, for the metrics
+        self.shed_bytes = 0  # let go of by ``shed``: cursors that ended, or made to
         self._holders: dict[Holder, None] = {}  # cursors holding any, least recently used first
 
     def charge(self, holder: Holder, n: int) -> None:

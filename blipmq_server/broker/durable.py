@@ -331,6 +331,8 @@ class DurableGroup:
     def shed(self) -> None:
         """Let go of what is held for speed only (``budget``; a consumer that left): the
         read-ahead, read again when a consumer takes, and the topic matches."""
+        if self.budget is not None:
+            self.budget.shed_bytes += self.memory
         self._drop_ahead()
         self._drop_matches()
 

@@ -47,7 +47,7 @@ from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode
 from blipmq_server.server import heap
 from blipmq_server.server.admission import Unproven, host_of
-from blipmq_server.server.flusher import Flusher
+from blipmq_server.server.flusher import TRIM_BATCH_BYTES, Flusher
 from blipmq_server.server.hush import Hush
 from blipmq_server.server.intake import Intake
 from blipmq_server.server.keys import Keyring
@@ -115,6 +115,7 @@ class Server:
         w = config.wal
         self.wal: Log | None = None
         self.flusher: Flusher | None = None
+        self._shed_trimmed = 0  # ``Budget.shed_bytes`` at the last heap trim it asked for
         self.recovery: Recovery | None = None
         # durable groups whose in-flight deliveries went with the restart (``_open_log``)
         self._lost_at_start: list[tuple[DurableGroup, int]] = []
@@ -785,6 +786,14 @@ class Server:
     def detached(self, detached: Detached) -> None:
         self.release(detached.released)
         self.wake(detached.wake)
+        cursors = self.broker.cursors
+        if cursors is not None and self.flusher is not None:
+            # glibc keeps what cursors let go of (read-aheads, topics): after 1,000 replays
+            # of 1 KB topics left, the broker stayed at 110 MB (29 at start); 36 trimmed
+            shed = cursors.budget.shed_bytes
+            if shed - self._shed_trimmed >= TRIM_BATCH_BYTES:
+                self._shed_trimmed = shed
+                self.flusher.trim_soon()
 
     def notify_ended(self, ended: Ended) -> None:
         session = self.sessions.get(ended.conn)

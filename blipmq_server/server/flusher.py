@@ -117,6 +117,12 @@ class Flusher:
         self.holding = False  # readers wait whatever is pending (``hold``)
         self._trim = False  # a big batch was written: trim the heap once idle
 
+    def trim_soon(self) -> None:
+        """Much memory was let go of elsewhere (log cursors that ended): trim the heap once
+        the log is idle, as after a big batch."""
+        self._trim = True
+        self._wake.set()
+
     def appended(self) -> None:
         self._wake.set()
         if self._grown() or (self._lingering and self._awaited()):
