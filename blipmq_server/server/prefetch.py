@@ -7,7 +7,8 @@ thread, one at a time (``Log.read_files`` is safe there), and gives the records 
 core with ``Broker.fill``, which names the connections to wake. Each cursor has at most one
 read under way, asked for when half a read's records are left in its read-ahead (so two
 reads of ``READ_AHEAD_BYTES`` at most in memory), so memory stays bounded however far behind
-a consumer is.
+a consumer is; all cursors together hold at most ``wal.read_ahead_bytes`` (``broker.budget``:
+past it the least recently used let go of theirs, and read again when their consumer takes).
 
 The same task counts the backlog of durable groups that start behind the end of the log
 (``Count``: a group created to replay, every group after a restart, a group retention
