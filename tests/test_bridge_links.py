@@ -806,3 +806,27 @@ def test_max_message_bytes_dead_letters_what_the_upstream_would_drop(start_broke
         assert letter["dead_letter"]["reason"] == (
             "bridge capped: a message of 5000 bytes, larger than bridge capped's "
             "max_message_bytes (2000)"), letter
+
+
+def test_a_bridge_on_a_later_address_goes_back_to_the_first_once_it_answers(
+        start_broker) -> None:
+    """h33 F4: once failed over to a later address, a bridge stayed there for as long as
+    that link held, although the first address came back (mosquitto's bridges go back to
+    their main address, round_robin false). Now the first address is tried every 5 s while
+    linked elsewhere, and the bridge moves back to it; nothing is lost on the way."""
+    first = free_port()
+    backup = start_broker({"mqtt": {"enabled": True, "port": 0}})
+    bp = start_broker({"bridge": [bridge_table(
+        "cloud", [f"127.0.0.1:{first}", f"127.0.0.1:{backup.mqtt_port}"],
+        ["sensors/# out 1"])]})
+    wait_status(bp, "cloud", lambda b: b["connected"]
+                and b["address"] == f"127.0.0.1:{backup.mqtt_port}")
+    assert bp.cli("pub", "sensors/a", "via backup", "-q", "1").returncode == 0
+    assert local_numbers(backup, "sensors/#", 1) == {b"via backup"}
+    main = start_broker({"mqtt": {"enabled": True, "port": first}})
+    back = wait_status(bp, "cloud", lambda b: b["connected"]
+                       and b["address"] == f"127.0.0.1:{first}", timeout=30)
+    assert back["last_error"] == "", back
+    bp.wait_log(f"leaving 127.0.0.1:{backup.mqtt_port}: the first address answers again")
+    assert bp.cli("pub", "sensors/a", "via main", "-q", "1").returncode == 0
+    assert local_numbers(main, "sensors/#", 1) == {b"via main"}

@@ -79,6 +79,10 @@ _MAX_BATCH_BYTES = 1 << 20
 _UNSTORED_EVERY_S = 60  # while messages coming in cannot be stored: one line at most this often
 _STORED_AGAIN_S = 2  # ... until they are stored again for this long without a refusal
 _UNSTORED = "a message from the upstream could not be stored"  # why such a link ends
+# While linked to another address than the first, the first is tried (a TCP connect) this
+# often; each failback that then fails doubles it, up to backoff_max_ms
+_PRIMARY_PROBE_S = 5.0
+_PRIMARY_BACK = "the first address answers again: going back to it"  # why such a link ends
 
 
 def subscriptions_state(spec: BridgeSpec) -> tuple[bytes, bytes]:
@@ -169,6 +173,7 @@ class Bridge:
         self._unstored_why = ""
         self._stored_after = False
         self._quiet = False  # the last link ended so: the next connect is not logged as news
+        self._probe_s = _PRIMARY_PROBE_S  # how often the first address is tried (failback)
 
     # ------------------------------------------------------------------ the core's side
 
@@ -288,6 +293,7 @@ class Bridge:
         backoff = Backoff(spec.backoff_min_ms / 1000, spec.backoff_max_ms / 1000,
                           random.uniform)
         turn = 0
+        failing_back = False  # the last link was left for the first address
         status = trio.CancelScope()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_oldest, status)
@@ -300,6 +306,12 @@ class Bridge:
                     if reason is None and self._retry_plain:
                         self._retry_plain = False
                         reason = await self._attempt(host, port, backoff)
+                    if turn % len(spec.addresses) == 0 and reason is not None:
+                        self._probe_s = _PRIMARY_PROBE_S  # the first address works
+                    elif turn % len(spec.addresses) == 0 and failing_back:  # it did not
+                        self._probe_s = min(self._probe_s * 2,
+                                            max(_PRIMARY_PROBE_S, spec.backoff_max_ms / 1000))
+                    failing_back = reason == _PRIMARY_BACK
                     if reason is not None:  # it was up: the primary first again
                         turn = 0
                         self.counters["reconnects"] += 1
@@ -308,13 +320,18 @@ class Bridge:
                             self._unstored_links += 1  # summed up by _watch_unstored
                             log.debug("bridge %s: link to %s lost: %s", spec.name,
                                       self.address, reason)
+                        elif failing_back:
+                            log.info("bridge %s: leaving %s: %s", spec.name, self.address,
+                                     reason)
                         else:
                             log.warning("bridge %s: link to %s lost: %s", spec.name,
                                         self.address, reason)
                     else:
                         turn += 1
-                    self.last_error = reason or self.last_error
-                    await trio.sleep(backoff.next())
+                    if not failing_back:  # (leaving a working link is no error; and the
+                        # first address answered just now: no wait before trying it)
+                        self.last_error = reason or self.last_error
+                        await trio.sleep(backoff.next())
             finally:
                 status.cancel()
                 nursery.cancel_scope.cancel()
@@ -370,7 +387,10 @@ class Bridge:
             self.broker.set_credit(self.conn_id, sub_id, spec.inflight)
         self._kick.set()
         try:
-            return await link.serve()
+            first = spec.addresses[0]
+            if (host, port) == first or len(spec.addresses) == 1:
+                return await link.serve()
+            return await self._serve_until_first(link, first)
         finally:
             self._link = None
             self.connected = False
@@ -378,6 +398,32 @@ class Bridge:
             with trio.CancelScope(shield=True):
                 await link.close()
             self._publish_state(b"0")
+
+    async def _serve_until_first(self, link: _Link, first: tuple[str, int]) -> str:
+        """``link.serve()`` on a link to another address than the first, until the first
+        accepts a TCP connection again (tried every ``_probe_s``): then the link ends
+        (``_PRIMARY_BACK``), what it had in flight goes back to the group as on any lost
+        link, and ``run`` connects to the first address at once (mosquitto's bridges do
+        the same with ``round_robin false``, their default)."""
+        reason = _PRIMARY_BACK
+        async with trio.open_nursery() as nursery:
+            async def serve() -> None:
+                nonlocal reason
+                reason = await link.serve()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(serve)
+            while True:
+                await trio.sleep(self._probe_s)
+                try:
+                    with trio.fail_after(self.spec.connect_timeout_ms / 1000):
+                        probe = await trio.open_tcp_stream(*first)
+                except (OSError, trio.TooSlowError):
+                    continue
+                await trio.aclose_forcefully(probe)
+                nursery.cancel_scope.cancel()
+                break
+        return reason
 
     async def _connect(self, host: str, port: int, opened: list[trio.abc.Stream]
                        ) -> trio.abc.Stream:
