@@ -131,6 +131,8 @@ class Broker:
         self._group_owners: dict[bytes, str] = {}  # by _owner_key, while the broker runs
         # publishers held back (``hold``): by hold id, its name and topic filters
         self.holds: dict[int, tuple[str, tuple[str, ...]]] = {}
+        # queues that dropped messages when full since ``take_dropping`` (the shell logs it)
+        self.dropping: dict[Queue, None] = {}
         # the groups of the configured bridges (``bridge.<name>``): nobody deletes these;
         # one whose bridge is gone from the configuration may be deleted like any group
         self.bridged: frozenset[str] = frozenset()
@@ -320,6 +322,7 @@ class Broker:
                         n = q.make_room(size)
                         q.dropped_oldest += n
                         c.dropped_oldest += n
+                        self.dropping[q] = None
                     elif overflow is block and not q.consumers:
                         n = q.make_room(size)
                         q.dropped_no_consumer += n
@@ -327,6 +330,7 @@ class Broker:
                     else:  # DROP_NEW, or BLOCK for a dead letter (client messages wait above)
                         q.dropped_new += 1
                         c.dropped_new += 1
+                        self.dropping[q] = None
                         continue
                 items.append(item)
                 q.size += size
@@ -462,6 +466,7 @@ class Broker:
         patient: bool = False,
         counted: bool = True,
         holder: str = "",
+        overflow: Overflow | None = None,
     ) -> SubscribeResult:
         """Attach connection ``conn`` to a new subscription or to a group.
 
@@ -487,6 +492,9 @@ class Broker:
         (``Consumer.holder``): the QoS 2 messages in flight to it when it leaves (or a retry
         comes due) wait for the next consumer with that holder, which takes what waits for
         it first; ``release`` gives them to the others.
+
+        ``overflow``: a QoS 0 subscription without a group takes this policy for its queue
+        instead of ``limits.overflow`` (MQTT's QoS 0 subscriptions: ``mqtt.qos0_overflow``).
 
         ``access``: the subscriber's permissions (None: no limits, and a new group belongs to
         nobody in particular). A filter that could match a topic it may not read is refused
@@ -525,7 +533,7 @@ class Broker:
                 owner = adopted = access.identity.name
         registry = self.registry
         if not qos and start == Start.LATEST:
-            queue = registry.queue_for(topic_filter, group)
+            queue = registry.queue_for(topic_filter, group, None if group else overflow)
             consumer = registry.add(conn, queue, qos, credit, request_id)
             if owner:
                 self._owned(topic_filter, group, owner, timestamp_ms)
@@ -1067,6 +1075,13 @@ class Broker:
         return frozenset() if self.cursors is None else self.cursors.fill(key, records)
 
     # ------------------------------------------------------------------------ maintenance
+
+    def take_dropping(self) -> list[Queue]:
+        """The queues that dropped messages (``drop_oldest``, ``drop_new``: a full queue)
+        since the last call, for the shell to say so."""
+        dropping = list(self.dropping)
+        self.dropping.clear()
+        return dropping
 
     def tick(self, now_ms: int) -> int:
         """Drop expired messages from every queue; returns how many."""
