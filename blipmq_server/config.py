@@ -98,6 +98,7 @@ class MqttOptions(NamedTuple):
     session_expiry_ms: int = 7 * 24 * 3600 * 1000
     max_sessions: int = 100_000
     queue_qos0: bool = False
+    qos0_overflow: str = "drop_oldest"
 
 
 class QueueOptions(NamedTuple):
@@ -339,6 +340,10 @@ SCHEMA: tuple[Key, ...] = (
         "online and offline; a CONNECT that would make one more gets CONNACK 3 (server "
         "unavailable). Each key has a share of it too (docs/SECURITY.md)", 1, 10_000_000),
     Key("mqtt", "queue_qos0", bool, "Keep QoS 0 messages for offline persistent sessions"),
+    Key("mqtt", "qos0_overflow", str, "What an MQTT QoS 0 subscription's full queue does with "
+        "a new message: drop_oldest or drop_new (mosquitto's), and its publishers go on; "
+        "block holds them as queues.overflow = block does",
+        choices=("drop_oldest", "drop_new", "block")),
     Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
         10_000_000),
     Key("queues", "capacity_bytes", int, "Bytes of messages each subscription or group may "

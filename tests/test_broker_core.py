@@ -95,6 +95,23 @@ def test_block_stops_the_batch_at_the_full_queue() -> None:
     assert res.accepted == 2 and res.blocked is not None and res.blocked.queue == c.queue.id
 
 
+def test_a_subscription_may_drop_instead_of_blocking() -> None:
+    """h33 F6: MQTT QoS 0 subscriptions take ``mqtt.qos0_overflow`` (``overflow``): a full
+    one drops rather than hold publishers; the others keep ``limits.overflow``, and the
+    queues that dropped are handed to the shell once, to say so."""
+    b = Broker(Limits(capacity=2, overflow=Overflow.BLOCK))
+    dropping = b.consumer(b.subscribe("m", "t", overflow=Overflow.DROP_OLDEST).sub_id)
+    res = b.publish([raw("t", bytes([i])) for i in range(5)], 0)
+    assert res.accepted == 5 and res.blocked is None
+    assert take_all(b, dropping) == [b"\x03", b"\x04"]
+    assert b.counters.dropped_oldest == 3
+    assert b.take_dropping() == [dropping.queue] and b.take_dropping() == []
+    blocking = sub(b, "n", "t")  # without ``overflow``: limits.overflow, block
+    res = b.publish([raw("t", bytes([i])) for i in range(5)], 0)
+    assert res.accepted == 2 and res.blocked is not None
+    assert res.blocked.queue == blocking.queue.id
+
+
 def test_block_without_a_consumer_keeps_the_newest() -> None:
     # a QoS 0 group whose consumer left must not stop the topic for everyone
     b = Broker(Limits(capacity=3, overflow=Overflow.BLOCK))

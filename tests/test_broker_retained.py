@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 from blipmq_server.broker.core import Broker, Limits
+from blipmq_server.broker.queue import Overflow
 from blipmq_server.broker.registry import Consumer
 from blipmq_server.broker.retained import Retained
 from blipmq_server.broker.storage import MemoryLog
@@ -348,3 +349,40 @@ def test_recovered_retained_values_are_nobodys() -> None:
     assert len(again.retained) == 1 and again.retained_shares.held == {}
     assert again.publish([raw("h/2", b"2")], 0, 2, access=hog).refusal is None
     assert again.publish([raw("h/3", b"3")], 0, 2, access=hog).refusal is not None
+
+
+def test_a_new_subscription_gets_every_retained_value_whatever_its_queue_capacity() -> None:
+    """h33 F7: the retained values went into the subscription's bounded queue at once, the
+    ones past ``capacity`` dropped as drop_new (8,192 of 10,000 with the defaults). Now they
+    wait as references to the store's values and are taken before the queue's items, as
+    its reader takes them; live messages published meanwhile come after them and have the
+    whole queue."""
+    b = Broker(Limits(capacity=3, overflow=Overflow.BLOCK), log=MemoryLog())
+    b.publish([raw(f"disc/dev{i}/config", b"%d" % i) for i in range(10)], 0, 1)
+    newcomer = sub(b, 1, "disc/#", timestamp_ms=2)
+    queue = newcomer.queue
+    assert [v is b.retained.values[f"disc/dev{i}/config".encode()]
+            for i, v in enumerate(queue.retained)] == [True] * 10  # not copies
+    live = b.publish([raw("disc/dev0/config", b"new", retain=False)] * 3, 0, 3)
+    assert live.accepted == 3 and live.blocked is None  # the queue's room is the live one's
+    got: list[Delivery] = []
+    while batch := b.take(newcomer, 4, 1 << 20, 0, 0):
+        got += decode_one(encode_deliver(1, batch)).messages  # type: ignore[union-attr]
+    assert [(d.payload, d.retained) for d in got] == (
+        [(b"%d" % i, True) for i in range(10)] + [(b"new", False)] * 3)
+    assert b.counters.dropped_new == 0 and b.counters.retained_sent == 10
+    assert queue.backlog == 0 and queue.size == 0
+
+
+def test_pending_retained_values_are_paced_by_the_batch_bounds() -> None:
+    b = Broker(Limits(capacity=2), log=MemoryLog())
+    b.publish([raw(f"r/{i}", b"x" * 100) for i in range(5)], 0, 1)
+    consumer = sub(b, 1, "r/#", until_end=True)
+    assert consumer.until == 5
+    assert b.has_work(consumer)
+    first = b.deliver(1, 100, 250, 0, 0).batches  # two records of ~150 bytes fit in 250
+    assert [len(records) for _, records in first] == [1]
+    assert consumer.queue.backlog == 4
+    rest = b.deliver(1, 100, 1 << 20, 0, 0).batches
+    assert [len(records) for _, records in rest] == [4, 0]  # then the end mark
+    assert not b.has_work(consumer)

@@ -28,6 +28,8 @@ from mqttpeer import Paho, Raw, mosquitto, raw_small_window, reap, track
 from blipmq_server.mqtt.codec import (
     ConnAck,
     Connect,
+    PingReq,
+    PingResp,
     PubAck,
     Publish,
     SubAck,
@@ -425,6 +427,43 @@ def test_a_client_that_never_reads_is_cut_and_its_will_published(start_broker) -
     watcher.publish("slow/ping", "after", 1)
     assert watcher.get().payload == b"after"
     slow.close()
+
+
+def test_a_stalled_qos0_subscriber_does_not_hold_its_publishers(start_broker) -> None:
+    """h33 F6: one stalled QoS 0 subscriber on '#' (a paused ``mosquitto_sub | less``) held
+    every QoS 0 publisher it matched for queues.block_timeout_ms each time its queue was
+    full (queues.overflow = block): 20,000 messages took 5.3 s, and the publishers'
+    PINGREQs went unanswered meanwhile. Now an MQTT QoS 0 subscription's full queue drops
+    (mqtt.qos0_overflow, drop_oldest by default), counted and logged once: the publisher
+    goes on at once, a healthy subscriber gets everything."""
+    b = start_broker({**MQTT, "queues": {"capacity": 16, "block_timeout_ms": 60_000},
+                      "server": {"write_timeout_ms": 60_000, "max_pending_bytes": 64 * 1024}})
+    stalled = raw_small_window(b.mqtt_port)
+    assert stalled.connect("paused-less").code == 0
+    stalled.send(Subscribe(1, (("#", 0),)))
+    assert stalled.expect(SubAck) == SubAck(1, (0,))
+    # from here on it reads nothing
+    healthy = Paho(b.mqtt_port, "healthy")  # at QoS 1: nothing dropped however loaded
+    assert healthy.subscribe(("flood/#", 1)) == [1]
+    device = Raw(b.mqtt_port)
+    assert device.connect("device").code == 0
+    payload = b"x" * 1000
+    n = 2000  # ~2 MB: far more than the stalled one's queue and socket take
+    started = time.monotonic()
+    device.send_bytes(b"".join(encode(Publish("flood/a", payload + b"%d" % i, 0, False))
+                               for i in range(n)))
+    device.send(PingReq())
+    assert device.expect(PingResp, timeout=20) == PingResp()
+    took = time.monotonic() - started
+    assert took < 10, f"the publisher was held {took:.1f} s"
+    got = healthy.take(n, timeout=30)
+    assert [m.payload for m in got] == [payload + b"%d" % i for i in range(n)]
+    assert b.metric("blipmq_messages_dropped_total", reason="drop_oldest") > 0
+    line = b.wait_log("does not keep up")
+    assert "'paused-less'" in line and "mqtt.qos0_overflow" in line
+    device.disconnect()
+    healthy.disconnect()
+    stalled.close()
 
 
 # ---------------------------------------------------------- 6. open port without auth

@@ -259,6 +259,27 @@ def test_a_filter_listed_again_in_one_subscribe_gets_its_retained_values_once(
     assert b.metric("blipmq_retained_sent_total") == 4
 
 
+def test_a_new_qos0_subscription_gets_every_retained_value_past_the_queue_capacity(
+        start_broker) -> None:
+    """h33 F7: a QoS 0 subscription got at most ``queues.capacity`` retained values (8,192
+    of Home Assistant's discovery configs), the rest dropped as drop_new, silently. Now all
+    of them come, paced by the connection's writer, then the live messages."""
+    b = start_broker({**MQTT, "queues": {"capacity": 16}})
+    topics = [f"homeassistant/sensor/dev{i}/config" for i in range(200)]
+    _retained_values(b.mqtt_port, topics)
+    c = Raw(b.mqtt_port)
+    assert c.connect("ha-start").code == 0
+    c.send(Subscribe(1, (("homeassistant/#", 0),)))
+    assert c.expect(SubAck) == SubAck(1, (0,))
+    got = [c.expect(Publish, timeout=30) for _ in range(200)]
+    assert [(p.topic, p.retain) for p in got] == [(t, True) for t in topics]
+    c.send(PingReq())  # nothing more came before this one's answer
+    assert c.recv() == PingResp()
+    c.disconnect()
+    assert b.metric("blipmq_retained_sent_total") == 200
+    assert b.metric("blipmq_messages_dropped_total", reason="drop_new") == 0
+
+
 # ------------------------------------------------------------------------------ 3. wills
 
 

@@ -85,7 +85,7 @@ def _durable_row(g: DurableGroup) -> dict[str, Any]:
 
 
 def _memory_row(topic_filter: str, group: str, q: Queue) -> dict[str, Any]:
-    return {"filter": topic_filter, "group": group, "durable": False, "backlog": len(q.items),
+    return {"filter": topic_filter, "group": group, "durable": False, "backlog": q.backlog,
             "in_flight": 0, "consumers": len(q.consumers),
             "dropped": q.dropped_oldest + q.dropped_new + q.dropped_ttl + q.dropped_no_consumer}
 
@@ -131,6 +131,8 @@ class Broker:
         self._group_owners: dict[bytes, str] = {}  # by _owner_key, while the broker runs
         # publishers held back (``hold``): by hold id, its name and topic filters
         self.holds: dict[int, tuple[str, tuple[str, ...]]] = {}
+        # queues that dropped messages when full since ``take_dropping`` (the shell logs it)
+        self.dropping: dict[Queue, None] = {}
         # the groups of the configured bridges (``bridge.<name>``): nobody deletes these;
         # one whose bridge is gone from the configuration may be deleted like any group
         self.bridged: frozenset[str] = frozenset()
@@ -320,6 +322,7 @@ class Broker:
                         n = q.make_room(size)
                         q.dropped_oldest += n
                         c.dropped_oldest += n
+                        self.dropping[q] = None
                     elif overflow is block and not q.consumers:
                         n = q.make_room(size)
                         q.dropped_no_consumer += n
@@ -327,6 +330,7 @@ class Broker:
                     else:  # DROP_NEW, or BLOCK for a dead letter (client messages wait above)
                         q.dropped_new += 1
                         c.dropped_new += 1
+                        self.dropping[q] = None
                         continue
                 items.append(item)
                 q.size += size
@@ -462,6 +466,7 @@ class Broker:
         patient: bool = False,
         counted: bool = True,
         holder: str = "",
+        overflow: Overflow | None = None,
     ) -> SubscribeResult:
         """Attach connection ``conn`` to a new subscription or to a group.
 
@@ -487,6 +492,9 @@ class Broker:
         (``Consumer.holder``): the QoS 2 messages in flight to it when it leaves (or a retry
         comes due) wait for the next consumer with that holder, which takes what waits for
         it first; ``release`` gives them to the others.
+
+        ``overflow``: a QoS 0 subscription without a group takes this policy for its queue
+        instead of ``limits.overflow`` (MQTT's QoS 0 subscriptions: ``mqtt.qos0_overflow``).
 
         ``access``: the subscriber's permissions (None: no limits, and a new group belongs to
         nobody in particular). A filter that could match a topic it may not read is refused
@@ -525,15 +533,15 @@ class Broker:
                 owner = adopted = access.identity.name
         registry = self.registry
         if not qos and start == Start.LATEST:
-            queue = registry.queue_for(topic_filter, group)
+            queue = registry.queue_for(topic_filter, group, None if group else overflow)
             consumer = registry.add(conn, queue, qos, credit, request_id)
             if owner:
                 self._owned(topic_filter, group, owner, timestamp_ms)
             if (not group) if retained is None else retained:
                 self._retained_to_queue(queue, topic_filter, timestamp_ms)
             if not until_end:
-                return SubscribeResult(consumer.sub_id, bool(queue.items), adopted=adopted)
-            consumer.until = len(queue.items) if not group else 0
+                return SubscribeResult(consumer.sub_id, bool(queue.backlog), adopted=adopted)
+            consumer.until = queue.backlog if not group else 0
             end = 0 if self.cursors is None else self.cursors.log.next_offset
             return SubscribeResult(consumer.sub_id, True, end=end, adopted=adopted)
         cursors = self.cursors
@@ -667,28 +675,19 @@ class Broker:
             self._rouse(target)
         else:
             self._retained_to_queue(target, target.filter, wall_ms)
-            if target.items:
+            if target.backlog:
                 self.registry.mark(consumer)  # what a delivery pass looks at
         return self.has_work(consumer)
 
     def _retained_to_queue(self, queue: Queue, topic_filter: str, wall_ms: int) -> None:
-        """A new subscription's queue starts with the retained values its filter matches,
-        within the queue's bounds (what does not fit is dropped as drop_new)."""
-        values = self.retained.matching(topic_filter, wall_ms)
-        if not values:
-            return
-        c = self.counters
-        items = queue.items
-        for v in values:
-            record = _pack_prefix(v.offset, 1, v.timestamp_ms, DELIVERED_RETAINED) + v.record
-            if not queue.fits(len(record)):
-                queue.dropped_new += 1
-                c.dropped_new += 1
-                continue
-            items.append((record, 0))
-            queue.size += len(record)
-            c.enqueued += 1
-            c.retained_sent += 1
+        """A new subscription's queue starts with the retained values its filter matches:
+        all of them, whatever the queue's bounds. They wait in ``queue.retained`` (the
+        store's values, not copies) and ``take`` hands them out before the queue's items,
+        as its reader takes them; live messages published meanwhile come after them. Made
+        again (``retained_again``), the subscription gets the values as they are now instead
+        of those it had yet to take."""
+        queue.retained.clear()
+        queue.retained.extend(self.retained.matching(topic_filter, wall_ms))
 
     def unsubscribe(
         self, conn: int, sub_id: int = 0, topic_filter: str = "", group: str = "",
@@ -919,13 +918,13 @@ class Broker:
             queue = consumer.queue
             if consumer.until is None and not isinstance(queue, DurableGroup):
                 # the usual: a live queue's consumer (the general way below, made short)
-                if queue.items:
+                if queue.items or queue.retained:
                     records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
                     if records:
                         batches.append((consumer.sub_id, records))
                         left -= len(records)
                     released.append(queue.id)
-                    if queue.items:
+                    if queue.items or queue.retained:
                         continue
                 unmark(consumer)  # nothing left: looked at again once its queue gets items
                 continue
@@ -933,9 +932,9 @@ class Broker:
                 self._nothing_for(consumer)
                 continue
             if consumer.until is not None and not isinstance(consumer.queue, DurableGroup):
-                before = len(consumer.queue.items)
+                before = consumer.queue.backlog
                 records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
-                consumer.until -= before - len(consumer.queue.items)
+                consumer.until -= before - consumer.queue.backlog
             else:
                 records = self.take(consumer, max_batch, max_batch_bytes, now_ms, wall_ms)
             if records:
@@ -962,7 +961,7 @@ class Broker:
             return True
         if isinstance(target, DurableGroup):
             return self.cursors.has_work(consumer, target)  # type: ignore[union-attr]
-        return bool(target.items)
+        return bool(target.items or target.retained)
 
     def _at_end(self, consumer: Consumer) -> bool:
         """An until_end subscription has had all it asked for: a cursor has read past the
@@ -991,22 +990,27 @@ class Broker:
         """Up to ``limit`` delivery records and ``max_bytes`` of them (a first larger one
         alone) for one consumer.
 
-        Expired items met on the way are dropped and counted, so an expired message is never
-        handed out. A group's consumers each take a fair share of what is waiting.
+        A queue's retained values still to send (``Queue.retained``) come first. Expired
+        items and values met on the way are dropped and counted, so an expired message is
+        never handed out. A group's consumers each take a fair share of what is waiting.
         """
         queue = consumer.queue
         if isinstance(queue, DurableGroup):
             return self.cursors.take(consumer, queue, limit,  # type: ignore[union-attr]
                                      max_bytes, now_ms, wall_ms)
         items = queue.items
-        if not items:
+        if not items and not queue.retained:
             return []
         sharers = len(queue.consumers)
         if sharers > 1:
-            limit = min(limit, -(-len(items) // sharers))
+            limit = min(limit, -(-queue.backlog // sharers))
         out: list[bytes] = []
-        size = expired_size = 0
-        expired = 0
+        expired = size = expired_size = 0
+        if queue.retained:
+            expired, size = self._take_retained(queue, out, limit, max_bytes, wall_ms)
+            if queue.retained:  # the batch is full: the items wait
+                limit = 0
+        taken = size  # of the retained values: not in ``queue.size``
         popleft = items.popleft
         while items and len(out) < limit:
             record, expires = items[0]
@@ -1020,12 +1024,37 @@ class Broker:
             popleft()
             out.append(record)
             size += len(record)
-        queue.size -= size + expired_size
+        queue.size -= size - taken + expired_size
         if expired:
             queue.dropped_ttl += expired
             self.counters.dropped_ttl += expired
         self.counters.delivered += len(out)
         return out
+
+    def _take_retained(self, queue: Queue, out: list[bytes], limit: int, max_bytes: int,
+                       wall_ms: int) -> tuple[int, int]:
+        """Into ``out``: delivery records of the queue's retained values still to send,
+        within ``limit`` records and ``max_bytes`` (the first one goes whatever its size).
+        Returns how many expired on the way, and the bytes taken."""
+        pending = queue.retained
+        size = expired = sent = 0
+        while pending and len(out) < limit:
+            value = pending[0]
+            if value.expires_ms and value.expires_ms <= wall_ms:
+                pending.popleft()
+                expired += 1
+                continue
+            n = PREFIX_SIZE + len(value.record)
+            if out and size + n > max_bytes:
+                break
+            pending.popleft()
+            out.append(_pack_prefix(value.offset, 1, value.timestamp_ms, DELIVERED_RETAINED)
+                       + value.record)
+            size += n
+            sent += 1
+        self.counters.enqueued += sent
+        self.counters.retained_sent += sent
+        return expired, size
 
     def take_counts(self) -> list[Count]:
         """Backlogs of durable groups to count off the event loop (each handed out once)."""
@@ -1046,6 +1075,13 @@ class Broker:
         return frozenset() if self.cursors is None else self.cursors.fill(key, records)
 
     # ------------------------------------------------------------------------ maintenance
+
+    def take_dropping(self) -> list[Queue]:
+        """The queues that dropped messages (``drop_oldest``, ``drop_new``: a full queue)
+        since the last call, for the shell to say so."""
+        dropping = list(self.dropping)
+        self.dropping.clear()
+        return dropping
 
     def tick(self, now_ms: int) -> int:
         """Drop expired messages from every queue; returns how many."""
@@ -1260,7 +1296,7 @@ class Broker:
         # over plain numbers, no row built for the groups left out (there may be 100,000)
         durable = [] if self.cursors is None else list(self.cursors.durable.values())
         memory = list(self.registry.groups.items())
-        backlogs = [max(0, g.backlog) for g in durable] + [len(q.items) for _, q in memory]
+        backlogs = [max(0, g.backlog) for g in durable] + [q.backlog for _, q in memory]
         total = len(backlogs)
         k = total if max_groups is None else min(total, max(0, max_groups))
         if k == total:

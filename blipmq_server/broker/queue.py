@@ -9,6 +9,12 @@ one message of any accepted size).
 ``block`` means backpressure from a consumer that is there: a queue without consumers (a
 group whose members all left) keeps its newest messages up to its bounds and drops the
 oldest, counted apart as ``dropped_no_consumer``.
+
+A new subscription's retained values are not in ``items``: ``retained`` lists the values
+(``retained.Value``, references to the store's, not copies) still to send, in the order
+``Retained.matching`` gave them at subscribe time, and ``Broker.take`` takes from it before
+``items``. So a subscription gets every retained value its filter matched, paced by its
+reader, whatever the queue's bounds, and live messages published meanwhile come after them.
 Pure and synchronous; no trio.
 """
 
@@ -47,6 +53,7 @@ class Queue:
         "items",
         "levels",
         "overflow",
+        "retained",
         "size",
     )
 
@@ -63,6 +70,8 @@ class Queue:
         self.overflow = overflow
         self.items: deque[Item] = deque()
         self.size = 0  # bytes of the records in ``items``
+        # retained values still to send, before ``items`` (a subscription's start)
+        self.retained: deque[Any] = deque()
         self.consumers: list[Any] = []  # Consumer objects (see broker.core)
         self.expiring = False  # some item may carry an expiry: the ticker scans this queue
         self.dropped_oldest = 0
@@ -72,6 +81,11 @@ class Queue:
 
     def __repr__(self) -> str:
         return f"Queue({self.filter!r}, group={self.group!r}, depth={len(self.items)})"
+
+    @property
+    def backlog(self) -> int:
+        """What waits to be taken: the retained values still to send and the items."""
+        return len(self.retained) + len(self.items)
 
     @property
     def name(self) -> str:

@@ -120,13 +120,15 @@ class Registry:
 
     # ---------------------------------------------------------------------------- books
 
-    def queue_for(self, topic_filter: str, group: str) -> Queue:
-        """The QoS 0 group's queue (made on first use), or a new subscription's queue."""
+    def queue_for(self, topic_filter: str, group: str, overflow: Overflow | None = None
+                  ) -> Queue:
+        """The QoS 0 group's queue (made on first use), or a new subscription's queue.
+        ``overflow``: a new queue's policy (None: ``limits.overflow``)."""
         queue = self.groups.get((topic_filter, group)) if group else None
         if queue is None:
             limits = self.limits
             queue = Queue(self._next_queue_id, topic_filter, group or None, limits.capacity,
-                          limits.overflow, limits.capacity_bytes)
+                          overflow or limits.overflow, limits.capacity_bytes)
             self._next_queue_id += 1
             self.queues.append(queue)
             self.index.add(queue.levels, queue)

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from blipmq_server.server.tls import Tls
 
 log = logging.getLogger("blipmq")
+_DROPS_EVERY_S = 1.0  # how often the queues that dropped messages are looked at
 _DROPPED_EVERY_S = 60  # dead letters dropped from a group: one line at most this often
 
 
@@ -200,6 +201,7 @@ class Server:
         # QoS 0 publishes dropped, filters refused, QoS 2 ids used again): per source
         # address and kind, one a minute
         self.mqtt_hush = Hush()
+        self._drops_hush = Hush()  # "a full queue drops": one line per source a minute
         self.bridges: dict[int, Bridge] = {}  # by the connection id each consumes as
 
     def authenticate(self, session: Session, given: bytes) -> Identity | None:
@@ -503,6 +505,7 @@ class Server:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as loops:
                     loops.start_soon(self._expiry_loop)
+                    loops.start_soon(self._drops_loop)
                     loops.start_soon(self._watchdog_loop)
                     if self.config.mqtt.enabled or self.mqtt_sessions.offline:
                         loops.start_soon(self._session_expiry_loop)
@@ -1044,6 +1047,36 @@ class Server:
         while True:
             await trio.sleep(1)
             self.mqtt_sessions.expire(wall_ms())
+
+    async def _drops_loop(self) -> None:
+        """Say when a subscription's full queue starts dropping messages (its policy is
+        drop_oldest or drop_new; counted in ``blipmq_messages_dropped_total``): one line
+        per episode (it dropped within a second after a second without), at most one a
+        minute per source address."""
+        before: set[int] = set()
+        while True:
+            await trio.sleep(_DROPS_EVERY_S)
+            now: set[int] = set()
+            for queue in self.broker.take_dropping():
+                now.add(queue.id)
+                if queue.id in before or queue.group is not None or not queue.consumers:
+                    continue
+                session = self.sessions.get(queue.consumers[0].conn)
+                if session is None:
+                    continue
+                said = self._drops_hush.due(session.peer, "drops")
+                if said is None:
+                    continue
+                client = getattr(session, "client_id", "")
+                setting = "mqtt.qos0_overflow" if client else "queues.overflow"
+                log.warning(
+                    "%s from %s does not keep up: its %s is full and drops messages "
+                    "(%s, %s; %d dropped so far, blipmq_messages_dropped_total)%s",
+                    f"MQTT client {client!r}" if client else f"connection {session.conn_id}",
+                    said[0], queue.name, queue.overflow, setting,
+                    queue.dropped_oldest + queue.dropped_new,
+                    f"; {said[1]} more such episode(s) not logged" if said[1] else "")
+            before = now
 
     async def _expiry_loop(self) -> None:
         interval = self.config.queues.expiry_interval_ms / 1000

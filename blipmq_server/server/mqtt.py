@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from blipmq_server.broker.core import OWES, SETTLED
+from blipmq_server.broker.queue import Overflow
 from blipmq_server.broker.topics import FilterIndex, split
 from blipmq_server.mqtt import codec as mqtt
 from blipmq_server.mqtt.packets import (
@@ -1058,7 +1059,9 @@ class MqttSession(Session):
         result = self.broker.subscribe(
             self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
             0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
-            counted=not restored and old is None, holder=holder)
+            counted=not restored and old is None, holder=holder,
+            # at most once: a full QoS 0 queue drops rather than hold its publishers
+            overflow=None if cursor else Overflow(self.server.config.mqtt.qos0_overflow))
         if result.adopted and share[0]:  # the session's own groups: said of the session
             log_adopted(group, core_filter, result.adopted)
         if result.refusal is not None:
