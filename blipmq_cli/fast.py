@@ -61,6 +61,7 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("-l", "--lines", action="store_true")
         p.add_argument("-f", "--file", dest="path", default=None)
         p.add_argument("-r", "--retain", action="store_true")
+        p.add_argument("--reconnect-for", dest="reconnect_for", default=None)
         _pub_opts(p)
     elif command == "pubfile":
         p.add_argument("topic")
