@@ -46,6 +46,21 @@ def _check_group(group: str) -> None:
         raise BadName(problem)
 
 
+def _check_share(name: str, group: str) -> None:
+    """MQTT's shared-subscription spelling ``$share/GROUP/FILTER``: nothing can be published
+    to a ``$share/`` topic, so as a native filter it would never match. Refused, with the
+    native way to say it (``--group``)."""
+    if not name.startswith("$share/"):
+        return
+    _, _, rest = name.partition("/")
+    share, _, inner = rest.partition("/")
+    if group or not share or not inner:
+        raise UsageError(f"{name!r} is MQTT's shared subscription spelling, not a filter: "
+                         "give the filter and --group NAME")
+    raise UsageError(f"{name!r} is MQTT's shared subscription spelling, not a filter: here "
+                     f"it is blipmq sub --group {share} {inner!r}")
+
+
 def say(text: str) -> None:
     """One line on stderr, ``blipmq: `` first. What it quotes may come from a client or a
     file name (a topic, a segment's name, the broker's error text): control characters are
@@ -473,6 +488,8 @@ def sub(
         raise UsageError("--count must be at least 1")
     from blipmq_server.protocol.names import filter_problem
 
+    for name in filters:
+        _check_share(name, group)
     for name in filters:  # as the broker would refuse it (exit 7), and before encoding it
         problem = filter_problem(name)
         if problem:

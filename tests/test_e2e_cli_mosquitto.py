@@ -43,3 +43,21 @@ def test_h_alone_is_still_the_help_and_mosquittos_shared_options_still_work(
     assert res.returncode == 0, res.stderr
     res = b.cli("sub", "-t", "hp/#", "-C", "1", "-W", "5", "-v")
     assert res.returncode == 0 and res.stdout == b"hp/a hello\n", res
+
+
+def test_share_spelling_is_refused_with_the_group_way(start_broker) -> None:
+    """`sub '$share/g/t'` was a native filter that can never match (nothing is published
+    to `$share/` topics): it waited for ever. Now exit 2 at once, naming `--group g`."""
+    b = start_broker()
+    for args, said in ((("sub", "$share/g/shx"), "here it is blipmq sub --group g 'shx'"),
+                       (("sub", "-t", "$share/g/a/#", "-C", "1"), "--group g 'a/#'"),
+                       (("sub", "$share/g"), "give the filter and --group NAME")):
+        res = b.cli(*args, timeout=10)
+        err = res.stderr.decode()
+        assert res.returncode == Exit.USAGE and err.count("\n") == 1, (res.returncode, err)
+        assert err.startswith("blipmq: '$share/g") and said in err, err
+    sub = b.spawn("sub", "--group", "g", "shx", "-C", "1")
+    b.wait_subscribers(1)
+    assert b.cli("pub", "shx", "one").returncode == 0
+    out, _ = sub.communicate(timeout=10)
+    assert out == b"one\n"
