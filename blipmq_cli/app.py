@@ -99,6 +99,10 @@ def pub(
     retain: Annotated[bool, typer.Option(
         "-r", "--retain", help="Keep as the topic's last value for new subscribers "
         "(an empty message clears it)")] = False,
+    reconnect_for: Annotated[str | None, typer.Option(
+        "--reconnect-for", help="With -l: after a lost connection (a broker restart), try to "
+        "connect again for this long, then send every line not yet confirmed again; 0 exits "
+        "at once \\[default: 60s]", show_default=False)] = None,
     ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
@@ -115,7 +119,7 @@ def pub(
     _exit(commands.guarded(lambda: commands.pub(
         topic, message, addr=addr, api_key=api_key, topic_opt=topic_opt,
         message_opt=message_opt, stdin=stdin, lines=lines, path=path, ttl=ttl, qos=qos, key=key,
-        retain=retain,
+        retain=retain, reconnect_for=reconnect_for,
     )))
 
 

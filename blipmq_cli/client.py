@@ -1078,11 +1078,15 @@ def _env_timeout() -> float:
 
 
 def connect_from_env(
-    addr: str | None = None, api_key: str | None = None, timeout: float | None = None
+    addr: str | None = None, api_key: str | None = None, timeout: float | None = None, *,
+    reconnect: Reconnect | bool = False,
+    on_disconnect: Callable[[BlipError], object] | None = None,
+    on_reconnect: Callable[[str], object] | None = None,
 ) -> Client:
     """A client configured by arguments, else BLIPMQ_ADDR / BLIPMQ_API_KEY / BLIPMQ_TIMEOUT,
     else defaults; TLS by the address's scheme and BLIPMQ_CAFILE / BLIPMQ_CERT /
-    BLIPMQ_CERT_KEY / BLIPMQ_INSECURE (``tls_address``)."""
+    BLIPMQ_CERT_KEY / BLIPMQ_INSECURE (``tls_address``). ``reconnect`` and the callbacks
+    are ``Client``'s."""
     env = os.environ
     cafile, cert = env.get("BLIPMQ_CAFILE") or None, env.get("BLIPMQ_CERT") or None
     key = env.get("BLIPMQ_CERT_KEY") or None
@@ -1111,6 +1115,9 @@ def connect_from_env(
         api_key,
         timeout=_env_timeout() if timeout is None else timeout,
         ssl_context=context,
+        reconnect=reconnect,
+        on_disconnect=on_disconnect,
+        on_reconnect=on_reconnect,
     )
 
 

@@ -22,8 +22,11 @@ from blipmq_cli.literal import visible
 from blipmq_cli.output import TemplateError, writer
 from blipmq_server.errors import BlipError, BrokerError, ConnectError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
+from blipmq_server.protocol.connection import Reconnect
 
 _READ = 1 << 16
+RECONNECT_FOR = "60s"  # pub -l: how long it tries to reconnect after a lost connection
+_BACKOFF_S = (0.1, 2.0)  # pub -l: the first and the longest pause between attempts
 
 
 class UsageError(Exception):
@@ -41,6 +44,21 @@ def _check_group(group: str) -> None:
     problem = group_problem(group) if group else None
     if problem:
         raise BadName(problem)
+
+
+def _check_share(name: str, group: str) -> None:
+    """MQTT's shared-subscription spelling ``$share/GROUP/FILTER``: nothing can be published
+    to a ``$share/`` topic, so as a native filter it would never match. Refused, with the
+    native way to say it (``--group``)."""
+    if not name.startswith("$share/"):
+        return
+    _, _, rest = name.partition("/")
+    share, _, inner = rest.partition("/")
+    if group or not share or not inner:
+        raise UsageError(f"{name!r} is MQTT's shared subscription spelling, not a filter: "
+                         "give the filter and --group NAME")
+    raise UsageError(f"{name!r} is MQTT's shared subscription spelling, not a filter: here "
+                     f"it is blipmq sub --group {share} {inner!r}")
 
 
 def say(text: str) -> None:
@@ -159,6 +177,24 @@ def _ttl_ms(ttl: str | None) -> int:
     return ms
 
 
+def _reconnect_policy(text: str) -> Reconnect | None:
+    """``--reconnect-for``: as many attempts as fit into that many seconds of pauses
+    (``_BACKOFF_S``, doubling; the jitter only shortens them); None for 0 (no reconnects)."""
+    limit = durations.seconds(text)
+    if limit is None:
+        raise UsageError(f"--reconnect-for {text!r}: give a duration such as 60s or 5m "
+                         "(0: exit when the connection is lost)")
+    if limit == 0:
+        return None
+    initial, maximum = _BACKOFF_S
+    attempts, spent, pause = 0, 0.0, initial
+    while pause < maximum and spent + pause <= limit:  # the pauses still doubling
+        attempts, spent, pause = attempts + 1, spent + pause, pause * 2
+    attempts += int((limit - spent) // maximum) if pause >= maximum else 0
+    return Reconnect(attempts=max(1, min(attempts, 1 << 30)), initial=initial,
+                     maximum=maximum, jitter=0.2)
+
+
 def pub(
     topic: str | None,
     message: str | None,
@@ -174,10 +210,12 @@ def pub(
     qos: int = 0,
     key: str | None = None,
     retain: bool = False,
+    reconnect_for: str | None = None,
 ) -> int:
     """``pub TOPIC MESSAGE``, or mosquitto's spelling ``pub -t TOPIC -m MESSAGE``; the
     message may instead come from stdin (``-``, ``-s``), stdin's lines (``-l``) or a file
-    (``-f``)."""
+    (``-f``). With ``-l`` a lost connection is dialled again for up to ``reconnect_for``
+    (``RECONNECT_FOR`` by default)."""
     given = [a for a in (topic, message) if a is not None]
     if topic_opt is None:
         if not given:
@@ -194,9 +232,12 @@ def pub(
     if path is not None:
         return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key,
                        retain=retain)
+    if reconnect_for is not None and not lines:
+        raise UsageError("--reconnect-for is for -l/--lines (one message is sent at once)")
     ttl_ms = _ttl_ms(ttl)
     if lines:
-        return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain)
+        policy = _reconnect_policy(RECONNECT_FOR if reconnect_for is None else reconnect_for)
+        return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain, policy)
     if message_opt is None and not stdin:
         raise UsageError("give a message, '-' or -s for stdin, -l for stdin's lines, or "
                          "-f FILE")
@@ -245,12 +286,60 @@ def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
         yield parts
 
 
+class _Tally:
+    """How far ``pub -l`` got, across reconnects (a connection's own counts start at 0)."""
+
+    def __init__(self) -> None:
+        self.client: Client | None = None
+        self.confirmed = 0  # QoS 1 lines confirmed on the connections lost so far
+        self.sent = 0  # QoS 1 lines sent on them and not sent again
+        self.resent = 0  # ``client.resent`` at the last reconnect
+        self.down = False  # lost and not reconnected: the client's counts are in the above
+
+    def lost(self, error: BlipError) -> None:
+        client = self.client
+        assert client is not None
+        self.confirmed += client.confirmed
+        self.sent += client.qos1_sent
+        self.down = True
+
+    def back(self, qos: int) -> None:
+        client = self.client
+        assert client is not None
+        again = client.resent - self.resent
+        self.resent = client.resent
+        self.down = False
+        self.sent -= again  # counted again by the new connection as it sends them
+        if qos:
+            say(f"reconnected to {client.addr}; {again} unconfirmed line(s) sent again")
+        else:
+            say(f"reconnected to {client.addr}; QoS 0: lines sent just before the loss may "
+                "be lost")
+
+    def note(self) -> str:
+        client = None if self.down else self.client
+        confirmed = self.confirmed + (client.confirmed if client else 0)
+        sent = self.sent + (client.qos1_sent if client else 0)
+        return f"{confirmed} of {sent} messages confirmed"
+
+
 def _pub_lines(
     topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None,
-    retain: bool = False,
+    retain: bool = False, reconnect: Reconnect | None = None,
 ) -> int:
+    """Each line of stdin as a message, as the lines come. With ``reconnect``, a lost
+    connection (a broker restart) is dialled again and the lines not yet confirmed are sent
+    again (``Client``'s reconnect: at least once, in order)."""
     stream = _stdin()
-    client = connect_from_env(addr, api_key)
+    tally = _Tally()
+
+    def lost(error: BlipError) -> None:
+        tally.lost(error)
+        say(f"{error}; reconnecting")
+
+    client = connect_from_env(addr, api_key, reconnect=reconnect or False, on_disconnect=lost,
+                              on_reconnect=lambda where: tally.back(qos))
+    tally.client = client
     # with QoS 1, SIGTERM (a supervisor, `timeout`) says how far it got, as Ctrl-C does
     old = signal.signal(signal.SIGTERM, terminated) if qos else None
     try:
@@ -279,21 +368,19 @@ def _pub_lines(
         if not qos:
             raise
         # say how far we got: every confirmed message is stored
-        note = f"{client.confirmed} of {client.qos1_sent} messages confirmed"
         if isinstance(exc, BrokerError):
-            raise BrokerError(exc.code, f"{exc.text}; {note}") from None
-        raise ConnectError(f"{exc}; {note}") from None
+            raise BrokerError(exc.code, f"{exc.text}; {tally.note()}") from None
+        raise ConnectError(f"{exc}; {tally.note()}") from None
     except TimeoutError as exc:  # the broker slow to confirm: how far we got, as above
         if not qos:
             raise
-        raise TimeoutError(f"{exc}; {client.confirmed} of {client.qos1_sent} messages "
-                           "confirmed") from None
+        raise TimeoutError(f"{exc}; {tally.note()}") from None
     except KeyboardInterrupt:
         if qos:  # still exit 130, but say how far we got, as above
-            say(f"interrupted; {client.confirmed} of {client.qos1_sent} messages confirmed")
+            say(f"interrupted; {tally.note()}")
         raise
     except Terminated:
-        say(f"terminated; {client.confirmed} of {client.qos1_sent} messages confirmed")
+        say(f"terminated; {tally.note()}")
         die_of_sigterm()
         raise
     finally:
@@ -401,6 +488,8 @@ def sub(
         raise UsageError("--count must be at least 1")
     from blipmq_server.protocol.names import filter_problem
 
+    for name in filters:
+        _check_share(name, group)
     for name in filters:  # as the broker would refuse it (exit 7), and before encoding it
         problem = filter_problem(name)
         if problem:

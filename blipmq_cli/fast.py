@@ -18,6 +18,57 @@ COMMANDS = ("pub", "pubfile", "sub", "unsub", "start")
 _TLS_OPTIONS = ("tls", "cafile", "cert", "cert_key", "insecure")  # commands.tls_options
 
 
+_ADDR = "--addr HOST:PORT here (or BLIPMQ_ADDR)"
+_KEY = "--api-key KEY here (or BLIPMQ_API_KEY)"
+_NO_ID = "not needed here: leave it out (a subscription that keeps its place while away is " \
+    "sub --group NAME -q 1)"
+# mosquitto_pub/mosquitto_sub options that blipmq does not take, and what to type instead;
+# the ones it shares (-t -m -s -l -f -r -q, sub's -C -W -F -v -N) mean the same here
+_MOSQUITTO = {
+    "-h": f"mosquitto's -h HOST is {_ADDR}; -t/-m work as in mosquitto, or give the topic "
+          "and message as arguments; -h alone is help",
+    "--host": f"mosquitto's --host HOST is {_ADDR}",
+    "-p": f"mosquitto's -p PORT is {_ADDR}",
+    "--port": f"mosquitto's --port PORT is {_ADDR}",
+    "-L": f"mosquitto's -L URL is {_ADDR}, with the topic as an argument",
+    "--url": f"mosquitto's --url URL is {_ADDR}, with the topic as an argument",
+    "-u": f"mosquitto's -u USER/-P PASSWORD are {_KEY}",
+    "--username": f"mosquitto's --username/--pw are {_KEY}",
+    "-P": f"mosquitto's -u USER/-P PASSWORD are {_KEY}",
+    "--pw": f"mosquitto's --username/--pw are {_KEY}",
+    "-i": f"mosquitto's -i CLIENT_ID is {_NO_ID}",
+    "--id": f"mosquitto's --id CLIENT_ID is {_NO_ID}",
+    "-I": f"mosquitto's -I ID_PREFIX is {_NO_ID}",
+    "--id-prefix": f"mosquitto's --id-prefix is {_NO_ID}",
+    "-c": "mosquitto's -c (a persistent session) is sub --group NAME -q 1 here",
+    "--disable-clean-session": "mosquitto's --disable-clean-session is sub --group NAME -q 1 "
+                               "here",
+    "-n": "mosquitto's -n (an empty message) is an empty argument here: blipmq pub TOPIC ''",
+    "--null-message": "mosquitto's --null-message is an empty argument here: blipmq pub "
+                      "TOPIC ''",
+    "-k": "mosquitto's -k KEEPALIVE is BLIPMQ_TIMEOUT (seconds) here",
+    "--keepalive": "mosquitto's --keepalive is BLIPMQ_TIMEOUT (seconds) here",
+}
+_VALUED = ("-h", "-p", "-L", "-u", "-P", "-i", "-I", "-k")  # also written -p1883
+
+
+def mosquitto_hint(args: list[str]) -> str | None:
+    """What to type instead of the first mosquitto-only option in ``args`` (before ``--``),
+    or None. ``-h`` is help only as the last argument (``blipmq pub -h``): mosquitto's
+    ``-h HOST`` must not print the help and exit 0 without publishing."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return None
+        if arg == "-h" and i == len(args) - 1:
+            return None
+        name = arg.split("=", 1)[0] if arg.startswith("--") else arg
+        if name not in _MOSQUITTO and arg[:2] in _VALUED:
+            name = arg[:2]
+        if name in _MOSQUITTO:
+            return _MOSQUITTO[name]
+    return None
+
+
 class _Formatter(argparse.HelpFormatter):
     """These parsers print no help or usage (``--help`` goes to the Typer app, an error is
     one line), yet argparse makes a formatter for each argument it adds: with a width given,
@@ -61,6 +112,7 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("-l", "--lines", action="store_true")
         p.add_argument("-f", "--file", dest="path", default=None)
         p.add_argument("-r", "--retain", action="store_true")
+        p.add_argument("--reconnect-for", dest="reconnect_for", default=None)
         _pub_opts(p)
     elif command == "pubfile":
         p.add_argument("topic")
@@ -103,6 +155,10 @@ def parser(command: str) -> argparse.ArgumentParser:
 
 def run(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
+    hint = mosquitto_hint(rest) if command != "start" else None
+    if hint is not None:
+        sys.stderr.write(f"blipmq {command}: {hint}\n")
+        return Exit.USAGE
     args = vars(parser(command).parse_intermixed_args(rest))
     if command == "start":
         from blipmq_server import daemon

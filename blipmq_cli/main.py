@@ -142,8 +142,9 @@ def _command(args: list[str]) -> int:
         return 0
     from blipmq_cli import fast
 
-    if args and args[0] in fast.COMMANDS and not {"-h", "--help"} & set(args[1:]):
-        return fast.run(args)
+    rest = args[1:]
+    if args and args[0] in fast.COMMANDS and "--help" not in rest and rest[-1:] != ["-h"]:
+        return fast.run(args)  # -h elsewhere: mosquitto's -h HOST, refused there
     from blipmq_cli.app import run_app
 
     return run_app(args)

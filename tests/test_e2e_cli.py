@@ -771,14 +771,15 @@ def test_ctrl_c_during_qos1_lines_says_how_many_were_confirmed(start_broker, sig
 def test_pub_lines_notices_a_silent_link_and_says_how_far_it_got(start_broker) -> None:
     """`pub -q 1 -l` whose link goes silent (no FIN, no RST) while stdin is quiet: the
     keepalive finds it within 2 x BLIPMQ_TIMEOUT, and it exits 3 saying how many lines
-    were confirmed, instead of waiting for ever for stdin or the broker."""
+    were confirmed, instead of waiting for ever for stdin or the broker. (With
+    ``--reconnect-for 0``; by default it would dial again: tests/test_e2e_cli_reconnect.py.)"""
     from tests.faultproxy import FaultProxy
 
     b = start_broker()
     with FaultProxy(("127.0.0.1", b.port)) as proxy:
         env = {**os.environ, "BLIPMQ_TIMEOUT": "1"}
-        proc = subprocess.Popen([BLIPMQ, "pub", "silent/t", "-q", "1", "-l", "--addr",
-                                 f"127.0.0.1:{proxy.port}"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([BLIPMQ, "pub", "silent/t", "-q", "1", "-l", "--reconnect-for",
+                                 "0", "--addr", f"127.0.0.1:{proxy.port}"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         assert proc.stdin is not None
         proc.stdin.write(b"one\ntwo\n")
