@@ -431,43 +431,50 @@ def test_wildcards_do_not_match_dollar_topics(start_broker) -> None:
 
 def test_dead_letters_a_client_does_not_acknowledge_are_not_dead_lettered_again(
         start_broker) -> None:
-    """A `$dlq/#` subscriber at QoS 1 that never sends PUBACK gets each dead letter
-    `delivery.max_retries` times (the last with DUP), then the broker drops it from that
-    session instead of dead-lettering it again (h21 #5: `$dlq/$dlq/...`, every depth to 99
-    in the log); the session has moved on past it when it comes back. A QoS 0 `$dlq/#`
-    subscriber sees each dead letter once."""
+    """A `$dlq/#` subscriber at QoS 1 that never sends PUBACK gets each dead letter once
+    while connected (no retry on a live MQTT connection), none is dead-lettered again
+    (h21 #5: `$dlq/$dlq/...`), and its persistent session gets them again with DUP when it
+    comes back (MQTT-4.4.0-1). A QoS 0 `$dlq/#` subscriber sees each dead letter once."""
     b = start_broker({**MQTT, "delivery": {"max_retries": 2, "retry_backoff_ms": 100,
                                            "retry_backoff_max_ms": 100}})
     watcher = Paho(b.mqtt_port, "dlq-watcher")
     assert watcher.subscribe(("$dlq/#", 0)) == [0]
-    worker, reviewer = Raw(b.mqtt_port), Raw(b.mqtt_port)
-    assert worker.connect("dlq-worker") == ConnAck(False, 0)
+    reviewer = Raw(b.mqtt_port)
     assert reviewer.connect("dlq-reviewer", clean=False) == ConnAck(False, 0)
-    for raw, topic_filter in ((worker, "dl/x"), (reviewer, "$dlq/#")):
-        raw.send(Subscribe(1, ((topic_filter, 1),)))
-        assert raw.expect(SubAck) == SubAck(1, (1,))
-    publisher = Paho(b.mqtt_port, "dlq-publisher")
-    for i in range(3):
-        publisher.publish("dl/x", f"m{i}", 1)
-    b.wait_dead_letters(3, 3)
+    reviewer.send(Subscribe(1, (("$dlq/#", 1),)))
+    assert reviewer.expect(SubAck) == SubAck(1, (1,))
+    subs = b.metric("blipmq_subscriptions")
+    worker = track(b.spawn("sub", "-q", "1", "--group", "workers", "--exec", "false",
+                           "--retry-delay", "10ms", "dl/x"))
+    try:
+        b.wait_metric("blipmq_subscriptions", subs + 1)
+        for i in range(3):
+            assert b.cli("pub", "-q", "1", "dl/x", f"m{i}").returncode == 0
+        b.wait_metric("blipmq_messages_dead_lettered_total", 3)
+    finally:
+        worker.kill()
+        worker.communicate(timeout=10)
+    got = watcher.take(3)
+    assert sorted((m.topic, m.payload) for m in got) == [
+        ("$dlq/dl/x", f"m{i}".encode()) for i in range(3)]
+    time.sleep(1)  # ten retry periods
     reviewer.send(PingReq())
     sent = []
     while not isinstance(packet := reviewer.recv(), PingResp):
         sent.append((packet.topic, packet.payload, packet.dup))
-    assert sorted(sent) == [("$dlq/dl/x", f"m{i}".encode(), dup)
-                            for i in range(3) for dup in (False, True)]
-    got = watcher.take(3)
-    assert [(m.topic, m.payload) for m in got] == [
-        ("$dlq/dl/x", f"m{i}".encode()) for i in range(3)]
-    # back again, the session gets what came since, not what it gave up on
+    assert sorted(sent) == [("$dlq/dl/x", f"m{i}".encode(), False) for i in range(3)]
+    b.wait_dead_letters(3, 0)
     reviewer.close()
     reviewer = Raw(b.mqtt_port)
     assert reviewer.connect("dlq-reviewer", clean=False) == ConnAck(True, 0)
-    publisher.publish("dl/x", "m3", 1)
-    packet = reviewer.expect(Publish)
-    assert (packet.topic, packet.payload, packet.dup) == ("$dlq/dl/x", b"m3", False)
-    b.wait_dead_letters(4, 4)
-    assert watcher.get().payload == b"m3"
+    again = [reviewer.expect(Publish) for _ in range(3)]
+    assert sorted((p.payload, p.dup) for p in again) == [(f"m{i}".encode(), True)
+                                                         for i in range(3)]
+    for p in again:
+        reviewer.send(PubAck(p.packet_id))
+    reviewer.send(PingReq())
+    assert reviewer.recv() == PingResp()
+    b.wait_dead_letters(3, 0)
     watcher.sync()
     assert watcher.drained() == []
 

@@ -8,8 +8,9 @@ packets into the same core calls a native session makes (publish, subscribe, ack
     MQTT                        core
     PUBLISH QoS 0 / 1 / 2       publish; QoS 1 and 2 logged, PUBACK / PUBREC once durable
     SUBSCRIBE QoS 0             a live queue (retained values first)
-    SUBSCRIBE QoS 1 / 2         a log cursor with ``mqtt.max_inflight`` credit; in a persistent
-                                session (clean session 0) a durable group of the session's own
+    SUBSCRIBE QoS 1 / 2         a log cursor with ``mqtt.max_inflight`` credit, patient (no
+                                retry while connected); in a persistent session (clean
+                                session 0) a durable group of the session's own
     PUBACK, PUBCOMP             ack of the delivery's log offset
     $share/<name>/<filter>      a consumer group (QoS 1/2: durable)
 
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from blipmq_server.broker.core import OWES, SETTLED
+from blipmq_server.broker.core import BRIDGE_GROUPS, OWES, SETTLED
 from blipmq_server.broker.topics import FilterIndex, split
 from blipmq_server.mqtt import codec as mqtt
 from blipmq_server.mqtt.packets import (
@@ -1055,9 +1056,16 @@ class MqttSession(Session):
         # another kind of subscription (a log cursor or not) replaces ``old``: the new one
         # first (it takes the old one's place, so it is not counted), so that a refusal
         # leaves the old one as it was
+        # patient: a delivery is not sent again, nor dead-lettered, while the connection is
+        # up (MQTT 3.1.1 resends at reconnect only, MQTT 5 forbids more: a copy on a live
+        # connection only piles up behind the first); when the client goes, what it had not
+        # acknowledged goes back to its cursor (and to the other $share members), and a
+        # persistent session gets it again with DUP 1 at its next CONNECT. (A bridge's
+        # group name stays refused: patient consumers may join those.)
         result = self.broker.subscribe(
             self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
             0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
+            patient=not group.startswith(BRIDGE_GROUPS),
             counted=not restored and old is None, holder=holder)
         if result.adopted and share[0]:  # the session's own groups: said of the session
             log_adopted(group, core_filter, result.adopted)
