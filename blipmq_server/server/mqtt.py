@@ -87,6 +87,7 @@ from blipmq_server.server.session import (
 )
 
 if TYPE_CHECKING:
+    from blipmq_server.broker.results import PublishResult
     from blipmq_server.server.app import Server
 
 log = logging.getLogger("blipmq.mqtt")
@@ -825,6 +826,12 @@ class MqttSession(Session):
                 if result.refusal is not None:
                     pid = pids[at]
                     text = result.refusal.text
+                    if batch[at].retain and result.refusal.code == ErrorCode.LIMIT:
+                        # only keeping it as the retained value is refused: routed anyway
+                        batch[at] = self._not_kept(batch[at], text)
+                        self._goes_on(len(messages) - done)
+                        messages = batch[at:]
+                        continue
                     if result.refusal.code == ErrorCode.FORBIDDEN:
                         # MQTT 3.1.1 cannot refuse a PUBLISH: acknowledged, not routed
                         server.mqtt_error("forbidden")
@@ -883,13 +890,40 @@ class MqttSession(Session):
         if raw is None or raw.__class__ is CloseReason:
             return raw
         now = self.server.published_at = self.read_at
-        result = self.broker.publish((raw,), int(now * 1000), int(_time() * 1000),  # type: ignore[arg-type]
-                                     internal=raw.topic[:1] == b"$",  # type: ignore[union-attr]
-                                     access=self.access)
-        self.server.routed(result.wake)
+        result = self._route(raw, int(now * 1000), int(_time() * 1000))  # type: ignore[arg-type]
         if result.blocked is not None:
             return _HELD
         return self._published(packet, result.refusal, result.last_offset)
+
+    def _route(self, raw: RawMessage, now: int, wall: int) -> PublishResult:
+        """Publish one message; one refused only as a retained value (the retained store or
+        its key's share is full) is published again without retain (``_not_kept``)."""
+        for _ in range(2):
+            result = self.broker.publish((raw,), now, wall, internal=raw.topic[:1] == b"$",
+                                         access=self.access)
+            self.server.routed(result.wake)
+            refusal = result.refusal
+            if refusal is None or not raw.retain or refusal.code != ErrorCode.LIMIT:
+                break
+            raw = self._not_kept(raw, refusal.text)
+            self._goes_on(1)
+        return result
+
+    def _not_kept(self, raw: RawMessage, text: str) -> RawMessage:
+        """A retained PUBLISH the retained store refused (``retained.max_topics``,
+        ``max_bytes``, or its key's retained share): the message goes on without retain,
+        routed, logged and acknowledged as usual; only the topic's retained value stays what
+        it was. Closing instead would make a 3.1.1 client resend it at every reconnect (an
+        endless loop); a native client gets ERROR LIMIT. Counted by the retained refusal
+        counters (the core's), logged at most once per source address a minute."""
+        said = self.server.mqtt_hush.due(self.peer, "retained_refused")
+        if said is not None:
+            log.warning("MQTT client %r from %s: retained value for %r not kept: %s; the "
+                        "message is delivered without retain%s; further such refusals from "
+                        "there are counted, not logged, for %d s", self.client_id, self.peer,
+                        raw.topic.decode("utf-8", "replace"), text, _since(said), EVERY_S)
+        record = raw.record
+        return raw._replace(record=bytes((record[0] & ~FLAG_RETAIN,)) + record[1:], retain=0)
 
     def _published(self, packet: Publish, refusal: object, offset: int) -> CloseReason | None:
         qos = packet.qos
@@ -925,10 +959,7 @@ class MqttSession(Session):
         raw = self._message(packet)
         while True:
             server.log_touched()
-            result = self.broker.publish((raw,), now_ms(), wall_ms(),  # type: ignore[arg-type]
-                                         internal=raw.topic[:1] == b"$",  # type: ignore[union-attr]
-                                         access=self.access)
-            server.routed(result.wake)
+            result = self._route(raw, now_ms(), wall_ms())  # type: ignore[arg-type]
             if result.blocked is None:
                 return self._published(packet, result.refusal, result.last_offset)
             await self._waiting(server.wait_for_room(result.blocked))
