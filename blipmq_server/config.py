@@ -329,8 +329,9 @@ SCHEMA: tuple[Key, ...] = (
         0, 65535),
     Key("mqtt", "allow_anonymous", bool, "Allow a non-loopback MQTT address while "
         "authentication is disabled (auth.api_keys empty)"),
-    Key("mqtt", "max_keepalive", int, "Longest keepalive (seconds) a client may ask for; a "
-        "longer one is cut to this (0 from a client still means none)", 1, 65535),
+    Key("mqtt", "max_keepalive", int, "Longest keepalive (seconds) a client may ask for; "
+        "a CONNECT asking more is refused (CONNACK 2, identifier rejected); 0 from a client "
+        "(none) is accepted", 1, 65535),
     Key("mqtt", "max_inflight", int, "Unacknowledged QoS 1/2 deliveries per MQTT "
         "subscription", 1, 65535),
     Key("mqtt", "session_expiry_ms", int, "A persistent session (clean session 0) offline "

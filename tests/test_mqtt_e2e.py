@@ -314,6 +314,36 @@ def test_will_on_a_dropped_connection_and_not_after_disconnect(start_broker) -> 
     assert mqtt_stats(b)["wills_published"] == 3
 
 
+def test_a_keepalive_over_the_cap_is_refused_not_cut(start_broker) -> None:
+    """h33 F1: with mqtt.max_keepalive set, a 3.1.1 client asking more was cut to it
+    silently (3.1.1 cannot tell it) and closed at 1.5 x the cap on every cycle, its will
+    fired each time. Now its CONNECT is refused visibly (CONNACK 2, identifier rejected, as
+    mosquitto documents for max_keepalive), counted, logged once a minute per address; one
+    asking the cap or less, or 0 (none), keeps its own keepalive."""
+    b = start_broker({"mqtt": {"enabled": True, "port": 0, "max_keepalive": 2}})
+    watcher = Paho(b.mqtt_port, "kc-watch", keepalive=0)
+    assert watcher.subscribe(("kc/#", 1)) == [1]
+    for _ in range(2):
+        over = Raw(b.mqtt_port)
+        assert over.connect("kc-dev", keepalive=4,
+                            will=Will("kc/lwt", b"Offline", 1, True)) == ConnAck(False, 2)
+        assert over.wait_closed() == []
+    assert b.metric("blipmq_mqtt_protocol_errors_total", reason="keepalive_too_long") == 2
+    lines = [x for x in b.log if "keepalive of 4 s asked" in x]
+    assert len(lines) == 1 and "mqtt.max_keepalive" in lines[0], lines
+    at_cap, none = Raw(b.mqtt_port), Raw(b.mqtt_port)
+    assert at_cap.connect("kc-cap", keepalive=2).code == 0
+    assert none.connect("kc-none", keepalive=0).code == 0
+    for _ in range(4):  # 3.6 s: past 1.5 x the cap, pinging at 0.9 s as the client may
+        time.sleep(0.9)
+        at_cap.send(PingReq())
+        assert at_cap.recv() == PingResp()
+    none.send(PingReq())
+    assert none.recv() == PingResp()
+    watcher.sync()
+    assert watcher.drained() == []  # no will fired
+
+
 def test_keepalive_expiry_publishes_the_will_and_pings_keep_a_client(start_broker) -> None:
     """MQTT-3.1.2-24: no packet for 1.5 x the keepalive closes the connection as a network
     failure, so its will is published (MQTT-3.1.2-8); MQTT-3.1.2-23/3.12.4-1: a client that

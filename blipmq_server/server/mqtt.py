@@ -733,7 +733,16 @@ class MqttSession(Session):
         self.username = packet.username
         self.clean = packet.clean_session
         limit = server.config.mqtt.max_keepalive
-        self.keepalive = float(min(packet.keepalive, limit)) if packet.keepalive else 0.0
+        if packet.keepalive > limit:
+            # 3.1.1 cannot tell the client a shorter keepalive (MQTT 5's Server Keep Alive):
+            # cut silently, it would be closed at 1.5 x the cap every cycle, its will fired
+            # each time. Refused instead, as mosquitto documents for its max_keepalive
+            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.IDENTIFIER_REJECTED)))
+            self._protocol_error("keepalive_too_long", f"keepalive of {packet.keepalive} s "
+                                 f"asked (the most is {limit} s, mqtt.max_keepalive): "
+                                 "CONNACK 2 (identifier rejected)")
+            return CloseReason.PROTOCOL_ERROR
+        self.keepalive = float(packet.keepalive)
         verdict = server.mqtt_sessions.may_attach(self)  # before it counts as connected
         if verdict != ConnackCode.ACCEPTED:
             self.send_bytes(mqtt.encode(ConnAck(False, verdict)))
