@@ -339,7 +339,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("mqtt", "max_sessions", int, "Persistent sessions (clean session 0) the broker keeps, "
         "online and offline; a CONNECT that would make one more gets CONNACK 3 (server "
         "unavailable). Each key has a share of it too (docs/SECURITY.md)", 1, 10_000_000),
-    Key("mqtt", "queue_qos0", bool, "Keep QoS 0 messages for offline persistent sessions"),
+    Key("mqtt", "queue_qos0", bool, "Keep what a persistent session's QoS 0 subscriptions "
+        "match while it is offline (its QoS 1/2 subscriptions keep every message they match, "
+        "QoS 0 ones included: docs/MQTT.md)"),
     Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
         10_000_000),
     Key("queues", "capacity_bytes", int, "Bytes of messages each subscription or group may "
