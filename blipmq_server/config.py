@@ -330,8 +330,9 @@ SCHEMA: tuple[Key, ...] = (
         0, 65535),
     Key("mqtt", "allow_anonymous", bool, "Allow a non-loopback MQTT address while "
         "authentication is disabled (auth.api_keys empty)"),
-    Key("mqtt", "max_keepalive", int, "Longest keepalive (seconds) a client may ask for; a "
-        "longer one is cut to this (0 from a client still means none)", 1, 65535),
+    Key("mqtt", "max_keepalive", int, "Longest keepalive (seconds) a client may ask for; "
+        "a CONNECT asking more is refused (CONNACK 2, identifier rejected); 0 from a client "
+        "(none) is accepted", 1, 65535),
     Key("mqtt", "max_inflight", int, "Unacknowledged QoS 1/2 deliveries per MQTT "
         "subscription", 1, 65535),
     Key("mqtt", "session_expiry_ms", int, "A persistent session (clean session 0) offline "
@@ -339,7 +340,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("mqtt", "max_sessions", int, "Persistent sessions (clean session 0) the broker keeps, "
         "online and offline; a CONNECT that would make one more gets CONNACK 3 (server "
         "unavailable). Each key has a share of it too (docs/SECURITY.md)", 1, 10_000_000),
-    Key("mqtt", "queue_qos0", bool, "Keep QoS 0 messages for offline persistent sessions"),
+    Key("mqtt", "queue_qos0", bool, "Keep what a persistent session's QoS 0 subscriptions "
+        "match while it is offline (its QoS 1/2 subscriptions keep every message they match, "
+        "QoS 0 ones included: docs/MQTT.md)"),
     Key("mqtt", "qos0_overflow", str, "What an MQTT QoS 0 subscription's full queue does with "
         "a new message: drop_oldest or drop_new (mosquitto's), and its publishers go on; "
         "block holds them as queues.overflow = block does",

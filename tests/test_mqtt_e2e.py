@@ -26,8 +26,10 @@ from blipmq_server.mqtt.codec import (
     PingReq,
     PingResp,
     PubAck,
+    PubComp,
     Publish,
     PubRec,
+    PubRel,
     SubAck,
     Subscribe,
     Will,
@@ -333,6 +335,36 @@ def test_will_on_a_dropped_connection_and_not_after_disconnect(start_broker) -> 
     assert mqtt_stats(b)["wills_published"] == 3
 
 
+def test_a_keepalive_over_the_cap_is_refused_not_cut(start_broker) -> None:
+    """h33 F1: with mqtt.max_keepalive set, a 3.1.1 client asking more was cut to it
+    silently (3.1.1 cannot tell it) and closed at 1.5 x the cap on every cycle, its will
+    fired each time. Now its CONNECT is refused visibly (CONNACK 2, identifier rejected, as
+    mosquitto documents for max_keepalive), counted, logged once a minute per address; one
+    asking the cap or less, or 0 (none), keeps its own keepalive."""
+    b = start_broker({"mqtt": {"enabled": True, "port": 0, "max_keepalive": 2}})
+    watcher = Paho(b.mqtt_port, "kc-watch", keepalive=0)
+    assert watcher.subscribe(("kc/#", 1)) == [1]
+    for _ in range(2):
+        over = Raw(b.mqtt_port)
+        assert over.connect("kc-dev", keepalive=4,
+                            will=Will("kc/lwt", b"Offline", 1, True)) == ConnAck(False, 2)
+        assert over.wait_closed() == []
+    assert b.metric("blipmq_mqtt_protocol_errors_total", reason="keepalive_too_long") == 2
+    lines = [x for x in b.log if "keepalive of 4 s asked" in x]
+    assert len(lines) == 1 and "mqtt.max_keepalive" in lines[0], lines
+    at_cap, none = Raw(b.mqtt_port), Raw(b.mqtt_port)
+    assert at_cap.connect("kc-cap", keepalive=2).code == 0
+    assert none.connect("kc-none", keepalive=0).code == 0
+    for _ in range(4):  # 3.6 s: past 1.5 x the cap, pinging at 0.9 s as the client may
+        time.sleep(0.9)
+        at_cap.send(PingReq())
+        assert at_cap.recv() == PingResp()
+    none.send(PingReq())
+    assert none.recv() == PingResp()
+    watcher.sync()
+    assert watcher.drained() == []  # no will fired
+
+
 def test_keepalive_expiry_publishes_the_will_and_pings_keep_a_client(start_broker) -> None:
     """MQTT-3.1.2-24: no packet for 1.5 x the keepalive closes the connection as a network
     failure, so its will is published (MQTT-3.1.2-8); MQTT-3.1.2-23/3.12.4-1: a client that
@@ -452,43 +484,50 @@ def test_wildcards_do_not_match_dollar_topics(start_broker) -> None:
 
 def test_dead_letters_a_client_does_not_acknowledge_are_not_dead_lettered_again(
         start_broker) -> None:
-    """A `$dlq/#` subscriber at QoS 1 that never sends PUBACK gets each dead letter
-    `delivery.max_retries` times (the last with DUP), then the broker drops it from that
-    session instead of dead-lettering it again (h21 #5: `$dlq/$dlq/...`, every depth to 99
-    in the log); the session has moved on past it when it comes back. A QoS 0 `$dlq/#`
-    subscriber sees each dead letter once."""
+    """A `$dlq/#` subscriber at QoS 1 that never sends PUBACK gets each dead letter once
+    while connected (no retry on a live MQTT connection), none is dead-lettered again
+    (h21 #5: `$dlq/$dlq/...`), and its persistent session gets them again with DUP when it
+    comes back (MQTT-4.4.0-1). A QoS 0 `$dlq/#` subscriber sees each dead letter once."""
     b = start_broker({**MQTT, "delivery": {"max_retries": 2, "retry_backoff_ms": 100,
                                            "retry_backoff_max_ms": 100}})
     watcher = Paho(b.mqtt_port, "dlq-watcher")
     assert watcher.subscribe(("$dlq/#", 0)) == [0]
-    worker, reviewer = Raw(b.mqtt_port), Raw(b.mqtt_port)
-    assert worker.connect("dlq-worker") == ConnAck(False, 0)
+    reviewer = Raw(b.mqtt_port)
     assert reviewer.connect("dlq-reviewer", clean=False) == ConnAck(False, 0)
-    for raw, topic_filter in ((worker, "dl/x"), (reviewer, "$dlq/#")):
-        raw.send(Subscribe(1, ((topic_filter, 1),)))
-        assert raw.expect(SubAck) == SubAck(1, (1,))
-    publisher = Paho(b.mqtt_port, "dlq-publisher")
-    for i in range(3):
-        publisher.publish("dl/x", f"m{i}", 1)
-    b.wait_dead_letters(3, 3)
+    reviewer.send(Subscribe(1, (("$dlq/#", 1),)))
+    assert reviewer.expect(SubAck) == SubAck(1, (1,))
+    subs = b.metric("blipmq_subscriptions")
+    worker = track(b.spawn("sub", "-q", "1", "--group", "workers", "--exec", "false",
+                           "--retry-delay", "10ms", "dl/x"))
+    try:
+        b.wait_metric("blipmq_subscriptions", subs + 1)
+        for i in range(3):
+            assert b.cli("pub", "-q", "1", "dl/x", f"m{i}").returncode == 0
+        b.wait_metric("blipmq_messages_dead_lettered_total", 3)
+    finally:
+        worker.kill()
+        worker.communicate(timeout=10)
+    got = watcher.take(3)
+    assert sorted((m.topic, m.payload) for m in got) == [
+        ("$dlq/dl/x", f"m{i}".encode()) for i in range(3)]
+    time.sleep(1)  # ten retry periods
     reviewer.send(PingReq())
     sent = []
     while not isinstance(packet := reviewer.recv(), PingResp):
         sent.append((packet.topic, packet.payload, packet.dup))
-    assert sorted(sent) == [("$dlq/dl/x", f"m{i}".encode(), dup)
-                            for i in range(3) for dup in (False, True)]
-    got = watcher.take(3)
-    assert [(m.topic, m.payload) for m in got] == [
-        ("$dlq/dl/x", f"m{i}".encode()) for i in range(3)]
-    # back again, the session gets what came since, not what it gave up on
+    assert sorted(sent) == [("$dlq/dl/x", f"m{i}".encode(), False) for i in range(3)]
+    b.wait_dead_letters(3, 0)
     reviewer.close()
     reviewer = Raw(b.mqtt_port)
     assert reviewer.connect("dlq-reviewer", clean=False) == ConnAck(True, 0)
-    publisher.publish("dl/x", "m3", 1)
-    packet = reviewer.expect(Publish)
-    assert (packet.topic, packet.payload, packet.dup) == ("$dlq/dl/x", b"m3", False)
-    b.wait_dead_letters(4, 4)
-    assert watcher.get().payload == b"m3"
+    again = [reviewer.expect(Publish) for _ in range(3)]
+    assert sorted((p.payload, p.dup) for p in again) == [(f"m{i}".encode(), True)
+                                                         for i in range(3)]
+    for p in again:
+        reviewer.send(PubAck(p.packet_id))
+    reviewer.send(PingReq())
+    assert reviewer.recv() == PingResp()
+    b.wait_dead_letters(3, 0)
     watcher.sync()
     assert watcher.drained() == []
 
@@ -527,12 +566,13 @@ def test_a_dollar_topic_publish_is_counted_once(start_broker) -> None:
 
 def test_qos0_publishes_the_broker_drops_are_counted_not_logged_one_by_one(
         start_broker) -> None:
-    """h34 #5: each QoS 0 publish the broker refused (a retained value past
-    retained.max_topics, a payload over server.max_message_bytes) wrote an INFO line: one
-    client wrote 50,000 lines (8.45 MB) in 1 s, and the connection stayed up to go on. Now
-    each is counted, by reason, in blipmq_mqtt_qos0_dropped_total, and logged at most once
-    per source address and reason a minute; blipmq_messages_refused_total counts each once
-    (it counted the rest of the read's batch with each refusal: 5,000 here were 12,038,205)."""
+    """h34 #5: each QoS 0 publish the broker refused (a payload over
+    server.max_message_bytes, a '$' topic) wrote an INFO line: one client wrote 50,000 lines
+    (8.45 MB) in 1 s, and the connection stayed up to go on. Now each is counted, by reason,
+    in blipmq_mqtt_qos0_dropped_total, and logged at most once per source address and reason
+    a minute; blipmq_messages_refused_total counts each once (it counted the rest of the
+    read's batch with each refusal). Retained values past retained.max_topics are not
+    dropped: routed without retain, counted in blipmq_retained_refused_total, one line."""
     b = start_broker({**MQTT, "retained": {"max_topics": 2},
                       "server": {"max_message_bytes": 1024}})
     c = Raw(b.mqtt_port)
@@ -542,22 +582,60 @@ def test_qos0_publishes_the_broker_drops_are_counted_not_logged_one_by_one(
                           + [encode(Publish("$SYS/x", b"v"))] * 10))
     c.send(PingReq())
     assert c.expect(PingResp, timeout=30) == PingResp()  # the connection stays
-    b.wait_metric("blipmq_mqtt_protocol_errors_total", 5000, reason="refused")
+    b.wait_metric("blipmq_mqtt_protocol_errors_total", 100, reason="refused")
     c.send(PingReq())
     assert c.expect(PingResp) == PingResp()
     lines = [x for x in b.log if "QoS 0 publish dropped" in x]
-    assert len(lines) == 2, len(lines)
-    assert "retained.max_topics" in lines[0] and "max_message_bytes" in lines[1], lines
+    assert len(lines) == 1, lines
+    assert "max_message_bytes" in lines[0], lines
     assert all("further such drops from there are counted, not logged, for 60 s" in x
                for x in lines), lines
+    kept = [x for x in b.log if "not kept" in x]
+    assert len(kept) == 1 and "retained.max_topics" in kept[0], kept
     dropped = {reason: b.metric("blipmq_mqtt_qos0_dropped_total", reason=reason)
-               for reason in ("limit", "message_too_large", "reserved_topic")}
-    assert dropped == {"limit": 4900, "message_too_large": 100, "reserved_topic": 10}
-    assert b.metric("blipmq_messages_refused_total") == 5000
-    assert mqtt_stats(b)["qos0_dropped"] == {"limit": 4900, "message_too_large": 100,
-                                             "reserved_topic": 10}
-    assert "QoS 0 dropped: limit 4900, message_too_large 100, reserved_topic 10" in (
+               for reason in ("message_too_large", "reserved_topic")}
+    assert dropped == {"message_too_large": 100, "reserved_topic": 10}
+    assert b.metric("blipmq_messages_refused_total") == 100
+    assert b.metric("blipmq_retained_refused_total") == 4900
+    assert mqtt_stats(b)["qos0_dropped"] == {"message_too_large": 100, "reserved_topic": 10}
+    assert "QoS 0 dropped: message_too_large 100, reserved_topic 10" in (
         b.cli("stats", COLUMNS="400").stdout.decode())
+
+
+def test_a_retained_publish_past_the_retained_cap_is_delivered_not_closed(
+        start_broker) -> None:
+    """h33 F2: a retained QoS 1 PUBLISH past retained.max_topics closed the connection;
+    paho and Zigbee2MQTT resend it at every reconnect (MQTT-4.4.0-1): an endless loop,
+    everything published behind it stuck. Now only keeping it as the retained value is
+    refused (blipmq_retained_refused_total, a line a minute): the message is routed and
+    PUBACKed (PUBRECed at QoS 2), and the connection goes on."""
+    b = start_broker({**MQTT, "retained": {"max_topics": 1}})
+    watch = Paho(b.mqtt_port, "cap-watch")
+    assert watch.subscribe(("disc/#", 1)) == [1]
+    c = Raw(b.mqtt_port)
+    assert c.connect("cap-z2m", clean=False).code == 0
+    c.send(Publish("disc/0/config", b"kept", 1, True, packet_id=1))
+    assert c.expect(PubAck) == PubAck(1)
+    for pid in (2, 3):
+        c.send(Publish(f"disc/{pid}/config", b"over", 1, True, packet_id=pid))
+        assert c.expect(PubAck) == PubAck(pid)
+    c.send(Publish("disc/4/config", b"over", 2, True, packet_id=4))
+    assert c.expect(PubRec) == PubRec(4)
+    c.send(PubRel(4))
+    assert c.expect(PubComp) == PubComp(4)
+    c.send(Publish("disc/lamp", b"on", 1, packet_id=5))
+    assert c.expect(PubAck) == PubAck(5)
+    got = watch.take(5)
+    assert [(m.topic, m.payload) for m in got] == [
+        ("disc/0/config", b"kept"), ("disc/2/config", b"over"), ("disc/3/config", b"over"),
+        ("disc/4/config", b"over"), ("disc/lamp", b"on")]
+    assert b.metric("blipmq_retained_topics") == 1
+    assert b.metric("blipmq_retained_refused_total") == 3
+    assert b.metric("blipmq_messages_refused_total") == 0
+    lines = [x for x in b.log if "not kept" in x]
+    assert len(lines) == 1 and "retained.max_topics" in lines[0], lines
+    late = b.cli("sub", "disc/#", "-e", "-F", "%t=%p").stdout.decode().split()
+    assert late == ["disc/0/config=kept"], late
 
 
 def test_a_will_to_a_dollar_topic_is_not_published(start_broker) -> None:

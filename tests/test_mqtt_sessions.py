@@ -236,12 +236,13 @@ def _overlapping(b, name: str, clean: bool) -> tuple[Raw, list[Publish]]:
     return raw, _publishes(raw, 6)
 
 
-def test_a_delivery_keeps_its_packet_id_through_retries_reconnects_and_a_sigkill(
+def test_a_delivery_keeps_its_packet_id_through_reconnects_and_a_sigkill(
         start_broker) -> None:
-    """MQTT-4.4.0-1 and MQTT-2.3.1-3: a QoS 2 PUBLISH sent again (the retry on a live
-    connection, the reconnect, and a reconnect after the broker was SIGKILLed and restarted,
-    which forgets what was in flight) carries its original packet id and DUP 1, so the
-    client that stored it knows it for the same message; the flow then completes once."""
+    """MQTT-4.4.0-1 and MQTT-2.3.1-3: a QoS 2 PUBLISH sent again (at the reconnect, and at a
+    reconnect after the broker was SIGKILLed and restarted, which forgets what was in
+    flight) carries its original packet id and DUP 1, so the client that stored it knows it
+    for the same message; the flow then completes once. (Nothing is resent on the live
+    connection, however short ``delivery.retry_backoff_ms``.)"""
     b = start_broker(FAST_RETRY)
     pub = Paho(b.mqtt_port, "pid-pub")
     raw = Raw(b.mqtt_port)
@@ -264,7 +265,8 @@ def test_a_delivery_keeps_its_packet_id_through_retries_reconnects_and_a_sigkill
         assert {m.payload: m.packet_id for m in resent} == ids
         assert all(m.dup and m.qos == 2 for m in resent), resent
 
-    again(raw)  # the retry on the same connection
+    time.sleep(1)  # three retry periods: no retry on the live connection
+    _nothing_more(raw)
     raw.close()
     raw = Raw(b.mqtt_port)
     assert raw.connect("pid-1", clean=False) == ConnAck(True, 0)
@@ -287,30 +289,27 @@ def test_a_delivery_keeps_its_packet_id_through_retries_reconnects_and_a_sigkill
     assert b.metric("blipmq_mqtt_inflight") == 0
 
 
-def test_a_retry_after_pubrec_is_a_pubrel_not_the_publish(start_broker) -> None:
-    """MQTT-4.3.3-1: once the client PUBRECed a QoS 2 message, the server sends it PUBREL,
-    again when the PUBCOMP is slow, and never that PUBLISH again (a clean session, whose
-    cursor moves on at PUBCOMP)."""
+def test_a_slow_pubcomp_gets_no_retry_on_the_live_connection(start_broker) -> None:
+    """MQTT-4.3.3-1: once the client PUBRECed a QoS 2 message, the server sends it PUBREL
+    and never that PUBLISH again; a slow PUBCOMP is waited for on the live connection, with
+    no retry (a clean session, whose cursor moves on at PUBCOMP)."""
     raw, first = _pubreced(start_broker(FAST_RETRY), "rr", clean=True)
-    assert raw.recv() == PubRel(first.packet_id)  # the retry, ~300 ms later
+    time.sleep(1)  # three retry periods
+    _nothing_more(raw)
     raw.send(PubComp(first.packet_id))
     _nothing_more(raw)
 
 
 def test_overlapping_subscriptions_copies_keep_their_own_packet_ids(start_broker) -> None:
     """One client, a plain and a shared subscription both matching, QoS 2: each copy has a
-    packet id of its own, kept through retries (PUBREL once PUBRECed, never the PUBLISH
-    again) and, for a persistent session, through a SIGKILL and restart of the broker."""
+    packet id of its own, kept (PUBREL once PUBRECed, never the PUBLISH again) for a
+    persistent session through a SIGKILL and restart of the broker."""
     b = start_broker(FAST_RETRY)
     raw, first = _overlapping(b, "ov", clean=False)
     ids: dict[bytes, set[int]] = {}
     for m in first:
         ids.setdefault(m.payload, set()).add(m.packet_id)
     assert [len(v) for v in ids.values()] == [2, 2, 2], ids
-    # the retry: every copy again under its own id
-    again = _publishes(raw, 6)
-    assert {m.packet_id for m in again} == {m.packet_id for m in first}
-    assert all(m.packet_id in ids[m.payload] and m.dup for m in again)
     raw.close()
     assert b.stop(signal.SIGKILL) == -signal.SIGKILL
     b = start_broker(FAST_RETRY, data_dir=b.data_dir)
@@ -321,14 +320,13 @@ def test_overlapping_subscriptions_copies_keep_their_own_packet_ids(start_broker
     _complete(raw, {m.packet_id for m in after}, answers=1)
 
 
-def test_overlapping_copies_of_a_clean_session_are_pubreled_on_retry(start_broker) -> None:
+def test_overlapping_copies_of_a_clean_session_are_pubreled_once(start_broker) -> None:
     """The same in a clean session, whose cursors move on at PUBCOMP: once PUBRECed, each
-    copy's retries are PUBRELs under its own id, never the PUBLISH again (MQTT-4.3.3). (The
-    ``$share`` copies' cursor moves on at PUBREC, so that the message never goes to another
-    member: they get their PUBREL, and no retry.)"""
+    copy gets its PUBREL under its own id, never the PUBLISH again (MQTT-4.3.3), and no
+    retry while the connection is up."""
     raw, first = _overlapping(start_broker(FAST_RETRY), "ovc", clean=True)
     assert len({m.packet_id for m in first}) == 6
-    _complete(raw, {m.packet_id for m in first}, answers=2, retried=3)
+    _complete(raw, {m.packet_id for m in first}, answers=1)
 
 
 def _complete(raw: Raw, owed: set[int], answers: int, retried: int | None = None) -> None:
@@ -353,25 +351,74 @@ def _complete(raw: Raw, owed: set[int], answers: int, retried: int | None = None
     _nothing_more(raw)
 
 
-def test_a_dead_lettered_delivery_frees_its_packet_id(start_broker) -> None:
-    """A delivery the broker gave up on (delivery.max_retries, then the dead letters) is
-    no longer counted in flight, and its packet id is free again."""
-    b = start_broker({**MQTT, "delivery": {"retry_backoff_ms": 200,
-                                           "retry_backoff_max_ms": 200, "max_retries": 2}})
+# retries every 200 ms, given up after 2 deliveries: what a live connection must not see
+QUICK_GIVE_UP = {**MQTT, "delivery": {"retry_backoff_ms": 200, "retry_backoff_max_ms": 200,
+                                      "max_retries": 2}}
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_an_unacked_delivery_is_not_resent_nor_dead_lettered_while_connected(
+        start_broker, qos: int) -> None:
+    """A persistent session that stops reading (a device stuck in a flash write) keeps its
+    unacknowledged delivery: no copy on the live connection (MQTT 3.1.1 resends at
+    reconnect, MQTT 5 forbids more), nothing dead-lettered however long it waits
+    (``delivery.max_retries`` is the native consumers'), and it comes again with DUP 1 and
+    its packet id when the client reconnects (MQTT-4.4.0-1)."""
+    b = start_broker(QUICK_GIVE_UP)
     dead = Paho(b.mqtt_port, "dl-watch")
     assert dead.subscribe(("$dlq/#", 0)) == [0]
     pub = Paho(b.mqtt_port, "dl-pub")
     raw = Raw(b.mqtt_port)
-    assert raw.connect("dl-1") == ConnAck(False, 0)
-    _subscribe(raw, "dl/t", 1)
-    for i in range(3):
-        pub.publish("dl/t", f"m{i}", 1)
-    _publishes(raw, 6)  # each sent twice, never PUBACKed
-    assert len(dead.take(3)) == 3
-    deadline = time.monotonic() + 5
-    while b.metric("blipmq_mqtt_inflight") != 0:
-        assert time.monotonic() < deadline, b.metric("blipmq_mqtt_inflight")
-        time.sleep(0.05)
+    assert raw.connect("dl-1", clean=False, keepalive=300) == ConnAck(False, 0)
+    _subscribe(raw, "dl/t", qos)
+    pub.publish("dl/t", "close-valve", qos)
+    first = raw.expect(Publish)
+    assert (first.payload, first.dup) == (b"close-valve", False)
+    time.sleep(1.5)  # 7 retry periods, 3 times max_retries' worth
+    _nothing_more(raw)
+    dead.sync()
+    assert dead.drained() == []
+    assert b.metric("blipmq_mqtt_inflight") == 1
+    raw.close()  # the device is reset without having read it
+
+    raw = Raw(b.mqtt_port)
+    assert raw.connect("dl-1", clean=False) == ConnAck(True, 0)
+    again = raw.expect(Publish)
+    assert (again.payload, again.dup, again.packet_id) == (b"close-valve", True,
+                                                           first.packet_id)
+    if qos == 1:
+        raw.send(PubAck(again.packet_id))
+    else:
+        raw.send(PubRec(again.packet_id))
+        assert raw.recv() == PubRel(again.packet_id)
+        raw.send(PubComp(again.packet_id))
+    _nothing_more(raw)
+    dead.sync()
+    assert dead.drained() == []
+
+
+def test_a_share_member_that_stops_acking_keeps_its_deliveries_until_it_goes(
+        start_broker) -> None:
+    """A ``$share`` member that stops acknowledging keeps what it was sent while it is
+    connected (no retry hands it to another member); once it goes, the others get it."""
+    b = start_broker(QUICK_GIVE_UP)
+    pub = Paho(b.mqtt_port, "shs-pub")
+    stuck = Raw(b.mqtt_port)
+    assert stuck.connect("shs-1", keepalive=300) == ConnAck(False, 0)
+    _subscribe(stuck, "$share/g/shs/t", 1)
+    pub.publish("shs/t", "one", 1)
+    assert stuck.expect(Publish).payload == b"one"
+    other = Raw(b.mqtt_port)
+    assert other.connect("shs-2") == ConnAck(False, 0)
+    _subscribe(other, "$share/g/shs/t", 1)
+    time.sleep(1.5)
+    _nothing_more(other)
+    _nothing_more(stuck)
+    stuck.close()
+    got = other.expect(Publish)
+    assert (got.payload, got.dup) == (b"one", True)
+    other.send(PubAck(got.packet_id))
+    _nothing_more(other)
 
 
 @pytest.mark.slow

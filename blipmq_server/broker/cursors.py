@@ -36,8 +36,9 @@ _UNWRITTEN_KEPT = 1024  # ACK records acks_due looks at, at most (plenty to be d
 
 
 def _never(count: int) -> int:
-    """The redelivery delay of a patient consumer's deliveries: none comes due."""
-    return 1 << 62
+    """The redelivery delay of a patient consumer's deliveries: none comes due (and
+    ``redeliver`` stops looking at a cursor that holds only such)."""
+    return durable.NEVER
 
 
 def _late(count: int) -> str:

@@ -51,6 +51,7 @@ _CHECKPOINT_HEAD = struct.Struct(">QI")
 _U32 = struct.Struct(">I")
 DELAYED = -1  # Flight.sub_id of a delivery nacked with a delay
 KEPT = -2  # Flight.sub_id of a QoS 2 delivery kept for its holder (``DurableGroup.kept``)
+NEVER = 1 << 62  # the delay of a patient consumer's deliveries (``Cursors.take``): never due
 _unpack_head = MSG_HEAD.unpack_from
 _HEAD = HEAD_SIZE
 _MESSAGE = int(Kind.MESSAGE)  # a plain int for the per-record test
@@ -587,15 +588,17 @@ class DurableGroup:
     def expire(self, now_ms: int) -> tuple[list[int], int, int]:
         """Deliveries whose consumer did not ack them in time (still in flight, to be decided
         by the caller), how many delayed nacks became ready, and how many deliveries may
-        still come due later (held by a consumer, or nacked with a delay, and not due now):
-        none, and nothing of this group can come due before it hands a delivery out again
+        still come due later (held by a consumer, or nacked with a delay, and not due now; a
+        patient consumer's never does): none, and nothing of this group can come due before
+        it hands a delivery out again
         (``take_new``, ``take_ready``) or a NACK delays one (``back``)."""
         late = []
         woke = waiting = 0
         for offset, f in self.inflight.items():
             if f.sub_id and f.sub_id != KEPT:
                 if f.due > now_ms:
-                    waiting += 1
+                    # a patient consumer's delivery never comes due: not waited for
+                    waiting += f.due < NEVER
                 elif f.sub_id == DELAYED:
                     f.sub_id = 0
                     self.ready.append(offset)

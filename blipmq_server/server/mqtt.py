@@ -8,8 +8,9 @@ packets into the same core calls a native session makes (publish, subscribe, ack
     MQTT                        core
     PUBLISH QoS 0 / 1 / 2       publish; QoS 1 and 2 logged, PUBACK / PUBREC once durable
     SUBSCRIBE QoS 0             a live queue (retained values first)
-    SUBSCRIBE QoS 1 / 2         a log cursor with ``mqtt.max_inflight`` credit; in a persistent
-                                session (clean session 0) a durable group of the session's own
+    SUBSCRIBE QoS 1 / 2         a log cursor with ``mqtt.max_inflight`` credit, patient (no
+                                retry while connected); in a persistent session (clean
+                                session 0) a durable group of the session's own
     PUBACK, PUBCOMP             ack of the delivery's log offset
     $share/<name>/<filter>      a consumer group (QoS 1/2: durable)
 
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from blipmq_server.broker.core import OWES, SETTLED
+from blipmq_server.broker.core import BRIDGE_GROUPS, OWES, SETTLED
 from blipmq_server.broker.queue import Overflow
 from blipmq_server.broker.topics import FilterIndex, split
 from blipmq_server.mqtt import codec as mqtt
@@ -87,6 +88,7 @@ from blipmq_server.server.session import (
 )
 
 if TYPE_CHECKING:
+    from blipmq_server.broker.results import PublishResult
     from blipmq_server.server.app import Server
 
 log = logging.getLogger("blipmq.mqtt")
@@ -732,7 +734,16 @@ class MqttSession(Session):
         self.username = packet.username
         self.clean = packet.clean_session
         limit = server.config.mqtt.max_keepalive
-        self.keepalive = float(min(packet.keepalive, limit)) if packet.keepalive else 0.0
+        if packet.keepalive > limit:
+            # 3.1.1 cannot tell the client a shorter keepalive (MQTT 5's Server Keep Alive):
+            # cut silently, it would be closed at 1.5 x the cap every cycle, its will fired
+            # each time. Refused instead, as mosquitto documents for its max_keepalive
+            self.send_bytes(mqtt.encode(ConnAck(False, ConnackCode.IDENTIFIER_REJECTED)))
+            self._protocol_error("keepalive_too_long", f"keepalive of {packet.keepalive} s "
+                                 f"asked (the most is {limit} s, mqtt.max_keepalive): "
+                                 "CONNACK 2 (identifier rejected)")
+            return CloseReason.PROTOCOL_ERROR
+        self.keepalive = float(packet.keepalive)
         verdict = server.mqtt_sessions.may_attach(self)  # before it counts as connected
         if verdict != ConnackCode.ACCEPTED:
             self.send_bytes(mqtt.encode(ConnAck(False, verdict)))
@@ -825,6 +836,12 @@ class MqttSession(Session):
                 if result.refusal is not None:
                     pid = pids[at]
                     text = result.refusal.text
+                    if batch[at].retain and result.refusal.code == ErrorCode.LIMIT:
+                        # only keeping it as the retained value is refused: routed anyway
+                        batch[at] = self._not_kept(batch[at], text)
+                        self._goes_on(len(messages) - done)
+                        messages = batch[at:]
+                        continue
                     if result.refusal.code == ErrorCode.FORBIDDEN:
                         # MQTT 3.1.1 cannot refuse a PUBLISH: acknowledged, not routed
                         server.mqtt_error("forbidden")
@@ -883,13 +900,40 @@ class MqttSession(Session):
         if raw is None or raw.__class__ is CloseReason:
             return raw
         now = self.server.published_at = self.read_at
-        result = self.broker.publish((raw,), int(now * 1000), int(_time() * 1000),  # type: ignore[arg-type]
-                                     internal=raw.topic[:1] == b"$",  # type: ignore[union-attr]
-                                     access=self.access)
-        self.server.routed(result.wake)
+        result = self._route(raw, int(now * 1000), int(_time() * 1000))  # type: ignore[arg-type]
         if result.blocked is not None:
             return _HELD
         return self._published(packet, result.refusal, result.last_offset)
+
+    def _route(self, raw: RawMessage, now: int, wall: int) -> PublishResult:
+        """Publish one message; one refused only as a retained value (the retained store or
+        its key's share is full) is published again without retain (``_not_kept``)."""
+        for _ in range(2):
+            result = self.broker.publish((raw,), now, wall, internal=raw.topic[:1] == b"$",
+                                         access=self.access)
+            self.server.routed(result.wake)
+            refusal = result.refusal
+            if refusal is None or not raw.retain or refusal.code != ErrorCode.LIMIT:
+                break
+            raw = self._not_kept(raw, refusal.text)
+            self._goes_on(1)
+        return result
+
+    def _not_kept(self, raw: RawMessage, text: str) -> RawMessage:
+        """A retained PUBLISH the retained store refused (``retained.max_topics``,
+        ``max_bytes``, or its key's retained share): the message goes on without retain,
+        routed, logged and acknowledged as usual; only the topic's retained value stays what
+        it was. Closing instead would make a 3.1.1 client resend it at every reconnect (an
+        endless loop); a native client gets ERROR LIMIT. Counted by the retained refusal
+        counters (the core's), logged at most once per source address a minute."""
+        said = self.server.mqtt_hush.due(self.peer, "retained_refused")
+        if said is not None:
+            log.warning("MQTT client %r from %s: retained value for %r not kept: %s; the "
+                        "message is delivered without retain%s; further such refusals from "
+                        "there are counted, not logged, for %d s", self.client_id, self.peer,
+                        raw.topic.decode("utf-8", "replace"), text, _since(said), EVERY_S)
+        record = raw.record
+        return raw._replace(record=bytes((record[0] & ~FLAG_RETAIN,)) + record[1:], retain=0)
 
     def _published(self, packet: Publish, refusal: object, offset: int) -> CloseReason | None:
         qos = packet.qos
@@ -925,10 +969,7 @@ class MqttSession(Session):
         raw = self._message(packet)
         while True:
             server.log_touched()
-            result = self.broker.publish((raw,), now_ms(), wall_ms(),  # type: ignore[arg-type]
-                                         internal=raw.topic[:1] == b"$",  # type: ignore[union-attr]
-                                         access=self.access)
-            server.routed(result.wake)
+            result = self._route(raw, now_ms(), wall_ms())  # type: ignore[arg-type]
             if result.blocked is None:
                 return self._published(packet, result.refusal, result.last_offset)
             await self._waiting(server.wait_for_room(result.blocked))
@@ -1056,9 +1097,16 @@ class MqttSession(Session):
         # another kind of subscription (a log cursor or not) replaces ``old``: the new one
         # first (it takes the old one's place, so it is not counted), so that a refusal
         # leaves the old one as it was
+        # patient: a delivery is not sent again, nor dead-lettered, while the connection is
+        # up (MQTT 3.1.1 resends at reconnect only, MQTT 5 forbids more: a copy on a live
+        # connection only piles up behind the first); when the client goes, what it had not
+        # acknowledged goes back to its cursor (and to the other $share members), and a
+        # persistent session gets it again with DUP 1 at its next CONNECT. (A bridge's
+        # group name stays refused: patient consumers may join those.)
         result = self.broker.subscribe(
             self.conn_id, core_filter, group, 1 if cursor else 0, credit if cursor else 0,
             0, timestamp_ms=wall_ms(), retained=retained, access=self.access,
+            patient=not group.startswith(BRIDGE_GROUPS),
             counted=not restored and old is None, holder=holder,
             # at most once: a full QoS 0 queue drops rather than hold its publishers
             overflow=None if cursor else Overflow(self.server.config.mqtt.qos0_overflow))
