@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from blipmq_server.errors import WalError
@@ -367,6 +367,74 @@ def test_a_segment_published_as_a_payload_stays_a_payload(tmp_path: Path) -> Non
     assert (tmp_path / found.quarantined[0]).stat().st_size == size  # that record alone
 
 
+def _payload_log(path: Path) -> tuple[Path, list[int]]:
+    """Six records; the fourth's payload holds a whole, valid record (offset 4, as the
+    fourth's own). Returns the segment and the records' positions (and the file's end)."""
+    bodies = [body(i) for i in range(6)]
+    bodies[3] = b"pad-" + embedded(4) + b"-tail"
+    write_bodies(path, bodies)
+    seg = segments(path)[-1]
+    data = seg.read_bytes()
+    return seg, [pos for _, pos in rec.scan(data).records] + [len(data)]
+
+
+def test_a_length_and_crc_both_damaged_never_let_in_a_record_inside_the_next_one(
+    tmp_path: Path,
+) -> None:
+    """Record 3's length points at the record inside record 4's payload, and its CRC is
+    damaged too, so nothing of its own framing says where it ends (the fuzzer's case: one
+    bit of each). That record was taken for the log's, record 4 was lost with it. Now a
+    length that lands inside a whole record of the log is no end: the search goes on after
+    that record (record 4 is lost with record 3: which of the two the length got wrong
+    cannot be told), and nothing inside it is read."""
+    seg, at = _payload_log(tmp_path)
+    data = bytearray(seg.read_bytes())
+    inner = at[3] + rec.RECORD_OVERHEAD + 4  # after "pad-"
+    assert rec.valid_at(bytes(data), inner, 3)
+    data[at[2] : at[2] + 4] = (inner - at[2] - 4).to_bytes(4, "big")
+    data[at[2] + 4] ^= 0x01  # its CRC
+    seg.write_bytes(bytes(data))
+    log, found = reopen(tmp_path)
+    assert [(r.offset, r.body) for r in everything(log)] == [
+        (i + 1, body(i)) for i in (0, 1, 4, 5)]
+    assert found.torn_bytes == 0 and found.quarantined == [f"{seg.name}.{at[2]}.corrupt"]
+    assert log.next_offset == 7
+
+
+def test_a_damaged_length_that_lands_on_the_end_of_the_file_keeps_the_records_after(
+    tmp_path: Path,
+) -> None:
+    """Record 2's length alone damaged, pointing exactly at the end of the file: taken for
+    the last record, everything after its start was set aside, the valid records too. Its
+    CRC finds its end first now."""
+    seg, at = _payload_log(tmp_path)
+    data = bytearray(seg.read_bytes())
+    data[at[1] : at[1] + 4] = (len(data) - at[1] - 4).to_bytes(4, "big")
+    seg.write_bytes(bytes(data))
+    log, found = reopen(tmp_path)
+    assert [r.offset for r in everything(log)] == [1, 3, 4, 5, 6]
+    assert found.quarantined == [f"{seg.name}.{at[1]}.corrupt"]
+    assert (tmp_path / found.quarantined[0]).stat().st_size == at[2] - at[1]
+
+
+def test_a_damaged_length_before_a_damaged_kind_never_lets_in_a_record_inside_it(
+    tmp_path: Path,
+) -> None:
+    """One bit of record 3's length and the kind byte of record 4 (one bit each): record
+    3's CRC was looked for only where a known kind byte follows, so its end went unfound,
+    and the search from where its length pointed took the record inside record 4's
+    payload. The places one flipped length bit points to are tried first now: record 3's
+    CRC ends it, record 4 is framed by its own length, and both are set aside."""
+    seg, at = _payload_log(tmp_path)
+    flip(seg, at[2] + 3, 0x01)  # its length, one byte off
+    flip(seg, at[3] + 8, 0x80)  # the next record's kind: MESSAGE (1) -> 129, unknown
+    log, found = reopen(tmp_path)
+    assert [r.offset for r in everything(log)] == [1, 2, 5, 6]
+    assert [r.body for r in everything(log)] == [body(0), body(1), body(4), body(5)]
+    assert found.quarantined == [f"{seg.name}.{at[2]}.corrupt"]
+    assert (tmp_path / found.quarantined[0]).stat().st_size == at[4] - at[2]
+
+
 # --------------------------------------------------------------------------- fuzzing
 
 
@@ -453,6 +521,12 @@ truncation = st.none() | st.tuples(st.integers(0, 10**6), st.floats(0, 1))
 @pytest.mark.parametrize("room", [True, False], ids=["room", "no-room"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(flips=damage, cut=truncation)
+# one bit of a record's length and one of its CRC: the length lands inside the next record,
+# whose payload holds a record, which was taken for the log's
+@example(flips=[(13, 375, 0), (13, 376, 0)], cut=None)
+# one bit of a record's length, pointing exactly at the end of its file: the records after
+# it were set aside
+@example(flips=[(9, 18, 1)], cut=None)
 def test_recovery_keeps_every_intact_record_and_never_a_damaged_one(flips, cut, room) -> None:
     """With ``room``, damage is set aside and the segment rewritten; without (a full card),
     it stays in place and reads skip it: the same records either way, at every start, and
@@ -479,18 +553,23 @@ def test_recovery_keeps_every_intact_record_and_never_a_damaged_one(flips, cut, 
 
         expected = [p.record for p in placed if intact(p)]
         # A record damaged in its length field and after it: where it ends cannot be told
-        # from its payload, so what follows it in its file may be lost (docs/WAL.md)
+        # from its payload, so what follows it in its file may be lost (docs/WAL.md), and
+        # what its bytes hold, or a record's between it and the last damage in its file (a
+        # flipped bit, or the file cut inside a record), may be read as records
         unsure: set[tuple[str, int]] = set()
-        doubly_damaged: set[tuple[str, int]] = set()
+        untold: set[tuple[str, int]] = set()
         for name in files:
             hits = sorted(hit[name])
             doubly = [p for p in placed if p.file == name
                       and any(p.start <= h < p.start + 4 for h in hits)
                       and any(h >= p.start + 4 for h in hits)]
-            doubly_damaged.update((name, p.start) for p in doubly)
             if doubly:
                 first = min(p.start for p in doubly)
                 unsure |= {(name, p.start) for p in placed if p.file == name and p.start > first}
+                torn = [p.start for p in placed if p.file == name and p.start < sizes[name] < p.end]
+                last = max([*hits, *torn])
+                untold |= {(name, p.start) for p in placed
+                           if p.file == name and first <= p.start <= last}
         required = [p.record for p in placed if intact(p) and (p.file, p.start) not in unsure]
         if any(newer_and_unread(where / name) for name in files):
             # a header naming a newer format over bytes that are no record of ours: the
@@ -503,9 +582,10 @@ def test_recovery_keeps_every_intact_record_and_never_a_damaged_one(flips, cut, 
         log, found = reopen(where, opts, None if room else NoRoom())  # never raises else
         got = everything(log)
         # ... nor records from inside a payload, but from inside a record damaged in its
-        # length and elsewhere, whose end nothing tells (docs/WAL.md)
+        # length and elsewhere, whose end nothing tells, or inside a record between it and
+        # the last damage in its file (docs/WAL.md)
         inside = [(source / p.file).read_bytes()[p.start:p.end] for p in placed
-                  if (p.file, p.start) in doubly_damaged]
+                  if (p.file, p.start) in untold]
         got_own = [r for r in got if r in expected or not any(
             rec.encode(r.kind, r.offset, r.timestamp_ms, r.body) in original
             for original in inside)]

@@ -235,13 +235,16 @@ def resync(data: bytes, at: int, last_offset: int, below: int | None = None,
     looked at: a message's payload may hold a whole, valid record (a client published
     one, or a segment file), which must not be taken for the log's. In turn: where its
     length says it ends, when a valid record starts there (the damage was in its payload,
-    its CRC or its fixed fields); where its stored CRC holds, when a valid record starts
-    there (its length alone was damaged: ``_crc_end``); a length past the end under a
-    head that reads as a record's own is a record cut short (None: all of it is damage);
-    a length that lands on more damage is followed to the next record, the same way (up
-    to ``_CHAIN``). Only past a length that is no record's (a zeroed, erased or
-    overwritten block) are the bytes searched for the next valid record (``_next_valid``).
-    Never raises on bad bytes.
+    its CRC or its fixed fields) and that place is not inside a whole record of the log
+    that starts after it (``_across``: its length and its CRC were both damaged); where
+    its stored CRC holds (its length alone was damaged: ``_crc_end``), the end of the data
+    included; a length past the end under a head that reads as a record's own is a record
+    cut short (None: all of it is damage); more damage where its CRC, else its length,
+    ends it is followed to the next record, the same way (up to ``_CHAIN``). A length
+    that lands inside a whole record of the log, or is no record's (a zeroed, erased or
+    overwritten block), ends the chain: the bytes after its start (after that whole
+    record) are searched for the next valid record (``_next_valid``), which is never one
+    inside a whole record of the log either. Never raises on bad bytes.
     """
     size = len(data) if end is None else min(end, len(data))
     if at < HEADER_SIZE:  # the segment header is damaged: the first record may be too
@@ -255,14 +258,21 @@ def resync(data: bytes, at: int, last_offset: int, below: int | None = None,
         length = PREFIX.unpack_from(data, pos)[0]
         after = pos + 4 + length
         framed = length >= MIN_LENGTH and after <= size
+        across = None  # the end of a whole record of the log ``after`` lies inside, if any
+        if framed and after < size and valid_at(data, after, last_offset, below, bodies, size):
+            across = _across(data, pos, after, last_offset, size)
+            if across is None:
+                return after
+        found = _crc_end(data, pos, size)  # its length alone damaged: its CRC says its end
+        if found is not None:
+            if found == size:
+                return None  # it ends the data: nothing after it to keep
+            if valid_at(data, found, last_offset, below, bodies, size):
+                return found
+            pos = start = found  # the damage runs on into the record there
+            continue
         if framed and after == size:
             return None  # it ends the data: nothing after it to keep
-        if framed and valid_at(data, after, last_offset, below, bodies, size):
-            return after
-        found = _crc_end(data, pos, size)  # its length alone damaged: its CRC says its end
-        if found is not None and (found == size or valid_at(
-                data, found, last_offset, below, bodies, size)):
-            return None if found == size else found
         if not framed:
             if after > size and _plausible_head(data, pos, last_offset):
                 # cut short (a torn write, a truncated file): a record's own head, so what
@@ -271,6 +281,15 @@ def resync(data: bytes, at: int, last_offset: int, below: int | None = None,
                 # payload). A head that is no record's (an erased or overwritten block)
                 # is searched past.
                 return None
+            break
+        if across is None:
+            across = _across(data, pos, after, last_offset, size)
+        if across is not None:
+            # its length lands inside a whole record that starts after it (its length and
+            # its CRC damaged): that record may be the next one (its length too long) or
+            # one inside its own payload (too short); what is inside it is payload either
+            # way, so the search starts after it
+            start = across
             break
         pos = start = after  # the damage runs on into the next record: not inside this one
     return _next_valid(data, max(start, HEADER_SIZE), last_offset, below, size, bodies)
@@ -291,15 +310,75 @@ def _plausible_head(data: bytes, pos: int, last_offset: int) -> bool:
     return kind in _KINDS and last_offset < offset <= last_offset + _NEAR
 
 
-def _crc_end(data: bytes, pos: int, size: int) -> int | None:
-    """Where the record at ``pos`` ends if only its length field is damaged: the first
-    position after its fixed fields, where a record could start (a known kind byte 8 bytes
-    on) or ``size`` is, up to which its stored CRC holds, within ``_CRC_REACH`` bytes and
-    ``_CRC_TRIES`` places. None when there is none. Each byte is taken into the CRC once."""
+def _near_heads(last_offset: int) -> re.Pattern[bytes]:
+    """A known kind byte followed by the top five bytes of an offset within ``_NEAR`` of
+    ``last_offset``: where the fixed fields of a record of this log near here may be. The
+    regular expression skips every other byte in C."""
+    low = max(last_offset - _NEAR, 0) >> 24
+    high = min(last_offset + _NEAR, (1 << 64) - 1) >> 24  # at most low + 1
+    tops = b"|".join(re.escape(top.to_bytes(5, "big")) for top in sorted({low, high}))
+    return re.compile(_KIND_BYTE.pattern + b"(?:" + tops + b")")
+
+
+def _whole_end(data: bytes, pos: int, last_offset: int, size: int) -> int | None:
+    """The end of the record at ``pos`` if it reads as one of this log's, in order or
+    not: a length that fits before ``size``, a known kind, an offset within ``_NEAR`` of
+    ``last_offset``, a matching CRC, and after it the end of the data or a known kind byte
+    8 bytes on, where a record could start. (A record inside a payload whose CRC was made
+    to run on over the next record's length field, which its sender can tell, ends at
+    most 4 bytes into that record: 8 bytes on is a byte of that record's offset, 0 below
+    2**32.) None otherwise."""
     if size - pos < RECORD_OVERHEAD:
         return None
-    crc = PREFIX.unpack_from(data, pos)[1]
+    length, crc = PREFIX.unpack_from(data, pos)
+    stop = pos + 4 + length
+    kind, offset, _ = FIXED.unpack_from(data, pos + 8)
+    if (length < MIN_LENGTH or stop > size or kind not in _KINDS
+            or abs(offset - last_offset) > _NEAR):
+        return None
+    if stop + 8 < size and data[stop + 8] not in _KINDS:
+        return None
+    if crc32c(memoryview(data)[pos + 8 : stop]) != crc:
+        return None
+    return stop
+
+
+def _across(data: bytes, lo: int, at: int, last_offset: int, size: int) -> int | None:
+    """The end of a whole record of the log (``_whole_end``) that starts at or after
+    ``lo``, before ``at``, and runs on past ``at`` (the first such one), or None. ``at`` is
+    then inside that record, no record's end: a damaged length that lands there is
+    damaged too."""
+    for match in _near_heads(last_offset).finditer(data, lo + 8, min(size, at + 8 + 6)):
+        pos = match.start() - 8
+        if pos >= at:
+            break
+        stop = _whole_end(data, pos, last_offset, size)
+        if stop is not None and stop > at:
+            return stop
+    return None
+
+
+def _crc_end(data: bytes, pos: int, size: int) -> int | None:
+    """Where the record at ``pos`` ends if only its length field is damaged: a position
+    after its fixed fields up to which its stored CRC holds. First the 32 places one
+    flipped bit of the length points to, whatever lies there (the record after it may be
+    damaged too); then the first such position where a record could start (a known kind
+    byte 8 bytes on) or ``size`` is, within ``_CRC_REACH`` bytes and ``_CRC_TRIES``
+    places. None when there is none. Each pass takes each byte into the CRC once."""
+    if size - pos < RECORD_OVERHEAD:
+        return None
+    length, crc = PREFIX.unpack_from(data, pos)
     view = memoryview(data)
+    done = pos + 8
+    running = 0
+    for end in sorted({pos + 4 + (length ^ (1 << bit)) for bit in range(32)}):
+        if end > size:
+            break
+        if end >= pos + RECORD_OVERHEAD:
+            running = crc32c(view[done:end], running)
+            done = end
+            if running == crc:
+                return end
     reach = min(size, pos + _CRC_REACH)
     done = pos + 8
     running = 0
@@ -342,23 +421,31 @@ def _next_valid(data: bytes, start: int, last_offset: int, below: int | None, si
                 bodies: bool) -> int | None:
     """The first position at or after ``start`` where a whole, valid record begins (as
     ``valid_at`` says), or None. The candidates are the bytes after a known kind byte,
-    found by a regular expression, so ordinary payload bytes are skipped in C."""
+    found by a regular expression, so ordinary payload bytes are skipped in C. A whole
+    record of the log met on the way that is not valid here (its offset out of order, its
+    body unreadable: ``_whole_end``) is skipped with its payload, never searched."""
     view = memoryview(data)
     unpack_prefix = PREFIX.unpack_from
     unpack_fixed = FIXED.unpack_from
+    skip = start  # the end of the last such record met: what is before it is its bytes
     for match in _KIND_BYTE.finditer(data, start + 8, size):
         pos = match.start() - 8
         if pos + RECORD_OVERHEAD > size:
             return None
+        if pos < skip:
+            continue
         length, crc = unpack_prefix(data, pos)
         if length < MIN_LENGTH or pos + 4 + length > size:
             continue
         _, offset, _ = unpack_fixed(data, pos + 8)
         if offset <= last_offset or (below is not None and offset >= below):
+            if abs(offset - last_offset) <= _NEAR:  # a record of the log, out of order?
+                skip = _whole_end(data, pos, last_offset, size) or skip
             continue
-        if (crc32c(view[pos + 8 : pos + 4 + length]) == crc
-                and (not bodies or body_problem(data, pos, pos + 4 + length) is None)):
-            return pos
+        if crc32c(view[pos + 8 : pos + 4 + length]) == crc:
+            if not bodies or body_problem(data, pos, pos + 4 + length) is None:
+                return pos
+            skip = _whole_end(data, pos, last_offset, size) or skip
     return None
 
 
