@@ -135,8 +135,8 @@ class BrokerCollector:
         yield counter("blipmq_connections", "Connections accepted", s.accepted)
         yield counter("blipmq_connections_refused", "Connections refused at max_connections",
                       s.refused)
-        yield counter("blipmq_connections_evicted", "Connections not yet authenticated closed "
-                      "at max_connections to make room (the source holding the most)",
+        yield counter("blipmq_connections_evicted", "Connections not authenticated within a "
+                      "second, closed at max_connections to make room for a newcomer",
                       s.evicted)
         yield counter("blipmq_metrics_connections_refused", "Metrics listener connections "
                       "closed at once: it was serving as many as it serves at a time",

@@ -167,7 +167,8 @@ class Server:
         # TLS, so that a broker without it never loads ssl (docs/SECURITY.md)
         self.tls: Tls | None = None
         self.handshaking = 0  # TLS handshakes under way: they count towards max_connections
-        self.unproven = Unproven()  # who gives way at max_connections (server/admission.py)
+        # who gives way at max_connections (server/admission.py)
+        self.unproven = Unproven(trio.current_time)
         self._evictions = Hush()  # ... and the lines saying so: one per source a minute
         if tls_listeners(config):
             from blipmq_server.server.tls import Tls
