@@ -80,8 +80,10 @@ _UNSTORED_EVERY_S = 60  # while messages coming in cannot be stored: one line at
 _STORED_AGAIN_S = 2  # ... until they are stored again for this long without a refusal
 _UNSTORED = "a message from the upstream could not be stored"  # why such a link ends
 # While linked to another address than the first, the first is tried (a TCP connect) this
-# often; each failback that then fails doubles it, up to backoff_max_ms
+# often; each failback that then fails doubles it, up to _PRIMARY_PROBE_MAX_S: an address
+# that takes TCP but never completes a link costs a short gap ever more rarely
 _PRIMARY_PROBE_S = 5.0
+_PRIMARY_PROBE_MAX_S = 3600.0
 _PRIMARY_BACK = "the first address answers again: going back to it"  # why such a link ends
 
 
@@ -309,8 +311,7 @@ class Bridge:
                     if turn % len(spec.addresses) == 0 and reason is not None:
                         self._probe_s = _PRIMARY_PROBE_S  # the first address works
                     elif turn % len(spec.addresses) == 0 and failing_back:  # it did not
-                        self._probe_s = min(self._probe_s * 2,
-                                            max(_PRIMARY_PROBE_S, spec.backoff_max_ms / 1000))
+                        self._probe_s = min(self._probe_s * 2, _PRIMARY_PROBE_MAX_S)
                     failing_back = reason == _PRIMARY_BACK
                     if reason is not None:  # it was up: the primary first again
                         turn = 0
