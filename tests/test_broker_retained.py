@@ -354,15 +354,17 @@ def test_recovered_retained_values_are_nobodys() -> None:
 def test_a_new_subscription_gets_every_retained_value_whatever_its_queue_capacity() -> None:
     """h33 F7: the retained values went into the subscription's bounded queue at once, the
     ones past ``capacity`` dropped as drop_new (8,192 of 10,000 with the defaults). Now they
-    wait as references to the store's values and are taken before the queue's items, as
-    its reader takes them; live messages published meanwhile come after them and have the
-    whole queue."""
+    wait as the store's topics (the values looked up when taken) and are taken before the
+    queue's items, as its reader takes them; live messages published meanwhile come after
+    them and have the whole queue."""
     b = Broker(Limits(capacity=3, overflow=Overflow.BLOCK), log=MemoryLog())
     b.publish([raw(f"disc/dev{i}/config", b"%d" % i) for i in range(10)], 0, 1)
     newcomer = sub(b, 1, "disc/#", timestamp_ms=2)
     queue = newcomer.queue
-    assert [v is b.retained.values[f"disc/dev{i}/config".encode()]
-            for i, v in enumerate(queue.retained)] == [True] * 10  # not copies
+    values = b.retained.values
+    assert [(topic, offset) for topic, offset in queue.retained.items()] == [
+        (f"disc/dev{i}/config".encode(), values[f"disc/dev{i}/config".encode()].offset)
+        for i in range(10)]  # topics, no copies of the values
     live = b.publish([raw("disc/dev0/config", b"new", retain=False)] * 3, 0, 3)
     assert live.accepted == 3 and live.blocked is None  # the queue's room is the live one's
     got: list[Delivery] = []
@@ -386,3 +388,123 @@ def test_pending_retained_values_are_paced_by_the_batch_bounds() -> None:
     rest = b.deliver(1, 100, 1 << 20, 0, 0).batches
     assert [len(records) for _, records in rest] == [4, 0]  # then the end mark
     assert not b.has_work(consumer)
+
+
+def test_expired_retained_values_count_against_no_limit_when_nobody_subscribes() -> None:
+    """h35 F2: expired values were dropped only when a SUBSCRIBE looked for values, so until
+    then they still counted against the key's share and the broker-wide bounds, and a
+    publish was refused by values that no longer exist (docs/SECURITY.md: a value counts
+    "until it ... expires"). The publish path drops them before refusing."""
+    from blipmq_server.broker.access import Access, Identity, Quota
+
+    b = Broker(Limits(retained_max_topics=100), log=MemoryLog())
+    dev = Access(Identity("dev", publish=("#",), quota=Quota(retained_topics=3,
+                                                             retained_bytes=400)))
+    brief = [raw(f"d/{i}", b"x" * 60, ttl=1000) for i in range(3)]
+    assert b.publish(brief, 0, 1000, access=dev).refusal is None
+    assert b.publish([raw("d/3", b"on")], 0, 1500, access=dev).refusal is not None  # live
+    assert b.retained.refused == 1
+    # 3 s later all three expired: the share holds none of them (no SUBSCRIBE in between)
+    assert b.publish([raw("d/3", b"on")], 0, 4000, access=dev).refusal is None
+    assert b.publish([raw("d/4", b"y" * 200)], 0, 4001, access=dev).refusal is None
+    assert set(b.retained.values) == {b"d/3", b"d/4"}
+    size = {t: len(v.record) for t, v in b.retained.values.items()}
+    assert b.retained_shares.held == {"dev": [2, size[b"d/3"] + size[b"d/4"]]}
+    assert b.retained_shares.owner.keys() == {b"d/3", b"d/4"}
+    assert b.retained.refused == 1 and b.counters.limited == {
+        "auth.keys.max_retained_topics": 1}
+
+    # the broker-wide bounds, topics and bytes, the same way
+    c = Broker(Limits(retained_max_topics=2, retained_max_bytes=300), log=MemoryLog())
+    assert c.publish([raw("a", b"1", ttl=10), raw("b", b"2", ttl=10)], 0, 100).refusal is None
+    assert c.publish([raw("c", b"3")], 0, 105).refusal is not None
+    assert c.publish([raw("c", b"3")], 0, 110).refusal is None
+    assert set(c.retained.values) == {b"c"}
+    assert c.publish([raw("big", b"z" * 200, ttl=10)], 0, 120).refusal is None
+    assert c.publish([raw("d", b"w" * 150)], 0, 125).refusal is not None  # bytes, live
+    assert c.publish([raw("d", b"w" * 150)], 0, 130).refusal is None
+    assert set(c.retained.values) == {b"c", b"d"} and c.retained.size <= 300
+    assert c.retained.refused == 2
+
+
+def _held_bytes(pending: object, store: object) -> int:
+    """Bytes of the objects reachable from ``pending`` that ``store`` does not reach (what
+    the pending list alone keeps in memory)."""
+    import gc
+    import sys
+
+    def reach(root: object) -> dict[int, object]:
+        seen: dict[int, object] = {}
+        todo = [root]
+        while todo:
+            obj = todo.pop()
+            if id(obj) in seen or isinstance(obj, type):
+                continue
+            seen[id(obj)] = obj
+            todo.extend(gc.get_referents(obj))
+        return seen
+
+    shared = reach(store)
+    return sum(sys.getsizeof(o) for k, o in reach(pending).items() if k not in shared)
+
+
+def test_a_slow_subscriptions_pending_retained_values_hold_no_replaced_value() -> None:
+    """h35 F5: a QoS 0 subscription's retained values still to send were the ``Value``s as
+    they were at the SUBSCRIBE: once replaced in the store they were copies held outside
+    every byte bound (13 MB per slow subscriber when all 4,000 values of 3 KB were
+    replaced). Now the list holds topics; a value replaced while still listed goes into the
+    queue's items, counted in its bytes, before the publish that replaced it."""
+    b = Broker(Limits(capacity=1000), log=MemoryLog())
+    n, payload = 50, 3000
+    b.publish([raw(f"r/{i}", b"a" * payload) for i in range(n)], 0, 1)
+    slow = sub(b, 1, "r/#", timestamp_ms=2)
+    queue = slow.queue
+    first = b.take(slow, 5, 1 << 20, 0, 0)  # it has read 5 of them so far
+    assert len(first) == 5
+    before = _held_bytes(queue.retained, b.retained.values)
+    assert before < n * 200  # no record: topics and offsets
+    b.publish([raw(f"r/{i}", b"b" * payload) for i in range(n)], 0, 3)  # all replaced
+    assert _held_bytes(queue.retained, b.retained.values) <= before
+    assert not queue.retained
+    # the 45 old values wait in the queue, before the live publishes that replaced them,
+    # counted in its bytes (what queues.capacity_bytes and blipmq_queue_bytes see)
+    assert queue.size == sum(len(record) for record, _ in queue.items)
+    assert len(queue.items) == 45 + n and queue.size > 95 * payload
+    got: list[Delivery] = []
+    while batch := b.take(slow, 7, 1 << 20, 0, 0):
+        got += decode_one(encode_deliver(1, batch)).messages  # type: ignore[union-attr]
+    assert queue.size == 0
+    old = [(d.topic, d.payload[:1], d.retained) for d in got if d.retained]
+    assert sorted(old) == sorted((f"r/{i}", b"a", True) for i in range(5, n))
+    assert [(d.topic, d.payload[:1]) for d in got if not d.retained] == [
+        (f"r/{i}", b"b") for i in range(n)]
+    assert got.index(next(d for d in got if not d.retained)) == 45  # old ones first
+    assert b.counters.retained_sent == n
+
+
+def test_a_value_replaced_while_pending_keeps_its_order_within_the_queue_bounds() -> None:
+    """A replaced pending value comes before anything published on its topic after the
+    SUBSCRIBE, if the queue has room for it and the publish that replaces it; if not, it
+    is dropped (counted as the queue's policy drops) and the newer value comes live."""
+    b = Broker(Limits(capacity=4, overflow=Overflow.DROP_OLDEST), log=MemoryLog())
+    b.publish([raw("t/a", b"a0"), raw("t/b", b"b0")], 0, 1)
+    s = sub(b, 1, "t/#", timestamp_ms=2)
+    b.publish([raw("t/b", b"live", retain=False), raw("t/b", b"b1")], 0, 3)
+    b.publish([raw("t/a", b"")], 0, 4)  # cleared: no room for a0 and the clear
+    assert [(d.payload, d.retained) for d in deliveries(b, s)] == [
+        (b"b0", True), (b"live", False), (b"b1", False), (b"", False)]
+    assert s.queue.dropped_oldest == 1 and s.queue.size == 0
+    s2 = sub(b, 2, "t/#", timestamp_ms=5)
+    b.publish([raw("t/b", b"b2")], 0, 6)
+    assert [(d.payload, d.retained) for d in deliveries(b, s2)] == [
+        (b"b1", True), (b"b2", False)]
+    # a full queue that blocks: the replacing publish is held back, or taken whole
+    c = Broker(Limits(capacity=2, overflow=Overflow.BLOCK), log=MemoryLog())
+    c.publish([raw("u/a", b"a0"), raw("u/b", b"b0")], 0, 1)
+    s3 = sub(c, 1, "u/#", timestamp_ms=2)
+    assert c.publish([raw("u/x", b"live", retain=False)], 0, 3).accepted == 1
+    res = c.publish([raw("u/a", b"a1")], 0, 4)
+    assert res.accepted == 1 and res.blocked is None
+    assert s3.queue.dropped_new == 1  # a0 had no room beside a1: a1 comes instead
+    assert [(d.payload, d.retained) for d in deliveries(c, s3)] == [
+        (b"b0", True), (b"live", False), (b"a1", False)]

@@ -265,13 +265,19 @@ class Broker:
                 run_bytes = run_unlogged = 0
             run_bytes += m.payload_len
             if m.retain:  # kept as the topic's value, always logged: the slow path
-                problem = self.retained.refusal(m.topic, len(m.record), m.payload_len)
+                problem = self.retained.refusal(m.topic, len(m.record), m.payload_len,
+                                                timestamp_ms)
                 # whose the value is: its key's (one with full access, or none: nobody's)
                 owner = "" if access is None else access.identity.name
                 if problem is None and access is not None and m.payload_len:
                     over = self.retained_shares.refusal(
                         self.retained.values, m.topic, len(m.record), owner,
                         access.identity.quota)
+                    if over is not None and self.retained.expire(timestamp_ms):
+                        # values of the key's that have expired count no more
+                        over = self.retained_shares.refusal(
+                            self.retained.values, m.topic, len(m.record), owner,
+                            access.identity.quota)
                     if over is not None:
                         self.retained.refused += 1
                         self._limited(over[0])
@@ -290,6 +296,10 @@ class Broker:
                     next_logged += 1
                     if m.qos:
                         confirms += 1
+                for q in targets:
+                    if q.retained and m.topic in q.retained:  # its old value still to send
+                        self._hand_over(q, m.topic, timestamp_ms, size)
+                        room_route, tight = None, True  # the queue's room is looked at again
                 self.retained.put(m.topic, offset, timestamp_ms, m.record, offset)
                 if not m.payload_len and logged is not None:  # a clear (``relog``)
                     self._cleared.note(m.topic, offset)
@@ -687,7 +697,40 @@ class Broker:
         again (``retained_again``), the subscription gets the values as they are now instead
         of those it had yet to take."""
         queue.retained.clear()
-        queue.retained.extend(self.retained.matching(topic_filter, wall_ms))
+        queue.retained.update((topic, value.offset) for topic, value
+                              in self.retained.matching_topics(topic_filter, wall_ms))
+
+    def _hand_over(self, queue: Queue, topic: bytes, wall_ms: int, size: int) -> None:
+        """A retained publish (``size`` bytes delivered) is about to replace or clear
+        ``topic``'s value while ``queue`` has it still to send: the value as it was (what
+        the SUBSCRIBE promised) goes to the front of the queue's items, before the live
+        publish that replaces it, counted in the queue's bytes and length like any message,
+        if the queue has room for both; if not, it is dropped as the queue's policy drops
+        (counted), and the newer value comes live. So the list of values still to send never
+        holds a value the store has let go of, and no live message waits for its room."""
+        offset = queue.retained.pop(topic)
+        value = self.retained.values.get(topic)
+        if value is None or value.offset != offset or (
+                value.expires_ms and value.expires_ms <= wall_ms):
+            return  # gone meanwhile (expired): nothing to send
+        record = (_pack_prefix(value.offset, 1, value.timestamp_ms, DELIVERED_RETAINED)
+                  + value.record)
+        items = queue.items
+        if len(items) + 2 > queue.capacity or (
+                items and queue.size + len(record) + size > queue.capacity_bytes):
+            c = self.counters
+            if queue.overflow is _DROP_OLDEST:
+                queue.dropped_oldest += 1
+                c.dropped_oldest += 1
+            else:
+                queue.dropped_new += 1
+                c.dropped_new += 1
+            self.dropping[queue] = None
+            return
+        items.appendleft((record, 0))
+        queue.size += len(record)
+        self.counters.enqueued += 1
+        self.counters.retained_sent += 1
 
     def unsubscribe(
         self, conn: int, sub_id: int = 0, topic_filter: str = "", group: str = "",
@@ -1033,21 +1076,27 @@ class Broker:
 
     def _take_retained(self, queue: Queue, out: list[bytes], limit: int, max_bytes: int,
                        wall_ms: int) -> tuple[int, int]:
-        """Into ``out``: delivery records of the queue's retained values still to send,
-        within ``limit`` records and ``max_bytes`` (the first one goes whatever its size).
-        Returns how many expired on the way, and the bytes taken."""
+        """Into ``out``: delivery records of the queue's retained values still to send (the
+        store's values, looked up now), within ``limit`` records and ``max_bytes`` (the
+        first one goes whatever its size). Returns how many expired on the way, and the
+        bytes taken."""
         pending = queue.retained
+        values = self.retained.values
         size = expired = sent = 0
         while pending and len(out) < limit:
-            value = pending[0]
-            if value.expires_ms and value.expires_ms <= wall_ms:
-                pending.popleft()
+            topic, offset = next(iter(pending.items()))
+            value = values.get(topic)
+            if value is None or value.offset != offset or (
+                    value.expires_ms and value.expires_ms <= wall_ms):
+                # expired (dropped from the store, or then set again: that publish is live
+                # in the queue after these); a value replaced or cleared left the list then
+                pending.popitem(last=False)
                 expired += 1
                 continue
             n = PREFIX_SIZE + len(value.record)
             if out and size + n > max_bytes:
                 break
-            pending.popleft()
+            pending.popitem(last=False)
             out.append(_pack_prefix(value.offset, 1, value.timestamp_ms, DELIVERED_RETAINED)
                        + value.record)
             size += n

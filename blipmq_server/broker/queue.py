@@ -10,17 +10,20 @@ one message of any accepted size).
 group whose members all left) keeps its newest messages up to its bounds and drops the
 oldest, counted apart as ``dropped_no_consumer``.
 
-A new subscription's retained values are not in ``items``: ``retained`` lists the values
-(``retained.Value``, references to the store's, not copies) still to send, in the order
-``Retained.matching`` gave them at subscribe time, and ``Broker.take`` takes from it before
-``items``. So a subscription gets every retained value its filter matched, paced by its
-reader, whatever the queue's bounds, and live messages published meanwhile come after them.
-Pure and synchronous; no trio.
+A new subscription's retained values are not in ``items``: ``retained`` lists the topics
+whose values are still to send (topic -> the value's offset: no record, the value is looked
+up in the store when taken), in the order ``Retained.matching`` gave them at subscribe time,
+and ``Broker.take`` takes from it before ``items``. So a subscription gets every retained
+value its filter matched, paced by its reader, whatever the queue's bounds, and live
+messages published meanwhile come after them. A value replaced or cleared while still
+listed leaves the list: the broker puts it at the front of ``items`` then, counted in the
+queue's bounds like any message (``Broker.publish``), so the list holds no byte the store
+does not. Pure and synchronous; no trio.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from enum import StrEnum
 from typing import Any
 
@@ -70,8 +73,9 @@ class Queue:
         self.overflow = overflow
         self.items: deque[Item] = deque()
         self.size = 0  # bytes of the records in ``items``
-        # retained values still to send, before ``items`` (a subscription's start)
-        self.retained: deque[Any] = deque()
+        # topics whose retained values are still to send, before ``items`` (a subscription's
+        # start): topic -> the offset of its value then
+        self.retained: OrderedDict[bytes, int] = OrderedDict()
         self.consumers: list[Any] = []  # Consumer objects (see broker.core)
         self.expiring = False  # some item may carry an expiry: the ticker scans this queue
         self.dropped_oldest = 0

@@ -22,13 +22,14 @@ value at its last level), so that a filter walks only the branches it can match:
 level follows one branch, ``+`` each of one level's, ``#`` one subtree. A SUBSCRIBE's
 filter that matches nothing costs a few steps, however many values the broker holds.
 Values with a time to live are also kept by expiry (a heap), so that every expired one
-goes at the next ``matching`` without a pass over the others. Pure: no trio, no clock.
+goes at the next ``matching`` without a pass over the others, and before a retained
+publish is refused at a bound (``refusal``): an expired value holds no room. Pure: no
+trio, no clock (the caller passes the wall clock).
 """
 
 from __future__ import annotations
 
 import heapq
-import operator
 import struct
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -36,7 +37,6 @@ from typing import NamedTuple
 from blipmq_server.protocol.message import HEAD_SIZE, MSG_HEAD
 
 _CARRY = struct.Struct(">QQ")  # offset, timestamp_ms
-_OFFSET = operator.itemgetter(0)  # a Value's: the order of their publishes
 
 
 class Value(NamedTuple):
@@ -48,6 +48,11 @@ class Value(NamedTuple):
     levels: tuple[str, ...]
     expires_ms: int  # wall clock; 0: never (the message's own TTL, if it had one)
     anchor: int  # log offset of its latest record (the publish, or a carried copy)
+
+
+def _by_offset(item: tuple[bytes, Value]) -> int:
+    """A (topic, value)'s place: the order of their publishes."""
+    return item[1].offset
 
 
 def topic_of(record: bytes) -> bytes:
@@ -91,18 +96,27 @@ class Retained:
     def __len__(self) -> int:
         return len(self.values)
 
-    def refusal(self, topic: bytes, record_size: int, payload_len: int) -> str | None:
-        """Why a retained publish of ``record_size`` bytes to ``topic`` cannot be kept, or
-        None. Clearing a value (an empty payload) is always accepted."""
+    def refusal(self, topic: bytes, record_size: int, payload_len: int, wall_ms: int
+                ) -> str | None:
+        """Why a retained publish of ``record_size`` bytes to ``topic`` at ``wall_ms`` cannot
+        be kept, or None. Clearing a value (an empty payload) is always accepted. Before
+        refusing, the values expired by ``wall_ms`` are dropped (``expire``): an expired
+        value counts against no bound."""
         if not payload_len:
             return None
+        why = self._over(topic, record_size)
+        if why is not None and self.expire(wall_ms):
+            why = self._over(topic, record_size)
+        if why is not None:
+            self.refused += 1
+        return why
+
+    def _over(self, topic: bytes, record_size: int) -> str | None:
         old = self.values.get(topic)
         if old is None and len(self.values) >= self.max_topics:
-            self.refused += 1
             return (f"the broker keeps retained values for at most {self.max_topics} topics "
                     "(retained.max_topics)")
         if self.size + record_size - (len(old.record) if old else 0) > self.max_bytes:
-            self.refused += 1
             return (f"retained values would take more than {self.max_bytes} bytes "
                     "(retained.max_bytes, at most half of wal.segment_bytes)")
         return None
@@ -138,7 +152,11 @@ class Retained:
         (expired ones are dropped first). As in MQTT (``topics.matches``), ``a/#`` matches
         ``a`` too, and a filter whose first level is a wildcard no topic starting with
         '$'."""
-        self._expire(wall_ms)
+        return [value for _, value in self.matching_topics(topic_filter, wall_ms)]
+
+    def matching_topics(self, topic_filter: str, wall_ms: int) -> list[tuple[bytes, Value]]:
+        """``matching``'s values with their topics: (topic, value), oldest publish first."""
+        self.expire(wall_ms)
         levels = topic_filter.split("/")
         last = len(levels)
         found: list[bytes] = []
@@ -167,8 +185,8 @@ class Retained:
                 if child is not None:
                     todo.append((child, i + 1))
         values = self.values
-        out = [values[topic] for topic in found]
-        out.sort(key=_OFFSET)
+        out = [(topic, values[topic]) for topic in found]
+        out.sort(key=_by_offset)
         return out
 
     def stale(self, below: int) -> Iterator[tuple[bytes, Value]]:
@@ -201,10 +219,12 @@ class Retained:
             if node.children is not None:
                 todo.extend(node.children.values())
 
-    def _expire(self, wall_ms: int) -> None:
-        """Drop the values whose time to live has passed."""
+    def expire(self, wall_ms: int) -> int:
+        """Drop the values whose time to live has passed by ``wall_ms``; returns how many.
+        Costs a look at the expiry heap's top when none has."""
         expiry = self._expiry
         values = self.values
+        n = 0
         while expiry and expiry[0][0] <= wall_ms:
             _, topic = heapq.heappop(expiry)
             value = values.get(topic)
@@ -212,6 +232,8 @@ class Retained:
                 del values[topic]
                 self.size -= len(value.record)
                 self._unlink(value.levels)
+                n += 1
+        return n
 
     def _link(self, levels: tuple[str, ...], topic: bytes) -> None:
         node = self._root
