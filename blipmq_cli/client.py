@@ -276,6 +276,7 @@ class Client:
         on_reconnect: Callable[[str], object] | None = None,
         on_gap: Callable[[Gap], object] | None = None,
         read_ahead: int = DEFAULT_READ_AHEAD,
+        pause: Callable[[float], object] = time.sleep,
     ) -> None:
         """``addr``: ``[tls://|tcp://]host[:port]``, or several, dialled in turn when
         reconnecting (the first that answers is used at first). TLS with ``tls://``
@@ -286,6 +287,8 @@ class Client:
         finds the connection lost dials again, sends the unconfirmed QoS 1 messages again,
         subscribes again (``on_gap`` and ``Subscription.gaps`` for a live subscription),
         then goes on; ``on_disconnect(error)`` and ``on_reconnect(address)`` are told.
+        ``pause(seconds)`` waits between attempts (``time.sleep``; ``pub -l`` reads stdin
+        meanwhile).
 
         ``read_ahead``: the payload bytes of deliveries read from the socket and not yet
         taken that stop further reads (``buffered``; docs/CLIENT.md, "Flow control")."""
@@ -301,6 +304,7 @@ class Client:
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
         self.on_gap = on_gap
+        self.pause = pause
         self.reconnects = 0  # connections made again after a loss
         self.resent = 0  # messages a reconnect sent again
         self._subs: list[Subscription] = []  # live subscriptions, restored by a reconnect
@@ -1010,7 +1014,7 @@ class Client:
         try:
             for attempt in range(policy.attempts):
                 self.abort()
-                time.sleep(policy.delay(attempt, random.random()))
+                self.pause(policy.delay(attempt, random.random()))
                 target = self._targets[self._next_target % len(self._targets)]
                 self._next_target += 1
                 taken: ClientConnection | None = None
@@ -1082,11 +1086,12 @@ def connect_from_env(
     reconnect: Reconnect | bool = False,
     on_disconnect: Callable[[BlipError], object] | None = None,
     on_reconnect: Callable[[str], object] | None = None,
+    pause: Callable[[float], object] = time.sleep,
 ) -> Client:
     """A client configured by arguments, else BLIPMQ_ADDR / BLIPMQ_API_KEY / BLIPMQ_TIMEOUT,
     else defaults; TLS by the address's scheme and BLIPMQ_CAFILE / BLIPMQ_CERT /
-    BLIPMQ_CERT_KEY / BLIPMQ_INSECURE (``tls_address``). ``reconnect`` and the callbacks
-    are ``Client``'s."""
+    BLIPMQ_CERT_KEY / BLIPMQ_INSECURE (``tls_address``). ``reconnect``, the callbacks and
+    ``pause`` are ``Client``'s."""
     env = os.environ
     cafile, cert = env.get("BLIPMQ_CAFILE") or None, env.get("BLIPMQ_CERT") or None
     key = env.get("BLIPMQ_CERT_KEY") or None
@@ -1118,6 +1123,7 @@ def connect_from_env(
         reconnect=reconnect,
         on_disconnect=on_disconnect,
         on_reconnect=on_reconnect,
+        pause=pause,
     )
 
 

@@ -12,6 +12,7 @@ import select
 import signal
 import stat
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -251,21 +252,69 @@ def pub(
     return Exit.OK
 
 
-def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
+class _Lines:
+    """Stdin for ``pub -l``: what ``pause`` read while the connection was down (a broker
+    restart) waits here, in order, ahead of the rest; ``read`` counts the lines handed on."""
+
+    _HELD = 64 * _READ  # stdin is not read past this much held: memory stays bounded
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.fd = stream.fileno()
+        self.held: list[bytes] = []  # chunks read during pauses, not handed on yet
+        self.held_size = 0
+        self.eof = False  # a pause read stdin's end
+        self.read = 0  # lines handed on (``_stdin_lines``)
+
+    def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` between reconnect attempts, taking in what stdin brings."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.eof or self.held_size >= self._HELD:
+                time.sleep(left)
+                return
+            if not select.select([self.fd], [], [], left)[0]:
+                return
+            chunk = os.read(self.fd, _READ)
+            if not chunk:
+                self.eof = True
+                continue
+            self.held.append(chunk)
+            self.held_size += len(chunk)
+
+    def next(self, client: Client) -> bytes:
+        """The next chunk: a held one, else stdin's (b"" at its end), checking the client
+        while stdin is quiet."""
+        if self.held:
+            chunk = self.held.pop(0)
+            self.held_size -= len(chunk)
+            return chunk
+        if self.eof:
+            return b""
+        while self.fd not in select.select([self.fd, client.sock], [], [], client.timeout)[0]:
+            client.check()  # the socket, or stdin quiet for `timeout`: answer PINGs, keep alive
+            if self.held or self.eof:  # a reconnect's pauses read stdin
+                return self.next(client)
+        return os.read(self.fd, _READ)
+
+    @property
+    def waiting(self) -> int:
+        """Lines read from stdin and held, not yet handed on (so never sent)."""
+        return sum(chunk.count(b"\n") for chunk in self.held) + (
+            1 if self.eof and self.held and not self.held[-1].endswith(b"\n") else 0)
+
+
+def _stdin_lines(lines: _Lines, client: Client) -> Iterator[list[bytes]]:
     """Complete lines as they arrive (a read returns what is there, so `tail -f` streams).
 
     While stdin is quiet the client still reads its socket: it answers the broker's PINGs
     (a broker closes connections that do not) and reports a refusal or a closed link, and
     its keepalive finds a silent link (``Client.check``).
     """
-    fd = stream.fileno()
     limit = client.max_message
     rest: list[bytes] = []  # the pieces of a line without its newline yet (linear time)
     size = 0  # their length, refused past the broker's limit: memory stays bounded
     while True:
-        while fd not in select.select([fd, client.sock], [], [], client.timeout)[0]:
-            client.check()  # the socket, or stdin quiet for `timeout`: answer PINGs, keep alive
-        chunk = os.read(fd, _READ)
+        chunk = lines.next(client)
         if not chunk:
             if rest:
                 yield [b"".join(rest)]
@@ -289,10 +338,10 @@ def _stdin_lines(stream: BinaryIO, client: Client) -> Iterator[list[bytes]]:
 class _Tally:
     """How far ``pub -l`` got, across reconnects (a connection's own counts start at 0)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lines: _Lines) -> None:
         self.client: Client | None = None
+        self.lines = lines
         self.confirmed = 0  # QoS 1 lines confirmed on the connections lost so far
-        self.sent = 0  # QoS 1 lines sent on them and not sent again
         self.resent = 0  # ``client.resent`` at the last reconnect
         self.down = False  # lost and not reconnected: the client's counts are in the above
 
@@ -300,7 +349,6 @@ class _Tally:
         client = self.client
         assert client is not None
         self.confirmed += client.confirmed
-        self.sent += client.qos1_sent
         self.down = True
 
     def back(self, qos: int) -> None:
@@ -309,7 +357,6 @@ class _Tally:
         again = client.resent - self.resent
         self.resent = client.resent
         self.down = False
-        self.sent -= again  # counted again by the new connection as it sends them
         if qos:
             say(f"reconnected to {client.addr}; {again} unconfirmed line(s) sent again")
         else:
@@ -317,10 +364,13 @@ class _Tally:
                 "be lost")
 
     def note(self) -> str:
+        """Lines read (handed to the client, or read from stdin while the broker was away)
+        and how many of them were confirmed; the ones never sent, if any."""
         client = None if self.down else self.client
         confirmed = self.confirmed + (client.confirmed if client else 0)
-        sent = self.sent + (client.qos1_sent if client else 0)
-        return f"{confirmed} of {sent} messages confirmed"
+        waiting = self.lines.waiting
+        note = f"{confirmed} of {self.lines.read + waiting} line(s) confirmed"
+        return f"{note}; {waiting} not sent" if waiting else note
 
 
 def _pub_lines(
@@ -330,15 +380,15 @@ def _pub_lines(
     """Each line of stdin as a message, as the lines come. With ``reconnect``, a lost
     connection (a broker restart) is dialled again and the lines not yet confirmed are sent
     again (``Client``'s reconnect: at least once, in order)."""
-    stream = _stdin()
-    tally = _Tally()
+    lines = _Lines(_stdin())
+    tally = _Tally(lines)
 
     def lost(error: BlipError) -> None:
         tally.lost(error)
         say(f"{error}; reconnecting")
 
     client = connect_from_env(addr, api_key, reconnect=reconnect or False, on_disconnect=lost,
-                              on_reconnect=lambda where: tally.back(qos))
+                              on_reconnect=lambda where: tally.back(qos), pause=lines.pause)
     tally.client = client
     # with QoS 1, SIGTERM (a supervisor, `timeout`) says how far it got, as Ctrl-C does
     old = signal.signal(signal.SIGTERM, terminated) if qos else None
@@ -347,10 +397,11 @@ def _pub_lines(
             plain = ttl == 0 and qos == 0 and key is None and not retain
             limit = client.max_message
             number = 0  # lines published
-            for batch in _stdin_lines(stream, client):
+            for batch in _stdin_lines(lines, client):
                 long = next((i for i, line in enumerate(batch) if len(line) > limit), None)
                 if long is not None:
                     batch = batch[:long]
+                lines.read += len(batch)
                 if plain:
                     client.publish_many([(topic, line) for line in batch])
                 else:

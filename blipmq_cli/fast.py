@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Collection
 from typing import NoReturn
 
 from blipmq_cli.exits import Exit
@@ -52,13 +53,22 @@ _MOSQUITTO = {
 _VALUED = ("-h", "-p", "-L", "-u", "-P", "-i", "-I", "-k")  # also written -p1883
 
 
-def mosquitto_hint(args: list[str]) -> str | None:
+def mosquitto_hint(args: list[str], valued: Collection[str] = ()) -> str | None:
     """What to type instead of the first mosquitto-only option in ``args`` (before ``--``),
-    or None. ``-h`` is help only as the last argument (``blipmq pub -h``): mosquitto's
-    ``-h HOST`` must not print the help and exit 0 without publishing."""
+    or None. ``valued``: the command's own options that take a value (``valued(parser)``): the
+    argument after one is its value (``-m -info`` is the message '-info'), never an option.
+    ``-h`` is help only as the last argument (``blipmq pub -h``): mosquitto's ``-h HOST``
+    must not print the help and exit 0 without publishing."""
+    skip = False
     for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
         if arg == "--":
             return None
+        if arg in valued:  # its value follows (``--key=V`` and ``-mV`` hold theirs)
+            skip = True
+            continue
         if arg == "-h" and i == len(args) - 1:
             return None
         name = arg.split("=", 1)[0] if arg.startswith("--") else arg
@@ -67,6 +77,11 @@ def mosquitto_hint(args: list[str]) -> str | None:
         if name in _MOSQUITTO:
             return _MOSQUITTO[name]
     return None
+
+
+def valued(p: argparse.ArgumentParser) -> frozenset[str]:
+    """The option strings of ``p``'s options that take a value."""
+    return frozenset(o for a in p._actions if a.nargs != 0 for o in a.option_strings)
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -155,11 +170,12 @@ def parser(command: str) -> argparse.ArgumentParser:
 
 def run(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
-    hint = mosquitto_hint(rest) if command != "start" else None
+    p = parser(command)
+    hint = mosquitto_hint(rest, valued(p)) if command != "start" else None
     if hint is not None:
         sys.stderr.write(f"blipmq {command}: {hint}\n")
         return Exit.USAGE
-    args = vars(parser(command).parse_intermixed_args(rest))
+    args = vars(p.parse_intermixed_args(rest))
     if command == "start":
         from blipmq_server import daemon
 

@@ -765,7 +765,7 @@ def test_ctrl_c_during_qos1_lines_says_how_many_were_confirmed(start_broker, sig
     text = err.decode()
     said = "interrupted" if sig == signal.SIGINT else "terminated"
     assert text.startswith(f"blipmq: {said}; ") and text.endswith(
-        " of 1000 messages confirmed\n") and text.count("\n") == 1, text
+        " of 1000 line(s) confirmed\n") and text.count("\n") == 1, text
 
 
 def test_pub_lines_notices_a_silent_link_and_says_how_far_it_got(start_broker) -> None:
@@ -798,7 +798,7 @@ def test_pub_lines_notices_a_silent_link_and_says_how_far_it_got(start_broker) -
         # the broker logged both; their confirms may have been on the way when the link
         # went silent, and a confirm that never came is not counted
         assert "no answer from the broker" in err and re.search(
-            r"\b[0-2] of 2 messages confirmed", err), err
+            r"\b[0-2] of 2 line\(s\) confirmed", err), err
         assert b.metric("blipmq_messages_published_total") == 2
 
 

@@ -125,7 +125,7 @@ def test_the_lines_before_an_over_long_line_are_published_and_the_error_names_it
         start_broker, qos: int, newline: bool) -> None:
     """`pub -l`: a line over the limit that came whole in one read with the lines before it
     ended the command with the encoder's message ("message of N bytes exceeds ...") and
-    without those lines (never sent, at QoS 1 "0 of 0 messages confirmed"); one that came
+    without those lines (never sent, at QoS 1 "0 of 0 line(s) confirmed"); one that came
     without its newline said "a line of stdin" and lost the lines of earlier reads not yet
     sent. Now the lines before it are published (and confirmed), and exit 6 names the line."""
     b = start_broker({"server": {"max_message_bytes": 1000}})
@@ -137,7 +137,7 @@ def test_the_lines_before_an_over_long_line_are_published_and_the_error_names_it
     one_line(res.stderr)
     err = res.stderr.decode()
     assert "line 3 of stdin holds more than 1000 bytes" in err, err
-    assert ("2 of 2 messages confirmed" if qos else "the 2 line(s) before it") in err, err
+    assert ("2 of 2 line(s) confirmed" if qos else "the 2 line(s) before it") in err, err
     assert sub.communicate(timeout=10)[0] == b"one\ntwo\n"
 
 

@@ -61,3 +61,23 @@ def test_share_spelling_is_refused_with_the_group_way(start_broker) -> None:
     assert b.cli("pub", "shx", "one").returncode == 0
     out, _ = sub.communicate(timeout=10)
     assert out == b"one\n"
+
+
+def test_an_options_value_or_what_follows_dashdash_is_not_a_mosquitto_option(
+        start_broker) -> None:
+    """``-m -info`` is the message '-info' and ``--key -k1`` the key '-k1': no hint about
+    mosquitto's -i / -k (argparse's own one line, as before the hints); after ``--`` a
+    payload or topic starting with '-' is published as before."""
+    b = start_broker()
+    for args in (("pub", "-t", "hp/x", "-m", "-info"), ("pub", "hp/x", "--key", "-k1", "v"),
+                 ("pub", "-t", "hp/x", "-m", "-hot"), ("sub", "hp/x", "--group", "-p1")):
+        res = b.cli(*args)
+        err = res.stderr.decode()
+        assert res.returncode == Exit.USAGE and "mosquitto" not in err, err
+        assert err.count("\n") == 1, err
+    for args in (("pub", "-t", "hp/x", "-m=-info", "-r"), ("pub", "hp/y", "-r", "--", "-p")):
+        res = b.cli(*args)
+        assert res.returncode == 0, res.stderr
+    for topic, want in (("hp/x", b"-info"), ("hp/y", b"-p")):
+        res = b.cli("sub", topic, "-C", "1", "-W", "5")
+        assert res.returncode == 0 and res.stdout == want + b"\n", res

@@ -86,7 +86,7 @@ def test_pub_lines_gives_up_after_reconnect_for(start_broker) -> None:
     err = pub.stderr.read().decode() if pub.stderr else ""
     last = err.splitlines()[-1]
     assert last.startswith("blipmq: gave up reconnecting after ") and last.endswith(
-        " of 2 messages confirmed"), err
+        " of 2 line(s) confirmed"), err
 
 
 def test_reconnect_for_zero_exits_on_the_restart_and_needs_lines(start_broker) -> None:
@@ -104,7 +104,7 @@ def test_reconnect_for_zero_exits_on_the_restart_and_needs_lines(start_broker) -
         pub.stdin.close()
     err = pub.stderr.read().decode() if pub.stderr else ""
     # its confirm may still have been on the way when the broker stopped
-    assert re.fullmatch(r"blipmq: broker is shutting down; [01] of 1 messages confirmed\n",
+    assert re.fullmatch(r"blipmq: broker is shutting down; [01] of 1 line\(s\) confirmed\n",
                         err), err
     for args, text in ((("--reconnect-for", "1s", "-m", "x"), "--reconnect-for is for -l"),
                        (("-l", "--reconnect-for", "soon"), "--reconnect-for 'soon'")):
@@ -113,3 +113,33 @@ def test_reconnect_for_zero_exits_on_the_restart_and_needs_lines(start_broker) -
         assert res.returncode == Exit.USAGE, res
         assert res.stderr.decode().startswith(f"blipmq: {text}") and \
             res.stderr.count(b"\n") == 1, res.stderr
+
+
+@pytest.mark.parametrize("end", ["SIGINT", "SIGTERM", "give up"])
+def test_pub_lines_counts_lines_read_while_the_broker_is_away(start_broker, end: str) -> None:
+    """Lines read during the outage are in the closing note as read and not sent, on every
+    way out (was: "2 of 2 messages confirmed" with 4 lines given)."""
+    b = start_broker()
+    pub = b.spawn("pub", "rs/t", "-l", "-q", "1", "--reconnect-for",
+                  "3s" if end == "give up" else "60s")
+    assert pub.stdin is not None
+    pub.stdin.write(b"one\ntwo\n")
+    pub.stdin.flush()
+    _wait_published(b, 2)
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    time.sleep(0.5)
+    pub.stdin.write(b"three\nfour\n")
+    pub.stdin.flush()
+    time.sleep(1)
+    want = {"SIGINT": 130, "SIGTERM": -signal.SIGTERM, "give up": Exit.UNREACHABLE}[end]
+    if end != "give up":
+        pub.send_signal(getattr(signal, end))
+    try:
+        rc = pub.wait(15)
+    finally:
+        pub.kill()
+        pub.stdin.close()
+    err = pub.stderr.read().decode() if pub.stderr else ""
+    assert rc == want, err
+    # a confirm may still have been on the way when the broker was killed
+    assert re.search(r"; [0-2] of 4 line\(s\) confirmed; 2 not sent$", err.splitlines()[-1]), err

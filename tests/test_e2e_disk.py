@@ -55,7 +55,7 @@ def test_full_disk_refuses_qos1_then_resumes(start_broker, tiny_fs: Path) -> Non
     assert full.returncode == Exit.REFUSED, full.stderr
     err = full.stderr.decode()
     assert err.count("\n") == 1 and "No space left on device" in err, err
-    m = re.search(r"(\d+) of (\d+) messages confirmed", err)
+    m = re.search(r"(\d+) of (\d+) line\(s\) confirmed", err)
     assert m is not None, err
     confirmed += int(m.group(1))
     assert 0 < confirmed < 400
