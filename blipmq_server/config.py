@@ -98,8 +98,7 @@ class MqttOptions(NamedTuple):
     session_expiry_ms: int = 7 * 24 * 3600 * 1000
     max_sessions: int = 100_000
     queue_qos0: bool = False
-    qos0_overflow: str = "block"
-    qos0_stall_ms: int = 500
+    qos0_overflow: str = "drop_oldest"
 
 
 class QueueOptions(NamedTuple):
@@ -345,13 +344,9 @@ SCHEMA: tuple[Key, ...] = (
         "match while it is offline (its QoS 1/2 subscriptions keep every message they match, "
         "QoS 0 ones included: docs/MQTT.md)"),
     Key("mqtt", "qos0_overflow", str, "What an MQTT QoS 0 subscription's full queue does with "
-        "a new message: block holds its publishers while it reads (mqtt.qos0_stall_ms), "
-        "drop_oldest or drop_new (mosquitto's) let them go on at once",
-        choices=("block", "drop_oldest", "drop_new")),
-    Key("mqtt", "qos0_stall_ms", int, "With mqtt.qos0_overflow = block: a full QoS 0 "
-        "subscription that takes nothing for this long while publishers wait stops holding "
-        "them and drops its oldest until it takes again (0: it holds them until "
-        "queues.block_timeout_ms, then is cut as a slow consumer)", 0, 3_600_000),
+        "a new message: drop_oldest or drop_new (mosquitto's), and its publishers go on; "
+        "block holds them as queues.overflow = block does",
+        choices=("drop_oldest", "drop_new", "block")),
     Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
         10_000_000),
     Key("queues", "capacity_bytes", int, "Bytes of messages each subscription or group may "

@@ -446,25 +446,3 @@ def test_a_stats_report_ranks_many_groups_without_holding_the_loop() -> None:
         ("g03", 2), ("g12", 1), ("g07", 1), ("g00", 0)]  # of the 0s, the oldest
     assert got["groups_omitted"] == 26
     assert len(b.stats()["groups"]) == 30 and b.stats(max_groups=0)["groups"] == []
-
-
-def test_a_lenient_block_queue_drops_only_while_its_consumer_stalls() -> None:
-    """h33 F6: an MQTT QoS 0 subscription under ``block`` (``overflow`` given) is lenient:
-    it holds publishers (``Blocked.lenient``) until the shell's stall time passes with
-    nothing taken; ``stall`` then makes it drop its oldest, and once its consumer takes
-    again it holds them again. Other block queues are not lenient."""
-    b = Broker(Limits(capacity=2, overflow=Overflow.BLOCK))
-    mqtt = b.consumer(b.subscribe("m", "t", overflow=Overflow.BLOCK).sub_id)
-    res = b.publish([raw("t", bytes([i])) for i in range(3)], 0)
-    assert res.accepted == 2 and res.blocked is not None and res.blocked.lenient
-    assert b.stall(res.blocked.queue)
-    res = b.publish([raw("t", bytes([i])) for i in range(2, 6)], 0)
-    assert res.accepted == 4 and res.blocked is None
-    assert b.counters.dropped_oldest == 4 and b.take_dropping() == [mqtt.queue]
-    assert take_all(b, mqtt) == [b"\x04", b"\x05"]  # it took: it holds publishers again
-    res = b.publish([raw("t", bytes([i])) for i in range(3)], 0)
-    assert res.accepted == 2 and res.blocked is not None and res.blocked.lenient
-    native = sub(b, "n", "u")  # limits.overflow: block, not lenient
-    res = b.publish([raw("u", bytes([i])) for i in range(3)], 0)
-    assert res.blocked is not None and not res.blocked.lenient
-    assert not b.stall(res.blocked.queue) and native.queue.overflow is Overflow.BLOCK

@@ -248,10 +248,9 @@ class Broker:
                 if not internal:
                     for q in route.blockers:  # type: ignore[union-attr]
                         items = q.items
-                        if q.consumers and q.overflow is _BLOCK and (
-                                len(items) >= q.capacity or (
-                                    items and q.size + size > q.capacity_bytes)):
-                            blocked = q  # (a stalled lenient queue drops instead: ``stall``)
+                        if q.consumers and (len(items) >= q.capacity or (
+                                items and q.size + size > q.capacity_bytes)):
+                            blocked = q
                             break
                     if blocked is not None:
                         break
@@ -371,8 +370,7 @@ class Broker:
         return PublishResult(
             accepted, wake,
             blocked_hold if blocked is None else Blocked(
-                blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers),
-                blocked.lenient),
+                blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
             refusal, confirms, last_logged, first_logged)
 
     @staticmethod
@@ -506,9 +504,7 @@ class Broker:
         it first; ``release`` gives them to the others.
 
         ``overflow``: a QoS 0 subscription without a group takes this policy for its queue
-        instead of ``limits.overflow`` (MQTT's QoS 0 subscriptions: ``mqtt.qos0_overflow``);
-        given as ``block``, the queue is lenient: it may stop holding its publishers while
-        its consumer takes nothing (``stall``).
+        instead of ``limits.overflow`` (MQTT's QoS 0 subscriptions: ``mqtt.qos0_overflow``).
 
         ``access``: the subscriber's permissions (None: no limits, and a new group belongs to
         nobody in particular). A filter that could match a topic it may not read is refused
@@ -548,8 +544,6 @@ class Broker:
         registry = self.registry
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group, None if group else overflow)
-            if overflow is _BLOCK and not group:
-                queue.lenient = True
             consumer = registry.add(conn, queue, qos, credit, request_id)
             if owner:
                 self._owned(topic_filter, group, owner, timestamp_ms)
@@ -1074,9 +1068,6 @@ class Broker:
             out.append(record)
             size += len(record)
         queue.size -= size - taken + expired_size
-        if queue.stalled and out:  # it takes again: it holds its publishers again
-            queue.stalled = False
-            queue.overflow = _BLOCK
         if expired:
             queue.dropped_ttl += expired
             self.counters.dropped_ttl += expired
@@ -1133,20 +1124,6 @@ class Broker:
         return frozenset() if self.cursors is None else self.cursors.fill(key, records)
 
     # ------------------------------------------------------------------------ maintenance
-
-    def stall(self, queue_id: int) -> bool:
-        """A lenient ``block`` queue (``Queue.lenient``) that held its publishers for the
-        shell's stall time without its consumer taking anything stops holding them: it
-        drops its oldest (counted, ``take_dropping``) until its consumer takes again
-        (``take``). False if that queue is gone or not lenient: it holds on."""
-        for queue in self.registry.queues:
-            if queue.id == queue_id:
-                if not queue.lenient or queue.overflow is not _BLOCK:
-                    return False
-                queue.overflow = _DROP_OLDEST
-                queue.stalled = True
-                return True
-        return False
 
     def take_dropping(self) -> list[Queue]:
         """The queues that dropped messages (``drop_oldest``, ``drop_new``: a full queue)

@@ -54,12 +54,10 @@ class Queue:
         "group",
         "id",
         "items",
-        "lenient",
         "levels",
         "overflow",
         "retained",
         "size",
-        "stalled",
     )
 
     def __init__(
@@ -73,11 +71,6 @@ class Queue:
         self.capacity = capacity
         self.capacity_bytes = capacity_bytes
         self.overflow = overflow
-        # ``block`` that gives up holding publishers while its consumer takes nothing (MQTT's
-        # QoS 0 subscriptions, mqtt.qos0_stall_ms: ``Broker.stall``), and whether it has:
-        # it then drops its oldest, until its consumer takes again
-        self.lenient = False
-        self.stalled = False
         self.items: deque[Item] = deque()
         self.size = 0  # bytes of the records in ``items``
         # topics whose retained values are still to send, before ``items`` (a subscription's

@@ -104,7 +104,6 @@ class Blocked(NamedTuple):
     queue: int  # Queue.id
     name: str  # for errors and logs: "group 'g' on 't'" or "subscription on 't'"
     conns: tuple[int, ...]
-    lenient: bool = False  # it may stop holding publishers while its consumer stalls
 
 
 class PublishResult(NamedTuple):  # one per PUBLISH frame: a tuple costs a third of a dataclass

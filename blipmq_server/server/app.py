@@ -817,12 +817,6 @@ class Server:
         if event is None:
             event = self.room[blocked.queue] = trio.Event()
         self.deliver_routed(trio.current_time())  # now: what it takes sets the event
-        stall_ms = self.config.mqtt.qos0_stall_ms
-        if blocked.lenient and stall_ms:  # an MQTT QoS 0 subscription: held while it reads
-            with trio.move_on_after(stall_ms / 1000) as stalled:
-                await event.wait()
-            if not stalled.cancelled_caught or self.broker.stall(blocked.queue):
-                return  # room, or it took nothing: it drops its oldest until it takes again
         timeout_ms = self.config.queues.block_timeout_ms
         with trio.move_on_after(timeout_ms / 1000 if timeout_ms else math.inf) as waited:
             await event.wait()
@@ -1075,9 +1069,7 @@ class Server:
                 if said is None:
                     continue
                 client = getattr(session, "client_id", "")
-                setting = ("mqtt.qos0_stall_ms: it took nothing while its publishers waited"
-                           if queue.stalled else "mqtt.qos0_overflow" if client
-                           else "queues.overflow")
+                setting = "mqtt.qos0_overflow" if client else "queues.overflow"
                 log.warning(
                     "%s from %s does not keep up: its %s is full and drops messages "
                     "(%s, %s; %d dropped so far, blipmq_messages_dropped_total)%s",
