@@ -98,7 +98,7 @@ class MqttOptions(NamedTuple):
     session_expiry_ms: int = 7 * 24 * 3600 * 1000
     max_sessions: int = 100_000
     queue_qos0: bool = False
-    qos0_overflow: str = "drop_oldest"
+    qos0_overflow: str = "block"
 
 
 class QueueOptions(NamedTuple):
@@ -344,9 +344,10 @@ SCHEMA: tuple[Key, ...] = (
         "match while it is offline (its QoS 1/2 subscriptions keep every message they match, "
         "QoS 0 ones included: docs/MQTT.md)"),
     Key("mqtt", "qos0_overflow", str, "What an MQTT QoS 0 subscription's full queue does with "
-        "a new message: drop_oldest or drop_new (mosquitto's), and its publishers go on; "
-        "block holds them as queues.overflow = block does",
-        choices=("drop_oldest", "drop_new", "block")),
+        "a new message: block holds its publishers as queues.overflow = block does (a "
+        "stalled subscriber holds them up to queues.block_timeout_ms); drop_oldest or "
+        "drop_new (mosquitto's) let them go on at once",
+        choices=("block", "drop_oldest", "drop_new")),
     Key("queues", "capacity", int, "Messages each subscription or group may hold", 1,
         10_000_000),
     Key("queues", "capacity_bytes", int, "Bytes of messages each subscription or group may "
