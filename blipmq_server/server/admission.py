@@ -8,7 +8,9 @@ connection that has been unproven for ``PATIENCE_S`` or more gives way to the ne
 instead: of those, the oldest of the source address holding the most of them. A handshake
 on a working link takes milliseconds, so a younger one is never closed for a newcomer, nor
 is a connection that authenticated; sockets left silent, from one address or from many,
-are. Looked at only at the cap: nothing here runs while the broker has room.
+are. A flood opening more than ``max_connections`` sockets a second keeps every slot
+younger than that and is not stopped here (docs/SECURITY.md: a firewall's rate limit is).
+Looked at only at the cap: nothing here runs while the broker has room.
 """
 
 from __future__ import annotations
