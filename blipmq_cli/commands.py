@@ -264,6 +264,7 @@ class _Lines:
         self.held_size = 0
         self.eof = False  # a pause read stdin's end
         self.read = 0  # lines handed on (``_stdin_lines``)
+        self.partial = False  # ``_stdin_lines`` holds the start of a line without its newline
 
     def pause(self, seconds: float) -> None:
         """Wait ``seconds`` between reconnect attempts, taking in what stdin brings."""
@@ -298,9 +299,10 @@ class _Lines:
 
     @property
     def waiting(self) -> int:
-        """Lines read from stdin and held, not yet handed on (so never sent)."""
-        return sum(chunk.count(b"\n") for chunk in self.held) + (
-            1 if self.eof and self.held and not self.held[-1].endswith(b"\n") else 0)
+        """Lines read from stdin and held, not yet handed on (so never sent); at stdin's end
+        a last line without its newline is one too (held, or begun before the pause)."""
+        last = (not self.held[-1].endswith(b"\n")) if self.held else self.partial
+        return sum(chunk.count(b"\n") for chunk in self.held) + (1 if self.eof and last else 0)
 
 
 def _stdin_lines(lines: _Lines, client: Client) -> Iterator[list[bytes]]:
@@ -316,14 +318,17 @@ def _stdin_lines(lines: _Lines, client: Client) -> Iterator[list[bytes]]:
     while True:
         chunk = lines.next(client)
         if not chunk:
+            lines.partial = False  # handed on now, if there is one
             if rest:
                 yield [b"".join(rest)]
             return
         end = chunk.rfind(b"\n")
         if end < 0:
             rest.append(chunk)
+            lines.partial = True
             size += len(chunk)
             if size > limit:  # the lines before it are published first (``_pub_lines``)
+                lines.partial = False
                 yield [b"".join(rest)]
                 return
             continue
@@ -332,6 +337,7 @@ def _stdin_lines(lines: _Lines, client: Client) -> Iterator[list[bytes]]:
             parts[0] = b"".join(rest) + parts[0]
         tail = chunk[end + 1:]
         rest, size = ([tail], len(tail)) if tail else ([], 0)
+        lines.partial = bool(tail)
         yield parts
 
 

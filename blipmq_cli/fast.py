@@ -69,6 +69,9 @@ def mosquitto_hint(args: list[str], valued: Collection[str] = ()) -> str | None:
         if arg in valued:  # its value follows (``--key=V`` and ``-mV`` hold theirs)
             skip = True
             continue
+        if _ends_valued(arg, valued):  # short flags run together, ``-rm``: ``-m``'s follows
+            skip = True
+            continue
         if arg == "-h" and i == len(args) - 1:
             return None
         name = arg.split("=", 1)[0] if arg.startswith("--") else arg
@@ -77,6 +80,17 @@ def mosquitto_hint(args: list[str], valued: Collection[str] = ()) -> str | None:
         if name in _MOSQUITTO:
             return _MOSQUITTO[name]
     return None
+
+
+def _ends_valued(arg: str, valued: Collection[str]) -> bool:
+    """Whether ``arg`` is short flags run together (``-rm``) whose last one takes a value
+    from the next argument (one before it holding the rest as its value does not)."""
+    if len(arg) < 3 or arg[0] != "-" or arg[1] == "-":
+        return False
+    for i, c in enumerate(arg[1:], start=2):
+        if f"-{c}" in valued:
+            return i == len(arg)
+    return False
 
 
 def valued(p: argparse.ArgumentParser) -> frozenset[str]:

@@ -65,12 +65,14 @@ def test_share_spelling_is_refused_with_the_group_way(start_broker) -> None:
 
 def test_an_options_value_or_what_follows_dashdash_is_not_a_mosquitto_option(
         start_broker) -> None:
-    """``-m -info`` is the message '-info' and ``--key -k1`` the key '-k1': no hint about
+    """``-m -info`` is the message '-info' and ``--key -k1`` the key '-k1' (``-rm -info``
+    too, h36 F7: short flags run together, the last one taking a value): no hint about
     mosquitto's -i / -k (argparse's own one line, as before the hints); after ``--`` a
     payload or topic starting with '-' is published as before."""
     b = start_broker()
     for args in (("pub", "-t", "hp/x", "-m", "-info"), ("pub", "hp/x", "--key", "-k1", "v"),
-                 ("pub", "-t", "hp/x", "-m", "-hot"), ("sub", "hp/x", "--group", "-p1")):
+                 ("pub", "-t", "hp/x", "-m", "-hot"), ("sub", "hp/x", "--group", "-p1"),
+                 ("pub", "-t", "hp/x", "-rm", "-info"), ("pub", "-t", "hp/x", "-rm", "-kx")):
         res = b.cli(*args)
         err = res.stderr.decode()
         assert res.returncode == Exit.USAGE and "mosquitto" not in err, err

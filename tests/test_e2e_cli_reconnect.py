@@ -143,3 +143,23 @@ def test_pub_lines_counts_lines_read_while_the_broker_is_away(start_broker, end:
     assert rc == want, err
     # a confirm may still have been on the way when the broker was killed
     assert re.search(r"; [0-2] of 4 line\(s\) confirmed; 2 not sent$", err.splitlines()[-1]), err
+
+
+def test_pub_lines_counts_an_unfinished_last_line_as_not_sent(start_broker) -> None:
+    """h36 F6: a last line without its newline, read before the broker went away, was in
+    neither count once stdin ended during the outage ("2 of 2" for three lines given)."""
+    b = start_broker()
+    pub = b.spawn("pub", "rs/t", "-l", "-q", "1", "--reconnect-for", "3s")
+    assert pub.stdin is not None
+    pub.stdin.write(b"one\ntwo\npart")
+    pub.stdin.flush()
+    _wait_published(b, 2)
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+    pub.stdin.close()  # stdin ends while the broker is away
+    try:
+        rc = pub.wait(15)
+    finally:
+        pub.kill()
+    err = pub.stderr.read().decode() if pub.stderr else ""
+    assert rc == Exit.UNREACHABLE, err
+    assert re.search(r"; [0-2] of 3 line\(s\) confirmed; 1 not sent$", err.splitlines()[-1]), err
