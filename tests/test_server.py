@@ -337,16 +337,23 @@ def publish_qos1(*msgs: tuple[str, bytes], rid: int) -> bytes:
     return codec.encode_publish([codec.message_record(Message(t, p, 1)) for t, p in msgs], rid)
 
 
-async def test_disk_fault_gives_an_error_instead_of_a_confirm_then_resumes(
-    nursery: trio.Nursery, tmp_path
-) -> None:
-    cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)})
+async def _on_disk(nursery: trio.Nursery, tmp_path, disk: FaultyDisk, **wal: object
+                   ) -> tuple[Server, Conn]:
+    """A broker whose log (``wal`` settings besides ``enabled``) writes through ``disk``,
+    and a connection to it."""
+    cfg = make_config(wal={"enabled": True, **wal}, storage={"data_dir": str(tmp_path)})
     server = Server(cfg)
-    disk = FaultyDisk()
     assert server.wal is not None
     server.wal.disk = disk
     bound: Bound = await nursery.start(server.serve)
-    conn = await connect(bound.port)
+    return server, await connect(bound.port)
+
+
+async def test_disk_fault_gives_an_error_instead_of_a_confirm_then_resumes(
+    nursery: trio.Nursery, tmp_path
+) -> None:
+    disk = FaultyDisk()
+    server, conn = await _on_disk(nursery, tmp_path, disk)
     await conn.send(publish_qos1(("t", b"stored"), rid=4))
     assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 4)
     disk.fail_writes, disk.partial = True, 7  # a torn write, then ENOSPC
@@ -439,13 +446,8 @@ async def test_a_log_directory_deleted_during_the_fsync_is_made_again_before_the
     written back (a check after the fsync), so a restart reads it."""
     import shutil
 
-    cfg = make_config(wal={"enabled": True}, storage={"data_dir": str(tmp_path)})
-    server = Server(cfg)
     disk = FaultyDisk()
-    assert server.wal is not None
-    server.wal.disk = disk
-    bound: Bound = await nursery.start(server.serve)
-    conn = await connect(bound.port)
+    server, conn = await _on_disk(nursery, tmp_path, disk)
     await conn.send(publish_qos1(("t", b"stored"), rid=4))
     assert (await conn.expect(codec.PubAck)) == codec.PubAck(1, 4)
     disk.hold_fsync()
@@ -520,13 +522,7 @@ async def _durable_group(nursery: trio.Nursery, tmp_path, disk: FaultyDisk
                          ) -> tuple[Server, Conn]:
     """A broker on ``disk`` (``wal.fsync = always``) and a connection that made the durable
     group ``g`` on ``jobs`` (its create record durable: a QoS 1 publish after it confirmed)."""
-    cfg = make_config(wal={"enabled": True, "fsync": "always"},
-                      storage={"data_dir": str(tmp_path)})
-    server = Server(cfg)
-    assert server.wal is not None
-    server.wal.disk = disk
-    bound: Bound = await nursery.start(server.serve)
-    conn = await connect(bound.port)
+    server, conn = await _on_disk(nursery, tmp_path, disk, fsync="always")
     await conn.send(codec.Subscribe("jobs", "g", 1, request_id=3))
     await conn.expect(codec.Subscribed)
     await conn.send(publish_qos1(("other", b"x"), rid=4))
