@@ -224,6 +224,11 @@ def test_started_with_sighup_ignored_even_the_unpacking_survives_one(
     started the broker, after unpacking), a SIGHUP ignored at exec closes: the bootloader
     and, inherited, the broker's interpreter ignore it until the broker takes it over."""
     broker = _spawn_start(runner, tmp_path, "env", "--ignore-signal=HUP")
+    exe = str(runner.binary.resolve())
+    deadline = time.monotonic() + SLOW  # env ignores SIGHUP, then becomes the executable:
+    while os.path.realpath(f"/proc/{broker.proc.pid}/exe") != exe:  # a SIGHUP before that
+        assert time.monotonic() < deadline, "env never ran the executable"  # ends env
+        time.sleep(0.001)
     os.kill(broker.proc.pid, signal.SIGHUP)  # unpacking
     child_of(broker.proc.pid)
     os.kill(broker.proc.pid, signal.SIGHUP)  # forwarded to an interpreter starting up
