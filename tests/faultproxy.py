@@ -13,7 +13,10 @@ then break the link on purpose, the ways real uplinks break:
                     a keepalive notices it. A connection once blackholed stays dead (the bytes it
                     lost cannot be given back), even after ``restore()``
 ``delay(ms)``       forwarded with ``ms`` added one way, in order (both directions)
-``restore()``       back to pass-through, no delay, listening again
+``cut_after(s)``    forwarded, but every connection accepted from now on is reset (RST) ``s``
+                    seconds after it was accepted: an upstream, or a balancer in front of a
+                    dying backend, that takes each client and drops it soon after, every time
+``restore()``       back to pass-through, no delay, no ``cut_after``, listening again
 ==================  ===========================================================================
 
 It is synchronous to its user: ``with FaultProxy(("127.0.0.1", port)) as proxy:`` runs its own
@@ -85,6 +88,7 @@ class _Conn:
         self.scope = trio.CancelScope()
         self.closed = False
         self.failed = False  # a socket error or reset: end the other side with RST as well
+        self.ends_at: float | None = None  # cut_after: when it is reset (trio's clock)
 
     def sockets(self) -> list[trio.socket.SocketType]:
         return [s for s in (self.client, self.upstream) if s is not None]
@@ -142,6 +146,7 @@ class FaultProxy:
         self.port = 0
         self._mode = Mode.PASS
         self._delay = 0.0  # seconds
+        self._lifetime: float | None = None  # cut_after: seconds each new connection lives
         self._conns: set[_Conn] = set()
         self._accepted = 0
         self._bytes_up = 0
@@ -210,9 +215,18 @@ class FaultProxy:
         self._call(self._set, Mode.PASS, 0.0)
 
     def restore(self) -> None:
-        """The link is back: pass-through for new connections, no delay, listening again.
-        Connections that were blackholed stay dead (their peers must notice and reconnect)."""
+        """The link is back: pass-through for new connections, no delay, no ``cut_after``,
+        listening again. Connections that were blackholed stay dead (their peers must notice
+        and reconnect)."""
         self._call(self._set, Mode.PASS, 0.0)
+
+    def cut_after(self, seconds: float) -> None:
+        """Forward (no delay, listening again), but reset (RST) every connection accepted from
+        now on ``seconds`` after it was accepted; connections already open are left alone.
+        Any other mode call ends it."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"cut_after needs a finite number of seconds > 0, not {seconds}")
+        self._call(self._set, Mode.PASS, 0.0, seconds)
 
     def refuse(self) -> None:
         """Refuse new connections (connect() fails with ECONNREFUSED) and RST current ones."""
@@ -295,8 +309,9 @@ class FaultProxy:
             upstream_failures=self._upstream_failures, over_limit=self._over_limit,
         )
 
-    def _set(self, mode: Mode, delay: float | None) -> None:
+    def _set(self, mode: Mode, delay: float | None, lifetime: float | None = None) -> None:
         self._mode = mode
+        self._lifetime = lifetime
         if delay is not None:
             self._delay = delay
         if mode is Mode.REFUSE:
@@ -359,6 +374,8 @@ class FaultProxy:
                     client.close()
                     continue
                 conn = _Conn(client, dead=self._mode is Mode.BLACKHOLE)
+                if self._lifetime is not None:
+                    conn.ends_at = trio.current_time() + self._lifetime
                 self._conns.add(conn)
                 self._nursery.start_soon(self._serve, conn)
 
@@ -370,6 +387,8 @@ class FaultProxy:
                     conn.failed = True
                     return
                 async with trio.open_nursery() as pumps:
+                    if conn.ends_at is not None:
+                        pumps.start_soon(self._expire, conn, conn.ends_at)
                     if conn.upstream is None:  # blackholed from the start: no upstream at all
                         pumps.start_soon(self._guard, conn, self._sink, conn.client)
                     else:
@@ -399,6 +418,13 @@ class FaultProxy:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             conn.failed = True
             conn.scope.cancel()
+
+    @staticmethod
+    async def _expire(conn: _Conn, ends_at: float) -> None:
+        """cut_after: the connection's time is up; _serve resets both sides (RST)."""
+        await trio.sleep_until(ends_at)
+        conn.failed = True
+        conn.scope.cancel()
 
     async def _connect(self, conn: _Conn) -> bool:
         sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -154,6 +154,29 @@ def test_cut_resets_current_connections_and_accepts_new_ones(proxy: FaultProxy) 
     assert proxy.stats().resets == 2
 
 
+def test_cut_after_resets_each_new_connection_that_long_after_it_was_accepted(
+        proxy: FaultProxy) -> None:
+    with connect(proxy) as old:
+        assert echoes(old)  # accepted by the proxy before the change
+        proxy.cut_after(0.3)
+        with connect(proxy) as a:
+            accepted = time.monotonic()
+            assert echoes(a)  # forwarded until its time is up
+            a.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                a.recv(1)
+            assert time.monotonic() - accepted >= 0.3
+        assert echoes(old) and silent(old)  # opened before: left alone
+        with connect(proxy) as b:  # and so is every new one
+            b.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                b.recv(1)
+        proxy.restore()
+        with connect(proxy) as c:
+            assert echoes(c) and silent(c)
+    assert proxy.stats().resets == 2
+
+
 def test_blackhole_is_a_silent_dead_link_until_restored(proxy: FaultProxy) -> None:
     with connect(proxy) as old:
         assert echoes(old)
