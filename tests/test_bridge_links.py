@@ -15,13 +15,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
+from blipmq_server.bridge.plan import Backoff, brief, imports, inbound_rule
 from blipmq_server.bridge.spec import filters_meet, parse_bridges, parse_rule
 from blipmq_server.config import Config
 from blipmq_server.errors import ConfigError
+from tests.faultproxy import FaultProxy
 from tests.pki import broker_tls, make_pki
-from tests.test_bridge import bridge_table, local_numbers, status, wait_status
-from tests.upstream import free_port
+from tests.test_bridge import (
+    KEEPALIVE,
+    bridge_table,
+    local_numbers,
+    publish_numbers,
+    status,
+    wait_status,
+)
+from tests.upstream import Collector, Mosquitto, free_port, wait_until
 
 
 @pytest.mark.parametrize(("text", "local", "remote", "direction", "qos"), [
@@ -239,6 +247,11 @@ def test_backoff_is_jittered_within_its_bounds_and_resets() -> None:
     assert max(waits) > 30 and len({round(w, 3) for w in waits}) > 100  # spread, not fixed
     backoff.reset()
     assert backoff.next() <= 3.0  # from the minimum again
+
+
+def test_a_link_is_brief_within_the_keepalive() -> None:
+    assert brief(1.9, 2) and not brief(2.0, 2) and not brief(3600, 2)
+    assert brief(59, 0) and not brief(60, 0)  # no keepalive: a minute
 
 
 # --------------------------------------------------------------------- real links
@@ -830,3 +843,87 @@ def test_a_bridge_on_a_later_address_goes_back_to_the_first_once_it_answers(
     bp.wait_log(f"leaving 127.0.0.1:{backup.mqtt_port}: the first address answers again")
     assert bp.cli("pub", "sensors/a", "via main", "-q", "1").returncode == 0
     assert local_numbers(main, "sensors/#", 1) == {b"via main"}
+
+
+def _settled(bp, address: str, reconnects: int) -> dict:
+    """The bridge's status once it is linked to ``address`` after ``reconnects`` links."""
+    return wait_status(bp, "cloud", lambda b: b["connected"] and b["address"] == address
+                       and b["reconnects"] >= reconnects, timeout=10)
+
+
+def test_a_first_address_that_drops_each_link_soon_after_it_came_up_is_left(
+        start_broker) -> None:
+    """A first address that took every link (CONNACK, PINGRESP) and dropped it half a second
+    later (a balancer in front of a dying backend) kept the bridge for ever: each lost link
+    that had come up sent it back to the first address, the second was never tried. A link
+    lost within keepalive_s of coming up is a failed attempt on its address now: the next
+    address is tried, and failing back to the first, which drops the link again, doubles
+    the interval of its probes as a refused failback does. Every number arrives."""
+    total = 2000
+    with Mosquitto(extra=["max_queued_messages 0"]) as up, FaultProxy(up.address) as first, \
+            Collector(up.port, "site1/#") as seen:
+        first.cut_after(0.5)
+        second = f"127.0.0.1:{up.port}"
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{first.port}", second], ["sensors/# out 1 '' site1/"])]})
+        publish_numbers(bp, 0, total // 2)
+        _settled(bp, second, 1)
+        line = bp.wait_log(f"link to 127.0.0.1:{first.port} lost 0.")
+        assert "after it came up, within keepalive_s: a failed attempt, the next address" \
+            in line, line
+        publish_numbers(bp, total // 2, total)
+        # 5 s later it fails back (a TCP connect answers), the link is dropped again
+        bp.wait_log(f"leaving {second}: the first address answers again", timeout=10)
+        _settled(bp, second, 3)
+        lost = [x for x in bp.log if f"link to 127.0.0.1:{first.port} lost 0." in x]
+        assert len(lost) == 2, bp.log
+        # ... so the next probe waits 10 s, not 5 (each probe is a connection the proxy takes)
+        tried = first.stats().accepted
+        assert tried == 3, first.stats()  # two links and the probe between them
+        assert not wait_until(lambda: first.stats().accepted > tried, 6.5, interval=0.1)
+        assert seen.wait_distinct(total, 20), seen.tally(total)
+        result = seen.tally(total)
+        assert result.complete and result.duplicates <= 3 * 100, result
+        final = status(bp, "cloud")
+        assert final["address"] == second and final["backlog_messages"] == 0, final
+
+
+def test_a_first_address_that_had_one_outage_is_reconnected_to_first(start_broker) -> None:
+    """A link to the first address that had lasted past keepalive_s and is lost (one
+    outage) sends the bridge to the first address again, as ever: the second one is not
+    tried while the first answers."""
+    with Mosquitto() as up, FaultProxy(up.address) as first, \
+            FaultProxy(up.address) as second, Collector(up.port, "site1/#") as seen:
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"],
+            ["sensors/# out 1 '' site1/"])]})
+        _settled(bp, f"127.0.0.1:{first.port}", 0)
+        came_up = time.monotonic()
+        sent = 0
+        while time.monotonic() - came_up < KEEPALIVE + 0.5 and sent < 5000:  # a link that
+            publish_numbers(bp, sent, sent + 100)  # lasts past the keepalive, carrying these
+            sent += 100
+        first.cut()  # RST: the upstream went away once
+        _settled(bp, f"127.0.0.1:{first.port}", 1)
+        assert second.stats().accepted == 0, second.stats()
+        assert seen.wait_distinct(sent, 20), seen.tally(sent)
+        assert bp.wait_log(f"link to 127.0.0.1:{first.port} lost: ")
+
+
+def test_a_single_address_that_drops_each_link_soon_is_reconnected_to(start_broker) -> None:
+    """With one address, a link lost soon after it came up is followed by a reconnect to
+    that address, after the usual backoff, and what it could not carry goes on the next."""
+    total = 1000
+    with Mosquitto(extra=["max_queued_messages 0"]) as up, FaultProxy(up.address) as only, \
+            Collector(up.port, "site1/#") as seen:
+        only.cut_after(0.5)
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{only.port}"], ["sensors/# out 1 '' site1/"],
+            max_rate=400)]})  # paced: 2.5 s of sending over links of 0.5 s
+        publish_numbers(bp, 0, total)
+        _settled(bp, f"127.0.0.1:{only.port}", 3)
+        line = bp.wait_log(f"link to 127.0.0.1:{only.port} lost 0.")
+        assert "a failed attempt: " in line, line  # no next address to name
+        assert seen.wait_distinct(total, 20), seen.tally(total)
+        assert seen.tally(total).complete
+

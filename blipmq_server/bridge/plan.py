@@ -31,6 +31,15 @@ class Backoff:
         self._last = self.min_s
 
 
+def brief(lasted_s: float, keepalive_s: int) -> bool:
+    """Whether a link the upstream ended ``lasted_s`` after it came up (past its CONNACK and
+    the answer after it) ended so soon that it counts as a failed attempt on its address:
+    within ``keepalive_s`` (60 s with keepalive 0), the time a link takes to prove itself
+    alive. An upstream that takes each link and drops it soon after (a balancer in front of
+    a dying backend) then sends the bridge to the next address, as one that refuses does."""
+    return lasted_s < (keepalive_s or 60)
+
+
 def inbound_rule(rules: tuple[Rule, ...], topic: str) -> Rule | None:
     """The first ``in``/``both`` rule whose remote filter matches an upstream topic."""
     for rule in rules:

@@ -15,7 +15,8 @@ remembered until PUBREL) once durable.
 
 One task per bridge owns its link: connect (with failover across the addresses and
 decorrelated-jitter backoff; up once the upstream answers the PINGREQ sent after its
-CONNACK), then a reader and a writer (the only one that writes the socket). A link
+CONNACK; a link the upstream ends within the keepalive of coming up is a failed attempt
+on its address too), then a reader and a writer (the only one that writes the socket). A link
 silent for 1.5 x the keepalive, or whose oldest PUBLISH waited as long for its PUBACK, is
 dropped and made again.
 """
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from blipmq_server.bridge.plan import Backoff, imports, inbound_rule
+from blipmq_server.bridge.plan import Backoff, brief, imports, inbound_rule
 from blipmq_server.bridge.spec import BridgeSpec, Rule
 from blipmq_server.broker.core import OWES
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError, WalError
@@ -176,6 +177,7 @@ class Bridge:
         self._stored_after = False
         self._quiet = False  # the last link ended so: the next connect is not logged as news
         self._probe_s = _PRIMARY_PROBE_S  # how often the first address is tried (failback)
+        self._up_at = 0.0  # when the last link came up (trio's clock)
 
     # ------------------------------------------------------------------ the core's side
 
@@ -308,13 +310,19 @@ class Bridge:
                     if reason is None and self._retry_plain:
                         self._retry_plain = False
                         reason = await self._attempt(host, port, backoff)
-                    if turn % len(spec.addresses) == 0 and reason is not None:
+                    # a link the upstream dropped soon after it came up failed as a
+                    # refused connect does: the next address next, and no failback to it
+                    lasted = trio.current_time() - self._up_at
+                    short = (reason is not None and reason not in (_UNSTORED, _PRIMARY_BACK)
+                             and brief(lasted, spec.keepalive_s))
+                    if turn % len(spec.addresses) == 0 and reason is not None and not short:
                         self._probe_s = _PRIMARY_PROBE_S  # the first address works
                     elif turn % len(spec.addresses) == 0 and failing_back:  # it did not
                         self._probe_s = min(self._probe_s * 2, _PRIMARY_PROBE_MAX_S)
                     failing_back = reason == _PRIMARY_BACK
-                    if reason is not None:  # it was up: the primary first again
-                        turn = 0
+                    if reason is not None:  # it was up: the primary first again (if it
+                        # lasted; else the next address, as after a refused connect)
+                        turn = turn + 1 if short else 0
                         self.counters["reconnects"] += 1
                         self._quiet = reason == _UNSTORED and self._unstored_said is not None
                         if self._quiet:
@@ -324,6 +332,14 @@ class Bridge:
                         elif failing_back:
                             log.info("bridge %s: leaving %s: %s", spec.name, self.address,
                                      reason)
+                        elif short:
+                            log.warning("bridge %s: link to %s lost %.1f s after it came up, "
+                                        "within keepalive_s: a failed attempt%s: %s",
+                                        spec.name, self.address, lasted,
+                                        ", the next address is tried"
+                                        if len(spec.addresses) > 1 else "", reason)
+                            reason = (f"{self.address}: lost {lasted:.1f} s after it came "
+                                      f"up: {reason}")
                         else:
                             log.warning("bridge %s: link to %s lost: %s", spec.name,
                                         self.address, reason)
@@ -377,6 +393,7 @@ class Bridge:
                      _why(exc))
             return None
         backoff.reset()  # it answered past its CONNACK (or WELCOME): a link that works
+        self._up_at = trio.current_time()
         self._link = link
         self.connected = True
         self.last_error = ""
