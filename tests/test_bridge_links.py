@@ -927,3 +927,39 @@ def test_a_single_address_that_drops_each_link_soon_is_reconnected_to(start_brok
         assert seen.wait_distinct(total, 20), seen.tally(total)
         assert seen.tally(total).complete
 
+
+def test_failing_back_to_a_blackholed_first_address_costs_one_connect_timeout(
+        start_broker) -> None:
+    """A first address that takes TCP and never answers the CONNECT (blackholed): the
+    failback probe is a TCP connect, which it answers, so the bridge leaves its working
+    link on the second address mid-drain (what was in flight goes back to the group),
+    waits connect_timeout_ms (2 s here) for a CONNACK that never comes, and links to the
+    second again after one backoff wait. Numbers sent across it all arrive, duplicated at
+    most one window (what was in flight when the link was left)."""
+    total = 3000
+    with Mosquitto(extra=["max_queued_messages 0"]) as up, FaultProxy(up.address) as first, \
+            FaultProxy(up.address) as backup, Collector(up.port, "site1/#") as seen:
+        first.refuse()
+        backup.delay(50)  # a distant upstream: a few dozen PUBLISHes wait for their PUBACK
+        second = f"127.0.0.1:{backup.port}"
+        bp = start_broker({"bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{first.port}", second], ["sensors/# out 1 '' site1/"],
+            max_rate=500)]})  # paced: 6 s of draining, across the failback 5 s in
+        _settled(bp, second, 0)
+        first.blackhole()  # listening again: new connections are taken and go silent
+        publish_numbers(bp, 0, total)
+        bp.wait_log(f"leaving {second}: the first address answers again", timeout=10)
+        left = time.monotonic()
+        assert status(bp, "cloud")["backlog_messages"] > 0  # it was draining
+        back = _settled(bp, second, 1)
+        gap = time.monotonic() - left
+        assert 2.0 <= gap <= 2.0 + 1.0 + 1.0, gap  # the timeout, a backoff wait, polling
+        assert back["connect_failures"] == 2, back  # the refused start and the failback
+        tries = [x for x in bp.log if f"cannot connect to 127.0.0.1:{first.port}: " in x]
+        assert len(tries) == 2 and "timed out" in tries[1], tries
+        assert seen.wait_distinct(total, 20), seen.tally(total)
+        result = seen.tally(total)
+        final = status(bp, "cloud")
+        assert result.complete and result.duplicates <= 100, result
+        assert final["address"] == second and final["forwarded"] == total, final
+        assert 0 < final["redelivered"] <= 100, final  # the window in flight when it left
