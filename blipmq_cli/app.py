@@ -100,9 +100,10 @@ def pub(
         "-r", "--retain", help="Keep as the topic's last value for new subscribers "
         "(an empty message clears it)")] = False,
     reconnect_for: Annotated[str | None, typer.Option(
-        "--reconnect-for", help="With -l: after a lost connection (a broker restart), try to "
-        "connect again for this long, then send every line not yet confirmed again; 0 exits "
-        "at once \\[default: 60s]", show_default=False)] = None,
+        "--reconnect-for", help="With -l: when the broker cannot be reached at the "
+        "start or the connection is lost (a broker restart), try to connect again for this "
+        "long and send what was not confirmed again; then exit 3. 0 exits at once "
+        "\\[default: 60s]", show_default=False)] = None,
     ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,

@@ -21,13 +21,18 @@ from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, for_error, terminated
 from blipmq_cli.literal import visible
 from blipmq_cli.output import TemplateError, writer
-from blipmq_server.errors import BlipError, BrokerError, ConnectError
+from blipmq_server.errors import BlipError, BrokerError, ConnectError, TlsError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
 from blipmq_server.protocol.connection import Reconnect
 
 _READ = 1 << 16
-RECONNECT_FOR = "60s"  # pub -l: how long it tries to reconnect after a lost connection
-_BACKOFF_S = (0.1, 2.0)  # pub -l: the first and the longest pause between attempts
+# pub -l: how long it tries to connect again after a lost connection, or to
+# connect at all when the broker is not up yet
+RECONNECT_FOR = "60s"
+_BACKOFF_S = (0.1, 2.0)  # the first and the longest pause between attempts
+# refusals of a handshake that a broker not yet (or no longer) ready gives: dialled again;
+# any other (a bad API key, a version it does not speak) is final
+_NOT_READY = (ErrorCode.SHUTTING_DOWN, ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.TIMEOUT)
 
 
 class UsageError(Exception):
@@ -196,6 +201,55 @@ def _reconnect_policy(text: str) -> Reconnect | None:
                      maximum=maximum, jitter=0.2)
 
 
+def _transient(exc: BaseException) -> bool:
+    """Whether a failed first connection may succeed when dialled again: the broker not
+    reachable (yet), silent, or not ready (``_NOT_READY``). A TLS failure, a refused API key
+    and a bad address are final."""
+    if isinstance(exc, TlsError):
+        return False
+    if isinstance(exc, BrokerError):
+        return exc.code in _NOT_READY
+    return isinstance(exc, (ConnectError, TimeoutError))
+
+
+def _connect(
+    addr: str | None, api_key: str | None, reconnect: Reconnect | None, window: str = "",
+    pause: Callable[[float], object] = time.sleep, **callbacks: Callable[..., object],
+) -> Client:
+    """``connect_from_env`` with ``reconnect`` for the client's lost connections. With a
+    policy, a broker that cannot be reached when the command starts (not up yet, restarting)
+    is dialled again in the same way, with the same pauses (``pause``), saying so on stderr
+    (``window``: the ``--reconnect-for`` it stands for); ConnectError once the attempts are
+    spent, saying how long it tried. A final refusal (``_transient``) is raised at once."""
+    def dial() -> Client:
+        return connect_from_env(addr, api_key, reconnect=reconnect or False, pause=pause,
+                                **callbacks)  # type: ignore[arg-type]
+
+    began = time.monotonic()
+    try:
+        return dial()
+    except (BlipError, TimeoutError) as exc:
+        if reconnect is None or not _transient(exc):
+            raise
+        error: BaseException = exc
+    import random
+
+    say(f"{error}; trying again for up to {window}")
+    for attempt in range(reconnect.attempts):
+        pause(reconnect.delay(attempt, random.random()))
+        try:
+            client = dial()
+        except (BlipError, TimeoutError) as exc:
+            if not _transient(exc):
+                raise
+            error = exc
+            continue
+        say(f"connected to {client.addr}")
+        return client
+    raise ConnectError(f"gave up connecting after {time.monotonic() - began:.1f} s "
+                       f"({reconnect.attempts + 1} attempts): {error}")
+
+
 def pub(
     topic: str | None,
     message: str | None,
@@ -215,8 +269,8 @@ def pub(
 ) -> int:
     """``pub TOPIC MESSAGE``, or mosquitto's spelling ``pub -t TOPIC -m MESSAGE``; the
     message may instead come from stdin (``-``, ``-s``), stdin's lines (``-l``) or a file
-    (``-f``). With ``-l`` a lost connection is dialled again for up to ``reconnect_for``
-    (``RECONNECT_FOR`` by default)."""
+    (``-f``). With ``-l`` a lost connection, or a broker not reachable yet, is dialled
+    again for up to ``reconnect_for`` (``RECONNECT_FOR`` by default)."""
     given = [a for a in (topic, message) if a is not None]
     if topic_opt is None:
         if not given:
@@ -237,8 +291,10 @@ def pub(
         raise UsageError("--reconnect-for is for -l/--lines (one message is sent at once)")
     ttl_ms = _ttl_ms(ttl)
     if lines:
-        policy = _reconnect_policy(RECONNECT_FOR if reconnect_for is None else reconnect_for)
-        return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain, policy)
+        window = RECONNECT_FOR if reconnect_for is None else reconnect_for
+        policy = _reconnect_policy(window)
+        return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain, policy,
+                          window)
     if message_opt is None and not stdin:
         raise UsageError("give a message, '-' or -s for stdin, -l for stdin's lines, or "
                          "-f FILE")
@@ -381,11 +437,13 @@ class _Tally:
 
 def _pub_lines(
     topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None,
-    retain: bool = False, reconnect: Reconnect | None = None,
+    retain: bool = False, reconnect: Reconnect | None = None, window: str = RECONNECT_FOR,
 ) -> int:
     """Each line of stdin as a message, as the lines come. With ``reconnect``, a lost
     connection (a broker restart) is dialled again and the lines not yet confirmed are sent
-    again (``Client``'s reconnect: at least once, in order)."""
+    again (``Client``'s reconnect: at least once, in order); so is a broker that cannot be
+    reached yet when it starts (``_connect``: stdin is read meanwhile, as during a
+    reconnect's pauses)."""
     lines = _Lines(_stdin())
     tally = _Tally(lines)
 
@@ -393,12 +451,18 @@ def _pub_lines(
         tally.lost(error)
         say(f"{error}; reconnecting")
 
-    client = connect_from_env(addr, api_key, reconnect=reconnect or False, on_disconnect=lost,
-                              on_reconnect=lambda where: tally.back(qos), pause=lines.pause)
-    tally.client = client
     # with QoS 1, SIGTERM (a supervisor, `timeout`) says how far it got, as Ctrl-C does
     old = signal.signal(signal.SIGTERM, terminated) if qos else None
     try:
+        try:
+            client = _connect(addr, api_key, reconnect, window, lines.pause,
+                              on_disconnect=lost, on_reconnect=lambda where: tally.back(qos))
+        except ConnectError as exc:
+            if reconnect is None or isinstance(exc, TlsError):
+                raise
+            # gave up connecting: whatever stdin brought meanwhile was never sent
+            raise ConnectError(f"{exc}; {tally.note()}") from None
+        tally.client = client
         with client:
             plain = ttl == 0 and qos == 0 and key is None and not retain
             limit = client.max_message
@@ -422,7 +486,7 @@ def _pub_lines(
                                       f"bytes, the broker's limit{gone}")
                 client.check()
     except (BrokerError, ConnectError) as exc:
-        if not qos:
+        if not qos or tally.client is None:  # not connected: said above, or refused at once
             raise
         # say how far we got: every confirmed message is stored
         if isinstance(exc, BrokerError):

@@ -5,7 +5,9 @@ Real broker processes on one port and data directory, the real CLI, a real pipe.
 
 from __future__ import annotations
 
+import os
 import re
+import select
 import signal
 import subprocess
 import time
@@ -163,3 +165,92 @@ def test_pub_lines_counts_an_unfinished_last_line_as_not_sent(start_broker) -> N
     err = pub.stderr.read().decode() if pub.stderr else ""
     assert rc == Exit.UNREACHABLE, err
     assert re.search(r"; [0-2] of 3 line\(s\) confirmed; 1 not sent$", err.splitlines()[-1]), err
+
+
+def _wait_stderr(proc: subprocess.Popen[bytes], text: str, timeout: float = 15) -> str:
+    """What ``proc`` wrote on stderr until a line holding ``text`` (its readiness)."""
+    assert proc.stderr is not None
+    fd, seen = proc.stderr.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while text.encode() not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0 and proc.poll() is None, f"no {text!r} on stderr: {seen!r}"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 4096)
+            assert chunk, f"stderr ended without {text!r}: {seen!r}"
+            seen += chunk
+    return seen.decode()
+
+
+def _down(start_broker):
+    """A broker started and stopped: its port and data directory, nobody listening."""
+    b = start_broker()
+    assert b.stop() == 0
+    return b
+
+
+@pytest.mark.parametrize("qos", ["0", "1"])
+def test_pub_lines_waits_for_a_broker_not_up_yet(start_broker, qos: str) -> None:
+    """A producer started before the broker (boot order, a restart at that moment): `pub -l`
+    dials again within --reconnect-for and every line arrives (was: exit 3 at once, the
+    lines lost)."""
+    b = _down(start_broker)
+    pub = b.spawn("pub", "rs/t", "-l", "-q", qos)
+    assert pub.stdin is not None
+    lines = [b"line%d" % i for i in range(1, 41)]
+    pub.stdin.write(b"".join(x + b"\n" for x in lines[:20]))
+    pub.stdin.flush()
+    try:
+        err = _wait_stderr(pub, "trying again")
+        b2 = start_broker({"server": {"port": b.port}}, data_dir=b.data_dir)
+        pub.stdin.write(b"".join(x + b"\n" for x in lines[20:]))
+        pub.stdin.close()
+        rc = pub.wait(30)
+    finally:
+        pub.kill()
+    err += pub.stderr.read().decode() if pub.stderr else ""
+    assert rc == Exit.OK, err
+    assert err == (f"blipmq: cannot connect to 127.0.0.1:{b.port}: Connection refused; trying "
+                   f"again for up to 60s\nblipmq: connected to 127.0.0.1:{b.port}\n"), err
+    res = b2.cli("sub", "rs/t", "--from", "earliest", "-e")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == lines
+
+
+def test_pub_lines_gives_up_on_a_broker_that_never_comes(start_broker) -> None:
+    b = _down(start_broker)
+    began = time.monotonic()
+    res = subprocess.run([BLIPMQ, "pub", "rs/t", "-l", "-q", "1", "--reconnect-for", "2s"],
+                         input=b"one\ntwo\n", capture_output=True, env=b.env, timeout=30)
+    assert res.returncode == Exit.UNREACHABLE, res
+    assert 1 < time.monotonic() - began < 15
+    err = res.stderr.decode().splitlines()
+    assert len(err) == 2, err  # the note that it tries again, the one-line error
+    assert re.fullmatch(r"blipmq: gave up connecting after \d+\.\d s \(\d+ attempts\): cannot "
+                        rf"connect to 127\.0\.0\.1:{b.port}: Connection refused; 0 of 2 "
+                        r"line\(s\) confirmed; 2 not sent", err[1]), err
+    # --reconnect-for 0: exit 3 at once, as before
+    res = subprocess.run([BLIPMQ, "pub", "rs/t", "-l", "-q", "1", "--reconnect-for", "0"],
+                         input=b"one\n", capture_output=True, env=b.env, timeout=30)
+    assert res.returncode == Exit.UNREACHABLE, res
+    assert res.stderr.decode() == (f"blipmq: cannot connect to 127.0.0.1:{b.port}: "
+                                   "Connection refused\n"), res.stderr
+
+
+def test_pub_lines_does_not_retry_a_refused_key(start_broker) -> None:
+    """Not reachable yet is dialled again; a refused API key, once the broker answers, is
+    final: exit 5 at once, not after --reconnect-for."""
+    b = _down(start_broker)
+    pub = b.spawn("pub", "rs/t", "-l", "-q", "1", BLIPMQ_API_KEY="wrong")
+    try:
+        _wait_stderr(pub, "trying again")
+        start_broker({"server": {"port": b.port}, "auth": {"api_keys": ["s3cret"]}},
+                     data_dir=b.data_dir)
+        rc = pub.wait(20)  # well within the 60 s of --reconnect-for
+    finally:
+        pub.kill()
+        assert pub.stdin is not None
+        pub.stdin.close()
+    err = pub.stderr.read().decode() if pub.stderr else ""
+    assert rc == Exit.AUTH, err
+    assert err.count("\n") == 1, err  # after the note that it tries again, one line
