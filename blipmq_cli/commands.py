@@ -7,6 +7,7 @@ module level: ``blipmq pub`` must start fast.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -26,7 +27,7 @@ from blipmq_server.protocol.codec import ErrorCode, Message, Start
 from blipmq_server.protocol.connection import Reconnect
 
 _READ = 1 << 16
-# pub -l: how long it tries to connect again after a lost connection, or to
+# pub -l and pubfile: how long they try to connect again after a lost connection, or to
 # connect at all when the broker is not up yet
 RECONNECT_FOR = "60s"
 _BACKOFF_S = (0.1, 2.0)  # the first and the longest pause between attempts
@@ -269,8 +270,9 @@ def pub(
 ) -> int:
     """``pub TOPIC MESSAGE``, or mosquitto's spelling ``pub -t TOPIC -m MESSAGE``; the
     message may instead come from stdin (``-``, ``-s``), stdin's lines (``-l``) or a file
-    (``-f``). With ``-l`` a lost connection, or a broker not reachable yet, is dialled
-    again for up to ``reconnect_for`` (``RECONNECT_FOR`` by default)."""
+    (``-f``, which is ``pubfile``). With ``-l`` a lost connection, or a broker not reachable
+    yet, is dialled again for up to ``reconnect_for`` (``RECONNECT_FOR`` by default; for
+    ``-f``, ``pubfile``'s)."""
     given = [a for a in (topic, message) if a is not None]
     if topic_opt is None:
         if not given:
@@ -286,9 +288,10 @@ def pub(
         raise UsageError(f"give one of {' and '.join(sources)}")
     if path is not None:
         return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key,
-                       retain=retain)
+                       retain=retain, reconnect_for=reconnect_for)
     if reconnect_for is not None and not lines:
-        raise UsageError("--reconnect-for is for -l/--lines (one message is sent at once)")
+        raise UsageError("--reconnect-for is for -l/--lines and -f/--file (a message given "
+                         "here is sent at once)")
     ttl_ms = _ttl_ms(ttl)
     if lines:
         window = RECONNECT_FOR if reconnect_for is None else reconnect_for
@@ -520,30 +523,100 @@ def pubfile(
     qos: int = 0,
     key: str | None = None,
     retain: bool = False,
+    reconnect_for: str | None = None,
 ) -> int:
     """A file's bytes (``-``: all of stdin) as one message; ``retain`` keeps it as the
-    topic's retained value."""
+    topic's retained value.
+
+    A one-shot command: by default a broker it cannot reach, or a lost connection, is one
+    error and exit 3 at once (docs/CLIENT.md: a script wants a clear failure, not a command
+    that waits), the error saying whether the message was confirmed (``_Sent``). The whole
+    message is read before it is sent, so with ``reconnect_for`` it behaves as ``pub -l``:
+    a lost connection or a broker not reachable yet is dialled again for that long and the
+    message is sent again on the new connection unless the broker confirmed it (QoS 1); at
+    QoS 0, which has no confirm, it is sent again whenever a reconnect came after it was
+    handed on and before a PONG proved the broker processed it. At least once: a consumer
+    may see it twice."""
     ttl_ms = _ttl_ms(ttl)
-    stream = _stdin() if path == "-" else None
-    with connect_from_env(addr, api_key) as client:
-        if stream is None:
-            # opened first, so a missing file or a directory is exit 2; read at most the
-            # limit + 1 bytes: a character device, a pipe or a /proc file says size 0
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if stat.S_ISREG(os.fstat(f.fileno()).st_mode) and size > client.max_message:
-                    raise BrokerError(
-                        ErrorCode.MESSAGE_TOO_LARGE,
-                        f"{path} is {size} bytes, over the broker's limit of "
-                        f"{client.max_message}")
-                data = _read_bounded(f.fileno(), client, path)
-        else:
-            data = _read_bounded(stream.fileno(), client, "stdin")
-        if stderr_is_terminal() and len(data) >= 1 << 20:
-            _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path, retain)
-        else:
-            client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)
+    window = "0" if reconnect_for is None else reconnect_for
+    policy = _reconnect_policy(window)
+    sent = _Sent(qos)
+
+    def lost(error: BlipError) -> None:
+        say(f"{error}; reconnecting")
+
+    def back(where: str) -> None:
+        again = "; the message is sent again" if sent.read and not sent.confirmed else ""
+        say(f"reconnected to {where}{again}")
+
+    with contextlib.ExitStack() as files:
+        # opened before connecting, so a missing file or a directory is exit 2 at once
+        fd = _stdin().fileno() if path == "-" else files.enter_context(
+            open(path, "rb", buffering=0)).fileno()
+        try:
+            client = _connect(addr, api_key, policy, window, on_disconnect=lost,
+                              on_reconnect=back)
+        except ConnectError as exc:
+            if policy is None or isinstance(exc, TlsError):
+                raise
+            raise ConnectError(f"{exc}; {sent.note()}") from None
+        try:
+            with client:
+                data = _read_file(fd, client, path)
+                sent.read = True
+                while True:
+                    before = client.reconnects
+                    if stderr_is_terminal() and len(data) >= 1 << 20:
+                        _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path,
+                                            retain)
+                    else:
+                        client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key),
+                                       retain=retain)
+                    client.flush()  # QoS 1: confirmed; the PONG: processed
+                    sent.confirmed = True
+                    if qos or client.reconnects == before:
+                        break
+                    sent.confirmed = False  # QoS 0 across a reconnect: perhaps lost
+        except (BrokerError, ConnectError, TimeoutError) as exc:
+            if isinstance(exc, BrokerError) and exc.code == ErrorCode.MESSAGE_TOO_LARGE:
+                raise
+            # say whether it is stored, so that a user knows whether to send it again
+            if isinstance(exc, BrokerError):
+                raise BrokerError(exc.code, f"{exc.text}; {sent.note()}") from None
+            raise type(exc)(f"{exc}; {sent.note()}") from None
     return Exit.OK
+
+
+def _read_file(fd: int, client: Client, path: str) -> bytes:
+    """``pubfile``'s input, up to the broker's limit: a regular file over it is refused at
+    once (exit 6); a character device, a pipe or a /proc file says size 0, so at most the
+    limit + 1 bytes are read (``_read_bounded``)."""
+    if path == "-":
+        return _read_bounded(fd, client, "stdin")
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_size > client.max_message:
+        raise BrokerError(ErrorCode.MESSAGE_TOO_LARGE,
+                          f"{path} is {st.st_size} bytes, over the broker's limit of "
+                          f"{client.max_message}")
+    return _read_bounded(fd, client, path)
+
+
+class _Sent:
+    """How far ``pubfile`` got with its one message, for the line an error ends with."""
+
+    def __init__(self, qos: int) -> None:
+        self.qos = qos
+        self.read = False  # the whole message is read: it is being sent
+        self.confirmed = False  # confirmed durable (QoS 1), or processed (QoS 0's PONG)
+
+    def note(self) -> str:
+        if not self.read:
+            return "0 of 1 message(s) confirmed; 1 not sent"
+        if self.confirmed:
+            return "1 of 1 message(s) confirmed" if self.qos else "the message was published"
+        if self.qos:
+            return "0 of 1 message(s) confirmed (it may be stored: send it again to be sure)"
+        return "QoS 0: the message may or may not be stored (-q 1 confirms it)"
 
 
 def _send_with_progress(
