@@ -100,9 +100,10 @@ def pub(
         "-r", "--retain", help="Keep as the topic's last value for new subscribers "
         "(an empty message clears it)")] = False,
     reconnect_for: Annotated[str | None, typer.Option(
-        "--reconnect-for", help="With -l: after a lost connection (a broker restart), try to "
-        "connect again for this long, then send every line not yet confirmed again; 0 exits "
-        "at once \\[default: 60s]", show_default=False)] = None,
+        "--reconnect-for", help="With -l (or -f): when the broker cannot be reached at the "
+        "start or the connection is lost (a broker restart), try to connect again for this "
+        "long and send what was not confirmed again; then exit 3. 0 exits at once "
+        "\\[default: 60s with -l, 0 with -f]", show_default=False)] = None,
     ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
@@ -129,6 +130,11 @@ def pubfile(
     path: Annotated[str, typer.Argument(help="File to send as one binary message ('-': stdin)")],
     retain: Annotated[bool, typer.Option(
         "-r", "--retain", help="Keep as the topic's last value for new subscribers")] = False,
+    reconnect_for: Annotated[str | None, typer.Option(
+        "--reconnect-for", help="When the broker cannot be reached at the start or the "
+        "connection is lost (a broker restart), try to connect again for this long and send "
+        "the message again unless it was confirmed; then exit 3. 0 exits at once "
+        "\\[default: 0]", show_default=False)] = None,
     ttl: Ttl = None,
     qos: Qos = 0,
     key: Key = None,
@@ -143,7 +149,8 @@ def pubfile(
     """Publish a file's bytes as one message (binary-safe)."""
     addr = commands.tls_options(addr, tls, cafile, cert, cert_key, insecure)
     _exit(commands.guarded(lambda: commands.pubfile(
-        topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, retain=retain
+        topic, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key, retain=retain,
+        reconnect_for=reconnect_for,
     )))
 
 

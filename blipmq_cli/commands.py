@@ -7,6 +7,7 @@ module level: ``blipmq pub`` must start fast.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -21,13 +22,18 @@ from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, for_error, terminated
 from blipmq_cli.literal import visible
 from blipmq_cli.output import TemplateError, writer
-from blipmq_server.errors import BlipError, BrokerError, ConnectError
+from blipmq_server.errors import BlipError, BrokerError, ConnectError, TlsError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
 from blipmq_server.protocol.connection import Reconnect
 
 _READ = 1 << 16
-RECONNECT_FOR = "60s"  # pub -l: how long it tries to reconnect after a lost connection
-_BACKOFF_S = (0.1, 2.0)  # pub -l: the first and the longest pause between attempts
+# pub -l and pubfile: how long they try to connect again after a lost connection, or to
+# connect at all when the broker is not up yet
+RECONNECT_FOR = "60s"
+_BACKOFF_S = (0.1, 2.0)  # the first and the longest pause between attempts
+# refusals of a handshake that a broker not yet (or no longer) ready gives: dialled again;
+# any other (a bad API key, a version it does not speak) is final
+_NOT_READY = (ErrorCode.SHUTTING_DOWN, ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.TIMEOUT)
 
 
 class UsageError(Exception):
@@ -196,6 +202,55 @@ def _reconnect_policy(text: str) -> Reconnect | None:
                      maximum=maximum, jitter=0.2)
 
 
+def _transient(exc: BaseException) -> bool:
+    """Whether a failed first connection may succeed when dialled again: the broker not
+    reachable (yet), silent, or not ready (``_NOT_READY``). A TLS failure, a refused API key
+    and a bad address are final."""
+    if isinstance(exc, TlsError):
+        return False
+    if isinstance(exc, BrokerError):
+        return exc.code in _NOT_READY
+    return isinstance(exc, (ConnectError, TimeoutError))
+
+
+def _connect(
+    addr: str | None, api_key: str | None, reconnect: Reconnect | None, window: str = "",
+    pause: Callable[[float], object] = time.sleep, **callbacks: Callable[..., object],
+) -> Client:
+    """``connect_from_env`` with ``reconnect`` for the client's lost connections. With a
+    policy, a broker that cannot be reached when the command starts (not up yet, restarting)
+    is dialled again in the same way, with the same pauses (``pause``), saying so on stderr
+    (``window``: the ``--reconnect-for`` it stands for); ConnectError once the attempts are
+    spent, saying how long it tried. A final refusal (``_transient``) is raised at once."""
+    def dial() -> Client:
+        return connect_from_env(addr, api_key, reconnect=reconnect or False, pause=pause,
+                                **callbacks)  # type: ignore[arg-type]
+
+    began = time.monotonic()
+    try:
+        return dial()
+    except (BlipError, TimeoutError) as exc:
+        if reconnect is None or not _transient(exc):
+            raise
+        error: BaseException = exc
+    import random
+
+    say(f"{error}; trying again for up to {window}")
+    for attempt in range(reconnect.attempts):
+        pause(reconnect.delay(attempt, random.random()))
+        try:
+            client = dial()
+        except (BlipError, TimeoutError) as exc:
+            if not _transient(exc):
+                raise
+            error = exc
+            continue
+        say(f"connected to {client.addr}")
+        return client
+    raise ConnectError(f"gave up connecting after {time.monotonic() - began:.1f} s "
+                       f"({reconnect.attempts + 1} attempts): {error}")
+
+
 def pub(
     topic: str | None,
     message: str | None,
@@ -215,8 +270,9 @@ def pub(
 ) -> int:
     """``pub TOPIC MESSAGE``, or mosquitto's spelling ``pub -t TOPIC -m MESSAGE``; the
     message may instead come from stdin (``-``, ``-s``), stdin's lines (``-l``) or a file
-    (``-f``). With ``-l`` a lost connection is dialled again for up to ``reconnect_for``
-    (``RECONNECT_FOR`` by default)."""
+    (``-f``, which is ``pubfile``). With ``-l`` a lost connection, or a broker not reachable
+    yet, is dialled again for up to ``reconnect_for`` (``RECONNECT_FOR`` by default; for
+    ``-f``, ``pubfile``'s)."""
     given = [a for a in (topic, message) if a is not None]
     if topic_opt is None:
         if not given:
@@ -232,13 +288,16 @@ def pub(
         raise UsageError(f"give one of {' and '.join(sources)}")
     if path is not None:
         return pubfile(topic_opt, path, addr=addr, api_key=api_key, ttl=ttl, qos=qos, key=key,
-                       retain=retain)
+                       retain=retain, reconnect_for=reconnect_for)
     if reconnect_for is not None and not lines:
-        raise UsageError("--reconnect-for is for -l/--lines (one message is sent at once)")
+        raise UsageError("--reconnect-for is for -l/--lines and -f/--file (a message given "
+                         "here is sent at once)")
     ttl_ms = _ttl_ms(ttl)
     if lines:
-        policy = _reconnect_policy(RECONNECT_FOR if reconnect_for is None else reconnect_for)
-        return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain, policy)
+        window = RECONNECT_FOR if reconnect_for is None else reconnect_for
+        policy = _reconnect_policy(window)
+        return _pub_lines(topic_opt, addr, api_key, ttl_ms, qos, _key(key), retain, policy,
+                          window)
     if message_opt is None and not stdin:
         raise UsageError("give a message, '-' or -s for stdin, -l for stdin's lines, or "
                          "-f FILE")
@@ -381,11 +440,13 @@ class _Tally:
 
 def _pub_lines(
     topic: str, addr: str | None, api_key: str | None, ttl: int, qos: int, key: bytes | None,
-    retain: bool = False, reconnect: Reconnect | None = None,
+    retain: bool = False, reconnect: Reconnect | None = None, window: str = RECONNECT_FOR,
 ) -> int:
     """Each line of stdin as a message, as the lines come. With ``reconnect``, a lost
     connection (a broker restart) is dialled again and the lines not yet confirmed are sent
-    again (``Client``'s reconnect: at least once, in order)."""
+    again (``Client``'s reconnect: at least once, in order); so is a broker that cannot be
+    reached yet when it starts (``_connect``: stdin is read meanwhile, as during a
+    reconnect's pauses)."""
     lines = _Lines(_stdin())
     tally = _Tally(lines)
 
@@ -393,12 +454,18 @@ def _pub_lines(
         tally.lost(error)
         say(f"{error}; reconnecting")
 
-    client = connect_from_env(addr, api_key, reconnect=reconnect or False, on_disconnect=lost,
-                              on_reconnect=lambda where: tally.back(qos), pause=lines.pause)
-    tally.client = client
     # with QoS 1, SIGTERM (a supervisor, `timeout`) says how far it got, as Ctrl-C does
     old = signal.signal(signal.SIGTERM, terminated) if qos else None
     try:
+        try:
+            client = _connect(addr, api_key, reconnect, window, lines.pause,
+                              on_disconnect=lost, on_reconnect=lambda where: tally.back(qos))
+        except ConnectError as exc:
+            if reconnect is None or isinstance(exc, TlsError):
+                raise
+            # gave up connecting: whatever stdin brought meanwhile was never sent
+            raise ConnectError(f"{exc}; {tally.note()}") from None
+        tally.client = client
         with client:
             plain = ttl == 0 and qos == 0 and key is None and not retain
             limit = client.max_message
@@ -422,7 +489,7 @@ def _pub_lines(
                                       f"bytes, the broker's limit{gone}")
                 client.check()
     except (BrokerError, ConnectError) as exc:
-        if not qos:
+        if not qos or tally.client is None:  # not connected: said above, or refused at once
             raise
         # say how far we got: every confirmed message is stored
         if isinstance(exc, BrokerError):
@@ -456,30 +523,100 @@ def pubfile(
     qos: int = 0,
     key: str | None = None,
     retain: bool = False,
+    reconnect_for: str | None = None,
 ) -> int:
     """A file's bytes (``-``: all of stdin) as one message; ``retain`` keeps it as the
-    topic's retained value."""
+    topic's retained value.
+
+    A one-shot command: by default a broker it cannot reach, or a lost connection, is one
+    error and exit 3 at once (docs/CLIENT.md: a script wants a clear failure, not a command
+    that waits), the error saying whether the message was confirmed (``_Sent``). The whole
+    message is read before it is sent, so with ``reconnect_for`` it behaves as ``pub -l``:
+    a lost connection or a broker not reachable yet is dialled again for that long and the
+    message is sent again on the new connection unless the broker confirmed it (QoS 1); at
+    QoS 0, which has no confirm, it is sent again whenever a reconnect came after it was
+    handed on and before a PONG proved the broker processed it. At least once: a consumer
+    may see it twice."""
     ttl_ms = _ttl_ms(ttl)
-    stream = _stdin() if path == "-" else None
-    with connect_from_env(addr, api_key) as client:
-        if stream is None:
-            # opened first, so a missing file or a directory is exit 2; read at most the
-            # limit + 1 bytes: a character device, a pipe or a /proc file says size 0
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if stat.S_ISREG(os.fstat(f.fileno()).st_mode) and size > client.max_message:
-                    raise BrokerError(
-                        ErrorCode.MESSAGE_TOO_LARGE,
-                        f"{path} is {size} bytes, over the broker's limit of "
-                        f"{client.max_message}")
-                data = _read_bounded(f.fileno(), client, path)
-        else:
-            data = _read_bounded(stream.fileno(), client, "stdin")
-        if stderr_is_terminal() and len(data) >= 1 << 20:
-            _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path, retain)
-        else:
-            client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key), retain=retain)
+    window = "0" if reconnect_for is None else reconnect_for
+    policy = _reconnect_policy(window)
+    sent = _Sent(qos)
+
+    def lost(error: BlipError) -> None:
+        say(f"{error}; reconnecting")
+
+    def back(where: str) -> None:
+        again = "; the message is sent again" if sent.read and not sent.confirmed else ""
+        say(f"reconnected to {where}{again}")
+
+    with contextlib.ExitStack() as files:
+        # opened before connecting, so a missing file or a directory is exit 2 at once
+        fd = _stdin().fileno() if path == "-" else files.enter_context(
+            open(path, "rb", buffering=0)).fileno()
+        try:
+            client = _connect(addr, api_key, policy, window, on_disconnect=lost,
+                              on_reconnect=back)
+        except ConnectError as exc:
+            if policy is None or isinstance(exc, TlsError):
+                raise
+            raise ConnectError(f"{exc}; {sent.note()}") from None
+        try:
+            with client:
+                data = _read_file(fd, client, path)
+                sent.read = True
+                while True:
+                    before = client.reconnects
+                    if stderr_is_terminal() and len(data) >= 1 << 20:
+                        _send_with_progress(client, topic, data, ttl_ms, qos, _key(key), path,
+                                            retain)
+                    else:
+                        client.publish(topic, data, qos=qos, ttl_ms=ttl_ms, key=_key(key),
+                                       retain=retain)
+                    client.flush()  # QoS 1: confirmed; the PONG: processed
+                    sent.confirmed = True
+                    if qos or client.reconnects == before:
+                        break
+                    sent.confirmed = False  # QoS 0 across a reconnect: perhaps lost
+        except (BrokerError, ConnectError, TimeoutError) as exc:
+            if isinstance(exc, BrokerError) and exc.code == ErrorCode.MESSAGE_TOO_LARGE:
+                raise
+            # say whether it is stored, so that a user knows whether to send it again
+            if isinstance(exc, BrokerError):
+                raise BrokerError(exc.code, f"{exc.text}; {sent.note()}") from None
+            raise type(exc)(f"{exc}; {sent.note()}") from None
     return Exit.OK
+
+
+def _read_file(fd: int, client: Client, path: str) -> bytes:
+    """``pubfile``'s input, up to the broker's limit: a regular file over it is refused at
+    once (exit 6); a character device, a pipe or a /proc file says size 0, so at most the
+    limit + 1 bytes are read (``_read_bounded``)."""
+    if path == "-":
+        return _read_bounded(fd, client, "stdin")
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_size > client.max_message:
+        raise BrokerError(ErrorCode.MESSAGE_TOO_LARGE,
+                          f"{path} is {st.st_size} bytes, over the broker's limit of "
+                          f"{client.max_message}")
+    return _read_bounded(fd, client, path)
+
+
+class _Sent:
+    """How far ``pubfile`` got with its one message, for the line an error ends with."""
+
+    def __init__(self, qos: int) -> None:
+        self.qos = qos
+        self.read = False  # the whole message is read: it is being sent
+        self.confirmed = False  # confirmed durable (QoS 1), or processed (QoS 0's PONG)
+
+    def note(self) -> str:
+        if not self.read:
+            return "0 of 1 message(s) confirmed; 1 not sent"
+        if self.confirmed:
+            return "1 of 1 message(s) confirmed" if self.qos else "the message was published"
+        if self.qos:
+            return "0 of 1 message(s) confirmed (it may be stored: send it again to be sure)"
+        return "QoS 0: the message may or may not be stored (-q 1 confirms it)"
 
 
 def _send_with_progress(

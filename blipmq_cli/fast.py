@@ -147,6 +147,7 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("topic")
         p.add_argument("path")
         p.add_argument("-r", "--retain", action="store_true")
+        p.add_argument("--reconnect-for", dest="reconnect_for", default=None)
         _pub_opts(p)
     elif command == "sub":
         p.add_argument("topics", nargs="*")

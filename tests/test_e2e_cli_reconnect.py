@@ -5,7 +5,9 @@ Real broker processes on one port and data directory, the real CLI, a real pipe.
 
 from __future__ import annotations
 
+import os
 import re
+import select
 import signal
 import subprocess
 import time
@@ -163,3 +165,164 @@ def test_pub_lines_counts_an_unfinished_last_line_as_not_sent(start_broker) -> N
     err = pub.stderr.read().decode() if pub.stderr else ""
     assert rc == Exit.UNREACHABLE, err
     assert re.search(r"; [0-2] of 3 line\(s\) confirmed; 1 not sent$", err.splitlines()[-1]), err
+
+
+def _wait_stderr(proc: subprocess.Popen[bytes], text: str, timeout: float = 15) -> str:
+    """What ``proc`` wrote on stderr until a line holding ``text`` (its readiness)."""
+    assert proc.stderr is not None
+    fd, seen = proc.stderr.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while text.encode() not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0 and proc.poll() is None, f"no {text!r} on stderr: {seen!r}"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 4096)
+            assert chunk, f"stderr ended without {text!r}: {seen!r}"
+            seen += chunk
+    return seen.decode()
+
+
+_PAST_PIPE = 150_000  # more bytes than a pipe holds (64 KiB on Linux)
+
+
+def _down(start_broker):
+    """A broker started and stopped: its port and data directory, nobody listening."""
+    b = start_broker()
+    assert b.stop() == 0
+    return b
+
+
+@pytest.mark.parametrize("qos", ["0", "1"])
+def test_pub_lines_waits_for_a_broker_not_up_yet(start_broker, qos: str) -> None:
+    """A producer started before the broker (boot order, a restart at that moment): `pub -l`
+    dials again within --reconnect-for and every line arrives (was: exit 3 at once, the
+    lines lost)."""
+    b = _down(start_broker)
+    pub = b.spawn("pub", "rs/t", "-l", "-q", qos)
+    assert pub.stdin is not None
+    lines = [b"line%d" % i for i in range(1, 41)]
+    pub.stdin.write(b"".join(x + b"\n" for x in lines[:20]))
+    pub.stdin.flush()
+    try:
+        err = _wait_stderr(pub, "trying again")
+        b2 = start_broker({"server": {"port": b.port}}, data_dir=b.data_dir)
+        pub.stdin.write(b"".join(x + b"\n" for x in lines[20:]))
+        pub.stdin.close()
+        rc = pub.wait(30)
+    finally:
+        pub.kill()
+    err += pub.stderr.read().decode() if pub.stderr else ""
+    assert rc == Exit.OK, err
+    assert err == (f"blipmq: cannot connect to 127.0.0.1:{b.port}: Connection refused; trying "
+                   f"again for up to 60s\nblipmq: connected to 127.0.0.1:{b.port}\n"), err
+    res = b2.cli("sub", "rs/t", "--from", "earliest", "-e")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == lines
+
+
+def test_pub_lines_gives_up_on_a_broker_that_never_comes(start_broker) -> None:
+    b = _down(start_broker)
+    began = time.monotonic()
+    res = subprocess.run([BLIPMQ, "pub", "rs/t", "-l", "-q", "1", "--reconnect-for", "2s"],
+                         input=b"one\ntwo\n", capture_output=True, env=b.env, timeout=30)
+    assert res.returncode == Exit.UNREACHABLE, res
+    assert 1 < time.monotonic() - began < 15
+    err = res.stderr.decode().splitlines()
+    assert len(err) == 2, err  # the note that it tries again, the one-line error
+    assert re.fullmatch(r"blipmq: gave up connecting after \d+\.\d s \(\d+ attempts\): cannot "
+                        rf"connect to 127\.0\.0\.1:{b.port}: Connection refused; 0 of 2 "
+                        r"line\(s\) confirmed; 2 not sent", err[1]), err
+    # --reconnect-for 0: exit 3 at once, as before
+    res = subprocess.run([BLIPMQ, "pub", "rs/t", "-l", "-q", "1", "--reconnect-for", "0"],
+                         input=b"one\n", capture_output=True, env=b.env, timeout=30)
+    assert res.returncode == Exit.UNREACHABLE, res
+    assert res.stderr.decode() == (f"blipmq: cannot connect to 127.0.0.1:{b.port}: "
+                                   "Connection refused\n"), res.stderr
+
+
+def test_pub_lines_does_not_retry_a_refused_key(start_broker) -> None:
+    """Not reachable yet is dialled again; a refused API key, once the broker answers, is
+    final: exit 5 at once, not after --reconnect-for."""
+    b = _down(start_broker)
+    pub = b.spawn("pub", "rs/t", "-l", "-q", "1", BLIPMQ_API_KEY="wrong")
+    try:
+        _wait_stderr(pub, "trying again")
+        start_broker({"server": {"port": b.port}, "auth": {"api_keys": ["s3cret"]}},
+                     data_dir=b.data_dir)
+        rc = pub.wait(20)  # well within the 60 s of --reconnect-for
+    finally:
+        pub.kill()
+        assert pub.stdin is not None
+        pub.stdin.close()
+    err = pub.stderr.read().decode() if pub.stderr else ""
+    assert rc == Exit.AUTH, err
+    assert err.count("\n") == 1, err  # after the note that it tries again, one line
+
+
+@pytest.mark.parametrize("qos", ["0", "1"])
+def test_pubfile_goes_on_across_a_broker_killed_mid_file(start_broker, qos: str) -> None:
+    """A broker SIGKILLed and restarted while `pubfile --reconnect-for 30s -` reads its
+    input: the message goes out on the new connection (was: no --reconnect-for, exit 3)."""
+    b = start_broker()
+    payload = bytes(range(256)) * 1000
+    pub = b.spawn("pubfile", "rs/f", "-", "-q", qos, "--reconnect-for", "30s")
+    assert pub.stdin is not None
+    try:
+        # more than a pipe holds: returns once pubfile reads, which it does once connected
+        pub.stdin.write(payload[:_PAST_PIPE])
+        pub.stdin.flush()
+        assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+        b2 = start_broker({"server": {"port": b.port}}, data_dir=b.data_dir)
+        pub.stdin.write(payload[_PAST_PIPE:])
+        pub.stdin.close()
+        rc = pub.wait(30)
+    finally:
+        pub.kill()
+    err = pub.stderr.read().decode() if pub.stderr else ""
+    assert rc == Exit.OK, err
+    assert f"reconnected to 127.0.0.1:{b.port}" in err, err
+    res = b2.cli("sub", "rs/f", "--from", "earliest", "-e", "-N")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout in (payload, payload * 2), len(res.stdout)  # at least once
+
+
+def test_pub_file_waits_for_a_broker_not_up_yet(start_broker, tmp_path) -> None:
+    """`pub -f` (which is pubfile) with --reconnect-for: a broker not up yet is dialled
+    again (was: exit 3 at once; --reconnect-for was ignored with -f)."""
+    b = _down(start_broker)
+    (tmp_path / "fw.bin").write_bytes(b"\x00firmware\xff")
+    pub = b.spawn("pub", "rs/fw", "-f", str(tmp_path / "fw.bin"), "-q", "1", "-r",
+                  "--reconnect-for", "30s")
+    try:
+        _wait_stderr(pub, "trying again")
+        b2 = start_broker({"server": {"port": b.port}}, data_dir=b.data_dir)
+        rc = pub.wait(30)
+    finally:
+        pub.kill()
+        assert pub.stdin is not None
+        pub.stdin.close()
+    assert rc == Exit.OK, pub.stderr.read() if pub.stderr else b""
+    res = b2.cli("sub", "rs/fw", "-C", "1", "-N", "-W", "10s")
+    assert res.returncode == 0 and res.stdout == b"\x00firmware\xff", res
+
+
+def test_pubfile_says_whether_its_message_was_confirmed(start_broker) -> None:
+    """By default (a one-shot command) a lost connection is exit 3 at once, and the error
+    says whether the message was confirmed (was: the lost connection alone)."""
+    b = start_broker()
+    pub = b.spawn("pubfile", "rs/f", "-", "-q", "1")
+    assert pub.stdin is not None
+    try:
+        pub.stdin.write(bytes(_PAST_PIPE))  # returns once pubfile is connected and reads
+        pub.stdin.flush()
+        assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+        pub.stdin.write(b" rest")
+        pub.stdin.close()
+        rc = pub.wait(30)
+    finally:
+        pub.kill()
+    err = pub.stderr.read().decode() if pub.stderr else ""
+    assert rc == Exit.UNREACHABLE, err
+    # found while it read stdin (the socket woke it), or by the publish after stdin's end
+    assert re.fullmatch(r"blipmq: [^\n]+; 0 of 1 message\(s\) confirmed(; 1 not sent| \(it "
+                        r"may be stored: send it again to be sure\))\n", err), err
