@@ -638,6 +638,37 @@ def test_a_retained_publish_past_the_retained_cap_is_delivered_not_closed(
     assert late == ["disc/0/config=kept"], late
 
 
+def test_a_retained_will_past_the_retained_cap_is_published_not_kept(start_broker) -> None:
+    """A retained will that fired while the retained store was full (retained.max_topics)
+    was not published at all ("will ... not published"), where a retained PUBLISH past the
+    cap is delivered without being kept. Now the will follows the same rule: published
+    to its subscribers, not kept as the retained value, counted in
+    blipmq_retained_refused_total and logged at most once a minute."""
+    b = start_broker({**MQTT, "retained": {"max_topics": 1}})
+    watch = Paho(b.mqtt_port, "wcap-watch")
+    assert watch.subscribe(("status/#", 1)) == [1]
+    filler = Raw(b.mqtt_port)
+    assert filler.connect("wcap-filler").code == 0
+    filler.send(Publish("status/filler", b"kept", 1, True, packet_id=1))
+    assert filler.expect(PubAck) == PubAck(1)
+    dev = Raw(b.mqtt_port)
+    assert dev.connect("wcap-dev", will=Will("status/dev", b"offline", 1, True)).code == 0
+    dev.close()  # no DISCONNECT: the will is due
+    got = watch.take(2)
+    assert [(m.topic, m.payload, m.retain) for m in got] == [
+        ("status/filler", b"kept", False), ("status/dev", b"offline", False)]
+    assert mqtt_stats(b)["wills_published"] == 1
+    assert b.metric("blipmq_retained_refused_total") == 1
+    assert b.metric("blipmq_retained_topics") == 1
+    assert b.metric("blipmq_messages_refused_total") == 0
+    lines = [x for x in b.log if "not kept" in x]
+    assert len(lines) == 1 and "'status/dev'" in lines[0], lines
+    assert "retained.max_topics" in lines[0], lines
+    assert not [x for x in b.log if "not published" in x]
+    late = b.cli("sub", "status/#", "-e", "-F", "%t=%p").stdout.decode().split()
+    assert late == ["status/filler=kept"], late
+
+
 def test_a_will_to_a_dollar_topic_is_not_published(start_broker) -> None:
     """A will is a publish by the client: not to the broker's '$' topics either."""
     b = start_broker(MQTT)
