@@ -794,11 +794,10 @@ class MqttSession(Session):
             self.server.mqtt_dropped("reserved_topic")
             return None
         name = topic.encode("utf-8")
-        cap = self.broker.limits.max_topic_bytes
-        if len(name) > cap:
-            self._protocol_error("topic_too_long", f"topic of {len(name)} bytes (the limit is "
-                                 f"{cap}, server.max_topic_bytes)")
-            return CloseReason.PROTOCOL_ERROR
+        if len(name) > self.broker.limits.max_topic_bytes:
+            # not remembered: the core refuses it (INVALID_TOPIC), and ``_refused`` says
+            # what becomes of it
+            return raw_message(name, payload, qos, retain, self.mark)
         if len(self._names) >= _NAMES_KEPT:
             self._names.clear()
         self._names[topic] = name
@@ -902,11 +901,15 @@ class MqttSession(Session):
                  result.unkept_text)
 
     def _refused(self, qos: int, pid: int, refusal: Refusal) -> bool:
-        """A publish the core refused, nothing of it routed or kept (the core counted it).
-        3.1.1 cannot refuse a PUBLISH (MQTT-3.3.5-2: acknowledge it or close): a QoS 0 one
-        is dropped, a QoS 1/2 one the key may not make (FORBIDDEN) acknowledged (after the
-        earlier publishes', MQTT-4.6.0-2, -3) and dropped; any other QoS 1/2 refusal
-        closes the connection: True."""
+        """A publish the core refused, nothing of it routed or kept. 3.1.1 cannot refuse a
+        PUBLISH (MQTT-3.3.5-2: acknowledge it or close): a QoS 0 one is dropped; a QoS 1/2
+        one the key may not make (FORBIDDEN), or that can never be taken (a topic over
+        ``server.max_topic_bytes``, a payload over ``server.max_message_bytes``), is
+        acknowledged (after the earlier publishes', MQTT-4.6.0-2, -3) and dropped, as
+        mosquitto does: closing instead, the client would resend it at every reconnect
+        and loop, everything it publishes behind it stuck. Any other refusal (QoS 1 without
+        a log) closes the connection: True. Counted, and logged at most once per source
+        address and reason a minute (``hush``)."""
         server = self.server
         code = refusal.code
         if code == ErrorCode.FORBIDDEN:  # acknowledged, not routed (docs/SECURITY.md)
@@ -916,9 +919,18 @@ class MqttSession(Session):
         elif not qos:
             self._dropped(code, refusal.text)
             return False
-        else:
+        elif code not in _ACKED_DROPPED:
             self._protocol_error("refused", f"publish refused: {refusal.text}")
             return True
+        else:
+            reason = code.name.lower()
+            server.mqtt_error("refused")
+            said = server.mqtt_hush.due(self.peer, "acked_dropped:" + reason)
+            if said is not None:
+                log.info("MQTT client %r from %s: QoS %d publish acknowledged and dropped: "
+                         "%s%s; further such drops from there are counted, not logged, for "
+                         "%d s (blipmq_mqtt_protocol_errors_total{reason=\"refused\"})",
+                         self.client_id, self.peer, qos, refusal.text, _since(said), EVERY_S)
         if qos:
             self._once_durable(self._appended(), pid, (PubAck if qos == 1 else PubRec)(pid))
         return False
@@ -1192,6 +1204,8 @@ def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool, mark: int 
 
 
 _HELD = object()  # a publish a full ``block`` queue holds back
+# refusals of a QoS 1/2 publish that a resend can never get past: acknowledged and dropped
+_ACKED_DROPPED = frozenset((ErrorCode.INVALID_TOPIC, ErrorCode.MESSAGE_TOO_LARGE))
 _OWNERS_KEPT = 4096  # topics whose delivering subscription is remembered
 _NAMES_KEPT = 1024  # topics a connection remembers having checked
 # a message record's flags by MQTT QoS and retain
