@@ -142,3 +142,30 @@ def test_a_backlog_waiting_upstream_comes_in_once_without_a_stall(start_broker,
         assert st["received"] == 500, st
         got = bp.cli("sub", "cmd/#", "--from", "earliest", "-W", "1")
         assert len(got.stdout.splitlines()) == 500
+
+
+def test_a_refused_message_in_a_batch_from_the_upstream_is_counted_once(
+        start_broker, tmp_path: Path) -> None:
+    """A batch from the upstream with a message the local broker refuses (over its
+    server.max_message_bytes) in the middle: the bridge stores those after it (publishing
+    the rest again), and blipmq_messages_refused_total counted the refused one and the rest
+    of the batch, which then went in after all. Now the core counts the one it refused."""
+    port = free_port()
+    up = start_broker({"server": {"port": port}}, data_dir=tmp_path / "up")
+    with FaultProxy(("127.0.0.1", port)) as proxy:
+        bp = start_broker({"server": {"max_message_bytes": 1024}, "bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{proxy.port}"], ["cmd/# in 1 '' site1/"],
+            protocol="blipmq", keepalive_s=60, backoff_max_ms=300)]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        proxy.refuse()
+        wait_status(bp, "cloud", lambda b: not b["connected"])
+        # waiting upstream while the link is down: they come in as one batch
+        lines = b"ok0\n" + b"x" * 2000 + b"\nok1\nok2\n"
+        out = up.cli("pub", "site1/cmd/x", "-q", "1", "-l", input=lines, timeout=60)
+        assert out.returncode == 0, out.stderr
+        proxy.restore()
+        st = wait_status(bp, "cloud", lambda b: b["received"] == 4 and b["refused"] == 1)
+        assert st["connected"], st
+        got = bp.cli("sub", "cmd/#", "--from", "earliest", "-W", "1")
+        assert got.stdout.splitlines() == [b"ok0", b"ok1", b"ok2"], got.stdout
+        assert bp.metric("blipmq_messages_refused_total") == 1

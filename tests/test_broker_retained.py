@@ -128,7 +128,41 @@ def test_retained_values_are_bounded_by_topics_and_bytes() -> None:
     res = b.publish([raw("c", b"x" * 300)], 0, 6)
     assert res.refusal is not None and "retained.max_bytes" in res.refusal.text
     assert len(b.retained) == 2 and b.retained.size <= 200
-    assert b.counters.refused == 3  # messages: the refused ones and those after them
+    assert b.counters.refused == 2  # the messages refused (a batch's rest is its caller's)
+
+
+def test_the_core_counts_each_refused_message_once_not_the_rest_of_its_batch() -> None:
+    """The core counted a refused message and the rest of its batch as refused, and the
+    MQTT front took back the rest, which it publishes (MqttSession._goes_on). Now the core
+    counts the message it refused; the rest of a batch was not looked at, and is the
+    caller's to count (the native session counts it refused with it)."""
+    b = Broker(Limits(retained_max_topics=1), log=MemoryLog())
+    res = b.publish([raw("a", b"1"), raw("b", b"2"), raw("c", b"3"), raw("d", b"4")], 0, 1)
+    assert res.accepted == 1 and res.refusal is not None
+    assert b.counters.refused == 1 and b.counters.published == 1
+    res = b.publish([raw("ok", b"", retain=False), raw("$bad", b"x", retain=False),
+                     raw("later", b"y", retain=False)], 0, 2)
+    assert res.accepted == 1 and res.refusal is not None
+    assert res.refusal.code == ErrorCode.INVALID_TOPIC
+    assert b.counters.refused == 2 and b.counters.published == 2
+
+
+def test_unkept_routes_a_retained_message_past_the_cap_without_retain() -> None:
+    """``publish(unkept=True)`` (the MQTT front's publishes and wills): a retained message
+    the store has no room for is routed and logged as a live one, only its value not kept;
+    counted as a retained refusal, not as a refused message."""
+    log = MemoryLog()
+    b = Broker(Limits(retained_max_topics=1), log=log)
+    live = sub(b, 1, "#")
+    res = b.publish([raw("a", b"1"), raw("b", b"2", qos=1), raw("c", b"3")], 0, 1,
+                    unkept=True)
+    assert (res.accepted, res.refusal, res.unkept, res.confirms) == (3, None, 2, 1)
+    assert "retained.max_topics" in res.unkept_text
+    assert b.counters.refused == 0 and b.retained.refused == 2
+    assert list(b.retained.values) == [b"a"]
+    assert [(d.topic, d.payload, d.retain) for d in deliveries(b, live)] == [
+        ("a", b"1", True), ("b", b"2", False), ("c", b"3", False)]
+    assert [r.body[0] & FLAG_RETAIN for r in log.records] == [FLAG_RETAIN, 0, 0]
 
 
 def test_a_retained_publish_is_logged_even_when_qos0_is_not() -> None:

@@ -638,6 +638,88 @@ def test_a_retained_publish_past_the_retained_cap_is_delivered_not_closed(
     assert late == ["disc/0/config=kept"], late
 
 
+def test_a_retained_will_past_the_retained_cap_is_published_not_kept(start_broker) -> None:
+    """A retained will that fired while the retained store was full (retained.max_topics)
+    was not published at all ("will ... not published"), where a retained PUBLISH past the
+    cap is delivered without being kept. Now the will follows the same rule: published
+    to its subscribers, not kept as the retained value, counted in
+    blipmq_retained_refused_total and logged at most once a minute."""
+    b = start_broker({**MQTT, "retained": {"max_topics": 1}})
+    watch = Paho(b.mqtt_port, "wcap-watch")
+    assert watch.subscribe(("status/#", 1)) == [1]
+    filler = Raw(b.mqtt_port)
+    assert filler.connect("wcap-filler").code == 0
+    filler.send(Publish("status/filler", b"kept", 1, True, packet_id=1))
+    assert filler.expect(PubAck) == PubAck(1)
+    dev = Raw(b.mqtt_port)
+    assert dev.connect("wcap-dev", will=Will("status/dev", b"offline", 1, True)).code == 0
+    dev.close()  # no DISCONNECT: the will is due
+    got = watch.take(2)
+    assert [(m.topic, m.payload, m.retain) for m in got] == [
+        ("status/filler", b"kept", False), ("status/dev", b"offline", False)]
+    assert mqtt_stats(b)["wills_published"] == 1
+    assert b.metric("blipmq_retained_refused_total") == 1
+    assert b.metric("blipmq_retained_topics") == 1
+    assert b.metric("blipmq_messages_refused_total") == 0
+    lines = [x for x in b.log if "not kept" in x]
+    assert len(lines) == 1 and "'status/dev'" in lines[0], lines
+    assert "retained.max_topics" in lines[0], lines
+    assert not [x for x in b.log if "not published" in x]
+    late = b.cli("sub", "status/#", "-e", "-F", "%t=%p").stdout.decode().split()
+    assert late == ["status/filler=kept"], late
+
+
+def test_a_qos1_or_2_publish_the_broker_never_takes_is_acknowledged_and_dropped(
+        start_broker) -> None:
+    """A QoS 1/2 PUBLISH with a topic over server.max_topic_bytes, or a payload over
+    server.max_message_bytes, closed the connection: paho and Zigbee2MQTT resend an
+    unacknowledged PUBLISH at every reconnect (MQTT-4.4.0-1), so the client looped
+    (connect, publish, closed) and everything behind it was stuck. Now it is acknowledged
+    (PUBACK, PUBREC) and dropped, as mosquitto does with a payload over its
+    message_size_limit and as this broker does with a publish the key may not make
+    (MQTT-3.3.5-2): nothing of it routed or kept, each counted once in
+    blipmq_messages_refused_total and blipmq_mqtt_protocol_errors_total{reason="refused"},
+    one line per source and reason a minute; the connection and the batch go on."""
+    b = start_broker({**MQTT, "server": {"max_topic_bytes": 64, "max_message_bytes": 1024}})
+    watch = Paho(b.mqtt_port, "drop-watch")
+    assert watch.subscribe(("#", 2)) == [2]
+    long = "dev/" + "x" * 100
+    c = Raw(b.mqtt_port)
+    assert c.connect("drop-dev", clean=False).code == 0
+    c.send(Publish(long, b"v", 1, True, packet_id=1))
+    assert c.expect(PubAck) == PubAck(1)
+    c.send(Publish("dev/big", b"x" * 2000, 1, packet_id=2))
+    assert c.expect(PubAck) == PubAck(2)
+    c.send(Publish(long, b"v", 2, packet_id=3))
+    assert c.expect(PubRec) == PubRec(3)
+    c.send(PubRel(3))
+    assert c.expect(PubComp) == PubComp(3)
+    # in one read (one core batch): the refused one in the middle, the others routed, the
+    # PUBACKs in the order of the PUBLISHes (MQTT-4.6.0-2)
+    c.send_bytes(b"".join(encode(p) for p in (
+        Publish("dev/a", b"1", 1, packet_id=4), Publish(long, b"v", 1, packet_id=5),
+        Publish(long, b"v", 0), Publish("dev/b", b"2", 1, packet_id=6))))
+    assert [c.expect(PubAck) for _ in range(3)] == [PubAck(4), PubAck(5), PubAck(6)]
+    c.send(Publish("dev/big", b"x" * 2000, 2, packet_id=7))  # a resend after a reconnect
+    assert c.expect(PubRec) == PubRec(7)
+    c.send(PingReq())
+    assert c.expect(PingResp) == PingResp()  # the connection stays
+    got = watch.take(2)
+    assert [(m.topic, m.payload) for m in got] == [("dev/a", b"1"), ("dev/b", b"2")]
+    watch.sync()
+    assert watch.drained() == []
+    assert b.metric("blipmq_messages_refused_total") == 6
+    assert b.metric("blipmq_messages_published_total") == 2
+    assert b.metric("blipmq_mqtt_protocol_errors_total", reason="refused") == 6
+    assert b.metric("blipmq_mqtt_qos0_dropped_total", reason="invalid_topic") == 1
+    assert b.metric("blipmq_connections_closed_total", reason="protocol_error") == 0
+    assert b.metric("blipmq_retained_topics") == 0
+    lines = [x for x in b.log if "acknowledged and dropped" in x]
+    assert len(lines) == 2, lines
+    assert "topic is 104 bytes long, the limit is 64" in lines[0], lines
+    assert "max_message_bytes (1024)" in lines[1], lines
+
+
 def test_a_will_to_a_dollar_topic_is_not_published(start_broker) -> None:
     """A will is a publish by the client: not to the broker's '$' topics either."""
     b = start_broker(MQTT)

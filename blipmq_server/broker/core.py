@@ -147,6 +147,7 @@ class Broker:
         timestamp_ms: int = 0,
         internal: bool = False,
         access: Access | None = None,
+        unkept: bool = False,
     ) -> PublishResult:
         """Route a batch. Stops at the first message refused or blocked by a full queue.
 
@@ -156,6 +157,13 @@ class Broker:
         ``internal`` messages (dead letters) never wait for room and may use '$' topics.
         ``access``: the publisher's permissions (None: no limits); a message to a topic it
         may not publish to is refused (FORBIDDEN) with the rest of the batch.
+        ``unkept``: a retained message the retained store or the key's share of it has no
+        room for is routed and logged without retain instead of refused (LIMIT), only its
+        value not kept (MQTT: 3.1.1 cannot refuse a publish); the result's ``unkept`` counts
+        them, ``unkept_topic`` and ``unkept_text`` say which was the first and why.
+
+        Counted: each message accepted (``published``) and the one refused (``refused``);
+        the rest of a batch after a refusal was not looked at, and is the caller's.
         """
         if access is not None and access.unlimited:
             access = None
@@ -185,6 +193,9 @@ class Broker:
         blocked: Queue | None = None
         block, drop_oldest = _BLOCK, _DROP_OLDEST
         blocked_hold: Blocked | None = None
+        not_kept = 0
+        not_kept_topic = b""
+        not_kept_text = ""
         usage = self.usage
         entries = usage.entries
         if self.cursors is not None and self.cursors.generation != self._generation:
@@ -283,9 +294,18 @@ class Broker:
                         self._limited(over[0])
                         problem = over[1]
                 if problem is not None:
-                    run_bytes -= m.payload_len
-                    refusal = Refusal(ErrorCode.LIMIT, problem)
-                    break
+                    if not unkept:
+                        run_bytes -= m.payload_len
+                        refusal = Refusal(ErrorCode.LIMIT, problem)
+                        break
+                    # only keeping it is refused: routed and logged as a live message
+                    record = m.record
+                    m = m._replace(record=bytes((record[0] & ~FLAG_RETAIN,)) + record[1:],
+                                   retain=0)
+                    if not not_kept:
+                        not_kept_topic, not_kept_text = m.topic, problem
+                    not_kept += 1
+            if m.retain:  # kept as the topic's value, always logged
                 self.retained_shares.put(self.retained.values, m.topic, owner,
                                          len(m.record) if m.payload_len else 0)
                 if logged is None:
@@ -359,8 +379,8 @@ class Broker:
             self.offset = last_logged = next_logged - 1
         c.published += accepted
         c.enqueued += enqueued
-        if refusal is not None:  # the refused message and the rest of the batch: not stored
-            c.refused += len(messages) - accepted
+        if refusal is not None:  # the refused message (the rest was not looked at)
+            c.refused += 1
         mark = self.registry.mark
         wake = set()
         for q in woken:
@@ -371,7 +391,8 @@ class Broker:
             accepted, wake,
             blocked_hold if blocked is None else Blocked(
                 blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
-            refusal, confirms, last_logged, first_logged)
+            refusal, confirms, last_logged, first_logged, not_kept,
+            not_kept_topic, not_kept_text)
 
     @staticmethod
     def _held(topic: bytes, holds: dict[int, tuple[str, tuple[str, ...]]]) -> Blocked | None:
@@ -453,7 +474,13 @@ class Broker:
     def _publish_dead(self, dead: list[RawMessage], now_ms: int, timestamp_ms: int) -> set[int]:
         """Dead letters to ``$dlq/<topic>``, then their originals (and the dead letters
         dropped) done; returns the connections to wake."""
-        wake = self.publish(dead, now_ms, timestamp_ms, internal=True).wake if dead else set()
+        wake: set[int] = set()
+        while dead:  # one refused (a cap lowered since) does not take the rest with it
+            result = self.publish(dead, now_ms, timestamp_ms, internal=True)
+            wake |= result.wake
+            if result.refusal is None:
+                break
+            dead = dead[result.accepted + 1:]
         self.cursors.bury(timestamp_ms)  # type: ignore[union-attr]
         return wake
 

@@ -114,7 +114,9 @@ class Registry:
                 targets = tuple(found)
                 blockers = tuple(q for q in targets if q.overflow is Overflow.BLOCK)
                 route = Route(targets, blockers)
-        if not internal:  # broker-made topics ($dlq/...) must not open the cache to clients
+        # broker-made topics ($dlq/...) must not open the cache to clients; a refused topic
+        # is not kept either (it may be up to 64 KiB long, over server.max_topic_bytes)
+        if not internal and route.__class__ is Route:
             self.routes[topic] = route
         return route
 

@@ -113,7 +113,9 @@ class PublishResult(NamedTuple):  # one per PUBLISH frame: a tuple costs a third
     ``block`` policy and a consumer that stopped the batch (retry the rest when it has room);
     ``refusal`` says why a message was refused. ``last_offset`` is the last log record
     appended (0: none); ``confirms`` QoS 1 messages were accepted: confirm them once the log
-    holds ``last_offset``.
+    holds ``last_offset``. ``unkept`` retained messages were routed without retain, their
+    values not kept (``publish(unkept=True)``): the first's topic and why, ``unkept_topic`` and
+    ``unkept_text``.
     """
 
     accepted: int
@@ -123,6 +125,9 @@ class PublishResult(NamedTuple):  # one per PUBLISH frame: a tuple costs a third
     confirms: int = 0
     last_offset: int = 0
     first_offset: int = 0  # the first log record appended (0: none)
+    unkept: int = 0
+    unkept_topic: bytes = b""
+    unkept_text: str = ""
 
 
 class SubscribeResult(NamedTuple):

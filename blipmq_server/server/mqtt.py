@@ -88,7 +88,7 @@ from blipmq_server.server.session import (
 )
 
 if TYPE_CHECKING:
-    from blipmq_server.broker.results import PublishResult
+    from blipmq_server.broker.results import PublishResult, Refusal
     from blipmq_server.server.app import Server
 
 log = logging.getLogger("blipmq.mqtt")
@@ -606,11 +606,6 @@ class MqttSession(Session):
                      "(blipmq_mqtt_protocol_errors_total{reason=\"%s\"})", self.conn_id,
                      self.peer, self.client_id, text, _since(said), EVERY_S, reason)
 
-    def _goes_on(self, rest: int) -> None:
-        """After a message of a batch the core refused, the ``rest`` of it goes on: the core
-        counted them refused with it (a native batch ends there), each counts for itself."""
-        self.broker.counters.refused -= rest
-
     def _dropped(self, code: ErrorCode, text: str) -> None:
         """A QoS 0 publish the broker refused is dropped (3.1.1 cannot refuse one): counted
         by the refusal's code, and logged at most once per source address and code a
@@ -799,11 +794,10 @@ class MqttSession(Session):
             self.server.mqtt_dropped("reserved_topic")
             return None
         name = topic.encode("utf-8")
-        cap = self.broker.limits.max_topic_bytes
-        if len(name) > cap:
-            self._protocol_error("topic_too_long", f"topic of {len(name)} bytes (the limit is "
-                                 f"{cap}, server.max_topic_bytes)")
-            return CloseReason.PROTOCOL_ERROR
+        if len(name) > self.broker.limits.max_topic_bytes:
+            # not remembered: the core refuses it (INVALID_TOPIC), and ``_refused`` says
+            # what becomes of it
+            return raw_message(name, payload, qos, retain, self.mark)
         if len(self._names) >= _NAMES_KEPT:
             self._names.clear()
         self._names[topic] = name
@@ -824,8 +818,10 @@ class MqttSession(Session):
             while messages:
                 now = server.published_at = self.read_at
                 result = self.broker.publish(messages, int(now * 1000), int(_time() * 1000),
-                                             access=self.access)
+                                             access=self.access, unkept=True)
                 server.routed(result.wake)
+                if result.unkept:
+                    self._not_kept(result)
                 done = result.accepted
                 acked = [pid for pid in pids[at:at + done] if pid]
                 if acked:  # one flusher entry for the PUBACKs of the batch
@@ -834,31 +830,10 @@ class MqttSession(Session):
                         _PUBACK + pid.to_bytes(2, "big") for pid in acked), len(acked))
                 at += done
                 if result.refusal is not None:
+                    # the refused message only: the rest of the batch goes on
                     pid = pids[at]
-                    text = result.refusal.text
-                    if batch[at].retain and result.refusal.code == ErrorCode.LIMIT:
-                        # only keeping it as the retained value is refused: routed anyway
-                        batch[at] = self._not_kept(batch[at], text)
-                        self._goes_on(len(messages) - done)
-                        messages = batch[at:]
-                        continue
-                    if result.refusal.code == ErrorCode.FORBIDDEN:
-                        # MQTT 3.1.1 cannot refuse a PUBLISH: acknowledged, not routed
-                        server.mqtt_error("forbidden")
-                        if pid:  # after the earlier publishes' PUBACKs (MQTT-4.6.0-2)
-                            self._once_durable(self._appended(), pid,
-                                               _PUBACK + pid.to_bytes(2, "big"))
-                        else:
-                            server.mqtt_dropped("forbidden")
-                        self._goes_on(len(messages) - done - 1)
-                        at += 1
-                        messages = batch[at:]
-                        continue
-                    if pid:
-                        self._protocol_error("refused", f"publish refused: {text}")
+                    if self._refused(1 if pid else 0, pid, result.refusal):
                         return CloseReason.PROTOCOL_ERROR
-                    self._dropped(result.refusal.code, text)
-                    self._goes_on(len(messages) - done - 1)
                     at += 1
                     messages = batch[at:]
                     continue
@@ -906,53 +881,67 @@ class MqttSession(Session):
         return self._published(packet, result.refusal, result.last_offset)
 
     def _route(self, raw: RawMessage, now: int, wall: int) -> PublishResult:
-        """Publish one message; one refused only as a retained value (the retained store or
-        its key's share is full) is published again without retain (``_not_kept``)."""
-        for _ in range(2):
-            result = self.broker.publish((raw,), now, wall, internal=raw.topic[:1] == b"$",
-                                         access=self.access)
-            self.server.routed(result.wake)
-            refusal = result.refusal
-            if refusal is None or not raw.retain or refusal.code != ErrorCode.LIMIT:
-                break
-            raw = self._not_kept(raw, refusal.text)
-            self._goes_on(1)
+        """Publish one message; a retained one the retained store (or its key's share) has
+        no room for is routed without retain, its value not kept (``_not_kept``)."""
+        result = self.broker.publish((raw,), now, wall, internal=raw.topic[:1] == b"$",
+                                     access=self.access, unkept=True)
+        self.server.routed(result.wake)
+        if result.unkept:
+            self._not_kept(result)
         return result
 
-    def _not_kept(self, raw: RawMessage, text: str) -> RawMessage:
-        """A retained PUBLISH the retained store refused (``retained.max_topics``,
-        ``max_bytes``, or its key's retained share): the message goes on without retain,
-        routed, logged and acknowledged as usual; only the topic's retained value stays what
-        it was. Closing instead would make a 3.1.1 client resend it at every reconnect (an
-        endless loop); a native client gets ERROR LIMIT. Counted by the retained refusal
-        counters (the core's), logged at most once per source address a minute."""
-        said = self.server.mqtt_hush.due(self.peer, "retained_refused")
-        if said is not None:
-            log.warning("MQTT client %r from %s: retained value for %r not kept: %s; the "
-                        "message is delivered without retain%s; further such refusals from "
-                        "there are counted, not logged, for %d s", self.client_id, self.peer,
-                        raw.topic.decode("utf-8", "replace"), text, _since(said), EVERY_S)
-        record = raw.record
-        return raw._replace(record=bytes((record[0] & ~FLAG_RETAIN,)) + record[1:], retain=0)
+    def _not_kept(self, result: PublishResult) -> None:
+        """Retained PUBLISHes the retained store refused to keep (``retained.max_topics``,
+        ``max_bytes``, or the key's retained share): the core routed, logged and
+        acknowledged them as live messages (``publish(unkept=True)``); only the topics'
+        retained values stay what they were. Closing instead would make a 3.1.1 client
+        resend it at every reconnect (an endless loop); a native client gets ERROR LIMIT.
+        Counted by the core's retained refusal counters, logged (``not_kept``)."""
+        not_kept(self.server, self.peer, self.client_id, result.unkept_topic, result.unkept,
+                 result.unkept_text)
 
-    def _published(self, packet: Publish, refusal: object, offset: int) -> CloseReason | None:
+    def _refused(self, qos: int, pid: int, refusal: Refusal) -> bool:
+        """A publish the core refused, nothing of it routed or kept. 3.1.1 cannot refuse a
+        PUBLISH (MQTT-3.3.5-2: acknowledge it or close): a QoS 0 one is dropped; a QoS 1/2
+        one the key may not make (FORBIDDEN), or that can never be taken (a topic over
+        ``server.max_topic_bytes``, a payload over ``server.max_message_bytes``), is
+        acknowledged (after the earlier publishes', MQTT-4.6.0-2, -3) and dropped, as
+        mosquitto does: closing instead, the client would resend it at every reconnect
+        and loop, everything it publishes behind it stuck. Any other refusal (QoS 1 without
+        a log) closes the connection: True. Counted, and logged at most once per source
+        address and reason a minute (``hush``)."""
+        server = self.server
+        code = refusal.code
+        if code == ErrorCode.FORBIDDEN:  # acknowledged, not routed (docs/SECURITY.md)
+            server.mqtt_error("forbidden")
+            if not qos:
+                server.mqtt_dropped("forbidden")
+        elif not qos:
+            self._dropped(code, refusal.text)
+            return False
+        elif code not in _ACKED_DROPPED:
+            self._protocol_error("refused", f"publish refused: {refusal.text}")
+            return True
+        else:
+            reason = code.name.lower()
+            server.mqtt_error("refused")
+            said = server.mqtt_hush.due(self.peer, "acked_dropped:" + reason)
+            if said is not None:
+                log.info("MQTT client %r from %s: QoS %d publish acknowledged and dropped: "
+                         "%s%s; further such drops from there are counted, not logged, for "
+                         "%d s (blipmq_mqtt_protocol_errors_total{reason=\"refused\"})",
+                         self.client_id, self.peer, qos, refusal.text, _since(said), EVERY_S)
+        if qos:
+            self._once_durable(self._appended(), pid, (PubAck if qos == 1 else PubRec)(pid))
+        return False
+
+    def _published(self, packet: Publish, refusal: Refusal | None, offset: int
+                   ) -> CloseReason | None:
         qos = packet.qos
         if refusal is not None:
-            text = refusal.text  # type: ignore[attr-defined]
-            if refusal.code == ErrorCode.FORBIDDEN:  # type: ignore[attr-defined]
-                # acknowledged as 3.1.1 requires, not routed (docs/SECURITY.md)
-                self.server.mqtt_error("forbidden")
-                if qos:  # after the earlier publishes' (MQTT-4.6.0-2, -3)
-                    self._once_durable(self._appended(), packet.packet_id,
-                                       (PubAck if qos == 1 else PubRec)(packet.packet_id))
-                else:
-                    self.server.mqtt_dropped("forbidden")
-                return None
-            if not qos:
-                self._dropped(refusal.code, text)  # type: ignore[attr-defined]
-                return None
-            self._protocol_error("refused", f"publish refused: {text}")
-            return CloseReason.PROTOCOL_ERROR
+            if self._refused(qos, packet.packet_id, refusal):
+                return CloseReason.PROTOCOL_ERROR
+            return None
         if qos == 1:
             self._once_durable(offset, packet.packet_id, PubAck(packet.packet_id), 1)
         elif qos == 2:  # remembered (in a persistent session: logged) before PUBREC
@@ -1188,6 +1177,22 @@ def _since(said: tuple[str, int]) -> str:
     return f", and {unsaid} more{' from ' + source if source == OTHERS else ''} since the last line"
 
 
+def not_kept(server: Server, peer: str, client_id: str, topic: bytes, count: int,
+             text: str) -> None:
+    """``count`` retained publishes (or a will) of a client routed without retain, their
+    values not kept (``Broker.publish(unkept=True)``): logged at WARNING at most once per
+    source address a minute (``hush``; the next line says how many came since)."""
+    hush = server.mqtt_hush
+    said = None
+    for _ in range(count):
+        said = hush.due(peer, "retained_refused") or said
+    if said is not None:
+        log.warning("MQTT client %r from %s: retained value for %r not kept: %s; the "
+                    "message is delivered without retain%s; further such refusals from "
+                    "there are counted, not logged, for %d s", client_id, peer,
+                    topic.decode("utf-8", "replace"), text, _since(said), EVERY_S)
+
+
 def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool, mark: int = 0
                 ) -> RawMessage:
     """The core's message (the native message record) for an MQTT publish or will;
@@ -1199,6 +1204,8 @@ def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool, mark: int 
 
 
 _HELD = object()  # a publish a full ``block`` queue holds back
+# refusals of a QoS 1/2 publish that a resend can never get past: acknowledged and dropped
+_ACKED_DROPPED = frozenset((ErrorCode.INVALID_TOPIC, ErrorCode.MESSAGE_TOO_LARGE))
 _OWNERS_KEPT = 4096  # topics whose delivering subscription is remembered
 _NAMES_KEPT = 1024  # topics a connection remembers having checked
 # a message record's flags by MQTT QoS and retain

@@ -727,6 +727,9 @@ class Session:
         held.first_offset = held.first_offset or result.first_offset
         held.blocked = None
         if result.refusal is not None:
+            # the core counted the refused message; a native batch ends there, so the
+            # messages after it are refused with it (docs/PROTOCOL.md): counted here
+            self.broker.counters.refused += len(messages) - result.accepted - 1
             total = len(held.frame.messages)
             done = total - len(messages) + result.accepted
             text = result.refusal.text

@@ -384,7 +384,7 @@ class MqttSessions:
             return
         # loaded already: a will comes from an MQTT session (the module is imported only
         # to serve MQTT, so a broker without it never loads it: server/app.py, _listen)
-        from blipmq_server.server.mqtt import connection_state, raw_message
+        from blipmq_server.server.mqtt import connection_state, not_kept, raw_message
 
         raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain,
                           session.mark)
@@ -392,10 +392,15 @@ class MqttSessions:
         # any other will to a '$' topic is refused by the core, as such a publish
         internal = session.bridge and connection_state(will.topic, session.client_id,
                                                        self.broker.limits.max_topic_bytes)
+        # a retained will the retained store has no room for is published without retain,
+        # its value not kept, as a retained PUBLISH is
         result = self.broker.publish((raw,), now_ms(), wall_ms(), internal=internal,
-                                     access=session.access)
+                                     access=session.access, unkept=True)
         self.server.wake(result.wake)
         self.server.log_touched()
+        if result.unkept:
+            not_kept(self.server, session.peer, session.client_id, result.unkept_topic,
+                     result.unkept, result.unkept_text)
         if result.accepted:
             self.wills += 1
             log.debug("MQTT client %r: will published to %r", session.client_id, will.topic)
