@@ -129,3 +129,23 @@ def test_archive_uri_reads_deb822_and_one_line_sources(tmp_path: Path) -> None:
                        "main\ndeb [arch=amd64] http://mirror.example/debian bookworm main\n")
     assert newer_nats.archive_uri(tmp_path / "none", listing) == "http://mirror.example/debian"
     assert newer_nats.archive_uri(tmp_path / "none", tmp_path / "none") is None
+
+
+def test_the_latency_floor_bench_forwards_every_message(tmp_path: Path) -> None:
+    """bench/floor.py's two forwarders (Trio, plain epoll) and BlipMQ, a short round: each
+    row has its figures and nothing was lost (the forwarders must really pass every PUBLISH
+    on, or the paho subscriber's count says so). Never the speed."""
+    done = subprocess.run(
+        [sys.executable, str(TOP / "bench" / "floor.py"), "--kinds", "epoll,trio,blipmq",
+         "--rounds", "1", "--count", "300", "--rate", "1000"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in done.stdout.splitlines() if line.startswith("| ")
+            and not line.startswith("| server")}
+    assert set(rows) == {"epoll", "trio", "blipmq"}, done.stdout
+    for kind, (p50, p99, cpu, ratio, lost) in rows.items():
+        assert float(p50.replace(",", "")) > 0 and float(p99.replace(",", "")) > 0, kind
+        assert float(cpu.replace(",", "")) >= 0 and ratio == "-", kind
+        assert lost == "0", (kind, done.stdout)

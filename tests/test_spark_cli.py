@@ -160,13 +160,15 @@ def _spark_class() -> str:
 
 
 @pytest.mark.slow
-def test_same_job_on_separate_executors(dumps, tmp_path) -> None:
-    """local-cluster (executor JVMs of the pip package), then a standalone master and worker."""
+def test_same_job_on_separate_executors(dumps, plain_export, tmp_path) -> None:
+    """local-cluster (executor JVMs of the pip package), then a standalone master and worker:
+    the same devices table as in one local JVM (``plain_export``)."""
     res = export(str(dumps), "--output", str(tmp_path / "lc"), "--master",
                  "local-cluster[1,2,1024]")
     assert res.returncode == 0, res.stderr
-    local = export(str(dumps), "--output", str(tmp_path / "plain"), "--master", "local[1]")
+    local = plain_export[0]
     assert local.returncode == 0, local.stderr
+    assert len(_devices_table(local.stdout)) == 2, local.stdout  # east and west
     assert _devices_table(res.stdout) == _devices_table(local.stdout)
 
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_NO_DAEMONIZE": "1"}
@@ -266,18 +268,28 @@ def test_refusals_of_inputs_and_targets_before_spark(dumps, tmp_path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+@pytest.fixture(scope="module")
+def plain_export(dumps, tmp_path_factory) -> tuple[subprocess.CompletedProcess[bytes], Path]:
+    """One export of the fleet on local[2] with a report, TMPDIR a directory of its own and
+    TZ far from UTC: the result and its directory (the tests below share it; an export
+    takes 15-45 s of JVM here)."""
+    where = tmp_path_factory.mktemp("plain-export")
+    tmp = where / "tmp"
+    tmp.mkdir()
+    res = export(str(dumps), "--output", str(where / "out"), "--master", "local[2]",
+                 "--report", str(where / "r.html"), TMPDIR=str(tmp), TZ="Asia/Tokyo")
+    return res, where
+
+
 @pytest.mark.slow
-def test_an_export_leaves_no_temporary_directory_and_shows_utc(dumps, tmp_path) -> None:
+def test_an_export_leaves_no_temporary_directory_and_shows_utc(dumps, plain_export) -> None:
     """h30 #16: every export left /tmp/blipmq-export-*; #8: the summary's times were the
     local time of the machine, unlabelled."""
     import datetime as dt
     import json
 
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    report = tmp_path / "r.html"
-    res = export(str(dumps), "--output", str(tmp_path / "out"), "--master", "local[2]",
-                 "--report", str(report), TMPDIR=str(tmp), TZ="Asia/Tokyo")
+    res, where = plain_export
+    tmp, report = where / "tmp", where / "r.html"
     assert res.returncode == 0, res.stderr
     assert list(tmp.iterdir()) == []
     first = min(json.loads((dumps / d / "manifest.json").read_text())["first_ms"]
