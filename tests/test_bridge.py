@@ -334,6 +334,31 @@ def test_an_in_message_on_a_local_topic_too_long_is_refused_counted_and_acked(
         assert any("server.max_topic_bytes is 40" in line for line in bp.log)
 
 
+def test_retained_messages_in_past_the_local_retained_cap_are_stored_without_retain(
+        start_broker) -> None:
+    """The local retained store is full (its one topic holds the bridge's own state): a
+    retained message from the upstream was refused, counted, logged and PUBACKed upstream,
+    so it was lost. Now it is stored and delivered without retain, as an MQTT client's
+    retained publish past the cap; the local retained values stay what they were."""
+    with Mosquitto() as up:
+        bp = start_broker({"retained": {"max_topics": 1}, "bridge": [bridge_table(
+            "cloud", [f"127.0.0.1:{up.port}"], ["# in 1 '' r2/"])]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        pub = mqtt_client(up.port)
+        for n in range(3):
+            pub.publish(f"r2/lamp{n}", f"on{n}".encode(), qos=1, retain=True).wait_for_publish(10)
+        pub.disconnect()
+        st = wait_status(bp, "cloud", lambda b: b["received"] == 3)
+        assert st["refused"] == 0, st
+        got = bp.cli("sub", "lamp0", "lamp1", "lamp2", "--from", "earliest",
+                     "-W", "1", "-v")
+        assert sorted(got.stdout.splitlines()) == [b"lamp0 on0", b"lamp1 on1", b"lamp2 on2"], got
+        kept = bp.cli("sub", "lamp0", "lamp1", "lamp2", "-W", "1")  # retained values only
+        assert kept.stdout == b"", kept.stdout
+        assert bp.metric("blipmq_retained_refused_total") == 3
+        assert sum("not kept" in line for line in bp.log) == 1  # the first, then counted
+
+
 def test_an_in_message_over_the_link_limit_is_refused_acked_and_the_rest_flows(
         start_broker) -> None:
     """A PUBLISH from the upstream over the link's packet limit (server.max_message_bytes +

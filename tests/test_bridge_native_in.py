@@ -169,3 +169,26 @@ def test_a_refused_message_in_a_batch_from_the_upstream_is_counted_once(
         got = bp.cli("sub", "cmd/#", "--from", "earliest", "-W", "1")
         assert got.stdout.splitlines() == [b"ok0", b"ok1", b"ok2"], got.stdout
         assert bp.metric("blipmq_messages_refused_total") == 1
+
+
+def test_native_retained_messages_in_past_the_local_retained_cap_are_stored_without_retain(
+        start_broker, tmp_path: Path) -> None:
+    """As over MQTT (test_bridge): the local retained store is full (the bridge's own state
+    holds its one topic), and a retained message from a BlipMQ upstream was refused and
+    ACKed, lost; now it is stored and delivered without retain."""
+    port = free_port()
+    up = start_broker({"server": {"port": port}}, data_dir=tmp_path / "up")
+    bp = start_broker({"retained": {"max_topics": 1}, "bridge": [bridge_table(
+        "cloud", [f"127.0.0.1:{port}"], ["cmd/# in 1 '' site1/"], protocol="blipmq")]})
+    wait_status(bp, "cloud", lambda b: b["connected"])
+    for n in range(3):
+        out = up.cli("pub", f"site1/cmd/lamp{n}", f"on{n}", "-q", "1", "-r")
+        assert out.returncode == 0, out.stderr
+    st = wait_status(bp, "cloud", lambda b: b["received"] == 3)
+    assert st["refused"] == 0, st
+    got = bp.cli("sub", "cmd/#", "--from", "earliest", "-W", "1", "-v")
+    assert sorted(got.stdout.splitlines()) == [b"cmd/lamp0 on0", b"cmd/lamp1 on1",
+                                               b"cmd/lamp2 on2"], got
+    kept = bp.cli("sub", "cmd/#", "-W", "1")  # retained values only
+    assert kept.stdout == b"", kept.stdout
+    assert bp.metric("blipmq_retained_refused_total") == 3

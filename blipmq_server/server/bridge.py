@@ -131,6 +131,7 @@ class Bridge:
                          "connect_failures": 0, "duplicates_in": 0, "unexpected_acks": 0,
                          "superseded": 0}
         self._superseded_said = False  # the first superseded retained value was logged
+        self._unkept_said = False  # the first retained value past the local cap was logged
         self.oldest_ms: int | None = None  # timestamp of the oldest record not forwarded
         self._kick = trio.Event()
         self._link: _Link | None = None
@@ -708,10 +709,12 @@ class Bridge:
         raw = RawMessage(topic.encode(), qos, 0, len(packet.payload), record,
                          FLAG_RETAIN if packet.retain else 0)
         server = self.server
-        result = self.broker.publish([raw], now_ms(), wall_ms(), internal=True)
+        result = self.broker.publish([raw], now_ms(), wall_ms(), internal=True, unkept=True)
         server.wake(result.wake)
         server.log_touched()
         self.counters["received"] += 1
+        if result.unkept:
+            self.not_kept(result.unkept_topic, result.unkept_text)
         if result.refusal is not None:
             self.counters["refused"] += 1
             log.warning("bridge %s: message from the upstream on %r not stored: %s",
@@ -729,6 +732,20 @@ class Bridge:
             server.flusher.confirm_later(result.last_offset, self, token, 1)  # type: ignore[arg-type]
             return
         server.flusher.confirm_later(result.last_offset, link, packet.packet_id, 1)  # type: ignore[arg-type, union-attr]
+
+    def not_kept(self, topic: bytes, text: str) -> None:
+        """Retained messages from the upstream the local retained store had no room for
+        (``retained.max_topics``, ``max_bytes``): stored and delivered without retain, the
+        topic's local value left as it was (``publish(unkept=True)``), as an MQTT client's
+        retained publish past the cap; refused, the message itself would have been lost
+        once acknowledged upstream. Counted by the core (``blipmq_retained_refused_total``);
+        the first is logged."""
+        if not self._unkept_said:
+            self._unkept_said = True
+            log.warning("bridge %s: retained value from the upstream for %r not kept: %s; "
+                        "the message is stored and delivered without retain (further ones "
+                        "are counted in blipmq_retained_refused_total, not logged)",
+                        self.spec.name, topic.decode("utf-8", "replace"), text)
 
     def _newer_here(self, rule: Rule, topic: str) -> bool:
         """Whether ``topic``'s local retained value was published here (not brought in) and

@@ -165,7 +165,8 @@ class NativeLink(_Link):
         """One DELIVER batch into the local log in one core call; its ACK goes to the
         upstream once the log holds the last of it (a message the local broker refuses,
         too large or a topic too long, is logged, counted and ACKed too: it could never
-        be stored)."""
+        be stored; a retained one the retained store has no room for is stored without
+        retain, ``Bridge.not_kept``)."""
         bridge = self.bridge
         server = bridge.server
         raws = []
@@ -176,8 +177,11 @@ class NativeLink(_Link):
         last = 0
         at = 0
         while at < len(raws):
-            result = bridge.broker.publish(raws[at:], now_ms(), wall_ms(), internal=True)
+            result = bridge.broker.publish(raws[at:], now_ms(), wall_ms(), internal=True,
+                                           unkept=True)
             server.wake(result.wake)
+            if result.unkept:
+                bridge.not_kept(result.unkept_topic, result.unkept_text)
             last = result.last_offset or last
             at += result.accepted
             if result.refusal is None:
