@@ -1259,3 +1259,32 @@ def test_zigbee2mqtt_profile(start_broker) -> None:
     assert later.subscribe((state, 2)) == [2]
     m = later.get()
     assert (m.payload, m.qos, m.retain) == (b'{"state":"offline"}', 1, True)
+
+
+def test_a_will_that_could_never_be_published_is_refused_at_connect(start_broker) -> None:
+    """A will with a topic over server.max_topic_bytes (or a message over
+    server.max_message_bytes) got CONNACK 0; when it fired, the broker refused it and
+    logged a WARNING with the whole topic, once per firing: 300 such connections from one
+    address wrote 300 lines (18 MB) in under a second (h37 #1), and the client was never
+    told. Now such a CONNECT is refused (closed without CONNACK, as mosquitto closes it),
+    counted as will_refused, one line per source a minute."""
+    b = start_broker({**MQTT, "server": {"max_topic_bytes": 64, "max_message_bytes": 100}})
+    long = Will("dev/" + "x" * 2000, b"offline", 0, False)
+    big = Will("dev/state", b"x" * 200, 1, True)
+    for n in range(20):
+        c = Raw(b.mqtt_port)
+        c.send(Connect("MQTT", 4, True, 30, f"w{n}", long if n % 2 else big))
+        assert c.wait_closed() == [], n  # no CONNACK: closed
+        c.close()
+    assert b.metric("blipmq_mqtt_protocol_errors_total", reason="will_refused") == 20
+    said = [line for line in b.log if "will topic of" in line or "will message of" in line]
+    assert len(said) == 1, said
+    assert len(said[0]) < 400, said[0]  # not the whole topic
+    # a will within the limits is taken, and fires
+    watch = Paho(b.mqtt_port, "will-watch")
+    assert watch.subscribe(("dev/#", 1)) == [1]
+    c = Raw(b.mqtt_port)
+    assert c.connect("ok", keepalive=30, will=Will("dev/state", b"gone", 1, False)).code == 0
+    c.close()
+    m = watch.get()
+    assert (m.topic, m.payload) == ("dev/state", b"gone")

@@ -604,7 +604,7 @@ class MqttSession(Session):
             log.info("MQTT connection %d from %s (client %r) closed: %s%s; further such "
                      "closes from there are counted, not logged, for %d s "
                      "(blipmq_mqtt_protocol_errors_total{reason=\"%s\"})", self.conn_id,
-                     self.peer, self.client_id, text, _since(said), EVERY_S, reason)
+                     self.peer, self.client_id, text, since(said), EVERY_S, reason)
 
     def _dropped(self, code: ErrorCode, text: str) -> None:
         """A QoS 0 publish the broker refused is dropped (3.1.1 cannot refuse one): counted
@@ -620,7 +620,7 @@ class MqttSession(Session):
             log.info("MQTT client %r from %s: QoS 0 publish dropped: %s%s; further such drops "
                      "from there are counted, not logged, for %d s "
                      "(blipmq_mqtt_qos0_dropped_total{reason=\"%s\"})", self.client_id,
-                     self.peer, text, _since(said), EVERY_S, reason)
+                     self.peer, text, since(said), EVERY_S, reason)
 
     def _handle(self, packet: object) -> CloseReason | None:
         if not self.connected:
@@ -717,6 +717,13 @@ class MqttSession(Session):
             self._protocol_error("forbidden_will", f"key {identity.name!r} may not publish "
                                  f"its will to {will.topic!r}")
             return CloseReason.PROTOCOL_ERROR
+        if will is not None:
+            problem = self._will_problem(will.topic, len(will.payload))
+            if problem is not None:
+                # it could never be published: refused now, when the client can be told
+                # (the connection closes, as mosquitto closes it), not dropped when it fires
+                self._protocol_error("will_refused", problem)
+                return CloseReason.PROTOCOL_ERROR
         client_id = packet.client_id
         if not client_id:
             if not packet.clean_session or level == 3:
@@ -770,6 +777,19 @@ class MqttSession(Session):
             self.send_bytes(mqtt.encode(PubRel(pid)))
         if present:
             self.wake()
+        return None
+
+    def _will_problem(self, topic: str, size: int) -> str | None:
+        """Why a will could never be published (its topic over ``server.max_topic_bytes``,
+        its payload over ``server.max_message_bytes``), or None."""
+        limits = self.broker.limits
+        name = len(topic.encode("utf-8"))
+        if name > limits.max_topic_bytes:
+            return (f"will topic of {name} bytes (the limit is {limits.max_topic_bytes}, "
+                    "server.max_topic_bytes)")
+        if size > limits.max_message_bytes:
+            return (f"will message of {size} bytes (the limit is {limits.max_message_bytes}, "
+                    "server.max_message_bytes)")
         return None
 
     # ---------------------------------------------------------------------------- publish
@@ -870,7 +890,7 @@ class MqttSession(Session):
             if said is not None:  # a client doing it in a loop: a line a minute
                 log.info("MQTT client %r: QoS 2 packet id %d used again before its PUBREL, "
                          "with DUP 0: a new message%s; further such messages from there "
-                         "are not logged for %d s", self.client_id, pid, _since(said), EVERY_S)
+                         "are not logged for %d s", self.client_id, pid, since(said), EVERY_S)
         raw = self._message(packet)
         if raw is None or raw.__class__ is CloseReason:
             return raw
@@ -930,7 +950,7 @@ class MqttSession(Session):
                 log.info("MQTT client %r from %s: QoS %d publish acknowledged and dropped: "
                          "%s%s; further such drops from there are counted, not logged, for "
                          "%d s (blipmq_mqtt_protocol_errors_total{reason=\"refused\"})",
-                         self.client_id, self.peer, qos, refusal.text, _since(said), EVERY_S)
+                         self.client_id, self.peer, qos, refusal.text, since(said), EVERY_S)
         if qos:
             self._once_durable(self._appended(), pid, (PubAck if qos == 1 else PubRec)(pid))
         return False
@@ -1021,7 +1041,7 @@ class MqttSession(Session):
                 more = f" (and {len(refusals) - 3} more)" if len(refusals) > 3 else ""
                 log.info("MQTT client %r: %d of %d filter(s) refused (0x80): %s%s%s; further "
                          "such refusals from there are not logged for %d s", self.client_id,
-                         len(refusals), asked, named, more, _since(said), EVERY_S)
+                         len(refusals), asked, named, more, since(said), EVERY_S)
             refusals.clear()
 
     def subscribe_one(self, topic_filter: str, qos: int, retained: bool,
@@ -1169,7 +1189,7 @@ class MqttSession(Session):
         return stored_subs({f: q for f, (_, q) in self.subs.items()})
 
 
-def _since(said: tuple[str, int]) -> str:
+def since(said: tuple[str, int]) -> str:
     """What a line of ``Hush.due`` adds: how many it did not say since the last one."""
     source, unsaid = said
     if not unsaid:
@@ -1190,7 +1210,7 @@ def not_kept(server: Server, peer: str, client_id: str, topic: bytes, count: int
         log.warning("MQTT client %r from %s: retained value for %r not kept: %s; the "
                     "message is delivered without retain%s; further such refusals from "
                     "there are counted, not logged, for %d s", client_id, peer,
-                    topic.decode("utf-8", "replace"), text, _since(said), EVERY_S)
+                    topic.decode("utf-8", "replace"), text, since(said), EVERY_S)
 
 
 def raw_message(topic: bytes, payload: bytes, qos: int, retain: bool, mark: int = 0

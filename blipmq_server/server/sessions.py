@@ -384,7 +384,8 @@ class MqttSessions:
             return
         # loaded already: a will comes from an MQTT session (the module is imported only
         # to serve MQTT, so a broker without it never loads it: server/app.py, _listen)
-        from blipmq_server.server.mqtt import connection_state, not_kept, raw_message
+        from blipmq_server.server.hush import EVERY_S
+        from blipmq_server.server.mqtt import connection_state, not_kept, raw_message, since
 
         raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain,
                           session.mark)
@@ -409,8 +410,13 @@ class MqttSessions:
             if refusal is not None and refusal.code == ErrorCode.FORBIDDEN:
                 self.server.mqtt_error("forbidden_will")
             why = "a full queue" if result.blocked else (refusal.text if refusal else "?")
-            log.warning("MQTT client %r: will to %r not published: %s", session.client_id,
-                        will.topic, why)
+            # a client that loops connecting and dropping makes one line a minute
+            said = self.server.mqtt_hush.due(session.peer, "will_not_published")
+            if said is not None:
+                log.warning("MQTT client %r from %s: will to %r not published: %s%s; "
+                            "further such wills from there are not logged for %d s",
+                            session.client_id, session.peer, will.topic[:200], why,
+                            since(said), EVERY_S)
 
     # ---------------------------------------------------------------------------- expiry
 
