@@ -327,11 +327,40 @@ def test_an_in_message_on_a_local_topic_too_long_is_refused_counted_and_acked(
         pub.publish("r2/" + "x" * 60, b"too long here", qos=1).wait_for_publish(10)
         pub.publish("r2/ok", b"fine", qos=1).wait_for_publish(10)
         pub.disconnect()
-        st = wait_status(bp, "cloud", lambda b: b["received"] == 1 and b["refused"] == 1)
+        st = wait_status(bp, "cloud", lambda b: b["received"] == 2 and b["refused"] == 1)
+        assert bp.metric("blipmq_messages_refused_total") == 1  # as any refusal
         assert st["connected"]
         got = bp.cli("sub", "#", "--from", "earliest", "-W", "1", "-v")
         assert got.stdout.splitlines() == [b"long/ok fine"], got.stdout
         assert any("server.max_topic_bytes is 40" in line for line in bp.log)
+
+
+def test_messages_in_the_local_broker_refuses_are_counted_each_and_logged_once_a_minute(
+        start_broker) -> None:
+    """Whoever may publish upstream on the bridged topics wrote a WARNING line into the
+    local log for each message the local broker refused (h37 #2: 205 lines for 200), and
+    one on a local topic too long was missing from blipmq_messages_refused_total and the
+    bridge's received (h37 #3). Now each is counted in both, and each kind of refusal is
+    logged at most once a minute per bridge."""
+    with Mosquitto() as up:
+        bp = start_broker({"server": {"max_message_bytes": 100, "max_topic_bytes": 32},
+                           "bridge": [bridge_table("cloud", [f"127.0.0.1:{up.port}"],
+                                                   ["in/# in 1 '' up/"])]})
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        pub = mqtt_client(up.port)
+        for n in range(30):
+            pub.publish(f"up/in/big{n}", b"x" * 200, qos=1).wait_for_publish(10)
+        for n in range(5):
+            pub.publish(f"up/in/{'y' * 40}{n}", b"long", qos=1).wait_for_publish(10)
+        pub.publish("up/in/ok", b"fine", qos=1).wait_for_publish(10)
+        pub.disconnect()
+        st = wait_status(bp, "cloud", lambda b: b["received"] == 36)
+        assert st["refused"] == 35, st
+        assert bp.metric("blipmq_messages_refused_total") == 35
+        got = bp.cli("sub", "in/#", "--from", "earliest", "-W", "1")
+        assert got.stdout == b"fine\n", got.stdout
+        said = [line for line in bp.log if "not stored" in line]
+        assert len(said) == 2, said  # one for the size, one for the topic
 
 
 def test_retained_messages_in_past_the_local_retained_cap_are_stored_without_retain(
@@ -390,7 +419,8 @@ def test_an_in_message_over_the_link_limit_is_refused_acked_and_the_rest_flows(
         assert local_numbers(bp, "cmd/#", 3) == {b"c0", b"c1", b"c2"}
         assert local_numbers(bp, "job/#", 2) == {b"j0", b"j1"}
         said = [line for line in bp.log if "over the link's limit of 327739" in line]
-        assert len(said) == 2, said  # once per message
+        assert len(said) == 1, said  # counted each (refused), logged once a minute
+        assert bp.metric("blipmq_messages_refused_total") == 2
         assert not any("protocol error" in line for line in bp.log)
         # acknowledged: the upstream's session for the bridge holds nothing to send again
         bp.stop()

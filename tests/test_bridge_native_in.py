@@ -107,7 +107,8 @@ def test_a_native_in_message_on_a_local_topic_too_long_is_refused_and_acked(
     for topic, payload in (("r2/" + "x" * 60, "too long here"), ("r2/ok", "fine")):
         out = up.cli("pub", topic, payload, "-q", "1")
         assert out.returncode == 0, out.stderr
-    wait_status(bp, "cloud", lambda b: b["received"] == 1 and b["refused"] == 1)
+    wait_status(bp, "cloud", lambda b: b["received"] == 2 and b["refused"] == 1)
+    assert bp.metric("blipmq_messages_refused_total") == 1  # as any refusal
     got = bp.cli("sub", "#", "--from", "earliest", "-W", "1", "-v")
     assert got.stdout.splitlines() == [b"long/ok fine"], got.stdout
     # both were acked upstream: the group there holds nothing more for the bridge

@@ -65,6 +65,7 @@ from blipmq_server.protocol.message import (
     RawMessage,
     message_record,
 )
+from blipmq_server.server.hush import EVERY_S, Hush, since
 from blipmq_server.server.session import now_ms, wall_ms
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ class Bridge:
                          "superseded": 0}
         self._superseded_said = False  # the first superseded retained value was logged
         self._unkept_said = False  # the first retained value past the local cap was logged
+        self._hush = Hush()  # lines about messages from the upstream not stored
         self.oldest_ms: int | None = None  # timestamp of the oldest record not forwarded
         self._kick = trio.Event()
         self._link: _Link | None = None
@@ -657,10 +659,23 @@ class Bridge:
             return None
         problem = (f"the local topic is {size} bytes long, server.max_topic_bytes is {cap}"
                    if topic else "its rule gives it no local name (docs/BRIDGE.md, Topic rules)")
-        self.counters["refused"] += 1
-        log.warning("bridge %s: message from the upstream on %r not stored: %s",
-                    self.spec.name, (topic or remote)[:64], problem)
+        self.counters["received"] += 1
+        self.broker.counters.refused += 1  # as the core counts what it refuses
+        self.not_stored(topic or remote, problem, "topic")
         return problem
+
+    def not_stored(self, topic: str, why: str, kind: str) -> None:
+        """A message from the upstream the local broker does not store (it could never be):
+        counted as refused; logged at most once a minute per bridge and ``kind`` of
+        refusal, each line saying how many came since (whoever may publish upstream on the
+        bridged topics could otherwise fill the local log, a line a message)."""
+        self.counters["refused"] += 1
+        said = self._hush.due(self.spec.name, kind)
+        if said is not None:
+            log.warning("bridge %s: message from the upstream on %r not stored: %s%s; "
+                        "further such messages are counted (blipmq_bridge_refused_total), "
+                        "not logged, for %d s", self.spec.name, topic[:64], why, since(said),
+                        EVERY_S)
 
     def received(self, link: _Link, packet: Publish | OversizePublish) -> None:
         """A PUBLISH from the upstream (an ``in`` rule): into the local log, PUBACKed once
@@ -684,11 +699,11 @@ class Bridge:
             return
         if packet.__class__ is OversizePublish:  # the decoder passed its payload over
             self.counters["received"] += 1
-            self.counters["refused"] += 1
-            log.warning("bridge %s: message from the upstream on %r not stored: a PUBLISH of "
-                        "%d bytes is over the link's limit of %d (which server.max_message_bytes "
-                        "sets); its payload was passed over", self.spec.name, packet.topic,
-                        packet.size, self.server.mqtt_max_packet)
+            self.broker.counters.refused += 1  # as the core counts what it refuses
+            self.not_stored(packet.topic, f"a PUBLISH of {packet.size} bytes is over the "
+                            f"link's limit of {self.server.mqtt_max_packet} (which "
+                            "server.max_message_bytes sets); its payload was passed over",
+                            "oversize")
             self._settle_unstored(link, packet)  # it could never be stored
             return
         if packet.retain and rule.sends and self._newer_here(rule, topic):
@@ -716,9 +731,7 @@ class Bridge:
         if result.unkept:
             self.not_kept(result.unkept_topic, result.unkept_text)
         if result.refusal is not None:
-            self.counters["refused"] += 1
-            log.warning("bridge %s: message from the upstream on %r not stored: %s",
-                        self.spec.name, packet.topic, result.refusal.text)
+            self.not_stored(packet.topic, result.refusal.text, result.refusal.code.name)
         if not packet.qos:
             return
         if result.refusal is not None or not result.last_offset or server.flusher is None:

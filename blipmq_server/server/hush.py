@@ -70,3 +70,11 @@ class Hush:
             return None
         self._others[what] = (now, 0)
         return OTHERS, count
+
+
+def since(said: tuple[str, int]) -> str:
+    """What a line of ``Hush.due`` adds: how many it did not say since the last one."""
+    source, unsaid = said
+    if not unsaid:
+        return ""
+    return f", and {unsaid} more{' from ' + source if source == OTHERS else ''} since the last line"

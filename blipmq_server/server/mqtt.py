@@ -76,7 +76,7 @@ from blipmq_server.protocol.message import (
     RawMessage,
 )
 from blipmq_server.protocol.names import filter_problem
-from blipmq_server.server.hush import EVERY_S, OTHERS
+from blipmq_server.server.hush import EVERY_S, since
 from blipmq_server.server.session import (
     _TURN_S,
     CloseReason,
@@ -1189,12 +1189,6 @@ class MqttSession(Session):
         return stored_subs({f: q for f, (_, q) in self.subs.items()})
 
 
-def since(said: tuple[str, int]) -> str:
-    """What a line of ``Hush.due`` adds: how many it did not say since the last one."""
-    source, unsaid = said
-    if not unsaid:
-        return ""
-    return f", and {unsaid} more{' from ' + source if source == OTHERS else ''} since the last line"
 
 
 def not_kept(server: Server, peer: str, client_id: str, topic: bytes, count: int,

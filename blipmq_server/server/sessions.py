@@ -384,8 +384,8 @@ class MqttSessions:
             return
         # loaded already: a will comes from an MQTT session (the module is imported only
         # to serve MQTT, so a broker without it never loads it: server/app.py, _listen)
-        from blipmq_server.server.hush import EVERY_S
-        from blipmq_server.server.mqtt import connection_state, not_kept, raw_message, since
+        from blipmq_server.server.hush import EVERY_S, since
+        from blipmq_server.server.mqtt import connection_state, not_kept, raw_message
 
         raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain,
                           session.mark)

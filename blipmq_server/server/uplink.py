@@ -186,9 +186,8 @@ class NativeLink(_Link):
             at += result.accepted
             if result.refusal is None:
                 break
-            bridge.counters["refused"] += 1
-            log.warning("bridge %s: message from the upstream on %r not stored: %s",
-                        bridge.spec.name, raws[at].topic[:64], result.refusal.text)
+            bridge.not_stored(raws[at].topic.decode("utf-8", "replace"), result.refusal.text,
+                              result.refusal.code.name)
             at += 1
         server.log_touched()
         bridge.counters["received"] += len(raws)  # as over MQTT: those that were offered
