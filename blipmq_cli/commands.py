@@ -22,7 +22,7 @@ from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, for_error, terminated
 from blipmq_cli.literal import visible
 from blipmq_cli.output import TemplateError, writer
-from blipmq_server.errors import BlipError, BrokerError, ConnectError, TlsError
+from blipmq_server.errors import BlipError, BrokerError, ConnectError, NotBrokerError, TlsError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
 from blipmq_server.protocol.connection import Reconnect
 
@@ -204,9 +204,11 @@ def _reconnect_policy(text: str) -> Reconnect | None:
 
 def _transient(exc: BaseException) -> bool:
     """Whether a failed first connection may succeed when dialled again: the broker not
-    reachable (yet), silent, or not ready (``_NOT_READY``). A TLS failure, a refused API key
-    and a bad address are final."""
-    if isinstance(exc, TlsError):
+    reachable (yet), closing or resetting the connection before answering, silent, or not
+    ready (``_NOT_READY``). A TLS failure, a refused API key, a bad address and an answer
+    that is not BlipMQ's protocol (``NotBrokerError``: an HTTP server, a TLS port dialled
+    without TLS) are final."""
+    if isinstance(exc, (TlsError, NotBrokerError)):
         return False
     if isinstance(exc, BrokerError):
         return exc.code in _NOT_READY
