@@ -217,13 +217,15 @@ def _transient(exc: BaseException) -> bool:
 
 def _connect(
     addr: str | None, api_key: str | None, reconnect: Reconnect | None, window: str = "",
-    pause: Callable[[float], object] = time.sleep, **callbacks: Callable[..., object],
-) -> Client:
+    pause: Callable[[float], object] = time.sleep, idle: Callable[[], bool] | None = None,
+    **callbacks: Callable[..., object],
+) -> Client | None:
     """``connect_from_env`` with ``reconnect`` for the client's lost connections. With a
     policy, a broker that cannot be reached when the command starts (not up yet, restarting)
     is dialled again in the same way, with the same pauses (``pause``), saying so on stderr
     (``window``: the ``--reconnect-for`` it stands for); ConnectError once the attempts are
-    spent, saying how long it tried. A final refusal (``_transient``) is raised at once."""
+    spent, saying how long it tried. A final refusal (``_transient``) is raised at once.
+    None when ``idle`` says, after a pause, that there is nothing left to send."""
     def dial() -> Client:
         return connect_from_env(addr, api_key, reconnect=reconnect or False, pause=pause,
                                 **callbacks)  # type: ignore[arg-type]
@@ -240,6 +242,8 @@ def _connect(
     say(f"{error}; trying again for up to {window}")
     for attempt in range(reconnect.attempts):
         pause(reconnect.delay(attempt, random.random()))
+        if idle is not None and idle():
+            return None
         try:
             client = dial()
         except (BlipError, TimeoutError) as exc:
@@ -358,6 +362,11 @@ class _Lines:
                 return self.next(client)
         return os.read(self.fd, _READ)
 
+    def empty(self) -> bool:
+        """Whether stdin ended before a line was handed on and nothing is held: nothing
+        to send (a ``pub -l`` that never connected may stop waiting)."""
+        return self.eof and not self.held and self.read == 0 and not self.partial
+
     @property
     def waiting(self) -> int:
         """Lines read from stdin and held, not yet handed on (so never sent); at stdin's end
@@ -460,13 +469,16 @@ def _pub_lines(
     old = signal.signal(signal.SIGTERM, terminated) if qos else None
     try:
         try:
-            client = _connect(addr, api_key, reconnect, window, lines.pause,
+            client = _connect(addr, api_key, reconnect, window, lines.pause, lines.empty,
                               on_disconnect=lost, on_reconnect=lambda where: tally.back(qos))
         except ConnectError as exc:
             if reconnect is None or isinstance(exc, TlsError):
                 raise
             # gave up connecting: whatever stdin brought meanwhile was never sent
             raise ConnectError(f"{exc}; {tally.note()}") from None
+        if client is None:  # nothing can be lost: success, as a `pub -l` given no lines
+            say("stdin ended with nothing to send: not waiting for the broker")
+            return Exit.OK
         tally.client = client
         with client:
             plain = ttl == 0 and qos == 0 and key is None and not retain
@@ -558,6 +570,7 @@ def pubfile(
         try:
             client = _connect(addr, api_key, policy, window, on_disconnect=lost,
                               on_reconnect=back)
+            assert client is not None  # no ``idle``: a client or an exception
         except ConnectError as exc:
             if policy is None or isinstance(exc, TlsError):
                 raise

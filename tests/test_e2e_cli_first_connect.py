@@ -95,3 +95,29 @@ def test_a_port_that_is_not_a_broker_is_final(answer: bytes, command: list[str])
     # the hint for a plain connection to a TLS port stays
     assert f"(if it is a TLS port, connect to tls://127.0.0.1:{stranger.port})" in err, err
     assert err.count("\n") == 1, err
+
+
+def test_pub_lines_with_nothing_to_send_does_not_wait(closed_port: int) -> None:
+    """`printf '' | blipmq pub -l t` with no broker: stdin ended and nothing is held, so
+    nothing can be lost: exit 0 saying so (was: waited the whole window, then exit 3 with
+    "0 of 0 line(s) confirmed")."""
+    began = time.monotonic()
+    res = subprocess.run([BLIPMQ, "pub", "t", "-l", "-q", "1"], input=b"",
+                         capture_output=True, env=_env(closed_port), timeout=30)
+    took = time.monotonic() - began
+    err = res.stderr.decode()
+    assert res.returncode == Exit.OK, err
+    assert took < 5, (took, err)
+    assert err.splitlines()[-1] == ("blipmq: stdin ended with nothing to send: not waiting "
+                                    "for the broker"), err
+
+
+def test_pub_lines_with_a_last_line_still_waits(closed_port: int) -> None:
+    """A last line without its newline is something to send: `pub -l` keeps trying until
+    the window is spent, and counts it as not sent."""
+    res = subprocess.run([BLIPMQ, "pub", "t", "-l", "-q", "1", "--reconnect-for", "1s"],
+                         input=b"last", capture_output=True, env=_env(closed_port),
+                         timeout=30)
+    err = res.stderr.decode()
+    assert res.returncode == Exit.UNREACHABLE, err
+    assert err.endswith("; 0 of 1 line(s) confirmed; 1 not sent\n"), err
