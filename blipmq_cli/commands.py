@@ -572,8 +572,9 @@ def pubfile(
                               on_reconnect=back)
             assert client is not None  # no ``idle``: a client or an exception
         except ConnectError as exc:
-            if policy is None or isinstance(exc, TlsError):
+            if isinstance(exc, TlsError):
                 raise
+            # with or without reconnects: nothing went out, so a script knows to send it
             raise ConnectError(f"{exc}; {sent.note()}") from None
         try:
             with client:

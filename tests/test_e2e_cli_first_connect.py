@@ -121,3 +121,17 @@ def test_pub_lines_with_a_last_line_still_waits(closed_port: int) -> None:
     err = res.stderr.decode()
     assert res.returncode == Exit.UNREACHABLE, err
     assert err.endswith("; 0 of 1 line(s) confirmed; 1 not sent\n"), err
+
+
+@pytest.mark.parametrize("command", [["pubfile", "t", "-"], ["pub", "t", "-f", "-"]],
+                         ids=["pubfile", "pub-f"])
+def test_pubfile_without_reconnect_says_the_message_was_not_sent(
+        closed_port: int, command: list[str]) -> None:
+    """By default a broker it cannot reach is exit 3 at once, and the error ends saying the
+    message was not sent, as README promises (was: the connect error alone)."""
+    res = subprocess.run([BLIPMQ, *command, "-q", "1"], input=b"payload",
+                         capture_output=True, env=_env(closed_port), timeout=30)
+    err = res.stderr.decode()
+    assert res.returncode == Exit.UNREACHABLE, err
+    assert err == (f"blipmq: cannot connect to 127.0.0.1:{closed_port}: Connection refused; "
+                   "0 of 1 message(s) confirmed; 1 not sent\n"), err
