@@ -222,9 +222,9 @@ def _connect(
 ) -> Client | None:
     """``connect_from_env`` with ``reconnect`` for the client's lost connections. With a
     policy, a broker that cannot be reached when the command starts (not up yet, restarting)
-    is dialled again in the same way, with the same pauses (``pause``), saying so on stderr
-    (``window``: the ``--reconnect-for`` it stands for); ConnectError once the attempts are
-    spent, saying how long it tried. A final refusal (``_transient``) is raised at once.
+    is dialled again with the same backoff, pausing with ``pause``, saying so on stderr;
+    ConnectError once the pauses add up to ``window`` (the ``--reconnect-for`` it stands
+    for), saying how long it tried. A final refusal (``_transient``) is raised at once.
     None when ``idle`` says, after a pause, that there is nothing left to send."""
     def dial() -> Client:
         return connect_from_env(addr, api_key, reconnect=reconnect or False, pause=pause,
@@ -240,8 +240,13 @@ def _connect(
     import random
 
     say(f"{error}; trying again for up to {window}")
-    for attempt in range(reconnect.attempts):
-        pause(reconnect.delay(attempt, random.random()))
+    # the pauses add up to the whole window: the last one is what is left of it (counting
+    # only whole backoff pauses, shortened by their jitter, gave up after 1.4 s of a 3 s one)
+    limit, spent, attempt = durations.seconds(window) or 0.0, 0.0, 0
+    while spent < limit:
+        wait = min(reconnect.delay(attempt, random.random()), limit - spent)
+        pause(wait)
+        spent, attempt = spent + wait, attempt + 1
         if idle is not None and idle():
             return None
         try:
@@ -254,7 +259,7 @@ def _connect(
         say(f"connected to {client.addr}")
         return client
     raise ConnectError(f"gave up connecting after {time.monotonic() - began:.1f} s "
-                       f"({reconnect.attempts + 1} attempts): {error}")
+                       f"({attempt + 1} attempts): {error}")
 
 
 def pub(

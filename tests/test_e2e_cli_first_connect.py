@@ -6,6 +6,7 @@ answering a plain connection with an alert)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -135,3 +136,18 @@ def test_pubfile_without_reconnect_says_the_message_was_not_sent(
     assert res.returncode == Exit.UNREACHABLE, err
     assert err == (f"blipmq: cannot connect to 127.0.0.1:{closed_port}: Connection refused; "
                    "0 of 1 message(s) confirmed; 1 not sent\n"), err
+
+
+def test_reconnect_for_spans_its_window(closed_port: int) -> None:
+    """`--reconnect-for 2s`: the attempts span about 2 s of pauses (was: 1.4 s, only the
+    whole doubling pauses that fit, shortened by their jitter)."""
+    began = time.monotonic()
+    res = subprocess.run([BLIPMQ, "pub", "t", "-l", "--reconnect-for", "2s"],
+                         input=b"one\n", capture_output=True, env=_env(closed_port),
+                         timeout=30)
+    took = time.monotonic() - began
+    err = res.stderr.decode()
+    assert res.returncode == Exit.UNREACHABLE, err
+    assert 1.8 <= took < 6, (took, err)
+    said = re.search(r"gave up connecting after (\d+\.\d) s", err)
+    assert said and float(said.group(1)) >= 1.8, err
