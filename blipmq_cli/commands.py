@@ -206,8 +206,9 @@ def _transient(exc: BaseException) -> bool:
     """Whether a failed first connection may succeed when dialled again: the broker not
     reachable (yet), closing or resetting the connection before answering, silent, or not
     ready (``_NOT_READY``). A TLS failure, a refused API key, a bad address and an answer
-    that is not BlipMQ's protocol (``NotBrokerError``: an HTTP server, a TLS port dialled
-    without TLS) are final."""
+    that is not BlipMQ's protocol (``NotBrokerError``: an HTTP server, a TLS server's
+    alert) are final. A port closing without a byte (BlipMQ's TLS port dialled without TLS,
+    an MQTT port) cannot be told from a proxy whose broker is not up yet: dialled again."""
     if isinstance(exc, (TlsError, NotBrokerError)):
         return False
     if isinstance(exc, BrokerError):

@@ -53,8 +53,8 @@ class TlsError(ConnectError):
 
 class NotBrokerError(ConnectError):
     """What answered is not a BlipMQ broker: the first bytes it sent back are not the
-    protocol's (an HTTP server, a TLS port dialled without TLS). Dialling again will not
-    change that."""
+    protocol's (an HTTP server, a TLS server answering plain TCP with an alert). Dialling
+    again will not change that."""
 
 
 class BrokerError(BlipError):
