@@ -57,6 +57,7 @@ from blipmq_server.errors import (
     ConfigError,
     ConnectError,
     LocalProtocolError,
+    NotBrokerError,
     RemoteProtocolError,
     TlsError,
 )
@@ -376,9 +377,13 @@ class Client:
             except ConnectError as exc:
                 if isinstance(exc, TlsError):
                     raise
+                # bytes came back that are not the protocol: not a BlipMQ broker
+                closed = self._conn.closed
+                kind = NotBrokerError if closed is not None and (
+                    closed.reason is CloseReason.MALFORMED) else ConnectError
                 if self._tls is None:  # a TLS port takes HELLO for a broken TLS handshake
-                    raise ConnectError(f"{exc} during the handshake (if it is a TLS port, "
-                                       f"connect to tls://{self.addr})") from None
+                    raise kind(f"{exc} during the handshake (if it is a TLS port, "
+                               f"connect to tls://{self.addr})") from None
                 from blipmq_cli import tls
 
                 raise tls.closed_after_handshake(self.addr) from None

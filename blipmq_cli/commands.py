@@ -22,7 +22,7 @@ from blipmq_cli.client import Client, connect_from_env
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, for_error, terminated
 from blipmq_cli.literal import visible
 from blipmq_cli.output import TemplateError, writer
-from blipmq_server.errors import BlipError, BrokerError, ConnectError, TlsError
+from blipmq_server.errors import BlipError, BrokerError, ConnectError, NotBrokerError, TlsError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
 from blipmq_server.protocol.connection import Reconnect
 
@@ -204,9 +204,12 @@ def _reconnect_policy(text: str) -> Reconnect | None:
 
 def _transient(exc: BaseException) -> bool:
     """Whether a failed first connection may succeed when dialled again: the broker not
-    reachable (yet), silent, or not ready (``_NOT_READY``). A TLS failure, a refused API key
-    and a bad address are final."""
-    if isinstance(exc, TlsError):
+    reachable (yet), closing or resetting the connection before answering, silent, or not
+    ready (``_NOT_READY``). A TLS failure, a refused API key, a bad address and an answer
+    that is not BlipMQ's protocol (``NotBrokerError``: an HTTP server, a TLS server's
+    alert) are final. A port closing without a byte (BlipMQ's TLS port dialled without TLS,
+    an MQTT port) cannot be told from a proxy whose broker is not up yet: dialled again."""
+    if isinstance(exc, (TlsError, NotBrokerError)):
         return False
     if isinstance(exc, BrokerError):
         return exc.code in _NOT_READY
@@ -215,13 +218,15 @@ def _transient(exc: BaseException) -> bool:
 
 def _connect(
     addr: str | None, api_key: str | None, reconnect: Reconnect | None, window: str = "",
-    pause: Callable[[float], object] = time.sleep, **callbacks: Callable[..., object],
-) -> Client:
+    pause: Callable[[float], object] = time.sleep, idle: Callable[[], bool] | None = None,
+    **callbacks: Callable[..., object],
+) -> Client | None:
     """``connect_from_env`` with ``reconnect`` for the client's lost connections. With a
     policy, a broker that cannot be reached when the command starts (not up yet, restarting)
-    is dialled again in the same way, with the same pauses (``pause``), saying so on stderr
-    (``window``: the ``--reconnect-for`` it stands for); ConnectError once the attempts are
-    spent, saying how long it tried. A final refusal (``_transient``) is raised at once."""
+    is dialled again with the same backoff, pausing with ``pause``, saying so on stderr;
+    ConnectError once the pauses add up to ``window`` (the ``--reconnect-for`` it stands
+    for), saying how long it tried. A final refusal (``_transient``) is raised at once.
+    None when ``idle`` says, after a pause, that there is nothing left to send."""
     def dial() -> Client:
         return connect_from_env(addr, api_key, reconnect=reconnect or False, pause=pause,
                                 **callbacks)  # type: ignore[arg-type]
@@ -236,8 +241,15 @@ def _connect(
     import random
 
     say(f"{error}; trying again for up to {window}")
-    for attempt in range(reconnect.attempts):
-        pause(reconnect.delay(attempt, random.random()))
+    # the pauses add up to the whole window: the last one is what is left of it (counting
+    # only whole backoff pauses, shortened by their jitter, gave up after 1.4 s of a 3 s one)
+    limit, spent, attempt = durations.seconds(window) or 0.0, 0.0, 0
+    while spent < limit:
+        wait = min(reconnect.delay(attempt, random.random()), limit - spent)
+        pause(wait)
+        spent, attempt = spent + wait, attempt + 1
+        if idle is not None and idle():
+            return None
         try:
             client = dial()
         except (BlipError, TimeoutError) as exc:
@@ -248,7 +260,7 @@ def _connect(
         say(f"connected to {client.addr}")
         return client
     raise ConnectError(f"gave up connecting after {time.monotonic() - began:.1f} s "
-                       f"({reconnect.attempts + 1} attempts): {error}")
+                       f"({attempt + 1} attempts): {error}")
 
 
 def pub(
@@ -356,6 +368,11 @@ class _Lines:
                 return self.next(client)
         return os.read(self.fd, _READ)
 
+    def empty(self) -> bool:
+        """Whether stdin ended before a line was handed on and nothing is held: nothing
+        to send (a ``pub -l`` that never connected may stop waiting)."""
+        return self.eof and not self.held and self.read == 0 and not self.partial
+
     @property
     def waiting(self) -> int:
         """Lines read from stdin and held, not yet handed on (so never sent); at stdin's end
@@ -458,13 +475,16 @@ def _pub_lines(
     old = signal.signal(signal.SIGTERM, terminated) if qos else None
     try:
         try:
-            client = _connect(addr, api_key, reconnect, window, lines.pause,
+            client = _connect(addr, api_key, reconnect, window, lines.pause, lines.empty,
                               on_disconnect=lost, on_reconnect=lambda where: tally.back(qos))
         except ConnectError as exc:
             if reconnect is None or isinstance(exc, TlsError):
                 raise
             # gave up connecting: whatever stdin brought meanwhile was never sent
             raise ConnectError(f"{exc}; {tally.note()}") from None
+        if client is None:  # nothing can be lost: success, as a `pub -l` given no lines
+            say("stdin ended with nothing to send: not waiting for the broker")
+            return Exit.OK
         tally.client = client
         with client:
             plain = ttl == 0 and qos == 0 and key is None and not retain
@@ -556,9 +576,11 @@ def pubfile(
         try:
             client = _connect(addr, api_key, policy, window, on_disconnect=lost,
                               on_reconnect=back)
+            assert client is not None  # no ``idle``: a client or an exception
         except ConnectError as exc:
-            if policy is None or isinstance(exc, TlsError):
+            if isinstance(exc, TlsError):
                 raise
+            # with or without reconnects: nothing went out, so a script knows to send it
             raise ConnectError(f"{exc}; {sent.note()}") from None
         try:
             with client:

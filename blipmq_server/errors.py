@@ -51,6 +51,12 @@ class TlsError(ConnectError):
     no TLS version in common, or the other side does not speak TLS on that port."""
 
 
+class NotBrokerError(ConnectError):
+    """What answered is not a BlipMQ broker: the first bytes it sent back are not the
+    protocol's (an HTTP server, a TLS server answering plain TCP with an alert). Dialling
+    again will not change that."""
+
+
 class BrokerError(BlipError):
     """The broker answered with an ERROR (or a closing GOODBYE) frame.
 
