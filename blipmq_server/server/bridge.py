@@ -323,6 +323,11 @@ class Bridge:
                     elif turn % len(spec.addresses) == 0 and failing_back:  # it did not
                         self._probe_s = min(self._probe_s * 2, _PRIMARY_PROBE_MAX_S)
                     failing_back = reason == _PRIMARY_BACK
+                    if reason is not None and not short:
+                        # it was up and lasted: a link that works. Not after a brief one:
+                        # an upstream that drops every link is dialled ever less often,
+                        # as one that refuses (at backoff_min_ms for ever before)
+                        backoff.reset()
                     if reason is not None:  # it was up: the primary first again (if it
                         # lasted; else the next address, as after a refused connect)
                         turn = turn + 1 if short else 0
@@ -337,8 +342,9 @@ class Bridge:
                                      reason)
                         elif short:
                             log.warning("bridge %s: link to %s lost %.1f s after it came up, "
-                                        "within keepalive_s: a failed attempt%s: %s",
+                                        "within %s: a failed attempt%s: %s",
                                         spec.name, self.address, lasted,
+                                        "keepalive_s" if spec.keepalive_s else "60 s",
                                         ", the next address is tried"
                                         if len(spec.addresses) > 1 else "", reason)
                             reason = (f"{self.address}: lost {lasted:.1f} s after it came "
@@ -395,7 +401,6 @@ class Bridge:
             log.info("bridge %s: cannot connect to %s:%d: %s", spec.name, host, port,
                      _why(exc))
             return None
-        backoff.reset()  # it answered past its CONNACK (or WELCOME): a link that works
         self._up_at = trio.current_time()
         self._link = link
         self.connected = True
