@@ -76,6 +76,22 @@ def _answer(packet: bytes) -> bytes:
     return b""
 
 
+def _forward(fd: int, buf: bytes, subscribers: list[int]) -> bytes:
+    """The whole packets in what came on ``fd``: each PUBLISH written to every subscriber,
+    anything else answered; the rest, an unfinished packet, is returned."""
+    packets, rest = _split(buf)
+    for packet in packets:
+        if packet[0] >> 4 == 3:
+            for sub in subscribers:
+                os.write(sub, packet)
+            continue
+        if packet[0] >> 4 == 8:
+            subscribers.append(fd)
+        if reply := _answer(packet):
+            os.write(fd, reply)
+    return rest
+
+
 def serve_epoll(port: int) -> None:
     listener = socket.create_server(("127.0.0.1", port))
     listener.setblocking(False)
@@ -107,16 +123,7 @@ def serve_epoll(port: int) -> None:
                 if fd in subscribers:
                     subscribers.remove(fd)
                 continue
-            packets, rests[fd] = _split(rests[fd] + data)
-            for packet in packets:
-                if packet[0] >> 4 == 3:
-                    for sub in subscribers:
-                        os.write(sub, packet)
-                    continue
-                if packet[0] >> 4 == 8:
-                    subscribers.append(fd)
-                if reply := _answer(packet):
-                    os.write(fd, reply)
+            rests[fd] = _forward(fd, rests[fd] + data, subscribers)
 
 
 def serve_trio(port: int) -> None:
@@ -139,16 +146,7 @@ def serve_trio(port: int) -> None:
                     return
                 if not data:
                     return
-                packets, rest = _split(rest + data)
-                for packet in packets:
-                    if packet[0] >> 4 == 3:
-                        for sub in subscribers:
-                            os.write(sub, packet)
-                        continue
-                    if packet[0] >> 4 == 8:
-                        subscribers.append(fd)
-                    if reply := _answer(packet):
-                        os.write(fd, reply)
+                rest = _forward(fd, rest + data, subscribers)
         finally:
             if fd in subscribers:
                 subscribers.remove(fd)

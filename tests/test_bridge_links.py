@@ -392,9 +392,15 @@ def test_credentials_reach_the_upstream_and_a_refusal_is_named(start_broker) -> 
     assert got.stdout == b"with a key\n", got
 
 
-def test_a_message_the_mqtt_upstream_cuts_the_link_on_is_dead_lettered(start_broker) -> None:
-    # a BlipMQ upstream closes an MQTT connection on a QoS 1 PUBLISH larger than it takes:
-    # MQTT 3.1.1's only way to refuse one
+def test_a_message_a_blipmq_mqtt_upstream_never_takes_is_acknowledged_there(
+        start_broker) -> None:
+    """A BlipMQ upstream used to close an MQTT connection on a QoS 1 PUBLISH larger than it
+    takes, and the bridge dead-lettered it after max_retries links. It now acknowledges and
+    drops such a publish (MQTT-3.3.5-2, as mosquitto does with its message_size_limit; a
+    device resending it at every reconnect looped for ever): the link stays up, the rest
+    flow, the upstream counts it refused. A bridge's own max_message_bytes dead-letters here
+    what its upstream would drop (test_max_message_bytes_dead_letters_...); an upstream
+    that does cut the link on a message: test_a_message_over_mosquittos_max_packet_size_..."""
     up = start_broker({"mqtt": {"enabled": True, "port": 0},
                        "server": {"max_message_bytes": 2048}})
     bp = start_broker({"bridge": [bridge_table(
@@ -404,12 +410,11 @@ def test_a_message_the_mqtt_upstream_cuts_the_link_on_is_dead_lettered(start_bro
     assert bp.cli("pub", "sensors/big", "-", "-q", "1", input=b"x" * 5000).returncode == 0
     lines = b"".join(b"small %d\n" % n for n in range(50))
     assert bp.cli("pub", "sensors/small", "-q", "1", "-l", input=lines).returncode == 0
-    final = wait_status(bp, "cloud", lambda b: b["dead_lettered"] == 1
+    final = wait_status(bp, "cloud", lambda b: b["forwarded"] == 51
                         and b["backlog_messages"] == 0, timeout=30)
-    assert final["reconnects"] >= 2
+    assert (final["reconnects"], final["dead_lettered"]) == (0, 0), final
     assert len(local_numbers(up, "gw/#", 50)) == 50  # the rest flowed
-    dead = bp.cli("sub", "$dlq/#", "--from", "earliest", "-C", "1", "-W", "10", "-F", "json")
-    assert b"closed the link each of 2 times" in dead.stdout, dead
+    assert up.metric("blipmq_mqtt_protocol_errors_total", reason="refused") == 1
 
 
 def test_outgoing_retain_false_forwards_without_the_retain_flag(start_broker) -> None:
@@ -548,10 +553,12 @@ def _in_process(tmp_path: Path, name: str, port: int, extra: str) -> Config:
 
 
 def test_in_rules_are_subscribed_again_until_an_upstream_granted_them(start_broker) -> None:
-    """A link lost between the SUBSCRIBE and its SUBACK: the next one subscribes again, even
-    though the upstream says it kept the session (it never had the SUBACK's filters). Then
-    a failover to an upstream that says it kept a session which never got them: subscribed
-    there too. Only the upstream that granted them is trusted to hold them."""
+    """A link lost between the SUBSCRIBE and its SUBACK (a brief link: the bridge goes on to
+    the next address): an upstream that then says it kept the session never had the
+    SUBACK's filters, and is subscribed again; so is the first on failing back to it, and
+    the second again on failing over once more after the first granted them. Only the
+    upstream that granted them last is trusted to hold them. (Each address's links are
+    counted by its stand-in, the failback's TCP probes among them, with no SUBSCRIBE.)"""
     from tests.upstream import StandIn, wait_until
 
     first = StandIn(present=lambda n: n > 0, drop_subscribe=True)
@@ -560,16 +567,17 @@ def test_in_rules_are_subscribed_again_until_an_upstream_granted_them(start_brok
         bp = start_broker({"bridge": [bridge_table(
             "twice", [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"],
             ["cmd/# in 1"], keepalive_s=60)]})
-        assert wait_until(lambda: len(first.subscribes) >= 2 and first.subscribes[1] >= 1,
-                          10), first.subscribes
+        assert wait_until(lambda: second.subscribes and second.subscribes[0] >= 1, 10), (
+            first.subscribes, second.subscribes)
         first.drop_subscribe = False  # now the first upstream grants them
         wait_status(bp, "twice", lambda b: b["connected"] and b["address"].endswith(
-            str(first.port)))
-        assert wait_until(lambda: sum(first.subscribes) >= 3, 10), first.subscribes
-        links = len(first.subscribes)
+            str(first.port)), timeout=20)
+        assert wait_until(lambda: any(n >= 1 for n in first.subscribes[1:]), 10), (
+            first.subscribes)
+        links = len(second.subscribes)
         first.close()  # cut and refused from now on: the bridge fails over to the second
-        assert wait_until(lambda: second.subscribes and second.subscribes[0] >= 1, 20), (
-            second.subscribes, first.subscribes[links:])
+        assert wait_until(lambda: any(n >= 1 for n in second.subscribes[links:]), 20), (
+            second.subscribes, first.subscribes)
     finally:
         first.close()
         second.close()
@@ -771,7 +779,7 @@ def test_a_prefix_parent_level_keeps_its_own_name_through_mosquitto(start_broker
                              ("up/ok", b"fine")):
             pub.publish(topic, value, qos=1).wait_for_publish(5)
         pub.disconnect()
-        wait_status(bp, "in", lambda b: b["received"] == 1 and b["refused"] == 2)
+        wait_status(bp, "in", lambda b: b["received"] == 3 and b["refused"] == 2)
         wait_status(bp, "pair", lambda b: b["received"] == 2)
         for topic, value in (("edge", b"parent in"), ("edge/cloud", b"child in"),
                              ("ok", b"fine")):
