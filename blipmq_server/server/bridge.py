@@ -1068,7 +1068,11 @@ class _Link:
         keepalive = spec.keepalive_s
         window = spec.inflight
         rate = spec.max_rate
-        tokens = float(min(rate, window)) if rate else math.inf
+        # a token bucket whose burst is one window (at most a second's worth): a bucket a
+        # second deep let an idle link send max_rate messages at once, a drain of 300 at
+        # 200/s in 0.5 s
+        burst = float(min(rate, window)) if rate else math.inf
+        tokens = burst
         refilled = trio.current_time()
         while True:
             if not self.open:
@@ -1086,7 +1090,7 @@ class _Link:
                     self.outbox.append(self._ping())
                     self.pinged = True
             if rate:
-                tokens = min(float(rate), tokens + (now - refilled) * rate)
+                tokens = min(burst, tokens + (now - refilled) * rate)
                 refilled = now
             room = self._room(window)
             if rate:
