@@ -94,6 +94,24 @@ def test_pending_records_are_not_readable_until_committed(tmp_path: Path) -> Non
     assert all_bodies(log)[-1] == b"pending"
 
 
+def test_the_first_offset_counts_records_being_written(tmp_path: Path) -> None:
+    """A fresh log's first records, taken by the flusher and not committed yet, are held by
+    the log: a subscription from the earliest offset made at that moment began past them
+    (``blipmq pub t x; blipmq sub t --from earliest -e`` printed nothing on a slow disk)."""
+    opts = LogOptions(segment_bytes=4096)
+    log = Log(str(tmp_path), opts)
+    log.open()
+    log.append(MSG, body(0), 1)
+    assert log.first_offset == 1  # pending
+    batch = log.take_batch()
+    assert batch is not None
+    log.append(MSG, body(1), 2)
+    assert log.first_offset == 1  # in flight, with one pending behind it
+    batch.write(log.disk, True)
+    log.commit(batch)
+    assert log.first_offset == 1
+
+
 def test_rotation_and_reads_across_segments(tmp_path: Path) -> None:
     opts = LogOptions(segment_bytes=1000, index_every=4)
     log = write_log(tmp_path, 200, opts)

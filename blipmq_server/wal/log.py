@@ -344,10 +344,16 @@ class Log:
 
     @property
     def first_offset(self) -> int:
-        """The oldest offset the log holds, written or still pending."""
+        """The oldest offset the log holds, written, being written or still pending."""
+        flying = self._in_flight.parts if self._in_flight is not None else ()
         for seg in self.segments:
             if seg.count:
                 return seg.first
+            # a segment whose records are all in the batch being written: not counted yet
+            # and no longer pending (a fresh log's first records, the first after a roll)
+            part = next((p for p in flying if p.segment is seg), None)
+            if part is not None:
+                return part.first_offset
             if seg.pending:
                 return seg.pending_first
         return self.next_offset
