@@ -97,6 +97,10 @@ ASKS = 8  # times a request is asked again across reconnects before giving up (b
 DEFAULT_READ_AHEAD = 64 << 20  # payload bytes of deliveries read and not yet taken, at most
 
 _T = TypeVar("_T")
+# refusals of a handshake that a broker not yet (or no longer) ready gives: dialled again;
+# any other (a bad API key, a version it does not speak) is final
+_NOT_READY = (codec.ErrorCode.SHUTTING_DOWN, codec.ErrorCode.TOO_MANY_CONNECTIONS,
+              codec.ErrorCode.TIMEOUT)
 
 
 def split_scheme(addr: str) -> tuple[str | None, str]:
@@ -1001,48 +1005,49 @@ class Client:
 
     def _recover(self) -> bool:
         """After the connection was lost: False when reconnects are off (the caller raises
-        why); else dial again (``Reconnect``), hand the unconfirmed and unsent messages and
-        the subscriptions over to the new connection, and return True; raise ConnectError
-        on giving up."""
+        why); else dial again (``redial``), hand the unconfirmed and unsent messages and
+        the subscriptions over to the new connection, and return True; raise the final
+        error (``transient``) or ConnectError on giving up."""
         old = self._conn
         closed = old.closed
         policy = self.reconnect
         if (policy is None or self._recovering or self._closing or closed is None
                 or closed.reason is CloseReason.LOCAL):
             return False
-        import random
-
         error = old.failure(self.addr, 2 * self.timeout)
         if self.on_disconnect is not None:
             self.on_disconnect(error)
+
+        def dial() -> None:
+            nonlocal old
+            self.abort()
+            target = self._targets[self._next_target % len(self._targets)]
+            self._next_target += 1
+            taken: ClientConnection | None = None
+            try:
+                self._dial(target)
+                taken = self._conn
+                self._take_over(old)
+            except (BlipError, TimeoutError):
+                if taken is not None:  # it took the messages over, then failed too
+                    if taken.closed is None:
+                        taken.receive_data(b"", time.monotonic())
+                    old = taken
+                raise
+
         self._recovering = True
         try:
-            for attempt in range(policy.attempts):
-                self.abort()
-                self.pause(policy.delay(attempt, random.random()))
-                target = self._targets[self._next_target % len(self._targets)]
-                self._next_target += 1
-                taken: ClientConnection | None = None
-                try:
-                    self._dial(target)
-                    taken = self._conn
-                    self._take_over(old)
-                except (BlipError, TimeoutError) as exc:
-                    error = exc if isinstance(exc, BlipError) else ConnectError(str(exc))
-                    if taken is not None:  # it took the messages over, then failed too
-                        if taken.closed is None:
-                            taken.receive_data(b"", time.monotonic())
-                        old = taken
-                    continue
-                self.reconnects += 1
-                if self.on_reconnect is not None:
-                    self.on_reconnect(self.addr)
-                return True
+            redial(policy, dial, error, "reconnecting", self.pause)
+        except BlipError:
+            self.abort()
             self._conn = old
-            raise ConnectError(f"gave up reconnecting after {policy.attempts} attempts: "
-                               f"{error}")
+            raise
         finally:
             self._recovering = False
+        self.reconnects += 1
+        if self.on_reconnect is not None:
+            self.on_reconnect(self.addr)
+        return True
 
     def _take_over(self, old: ClientConnection) -> None:
         """On the new connection: send ``old``'s messages again, subscribe again."""
@@ -1084,6 +1089,49 @@ def _env_timeout() -> float:
     if not 0 < seconds < 1e9:
         raise ConfigError(f"{raw!r} is not a positive number of seconds", "BLIPMQ_TIMEOUT")
     return seconds
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a failed dial may succeed when dialled again: the broker not reachable (yet),
+    closing or resetting the connection before answering, silent, or not ready
+    (``_NOT_READY``). A TLS failure, a refused API key, a bad address and an answer that is
+    not BlipMQ's protocol (``NotBrokerError``: an HTTP server, a TLS server's alert) are
+    final. A port closing without a byte (BlipMQ's TLS port dialled without TLS, an MQTT
+    port) cannot be told from a proxy whose broker is not up yet: dialled again."""
+    if isinstance(exc, (TlsError, NotBrokerError)):
+        return False
+    if isinstance(exc, BrokerError):
+        return exc.code in _NOT_READY
+    return isinstance(exc, (ConnectError, TimeoutError))
+
+
+def redial(
+    policy: Reconnect, dial: Callable[[], _T], error: BaseException, what: str,
+    pause: Callable[[float], object], idle: Callable[[], bool] | None = None,
+    began: float | None = None, tried: int = 0,
+) -> _T | None:
+    """The one reconnect loop (a first connection in ``pub -l``, a lost one in ``Client``):
+    ``dial()`` after each of ``policy``'s waits (``pause``) until it returns. A final error
+    (not ``transient``) is raised at once; once the policy gives up, ConnectError ("gave up
+    ``what`` after S s (N attempts)", counting ``tried`` before and the time since
+    ``began``) with the last error (``error`` at first). None when ``idle()`` says, after a
+    wait, that there is nothing left to send."""
+    import random
+
+    began = time.monotonic() if began is None else began
+    for wait in policy.waits(random.random):
+        pause(wait)
+        if idle is not None and idle():
+            return None
+        tried += 1
+        try:
+            return dial()
+        except (BlipError, TimeoutError) as exc:
+            if not transient(exc):
+                raise
+            error = exc
+    raise ConnectError(f"gave up {what} after {time.monotonic() - began:.1f} s "
+                       f"({tried} attempts): {error}")
 
 
 def connect_from_env(

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from blipmq_cli import durations
-from blipmq_cli.client import Client, connect_from_env
+from blipmq_cli.client import Client, connect_from_env, redial, transient
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, for_error, terminated
 from blipmq_cli.literal import visible
 from blipmq_cli.output import TemplateError, writer
-from blipmq_server.errors import BlipError, BrokerError, ConnectError, NotBrokerError, TlsError
+from blipmq_server.errors import BlipError, BrokerError, ConnectError, TlsError
 from blipmq_server.protocol.codec import ErrorCode, Message, Start
 from blipmq_server.protocol.connection import Reconnect
 
@@ -31,9 +31,6 @@ _READ = 1 << 16
 # connect at all when the broker is not up yet
 RECONNECT_FOR = "60s"
 _BACKOFF_S = (0.1, 2.0)  # the first and the longest pause between attempts
-# refusals of a handshake that a broker not yet (or no longer) ready gives: dialled again;
-# any other (a bad API key, a version it does not speak) is final
-_NOT_READY = (ErrorCode.SHUTTING_DOWN, ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.TIMEOUT)
 
 
 class UsageError(Exception):
@@ -185,8 +182,8 @@ def _ttl_ms(ttl: str | None) -> int:
 
 
 def _reconnect_policy(text: str) -> Reconnect | None:
-    """``--reconnect-for``: as many attempts as fit into that many seconds of pauses
-    (``_BACKOFF_S``, doubling; the jitter only shortens them); None for 0 (no reconnects)."""
+    """``--reconnect-for``: attempts until the pauses (``_BACKOFF_S``, doubling, shortened
+    by a jitter) add up to that many seconds; None for 0 (no reconnects)."""
     limit = durations.seconds(text)
     if limit is None:
         raise UsageError(f"--reconnect-for {text!r}: give a duration such as 60s or 5m "
@@ -194,26 +191,8 @@ def _reconnect_policy(text: str) -> Reconnect | None:
     if limit == 0:
         return None
     initial, maximum = _BACKOFF_S
-    attempts, spent, pause = 0, 0.0, initial
-    while pause < maximum and spent + pause <= limit:  # the pauses still doubling
-        attempts, spent, pause = attempts + 1, spent + pause, pause * 2
-    attempts += int((limit - spent) // maximum) if pause >= maximum else 0
-    return Reconnect(attempts=max(1, min(attempts, 1 << 30)), initial=initial,
-                     maximum=maximum, jitter=0.2)
-
-
-def _transient(exc: BaseException) -> bool:
-    """Whether a failed first connection may succeed when dialled again: the broker not
-    reachable (yet), closing or resetting the connection before answering, silent, or not
-    ready (``_NOT_READY``). A TLS failure, a refused API key, a bad address and an answer
-    that is not BlipMQ's protocol (``NotBrokerError``: an HTTP server, a TLS server's
-    alert) are final. A port closing without a byte (BlipMQ's TLS port dialled without TLS,
-    an MQTT port) cannot be told from a proxy whose broker is not up yet: dialled again."""
-    if isinstance(exc, (TlsError, NotBrokerError)):
-        return False
-    if isinstance(exc, BrokerError):
-        return exc.code in _NOT_READY
-    return isinstance(exc, (ConnectError, TimeoutError))
+    return Reconnect(attempts=1 << 30, initial=initial, maximum=maximum, jitter=0.2,
+                     within=limit)
 
 
 def _connect(
@@ -223,10 +202,10 @@ def _connect(
 ) -> Client | None:
     """``connect_from_env`` with ``reconnect`` for the client's lost connections. With a
     policy, a broker that cannot be reached when the command starts (not up yet, restarting)
-    is dialled again with the same backoff, pausing with ``pause``, saying so on stderr;
-    ConnectError once the pauses add up to ``window`` (the ``--reconnect-for`` it stands
-    for), saying how long it tried. A final refusal (``_transient``) is raised at once.
-    None when ``idle`` says, after a pause, that there is nothing left to send."""
+    is dialled again by the same policy (``redial``), pausing with ``pause``, saying so on
+    stderr; ConnectError once the pauses add up to ``window`` (the ``--reconnect-for`` it
+    stands for), saying how long it tried. A final error (not ``transient``) is raised at
+    once. None when ``idle`` says, after a pause, that there is nothing left to send."""
     def dial() -> Client:
         return connect_from_env(addr, api_key, reconnect=reconnect or False, pause=pause,
                                 **callbacks)  # type: ignore[arg-type]
@@ -235,32 +214,13 @@ def _connect(
     try:
         return dial()
     except (BlipError, TimeoutError) as exc:
-        if reconnect is None or not _transient(exc):
+        if reconnect is None or not transient(exc):
             raise
-        error: BaseException = exc
-    import random
-
-    say(f"{error}; trying again for up to {window}")
-    # the pauses add up to the whole window: the last one is what is left of it (counting
-    # only whole backoff pauses, shortened by their jitter, gave up after 1.4 s of a 3 s one)
-    limit, spent, attempt = durations.seconds(window) or 0.0, 0.0, 0
-    while spent < limit:
-        wait = min(reconnect.delay(attempt, random.random()), limit - spent)
-        pause(wait)
-        spent, attempt = spent + wait, attempt + 1
-        if idle is not None and idle():
-            return None
-        try:
-            client = dial()
-        except (BlipError, TimeoutError) as exc:
-            if not _transient(exc):
-                raise
-            error = exc
-            continue
+        say(f"{exc}; trying again for up to {window}")
+        client = redial(reconnect, dial, exc, "connecting", pause, idle, began, tried=1)
+    if client is not None:
         say(f"connected to {client.addr}")
-        return client
-    raise ConnectError(f"gave up connecting after {time.monotonic() - began:.1f} s "
-                       f"({attempt + 1} attempts): {error}")
+    return client
 
 
 def pub(

@@ -33,7 +33,7 @@ client (``blipmq_cli/client.py``) is a thin shell and a one-shot ``blipmq pub`` 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
 from typing import NamedTuple
 
@@ -99,31 +99,49 @@ class Closed(NamedTuple):
 
 
 class Reconnect:
-    """How a client dials again after a lost connection: ``attempts`` in a row (each
-    address tried counts as one) before it gives up; before attempt n (from 0) a wait of
-    ``min(maximum, initial * 2**n)`` seconds, less a random part of up to ``jitter`` of it
-    (so that many clients of a restarted broker do not all come back at once)."""
+    """How a client dials again: ``attempts`` in a row (each address tried counts as one)
+    before it gives up; before attempt n (from 0) a wait of ``min(maximum, initial * 2**n)``
+    seconds, less a random part of up to ``jitter`` of it (so that many clients of a
+    restarted broker do not all come back at once). With ``within`` (seconds), it also gives
+    up once the waits add up to that: the last wait is what is left of it, so the attempts
+    cover the whole window (the CLI's ``--reconnect-for``)."""
 
-    __slots__ = ("attempts", "initial", "jitter", "maximum")
+    __slots__ = ("attempts", "initial", "jitter", "maximum", "within")
 
     def __init__(self, attempts: int = 60, initial: float = 0.1, maximum: float = 5.0,
-                 jitter: float = 0.5) -> None:
+                 jitter: float = 0.5, within: float | None = None) -> None:
         if attempts < 1 or initial <= 0 or maximum < initial or not 0 <= jitter <= 1:
             raise ValueError("Reconnect needs attempts >= 1, 0 < initial <= maximum and "
                              "0 <= jitter <= 1")
+        if within is not None and not within > 0:
+            raise ValueError("Reconnect's within is a positive number of seconds, or None")
         self.attempts = attempts
         self.initial = initial
         self.maximum = maximum
         self.jitter = jitter
+        self.within = within
 
     def delay(self, attempt: int, draw: float) -> float:
         """The wait before ``attempt``; ``draw`` is uniform in [0, 1)."""
         base = min(self.maximum, self.initial * 2 ** min(attempt, 32))
         return base * (1 - self.jitter * draw)
 
+    def waits(self, draw: Callable[[], float]) -> Iterator[float]:
+        """The waits before each attempt, in turn, until the policy gives up; ``draw()`` is
+        uniform in [0, 1)."""
+        spent = 0.0
+        for attempt in range(self.attempts):
+            wait = self.delay(attempt, draw())
+            if self.within is not None:
+                if spent >= self.within:
+                    return
+                wait = min(wait, self.within - spent)
+            spent += wait
+            yield wait
+
     def __repr__(self) -> str:
         return (f"Reconnect(attempts={self.attempts}, initial={self.initial}, "
-                f"maximum={self.maximum}, jitter={self.jitter})")
+                f"maximum={self.maximum}, jitter={self.jitter}, within={self.within})")
 
 
 class Gap:
