@@ -790,7 +790,7 @@ class AsyncClient:
         restore = False
         try:
             with self._scope:
-                while True:  # one pass per connection; bounded by Reconnect.attempts
+                while True:  # one pass per connection; bounded by Reconnect's waits
                     await self._run(stream, self._conn, restore)
                     if self._closing:
                         return
@@ -817,8 +817,10 @@ class AsyncClient:
         assert self.reconnect is not None
         old = self._conn
         last: BlipError = error
-        for attempt in range(self.reconnect.attempts):
-            await trio.sleep(self.reconnect.delay(attempt, random.random()))
+        tried = 0
+        for wait in self.reconnect.waits(random.random):
+            await trio.sleep(wait)
+            tried += 1
             target = self._targets[self._next_target % len(self._targets)]
             self._next_target += 1
             try:
@@ -830,8 +832,7 @@ class AsyncClient:
             self._conn, self.addr = conn, target[3]
             self.reconnects += 1
             return stream
-        self._dead = ConnectError(f"gave up reconnecting after {self.reconnect.attempts} "
-                                  f"attempts: {last}")
+        self._dead = ConnectError(f"gave up reconnecting after {tried} attempts: {last}")
         return None
 
     async def _run(self, stream: trio.abc.Stream, conn: ClientConnection,

@@ -16,6 +16,7 @@ from blipmq_cli.client import Client, parse_addr
 from blipmq_server.errors import BlipError, BrokerError, ConfigError, ConnectError
 from blipmq_server.protocol import codec
 from blipmq_server.protocol.codec import ErrorCode, Message
+from blipmq_server.protocol.connection import Reconnect
 
 
 def test_publish_many_and_iterate(start_broker) -> None:
@@ -435,6 +436,18 @@ def test_close_with_read_ahead_full_drops_what_was_not_taken_and_closes(start_br
         while got < sent:  # bounded: each wait raises after 10 s
             got += len(replay.next_batch(timeout=10) or ())
     assert got == sent
+
+
+@pytest.mark.parametrize("draw", [0.0, 0.5, 0.99])
+def test_a_reconnect_within_a_window_waits_for_all_of_it(draw: float) -> None:
+    """``Reconnect(within=...)`` (``--reconnect-for``): the waits add up to the window, the
+    last one what is left of it, whatever the jitter; without it, ``attempts`` waits."""
+    policy = Reconnect(attempts=1 << 30, initial=0.1, maximum=2.0, jitter=0.2, within=5.0)
+    waits = list(policy.waits(lambda: draw))
+    assert sum(waits) == pytest.approx(5.0) and all(0 < w <= 2.0 for w in waits), waits
+    assert len(list(Reconnect(attempts=3).waits(lambda: draw))) == 3
+    assert list(Reconnect(attempts=2, initial=1, maximum=1, jitter=0, within=1.5).waits(
+        lambda: draw)) == [1, 0.5]
 
 
 @pytest.mark.parametrize("policy", [5, "yes", 1.0, object()])

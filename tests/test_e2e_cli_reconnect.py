@@ -158,6 +158,22 @@ def test_a_lost_connection_is_given_up_once_the_window_is_spent(start_broker) ->
     assert re.search(r"gave up reconnecting after (\d+\.\d) s \(\d+ attempts\)", err), err
 
 
+def test_a_lost_connection_is_not_dialled_again_on_a_refused_key(start_broker) -> None:
+    """A broker back with other API keys: exit 5 at once, as for a first connection (was:
+    dialled again until --reconnect-for was spent, then exit 3)."""
+    b = start_broker({"auth": {"api_keys": ["s3cret"]}})
+    with _running(b, "pub", "rs/t", "-l", "-q", "1", lines=b"one\n",
+                  BLIPMQ_API_KEY="s3cret") as pub:
+        assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+        start_broker({"server": {"port": b.port}, "auth": {"api_keys": ["other"]}},
+                     data_dir=b.data_dir)
+        pub.stdin.write(b"two\n")
+        pub.stdin.flush()
+        rc, err = _ended(pub, 20)  # well within the 60 s of --reconnect-for
+    assert rc == Exit.AUTH, err
+    assert "reconnecting" in err and "gave up" not in err, err
+
+
 def test_reconnect_for_zero_exits_on_the_restart_and_needs_lines(start_broker) -> None:
     b = start_broker()
     with _running(b, "pub", "rs/t", "-l", "-q", "1", "--reconnect-for", "0",
