@@ -222,6 +222,24 @@ def test_refusals_stop_the_batch_and_say_why() -> None:
     assert b.counters.published == 1
 
 
+def test_the_size_limits_are_stated_once_and_refusals_counted_by_the_core() -> None:
+    """``Limits.size_refusal`` is what ``publish`` refuses an oversized payload with, and
+    what an MQTT will and a bridged-in message are checked with before they reach it;
+    ``refuse`` counts a refusal made before ``publish`` as ``publish`` counts its own."""
+    limits = Limits(max_message_bytes=10, max_topic_bytes=8)
+    b = Broker(limits)
+    assert limits.size_refusal(8, 10) is None
+    assert limits.size_refusal(9, 0) == (ErrorCode.INVALID_TOPIC,
+                                          "topic is 9 bytes long, "
+                                          "server.max_topic_bytes is 8")
+    too_big = limits.size_refusal(0, 11)
+    assert b.publish([raw("ok", b"x" * 11)], 0).refusal == too_big
+    assert too_big == (ErrorCode.MESSAGE_TOO_LARGE,
+                       "message of 11 bytes exceeds max_message_bytes (10)")
+    assert b.counters.refused == 1
+    assert b.refuse(too_big) is too_big and b.counters.refused == 2
+
+
 def test_invalid_utf8_topic_is_refused() -> None:
     b = Broker()
     bad = raw("t")._replace(topic=b"\xff\xfe")

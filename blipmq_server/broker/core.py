@@ -223,11 +223,8 @@ class Broker:
                 refusal = Refusal(ErrorCode.FORBIDDEN, "this key may not publish to "
                                   f"{m.topic.decode('utf-8', 'replace')!r}")
                 break
-            if m.payload_len > max_bytes:
-                refusal = Refusal(
-                    ErrorCode.MESSAGE_TOO_LARGE,
-                    f"message of {m.payload_len} bytes exceeds max_message_bytes ({max_bytes})",
-                )
+            if m.payload_len > max_bytes:  # the quick test; the refusal is the limits'
+                refusal = self.limits.size_refusal(0, m.payload_len)
                 break
             if m.qos and logged is None:
                 refusal = Refusal(
@@ -393,6 +390,13 @@ class Broker:
                 blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
             refusal, confirms, last_logged, first_logged, not_kept,
             not_kept_topic, not_kept_text)
+
+    def refuse(self, refusal: Refusal) -> Refusal:
+        """A message refused before it could reach ``publish`` (a bridged-in one whose
+        local topic or size rules it out before its payload is read): counted as
+        ``publish`` counts the one it refuses. Returns ``refusal``."""
+        self.counters.refused += 1
+        return refusal
 
     @staticmethod
     def _held(topic: bytes, holds: dict[int, tuple[str, tuple[str, ...]]]) -> Blocked | None:

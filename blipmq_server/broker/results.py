@@ -43,6 +43,19 @@ class Limits(NamedTuple):
     # records log cursors hold read ahead, with their topic matches, all together
     read_ahead_bytes: int = 64 * 1024 * 1024
 
+    def size_refusal(self, topic_bytes: int, payload_bytes: int) -> "Refusal | None":
+        """Why a message with a topic and a payload of these sizes is refused (over
+        ``max_topic_bytes`` or ``max_message_bytes``), or None: what ``Broker.publish``
+        refuses it with, and what is checked before a message reaches it (an MQTT will, a
+        bridged-in message)."""
+        if topic_bytes > self.max_topic_bytes:
+            return Refusal(ErrorCode.INVALID_TOPIC, f"topic is {topic_bytes} bytes long, "
+                           f"server.max_topic_bytes is {self.max_topic_bytes}")
+        if payload_bytes > self.max_message_bytes:
+            return Refusal(ErrorCode.MESSAGE_TOO_LARGE, f"message of {payload_bytes} bytes "
+                           f"exceeds max_message_bytes ({self.max_message_bytes})")
+        return None
+
 
 class Counters:
     """Plain counters, read by metrics at scrape time."""

@@ -35,6 +35,7 @@ import trio
 from blipmq_server.bridge.plan import Backoff, brief, imports, inbound_rule
 from blipmq_server.bridge.spec import BridgeSpec, Rule
 from blipmq_server.broker.core import OWES
+from blipmq_server.broker.results import Refusal
 from blipmq_server.errors import LocalProtocolError, RemoteProtocolError, WalError
 from blipmq_server.mqtt import codec as mqtt
 from blipmq_server.mqtt.packets import (
@@ -54,7 +55,7 @@ from blipmq_server.mqtt.packets import (
     Will,
     free_packet_id,
 )
-from blipmq_server.protocol.codec import Start
+from blipmq_server.protocol.codec import ErrorCode, Start
 from blipmq_server.protocol.message import (
     FLAG_BRIDGED,
     FLAG_QOS2,
@@ -655,17 +656,18 @@ class Bridge:
 
     def local_problem(self, topic: str, remote: str = "") -> str | None:
         """Why a message from the upstream (on ``remote``) cannot be stored under this local
-        topic (logged and counted as refused here), or None. What the local broker takes
-        from its own clients bounds what comes in (the core's checks of size and name
-        follow); "" is no local name (``Rule.to_local``)."""
-        size = len(topic.encode("utf-8"))
-        cap = self.broker.limits.max_topic_bytes
-        if topic and size <= cap:
-            return None
-        problem = (f"the local topic is {size} bytes long, server.max_topic_bytes is {cap}"
-                   if topic else "its rule gives it no local name (docs/BRIDGE.md, Topic rules)")
+        topic (logged here, refused and counted by the core: ``size_refusal``, ``refuse``),
+        or None. What the local broker takes from its own clients bounds what comes in (the
+        core's other checks follow); "" is no local name (``Rule.to_local``)."""
+        if topic:
+            refusal = self.broker.limits.size_refusal(len(topic.encode("utf-8")), 0)
+            if refusal is None:
+                return None
+            problem = f"the local {refusal.text}"
+        else:
+            problem = "its rule gives it no local name (docs/BRIDGE.md, Topic rules)"
         self.counters["received"] += 1
-        self.broker.counters.refused += 1  # as the core counts what it refuses
+        self.broker.refuse(Refusal(ErrorCode.INVALID_TOPIC, problem))
         self.not_stored(topic or remote, problem, "topic")
         return problem
 
@@ -704,11 +706,11 @@ class Bridge:
             return
         if packet.__class__ is OversizePublish:  # the decoder passed its payload over
             self.counters["received"] += 1
-            self.broker.counters.refused += 1  # as the core counts what it refuses
-            self.not_stored(packet.topic, f"a PUBLISH of {packet.size} bytes is over the "
-                            f"link's limit of {self.server.mqtt_max_packet} (which "
-                            "server.max_message_bytes sets); its payload was passed over",
-                            "oversize")
+            refusal = self.broker.refuse(Refusal(
+                ErrorCode.MESSAGE_TOO_LARGE, f"a PUBLISH of {packet.size} bytes is over the "
+                f"link's limit of {self.server.mqtt_max_packet} (which "
+                "server.max_message_bytes sets); its payload was passed over"))
+            self.not_stored(packet.topic, refusal.text, "oversize")
             self._settle_unstored(link, packet)  # it could never be stored
             return
         if packet.retain and rule.sends and self._newer_here(rule, topic):

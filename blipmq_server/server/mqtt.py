@@ -780,17 +780,10 @@ class MqttSession(Session):
         return None
 
     def _will_problem(self, topic: str, size: int) -> str | None:
-        """Why a will could never be published (its topic over ``server.max_topic_bytes``,
-        its payload over ``server.max_message_bytes``), or None."""
-        limits = self.broker.limits
-        name = len(topic.encode("utf-8"))
-        if name > limits.max_topic_bytes:
-            return (f"will topic of {name} bytes (the limit is {limits.max_topic_bytes}, "
-                    "server.max_topic_bytes)")
-        if size > limits.max_message_bytes:
-            return (f"will message of {size} bytes (the limit is {limits.max_message_bytes}, "
-                    "server.max_message_bytes)")
-        return None
+        """Why a will could never be published (the core's ``size_refusal``: its topic over
+        ``server.max_topic_bytes``, its payload over ``server.max_message_bytes``), or None."""
+        refusal = self.broker.limits.size_refusal(len(topic.encode("utf-8")), size)
+        return None if refusal is None else f"will {refusal.text}"
 
     # ---------------------------------------------------------------------------- publish
 
