@@ -133,7 +133,6 @@ class Bridge:
                          "connect_failures": 0, "duplicates_in": 0, "unexpected_acks": 0,
                          "superseded": 0}
         self._superseded_said = False  # the first superseded retained value was logged
-        self._unkept_said = False  # the first retained value past the local cap was logged
         self._hush = Hush()  # lines about messages from the upstream not stored
         self.oldest_ms: int | None = None  # timestamp of the oldest record not forwarded
         self._kick = trio.Event()
@@ -759,13 +758,15 @@ class Bridge:
         topic's local value left as it was (``publish(unkept=True)``), as an MQTT client's
         retained publish past the cap; refused, the message itself would have been lost
         once acknowledged upstream. Counted by the core (``blipmq_retained_refused_total``);
-        the first is logged."""
-        if not self._unkept_said:
-            self._unkept_said = True
-            log.warning("bridge %s: retained value from the upstream for %r not kept: %s; "
+        logged at most once a minute per bridge, as ``not_stored``, each line saying how
+        many came since."""
+        said = self._hush.due(self.spec.name, "unkept")
+        if said is not None:
+            log.warning("bridge %s: retained value from the upstream for %r not kept: %s%s; "
                         "the message is stored and delivered without retain (further ones "
-                        "are counted in blipmq_retained_refused_total, not logged)",
-                        self.spec.name, topic.decode("utf-8", "replace"), text)
+                        "are counted in blipmq_retained_refused_total, not logged, for %d s)",
+                        self.spec.name, topic.decode("utf-8", "replace")[:64], text,
+                        since(said), EVERY_S)
 
     def _newer_here(self, rule: Rule, topic: str) -> bool:
         """Whether ``topic``'s local retained value was published here (not brought in) and
