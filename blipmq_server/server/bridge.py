@@ -76,6 +76,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("blipmq.bridge")
 _HEAD = struct.Struct(">QHQBBIHHI")  # a delivery record's prefix and message head together
 _BODY = PREFIX_SIZE + MSG_HEAD.size
+_PID = struct.Struct(">H")
+_MAX_HEADS = 4096  # PUBLISH heads a link keeps per rule (``_Link._encode``)
 _MAX_BATCH = 256
 _MAX_BATCH_BYTES = 1 << 20
 _UNSTORED_EVERY_S = 60  # while messages coming in cannot be stored: one line at most this often
@@ -816,6 +818,8 @@ class _Link:
         self.inflight: dict[int, tuple[int, int, float]] = {}  # pid -> sub, offset, sent at
         self.released: set[int] = set()  # QoS 2 ids of ``inflight`` PUBRECed: PUBCOMP owed
         self.outbox: list[bytes] = []
+        # rule's sub id -> a record's head and topic -> its PUBLISH head (QoS 1, MQTT only)
+        self.heads: dict[int, dict[bytes, bytes]] | None = {}
         self.acked = 0  # PUBACKs this link had
         self.peer_closed = False
         self.open = True
@@ -1131,7 +1135,12 @@ class _Link:
     def _encode(self, batches: list[tuple[int, list[bytes]]], parts: list[bytes],
                 now: float) -> int:
         """The core's deliveries as the upstream's PUBLISHes; returns how many were sent.
-        Bridged-in messages whose topic this bridge brings in are not sent back."""
+        Bridged-in messages whose topic this bridge brings in are not sent back.
+
+        A QoS 1 rule's message sent for the first time goes out as the PUBLISH head its
+        record's head and topic gave the last time (``heads``, one dict per rule: flags,
+        TTL, sizes and topic decide the head), its packet id and its payload; anything else
+        (a record not seen before, DUP, QoS 0 and 2) takes the full way, ``_put``."""
         bridge = self.bridge
         rules = bridge.rules_by_sub
         every = bridge.spec.rules
@@ -1139,14 +1148,35 @@ class _Link:
         inflight = self.inflight
         remotes = bridge.remotes
         resend = bridge.resend
+        reserved = bridge.reserved
         maybe_sent, before = bridge.maybe_sent, bridge.restored_end
         largest = bridge.spec.max_message_bytes or 1 << 62  # payload bytes
+        all_heads = self.heads
+        unpack = _HEAD.unpack_from
+        pack_pid = _PID.pack
+        append = parts.append
         done: dict[int, list[int]] = {}
         sent = 0
         for sub_id, records in batches:
             rule = rules[sub_id]
+            heads = None
+            if all_heads is not None and rule.qos == 1:
+                heads = all_heads.get(sub_id)
+                if heads is None or len(heads) >= _MAX_HEADS:
+                    heads = all_heads[sub_id] = {}
             for rec in records:
-                offset, count, _, _, flags, ttl, tlen, klen, plen = _HEAD.unpack_from(rec)
+                offset, count, _, _, flags, ttl, tlen, klen, plen = unpack(rec)
+                if heads is not None and count == 1 and not (maybe_sent and offset < before):
+                    head = heads.get(rec[PREFIX_SIZE:_BODY + tlen])
+                    if head is not None:
+                        pid = offset % 65535 + 1  # ``_pid``'s first choice, mostly free
+                        if pid in inflight or pid in reserved:
+                            pid = self._pid(offset)
+                        at = _BODY + tlen + klen
+                        append(head + pack_pid(pid) + rec[at:at + plen])
+                        inflight[pid] = (sub_id, offset, now)
+                        sent += 1
+                        continue
                 if maybe_sent and count == 1 and offset < before:
                     count = 2  # it may have gone out before this broker restarted: DUP
                     maybe_sent -= 1
@@ -1164,7 +1194,7 @@ class _Link:
                 # a QoS 2 message sent before the last link went down keeps its packet id
                 again = resend.pop((sub_id, offset), 0) if resend else 0
                 if again:
-                    bridge.reserved.discard(again)
+                    reserved.discard(again)
                 try:
                     if not remote:  # ``Rule.to_remote``: no upstream name
                         name = local.decode("utf-8", "replace")
@@ -1188,6 +1218,10 @@ class _Link:
                     inflight[key] = (sub_id, offset, now)
                     if count > 1:
                         counters["redelivered"] += 1
+                    elif heads is not None:  # this record's head and topic, next time
+                        heads[rec[PREFIX_SIZE:_BODY + tlen]] = mqtt.publish_head(
+                            remote, plen, 1,
+                            bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN))
                 else:
                     done.setdefault(sub_id, []).append(offset)
                     counters["forwarded"] += 1
