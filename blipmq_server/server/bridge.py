@@ -475,6 +475,7 @@ class Bridge:
         """The link is gone: what it had in flight goes back to the group (sent again first
         on the next link, with DUP). A message the upstream cut the link on every time it
         was sent, ``max_retries`` links in a row, goes to the dead letters."""
+        link._ack_core()  # acknowledged upstream: not back to the group
         broker, conn = self.broker, self.conn_id
         if link.inflight and not link.acked and link.peer_closed:
             first_pid = next(iter(link.inflight))
@@ -821,6 +822,9 @@ class _Link:
         # rule's sub id -> a record's head and topic -> its PUBLISH head (QoS 1, MQTT only)
         self.heads: dict[int, dict[bytes, bytes]] | None = {}
         self.acked = 0  # PUBACKs this link had
+        # rule's sub id -> offsets the upstream acknowledged that the core is not told of
+        # yet: the writer tells it before it next takes deliveries (``_ack_core``)
+        self.done: dict[int, list[int]] = {}
         self.peer_closed = False
         self.open = True
         self._next_pid = 0
@@ -967,8 +971,34 @@ class _Link:
 
     async def _reader(self) -> None:
         self._handle_all(self.pending)
+        qos2 = self.bridge.qos2_subs
         while True:
-            self._handle_all(await self._read_packets())
+            packets = await self._read_packets()
+            if packets[0].__class__ is int and not qos2:  # a drain's read: PUBACKs only
+                self._pubacked(packets)  # type: ignore[arg-type]
+            else:
+                self._handle_all(packets)
+
+    def _pubacked(self, pids: list[int]) -> None:
+        """The packet ids of a read of nothing but PUBACKs, no out rule at QoS 2: one
+        ``_acked`` for the lot (``_handle_all`` does the same a packet at a time)."""
+        pop = self.inflight.pop
+        found = [pop(pid, None) for pid in pids]
+        if None in found:  # nothing waits for some of them
+            for pid, hit in zip(pids, found, strict=True):
+                if hit is None:
+                    self.bridge.unexpected("PUBACK", pid)
+            found = [hit for hit in found if hit is not None]
+            if not found:
+                return
+        done: dict[int, list[int]] = {}
+        first = found[0][0]
+        if all(hit[0] == first for hit in found):  # one out rule: the usual case
+            done[first] = [hit[1] for hit in found]
+        else:
+            for hit in found:
+                done.setdefault(hit[0], []).append(hit[1])
+        self._acked(done)
 
     def _handle_all(self, packets: list[object]) -> None:
         """The packets of one read; their PUBACKs and PUBCOMPs become one ack per rule (one
@@ -1024,20 +1054,37 @@ class _Link:
         return 0 if room < min(_MAX_BATCH, window // 4) and self.inflight else room
 
     def _acked(self, done: dict[int, list[int]]) -> None:
-        """The upstream acknowledged these (rule's sub id -> offsets): they leave the group."""
-        bridge = self.bridge
-        broker, conn, wall = bridge.broker, bridge.conn_id, wall_ms()
+        """The upstream acknowledged these (rule's sub id -> offsets): off the window now,
+        out of the group at the writer's next turn (``_ack_core``: one core ack per rule for
+        every read since, not one per read), which this wakes once the window has room for
+        its next batch."""
+        pending = self.done
         n = 0
         for sub_id, offsets in done.items():
-            broker.ack(conn, sub_id, tuple(offsets), wall)
+            have = pending.get(sub_id)
+            if have is None:
+                pending[sub_id] = offsets
+            else:
+                have.extend(offsets)
             n += len(offsets)
-            if bridge._strikes:
-                for offset in offsets:
-                    bridge._strikes.pop(offset, None)
         self.acked += n
+        bridge = self.bridge
         bridge.counters["forwarded"] += n
         if self._room(bridge.spec.inflight):
             bridge._kick.set()  # room enough in the window for the writer's next batch
+
+    def _ack_core(self) -> None:
+        """What the upstream acknowledged leaves the group (the writer, before it takes
+        more; ``Bridge._give_back``, before what is still in flight goes back)."""
+        done, self.done = self.done, {}
+        bridge = self.bridge
+        broker, conn, wall = bridge.broker, bridge.conn_id, wall_ms()
+        strikes = bridge._strikes
+        for sub_id, offsets in done.items():
+            broker.ack(conn, sub_id, tuple(offsets), wall)
+            if strikes:
+                for offset in offsets:
+                    strikes.pop(offset, None)
 
     def _handle(self, packet: object) -> None:
         bridge = self.bridge
@@ -1081,6 +1128,8 @@ class _Link:
         while True:
             if not self.open:
                 raise LinkDown(_UNSTORED)
+            if self.done:
+                self._ack_core()
             now = trio.current_time()
             if keepalive and not self.waiting:
                 if now - self.heard_at >= 1.5 * keepalive:
