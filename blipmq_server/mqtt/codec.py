@@ -61,7 +61,7 @@ __all__ = [
     "Connect", "Decoder", "Disconnect", "MqttError", "OversizePublish", "Packet",
     "PacketType", "PingReq", "PingResp", "PubAck", "PubComp", "PubRec", "PubRel", "Publish",
     "SubAck", "Subscribe", "UnsubAck", "Unsubscribe", "Will", "encode", "encode_publish",
-    "remaining_length",
+    "publish_head", "remaining_length",
 ]
 
 # the reasons an MqttError gives, short enough to count by
@@ -171,6 +171,20 @@ def encode_publish(topic: bytes, payload: bytes, qos: int, retain: bool, dup: bo
         return b"".join((_SHORT_PUBLISH.pack(first, length, tlen), topic, payload))
     return b"".join((_LENGTH_BYTE[first], remaining_length(length), _U16.pack(tlen), topic,
                      payload))
+
+
+def publish_head(topic: bytes, payload_size: int, qos: int, retain: bool) -> bytes:
+    """What ``encode_publish`` puts before the packet id of a QoS 1 or 2 PUBLISH (no DUP)
+    of ``topic`` with a payload of ``payload_size`` bytes: the same for every such message,
+    so a sender that keeps it makes each packet as head + packet id + payload."""
+    tlen = len(topic)
+    if not 0 < tlen <= 0xFFFF:
+        raise LocalProtocolError(f"a PUBLISH topic is 1 to 65535 bytes, not {tlen}")
+    if not 0 < qos <= 2:
+        raise LocalProtocolError(f"a PUBLISH head with a packet id is for QoS 1 or 2, not {qos}")
+    first = 0x30 | qos << 1 | (1 if retain else 0)
+    return b"".join((_LENGTH_BYTE[first], remaining_length(tlen + 4 + payload_size),
+                     _U16.pack(tlen), topic))
 
 
 def _utf8(text: str, what: str) -> bytes:

@@ -77,6 +77,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("blipmq.bridge")
 _HEAD = struct.Struct(">QHQBBIHHI")  # a delivery record's prefix and message head together
 _BODY = PREFIX_SIZE + MSG_HEAD.size
+_PID = struct.Struct(">H")
+_MAX_HEADS = 4096  # PUBLISH heads a link keeps per rule (``_Link._encode``)
 _MAX_BATCH = 256
 _MAX_BATCH_BYTES = 1 << 20
 _UNSTORED_EVERY_S = 60  # while messages coming in cannot be stored: one line at most this often
@@ -473,6 +475,7 @@ class Bridge:
         """The link is gone: what it had in flight goes back to the group (sent again first
         on the next link, with DUP). A message the upstream cut the link on every time it
         was sent, ``max_retries`` links in a row, goes to the dead letters."""
+        link._ack_core()  # acknowledged upstream: not back to the group
         broker, conn = self.broker, self.conn_id
         if link.inflight and not link.acked and link.peer_closed:
             first_pid = next(iter(link.inflight))
@@ -819,7 +822,12 @@ class _Link:
         self.inflight: dict[int, tuple[int, int, float]] = {}  # pid -> sub, offset, sent at
         self.released: set[int] = set()  # QoS 2 ids of ``inflight`` PUBRECed: PUBCOMP owed
         self.outbox: list[bytes] = []
+        # rule's sub id -> a record's head and topic -> its PUBLISH head (QoS 1, MQTT only)
+        self.heads: dict[int, dict[bytes, bytes]] | None = {}
         self.acked = 0  # PUBACKs this link had
+        # rule's sub id -> offsets the upstream acknowledged that the core is not told of
+        # yet: the writer tells it before it next takes deliveries (``_ack_core``)
+        self.done: dict[int, list[int]] = {}
         self.peer_closed = False
         self.open = True
         self._next_pid = 0
@@ -966,8 +974,34 @@ class _Link:
 
     async def _reader(self) -> None:
         self._handle_all(self.pending)
+        qos2 = self.bridge.qos2_subs
         while True:
-            self._handle_all(await self._read_packets())
+            packets = await self._read_packets()
+            if packets[0].__class__ is int and not qos2:  # a drain's read: PUBACKs only
+                self._pubacked(packets)  # type: ignore[arg-type]
+            else:
+                self._handle_all(packets)
+
+    def _pubacked(self, pids: list[int]) -> None:
+        """The packet ids of a read of nothing but PUBACKs, no out rule at QoS 2: one
+        ``_acked`` for the lot (``_handle_all`` does the same a packet at a time)."""
+        pop = self.inflight.pop
+        found = [pop(pid, None) for pid in pids]
+        if None in found:  # nothing waits for some of them
+            for pid, hit in zip(pids, found, strict=True):
+                if hit is None:
+                    self.bridge.unexpected("PUBACK", pid)
+            found = [hit for hit in found if hit is not None]
+            if not found:
+                return
+        done: dict[int, list[int]] = {}
+        first = found[0][0]
+        if all(hit[0] == first for hit in found):  # one out rule: the usual case
+            done[first] = [hit[1] for hit in found]
+        else:
+            for hit in found:
+                done.setdefault(hit[0], []).append(hit[1])
+        self._acked(done)
 
     def _handle_all(self, packets: list[object]) -> None:
         """The packets of one read; their PUBACKs and PUBCOMPs become one ack per rule (one
@@ -1023,20 +1057,37 @@ class _Link:
         return 0 if room < min(_MAX_BATCH, window // 4) and self.inflight else room
 
     def _acked(self, done: dict[int, list[int]]) -> None:
-        """The upstream acknowledged these (rule's sub id -> offsets): they leave the group."""
-        bridge = self.bridge
-        broker, conn, wall = bridge.broker, bridge.conn_id, wall_ms()
+        """The upstream acknowledged these (rule's sub id -> offsets): off the window now,
+        out of the group at the writer's next turn (``_ack_core``: one core ack per rule for
+        every read since, not one per read), which this wakes once the window has room for
+        its next batch."""
+        pending = self.done
         n = 0
         for sub_id, offsets in done.items():
-            broker.ack(conn, sub_id, tuple(offsets), wall)
+            have = pending.get(sub_id)
+            if have is None:
+                pending[sub_id] = offsets
+            else:
+                have.extend(offsets)
             n += len(offsets)
-            if bridge._strikes:
-                for offset in offsets:
-                    bridge._strikes.pop(offset, None)
         self.acked += n
+        bridge = self.bridge
         bridge.counters["forwarded"] += n
         if self._room(bridge.spec.inflight):
             bridge._kick.set()  # room enough in the window for the writer's next batch
+
+    def _ack_core(self) -> None:
+        """What the upstream acknowledged leaves the group (the writer, before it takes
+        more; ``Bridge._give_back``, before what is still in flight goes back)."""
+        done, self.done = self.done, {}
+        bridge = self.bridge
+        broker, conn, wall = bridge.broker, bridge.conn_id, wall_ms()
+        strikes = bridge._strikes
+        for sub_id, offsets in done.items():
+            broker.ack(conn, sub_id, tuple(offsets), wall)
+            if strikes:
+                for offset in offsets:
+                    strikes.pop(offset, None)
 
     def _handle(self, packet: object) -> None:
         bridge = self.bridge
@@ -1080,6 +1131,8 @@ class _Link:
         while True:
             if not self.open:
                 raise LinkDown(_UNSTORED)
+            if self.done:
+                self._ack_core()
             now = trio.current_time()
             if keepalive and not self.waiting:
                 if now - self.heard_at >= 1.5 * keepalive:
@@ -1134,7 +1187,12 @@ class _Link:
     def _encode(self, batches: list[tuple[int, list[bytes]]], parts: list[bytes],
                 now: float) -> int:
         """The core's deliveries as the upstream's PUBLISHes; returns how many were sent.
-        Bridged-in messages whose topic this bridge brings in are not sent back."""
+        Bridged-in messages whose topic this bridge brings in are not sent back.
+
+        A QoS 1 rule's message sent for the first time goes out as the PUBLISH head its
+        record's head and topic gave the last time (``heads``, one dict per rule: flags,
+        TTL, sizes and topic decide the head), its packet id and its payload; anything else
+        (a record not seen before, DUP, QoS 0 and 2) takes the full way, ``_put``."""
         bridge = self.bridge
         rules = bridge.rules_by_sub
         every = bridge.spec.rules
@@ -1142,14 +1200,35 @@ class _Link:
         inflight = self.inflight
         remotes = bridge.remotes
         resend = bridge.resend
+        reserved = bridge.reserved
         maybe_sent, before = bridge.maybe_sent, bridge.restored_end
         largest = bridge.spec.max_message_bytes or 1 << 62  # payload bytes
+        all_heads = self.heads
+        unpack = _HEAD.unpack_from
+        pack_pid = _PID.pack
+        append = parts.append
         done: dict[int, list[int]] = {}
         sent = 0
         for sub_id, records in batches:
             rule = rules[sub_id]
+            heads = None
+            if all_heads is not None and rule.qos == 1:
+                heads = all_heads.get(sub_id)
+                if heads is None or len(heads) >= _MAX_HEADS:
+                    heads = all_heads[sub_id] = {}
             for rec in records:
-                offset, count, _, _, flags, ttl, tlen, klen, plen = _HEAD.unpack_from(rec)
+                offset, count, _, _, flags, ttl, tlen, klen, plen = unpack(rec)
+                if heads is not None and count == 1 and not (maybe_sent and offset < before):
+                    head = heads.get(rec[PREFIX_SIZE:_BODY + tlen])
+                    if head is not None:
+                        pid = offset % 65535 + 1  # ``_pid``'s first choice, mostly free
+                        if pid in inflight or pid in reserved:
+                            pid = self._pid(offset)
+                        at = _BODY + tlen + klen
+                        append(head + pack_pid(pid) + rec[at:at + plen])
+                        inflight[pid] = (sub_id, offset, now)
+                        sent += 1
+                        continue
                 if maybe_sent and count == 1 and offset < before:
                     count = 2  # it may have gone out before this broker restarted: DUP
                     maybe_sent -= 1
@@ -1167,7 +1246,7 @@ class _Link:
                 # a QoS 2 message sent before the last link went down keeps its packet id
                 again = resend.pop((sub_id, offset), 0) if resend else 0
                 if again:
-                    bridge.reserved.discard(again)
+                    reserved.discard(again)
                 try:
                     if not remote:  # ``Rule.to_remote``: no upstream name
                         name = local.decode("utf-8", "replace")
@@ -1191,6 +1270,10 @@ class _Link:
                     inflight[key] = (sub_id, offset, now)
                     if count > 1:
                         counters["redelivered"] += 1
+                    elif heads is not None:  # this record's head and topic, next time
+                        heads[rec[PREFIX_SIZE:_BODY + tlen]] = mqtt.publish_head(
+                            remote, plen, 1,
+                            bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN))
                 else:
                     done.setdefault(sub_id, []).append(offset)
                     counters["forwarded"] += 1

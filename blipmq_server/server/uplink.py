@@ -39,6 +39,7 @@ _KEEP_RETAIN = FLAG_KEY | FLAG_RETAIN
 class NativeLink(_Link):
     def __init__(self, bridge: Bridge, stream: trio.abc.Stream) -> None:
         super().__init__(bridge, stream)
+        self.heads = None  # no MQTT PUBLISH heads: every record goes through ``_put``
         self.conn = ClientConnection()
         self._ping_rid = 0
         self.in_subs: dict[int, Rule] = {}  # the upstream's subscription id -> its in rule
