@@ -44,8 +44,8 @@ def link_of(window: int, inflight: dict[int, tuple[int, int, float]]) -> tuple[_
 
 def test_reads_of_pubacks_make_one_core_ack_at_the_writers_turn() -> None:
     link, bridge = link_of(4, {pid: (1, 100 + pid, 0.0) for pid in range(1, 5)})
-    link._pubacked([1])
-    link._pubacked([2, 9])  # 9: nothing waits for it
+    link._handle_all([1])
+    link._handle_all([2, 9])  # 9: nothing waits for it
     assert list(link.inflight) == [3, 4]  # off the window at once
     assert link.acked == 2 and bridge.counters["forwarded"] == 2
     assert bridge.broker.calls == []  # the core is told by the writer, not per read
@@ -58,7 +58,7 @@ def test_reads_of_pubacks_make_one_core_ack_at_the_writers_turn() -> None:
 
 def test_a_link_that_ends_acks_what_the_upstream_acknowledged_before_giving_back() -> None:
     link, bridge = link_of(1000, {1: (1, 101, 0.0), 2: (1, 102, 0.0)})
-    link._pubacked([1])
+    link._handle_all([1])
     rule = SimpleNamespace(qos=1)
     bridge.rules_by_sub = {1: rule}
     bridge.owed, bridge.resend, bridge.reserved = {}, {}, set()

@@ -974,34 +974,8 @@ class _Link:
 
     async def _reader(self) -> None:
         self._handle_all(self.pending)
-        qos2 = self.bridge.qos2_subs
         while True:
-            packets = await self._read_packets()
-            if packets[0].__class__ is int and not qos2:  # a drain's read: PUBACKs only
-                self._pubacked(packets)  # type: ignore[arg-type]
-            else:
-                self._handle_all(packets)
-
-    def _pubacked(self, pids: list[int]) -> None:
-        """The packet ids of a read of nothing but PUBACKs, no out rule at QoS 2: one
-        ``_acked`` for the lot (``_handle_all`` does the same a packet at a time)."""
-        pop = self.inflight.pop
-        found = [pop(pid, None) for pid in pids]
-        if None in found:  # nothing waits for some of them
-            for pid, hit in zip(pids, found, strict=True):
-                if hit is None:
-                    self.bridge.unexpected("PUBACK", pid)
-            found = [hit for hit in found if hit is not None]
-            if not found:
-                return
-        done: dict[int, list[int]] = {}
-        first = found[0][0]
-        if all(hit[0] == first for hit in found):  # one out rule: the usual case
-            done[first] = [hit[1] for hit in found]
-        else:
-            for hit in found:
-                done.setdefault(hit[0], []).append(hit[1])
-        self._acked(done)
+            self._handle_all(await self._read_packets())
 
     def _handle_all(self, packets: list[object]) -> None:
         """The packets of one read; their PUBACKs and PUBCOMPs become one ack per rule (one
