@@ -3,8 +3,8 @@ and how long it takes to forward a message with the link up. Prints figures, ass
 
     .venv/bin/python bench/bridge.py [--count 100000] [--size 100] [--rate 1000]
                                      [--seconds 5] [--reconnect-min 1] [--reconnect-max 2]
-                                     [--stall 30] [--idle 5] [--system mosquitto] [--repeat 1]
-                                     [--json]
+                                     [--stall 30] [--idle 5] [--inflight 1000]
+                                     [--system mosquitto] [--repeat 1] [--json]
 
 Each system runs on one loopback layout, built the same way for all:
 
@@ -25,7 +25,8 @@ broker; then the link comes back and the clock runs until every number arrived u
 nothing new arrived for ``--stall`` s). Figures: seconds from link-up to the first arrival
 (the bridge's reconnect), seconds to empty (link-up to the last new number) and msg/s over
 those seconds, msg/s of the drain itself (first to last arrival), duplicates and missing
-numbers, and the local broker's CPU seconds meanwhile.
+numbers, and the CPU seconds meanwhile of the local broker, the upstream and this process (proxy
+and subscriber).
 
 Idle cost: the local broker's CPU per second and RSS over ``--idle`` s with the link up and
 nothing to send, then as long with the upstream refusing connections (an outage).
@@ -97,16 +98,19 @@ class Options:
     drain_timeout: float = 300.0  # give up waiting for the backlog after this long, s
     stall: float = 30.0  # ... or once nothing new arrived for this long, s
     idle: float = 5.0  # idle cost: seconds with the link up and idle, then as long down
+    inflight: int = 1000  # BlipMQ's bridges: messages awaiting the upstream's ack
 
 
 @dataclass
 class Link:
     """The shared half: the upstream, the proxy in front of it, the subscriber on it."""
 
-    upstream: Mosquitto
+    upstream: Mosquitto | None
     proxy: FaultProxy
     collector: FastCollector | NativeCollector
     directory: Path
+    upstream_pid: int
+
 
 
 class FastCollector(_Recorder):
@@ -241,7 +245,8 @@ def uplink(opts: Options) -> Iterator[Link]:
                       extra=["max_queued_messages 0"]) as upstream, \
             FaultProxy(upstream.address) as proxy, \
             FastCollector(upstream.port, "bench/#") as collector:
-        yield Link(upstream, proxy, collector, Path(tmp))
+        assert upstream.pid is not None
+        yield Link(upstream, proxy, collector, Path(tmp), upstream.pid)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -337,11 +342,13 @@ def drain(link: Link, local_port: int, local_pid: int, opts: Options) -> dict[st
     published_s = time.monotonic() - started
     leaked = sum(1 for m in col.messages() if m.topic == DRAIN_TOPIC)
 
-    cpu_before = cpu_seconds(local_pid)
+    pids = (local_pid, link.upstream_pid, os.getpid())
+    cpu_before = [cpu_seconds(pid) for pid in pids]
     up_ns = time.time_ns()
     link.proxy.restore()
     complete = wait_progress(col, opts.count, opts.stall, opts.drain_timeout)
-    cpu = cpu_seconds(local_pid) - cpu_before
+    cpu, upstream_cpu, bench_cpu = (cpu_seconds(pid) - before
+                                    for pid, before in zip(pids, cpu_before, strict=True))
     col.wait_quiet(0.5, 5)  # late redeliveries still count as duplicates
     got = [m for m in col.messages() if m.topic == DRAIN_TOPIC]
     result = tally(got, opts.count)
@@ -350,7 +357,8 @@ def drain(link: Link, local_port: int, local_pid: int, opts: Options) -> dict[st
         "backlog": opts.count, "published_msg_per_s": round(opts.count / published_s),
         "arrived_while_down": leaked, "complete": complete, "missing": len(result.missing),
         "duplicates": result.duplicates, "out_of_order": result.out_of_order,
-        "local_cpu_s": round(cpu, 2),
+        "local_cpu_s": round(cpu, 2), "upstream_cpu_s": round(upstream_cpu, 2),
+        "bench_cpu_s": round(bench_cpu, 2),
     }
     if firsts:
         first_s = (firsts[0].at_ns - up_ns) / 1e9
@@ -495,7 +503,8 @@ def blipmq_broker(directory: Path, config: str, name: str) -> Iterator[tuple[int
 
 def _bridge_toml(opts: Options, port: int, protocol: str) -> str:
     return (f"[[bridge]]\nname = \"bench\"\naddresses = [\"127.0.0.1:{port}\"]\n"
-            f"protocol = \"{protocol}\"\ntopics = [\"bench/# out 1\"]\ninflight = 1000\n"
+            f"protocol = \"{protocol}\"\ntopics = [\"bench/# out 1\"]\n"
+            f"inflight = {opts.inflight}\n"
             f"backoff_min_ms = {round(opts.reconnect_min * 1000)}\n"
             f"backoff_max_ms = {round(opts.reconnect_max * 1000)}\n")
 
@@ -513,12 +522,12 @@ def blipmq_native(opts: Options) -> dict[str, Any]:
     """BlipMQ -> BlipMQ over the native protocol (PUBLISH batches, one PUB_ACK each from the
     upstream's log); the upstream's subscriber reads it natively (``NativeCollector``)."""
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp, \
-            blipmq_broker(Path(tmp) / "upstream", "", "upstream") as (up_native, _, _), \
+            blipmq_broker(Path(tmp) / "upstream", "", "upstream") as (up_native, _, up_pid), \
             FaultProxy(("127.0.0.1", up_native)) as proxy, \
             NativeCollector(up_native, "bench/#") as collector, \
             blipmq_broker(Path(tmp) / "local", _bridge_toml(opts, proxy.port, "blipmq"),
                           "local") as (_, mqtt_port, pid):
-        link = Link(None, proxy, collector, Path(tmp))  # type: ignore[arg-type]
+        link = Link(None, proxy, collector, Path(tmp), up_pid)
         return measure("blipmq bridge (native)", link, mqtt_port, pid, opts)
 
 
@@ -538,6 +547,8 @@ COLUMNS = [  # (heading, key, format)
     ("missing", "missing", "{:,}"),
     ("dups", "duplicates", "{:,}"),
     ("local CPU s", "local_cpu_s", "{:.2f}"),
+    ("upstream CPU s", "upstream_cpu_s", "{:.2f}"),
+    ("bench CPU s", "bench_cpu_s", "{:.2f}"),
     ("p50 ms", "p50_ms", "{:.2f}"),
     ("p99 ms", "p99_ms", "{:.2f}"),
     ("idle CPU ms/s", "idle_up_cpu_ms_per_s", "{:.1f}"),
@@ -597,19 +608,23 @@ def main() -> None:
                     help="give up on a drain once nothing new arrived for this long, s")
     ap.add_argument("--system", action="append", choices=sorted(SYSTEMS),
                     help="run only this one (repeatable); all by default")
+    ap.add_argument("--inflight", type=int, default=d.inflight,
+                    help="BlipMQ's bridges: their in-flight window (inflight), messages")
     ap.add_argument("--idle", type=float, default=d.idle,
                     help="seconds of the idle cost runs (link up, then down)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds: every system once per round, in turn; then the medians")
     ap.add_argument("--json", action="store_true", help="print the results as JSON as well")
     args = ap.parse_args()
+    if not 1 <= args.inflight <= 65535:
+        ap.error("--inflight must be 1 to 65535")
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
     if args.size < 31:
         ap.error("--size must be at least 31 bytes (number, timestamp, separators)")
     opts = Options(count=args.count, size=args.size, rate=args.rate, seconds=args.seconds,
                    reconnect_min=args.reconnect_min, reconnect_max=args.reconnect_max,
-                   stall=args.stall, idle=args.idle)
+                   stall=args.stall, idle=args.idle, inflight=args.inflight)
     print(f"bridge bench: {asdict(opts)}", flush=True)
     results = []
     names = args.system or list(SYSTEMS)

@@ -132,16 +132,20 @@ class NativeLink(_Link):
         inflight = self.inflight
         acks: dict[int, list[int]] = {}
         refused: list[tuple[int, int]] = []
-        while inflight:
-            ticket = next(iter(inflight))
+        settled: list[int] = []
+        # one pass, then the deletions: ``next(iter(inflight))`` once per message rescanned
+        # the slots of every ticket deleted before it (4 us a message with 5,000 in flight)
+        for ticket, (sub_id, offset, _) in inflight.items():
             outcome = conn.outcome(ticket)
             if outcome is None:
                 break
-            sub_id, offset, _ = inflight.pop(ticket)
+            settled.append(ticket)
             if outcome:
                 acks.setdefault(sub_id, []).append(offset)
             else:
                 refused.append((sub_id, offset))
+        for ticket in settled:
+            del inflight[ticket]
         if acks:
             self._acked(acks)
         reason = ""
