@@ -1182,8 +1182,6 @@ class MqttSession(Session):
         return stored_subs({f: q for f, (_, q) in self.subs.items()})
 
 
-
-
 def not_kept(server: Server, peer: str, client_id: str, topic: bytes, count: int,
              text: str) -> None:
     """``count`` retained publishes (or a will) of a client routed without retain, their
