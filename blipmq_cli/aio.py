@@ -44,7 +44,7 @@ from typing import Any, Self
 import trio
 
 from blipmq_cli import arguments
-from blipmq_cli.client import ASKS, DEFAULT_ADDR, DEFAULT_TIMEOUT, targets
+from blipmq_cli.client import ASKS, DEFAULT_ADDR, DEFAULT_TIMEOUT, targets, transient
 from blipmq_server.errors import (
     BlipError,
     BrokerError,
@@ -813,7 +813,9 @@ class AsyncClient:
             self._notify()
 
     async def _redial(self, error: BlipError) -> trio.abc.Stream | None:
-        """A new connection that took the old one's messages over, or None (given up)."""
+        """A new connection that took the old one's messages over, or None: given up, or
+        a final answer (``client.transient``: a refused API key, a failed TLS handshake,
+        not BlipMQ's protocol), which ends the client at once, as in the sync client."""
         assert self.reconnect is not None
         old = self._conn
         last: BlipError = error
@@ -826,6 +828,9 @@ class AsyncClient:
             try:
                 stream, conn = await self._open(target)
             except BlipError as exc:
+                if not transient(exc):
+                    self._dead = exc
+                    return None
                 last = exc
                 continue
             self.resent += conn.resume(old)

@@ -161,6 +161,30 @@ async def test_it_gives_up_after_the_attempts_and_says_why(start_broker, tmp_pat
             await c.publish("t", b"x")
 
 
+async def test_a_refused_key_on_reconnect_ends_the_async_client_at_once(start_broker) -> None:
+    """A broker back with other API keys: dialling again cannot change that answer, so the
+    waiting calls raise it at once, as in the sync client (was: dialled again for all of the
+    policy's attempts, then ``gave up reconnecting``)."""
+    from blipmq_cli import BrokerError
+
+    b = start_broker({"auth": {"api_keys": ["s3cret"]}})
+    port = int(b.addr.rsplit(":", 1)[1])
+    patient = Reconnect(attempts=200, initial=0.05, maximum=1.0)  # minutes of attempts
+    with pytest.raises(BrokerError, match="API key refused"):  # close() says why, too
+        async with AsyncClient(b.addr, api_key="s3cret", reconnect=patient) as c:
+            sub = await c.subscribe("t")
+            b.proc.kill()
+            b.proc.wait()
+            await trio.to_thread.run_sync(lambda: start_broker(
+                {"server": {"port": port}, "auth": {"api_keys": ["other"]}},
+                data_dir=b.data_dir))
+            with trio.fail_after(20), pytest.raises(BrokerError, match="API key refused"):
+                await sub.next_batch()
+            assert c.reconnects == 0
+            with pytest.raises(BrokerError, match="API key refused"):
+                await c.publish("t", b"x")
+
+
 def test_the_sync_client_reconnects_when_asked(start_broker) -> None:
     """``Client(reconnect=...)``: the call that finds the connection lost (here a flush
     after SIGKILL) dials again, sends the unconfirmed QoS 1 messages again and restores
