@@ -30,12 +30,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from blipmq_cli.client import Client, Subscription, connect_from_env
+from blipmq_cli.client import Client, Subscription, connect_from_env, transient
 from blipmq_cli.commands import say, stderr_is_terminal
 from blipmq_cli.environment import for_children
 from blipmq_cli.exits import Exit, Terminated, die_of_sigterm, terminated
 from blipmq_cli.output import Writer
-from blipmq_server.errors import ConnectError
+from blipmq_server.errors import BlipError, ConnectError
 from blipmq_server.protocol.codec import Delivery, Start
 
 _MAX_CREDIT = 1 << 16
@@ -166,7 +166,10 @@ class _Run:
             say(f"subscribed to {what}")
 
     def _reconnect(self, pause: float) -> Client | None:
-        """Connect again with growing pauses; None when ``--timeout`` runs out first."""
+        """Connect again with growing pauses; None when ``--timeout`` runs out first. An
+        answer that dialling again cannot change (``client.transient``: a refused API key,
+        a failed TLS handshake, not BlipMQ's protocol) is raised; a broker that is not ready
+        (shutting down, at max_connections) is dialled again, as one not up yet."""
         lost_at = time.monotonic()
         while True:
             if self.deadline is not None and time.monotonic() + pause > self.deadline:
@@ -174,7 +177,9 @@ class _Run:
             time.sleep(pause)
             try:
                 client = self._connect()
-            except (ConnectError, OSError):
+            except (BlipError, OSError) as exc:
+                if isinstance(exc, BlipError) and not transient(exc):
+                    raise
                 pause = min(pause * 2, _BACKOFF_S[1])
                 continue
             if self.plan.group:

@@ -359,3 +359,38 @@ def test_pubfile_says_whether_its_message_was_confirmed(start_broker) -> None:
     # found while it read stdin (the socket woke it), or by the publish after stdin's end
     assert re.fullmatch(r"blipmq: [^\n]+; 0 of 1 message\(s\) confirmed(; 1 not sent| \(it "
                         r"may be stored: send it again to be sure\))\n", err), err
+
+
+@pytest.mark.slow
+def test_sub_dials_again_a_broker_at_max_connections(start_broker) -> None:
+    """`sub` back to a broker that refuses it for now (at max_connections): it keeps dialling
+    and resumes once there is room (was: it ended on the first refusal, exit 3)."""
+    from blipmq_cli import BlipError, Client
+
+    b = start_broker()
+    with _running(b, "sub", "rs/full") as sub:
+        b.wait_metric("blipmq_subscriptions", 1)
+        assert b.stop(signal.SIGKILL) == -signal.SIGKILL  # the sub dials, pausing longer
+        for _ in range(3):  # the holders take both places before the sub's next dial
+            b = start_broker({"server": {"port": b.port, "max_connections": 2}},
+                             data_dir=b.data_dir)
+            holders = []
+            try:
+                holders = [Client(b.addr), Client(b.addr)]
+            except BlipError:  # the sub dialled in between: once more
+                for h in holders:
+                    h.close()
+                assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+                continue
+            break
+        try:
+            b.wait_metric_at_least("blipmq_connections_refused_total", 1, timeout=20)
+            assert sub.poll() is None, _ended(sub)
+        finally:
+            for h in holders:
+                h.close()
+        b.wait_metric("blipmq_subscriptions", 1, timeout=20)
+        assert b.cli("pub", "rs/full", "after").returncode == 0
+        assert sub.stdout is not None
+        ready, _, _ = select.select([sub.stdout], [], [], 10)
+        assert ready and sub.stdout.readline() == b"after\n"
