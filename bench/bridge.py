@@ -25,8 +25,8 @@ broker; then the link comes back and the clock runs until every number arrived u
 nothing new arrived for ``--stall`` s). Figures: seconds from link-up to the first arrival
 (the bridge's reconnect), seconds to empty (link-up to the last new number) and msg/s over
 those seconds, msg/s of the drain itself (first to last arrival), duplicates and missing
-numbers, and the CPU seconds meanwhile of the local broker, the upstream and this process (proxy
-and subscriber).
+numbers, and the CPU seconds meanwhile of the local broker, of the upstream and of this
+process (the proxy and the subscriber).
 
 Idle cost: the local broker's CPU per second and RSS over ``--idle`` s with the link up and
 nothing to send, then as long with the upstream refusing connections (an outage).
@@ -110,7 +110,6 @@ class Link:
     collector: FastCollector | NativeCollector
     directory: Path
     upstream_pid: int
-
 
 
 class FastCollector(_Recorder):
