@@ -108,6 +108,52 @@ def test_credit_window_and_ack(tmp_path: Path) -> None:
     assert [p for _, _, p in s.take(c)] == [b"3"]
 
 
+def test_unacked_bytes_are_a_window_of_their_own(tmp_path: Path) -> None:
+    """A consumer with a window far larger than the messages it holds unacked: at most
+    ``max_inflight_bytes`` of them are held for it (a take's first whatever its size, while
+    under the limit), through acks, nacks, redeliveries and a consumer that leaves (was: its
+    whole credit, each kept in the broker's memory until acked: a backlog's worth for a
+    consumer that never acks)."""
+    s = Setup(tmp_path, max_inflight_bytes=10_000, retry_backoff_ms=100)
+    c = s.sub("conn", "t", "g", qos=1, credit=100_000)
+    s.publish("t", *[b"%d" % i + b"x" * 2_999 for i in range(20)])
+    s.commit()
+    group = s.broker.cursors.durable[("t", "g")]
+
+    def takes(consumer: Consumer, now: int = 0) -> list[tuple[int, int, bytes]]:
+        out: list[tuple[int, int, bytes]] = []
+        while got := s.take(consumer, now=now):
+            out += got
+        return out
+
+    assert len(s.take(c)) == 3  # 3 fit under 10,000 bytes
+    first = takes(c)  # held under the limit: one more, whatever its size
+    assert len(first) == 1 and group.bytes_for(c.sub_id) > 10_000
+    assert not s.broker.has_work(c)
+    s.broker.ack("conn", c.sub_id, (first[0][0],), 0)
+    assert s.broker.has_work(c)
+    again = takes(c)
+    assert [p[:1] for _, _, p in again] == [b"4"]  # one ack: room for one
+    s.broker.nack("conn", c.sub_id, (again[0][0],), 0, 0, 1000)
+    assert [(p[:1], n) for _, n, p in takes(c)] == [(b"4", 2)]  # sent again, 4 held still
+    assert s.broker.redeliver(10_000, 0)  # every deadline passed: all back, then again
+    assert len(takes(c, now=10_000)) == 4
+    held = tuple(o for o, f in group.inflight.items() if f.sub_id == c.sub_id)
+    assert len(held) == 4
+    s.broker.ack("conn", c.sub_id, held, 0)
+    assert group.bytes_for(c.sub_id) == 0 and group.in_flight_for(c.sub_id) == 0
+    other = s.sub("c2", "t", "g", qos=1, credit=100_000)
+    assert len(takes(c)) == 4
+    s.broker.disconnect("conn")  # what it held goes to the other, counted for the other
+    assert group.bytes_for(c.sub_id) == 0
+    assert len(takes(other)) == 4 and group.bytes_for(other.sub_id) > 10_000
+    unlimited = Setup(tmp_path / "u", max_inflight_bytes=0)
+    u = unlimited.sub("conn", "t", "g", qos=1, credit=100_000)
+    unlimited.publish("t", *[b"y" * 3_000] * 20)
+    unlimited.commit()
+    assert len(unlimited.take(u)) == 20
+
+
 def test_credit_frame_shrinks_and_grows_the_window(tmp_path: Path) -> None:
     s = Setup(tmp_path)
     c = s.sub("conn", "t", "g", qos=1, credit=3)

@@ -223,6 +223,9 @@ class Cursors:
     def has_work(self, consumer: Consumer, target: DurableGroup) -> bool:
         if target.in_flight_for(consumer.sub_id) >= consumer.credit:
             return False
+        most = self.limits.max_inflight_bytes
+        if most and target.acks and target.bytes_for(consumer.sub_id) >= most:
+            return False
         if target.ready or target.pending or target.ahead:
             return True
         if target.kept and consumer.holder in target.kept:
@@ -262,6 +265,12 @@ class Cursors:
         room = min(limit, consumer.credit - target.in_flight_for(consumer.sub_id))
         if room <= 0:
             return []
+        most = self.limits.max_inflight_bytes
+        if most and target.acks:  # unacked bytes, held in memory: a window of its own
+            held = target.bytes_for(consumer.sub_id)
+            if held >= most:
+                return []
+            max_bytes = min(max_bytes, most - held)  # the first goes whatever its size
         self.budget.touch(target)  # a consumer with room: what is read for it is taken
         if target.pending:  # unacked before a restart, named by a checkpoint
             target.load_pending([r for o in sorted(target.pending)

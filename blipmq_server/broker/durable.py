@@ -159,6 +159,7 @@ class DurableGroup:
         "flying",
         "group",
         "held",
+        "held_bytes",
         "id",
         "idle_since",
         "inflight",
@@ -190,6 +191,7 @@ class DurableGroup:
         self.first = start  # where it began to read (what came before was never its)
         self.inflight: dict[int, Flight] = {}
         self.held: dict[int, int] = {}  # sub_id -> deliveries that consumer holds in flight
+        self.held_bytes: dict[int, int] = {}  # sub_id -> their message records' bytes
         self.ready: deque[int] = deque()  # in-flight offsets to deliver again now
         # holder -> in-flight offsets of QoS 2 messages to deliver again to that holder's
         # consumer only (``Consumer.holder``: an MQTT persistent session's share member,
@@ -345,6 +347,7 @@ class DurableGroup:
         self.acked = set(g.acked)
         self.inflight.clear()
         self.held.clear()
+        self.held_bytes.clear()
         self.ready.clear()
         self.kept.clear()
 
@@ -416,6 +419,7 @@ class DurableGroup:
                 flight.count += 1
                 flight.sub_id = sub_id
                 self.held[sub_id] = self.held.get(sub_id, 0) + 1
+                self.held_bytes[sub_id] = self.held_bytes.get(sub_id, 0) + len(flight.body)
                 flight.due = now_ms + backoff(flight.count)
                 out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF),
                                                 flight.timestamp_ms, flight.dflags) + flight.body)
@@ -493,6 +497,8 @@ class DurableGroup:
             self._release(passed)
         if acks and out:
             self.held[sub_id] = self.held.get(sub_id, 0) + len(out)
+            self.held_bytes[sub_id] = (self.held_bytes.get(sub_id, 0) + size - used
+                                       - PREFIX_SIZE * len(out))
             if self.flying is not None:
                 self.flying[self] = None
         return out, size, expired, full
@@ -500,21 +506,27 @@ class DurableGroup:
     def ack(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
         """Offsets that were in flight for this consumer and are now done."""
         done = []
+        size = 0
         for offset in offsets:
             flight = self.inflight.get(offset)
             if flight is not None and flight.sub_id == sub_id:
                 del self.inflight[offset]
                 done.append(offset)
+                size += len(flight.body)
         if done:
-            self._unhold(sub_id, len(done))
+            self._unhold(sub_id, len(done), size)
         return done
 
-    def _unhold(self, sub_id: int, n: int) -> None:
+    def _unhold(self, sub_id: int, n: int, size: int) -> None:
+        """The consumer no longer holds ``n`` deliveries of ``size`` record bytes; once it
+        holds none, its byte count starts again from 0 whatever it says."""
         left = self.held.get(sub_id, 0) - n
         if left > 0:
             self.held[sub_id] = left
+            self.held_bytes[sub_id] = max(0, self.held_bytes.get(sub_id, 0) - size)
         else:
             self.held.pop(sub_id, None)
+            self.held_bytes.pop(sub_id, None)
 
     def held_by(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
         """Those of ``offsets`` that this consumer holds in flight."""
@@ -528,7 +540,7 @@ class DurableGroup:
         for offset in offsets:
             flight = self.inflight[offset]
             if flight.sub_id > 0:
-                self._unhold(flight.sub_id, 1)
+                self._unhold(flight.sub_id, 1, len(flight.body))
                 if holders and self._keep(offset, flight, holders.get(flight.sub_id)):
                     continue
             flight.sub_id = DELAYED if delay_ms else 0
@@ -568,7 +580,7 @@ class DurableGroup:
         """Take a delivery out of flight for good (it goes to the dead-letter topic)."""
         flight = self.inflight.pop(offset)
         if flight.sub_id > 0:
-            self._unhold(flight.sub_id, 1)
+            self._unhold(flight.sub_id, 1, len(flight.body))
         return flight
 
     def requeue(self, sub_id: int, holder: str = "") -> int:
@@ -583,6 +595,7 @@ class DurableGroup:
                 flight.sub_id = 0
                 self.ready.append(offset)
         self.held.pop(sub_id, None)
+        self.held_bytes.pop(sub_id, None)
         return n
 
     def expire(self, now_ms: int) -> tuple[list[int], int, int]:
@@ -609,3 +622,7 @@ class DurableGroup:
 
     def in_flight_for(self, sub_id: int) -> int:
         return self.held.get(sub_id, 0)
+
+    def bytes_for(self, sub_id: int) -> int:
+        """Record bytes of the deliveries the consumer holds in flight."""
+        return self.held_bytes.get(sub_id, 0)

@@ -143,6 +143,7 @@ class Server:
                 retry_backoff_max_ms=config.delivery.retry_backoff_max_ms,
                 max_retries=config.delivery.max_retries,
                 default_credit=config.delivery.default_credit,
+                max_inflight_bytes=config.delivery.max_inflight_bytes,
                 group_expiry_ms=config.delivery.group_expiry_ms,
                 max_idle_groups=q.max_idle_groups,
                 max_subscriptions=config.server.max_subscriptions,
