@@ -35,3 +35,22 @@ def test_a_consumer_that_never_acks_holds_at_most_max_inflight_bytes(start_broke
             assert sum(len(d.payload) for d in held) <= 1024 * 1024 + _SIZE
             got += held
         assert [d.payload[:2] for d in got] == [b"%02d" % i for i in range(40)]
+
+
+def test_by_default_a_consumer_holds_16_mib_unacked_whatever_its_window(start_broker) -> None:
+    """The default limit, with a window of 100,000 and 24 MiB of messages that it reads and
+    never acks: about 16 MiB of them come (was: all 24 MiB, each held in memory)."""
+    b = start_broker()
+    with Client(b.addr) as c:
+        for i in range(96):
+            c.publish("big/t", b"%02d" % i + b"x" * (256 * 1024 - 2), qos=1)
+        c.flush()
+    with Client(b.addr) as c:
+        sub = c.subscribe("big/#", group="g", qos=1, credit=100_000, start=Start.EARLIEST)
+        held: list = []
+        while True:  # until a second passes with nothing more
+            try:
+                held += sub.next_batch(timeout=1.0) or ()
+            except TimeoutError:
+                break
+        assert 16 * 4 - 1 <= len(held) <= 16 * 4 + 1, len(held)
