@@ -4,9 +4,27 @@ ack. Real broker, real client."""
 
 from __future__ import annotations
 
-from blipmq_cli import Client, Start
+from blipmq_cli import Client, Start, Subscription
 
 _SIZE = 128 * 1024
+
+
+def _publish(b, count: int, size: int) -> None:
+    """``count`` QoS 1 messages of ``size`` bytes on big/t, each starting with its number."""
+    with Client(b.addr) as c:
+        for i in range(count):
+            c.publish("big/t", b"%02d" % i + b"x" * (size - 2), qos=1)
+        c.flush()
+
+
+def _until_quiet(sub: Subscription) -> list:
+    """What the subscription gets until a second passes with nothing more."""
+    held: list = []
+    while True:
+        try:
+            held += sub.next_batch(timeout=1.0) or ()
+        except TimeoutError:
+            return held
 
 
 def test_a_consumer_that_never_acks_holds_at_most_max_inflight_bytes(start_broker) -> None:
@@ -14,18 +32,10 @@ def test_a_consumer_that_never_acks_holds_at_most_max_inflight_bytes(start_broke
     nothing until acks make room (was: all 40, and a backlog's worth of memory for a
     consumer that reads everything and acks nothing)."""
     b = start_broker({"delivery": {"max_inflight_bytes": 1024 * 1024}})
-    with Client(b.addr) as c:
-        for i in range(40):
-            c.publish("big/t", b"%02d" % i + b"x" * (_SIZE - 2), qos=1)
-        c.flush()
+    _publish(b, 40, _SIZE)
     with Client(b.addr) as c:
         sub = c.subscribe("big/#", group="g", qos=1, credit=1000, start=Start.EARLIEST)
-        held: list = []
-        while True:  # until a second passes with nothing more
-            try:
-                held += sub.next_batch(timeout=1.0) or ()
-            except TimeoutError:
-                break
+        held = _until_quiet(sub)
         assert [d.payload[:2] for d in held] == [b"%02d" % i for i in range(8)]
         got = list(held)
         while len(got) < 40:  # acks make room: the rest come, in order
@@ -41,16 +51,8 @@ def test_by_default_a_consumer_holds_16_mib_unacked_whatever_its_window(start_br
     """The default limit, with a window of 100,000 and 24 MiB of messages that it reads and
     never acks: about 16 MiB of them come (was: all 24 MiB, each held in memory)."""
     b = start_broker()
-    with Client(b.addr) as c:
-        for i in range(96):
-            c.publish("big/t", b"%02d" % i + b"x" * (256 * 1024 - 2), qos=1)
-        c.flush()
+    _publish(b, 96, 256 * 1024)
     with Client(b.addr) as c:
         sub = c.subscribe("big/#", group="g", qos=1, credit=100_000, start=Start.EARLIEST)
-        held: list = []
-        while True:  # until a second passes with nothing more
-            try:
-                held += sub.next_batch(timeout=1.0) or ()
-            except TimeoutError:
-                break
+        held = _until_quiet(sub)
         assert 16 * 4 - 1 <= len(held) <= 16 * 4 + 1, len(held)

@@ -223,8 +223,7 @@ class Cursors:
     def has_work(self, consumer: Consumer, target: DurableGroup) -> bool:
         if target.in_flight_for(consumer.sub_id) >= consumer.credit:
             return False
-        most = self.limits.max_inflight_bytes
-        if most and target.acks and target.bytes_for(consumer.sub_id) >= most:
+        if self._bytes_room(consumer, target) <= 0:
             return False
         if target.ready or target.pending or target.ahead:
             return True
@@ -255,6 +254,15 @@ class Cursors:
         self.catch_up((target,))
         return self.log.written_offset + 1 - target.next
 
+    def _bytes_room(self, consumer: Consumer, target: DurableGroup) -> int:
+        """Bytes of message records ``consumer`` may still take unacked: what it holds
+        stays in memory until its ack, a window of its own beside its credit
+        (``max_inflight_bytes``; no limit without acks or with 0)."""
+        most = self.limits.max_inflight_bytes
+        if not most or not target.acks:
+            return 1 << 62
+        return most - target.bytes_for(consumer.sub_id)
+
     def take(
         self, consumer: Consumer, target: DurableGroup, limit: int, max_bytes: int,
         now_ms: int, wall_ms: int,
@@ -265,12 +273,10 @@ class Cursors:
         room = min(limit, consumer.credit - target.in_flight_for(consumer.sub_id))
         if room <= 0:
             return []
-        most = self.limits.max_inflight_bytes
-        if most and target.acks:  # unacked bytes, held in memory: a window of its own
-            held = target.bytes_for(consumer.sub_id)
-            if held >= most:
-                return []
-            max_bytes = min(max_bytes, most - held)  # the first goes whatever its size
+        bytes_room = self._bytes_room(consumer, target)
+        if bytes_room <= 0:
+            return []
+        max_bytes = min(max_bytes, bytes_room)  # the first goes whatever its size
         self.budget.touch(target)  # a consumer with room: what is read for it is taken
         if target.pending:  # unacked before a restart, named by a checkpoint
             target.load_pending([r for o in sorted(target.pending)
