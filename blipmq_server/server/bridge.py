@@ -127,6 +127,11 @@ class Bridge:
         # of those sent after it go with DUP ("might be re-delivery", MQTT 3.1.1 3.3.1.1)
         self.restored_end = server.wal.next_offset if server.wal is not None else 0
         self.maybe_sent = spec.inflight
+        # nor is what a kept upstream session holds of the QoS 2 messages sent before the
+        # start, PUBRECed and not released: taking from the upstream's window of unreleased
+        # messages, those could hold it full past this window. The first link that finds
+        # the session kept releases them before it sends anything (``_Link._release``)
+        self.unreleased = spec.sends_qos2 and spec.persistent
         self.connected = False
         self.address = ""  # the upstream in use (host:port)
         self.last_error = ""
@@ -534,13 +539,31 @@ class Bridge:
             (rule.local_filter, self.spec.group))
         return frozenset() if group is None else group.inflight
 
+    def stale_ids(self) -> list[int]:
+        """The packet ids the upstream may hold a QoS 2 message of this bridge under from
+        before this broker started: the ids (``_Link._pid``'s first choice) of the log
+        offsets from the QoS 2 out rules' floor to the log's end at the start, all 65,535
+        when they span as many. Any message sent and not PUBCOMPed then lies in there."""
+        cursors = self.broker.cursors
+        floors = [] if cursors is None else [
+            g.floor for sub_id in self.qos2_subs
+            if (g := cursors.durable.get((self.rules_by_sub[sub_id].local_filter,
+                                          self.spec.group))) is not None]
+        if not floors or min(floors) >= self.restored_end:
+            return []
+        first = min(floors)
+        if self.restored_end - first >= 65535:
+            return list(range(1, 65536))
+        return [offset % 65535 + 1 for offset in range(first, self.restored_end)]
+
     def resume(self, link: _Link, present: bool) -> None:
         """A new link's CONNACK: the QoS 2 exchanges of the last link go on when the upstream
         kept the session (MQTT-4.4.0-1: PUBREL again for what had its PUBREC; the others are
         sent again under their ids as the group hands them out), else they go back to the
         group, and the upstream's packet ids of messages coming in are forgotten. (After a
-        restart here nothing of this is known: messages not PUBCOMPed are sent again, each
-        under the packet id its offset gives, ``_Link._pid``.)"""
+        start here nothing of this is known: the first link to a kept session releases
+        what may be held from before, ``_Link._release``, and messages not PUBCOMPed are
+        sent again.)"""
         if not present:
             back: dict[int, list[int]] = {}
             for sub_id, offset in self.owed.values():
@@ -914,6 +937,9 @@ class _Link:
         except (LinkDown, OSError, trio.BrokenResourceError) as exc:
             raise LinkDown(f"no answer after the CONNACK: {_why(exc)}") from None
         self.pending = pending
+        if bridge.unreleased and first.session_present:
+            await self._release(bridge.stale_ids())
+        bridge.unreleased = bridge.unreleased and not first.session_present
         bridge.resume(self, first.session_present)
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
         # a session this upstream kept holds them (``Bridge.held_at``): subscribing again
@@ -923,6 +949,25 @@ class _Link:
             self.outbox.append(mqtt.encode(Subscribe(self._pid(), filters)))
         if spec.state_topic:
             self.outbox.append(mqtt.encode(Publish(spec.state_topic, b"1", 0, True)))
+
+    async def _release(self, ids: list[int]) -> None:
+        """PUBREL for each of ``ids`` (the upstream session kept from before this broker
+        started may hold QoS 2 messages under them, PUBRECed: each is delivered then, and
+        sent again later as any not PUBCOMPed), back once each has its PUBCOMP (the answer
+        to any PUBREL, MQTT-4.3.3-2), so no PUBLISH takes one of those ids meanwhile. What
+        else comes in waits in ``pending``. Part of the handshake, under its timeout."""
+        waiting = set(ids)
+        if not waiting:
+            return
+        await self.stream.send_all(b"".join([_ACK.pack(0x62, 2, pid) for pid in ids]))
+        while waiting:
+            for packet in await self._read_packets():
+                if isinstance(packet, PubComp) and packet.packet_id in waiting:
+                    waiting.discard(packet.packet_id)
+                else:
+                    self.pending.append(packet)
+        log.info("bridge %s: released the %d packet ids the upstream may have held QoS 2 "
+                 "messages under since before this start", self.bridge.spec.name, len(ids))
 
     async def serve(self) -> str:
         """Run the reader and the writer until either ends; returns why."""
@@ -1298,7 +1343,7 @@ _CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
             3: "server unavailable", 4: "bad user name or password", 5: "not authorized"}
 
 
-_PUBACK = struct.Struct(">BBH")
+_ACK = struct.Struct(">BBH")  # PUBACK, PUBREC, PUBREL, PUBCOMP: type, 2, packet id
 
 
 def _pubacks(data: bytes) -> list[object] | None:
@@ -1306,7 +1351,7 @@ def _pubacks(data: bytes) -> list[object] | None:
     decoder takes it): a drain reads thousands of them at a time."""
     pids: list[object] = []
     append = pids.append
-    for kind, length, pid in _PUBACK.iter_unpack(data):
+    for kind, length, pid in _ACK.iter_unpack(data):
         if kind != 0x40 or length != 2:
             return None
         append(pid)
