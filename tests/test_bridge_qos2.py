@@ -181,8 +181,9 @@ def test_both_at_qos2_does_not_loop(start_broker) -> None:
 @pytest.mark.slow
 def test_out_qos2_across_a_local_sigkill_is_at_least_once(start_broker,
                                                            tmp_path: Path) -> None:
-    """The QoS 2 link state is not kept across a restart here: what was not PUBCOMPed is
-    sent again, each under the packet id its log offset gives (the one it had)."""
+    """The QoS 2 link state is not kept across a restart here: the first link after it
+    releases what the upstream may hold from before (PUBREL), then what was not PUBCOMPed
+    is sent again. Rarely failed before that (1 run in about 100): see the next test."""
     total = 3_000
     with Mosquitto(extra=_UNLIMITED) as up, Collector(up.port, "site1/#", qos=2) as seen:
         config = {"bridge": [bridge_table("cloud", [f"127.0.0.1:{up.port}"],
@@ -204,8 +205,9 @@ def test_out_qos2_across_a_local_sigkill_is_at_least_once(start_broker,
         print(f"\nout 2 across a SIGKILL: {result.distinct} distinct, "
               f"{result.duplicates} duplicates")
         assert result.complete, result.missing[:20]
-        # what was not PUBCOMPed at the kill (the window, 20), and PUBCOMPs whose ack was
-        # not in the log yet: measured 20-30; three windows is the sanity bound
+        # what was not PUBCOMPed at the kill (the window, 20; released then and sent
+        # again), and PUBCOMPs whose ack was not in the log yet: measured 5-28 in 8 runs;
+        # three windows is the sanity bound
         assert result.duplicates <= 3 * 20, result
         assert final["unexpected_acks"] == 0, final
 
