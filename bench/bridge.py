@@ -418,8 +418,11 @@ def rss_mb(pid: int) -> float:
 
 def idle(link: Link, local_pid: int, opts: Options) -> dict[str, Any]:
     """The local broker's CPU (ms per second) and RSS with the link up and nothing to send,
-    then with the upstream unreachable (connections refused) for as long."""
+    then with the upstream unreachable (connections refused) for as long; nothing with
+    ``--idle 0``."""
     out: dict[str, Any] = {}
+    if opts.idle <= 0:
+        return out
     for state in ("up", "down"):
         if state == "down":
             link.proxy.refuse()
@@ -561,8 +564,8 @@ def table(results: list[dict[str, Any]]) -> str:
         value = row.get(key)
         return "-" if value is None else fmt.format(value)
 
-    results = [dict(r, rss=f"{r.get('idle_up_rss_mb')}/{r.get('idle_down_rss_mb')}")
-               for r in results]
+    results = [dict(r, rss=f"{r['idle_up_rss_mb']}/{r['idle_down_rss_mb']}"
+                    if "idle_up_rss_mb" in r else None) for r in results]
     rows = [[h for h, _, _ in COLUMNS]]
     rows += [[cell(r, k, f) for _, k, f in COLUMNS] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -610,7 +613,7 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=d.inflight,
                     help="BlipMQ's bridges: their in-flight window (inflight), messages")
     ap.add_argument("--idle", type=float, default=d.idle,
-                    help="seconds of the idle cost runs (link up, then down)")
+                    help="seconds of the idle cost runs (link up, then down); 0: none")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds: every system once per round, in turn; then the medians")
     ap.add_argument("--json", action="store_true", help="print the results as JSON as well")

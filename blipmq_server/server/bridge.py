@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import socket
 import struct
 from collections.abc import Container
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,7 @@ log = logging.getLogger("blipmq.bridge")
 _HEAD = struct.Struct(">QHQBBIHHI")  # a delivery record's prefix and message head together
 _BODY = PREFIX_SIZE + MSG_HEAD.size
 _PID = struct.Struct(">H")
+_QUICKACK: int = getattr(socket, "TCP_QUICKACK", 0)
 _MAX_HEADS = 4096  # PUBLISH heads a link keeps per rule (``_Link._encode``)
 _MAX_BATCH = 256
 _MAX_BATCH_BYTES = 1 << 20
@@ -840,6 +842,8 @@ class _Link:
     def __init__(self, bridge: Bridge, stream: trio.abc.Stream) -> None:
         self.bridge = bridge
         self.stream = stream
+        self._sock = _tcp_socket(stream)
+        self._window = bridge.spec.inflight
         # a PUBLISH over the limit is passed over and refused, not a protocol error
         self.decoder = mqtt.Decoder(bridge.server.mqtt_max_packet, skip_oversize=True)
         self.inflight: dict[int, tuple[int, int, float]] = {}  # pid -> sub, offset, sent at
@@ -886,6 +890,13 @@ class _Link:
                 self.waiting = False
                 self.heard_at = trio.current_time()
         data = await self.stream.receive_some(65536)
+        if self._sock is not None and len(self.inflight) >= self._window:
+            # the window is full: nothing goes out until the upstream's acknowledgements
+            # come, so no data of ours carries the TCP ACK of what came in. ACK it at once,
+            # not within the 40 ms of a delayed ACK: an upstream with Nagle's algorithm on
+            # (mosquitto's default) holds its next PUBACKs until that ACK (a QoS 2 drain
+            # at the window of 20 went from about 240 to about 5,000 msg/s)
+            self._sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
         if not data:
             self.peer_closed = True
             raise LinkDown("the upstream closed the connection")
@@ -959,6 +970,8 @@ class _Link:
         waiting = set(ids)
         if not waiting:
             return
+        log.info("bridge %s: releasing the %d packet ids the upstream may hold QoS 2 messages "
+                 "under from before this start", self.bridge.spec.name, len(waiting))
         await self.stream.send_all(b"".join([_ACK.pack(0x62, 2, pid) for pid in ids]))
         while waiting:
             for packet in await self._read_packets():
@@ -966,8 +979,6 @@ class _Link:
                     waiting.discard(packet.packet_id)
                 else:
                     self.pending.append(packet)
-        log.info("bridge %s: released the %d packet ids the upstream may have held QoS 2 "
-                 "messages under since before this start", self.bridge.spec.name, len(ids))
 
     async def serve(self) -> str:
         """Run the reader and the writer until either ends; returns why."""
@@ -1356,6 +1367,14 @@ def _pubacks(data: bytes) -> list[object] | None:
             return None
         append(pid)
     return pids
+
+
+def _tcp_socket(stream: trio.abc.Stream) -> Any:
+    """The TCP socket under ``stream`` (TLS or not) when it can ACK at once, else None."""
+    if not _QUICKACK:
+        return None
+    inner = getattr(stream, "transport_stream", stream)
+    return getattr(inner, "socket", None)
 
 
 def _why(exc: BaseException) -> str:
