@@ -890,6 +890,9 @@ class _Link:
                 self.waiting = False
                 self.heard_at = trio.current_time()
         data = await self.stream.receive_some(65536)
+        if not data:
+            self.peer_closed = True
+            raise LinkDown("the upstream closed the connection")
         if self._sock is not None and len(self.inflight) >= self._window:
             # the window is full: nothing goes out until the upstream's acknowledgements
             # come, so no data of ours carries the TCP ACK of what came in. ACK it at once,
@@ -897,9 +900,6 @@ class _Link:
             # (mosquitto's default) holds its next PUBACKs until that ACK (a QoS 2 drain
             # at the window of 20 went from about 240 to about 5,000 msg/s)
             self._sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
-        if not data:
-            self.peer_closed = True
-            raise LinkDown("the upstream closed the connection")
         self.heard_at = trio.current_time()
         self.pinged = False
         return data
