@@ -329,3 +329,33 @@ def test_a_qos2_drain_at_the_default_window_is_not_held_by_delayed_acks(start_br
         assert seen.wait_distinct(total, 30), seen.tally(total)
         final = wait_status(bp, "cloud", lambda b: b["forwarded"] == total)
         assert final["redelivered"] == 0 and final["reconnects"] == 0, final
+
+
+def test_a_blipmq_upstream_answers_the_release_after_a_restart(start_broker,
+                                                                tmp_path: Path) -> None:
+    """The release of ids after a start against a BlipMQ upstream's MQTT listener, and
+    larger than one chunk of PUBRELs: a backlog of 10,000 queued while the link was down
+    (the upstream keeps the bridge's session from before), the broker killed, started
+    again: every PUBREL has its PUBCOMP and then the backlog flows."""
+    total = 10_000
+    up = start_broker({"mqtt": {"enabled": True, "port": 0}})
+    assert up.mqtt_port is not None
+    with FaultProxy(("127.0.0.1", up.mqtt_port)) as proxy, \
+            Collector(up.mqtt_port, "site1/#", qos=0) as seen:
+        config = {"bridge": [bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
+                                          ["sensors/# out 2 '' site1/"])]}
+        data = tmp_path / "edge"
+        bp = start_broker(config, data_dir=data)
+        wait_status(bp, "cloud", lambda b: b["connected"])  # the upstream has the session
+        proxy.refuse()
+        wait_status(bp, "cloud", lambda b: not b["connected"])
+        publish_numbers(bp, 0, total, topics=1)
+        bp.proc.send_signal(signal.SIGKILL)
+        bp.proc.wait(10)
+        bp = start_broker(config, data_dir=data)
+        proxy.restore()
+        assert seen.wait_distinct(total, 60), seen.tally(total)
+        line = bp.wait_log("packet ids the upstream may hold")
+        assert int(line.split("releasing the ")[1].split()[0]) > total, line
+        final = wait_status(bp, "cloud", lambda b: b["backlog_messages"] == 0)
+        assert final["unexpected_acks"] == 0 and final["reconnects"] == 0, final

@@ -80,6 +80,7 @@ _HEAD = struct.Struct(">QHQBBIHHI")  # a delivery record's prefix and message he
 _BODY = PREFIX_SIZE + MSG_HEAD.size
 _PID = struct.Struct(">H")
 _QUICKACK: int = getattr(socket, "TCP_QUICKACK", 0)
+_RELEASE_CHUNK = 8192  # PUBRELs (32 KiB) sent before their PUBCOMPs are read (``_release``)
 _MAX_HEADS = 4096  # PUBLISH heads a link keeps per rule (``_Link._encode``)
 _MAX_BATCH = 256
 _MAX_BATCH_BYTES = 1 << 20
@@ -966,19 +967,23 @@ class _Link:
         started may hold QoS 2 messages under them, PUBRECed: each is delivered then, and
         sent again later as any not PUBCOMPed), back once each has its PUBCOMP (the answer
         to any PUBREL, MQTT-4.3.3-2), so no PUBLISH takes one of those ids meanwhile. What
-        else comes in waits in ``pending``. Part of the handshake, under its timeout."""
-        waiting = set(ids)
-        if not waiting:
-            return
-        log.info("bridge %s: releasing the %d packet ids the upstream may hold QoS 2 messages "
-                 "under from before this start", self.bridge.spec.name, len(waiting))
-        await self.stream.send_all(b"".join([_ACK.pack(0x62, 2, pid) for pid in ids]))
-        while waiting:
-            for packet in await self._read_packets():
-                if isinstance(packet, PubComp) and packet.packet_id in waiting:
-                    waiting.discard(packet.packet_id)
-                else:
-                    self.pending.append(packet)
+        else comes in waits in ``pending``. Part of the handshake, under its timeout.
+
+        ``_RELEASE_CHUNK`` at a time: neither side's writes can then fill the socket
+        buffers while the other is not reading (this one writes, and reads only after)."""
+        if ids:
+            log.info("bridge %s: releasing the %d packet ids the upstream may hold QoS 2 "
+                     "messages under from before this start", self.bridge.spec.name, len(ids))
+        for first in range(0, len(ids), _RELEASE_CHUNK):
+            chunk = ids[first:first + _RELEASE_CHUNK]
+            await self.stream.send_all(b"".join([_ACK.pack(0x62, 2, pid) for pid in chunk]))
+            waiting = set(chunk)
+            while waiting:
+                for packet in await self._read_packets():
+                    if isinstance(packet, PubComp) and packet.packet_id in waiting:
+                        waiting.discard(packet.packet_id)
+                    else:
+                        self.pending.append(packet)
 
     async def serve(self) -> str:
         """Run the reader and the writer until either ends; returns why."""
