@@ -246,29 +246,20 @@ def _hold_pubrecs(port: int, client_id: str, messages: list[tuple[int, str, byte
     """What a bridge killed mid-window leaves in the upstream's session: QoS 2 PUBLISHes
     (packet id, topic, payload) PUBRECed there and never released. Sent under the bridge's
     client id, clean session 0; the connection then ends without a PUBREL."""
-    import socket
-
     from blipmq_server.mqtt import codec as mqtt_codec
-    from blipmq_server.mqtt.packets import ConnAck, Connect, PubRec
+    from blipmq_server.mqtt.packets import PubRec
+    from tests.mqttpeer import Raw
 
-    with socket.create_connection((HOST, port), timeout=10) as sock:
-        sock.sendall(mqtt_codec.encode(Connect("MQTT", 4, clean_session=False, keepalive=60,
-                                               client_id=client_id)))
-        sock.sendall(b"".join(mqtt_codec.encode_publish(topic.encode(), payload, 2, False,
-                                                        False, pid)
-                              for pid, topic, payload in messages))
-        decoder = mqtt_codec.Decoder()
-        recs: set[int] = set()
-        answered = False
-        while not answered or len(recs) < len(messages):
-            data = sock.recv(65536)
-            assert data, "the upstream closed the connection"
-            decoder.feed(data)
-            for packet in decoder.packets():
-                answered |= isinstance(packet, ConnAck)
-                if isinstance(packet, PubRec):
-                    recs.add(packet.packet_id)
+    raw = Raw(port)
+    try:
+        raw.connect(client_id, clean=False, keepalive=60)
+        raw.send_bytes(b"".join(mqtt_codec.encode_publish(topic.encode(), payload, 2, False,
+                                                          False, pid)
+                                for pid, topic, payload in messages))
+        recs = {raw.expect(PubRec).packet_id for _ in messages}
         assert recs == {pid for pid, _, _ in messages}
+    finally:
+        raw.close()
 
 
 def test_what_the_upstream_holds_from_before_a_restart_does_not_stall_the_link(

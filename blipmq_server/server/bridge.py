@@ -268,12 +268,7 @@ class Bridge:
                      "on", self.spec.name)
 
     def groups(self) -> list[Any]:
-        cursors = self.broker.cursors
-        if cursors is None:
-            return []
-        found = (cursors.durable.get((r.local_filter, self.spec.group))
-                 for r in self.rules_by_sub.values())
-        return [g for g in found if g is not None]
+        return [g for g in map(self._group, self.rules_by_sub) if g is not None]
 
     def status(self) -> dict[str, Any]:
         """What ``blipmq bridges`` and the metrics show."""
@@ -534,12 +529,15 @@ class Bridge:
                                      wall_ms(), spend=False)
         self.server.wake(wake)
 
+    def _group(self, sub_id: int) -> Any:
+        """An out rule's durable group (None without cursors, or once it is gone)."""
+        cursors = self.broker.cursors
+        return None if cursors is None else cursors.durable.get(
+            (self.rules_by_sub[sub_id].local_filter, self.spec.group))
+
     def _held(self, sub_id: int) -> Container[int]:
         """The offsets a rule's group holds in flight (a dead-lettered one is gone)."""
-        rule = self.rules_by_sub[sub_id]
-        cursors = self.broker.cursors
-        group = None if cursors is None else cursors.durable.get(
-            (rule.local_filter, self.spec.group))
+        group = self._group(sub_id)
         return frozenset() if group is None else group.inflight
 
     def stale_ids(self) -> list[int]:
@@ -547,11 +545,7 @@ class Bridge:
         before this broker started: the ids (``_Link._pid``'s first choice) of the log
         offsets from the QoS 2 out rules' floor to the log's end at the start, all 65,535
         when they span as many. Any message sent and not PUBCOMPed then lies in there."""
-        cursors = self.broker.cursors
-        floors = [] if cursors is None else [
-            g.floor for sub_id in self.qos2_subs
-            if (g := cursors.durable.get((self.rules_by_sub[sub_id].local_filter,
-                                          self.spec.group))) is not None]
+        floors = [g.floor for g in map(self._group, self.qos2_subs) if g is not None]
         if not floors or min(floors) >= self.restored_end:
             return []
         first = min(floors)
@@ -951,7 +945,7 @@ class _Link:
         self.pending = pending
         if bridge.unreleased and first.session_present:
             await self._release(bridge.stale_ids())
-        bridge.unreleased = bridge.unreleased and not first.session_present
+        bridge.unreleased = False  # released, or the upstream kept nothing
         bridge.resume(self, first.session_present)
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
         # a session this upstream kept holds them (``Bridge.held_at``): subscribing again
