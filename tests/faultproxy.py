@@ -16,6 +16,7 @@ then break the link on purpose, the ways real uplinks break:
 ``cut_after(s)``    forwarded, but every connection accepted from now on is reset (RST) ``s``
                     seconds after it was accepted: an upstream, or a balancer in front of a
                     dying backend, that takes each client and drops it soon after, every time
+                    (``delay_ms=`` adds a delay: a slow link that drops)
 ``restore()``       back to pass-through, no delay, no ``cut_after``, listening again
 ==================  ===========================================================================
 
@@ -220,13 +221,15 @@ class FaultProxy:
         and reconnect)."""
         self._call(self._set, Mode.PASS, 0.0)
 
-    def cut_after(self, seconds: float) -> None:
-        """Forward (no delay, listening again), but reset (RST) every connection accepted from
-        now on ``seconds`` after it was accepted; connections already open are left alone.
-        Any other mode call ends it."""
+    def cut_after(self, seconds: float, delay_ms: float = 0.0) -> None:
+        """Forward (with ``delay_ms`` as ``delay``, listening again), but reset (RST) every
+        connection accepted from now on ``seconds`` after it was accepted; connections
+        already open are left alone. Any other mode call ends it."""
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"cut_after needs a finite number of seconds > 0, not {seconds}")
-        self._call(self._set, Mode.PASS, 0.0, seconds)
+        if not (delay_ms >= 0 and math.isfinite(delay_ms)):
+            raise ValueError(f"delay must be a finite number of ms >= 0, not {delay_ms}")
+        self._call(self._set, Mode.PASS, delay_ms / 1000, seconds)
 
     def refuse(self) -> None:
         """Refuse new connections (connect() fails with ECONNREFUSED) and RST current ones."""

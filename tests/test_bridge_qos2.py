@@ -350,3 +350,76 @@ def test_a_blipmq_upstream_answers_the_release_after_a_restart(start_broker,
         assert int(line.split("releasing the ")[1].split()[0]) > total, line
         final = wait_status(bp, "cloud", lambda b: b["backlog_messages"] == 0)
         assert final["unexpected_acks"] == 0 and final["reconnects"] == 0, final
+
+
+def _killed_with_a_backlog(start_broker, tmp_path: Path, up_port: int, proxy: FaultProxy,
+                           total: int, **extra: object) -> tuple[Any, dict]:
+    """A bridge whose upstream (at ``up_port``, behind ``proxy``) kept its session, with
+    ``total`` QoS 2 messages queued while the link was refused, killed and not started
+    again yet: returns its data directory and config."""
+    config = {"bridge": [bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
+                                      ["sensors/# out 2 '' site1/"], **extra)]}
+    data = tmp_path / "edge"
+    bp = start_broker(config, data_dir=data)
+    wait_status(bp, "cloud", lambda b: b["connected"])  # the upstream has the session
+    proxy.refuse()
+    wait_status(bp, "cloud", lambda b: not b["connected"])
+    publish_numbers(bp, 0, total, topics=1)
+    bp.proc.send_signal(signal.SIGKILL)
+    bp.proc.wait(10)
+    return data, config
+
+
+def _released(bp: Any) -> list[int]:
+    """How many ids each link's release began with, from the broker's log."""
+    return [int(line.split("releasing the ")[1].split()[0])
+            for line in list(bp.log) if "releasing the " in line]
+
+
+def test_a_release_slower_than_the_connect_timeout_still_ends(start_broker,
+                                                               tmp_path: Path) -> None:
+    """Over a slow uplink the release after a start took longer than connect_timeout_ms,
+    which bounded the whole handshake: every link timed out in it, and the bridge never
+    forwarded again. Here 400 ms each way (a satellite link): the CONNECT and the PINGREQ
+    take 1.6 s of the 2 s, and each chunk of 8,192 PUBRELs 0.8 s more. Each chunk now has
+    the connect timeout to itself."""
+    total = 15_000  # and two windows: 17,001 ids, three chunks
+    up = start_broker({"mqtt": {"enabled": True, "port": 0}})
+    assert up.mqtt_port is not None
+    with FaultProxy(("127.0.0.1", up.mqtt_port)) as proxy, \
+            Collector(up.mqtt_port, "site1/#", qos=0) as seen:
+        data, config = _killed_with_a_backlog(start_broker, tmp_path, up.mqtt_port, proxy,
+                                              total, inflight=1000)
+        proxy.delay(400)
+        bp = start_broker(config, data_dir=data)
+        wait_status(bp, "cloud", lambda b: b["connected"], timeout=30)
+        proxy.restore()
+        assert seen.wait_distinct(total, 60), seen.tally(total)
+        counts = _released(bp)  # the log's other records (the group's) lie in there too
+        assert len(counts) == 1 and total + 2001 <= counts[0] < total + 2100, counts
+        final = wait_status(bp, "cloud", lambda b: b["backlog_messages"] == 0)
+        assert final["unexpected_acks"] == 0 and final["reconnects"] == 0, final
+
+
+def test_a_release_a_lost_link_cut_short_goes_on_where_it_stopped(start_broker,
+                                                                   tmp_path: Path) -> None:
+    """An uplink that drops every connection after 1.8 s, 250 ms each way: the CONNECT and
+    the PINGREQ take 1 s, each chunk of 8,192 PUBRELs 0.5 s, so a link releases one or two
+    chunks of the three before it is cut. The old code began the release again on every
+    link and never finished it; the ids already PUBCOMPed are now done, and the next link
+    releases only the rest."""
+    total = 15_000  # and two windows: 17,001 ids, three chunks
+    up = start_broker({"mqtt": {"enabled": True, "port": 0}})
+    assert up.mqtt_port is not None
+    with FaultProxy(("127.0.0.1", up.mqtt_port)) as proxy, \
+            Collector(up.mqtt_port, "site1/#", qos=0) as seen:
+        data, config = _killed_with_a_backlog(start_broker, tmp_path, up.mqtt_port, proxy,
+                                              total, inflight=1000, connect_timeout_ms=10000)
+        proxy.cut_after(1.8, delay_ms=250)
+        bp = start_broker(config, data_dir=data)
+        wait_status(bp, "cloud", lambda b: b["connected"], timeout=30)
+        proxy.restore()
+        assert seen.wait_distinct(total, 60), seen.tally(total)
+        counts = _released(bp)
+        assert len(counts) >= 2 and total + 2001 <= counts[0] < total + 2100, counts
+        assert counts == sorted(set(counts), reverse=True), counts  # each the rest

@@ -135,6 +135,7 @@ class Bridge:
         # messages, those could hold it full past this window. The first link that finds
         # the session kept releases them before it sends anything (``_Link._release``)
         self.unreleased = spec.sends_qos2 and spec.persistent
+        self.stale: set[int] | None = None  # the ids still to release (once known)
         self.connected = False
         self.address = ""  # the upstream in use (host:port)
         self.last_error = ""
@@ -381,7 +382,7 @@ class Bridge:
         spec = self.spec
         opened: list[trio.abc.Stream] = []  # closed again if the link does not come up
         try:
-            with trio.fail_after(spec.connect_timeout_ms / 1000):
+            with trio.fail_after(spec.connect_timeout_ms / 1000) as timer:
                 stream = await self._connect(host, port, opened)
                 if spec.protocol == "blipmq":
                     from blipmq_server.server.uplink import NativeLink
@@ -389,6 +390,7 @@ class Bridge:
                     link: _Link = NativeLink(self, stream)
                 else:
                     link = _Link(self, stream)
+                link.timer = timer
                 await link.handshake()
         except NotPrivate as exc:
             await self._close_all(opened)
@@ -542,16 +544,20 @@ class Bridge:
 
     def stale_ids(self) -> list[int]:
         """The packet ids the upstream may hold a QoS 2 message of this bridge under from
-        before this broker started: the ids (``_Link._pid``'s first choice) of the log
-        offsets from the QoS 2 out rules' floor to the log's end at the start, all 65,535
-        when they span as many. Any message sent and not PUBCOMPed then lies in there."""
+        before this broker started: any message sent and not PUBCOMPed then lies between
+        the QoS 2 out rules' floor and the log's end at the start, and its id is its
+        offset's (``_Link._pid``'s first choice) or, when that one was busy, one of the
+        next ids past the busy ones (at most a window in flight, a window reserved and a
+        SUBSCRIBE's): so the ids of the offsets from that floor to two windows and one past
+        that end, all 65,535 when they span as many."""
         floors = [g.floor for g in map(self._group, self.qos2_subs) if g is not None]
         if not floors or min(floors) >= self.restored_end:
             return []
         first = min(floors)
-        if self.restored_end - first >= 65535:
+        end = self.restored_end + 2 * self.spec.inflight + 1
+        if end - first >= 65535:
             return list(range(1, 65536))
-        return [offset % 65535 + 1 for offset in range(first, self.restored_end)]
+        return [offset % 65535 + 1 for offset in range(first, end)]
 
     def resume(self, link: _Link, present: bool) -> None:
         """A new link's CONNACK: the QoS 2 exchanges of the last link go on when the upstream
@@ -859,6 +865,7 @@ class _Link:
         self.serving = False  # past the handshake: reads wait for room in the log
         self.waiting = False  # the reader waits for room in the log (not the upstream)
         self.reason: str | None = None
+        self.timer: trio.CancelScope | None = None  # the handshake's time limit
 
     def _pid(self, offset: int = 0) -> int:
         """A free packet id for the message at log ``offset``: the one that follows from
@@ -944,7 +951,7 @@ class _Link:
             raise LinkDown(f"no answer after the CONNACK: {_why(exc)}") from None
         self.pending = pending
         if bridge.unreleased and first.session_present:
-            await self._release(bridge.stale_ids())
+            await self._release()
         bridge.unreleased = False  # released, or the upstream kept nothing
         bridge.resume(self, first.session_present)
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
@@ -956,28 +963,50 @@ class _Link:
         if spec.state_topic:
             self.outbox.append(mqtt.encode(Publish(spec.state_topic, b"1", 0, True)))
 
-    async def _release(self, ids: list[int]) -> None:
-        """PUBREL for each of ``ids`` (the upstream session kept from before this broker
-        started may hold QoS 2 messages under them, PUBRECed: each is delivered then, and
-        sent again later as any not PUBCOMPed), back once each has its PUBCOMP (the answer
-        to any PUBREL, MQTT-4.3.3-2), so no PUBLISH takes one of those ids meanwhile. What
-        else comes in waits in ``pending``. Part of the handshake, under its timeout.
+    async def _release(self) -> None:
+        """PUBREL for each of ``Bridge.stale_ids`` (the upstream session kept from before
+        this broker started may hold QoS 2 messages under them, PUBRECed: each is delivered
+        then, and sent again later as any not PUBCOMPed), back once each has its PUBCOMP
+        (the answer to any PUBREL, MQTT-4.3.3-2), so no PUBLISH takes one of those ids
+        meanwhile. What else comes in waits in ``pending``.
 
         ``_RELEASE_CHUNK`` at a time: neither side's writes can then fill the socket
-        buffers while the other is not reading (this one writes, and reads only after)."""
+        buffers while the other is not reading (this one writes, and reads only after).
+        Each chunk has ``connect_timeout_ms`` of its own (a slow uplink takes longer than
+        one for all 256 KiB each way), and an id once PUBCOMPed is done: a link lost
+        midway leaves the next one only the rest to release."""
+        bridge = self.bridge
+        spec = bridge.spec
+        if bridge.stale is None:
+            bridge.stale = set(bridge.stale_ids())
+        stale = bridge.stale
+        ids = sorted(stale)
         if ids:
             log.info("bridge %s: releasing the %d packet ids the upstream may hold QoS 2 "
-                     "messages under from before this start", self.bridge.spec.name, len(ids))
+                     "messages under from before this start", spec.name, len(ids))
+        limit = spec.connect_timeout_ms / 1000
         for first in range(0, len(ids), _RELEASE_CHUNK):
             chunk = ids[first:first + _RELEASE_CHUNK]
-            await self.stream.send_all(b"".join([_ACK.pack(0x62, 2, pid) for pid in chunk]))
             waiting = set(chunk)
-            while waiting:
-                for packet in await self._read_packets():
-                    if isinstance(packet, PubComp) and packet.packet_id in waiting:
-                        waiting.discard(packet.packet_id)
-                    else:
-                        self.pending.append(packet)
+            if self.timer is not None:  # this chunk's own limit, below, instead
+                self.timer.deadline = math.inf
+            with trio.move_on_after(limit):
+                await self.stream.send_all(b"".join([_ACK.pack(0x62, 2, pid)
+                                                     for pid in chunk]))
+                while waiting:
+                    for packet in await self._read_packets():
+                        if isinstance(packet, PubComp) and packet.packet_id in waiting:
+                            waiting.discard(packet.packet_id)
+                            stale.discard(packet.packet_id)
+                        else:
+                            self.pending.append(packet)
+            if waiting:
+                raise LinkDown(f"the upstream answered {len(chunk) - len(waiting)} of "
+                               f"{len(chunk)} PUBRELs within connect_timeout_ms "
+                               f"({spec.connect_timeout_ms} ms); {len(stale)} of the "
+                               "release's packet ids are left for the next link")
+        if self.timer is not None:
+            self.timer.deadline = trio.current_time() + limit
 
     async def serve(self) -> str:
         """Run the reader and the writer until either ends; returns why."""
