@@ -214,8 +214,9 @@ class BrokerCollector:
         yield errors
         dropped = Family("blipmq_mqtt_qos0_dropped", "counter", "MQTT QoS 0 publishes "
                          "dropped, by reason: the key may not publish there (forbidden), a "
-                         "'$' topic (reserved_topic), or the code of the broker's refusal "
-                         "(limit, message_too_large, invalid_topic)", ("reason",))
+                         "topic in the broker's $SYS, $dlq or $share tree (reserved_topic), "
+                         "or the code of the broker's refusal (limit, message_too_large, "
+                         "invalid_topic)", ("reason",))
         for reason, n in sorted(self.sources.connections.mqtt_dropped.items()):
             dropped.add([reason], n)
         yield dropped

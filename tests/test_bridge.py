@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import BrokerProcess
 from tests.faultproxy import FaultProxy
+from tests.mqttpeer import Paho
 from tests.upstream import Collector, Mosquitto, free_port, mqtt_client, numbered, wait_until
 
 KEEPALIVE = 2  # seconds: a blackholed link must be noticed within 1.5 x this
@@ -148,6 +149,32 @@ def test_out_and_in_through_mosquitto_with_state_and_no_loops(start_broker) -> N
         assert seen.wait_count(1, 10)
         assert [(m.topic, m.payload) for m in seen.messages()] == [
             ("bridges/site1/state", b"0")]
+
+
+def test_device_shadow_topics_go_out_and_in_as_aws_iot_names_them(start_broker) -> None:
+    """The gateway's job for devices made for AWS IoT: their shadow updates
+    ($aws/things/<name>/shadow/update, published here over MQTT) go up under the same
+    name, and the cloud's shadow deltas come down to them. These topics were refused here
+    as the broker's own (a QoS 1 one closed the device's connection)."""
+    with Mosquitto() as up, Collector(up.port, "$aws/things/+/shadow/update") as seen:
+        bp = start_broker({"mqtt": {"enabled": True, "port": 0}, "bridge": [bridge_table(
+            "aws", [f"127.0.0.1:{up.port}"],
+            ["$aws/things/+/shadow/update out 1", "$aws/things/+/shadow/update/delta in 1"])]})
+        wait_status(bp, "aws", lambda b: b["connected"])
+        device = Paho(bp.mqtt_port, "lamp-1")
+        assert device.subscribe(("$aws/things/lamp-1/shadow/update/delta", 1)) == [1]
+        device.publish("$aws/things/lamp-1/shadow/update", b'{"state":{"reported":{}}}', 1)
+        assert seen.wait_count(1, 10)
+        assert [(m.topic, m.payload) for m in seen.messages()] == [
+            ("$aws/things/lamp-1/shadow/update", b'{"state":{"reported":{}}}')]
+        cloud = mqtt_client(up.port)
+        cloud.publish("$aws/things/lamp-1/shadow/update/delta", b'{"state":{"on":1}}',
+                      qos=1).wait_for_publish(5)
+        got = device.get()
+        assert (got.topic, got.payload) == ("$aws/things/lamp-1/shadow/update/delta",
+                                            b'{"state":{"on":1}}')
+        cloud.disconnect()
+        device.disconnect()
 
 
 @pytest.mark.slow

@@ -140,7 +140,7 @@ def test_the_core_counts_each_refused_message_once_not_the_rest_of_its_batch() -
     res = b.publish([raw("a", b"1"), raw("b", b"2"), raw("c", b"3"), raw("d", b"4")], 0, 1)
     assert res.accepted == 1 and res.refusal is not None
     assert b.counters.refused == 1 and b.counters.published == 1
-    res = b.publish([raw("ok", b"", retain=False), raw("$bad", b"x", retain=False),
+    res = b.publish([raw("ok", b"", retain=False), raw("$SYS/bad", b"x", retain=False),
                      raw("later", b"y", retain=False)], 0, 2)
     assert res.accepted == 1 and res.refusal is not None
     assert res.refusal.code == ErrorCode.INVALID_TOPIC

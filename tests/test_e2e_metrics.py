@@ -34,7 +34,7 @@ def publish(rid: int, *topics: str) -> codec.Publish:
 def test_refused_messages_are_counted(start_broker) -> None:
     b = start_broker({"retained": {"max_topics": 0}})
     # a bad topic second in a batch of three: it and the one after it are not stored
-    bad = codec.Publish((*publish(0, "ok").messages, publish(0, "$bad").messages[0],
+    bad = codec.Publish((*publish(0, "ok").messages, publish(0, "$dlq/bad").messages[0],
                          *publish(0, "later").messages), 5)
     retained = codec.message_record(codec.Message("r", b"v", retain=True))
     answers = raw_session(b.addr, bad, codec.Publish(

@@ -67,7 +67,7 @@ def test_an_invalid_name_is_exit_7_in_every_command(start_broker) -> None:
     for args in (("unsub", "x", "--group", "x y"), ("sub", "x", "--group", "x y", "-W", "1s"),
                  ("sub", "x", "--group", "g" * 65, "-q", "1", "-W", "1s"),
                  ("unsub", "a/+b", "--group", "g"), ("sub", "a/+b", "-W", "1s"),
-                 ("pub", "a/+", "x"), ("pub", "$sys/x", "x"), ("pub", "a/#", "-l")):
+                 ("pub", "a/+", "x"), ("pub", "$SYS/x", "x"), ("pub", "a/#", "-l")):
         res = b.cli(*args, input=b"x\n")
         assert res.returncode == Exit.BAD_NAME, (args, res.stderr)
         assert res.stderr.count(b"\n") == 1 and b"Traceback" not in res.stderr, args

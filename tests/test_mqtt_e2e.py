@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 from mqttpeer import Paho, Raw, mosquitto, mosquitto_spawn, reap, track
 
+from blipmq_cli.exits import Exit
 from blipmq_server.mqtt.codec import (
     ConnAck,
     Connect,
@@ -562,6 +563,42 @@ def test_a_dollar_topic_publish_is_counted_once(start_broker) -> None:
     client.publish("$SYS/x", "closes", 1, wait=False)
     client.wait_closed()
     assert mqtt_stats(b)["protocol_errors"] == {"reserved_topic": 2}
+
+
+def test_dollar_topics_outside_the_brokers_trees_are_the_clients(start_broker) -> None:
+    """Devices made for AWS IoT (device shadows, $aws/things/<name>/shadow/update) and Azure
+    IoT Hub ($iothub/...) publish to '$' topics. Every one was refused: at QoS 1 the
+    connection closed, so such a device reconnected in a loop and nothing it said arrived.
+    mosquitto delivers them and keeps only $SYS; BlipMQ keeps its own trees ($SYS, $dlq,
+    $share) and delivers the rest, to MQTT and native subscribers alike. A filter whose
+    first level is a wildcard still does not match them (MQTT-4.7.2-1)."""
+    b = start_broker(MQTT)
+    shadow = "$aws/things/lamp-1/shadow/update"
+    watcher = Paho(b.mqtt_port, "shadow-watcher")
+    assert watcher.subscribe(("$aws/things/+/shadow/update", 1), ("#", 1)) == [1, 1]
+    queues = b.metric("blipmq_queues")
+    native = b.spawn("sub", "$aws/#", "$iothub/#", "-C", "2", "-F", "{topic} {payload}")
+    b.wait_metric_at_least("blipmq_queues", queues + 1)
+    device = Paho(b.mqtt_port, "lamp-1")
+    device.publish(shadow, '{"state":{"reported":{"on":true}}}', 1)  # PUBACKed
+    out = mosquitto("mosquitto_pub", b.mqtt_port, "-t", "$iothub/twin/PATCH/properties/x",
+                    "-m", "twin", "-q", "1")
+    assert out.returncode == 0, out.stderr
+    got = watcher.get()
+    assert (got.topic, got.payload) == (shadow, b'{"state":{"reported":{"on":true}}}')
+    assert b.cli("pub", "$aws/things/lamp-1/shadow/get", "").returncode == 0
+    assert native.communicate(timeout=20)[0].decode().splitlines() == [
+        f'{shadow} {{"state":{{"reported":{{"on":true}}}}}}',
+        "$iothub/twin/PATCH/properties/x twin"]
+    watcher.sync()
+    assert watcher.drained() == []  # '#' matched none of them, the shadow filter no other
+    assert mqtt_stats(b)["protocol_errors"] == {}
+    # the broker's own trees stay closed to clients, in both protocols
+    refused = b.cli("pub", "$SYS/broker/x", "v")
+    assert refused.returncode == Exit.BAD_NAME and b"'$SYS' tree" in refused.stderr
+    device.publish("$dlq/orders", "x", 1, wait=False)
+    device.wait_closed()
+    assert mqtt_stats(b)["protocol_errors"] == {"reserved_topic": 1}
 
 
 def test_qos0_publishes_the_broker_drops_are_counted_not_logged_one_by_one(

@@ -410,7 +410,7 @@ def test_publish_pairs_make_the_frames_publish_makes_and_keep_pairs_before_a_ref
 @pytest.mark.parametrize(("message", "code"), [
     (Message("t", b"x" * 101), ErrorCode.MESSAGE_TOO_LARGE),
     (Message("a/+", b"x"), ErrorCode.INVALID_TOPIC),
-    (Message("$sys", b"x"), ErrorCode.INVALID_TOPIC),
+    (Message("$SYS", b"x"), ErrorCode.INVALID_TOPIC),
 ])
 def test_messages_the_broker_would_refuse_are_refused_here(message: Message, code: int) -> None:
     conn = ready(max_message=100)

@@ -79,15 +79,24 @@ def test_bad_filters(name: str, why: str) -> None:
         ("a/+/c", "wildcard"),
         ("a+", "wildcard"),
         ("a#b", "wildcard"),
-        ("$SYS/x", "'$'"),
-        ("$", "'$'"),
-        ("$dlq/orders", "'$'"),
+        ("$SYS/x", "'$SYS' tree"),
+        ("$SYS", "'$SYS' tree"),
+        ("$dlq/orders", "'$dlq' tree"),
+        ("$share/g/a", "'$share' tree"),
     ],
 )
-def test_topics_refuse_wildcards_and_dollar(name: str, why: str) -> None:
+def test_topics_refuse_wildcards_and_the_brokers_trees(name: str, why: str) -> None:
     problem = topic_problem(name)
     assert problem is not None
     assert why in problem
+
+
+@pytest.mark.parametrize("name", ["$aws/things/t1/shadow/update", "$iothub/twin/PATCH/x",
+                                  "$", "$/a", "$sys/x", "$SYSTEM/x", "a/$SYS"])
+def test_other_dollar_topics_are_the_clients(name: str) -> None:
+    """Only the broker's own trees are reserved (mosquitto keeps only $SYS): devices made
+    for AWS IoT or Azure publish to $aws/... and $iothub/..."""
+    assert topic_problem(name) is None
 
 
 @pytest.mark.parametrize(

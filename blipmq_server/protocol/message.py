@@ -137,7 +137,7 @@ def is_dead_letter(record: bytes, pos: int = 0) -> bool:
     """Whether the message record at ``pos`` is a dead letter: its topic is ``$dlq/...``.
     The topic, not the dead flag, says so: the broker's own dead letters have both, but a
     bridge's ``in`` rule may bring one in under a ``$dlq/`` name, rebuilt without the flag
-    and trailer (clients may not publish to '$' topics)."""
+    and trailer (clients may not publish into ``$dlq/``)."""
     return record.startswith(DEAD_PREFIX, pos + HEAD_SIZE)
 
 

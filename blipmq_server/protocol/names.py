@@ -12,6 +12,15 @@ MAX_TOPIC_BYTES = 1024  # the default cap (server.max_topic_bytes)
 WIRE_TOPIC_BYTES = 0xFFFF  # what the wire can carry, the highest cap there is
 MAX_GROUP_CHARS = 64
 _GROUP_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+# the first levels of the broker's own topics: its state ($SYS), the dead letters ($dlq) and
+# the shared subscriptions' filters ($share); other '$' topics ($aws/..., $iothub/...) are
+# the clients', as in mosquitto, which keeps only $SYS
+BROKER_TREES = frozenset({"$SYS", "$dlq", "$share"})
+
+
+def broker_topic(name: str) -> bool:
+    """Whether ``name`` lies in one of the broker's own trees (``BROKER_TREES``)."""
+    return name[:1] == "$" and name.split("/", 1)[0] in BROKER_TREES
 
 
 def _common(name: str, what: str, limit: int) -> str | None:
@@ -29,15 +38,16 @@ def _common(name: str, what: str, limit: int) -> str | None:
 
 
 def topic_problem(name: str, limit: int = MAX_TOPIC_BYTES) -> str | None:
-    """Why ``name`` cannot be published to, or None. Wildcards and a leading '$' are refused;
-    ``limit``: the longest name in bytes."""
+    """Why ``name`` cannot be published to, or None. Wildcards and the broker's own trees
+    (``$SYS``, ``$dlq``, ``$share``) are refused; ``limit``: the longest name in bytes."""
     problem = _common(name, "topic", limit)
     if problem:
         return problem
     if "+" in name or "#" in name:
         return f"topic {name!r} contains a wildcard ('+' or '#'); wildcards are for sub"
-    if name.startswith("$"):
-        return f"topic {name!r} starts with '$', which is reserved for the broker"
+    if broker_topic(name):
+        return (f"topic {name!r} is in the broker's own {name.split('/', 1)[0]!r} tree "
+                "($SYS, $dlq and $share are reserved; other '$' topics are not)")
     return None
 
 

@@ -75,7 +75,7 @@ from blipmq_server.protocol.message import (
     PREFIX_SIZE,
     RawMessage,
 )
-from blipmq_server.protocol.names import filter_problem
+from blipmq_server.protocol.names import broker_topic, filter_problem
 from blipmq_server.server.hush import EVERY_S, since
 from blipmq_server.server.session import (
     _TURN_S,
@@ -99,15 +99,13 @@ _pack_head = MSG_HEAD.pack
 _BODY = PREFIX_SIZE + HEAD_SIZE  # where a delivery record's topic starts
 _encode_publish = mqtt.encode_publish
 _PINGRESP = mqtt.encode(PingResp())
-# topics an MQTT client may not publish to (the broker's own)
-_RESERVED = ("$",)
 
 
 def connection_state(topic: str, client_id: str, limit: int) -> bool:
     """Whether ``topic`` is ``$SYS/broker/connection/<client_id>/state``, where a mosquitto
     bridge connected with ``client_id`` publishes the state of its link
     (``notifications``, on by default) and sets its will: a bridge session may publish
-    there, and nowhere else under '$' (not another bridge's state topic)."""
+    there, and nowhere else in the broker's trees (not another bridge's state topic)."""
     levels = topic.split("/")
     return (len(levels) == 5 and levels[:3] == ["$SYS", "broker", "connection"]
             and levels[4] == "state" and levels[3] == client_id
@@ -793,7 +791,7 @@ class MqttSession(Session):
         name = self._names.get(topic)
         if name is not None:  # the usual: a topic this client published to before
             return raw_message(name, payload, qos, retain, self.mark)
-        if topic.startswith(_RESERVED):
+        if topic[:1] == "$" and broker_topic(topic):
             if self.bridge and connection_state(topic, self.client_id,
                                                 self.broker.limits.max_topic_bytes):
                 # a mosquitto bridge's notification (and will): its link's state, kept here
@@ -896,7 +894,8 @@ class MqttSession(Session):
     def _route(self, raw: RawMessage, now: int, wall: int) -> PublishResult:
         """Publish one message; a retained one the retained store (or its key's share) has
         no room for is routed without retain, its value not kept (``_not_kept``)."""
-        result = self.broker.publish((raw,), now, wall, internal=raw.topic[:1] == b"$",
+        # internal: only a bridge's link state (``_message``) is in a broker's tree here
+        result = self.broker.publish((raw,), now, wall, internal=raw.topic[:5] == b"$SYS/",
                                      access=self.access, unkept=True)
         self.server.routed(result.wake)
         if result.unkept:

@@ -390,7 +390,8 @@ class MqttSessions:
         raw = raw_message(will.topic.encode("utf-8"), will.payload, will.qos, will.retain,
                           session.mark)
         # a bridge's will to its link's state topic (``connection_state``) is published;
-        # any other will to a '$' topic is refused by the core, as such a publish
+        # any other will into the broker's trees ($SYS, $dlq, $share) is refused by the
+        # core, as such a publish
         internal = session.bridge and connection_state(will.topic, session.client_id,
                                                        self.broker.limits.max_topic_bytes)
         # a retained will the retained store has no room for is published without retain,
