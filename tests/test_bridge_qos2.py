@@ -322,41 +322,11 @@ def test_a_qos2_drain_at_the_default_window_is_not_held_by_delayed_acks(start_br
         assert final["redelivered"] == 0 and final["reconnects"] == 0, final
 
 
-def test_a_blipmq_upstream_answers_the_release_after_a_restart(start_broker,
-                                                                tmp_path: Path) -> None:
-    """The release of ids after a start against a BlipMQ upstream's MQTT listener, and
-    larger than one chunk of PUBRELs: a backlog of 10,000 queued while the link was down
-    (the upstream keeps the bridge's session from before), the broker killed, started
-    again: every PUBREL has its PUBCOMP and then the backlog flows."""
-    total = 10_000
-    up = start_broker({"mqtt": {"enabled": True, "port": 0}})
-    assert up.mqtt_port is not None
-    with FaultProxy(("127.0.0.1", up.mqtt_port)) as proxy, \
-            Collector(up.mqtt_port, "site1/#", qos=0) as seen:
-        config = {"bridge": [bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
-                                          ["sensors/# out 2 '' site1/"])]}
-        data = tmp_path / "edge"
-        bp = start_broker(config, data_dir=data)
-        wait_status(bp, "cloud", lambda b: b["connected"])  # the upstream has the session
-        proxy.refuse()
-        wait_status(bp, "cloud", lambda b: not b["connected"])
-        publish_numbers(bp, 0, total, topics=1)
-        bp.proc.send_signal(signal.SIGKILL)
-        bp.proc.wait(10)
-        bp = start_broker(config, data_dir=data)
-        proxy.restore()
-        assert seen.wait_distinct(total, 60), seen.tally(total)
-        line = bp.wait_log("packet ids the upstream may hold")
-        assert int(line.split("releasing the ")[1].split()[0]) > total, line
-        final = wait_status(bp, "cloud", lambda b: b["backlog_messages"] == 0)
-        assert final["unexpected_acks"] == 0 and final["reconnects"] == 0, final
-
-
-def _killed_with_a_backlog(start_broker, tmp_path: Path, up_port: int, proxy: FaultProxy,
-                           total: int, **extra: object) -> tuple[Any, dict]:
-    """A bridge whose upstream (at ``up_port``, behind ``proxy``) kept its session, with
-    ``total`` QoS 2 messages queued while the link was refused, killed and not started
-    again yet: returns its data directory and config."""
+def _killed_with_a_backlog(start_broker, tmp_path: Path, proxy: FaultProxy, total: int,
+                           **extra: object) -> tuple[Path, dict]:
+    """A bridge whose upstream (behind ``proxy``) kept its session, with ``total`` QoS 2
+    messages queued while the link was refused, killed and not started again yet: returns
+    its data directory and config."""
     config = {"bridge": [bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
                                       ["sensors/# out 2 '' site1/"], **extra)]}
     data = tmp_path / "edge"
@@ -376,50 +346,62 @@ def _released(bp: Any) -> list[int]:
             for line in list(bp.log) if "releasing the " in line]
 
 
-def test_a_release_slower_than_the_connect_timeout_still_ends(start_broker,
-                                                               tmp_path: Path) -> None:
-    """Over a slow uplink the release after a start took longer than connect_timeout_ms,
-    which bounded the whole handshake: every link timed out in it, and the bridge never
-    forwarded again. Here 400 ms each way (a satellite link): the CONNECT and the PINGREQ
-    take 1.6 s of the 2 s, and each chunk of 8,192 PUBRELs 0.8 s more. Each chunk now has
-    the connect timeout to itself."""
+def test_a_blipmq_upstream_answers_the_release_after_a_restart(start_broker,
+                                                                tmp_path: Path) -> None:
+    """The release of ids after a start against a BlipMQ upstream's MQTT listener, and
+    larger than one chunk of PUBRELs: a backlog of 10,000 queued while the link was down
+    (the upstream keeps the bridge's session from before), the broker killed, started
+    again: every PUBREL has its PUBCOMP and then the backlog flows."""
+    total = 10_000
+    up = start_broker({"mqtt": {"enabled": True, "port": 0}})
+    assert up.mqtt_port is not None
+    with FaultProxy(("127.0.0.1", up.mqtt_port)) as proxy, \
+            Collector(up.mqtt_port, "site1/#", qos=0) as seen:
+        data, config = _killed_with_a_backlog(start_broker, tmp_path, proxy, total)
+        bp = start_broker(config, data_dir=data)
+        proxy.restore()
+        assert seen.wait_distinct(total, 60), seen.tally(total)
+        counts = _released(bp)
+        assert len(counts) == 1 and counts[0] > total, counts
+        final = wait_status(bp, "cloud", lambda b: b["backlog_messages"] == 0)
+        assert final["unexpected_acks"] == 0 and final["reconnects"] == 0, final
+
+
+@pytest.mark.parametrize("link", ["slow", "dropping"])
+def test_the_release_after_a_start_ends_over_a_slow_or_dropping_uplink(
+        start_broker, tmp_path: Path, link: str) -> None:
+    """Three chunks of PUBRELs to release (17,001 ids), over a bad uplink.
+
+    ``slow``: 400 ms each way (a satellite link). The CONNECT and the PINGREQ take 1.6 s
+    of the 2 s connect timeout, each chunk 0.8 s more. The whole release was under that
+    one timeout: every link timed out in it, and the bridge never forwarded again. Each
+    chunk now has the timeout to itself.
+
+    ``dropping``: every connection cut after 1.8 s, 250 ms each way. The CONNECT and the
+    PINGREQ take 1 s, each chunk 0.5 s, so a link releases one or two chunks before it is
+    cut. The release began again on every link and never ended; the ids already PUBCOMPed
+    are now done, and the next link releases only the rest."""
     total = 15_000  # and two windows: 17,001 ids, three chunks
     up = start_broker({"mqtt": {"enabled": True, "port": 0}})
     assert up.mqtt_port is not None
     with FaultProxy(("127.0.0.1", up.mqtt_port)) as proxy, \
             Collector(up.mqtt_port, "site1/#", qos=0) as seen:
-        data, config = _killed_with_a_backlog(start_broker, tmp_path, up.mqtt_port, proxy,
-                                              total, inflight=1000)
-        proxy.delay(400)
+        data, config = _killed_with_a_backlog(
+            start_broker, tmp_path, proxy, total, inflight=1000,
+            connect_timeout_ms=2000 if link == "slow" else 10000)
+        if link == "slow":
+            proxy.delay(400)
+        else:
+            proxy.cut_after(1.8, delay_ms=250)
         bp = start_broker(config, data_dir=data)
         wait_status(bp, "cloud", lambda b: b["connected"], timeout=30)
         proxy.restore()
         assert seen.wait_distinct(total, 60), seen.tally(total)
         counts = _released(bp)  # the log's other records (the group's) lie in there too
-        assert len(counts) == 1 and total + 2001 <= counts[0] < total + 2100, counts
-        final = wait_status(bp, "cloud", lambda b: b["backlog_messages"] == 0)
-        assert final["unexpected_acks"] == 0 and final["reconnects"] == 0, final
-
-
-def test_a_release_a_lost_link_cut_short_goes_on_where_it_stopped(start_broker,
-                                                                   tmp_path: Path) -> None:
-    """An uplink that drops every connection after 1.8 s, 250 ms each way: the CONNECT and
-    the PINGREQ take 1 s, each chunk of 8,192 PUBRELs 0.5 s, so a link releases one or two
-    chunks of the three before it is cut. The old code began the release again on every
-    link and never finished it; the ids already PUBCOMPed are now done, and the next link
-    releases only the rest."""
-    total = 15_000  # and two windows: 17,001 ids, three chunks
-    up = start_broker({"mqtt": {"enabled": True, "port": 0}})
-    assert up.mqtt_port is not None
-    with FaultProxy(("127.0.0.1", up.mqtt_port)) as proxy, \
-            Collector(up.mqtt_port, "site1/#", qos=0) as seen:
-        data, config = _killed_with_a_backlog(start_broker, tmp_path, up.mqtt_port, proxy,
-                                              total, inflight=1000, connect_timeout_ms=10000)
-        proxy.cut_after(1.8, delay_ms=250)
-        bp = start_broker(config, data_dir=data)
-        wait_status(bp, "cloud", lambda b: b["connected"], timeout=30)
-        proxy.restore()
-        assert seen.wait_distinct(total, 60), seen.tally(total)
-        counts = _released(bp)
-        assert len(counts) >= 2 and total + 2001 <= counts[0] < total + 2100, counts
-        assert counts == sorted(set(counts), reverse=True), counts  # each the rest
+        assert counts and total + 2001 <= counts[0] < total + 2100, counts
+        if link == "slow":
+            assert len(counts) == 1, counts
+            final = wait_status(bp, "cloud", lambda b: b["backlog_messages"] == 0)
+            assert final["unexpected_acks"] == 0 and final["reconnects"] == 0, final
+        else:  # each link released the rest of what the one before it left
+            assert len(counts) >= 2 and counts == sorted(set(counts), reverse=True), counts
