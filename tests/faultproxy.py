@@ -54,6 +54,13 @@ import trio
 _LINGER_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST, not FIN
 
 
+def _delay_s(ms: float) -> float:
+    """A delay in ms as seconds; a ValueError unless finite and >= 0."""
+    if not (ms >= 0 and math.isfinite(ms)):
+        raise ValueError(f"delay must be a finite number of ms >= 0, not {ms}")
+    return ms / 1000
+
+
 class Mode(enum.Enum):
     PASS = "pass"
     REFUSE = "refuse"
@@ -227,9 +234,7 @@ class FaultProxy:
         already open are left alone. Any other mode call ends it."""
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"cut_after needs a finite number of seconds > 0, not {seconds}")
-        if not (delay_ms >= 0 and math.isfinite(delay_ms)):
-            raise ValueError(f"delay must be a finite number of ms >= 0, not {delay_ms}")
-        self._call(self._set, Mode.PASS, delay_ms / 1000, seconds)
+        self._call(self._set, Mode.PASS, _delay_s(delay_ms), seconds)
 
     def refuse(self) -> None:
         """Refuse new connections (connect() fails with ECONNREFUSED) and RST current ones."""
@@ -246,9 +251,7 @@ class FaultProxy:
     def delay(self, ms: float) -> None:
         """Forward with ``ms`` milliseconds added one way (applies to bytes read from now on);
         listening again if refusing, forwarding again for new connections if blackholed."""
-        if not (ms >= 0 and math.isfinite(ms)):
-            raise ValueError(f"delay must be a finite number of ms >= 0, not {ms}")
-        self._call(self._set, Mode.PASS, ms / 1000)
+        self._call(self._set, Mode.PASS, _delay_s(ms))
 
     def stats(self) -> ProxyStats:
         return self._call(self._snapshot)

@@ -133,9 +133,10 @@ class Bridge:
         # nor is what a kept upstream session holds of the QoS 2 messages sent before the
         # start, PUBRECed and not released: taking from the upstream's window of unreleased
         # messages, those could hold it full past this window. The first link that finds
-        # the session kept releases them before it sends anything (``_Link._release``)
-        self.unreleased = spec.sends_qos2 and spec.persistent
-        self.stale: set[int] | None = None  # the ids still to release (once known)
+        # the session kept releases them before it sends anything (``_Link._release``).
+        # The ids still to release: None until that link works them out, empty once done
+        # (or when nothing can be held: no QoS 2 out rule, or a clean session)
+        self.stale: set[int] | None = None if spec.sends_qos2 and spec.persistent else set()
         self.connected = False
         self.address = ""  # the upstream in use (host:port)
         self.last_error = ""
@@ -865,7 +866,7 @@ class _Link:
         self.serving = False  # past the handshake: reads wait for room in the log
         self.waiting = False  # the reader waits for room in the log (not the upstream)
         self.reason: str | None = None
-        self.timer: trio.CancelScope | None = None  # the handshake's time limit
+        self.timer = trio.CancelScope()  # the handshake's time limit (``Bridge._one_link``)
 
     def _pid(self, offset: int = 0) -> int:
         """A free packet id for the message at log ``offset``: the one that follows from
@@ -950,9 +951,9 @@ class _Link:
         except (LinkDown, OSError, trio.BrokenResourceError) as exc:
             raise LinkDown(f"no answer after the CONNACK: {_why(exc)}") from None
         self.pending = pending
-        if bridge.unreleased and first.session_present:
+        if first.session_present and (bridge.stale is None or bridge.stale):
             await self._release()
-        bridge.unreleased = False  # released, or the upstream kept nothing
+        bridge.stale = set()  # released, or the upstream kept nothing
         bridge.resume(self, first.session_present)
         filters = tuple((r.remote_filter, r.qos) for r in spec.rules if r.receives)
         # a session this upstream kept holds them (``Bridge.held_at``): subscribing again
@@ -985,11 +986,10 @@ class _Link:
             log.info("bridge %s: releasing the %d packet ids the upstream may hold QoS 2 "
                      "messages under from before this start", spec.name, len(ids))
         limit = spec.connect_timeout_ms / 1000
+        self.timer.deadline = math.inf  # each chunk's own limit instead, below
         for first in range(0, len(ids), _RELEASE_CHUNK):
             chunk = ids[first:first + _RELEASE_CHUNK]
             waiting = set(chunk)
-            if self.timer is not None:  # this chunk's own limit, below, instead
-                self.timer.deadline = math.inf
             with trio.move_on_after(limit):
                 await self.stream.send_all(b"".join([_ACK.pack(0x62, 2, pid)
                                                      for pid in chunk]))
@@ -1005,8 +1005,7 @@ class _Link:
                                f"{len(chunk)} PUBRELs within connect_timeout_ms "
                                f"({spec.connect_timeout_ms} ms); {len(stale)} of the "
                                "release's packet ids are left for the next link")
-        if self.timer is not None:
-            self.timer.deadline = trio.current_time() + limit
+        self.timer.deadline = trio.current_time() + limit
 
     async def serve(self) -> str:
         """Run the reader and the writer until either ends; returns why."""

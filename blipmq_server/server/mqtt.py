@@ -791,7 +791,7 @@ class MqttSession(Session):
         name = self._names.get(topic)
         if name is not None:  # the usual: a topic this client published to before
             return raw_message(name, payload, qos, retain, self.mark)
-        if topic[:1] == "$" and broker_topic(topic):
+        if broker_topic(topic):
             if self.bridge and connection_state(topic, self.client_id,
                                                 self.broker.limits.max_topic_bytes):
                 # a mosquitto bridge's notification (and will): its link's state, kept here
