@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import trio
 import trio.testing
@@ -707,3 +709,18 @@ async def test_a_subscribe_of_many_filters_lets_the_others_in_between_two(
     got = await recv()
     assert isinstance(got, Publish) and (got.topic, got.payload) == ("f/199", b"last")
     server.shutdown.set()
+
+
+async def test_a_connection_arriving_as_the_shutdown_begins_does_not_crash_it() -> None:
+    """A connection the listener saw as the shutdown began: the accept task was already
+    woken when the listener closed under it (CI: exit 1 with ClosedResourceError). The
+    connect and the shutdown come in one step of this task, so which of the two the
+    scheduler runs first is its coin toss; forty tosses."""
+    for _ in range(40):
+        async with trio.open_nursery() as nursery:
+            server, port = await start(nursery, make_config(server={"shutdown_grace_ms": 100}))
+            await trio.testing.wait_all_tasks_blocked()  # the accept task waits in epoll
+            with socket.create_connection(("127.0.0.1", port)):  # no checkpoint in between
+                server.shutdown.set()
+                with trio.fail_after(10):
+                    await server.stopped.wait()

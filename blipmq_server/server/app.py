@@ -924,6 +924,10 @@ class Server:
         while True:
             try:
                 stream = await listener.accept()
+            except trio.ClosedResourceError:
+                # the shutdown closed the listener after epoll woke this task for a
+                # connection: that one is refused with the rest of the backlog
+                return
             except OSError as exc:
                 if exc.errno not in _OVERLOADED:
                     raise
