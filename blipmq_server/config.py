@@ -122,6 +122,7 @@ class DeliveryOptions(NamedTuple):
     flush_interval_ms: int = 0
     default_credit: int = 256
     max_inflight_bytes: int = 16 * MiB
+    max_inflight_bytes_total: int = 256 * MiB
     retry_backoff_ms: int = 5000
     retry_backoff_max_ms: int = 60000
     max_retries: int = 5
@@ -375,9 +376,14 @@ SCHEMA: tuple[Key, ...] = (
         "(0 = send as soon as the writer is free)", 0, 10_000),
     Key("delivery", "default_credit", int, "Unacked QoS 1 deliveries a consumer may hold when "
         "it asks for no window", 1, 65535),
-    Key("delivery", "max_inflight_bytes", int, "Message bytes a QoS 1 consumer (an MQTT QoS 1/2 "
-        "subscription, a bridge) may hold unacked whatever its window; past it nothing more "
-        "is sent to it until acks make room (the first always goes; 0 = no limit)", 0, 2**40),
+    Key("delivery", "max_inflight_bytes", int, "Message bytes the QoS 1 consumers of one "
+        "connection (native QoS 1 subscriptions, MQTT QoS 1/2 ones, a bridge's link) may hold "
+        "unacked together whatever their windows; past it nothing more is sent to them until "
+        "acks make room (one always goes; 0 = no limit)", 0, 2**40),
+    Key("delivery", "max_inflight_bytes_total", int, "Message bytes all client connections "
+        "together may hold unacked; past it only a connection holding none gets one more "
+        "until acks make room (bridges are bounded by their inflight only; 0 = no limit)",
+        0, 2**40),
     Key("delivery", "retry_backoff_ms", int, "An unacked QoS 1 delivery is redelivered after "
         "this, doubling each time", 1, _U32),
     Key("delivery", "retry_backoff_max_ms", int, "Cap of the redelivery delay", 1, _U32),

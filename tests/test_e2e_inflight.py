@@ -4,6 +4,8 @@ ack. Real broker, real client."""
 
 from __future__ import annotations
 
+import time
+
 from blipmq_cli import Client, Start, Subscription
 
 _SIZE = 128 * 1024
@@ -56,3 +58,108 @@ def test_by_default_a_consumer_holds_16_mib_unacked_whatever_its_window(start_br
         sub = c.subscribe("big/#", group="g", qos=1, credit=100_000, start=Start.EARLIEST)
         held = _until_quiet(sub)
         assert 16 * 4 - 1 <= len(held) <= 16 * 4 + 1, len(held)
+
+
+def _until_all_quiet(subs: list[Subscription]) -> list[list]:
+    """What each subscription gets until a second passes with nothing more for any."""
+    held: list[list] = [[] for _ in subs]
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 1.0:
+        for i, sub in enumerate(subs):
+            try:
+                got = sub.next_batch(timeout=0.05) or ()
+            except TimeoutError:
+                continue
+            if got:
+                held[i] += got
+                quiet_since = time.monotonic()
+    return held
+
+
+def test_the_consumers_of_one_connection_hold_max_inflight_bytes_together(start_broker) -> None:
+    """One connection, five groups reading the same 40 messages of 128 KiB from the start,
+    never acking: about 1 MiB comes to all five together (was: 1 MiB to each, so a client
+    with `server.max_subscriptions` of them could bring the log into memory thousands of
+    times over). Acking then lets every group through to the end, in order."""
+    b = start_broker({"delivery": {"max_inflight_bytes": 1024 * 1024}})
+    _publish(b, 40, _SIZE)
+    with Client(b.addr) as c:
+        subs = [c.subscribe("big/#", group=f"g{i}", qos=1, credit=1000, start=Start.EARLIEST)
+                for i in range(5)]
+        held = _until_all_quiet(subs)
+        size = sum(len(d.payload) for got in held for d in got)
+        assert 7 * _SIZE <= size <= 1024 * 1024 + _SIZE, [len(got) for got in held]
+        got: list[list] = [list(h) for h in held]
+        deadline = time.monotonic() + 60
+        while any(len(g) < 40 for g in got):
+            assert time.monotonic() < deadline, [len(g) for g in got]
+            for sub, h in zip(subs, held, strict=True):
+                if h:
+                    sub.ack(*h)
+            held = _until_all_quiet(subs)
+            for g, h in zip(got, held, strict=True):
+                g += h
+        for g in got:
+            assert [d.payload[:2] for d in g] == [b"%02d" % i for i in range(40)]
+
+
+def test_all_connections_together_hold_max_inflight_bytes_total(start_broker) -> None:
+    """Six connections reading 40 messages of 128 KiB each from the start, never acking,
+    with 2 MiB for all of them: about 2 MiB comes in all (was: 1 MiB to each, so as many
+    connections as `server.max_connections` allows multiplied the memory). One that holds
+    nothing still gets one; once the others ack, the waiting ones go on within moments."""
+    b = start_broker({"delivery": {"max_inflight_bytes": 1024 * 1024,
+                                   "max_inflight_bytes_total": 2 * 1024 * 1024}})
+    _publish(b, 40, _SIZE)
+    clients = [Client(b.addr) for _ in range(6)]
+    try:
+        subs = [cl.subscribe("big/#", group=f"g{i}", qos=1, credit=1000, start=Start.EARLIEST)
+                for i, cl in enumerate(clients)]
+        held = _until_all_quiet(subs)
+        size = sum(len(d.payload) for got in held for d in got)
+        # the total, overshot by at most one record per connection (each batch's first)
+        assert 15 * _SIZE <= size <= 2 * 1024 * 1024 + 6 * _SIZE, [len(g) for g in held]
+        assert all(held), [len(g) for g in held]  # nobody is shut out
+        for sub, h in zip(subs[:3], held[:3], strict=True):  # three give everything back
+            sub.ack(*h)
+        more = _until_all_quiet(subs[3:])  # the others were woken by those acks
+        assert sum(len(d.payload) for g in more for d in g) >= 4 * _SIZE, [len(g) for g in more]
+    finally:
+        for cl in clients:
+            cl.close()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_groups_left_with_their_window_full_do_not_keep_it_in_memory(start_broker) -> None:
+    """Eight groups, one after the other: each reads 16 MiB of a 24 MiB backlog, acks
+    nothing, and its client leaves. What a group's consumers had not acked waited in memory
+    for its next consumer, 16 MiB a group (was: the broker grew by about 128 MiB); now the
+    groups without a consumer keep 16 MiB of it in all, the rest by offset. A consumer
+    coming back gets every message once acked, in order."""
+    b = start_broker()
+    _publish(b, 96, 256 * 1024)
+    before = _rss_mib(b.proc.pid)
+    for i in range(8):
+        with Client(b.addr) as c:
+            sub = c.subscribe("big/#", group=f"g{i}", qos=1, credit=100_000,
+                              start=Start.EARLIEST)
+            assert len(_until_quiet(sub)) >= 60
+    grown = _rss_mib(b.proc.pid) - before
+    assert grown < 70, f"the broker grew by {grown:.0f} MiB"
+    for i in (0, 7):  # the first kept its deliveries in memory, the last by offset
+        with Client(b.addr) as c:
+            sub = c.subscribe("big/#", group=f"g{i}", qos=1, credit=100_000)
+            got: list = []
+            while len(got) < 96:
+                batch = sub.next_batch(timeout=10)
+                assert batch, f"g{i}: {len(got)} of 96"
+                sub.ack(*batch)
+                got += batch
+            assert [d.payload[:2] for d in got] == [b"%02d" % n for n in range(96)]

@@ -19,7 +19,7 @@ from typing import Any
 
 from blipmq_server.broker.access import FULL, Access, matches
 from blipmq_server.broker.cursors import Cursors
-from blipmq_server.broker.durable import DurableGroup
+from blipmq_server.broker.durable import BRIDGE_GROUPS, DurableGroup
 from blipmq_server.broker.queue import Overflow, Queue
 from blipmq_server.broker.registry import Consumer, Registry, Route
 from blipmq_server.broker.results import (
@@ -67,7 +67,6 @@ def _dozes(consumer: Consumer) -> bool:
 
 # ``Broker.copy_of``: what a subscription did with a message another one has a copy of
 OWES, SETTLED, NEVER = 0, 1, 2
-BRIDGE_GROUPS = "bridge."  # the durable groups of bridges: no client joins one
 _BRIDGES_ONLY = ("group names starting with 'bridge.' belong to bridges (docs/BRIDGE.md): "
                  "no client may join one, or delete a configured bridge's")
 

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 
 from blipmq_server.broker import durable
 from blipmq_server.broker.budget import Budget
-from blipmq_server.broker.durable import DurableGroup
+from blipmq_server.broker.durable import BRIDGE_GROUPS, DurableGroup
 from blipmq_server.broker.results import Count, Counters, Fetch, Limits, Refusal
 from blipmq_server.broker.storage import READ_AHEAD_RECORDS, MessageLog, StoredRecord, Unwritten
 from blipmq_server.broker.topics import FilterIndex
+from blipmq_server.broker.unacked import Unacked
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.codec import DeadLetter, ErrorCode, RawMessage, Start, dead_letter
 from blipmq_server.protocol.message import is_dead_letter, message_from_record
@@ -33,6 +34,7 @@ _CACHE_READ_RECORDS = 512  # records a cursor decodes from the log's cache in on
 _ROUNDS = 8  # read-aheads one take may look through (a filter that matches little)
 _READ_ON_BELOW = READ_AHEAD_RECORDS // 2  # records left ahead when the next disk read starts
 _UNWRITTEN_KEPT = 1024  # ACK records acks_due looks at, at most (plenty to be due)
+_PENDING_RUN = 1024  # records one read of unacked deliveries to load back covers, at most
 
 
 def _never(count: int) -> int:
@@ -60,6 +62,11 @@ class Cursors:
         self._by_key: dict[int, DurableGroup] = {}  # every cursor by its key
         # read-aheads and topic matches, all cursors together (``broker.budget``)
         self.budget = Budget(limits.read_ahead_bytes)
+        # what consumers hold unacked, per connection and in all (``_bytes_room``)
+        self.unacked = Unacked(limits.max_inflight_bytes, limits.max_inflight_bytes_total)
+        # unacked messages kept in memory by durable groups without a consumer, all together
+        # (``_park``): past ``max_inflight_bytes``, a group left alone keeps their offsets only
+        self.parked = 0
         self._next_key = 1
         self._fetches: list[Fetch] = []  # disk reads cursors wait for, not yet handed out
         self._buried: list[tuple[DurableGroup, int]] = []  # dead-lettered, ACK not yet logged
@@ -123,6 +130,7 @@ class Cursors:
                 if first == log.next_offset:  # from the end: nothing of its topics yet
                     target.quiet_from = first
         target.idle_since = None
+        self._unpark(target)  # a consumer comes: what it holds counts as that one's
         return target
 
     def _add_durable(self, gid: int, topic_filter: str, group: str, start: int) -> DurableGroup:
@@ -143,6 +151,7 @@ class Cursors:
     def _keep(self, target: DurableGroup) -> None:
         target.flying = self.flying
         target.budget = self.budget
+        target.unacked = self.unacked
         target.key = self._next_key
         self._next_key += 1
         self._by_key[target.key] = target
@@ -162,6 +171,8 @@ class Cursors:
         self.flying.pop(target, None)
         target.flying = None
         target.shed()  # its read-ahead and matches go now, whoever still refers to it
+        self._unpark(target)
+        target.let_go()  # what its consumers held unacked counts against them no more
 
     def delete(self, target: DurableGroup, timestamp_ms: int) -> int:
         """Delete a durable group (unsubscribe, expiry): a GROUP delete record says so.
@@ -217,6 +228,28 @@ class Cursors:
                 durable.IDLE, 0, target.filter, target.group), timestamp_ms))
         if target.requeue(consumer.sub_id, consumer.holder):
             wake.update(c.conn for c in target.consumers)
+            wake.add(consumer.conn)  # its other consumers may take what it held now
+        if target.persistent and not target.consumers:
+            self._park(target)
+
+    def _park(self, target: DurableGroup) -> None:
+        """A durable group is left without a consumer: what its consumers had not acked
+        stays in memory for the next one, while all such groups together keep at most
+        ``max_inflight_bytes``; beyond, it keeps their offsets only (``unload``), read back
+        from the log when a consumer comes (a client leaving group after group with a
+        window full would otherwise leave each one's in memory)."""
+        self._unpark(target)
+        size = sum(len(f.body) for f in target.inflight.values())
+        most = self.limits.max_inflight_bytes
+        if most and size and self.parked + size > most:
+            target.unload()
+            size = sum(len(f.body) for f in target.inflight.values())
+        target.parked = size
+        self.parked += size
+
+    def _unpark(self, target: DurableGroup) -> None:
+        self.parked -= target.parked
+        target.parked = 0
 
     # ------------------------------------------------------------------------ delivery
 
@@ -256,12 +289,13 @@ class Cursors:
 
     def _bytes_room(self, consumer: Consumer, target: DurableGroup) -> int:
         """Bytes of message records ``consumer`` may still take unacked: what it holds
-        stays in memory until its ack, a window of its own beside its credit
-        (``max_inflight_bytes``; no limit without acks or with 0)."""
-        most = self.limits.max_inflight_bytes
-        if not most or not target.acks:
+        stays in memory until its ack, so its connection's consumers together hold at most
+        ``max_inflight_bytes``, and all connections ``max_inflight_bytes_total``, besides
+        each consumer's credit (``broker.unacked``; no limit without acks). A bridge's link
+        is bounded by its own window, not by what the clients hold."""
+        if not target.acks:
             return 1 << 62
-        return most - target.bytes_for(consumer.sub_id)
+        return self.unacked.room(consumer.conn, target.group.startswith(BRIDGE_GROUPS))
 
     def take(
         self, consumer: Consumer, target: DurableGroup, limit: int, max_bytes: int,
@@ -278,13 +312,11 @@ class Cursors:
             return []
         max_bytes = min(max_bytes, bytes_room)  # the first goes whatever its size
         self.budget.touch(target)  # a consumer with room: what is read for it is taken
-        if target.pending:  # unacked before a restart, named by a checkpoint
-            target.load_pending([r for o in sorted(target.pending)
-                                 for r in log.read(o, max_records=1)
-                                 if r.kind == Kind.MESSAGE])
+        if target.pending:  # unacked before a restart or while it had no consumer
+            target.load_pending(self._pending_records(target))
         backoff = _never if consumer.patient else self._backoff
         out, size = target.take_ready(consumer.sub_id, room, max_bytes, now_ms, backoff,
-                                      consumer.holder)
+                                      consumer.holder, consumer.conn)
         self.counters.redelivered += len(out)
         for _ in range(_ROUNDS):
             if len(out) >= room or size >= max_bytes or target.next > log.written_offset:
@@ -302,7 +334,8 @@ class Cursors:
                     target.move_to(log.written_offset + 1)
                     break
             new, size, expired, full = target.take_new(
-                consumer.sub_id, room - len(out), max_bytes, size, now_ms, wall_ms, backoff)
+                consumer.sub_id, room - len(out), max_bytes, size, now_ms, wall_ms, backoff,
+                consumer.conn)
             self.counters.dropped_ttl += expired
             out += new
             if full:
@@ -319,6 +352,26 @@ class Cursors:
         if (target.quiet_from is None and not target.ahead
                 and target.next == log.next_offset == log.written_offset + 1):
             target.quiet_from = target.next  # read to the end; ``usage`` says when that ends
+        return out
+
+    def _pending_records(self, target: DurableGroup) -> list[StoredRecord]:
+        """The MESSAGE records at ``target.pending``'s offsets, read in runs: one read
+        covers the offsets up to _PENDING_RUN records apart (not one read per offset)."""
+        want = sorted(target.pending)
+        out = []
+        i = 0
+        while i < len(want):
+            first = want[i]
+            records = self.log.read(first, min(_PENDING_RUN, want[-1] - first + 1))
+            if not records:
+                break
+            found = {r.offset: r for r in records}
+            last = records[-1].offset
+            while i < len(want) and want[i] <= last:
+                record = found.get(want[i])
+                if record is not None and record.kind == Kind.MESSAGE:
+                    out.append(record)
+                i += 1
         return out
 
     def take_counts(self) -> list[Count]:
@@ -422,6 +475,7 @@ class Cursors:
                 del flying[target]
             if late or due:
                 woken.update(c.conn for c in target.consumers)
+        woken.update(self.unacked.woken())  # acks elsewhere made room for them
         return frozenset(woken)
 
     def _spend(

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from blipmq_server.broker.budget import Budget
 from blipmq_server.broker.results import Count
 from blipmq_server.broker.topics import matches
+from blipmq_server.broker.unacked import Unacked
 from blipmq_server.kinds import Kind
 from blipmq_server.protocol.message import (
     DELIVERY_PREFIX,
@@ -64,6 +65,7 @@ _MATCH_COST = 80
 # bytes header, the deque slot (measured: 175 B)
 RECORD_COST = 176
 _body = itemgetter(3)
+BRIDGE_GROUPS = "bridge."  # the durable groups of bridges: no client joins one
 
 
 class GroupRecord(NamedTuple):
@@ -151,6 +153,7 @@ class DurableGroup:
         "anchor",
         "backlog",
         "budget",
+        "conn_of",
         "consumers",
         "epoch",
         "fetching",
@@ -168,11 +171,13 @@ class DurableGroup:
         "levels",
         "memory",
         "next",
+        "parked",
         "pending",
         "persistent",
         "quiet_from",
         "ready",
         "skipped",
+        "unacked",
     )
 
     durable = True  # reads from the log (a Queue holds its messages instead)
@@ -192,13 +197,19 @@ class DurableGroup:
         self.inflight: dict[int, Flight] = {}
         self.held: dict[int, int] = {}  # sub_id -> deliveries that consumer holds in flight
         self.held_bytes: dict[int, int] = {}  # sub_id -> their message records' bytes
+        self.conn_of: dict[int, int] = {}  # sub_id -> its connection, while it holds any
+        # the broker's count of those bytes per connection (``Cursors.take`` bounds them)
+        self.unacked: Unacked | None = None
         self.ready: deque[int] = deque()  # in-flight offsets to deliver again now
         # holder -> in-flight offsets of QoS 2 messages to deliver again to that holder's
         # consumer only (``Consumer.holder``: an MQTT persistent session's share member,
         # MQTT-4.8.2-4, -5): never handed to another consumer while they wait
         self.kept: dict[str, deque[int]] = {}
         self.acked: set[int] = set()  # acked at or above the cursor (known from a restart)
-        self.pending: set[int] = set()  # unacked below the cursor, from a checkpoint: to load
+        # unacked below the cursor, known by offset only (from a checkpoint, or ``unload``):
+        # read back from the log by the next take
+        self.pending: set[int] = set()
+        self.parked = 0  # bytes of unacked messages kept in memory while it has no consumer
         self.anchor = group_id  # offset of the latest create or checkpoint record
         # log records removed by the retention size cap before it read them, and unacked
         # deliveries a restart lost because the size cap had removed them (Cursors.recovered)
@@ -346,14 +357,13 @@ class DurableGroup:
         self.pending = set(g.unacked)
         self.acked = set(g.acked)
         self.inflight.clear()
-        self.held.clear()
-        self.held_bytes.clear()
+        self.let_go()
         self.ready.clear()
         self.kept.clear()
 
     def load_pending(self, records: list[Any]) -> None:
-        """Unacked deliveries named by a checkpoint, read back from the log (MESSAGE
-        records): ready again."""
+        """Unacked deliveries known by offset only (``pending``), read back from the log
+        (MESSAGE records): ready again."""
         for record in records:
             if record.offset in self.pending:
                 flight = Flight(record.body, 0, 0, record.timestamp_ms)
@@ -361,6 +371,17 @@ class DurableGroup:
                 self.ready.append(record.offset)
         self.pending.clear()
         self._flies()
+
+    def unload(self) -> None:
+        """Nobody consumes: the unacked messages waiting to go again keep only their offsets
+        (``pending``, read back from the log by the next consumer's first take); retained
+        values offered on subscribing and QoS 2 ones kept for their holder stay."""
+        inflight = self.inflight
+        gone = [o for o, f in inflight.items() if f.sub_id in (0, DELAYED) and not f.dflags]
+        for offset in gone:
+            del inflight[offset]
+        self.pending.update(gone)
+        self.ready = deque(o for o in self.ready if o in inflight)
 
     def offer_retained(self, values: list[Any], dflags: int) -> None:
         """Retained values (``retained.Value``) for a new QoS 1 subscription: in flight and
@@ -396,13 +417,14 @@ class DurableGroup:
 
     def take_ready(
         self, sub_id: int, room: int, max_bytes: int, now_ms: int, backoff: Any,
-        holder: str = "",
+        holder: str = "", conn: int = 0,
     ) -> tuple[list[bytes], int]:
         """Deliveries to send again, within ``room`` records and ``max_bytes`` (the first one
         goes whatever its size): those kept for ``holder`` first; returns them and their size
         in bytes."""
         out: list[bytes] = []
         size = 0
+        bodies = 0
         kept = self.kept.get(holder) if holder and self.kept else None
         sources = ((self.ready, 0),) if kept is None else ((kept, KEPT), (self.ready, 0))
         for ready, waiting in sources:
@@ -418,8 +440,7 @@ class DurableGroup:
                 ready.popleft()
                 flight.count += 1
                 flight.sub_id = sub_id
-                self.held[sub_id] = self.held.get(sub_id, 0) + 1
-                self.held_bytes[sub_id] = self.held_bytes.get(sub_id, 0) + len(flight.body)
+                bodies += len(flight.body)
                 flight.due = now_ms + backoff(flight.count)
                 out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF),
                                                 flight.timestamp_ms, flight.dflags) + flight.body)
@@ -429,12 +450,13 @@ class DurableGroup:
         if kept is not None and not kept:
             del self.kept[holder]
         if out:
+            self._hold(sub_id, conn, len(out), bodies)
             self._flies()  # held by a consumer again: they may come due
         return out, size
 
     def take_new(
         self, sub_id: int, room: int, max_bytes: int, used: int, now_ms: int, wall_ms: int,
-        backoff: Any,
+        backoff: Any, conn: int = 0,
     ) -> tuple[list[bytes], int, int, bool]:
         """Deliver matching MESSAGE records from the read-ahead, within ``room`` records and
         ``max_bytes`` for the whole batch, ``used`` of which are taken already (a batch's
@@ -496,9 +518,7 @@ class DurableGroup:
                 passed += chunks.popleft()[1]
             self._release(passed)
         if acks and out:
-            self.held[sub_id] = self.held.get(sub_id, 0) + len(out)
-            self.held_bytes[sub_id] = (self.held_bytes.get(sub_id, 0) + size - used
-                                       - PREFIX_SIZE * len(out))
+            self._hold(sub_id, conn, len(out), size - used - PREFIX_SIZE * len(out))
             if self.flying is not None:
                 self.flying[self] = None
         return out, size, expired, full
@@ -517,16 +537,40 @@ class DurableGroup:
             self._unhold(sub_id, len(done), size)
         return done
 
+    def _hold(self, sub_id: int, conn: int, n: int, size: int) -> None:
+        """The consumer took ``n`` deliveries more, of ``size`` record bytes."""
+        self.held[sub_id] = self.held.get(sub_id, 0) + n
+        self.held_bytes[sub_id] = self.held_bytes.get(sub_id, 0) + size
+        if self.unacked is not None:
+            self.conn_of[sub_id] = conn
+            self.unacked.add(conn, size)
+
     def _unhold(self, sub_id: int, n: int, size: int) -> None:
         """The consumer no longer holds ``n`` deliveries of ``size`` record bytes; once it
         holds none, its byte count starts again from 0 whatever it says."""
         left = self.held.get(sub_id, 0) - n
-        if left > 0:
-            self.held[sub_id] = left
-            self.held_bytes[sub_id] = max(0, self.held_bytes.get(sub_id, 0) - size)
-        else:
-            self.held.pop(sub_id, None)
-            self.held_bytes.pop(sub_id, None)
+        if left <= 0:
+            self._unhold_all(sub_id)
+            return
+        self.held[sub_id] = left
+        had = self.held_bytes.get(sub_id, 0)
+        now = self.held_bytes[sub_id] = max(0, had - size)
+        if self.unacked is not None and sub_id in self.conn_of:
+            self.unacked.add(self.conn_of[sub_id], now - had)
+
+    def _unhold_all(self, sub_id: int) -> None:
+        """The consumer holds no delivery of this cursor any more."""
+        self.held.pop(sub_id, None)
+        had = self.held_bytes.pop(sub_id, 0)
+        conn = self.conn_of.pop(sub_id, None)
+        if self.unacked is not None and conn is not None:
+            self.unacked.add(conn, -had)
+
+    def let_go(self) -> None:
+        """No consumer holds anything of this cursor any more (it ends, or is restored)."""
+        for sub_id in list(self.held_bytes):
+            self._unhold_all(sub_id)
+        self.held.clear()
 
     def held_by(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
         """Those of ``offsets`` that this consumer holds in flight."""
@@ -594,8 +638,7 @@ class DurableGroup:
                     continue
                 flight.sub_id = 0
                 self.ready.append(offset)
-        self.held.pop(sub_id, None)
-        self.held_bytes.pop(sub_id, None)
+        self._unhold_all(sub_id)
         return n
 
     def expire(self, now_ms: int) -> tuple[list[int], int, int]:

@@ -33,9 +33,10 @@ class Limits(NamedTuple):
     retry_backoff_max_ms: int = 60000  # the deadline doubles per delivery up to this
     max_retries: int = 5  # deliveries before a message goes to $dlq/<topic>
     default_credit: int = 256  # in-flight window of a QoS 1 consumer that asks for 0
-    # message bytes a QoS 1 consumer may hold unacked, whatever its credit (0 = no limit):
-    # the broker keeps each in memory until its ack
+    # message bytes the QoS 1 consumers of one connection may hold unacked, whatever their
+    # credit (0 = no limit): the broker keeps each in memory until its ack
     max_inflight_bytes: int = 16 * 1024 * 1024
+    max_inflight_bytes_total: int = 256 * 1024 * 1024  # all connections together (0: none)
     group_expiry_ms: int = 0  # a durable group with no consumer this long is dropped; 0 never
     max_idle_groups: int = 256  # QoS 0 groups without a consumer kept (beyond: the oldest go)
     retained_max_topics: int = 10_000  # topics with a retained value

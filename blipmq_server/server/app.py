@@ -144,6 +144,7 @@ class Server:
                 max_retries=config.delivery.max_retries,
                 default_credit=config.delivery.default_credit,
                 max_inflight_bytes=config.delivery.max_inflight_bytes,
+                max_inflight_bytes_total=config.delivery.max_inflight_bytes_total,
                 group_expiry_ms=config.delivery.group_expiry_ms,
                 max_idle_groups=q.max_idle_groups,
                 max_subscriptions=config.server.max_subscriptions,
