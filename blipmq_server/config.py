@@ -151,6 +151,7 @@ class RetainedOptions(NamedTuple):
 
     max_topics: int = 10_000
     max_bytes: int = 16 * MiB
+    max_per_connection: int = 100_000
 
 
 class MetricsOptions(NamedTuple):
@@ -424,6 +425,11 @@ SCHEMA: tuple[Key, ...] = (
     Key("retained", "max_bytes", int, "Bytes of retained messages kept (also capped at half "
         "of wal.segment_bytes); a retained publish past it is refused. Each key has a share "
         "of it too", 0, 2**40),
+    Key("retained", "max_per_connection", int, "Retained values the subscriptions of one "
+        "connection may start with, all together (each counts the values its filter matched "
+        "when it was made, for as long as it lasts); a subscription that would pass it is "
+        "refused (LIMIT; MQTT: SUBACK 0x80). Each waiting value costs memory until sent "
+        "(0 = no limit)", 0, 2**40),
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
     Key("metrics", "host", str, "Address of the metrics listener", check=_host_problem),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),

@@ -756,3 +756,31 @@ def test_the_broker_holds_at_most_max_durable_groups(tmp_path: Path) -> None:
     assert b.subscribe(2, "b/#", qos=1).sub_id  # a cursor of its own is no group
     assert b.unsubscribe(1, 0, "a/#", "g2", 0).count
     assert b.subscribe(1, "a/#", group="g3", qos=1).sub_id  # room again
+
+
+def test_subscribing_again_while_a_retained_value_is_held_frees_its_place(tmp_path: Path) -> None:
+    """An MQTT client subscribes again to a filter on a live connection (MQTT-3.8.4-3: its
+    retained values come again) while the live delivery of a retained publish is still
+    unacked: the value's new delivery took the old one's place in flight, but the
+    consumer was still counted as holding the old one, one slot of its window and its
+    bytes for good (after `mqtt.max_inflight` of those the subscription stalled until a
+    reconnect). Subscribing again and again without taking queues each value once."""
+    s = Setup(tmp_path)
+    c = s.sub(1, "a", "", qos=1, credit=2, patient=True)
+    rec = message_record(Message("a", b"v1", 1, 0, None, True))
+    assert s.broker.publish(decode_one(encode_publish([rec])).messages, 0, 1000).refusal is None
+    s.commit()
+    for _ in range(3):
+        (offset, _, payload), = s.take(c)
+        assert payload == b"v1"
+        s.broker.retained_again(1, c.sub_id, 1000)
+        assert not s.broker.ack(1, c.sub_id, (offset,), 0)  # the old delivery: replaced
+    target = c.queue
+    assert target.held == {} and target.held_bytes == {}
+    for _ in range(100):
+        s.broker.retained_again(1, c.sub_id, 1000)
+    assert list(target.ready) == [offset]
+    (again, _, _), = s.take(c)
+    assert s.broker.ack(1, c.sub_id, (again,), 0)
+    assert target.held == {} and not target.inflight
+    assert s.broker.cursors.unacked.total == 0

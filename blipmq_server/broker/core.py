@@ -572,13 +572,24 @@ class Broker:
             elif group and self._adoptable(access, topic_filter, group):
                 owner = adopted = access.identity.name
         registry = self.registry
+        values: list[tuple[bytes, Value]] = []  # the retained values it starts with
+        if ((not group) if retained is None else retained) and start == Start.LATEST:
+            values = self.retained.matching_topics(topic_filter, timestamp_ms)
+            waiting = registry.offered.get(conn, 0)
+            most = self.limits.retained_max_per_connection
+            if values and most and waiting + len(values) > most:
+                self._limited("retained.max_per_connection")
+                return refused(ErrorCode.LIMIT, f"{topic_filter!r} matches {len(values)} "
+                               f"retained values and this connection's subscriptions started "
+                               f"with {waiting}: retained.max_per_connection is {most}")
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group, None if group else overflow)
             consumer = registry.add(conn, queue, qos, credit, request_id)
             if owner:
                 self._owned(topic_filter, group, owner, timestamp_ms)
-            if (not group) if retained is None else retained:
-                self._retained_to_queue(queue, topic_filter, timestamp_ms)
+            if values:
+                self._retained_to_queue(queue, values)
+                registry.offer(consumer, len(values))
             if not until_end:
                 return SubscribeResult(consumer.sub_id, bool(queue.backlog), adopted=adopted)
             consumer.until = queue.backlog if not group else 0
@@ -622,10 +633,9 @@ class Broker:
         consumer = registry.add(conn, target, qos, credit, request_id)
         consumer.patient = patient
         consumer.holder = holder
-        if ((not group) if retained is None else retained) and start == Start.LATEST:
-            # QoS 1 here: LATEST at QoS 0 is a queue
-            values = self.retained.matching(topic_filter, timestamp_ms)
-            target.offer_retained(values, DELIVERED_RETAINED)
+        if values:  # QoS 1 here: LATEST at QoS 0 is a queue
+            target.offer_retained([value for _, value in values], DELIVERED_RETAINED)
+            registry.offer(consumer, len(values))
             self.counters.retained_sent += len(values)
         if until_end:
             consumer.until = cursors.log.next_offset
@@ -708,27 +718,27 @@ class Broker:
         if consumer is None:
             return False
         target = consumer.queue
+        values = self.retained.matching_topics(target.filter, wall_ms)
+        self.registry.offer(consumer, len(values))  # in place of what it started with
         if isinstance(target, DurableGroup):
-            values = self.retained.matching(target.filter, wall_ms)
-            target.offer_retained(values, DELIVERED_RETAINED)
+            target.offer_retained([value for _, value in values], DELIVERED_RETAINED)
             self.counters.retained_sent += len(values)
             self._rouse(target)
         else:
-            self._retained_to_queue(target, target.filter, wall_ms)
+            self._retained_to_queue(target, values)
             if target.backlog:
                 self.registry.mark(consumer)  # what a delivery pass looks at
         return self.has_work(consumer)
 
-    def _retained_to_queue(self, queue: Queue, topic_filter: str, wall_ms: int) -> None:
-        """A new subscription's queue starts with the retained values its filter matches:
-        all of them, whatever the queue's bounds. They wait in ``queue.retained`` (the
-        store's values, not copies) and ``take`` hands them out before the queue's items,
-        as its reader takes them; live messages published meanwhile come after them. Made
-        again (``retained_again``), the subscription gets the values as they are now instead
-        of those it had yet to take."""
+    def _retained_to_queue(self, queue: Queue, values: list[tuple[bytes, Value]]) -> None:
+        """A new subscription's queue starts with the retained values its filter matches
+        (``values``: topic and value): all of them, whatever the queue's bounds. They wait
+        in ``queue.retained`` (the store's values, not copies) and ``take`` hands them out
+        before the queue's items, as its reader takes them; live messages published
+        meanwhile come after them. Made again (``retained_again``), the subscription gets
+        the values as they are now instead of those it had yet to take."""
         queue.retained.clear()
-        queue.retained.update((topic, value.offset) for topic, value
-                              in self.retained.matching_topics(topic_filter, wall_ms))
+        queue.retained.update((topic, value.offset) for topic, value in values)
 
     def _hand_over(self, queue: Queue, topic: bytes, wall_ms: int, size: int) -> None:
         """A retained publish (``size`` bytes delivered) is about to replace or clear

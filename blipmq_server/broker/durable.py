@@ -363,11 +363,12 @@ class DurableGroup:
 
     def load_pending(self, records: list[Any]) -> None:
         """Unacked deliveries known by offset only (``pending``), read back from the log
-        (MESSAGE records): ready again."""
+        (MESSAGE records): ready again, but for those in flight meanwhile (a retained
+        value offered again at the same offset)."""
+        inflight = self.inflight
         for record in records:
-            if record.offset in self.pending:
-                flight = Flight(record.body, 0, 0, record.timestamp_ms)
-                self.inflight[record.offset] = flight
+            if record.offset in self.pending and record.offset not in inflight:
+                inflight[record.offset] = Flight(record.body, 0, 0, record.timestamp_ms)
                 self.ready.append(record.offset)
         self.pending.clear()
         self._flies()
@@ -384,13 +385,22 @@ class DurableGroup:
         self.ready = deque(o for o in self.ready if o in inflight)
 
     def offer_retained(self, values: list[Any], dflags: int) -> None:
-        """Retained values (``retained.Value``) for a new QoS 1 subscription: in flight and
-        ready, ahead of the log, each counted as delivered once it is taken."""
+        """Retained values (``retained.Value``) for a new QoS 1 subscription, or one made
+        again: in flight and ready, ahead of the log, each counted as delivered once it is
+        taken. A value whose record is in flight already (delivered live, or offered
+        before) takes its place: its consumer no longer holds the old delivery (an ack of
+        it is ignored; the value comes again), and one waiting to go is not queued twice."""
+        inflight = self.inflight
         for value in values:
+            offset = value.offset
+            old = inflight.get(offset)
             flight = Flight(value.record, 0, 0, value.timestamp_ms, dflags)
             flight.count = 0
-            self.inflight[value.offset] = flight
-            self.ready.append(value.offset)
+            inflight[offset] = flight
+            if old is not None and old.sub_id > 0:
+                self._unhold(old.sub_id, 1, len(old.body))
+            if old is None or old.sub_id != 0:
+                self.ready.append(offset)
         self._flies()
 
     def _flies(self) -> None:

@@ -35,8 +35,8 @@ def _queue_id(queue: Queue) -> int:
 class Consumer:
     """One subscriber attachment: a connection's subscription id on a queue or a cursor."""
 
-    __slots__ = ("conn", "credit", "holder", "patient", "qos", "queue", "request_id", "sub_id",
-                 "until")
+    __slots__ = ("conn", "credit", "holder", "offered", "patient", "qos", "queue", "request_id",
+                 "sub_id", "until")
 
     def __init__(
         self, sub_id: int, queue: Queue | DurableGroup, conn: int, qos: int, credit: int,
@@ -59,6 +59,9 @@ class Consumer:
         # it when it leaves or a retry comes due wait for that session's next consumer
         # (``DurableGroup.kept``) rather than go to another member ("": none)
         self.holder = ""
+        # the retained values it started with (or was offered again): a connection's
+        # subscriptions together start with at most ``retained_max_per_connection``
+        self.offered = 0
 
     def __repr__(self) -> str:
         return f"Consumer({self.sub_id}, {self.queue!r})"
@@ -79,6 +82,7 @@ class Registry:
         self.idle: dict[Queue, None] = {}
         self.consumers: dict[int, Consumer] = {}
         self.by_conn: dict[int, list[Consumer]] = {}
+        self.offered: dict[int, int] = {}  # per connection, its consumers' ``offered``
         # per connection, what a delivery pass looks at (``candidates``): its log-cursor
         # consumers but those dozing (``doze``: their cursor is idle with nothing of its
         # topics logged since, until ``rouse``), and those of its queue consumers that may
@@ -155,6 +159,15 @@ class Registry:
             self._cursor_consumers.setdefault(conn, {})[consumer] = None
         return consumer
 
+    def offer(self, consumer: Consumer, n: int) -> None:
+        """``consumer`` starts with ``n`` retained values (instead of what it had)."""
+        left = self.offered.get(consumer.conn, 0) + n - consumer.offered
+        consumer.offered = n
+        if left > 0:
+            self.offered[consumer.conn] = left
+        else:
+            self.offered.pop(consumer.conn, None)
+
     def mark(self, consumer: Consumer) -> None:
         """This queue consumer may have something to take."""
         self._marked.setdefault(consumer.conn, {})[consumer] = None
@@ -217,6 +230,7 @@ class Registry:
         """Take a consumer out of the books (not out of its queue or cursor)."""
         self.consumers.pop(consumer.sub_id, None)
         conn = consumer.conn
+        self.offer(consumer, 0)
         mine = self.by_conn.get(conn)
         if mine and consumer in mine:
             mine.remove(consumer)

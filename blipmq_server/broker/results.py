@@ -41,6 +41,8 @@ class Limits(NamedTuple):
     max_idle_groups: int = 256  # QoS 0 groups without a consumer kept (beyond: the oldest go)
     retained_max_topics: int = 10_000  # topics with a retained value
     retained_max_bytes: int = 16 * 1024 * 1024  # bytes of retained message records
+    # retained values one connection's subscriptions start with, all together (0: no limit)
+    retained_max_per_connection: int = 100_000
     max_topic_bytes: int = 1024  # longest topic name or filter (at most 65,535)
     max_subscriptions: int = 10_000  # subscriptions one connection may hold at once
     max_durable_groups: int = 100_000  # durable groups in the broker (each a log cursor)

@@ -151,6 +151,7 @@ class Server:
                 max_durable_groups=q.max_durable_groups,
                 read_ahead_bytes=w.read_ahead_bytes,
                 retained_max_topics=config.retained.max_topics,
+                retained_max_per_connection=config.retained.max_per_connection,
                 # carried forward at once, retained values must fit in half a segment
                 retained_max_bytes=min(config.retained.max_bytes,
                                        w.segment_bytes // 2 if w.enabled else 1 << 62),
