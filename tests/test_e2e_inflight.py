@@ -81,7 +81,9 @@ def test_the_consumers_of_one_connection_hold_max_inflight_bytes_together(start_
     never acking: about 1 MiB comes to all five together (was: 1 MiB to each, so a client
     with `server.max_subscriptions` of them could bring the log into memory thousands of
     times over). Acking then lets every group through to the end, in order."""
-    b = start_broker({"delivery": {"max_inflight_bytes": 1024 * 1024}})
+    # no redelivery while the test runs (a slow machine): each message comes once
+    b = start_broker({"delivery": {"max_inflight_bytes": 1024 * 1024,
+                                   "retry_backoff_ms": 600_000}})
     _publish(b, 40, _SIZE)
     with Client(b.addr) as c:
         subs = [c.subscribe("big/#", group=f"g{i}", qos=1, credit=1000, start=Start.EARLIEST)
@@ -109,8 +111,10 @@ def test_all_connections_together_hold_max_inflight_bytes_total(start_broker) ->
     connections as `server.max_connections` allows multiplied the memory). Three more that
     come then hold none, so each still gets one, and no more. Once the first three leave,
     those waiting are woken and take the room back."""
+    # no redelivery while the test runs: held deliveries coming due free room by themselves
     b = start_broker({"delivery": {"max_inflight_bytes": 1024 * 1024,
-                                   "max_inflight_bytes_total": 2 * 1024 * 1024}})
+                                   "max_inflight_bytes_total": 2 * 1024 * 1024,
+                                   "retry_backoff_ms": 600_000}})
     _publish(b, 40, _SIZE)
     clients = [Client(b.addr) for _ in range(6)]
     try:
