@@ -132,3 +132,36 @@ def test_a_silent_connection_is_pinged_then_closed(start_broker) -> None:
     assert time.monotonic() - started >= 0.55
     b.wait_metric("blipmq_connections_closed_total", 1, reason="keepalive_timeout")
     b.wait_metric("blipmq_connections_open", 0)
+
+
+def test_many_quiet_qos0_subscriptions_of_one_connection_hold_one_bound(start_broker) -> None:
+    # Before queues.max_bytes_per_connection, each of 2,000 queues kept its own 8,192
+    # messages: 8,000 messages of 6 bytes took the broker from 24 to 161 MB and nobody was
+    # cut, as no queue was ever full.
+    b = start_broker({"queues": {"block_timeout_ms": 1000}})
+    sub = raw_connect(b.port)
+    for n in range(2000):
+        sub.sendall(codec.encode(codec.Subscribe("x", "", 0, 0, request_id=100 + n)))
+    sub.sendall(codec.encode(codec.Ping(b"", 7)))
+    dec = codec.Decoder(1 << 24)
+    while not any(isinstance(f, codec.Pong) for f in dec.frames()):
+        dec.feed(sub.recv(1 << 20))
+    before = rss_kib(b.proc.pid)
+    pub = raw_connect(b.port)
+    records = [codec.message_record(codec.Message("x", b"%06d" % i, 0, 0)) for i in range(8000)]
+    for i in range(0, len(records), 100):
+        pub.sendall(codec.encode_publish(records[i:i + 100], 0))
+    pub.sendall(codec.encode(codec.Ping(b"", 9)))
+    pub.settimeout(60)
+    dec = codec.Decoder(1 << 24)
+    while not any(isinstance(f, codec.Pong) for f in dec.frames()):
+        data = pub.recv(1 << 20)
+        assert data, "the publisher was closed"
+        dec.feed(data)
+    grown = (rss_kib(b.proc.pid) - before) // 1024
+    assert grown < 60, f"the broker grew by {grown} MB"
+    # its queues filled together, held the publisher, and the reader that did not read was
+    # cut after queues.block_timeout_ms
+    assert b.metric("blipmq_connections_closed_total", reason="slow_consumer") == 1
+    sub.close()
+    pub.close()

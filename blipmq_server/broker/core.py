@@ -176,6 +176,7 @@ class Broker:
         woken_by: tuple[Queue, ...] | None = None
         room_route: Route | Refusal | None = None
         room_n = room_b = 0
+        per_conn = self.limits.max_bytes_per_connection
         enqueued = 0
         c = self.counters
         max_bytes = self.limits.max_message_bytes
@@ -244,6 +245,9 @@ class Broker:
                         room_n = q.capacity - len(q.items)
                     if q.capacity_bytes - q.size < room_b:
                         room_b = q.capacity_bytes - q.size
+                for p, k in route.pools:  # type: ignore[union-attr]
+                    if (per_conn - p.size) // k < room_b:
+                        room_b = (per_conn - p.size) // k
             room_n -= 1
             room_b -= size
             tight = room_n < 0 or room_b < 0
@@ -256,8 +260,12 @@ class Broker:
                     for q in route.blockers:  # type: ignore[union-attr]
                         items = q.items
                         if q.consumers and (len(items) >= q.capacity or (
-                                items and q.size + size > q.capacity_bytes)):
+                                items and q.size + size > q.capacity_bytes) or any(
+                                p.size and p.size + k * size > per_conn
+                                for p, k in route.pools if p in q.pools)):  # type: ignore[union-attr]
                             blocked = q
+                            for p in q.pools:  # a take of any of its readers frees room
+                                p.blocking.add(q.id)
                             break
                     if blocked is not None:
                         break
@@ -342,10 +350,14 @@ class Broker:
             for q in targets:
                 items = q.items
                 if tight and (len(items) >= q.capacity or (
-                        items and q.size + size > q.capacity_bytes)):
+                        items and q.size + size > q.capacity_bytes) or (
+                        q.pools and (internal or q.overflow is not block)
+                        and q.over(size, per_conn))):
+                    # (a client's message for a ``block`` queue had room above: its pools
+                    # may take it past the bound only if they held nothing before it)
                     overflow = q.overflow
-                    if overflow is drop_oldest:
-                        n = q.make_room(size)
+                    if overflow is drop_oldest and q.frees(size, per_conn):
+                        n = q.make_room(size, per_conn)
                         q.dropped_oldest += n
                         c.dropped_oldest += n
                         self.dropping[q] = None
@@ -353,16 +365,23 @@ class Broker:
                         n = q.make_room(size)
                         q.dropped_no_consumer += n
                         c.dropped_no_consumer += n
-                    else:  # DROP_NEW, or BLOCK for a dead letter (client messages wait above)
+                    else:  # DROP_NEW, BLOCK for a dead letter (client messages wait above),
+                        # or DROP_OLDEST when the connection's other queues hold the room
                         q.dropped_new += 1
                         c.dropped_new += 1
                         self.dropping[q] = None
                         continue
                 items.append(item)
                 q.size += size
+                if tight:  # each target as it went (the others: below, at once)
+                    for p in q.pools:
+                        p.size += size
                 if ttl:
                     q.expiring = True
                 enqueued += 1
+            if not tight:
+                for p, k in route.pools:  # type: ignore[union-attr]
+                    p.size += k * size
         if run_route is not None:
             usage.add(run_entry, accepted - run_from, run_bytes,  # type: ignore[arg-type]
                       run_unlogged, run_first)
@@ -435,6 +454,12 @@ class Broker:
         for q in targets:
             if len(q.items) >= q.capacity or q.size + size > q.capacity_bytes:
                 return None  # a full queue: drop, block or make room, the general way
+        pools = route.pools  # type: ignore[union-attr]
+        if pools:
+            per_conn = self.limits.max_bytes_per_connection
+            for p, k in pools:
+                if p.size + k * size > per_conn:
+                    return None
         usage = self.usage
         entry = usage.entries.get(m.topic) or usage.entry(m.topic)
         c = self.counters
@@ -452,6 +477,8 @@ class Broker:
             item = (_pack_prefix(offset, 1, timestamp_ms, 0) + m.record,
                     now_ms + ttl if ttl else 0)
             mark = self.registry.mark
+            for p, k in pools:
+                p.size += k * size
             for q in targets:
                 q.items.append(item)
                 q.size += size
@@ -768,7 +795,7 @@ class Broker:
             self.dropping[queue] = None
             return
         items.appendleft((record, 0))
-        queue.size += len(record)
+        queue.shrink(-len(record))
         self.counters.enqueued += 1
         self.counters.retained_sent += 1
 
@@ -827,10 +854,13 @@ class Broker:
             name = f"group {group!r} on {topic_filter!r}"
             ended = tuple(Ended(c.conn, c.request_id, name)
                           for c in target.consumers if c.conn != conn)
+            freed: list[int] = []  # a member's pool held publishers back: they go on
             for consumer in target.consumers:
                 registry.forget(consumer)
+                if isinstance(target, Queue):
+                    registry.unpool(consumer, target, freed)
             target.consumers.clear()
-            return UnsubscribeResult(1, Detached(released), ended, logged=logged)
+            return UnsubscribeResult(1, Detached((*released, *freed)), ended, logged=logged)
         mine = [c for c in registry.of(conn)
                 if c.queue.filter == topic_filter and not c.queue.group]  # no group, any kind
         return UnsubscribeResult(len(mine), self._detach(mine, timestamp_ms))
@@ -1033,6 +1063,11 @@ class Broker:
                 released.append(consumer.queue.id)
                 if not self.has_work(consumer):
                     unmark(consumer)
+        if released:
+            pool = self.registry.pools.get(conn)
+            if pool is not None and pool.blocking:  # held publishers back: they try again
+                released.extend(pool.blocking)
+                pool.blocking.clear()
         cursors = self.cursors  # ``take_fetches``, without the call
         return Deliveries(batches, tuple(released),
                           [] if cursors is None else cursors.take_fetches(), bool(behind))
@@ -1107,7 +1142,7 @@ class Broker:
             popleft()
             out.append(record)
             size += len(record)
-        queue.size -= size - taken + expired_size
+        queue.shrink(size - taken + expired_size)
         if expired:
             queue.dropped_ttl += expired
             self.counters.dropped_ttl += expired

@@ -18,7 +18,13 @@ value its filter matched, paced by its reader, whatever the queue's bounds, and 
 messages published meanwhile come after them. A value replaced or cleared while still
 listed leaves the list: the broker puts it at the front of ``items`` then, counted in the
 queue's bounds like any message (``Broker.publish``), so the list holds no byte the store
-does not. Pure and synchronous; no trio.
+does not.
+
+The queues one connection reads from hold ``max_bytes_per_connection`` together as well:
+each queue's ``pools`` lists the ``Pool`` of each of its consumers' connections (a group's
+queue counts whole for every member), and every change of ``size`` is made to them too. A
+connection may otherwise make as many subscriptions as ``server.max_subscriptions`` lets it
+and read none. Pure and synchronous; no trio.
 """
 
 from __future__ import annotations
@@ -34,6 +40,19 @@ class Overflow(StrEnum):
     DROP_OLDEST = "drop_oldest"
     DROP_NEW = "drop_new"
     BLOCK = "block"
+
+
+class Pool:
+    """The bytes waiting in the queues of one connection, all together."""
+
+    __slots__ = ("blocking", "queues", "size")
+
+    def __init__(self) -> None:
+        self.size = 0  # the ``size`` of every queue it reads from, summed
+        self.queues = 0  # how many it reads from (the pool goes with the last)
+        # the queues that held publishers back for this pool's room: released by a take
+        self.blocking: set[int] = set()
+
 
 
 class Queue:
@@ -56,6 +75,7 @@ class Queue:
         "items",
         "levels",
         "overflow",
+        "pools",
         "retained",
         "size",
     )
@@ -77,6 +97,7 @@ class Queue:
         # start): topic -> the offset of its value then
         self.retained: OrderedDict[bytes, int] = OrderedDict()
         self.consumers: list[Any] = []  # Consumer objects (see broker.core)
+        self.pools: list[Pool] = []  # of its consumers' connections (``Registry.add``)
         self.expiring = False  # some item may carry an expiry: the ticker scans this queue
         self.dropped_oldest = 0
         self.dropped_new = 0
@@ -103,14 +124,31 @@ class Queue:
         items = self.items
         return len(items) < self.capacity and (not items or self.size + size <= self.capacity_bytes)
 
-    def make_room(self, size: int) -> int:
-        """Drop the oldest items until a record of ``size`` bytes fits; returns how many."""
+    def over(self, size: int, limit: int) -> bool:
+        """Whether ``size`` more bytes would take a pool of its past ``limit`` (an empty
+        pool takes one message of any size, as an empty queue does)."""
+        return any(p.size and p.size + size > limit for p in self.pools)
+
+    def shrink(self, n: int) -> None:
+        """``n`` bytes of its items went: off its size and its pools'."""
+        self.size -= n
+        for pool in self.pools:
+            pool.size -= n
+
+    def make_room(self, size: int, limit: int = 0) -> int:
+        """Drop the oldest items until a record of ``size`` bytes fits, in its own bounds
+        and (``limit`` not 0) in its pools'; returns how many."""
         items = self.items
         n = 0
-        while items and not self.fits(size):
-            self.size -= len(items.popleft()[0])
+        while items and (not self.fits(size) or (limit and self.over(size, limit))):
+            self.shrink(len(items.popleft()[0]))
             n += 1
         return n
+
+    def frees(self, size: int, limit: int) -> bool:
+        """Whether dropping all its items would let a pool of its take ``size`` more bytes."""
+        return not any(p.size - self.size and p.size - self.size + size > limit
+                       for p in self.pools)
 
     def purge_expired(self, now_ms: int) -> int:
         """Remove every expired item; returns how many. Clears ``expiring`` when none are left."""
@@ -121,7 +159,7 @@ class Queue:
         removed = before - len(kept)
         if removed:
             self.items = deque(kept)
-            self.size = sum(len(it[0]) for it in kept)
+            self.shrink(self.size - sum(len(it[0]) for it in kept))
             self.dropped_ttl += removed
         self.expiring = any(it[1] for it in kept)
         return removed

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from blipmq_server.broker.queue import Overflow, Queue
+from blipmq_server.broker.queue import Overflow, Pool, Queue
 from blipmq_server.broker.results import Limits, Refusal
 from blipmq_server.broker.topics import FilterIndex
 from blipmq_server.protocol.codec import ErrorCode
@@ -70,6 +70,9 @@ class Consumer:
 class Route(NamedTuple):
     targets: tuple[Queue, ...]
     blockers: tuple[Queue, ...]  # the targets with the block policy
+    # the pools of the targets' readers, each with how many of the targets read into it (a
+    # message costs it that many copies); routes are made again when these change
+    pools: tuple[tuple[Pool, int], ...] = ()
 
 
 class Registry:
@@ -83,6 +86,9 @@ class Registry:
         self.consumers: dict[int, Consumer] = {}
         self.by_conn: dict[int, list[Consumer]] = {}
         self.offered: dict[int, int] = {}  # per connection, its consumers' ``offered``
+        # per connection, what its queues hold together (``limits.max_bytes_per_connection``;
+        # none kept when that is 0)
+        self.pools: dict[int, Pool] = {}
         # per connection, what a delivery pass looks at (``candidates``): its log-cursor
         # consumers but those dozing (``doze``: their cursor is idle with nothing of its
         # topics logged since, until ``rouse``), and those of its queue consumers that may
@@ -117,7 +123,11 @@ class Registry:
                     found.sort(key=_queue_id)
                 targets = tuple(found)
                 blockers = tuple(q for q in targets if q.overflow is Overflow.BLOCK)
-                route = Route(targets, blockers)
+                pools: dict[Pool, int] = {}
+                for q in targets:
+                    for pool in q.pools:
+                        pools[pool] = pools.get(pool, 0) + 1
+                route = Route(targets, blockers, tuple(pools.items()))
         # broker-made topics ($dlq/...) must not open the cache to clients; a refused topic
         # is not kept either (it may be up to 64 KiB long, over server.max_topic_bytes)
         if not internal and route.__class__ is Route:
@@ -151,6 +161,14 @@ class Registry:
         target.consumers.append(consumer)
         if isinstance(target, Queue):
             self.idle.pop(target, None)
+            if self.limits.max_bytes_per_connection:
+                pool = self.pools.get(conn)
+                if pool is None:
+                    pool = self.pools[conn] = Pool()
+                pool.queues += 1
+                pool.size += target.size
+                target.pools.append(pool)
+                self.routes.clear()
         self.consumers[consumer.sub_id] = consumer
         self.by_conn.setdefault(conn, []).append(consumer)
         if isinstance(target, Queue):
@@ -251,11 +269,26 @@ class Registry:
         assert isinstance(queue, Queue)
         if consumer in queue.consumers:
             queue.consumers.remove(consumer)
+            self.unpool(consumer, queue, released)
         released.append(queue.id)
         if queue.group is None:
             self.drop(queue)
         elif not queue.consumers:
             self.idle[queue] = None
+
+    def unpool(self, consumer: Consumer, queue: Queue, released: list[int]) -> None:
+        """``consumer`` no longer reads ``queue``: its bytes leave the connection's pool, and
+        the queues that held publishers back for the pool's room are ``released``."""
+        pool = self.pools.get(consumer.conn)
+        if pool is not None and pool in queue.pools:
+            queue.pools.remove(pool)
+            self.routes.clear()
+            pool.size -= queue.size
+            pool.queues -= 1
+            released.extend(pool.blocking)
+            pool.blocking.clear()
+            if not pool.queues:
+                del self.pools[consumer.conn]
 
     def drop_idle(self) -> list[Queue]:
         """Drop the idle QoS 0 groups beyond ``limits.max_idle_groups``, those left longest

@@ -25,6 +25,8 @@ class Limits(NamedTuple):
 
     capacity: int = 8192
     capacity_bytes: int = 64 * 1024 * 1024
+    # bytes the QoS 0 queues one connection reads from may hold together (0: no limit)
+    max_bytes_per_connection: int = 64 * 1024 * 1024
     overflow: Overflow = Overflow.BLOCK
     default_ttl_ms: int = 0
     max_message_bytes: int = 8 * 1024 * 1024

@@ -134,6 +134,7 @@ class Server:
             Limits(
                 capacity=q.capacity,
                 capacity_bytes=q.capacity_bytes,
+                max_bytes_per_connection=q.max_bytes_per_connection,
                 overflow=Overflow(q.overflow),
                 default_ttl_ms=q.default_ttl_ms,
                 max_message_bytes=config.server.max_message_bytes,
