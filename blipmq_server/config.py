@@ -107,6 +107,7 @@ class QueueOptions(NamedTuple):
     capacity: int = 8192
     capacity_bytes: int = 64 * MiB
     max_bytes_per_connection: int = 64 * MiB
+    max_bytes_total: int = 256 * MiB
     overflow: str = "block"
     block_timeout_ms: int = 5000
     default_ttl_ms: int = 0
@@ -359,6 +360,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("queues", "max_bytes_per_connection", int, "Bytes of messages the queues one "
         "connection reads from may hold together (a group's queue counts for each member); "
         "past it they are full, whatever their own room (0 = no limit)", 0, 2**50),
+    Key("queues", "max_bytes_total", int, "Bytes of messages all the queues may hold "
+        "together; past it a connection that holds any takes no more, one that holds none "
+        "takes one message, a queue nobody reads keeps its newest (0 = no limit)", 0, 2**50),
     Key("queues", "overflow", str, "What a full queue does with a new message",
         choices=("drop_oldest", "drop_new", "block")),
     Key("queues", "block_timeout_ms", int, "With overflow = block: a queue full this long "

@@ -171,6 +171,8 @@ class BrokerCollector:
         yield gauge("blipmq_queues", "Subscription and group queues", len(queues))
         yield gauge("blipmq_queue_depth", "Messages waiting in all queues",
                     sum(len(q.items) for q in queues))
+        yield gauge("blipmq_queue_bytes", "Bytes of messages waiting in all queues, each copy "
+                    "counted (queues.max_bytes_total)", broker.registry.total.size)
         retained = broker.retained
         yield gauge("blipmq_retained_topics", "Topics holding a retained value", len(retained))
         yield gauge("blipmq_retained_bytes", "Bytes of retained message records", retained.size)

@@ -155,3 +155,56 @@ def test_no_pools_when_the_limit_is_off() -> None:
         assert b.publish([msg(f"t/{n}", m) for m in range(3)], 0).accepted == 3
     assert not b.registry.pools
     assert all(len(take_all(b, s)) == 3 for s in subs)
+
+
+def test_all_queues_together_hold_max_bytes_total() -> None:
+    b = broker(Overflow.BLOCK, 100 * SIZE, max_bytes_total=3 * SIZE)
+    a, c = sub(b, 1, "t/a"), sub(b, 2, "t/c")
+    assert b.publish([msg("t/a", n) for n in range(3)], 0).accepted == 3
+    res = b.publish([msg("t/a", 3)], 0)  # connection 1 holds some: no more
+    assert res.accepted == 0 and res.blocked is not None
+    res = b.publish([msg("t/c", 4), msg("t/c", 5)], 0)  # connection 2 holds none: one
+    assert res.accepted == 1 and res.blocked == Blocked(c.queue.id, c.queue.name, (2,))
+    assert b.registry.total.size == 4 * SIZE
+    # connection 1 reading makes room for all: both publishers try again
+    taken = b.deliver(1, 10, 1 << 20, 0, 0)
+    assert {a.queue.id, c.queue.id} <= set(taken.released)
+    assert b.registry.total.size == SIZE
+    assert b.publish([msg("t/c", 5), msg("t/a", 6)], 0).accepted == 2
+    assert books(b) == {1: SIZE, 2: 2 * SIZE}
+
+
+def test_at_the_total_a_queue_nobody_reads_drops_its_oldest() -> None:
+    b = broker(Overflow.BLOCK, 100 * SIZE, max_bytes_total=3 * SIZE)
+    sub(b, 1, "t/a", "g")
+    b.disconnect(1)  # the group stays, with nobody reading it
+    assert b.publish([msg("t/a", n) for n in range(5)], 0).accepted == 5
+    assert b.counters.dropped_no_consumer == 2
+    assert b.registry.total.size == 3 * SIZE
+    g = sub(b, 2, "t/a", "g")
+    assert [p[:3] for p in take_all(b, g)] == [b"002", b"003", b"004"]
+    assert b.registry.total.size == 0
+
+
+def test_at_the_total_drop_oldest_makes_room_from_its_own() -> None:
+    b = broker(Overflow.DROP_OLDEST, 100 * SIZE, max_bytes_total=3 * SIZE)
+    a, c = sub(b, 1, "t/a"), sub(b, 2, "t/c")
+    b.publish([msg("t/a", 0), msg("t/a", 1), msg("t/c", 2)], 0)
+    b.publish([msg("t/a", 3), msg("t/c", 4)], 0)
+    assert b.counters.dropped_oldest == 2
+    assert [p[:3] for p in take_all(b, a)] == [b"001", b"003"]
+    assert [p[:3] for p in take_all(b, c)] == [b"004"]
+    assert b.registry.total.size == 0
+
+
+def test_deleted_queues_leave_the_total() -> None:
+    b = broker(Overflow.BLOCK, 100 * SIZE, max_bytes_total=100 * SIZE, max_idle_groups=0)
+    sub(b, 1, "t/a")
+    sub(b, 1, "t/#", "g")
+    sub(b, 2, "t/#", "h")
+    b.publish([msg("t/a", n) for n in range(2)], 0)
+    assert b.registry.total.size == 6 * SIZE
+    b.disconnect(1)  # its own queue goes, and group g with its last member
+    assert b.registry.total.size == 2 * SIZE
+    b.unsubscribe(2, topic_filter="t/#", group="h")
+    assert b.registry.total.size == 0

@@ -165,3 +165,44 @@ def test_many_quiet_qos0_subscriptions_of_one_connection_hold_one_bound(start_br
     assert b.metric("blipmq_connections_closed_total", reason="slow_consumer") == 1
     sub.close()
     pub.close()
+
+
+def test_connections_each_under_their_bound_hold_the_total_together(start_broker) -> None:
+    # Six connections that read nothing, each with a QoS 0 subscription to its own topic, and
+    # 8 MB published to each: before queues.max_bytes_total each queue kept its own 8 MB
+    # (under queues.capacity_bytes), 48 MB in all, and nobody was cut.
+    b = start_broker({"queues": {"block_timeout_ms": 300, "max_bytes_total": 1 << 20},
+                      "server": {"max_pending_bytes": 64 * 1024}})
+    reader = b.spawn_shell("blipmq sub 'x/#' --count 12000 --format lines | wc -l")
+    b.wait_subscribers(1)
+    stalled = []
+    for n in range(6):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", b.port))
+        sock.sendall(codec.encode(codec.Hello(codec.VERSION, "raw", 1)) +
+                     codec.encode(codec.Auth("", 2)) +
+                     codec.encode(codec.Subscribe(f"x/{n}", "", 0, 0, request_id=3)))
+        stalled.append(sock)
+    b.wait_subscribers(7)
+    before = rss_kib(b.proc.pid)
+    pub = raw_connect(b.port)
+    for i in range(0, 12000, 60):
+        pub.sendall(codec.encode_publish([
+            codec.message_record(codec.Message(f"x/{j % 6}", b"%06d" % j + b"p" * 4000, 0, 0))
+            for j in range(i, i + 60)], 0))
+    pub.sendall(codec.encode(codec.Ping(b"", 9)))
+    pub.settimeout(60)
+    dec = codec.Decoder(1 << 24)
+    while not any(isinstance(f, codec.Pong) for f in dec.frames()):
+        data = pub.recv(1 << 20)
+        assert data, "the publisher was closed"
+        dec.feed(data)
+    grown = (rss_kib(b.proc.pid) - before) // 1024
+    out, err = reader.communicate(timeout=60)
+    assert out.split() == [b"12000"], err  # the connection that reads got everything
+    assert grown < 30, f"the broker grew by {grown} MB"
+    assert b.metric("blipmq_connections_closed_total", reason="slow_consumer") == 6
+    assert b.metric("blipmq_queue_bytes") == 0
+    for sock in [*stalled, pub]:
+        sock.close()

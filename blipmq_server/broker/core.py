@@ -177,6 +177,8 @@ class Broker:
         room_route: Route | Refusal | None = None
         room_n = room_b = 0
         per_conn = self.limits.max_bytes_per_connection
+        total_limit = self.limits.max_bytes_total
+        total = self.registry.total
         enqueued = 0
         c = self.counters
         max_bytes = self.limits.max_message_bytes
@@ -246,8 +248,8 @@ class Broker:
                     if q.capacity_bytes - q.size < room_b:
                         room_b = q.capacity_bytes - q.size
                 for p, k in route.pools:  # type: ignore[union-attr]
-                    if (per_conn - p.size) // k < room_b:
-                        room_b = (per_conn - p.size) // k
+                    if (p.limit - p.size) // k < room_b:
+                        room_b = (p.limit - p.size) // k
             room_n -= 1
             room_b -= size
             tight = room_n < 0 or room_b < 0
@@ -258,14 +260,8 @@ class Broker:
                 # (counted as drop_new); the log keeps it either way.
                 if not internal:
                     for q in route.blockers:  # type: ignore[union-attr]
-                        items = q.items
-                        if q.consumers and (len(items) >= q.capacity or (
-                                items and q.size + size > q.capacity_bytes) or any(
-                                p.size and p.size + k * size > per_conn
-                                for p, k in route.pools if p in q.pools)):  # type: ignore[union-attr]
+                        if q.consumers and self._holds_back(q, route, size):  # type: ignore[arg-type]
                             blocked = q
-                            for p in q.pools:  # a take of any of its readers frees room
-                                p.blocking.add(q.id)
                             break
                     if blocked is not None:
                         break
@@ -351,18 +347,18 @@ class Broker:
                 items = q.items
                 if tight and (len(items) >= q.capacity or (
                         items and q.size + size > q.capacity_bytes) or (
-                        q.pools and (internal or q.overflow is not block)
-                        and q.over(size, per_conn))):
-                    # (a client's message for a ``block`` queue had room above: its pools
-                    # may take it past the bound only if they held nothing before it)
+                        (internal or q.overflow is not block or not q.consumers)
+                        and q.over(size, per_conn, total_limit))):
+                    # (a client's message for a ``block`` queue that is read had room above:
+                    # its pools may take it past the bound only if they held nothing before)
                     overflow = q.overflow
-                    if overflow is drop_oldest and q.frees(size, per_conn):
-                        n = q.make_room(size, per_conn)
+                    if overflow is drop_oldest and q.frees(size, per_conn, total_limit):
+                        n = q.make_room(size, per_conn, total_limit)
                         q.dropped_oldest += n
                         c.dropped_oldest += n
                         self.dropping[q] = None
                     elif overflow is block and not q.consumers:
-                        n = q.make_room(size)
+                        n = q.make_room(size, per_conn, total_limit)
                         q.dropped_no_consumer += n
                         c.dropped_no_consumer += n
                     else:  # DROP_NEW, BLOCK for a dead letter (client messages wait above),
@@ -374,6 +370,7 @@ class Broker:
                 items.append(item)
                 q.size += size
                 if tight:  # each target as it went (the others: below, at once)
+                    total.size += size
                     for p in q.pools:
                         p.size += size
                 if ttl:
@@ -381,7 +378,7 @@ class Broker:
                 enqueued += 1
             if not tight:
                 for p, k in route.pools:  # type: ignore[union-attr]
-                    p.size += k * size
+                    p.size += k * size  # (the total too)
         if run_route is not None:
             usage.add(run_entry, accepted - run_from, run_bytes,  # type: ignore[arg-type]
                       run_unlogged, run_first)
@@ -408,6 +405,31 @@ class Broker:
                 blocked.id, blocked.name, tuple(x.conn for x in blocked.consumers)),
             refusal, confirms, last_logged, first_logged, not_kept,
             not_kept_topic, not_kept_text)
+
+    def _holds_back(self, q: Queue, route: Route, size: int) -> bool:
+        """Whether a message of ``size`` bytes to ``route`` must wait for room in ``q`` (a
+        queue with the block policy and consumers): it is full, or a connection reading it
+        holds ``max_bytes_per_connection`` (each of the route's targets it reads counted),
+        or all the queues hold ``max_bytes_total`` and a connection reading it holds any
+        (a queue read with no pools: holds any). Marks the pools to release it."""
+        items = q.items
+        full = len(items) >= q.capacity or (items and q.size + size > q.capacity_bytes)
+        if not full:
+            limits = self.limits
+            total = limits.max_bytes_total
+            everyone = self.registry.total
+            if total and everyone.size + len(route.targets) * size > total:
+                full = any(p.size for p in q.pools) if q.pools else bool(items)
+                if full:  # a take by anyone makes room
+                    everyone.blocking.add(q.id)
+            else:
+                per_conn = limits.max_bytes_per_connection
+                full = any(p.size and p.size + k * size > per_conn
+                           for p, k in route.pools if p in q.pools)
+        if full:
+            for p in q.pools:  # a take of any of its readers lets the publisher try again
+                p.blocking.add(q.id)
+        return bool(full)
 
     def refuse(self, refusal: Refusal) -> Refusal:
         """A message refused before it could reach ``publish`` (a bridged-in one whose
@@ -455,11 +477,9 @@ class Broker:
             if len(q.items) >= q.capacity or q.size + size > q.capacity_bytes:
                 return None  # a full queue: drop, block or make room, the general way
         pools = route.pools  # type: ignore[union-attr]
-        if pools:
-            per_conn = self.limits.max_bytes_per_connection
-            for p, k in pools:
-                if p.size + k * size > per_conn:
-                    return None
+        for p, k in pools:  # the readers' connections', and the total
+            if p.size + k * size > p.limit:
+                return None
         usage = self.usage
         entry = usage.entries.get(m.topic) or usage.entry(m.topic)
         c = self.counters
@@ -1063,11 +1083,12 @@ class Broker:
                 released.append(consumer.queue.id)
                 if not self.has_work(consumer):
                     unmark(consumer)
-        if released:
-            pool = self.registry.pools.get(conn)
-            if pool is not None and pool.blocking:  # held publishers back: they try again
-                released.extend(pool.blocking)
-                pool.blocking.clear()
+        if released:  # the publishers held back for this room try again
+            registry = self.registry
+            for pool in (registry.pools.get(conn), registry.total):
+                if pool is not None and pool.blocking:
+                    released.extend(pool.blocking)
+                    pool.blocking.clear()
         cursors = self.cursors  # ``take_fetches``, without the call
         return Deliveries(batches, tuple(released),
                           [] if cursors is None else cursors.take_fetches(), bool(behind))

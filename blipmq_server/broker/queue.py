@@ -24,7 +24,10 @@ The queues one connection reads from hold ``max_bytes_per_connection`` together 
 each queue's ``pools`` lists the ``Pool`` of each of its consumers' connections (a group's
 queue counts whole for every member), and every change of ``size`` is made to them too. A
 connection may otherwise make as many subscriptions as ``server.max_subscriptions`` lets it
-and read none. Pure and synchronous; no trio.
+and read none. All the queues together hold ``max_bytes_total`` (their ``total``, one
+``Pool`` for all): past it a connection that holds any takes no more, one that holds none
+still takes one message, and a queue nobody reads keeps only its newest. Pure and
+synchronous; no trio.
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ class Overflow(StrEnum):
 
 
 class Pool:
-    """The bytes waiting in the queues of one connection, all together."""
+    """The bytes waiting in the queues of one connection, all together (or in every queue:
+    a queue's ``total``)."""
 
-    __slots__ = ("blocking", "queues", "size")
+    __slots__ = ("blocking", "limit", "queues", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 1 << 62) -> None:
+        self.limit = limit  # its bound (the total's: 1 << 62 when there is none)
         self.size = 0  # the ``size`` of every queue it reads from, summed
         self.queues = 0  # how many it reads from (the pool goes with the last)
         # the queues that held publishers back for this pool's room: released by a take
@@ -78,11 +83,12 @@ class Queue:
         "pools",
         "retained",
         "size",
+        "total",
     )
 
     def __init__(
         self, queue_id: int, topic_filter: str, group: str | None, capacity: int,
-        overflow: Overflow, capacity_bytes: int = 1 << 62,
+        overflow: Overflow, capacity_bytes: int = 1 << 62, total: Pool | None = None,
     ) -> None:
         self.id = queue_id
         self.filter = topic_filter
@@ -98,6 +104,7 @@ class Queue:
         self.retained: OrderedDict[bytes, int] = OrderedDict()
         self.consumers: list[Any] = []  # Consumer objects (see broker.core)
         self.pools: list[Pool] = []  # of its consumers' connections (``Registry.add``)
+        self.total = Pool() if total is None else total  # every queue's bytes together
         self.expiring = False  # some item may carry an expiry: the ticker scans this queue
         self.dropped_oldest = 0
         self.dropped_new = 0
@@ -124,31 +131,38 @@ class Queue:
         items = self.items
         return len(items) < self.capacity and (not items or self.size + size <= self.capacity_bytes)
 
-    def over(self, size: int, limit: int) -> bool:
-        """Whether ``size`` more bytes would take a pool of its past ``limit`` (an empty
-        pool takes one message of any size, as an empty queue does)."""
+    def over(self, size: int, limit: int, total: int) -> bool:
+        """Whether ``size`` more bytes would take a pool of its past ``limit``, or all the
+        queues past ``total`` (0: no such bound): then a connection that holds any takes
+        no more, and a queue nobody reads keeps only the new one. An empty pool takes one
+        message of any size, as an empty queue does."""
+        if total and self.total.size + size > total:
+            return any(p.size for p in self.pools) if self.pools else bool(self.items)
         return any(p.size and p.size + size > limit for p in self.pools)
 
     def shrink(self, n: int) -> None:
-        """``n`` bytes of its items went: off its size and its pools'."""
+        """``n`` bytes of its items went: off its size, its pools' and the total."""
         self.size -= n
+        self.total.size -= n
         for pool in self.pools:
             pool.size -= n
 
-    def make_room(self, size: int, limit: int = 0) -> int:
+    def make_room(self, size: int, limit: int = 0, total: int = 0) -> int:
         """Drop the oldest items until a record of ``size`` bytes fits, in its own bounds
-        and (``limit`` not 0) in its pools'; returns how many."""
+        and in its pools' (``over``); returns how many."""
         items = self.items
         n = 0
-        while items and (not self.fits(size) or (limit and self.over(size, limit))):
+        while items and (not self.fits(size) or self.over(size, limit, total)):
             self.shrink(len(items.popleft()[0]))
             n += 1
         return n
 
-    def frees(self, size: int, limit: int) -> bool:
-        """Whether dropping all its items would let a pool of its take ``size`` more bytes."""
-        return not any(p.size - self.size and p.size - self.size + size > limit
-                       for p in self.pools)
+    def frees(self, size: int, limit: int, total: int) -> bool:
+        """Whether dropping all its items would let its pools take ``size`` more bytes."""
+        mine = self.size
+        if total and self.total.size - mine + size > total:  # only if it is all they hold
+            return not any(p.size - mine for p in self.pools)
+        return not any(p.size - mine and p.size - mine + size > limit for p in self.pools)
 
     def purge_expired(self, now_ms: int) -> int:
         """Remove every expired item; returns how many. Clears ``expiring`` when none are left."""

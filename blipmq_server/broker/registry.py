@@ -71,7 +71,8 @@ class Route(NamedTuple):
     targets: tuple[Queue, ...]
     blockers: tuple[Queue, ...]  # the targets with the block policy
     # the pools of the targets' readers, each with how many of the targets read into it (a
-    # message costs it that many copies); routes are made again when these change
+    # message costs it that many copies), and last the total with all of them; routes are
+    # made again when these change
     pools: tuple[tuple[Pool, int], ...] = ()
 
 
@@ -89,6 +90,8 @@ class Registry:
         # per connection, what its queues hold together (``limits.max_bytes_per_connection``;
         # none kept when that is 0)
         self.pools: dict[int, Pool] = {}
+        # what all the queues hold (``limits.max_bytes_total``)
+        self.total = Pool(limits.max_bytes_total or 1 << 62)
         # per connection, what a delivery pass looks at (``candidates``): its log-cursor
         # consumers but those dozing (``doze``: their cursor is idle with nothing of its
         # topics logged since, until ``rouse``), and those of its queue consumers that may
@@ -127,6 +130,8 @@ class Registry:
                 for q in targets:
                     for pool in q.pools:
                         pools[pool] = pools.get(pool, 0) + 1
+                if targets:
+                    pools[self.total] = len(targets)
                 route = Route(targets, blockers, tuple(pools.items()))
         # broker-made topics ($dlq/...) must not open the cache to clients; a refused topic
         # is not kept either (it may be up to 64 KiB long, over server.max_topic_bytes)
@@ -144,7 +149,7 @@ class Registry:
         if queue is None:
             limits = self.limits
             queue = Queue(self._next_queue_id, topic_filter, group or None, limits.capacity,
-                          overflow or limits.overflow, limits.capacity_bytes)
+                          overflow or limits.overflow, limits.capacity_bytes, self.total)
             self._next_queue_id += 1
             self.queues.append(queue)
             self.index.add(queue.levels, queue)
@@ -164,7 +169,7 @@ class Registry:
             if self.limits.max_bytes_per_connection:
                 pool = self.pools.get(conn)
                 if pool is None:
-                    pool = self.pools[conn] = Pool()
+                    pool = self.pools[conn] = Pool(self.limits.max_bytes_per_connection)
                 pool.queues += 1
                 pool.size += target.size
                 target.pools.append(pool)
@@ -287,6 +292,8 @@ class Registry:
             pool.queues -= 1
             released.extend(pool.blocking)
             pool.blocking.clear()
+            released.extend(self.total.blocking)
+            self.total.blocking.clear()
             if not pool.queues:
                 del self.pools[consumer.conn]
 
@@ -305,6 +312,9 @@ class Registry:
 
     def drop(self, queue: Queue) -> None:
         self.idle.pop(queue, None)
+        if queue.total is self.total:  # its items go with it, out of the total
+            self.total.size -= queue.size
+            queue.total = Pool()
         if queue in self.queues:
             self.queues.remove(queue)
             self.index.remove(queue.levels, queue)

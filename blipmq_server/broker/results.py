@@ -27,6 +27,7 @@ class Limits(NamedTuple):
     capacity_bytes: int = 64 * 1024 * 1024
     # bytes the QoS 0 queues one connection reads from may hold together (0: no limit)
     max_bytes_per_connection: int = 64 * 1024 * 1024
+    max_bytes_total: int = 256 * 1024 * 1024  # all the queues together (0: no limit)
     overflow: Overflow = Overflow.BLOCK
     default_ttl_ms: int = 0
     max_message_bytes: int = 8 * 1024 * 1024

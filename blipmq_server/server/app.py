@@ -135,6 +135,7 @@ class Server:
                 capacity=q.capacity,
                 capacity_bytes=q.capacity_bytes,
                 max_bytes_per_connection=q.max_bytes_per_connection,
+                max_bytes_total=q.max_bytes_total,
                 overflow=Overflow(q.overflow),
                 default_ttl_ms=q.default_ttl_ms,
                 max_message_bytes=config.server.max_message_bytes,
