@@ -361,8 +361,9 @@ SCHEMA: tuple[Key, ...] = (
         "connection reads from may hold together (a group's queue counts for each member); "
         "past it they are full, whatever their own room (0 = no limit)", 0, 2**50),
     Key("queues", "max_bytes_total", int, "Bytes of messages all the queues may hold "
-        "together; past it a connection that holds any takes no more, one that holds none "
-        "takes one message, a queue nobody reads keeps its newest (0 = no limit)", 0, 2**50),
+        "together; past it a connection holding its share (this over the connections "
+        "reading queues) takes no more, and a queue nobody reads drops its oldest (0 = no "
+        "limit)", 0, 2**50),
     Key("queues", "overflow", str, "What a full queue does with a new message",
         choices=("drop_oldest", "drop_new", "block")),
     Key("queues", "block_timeout_ms", int, "With overflow = block: a queue full this long "

@@ -208,3 +208,17 @@ def test_deleted_queues_leave_the_total() -> None:
     assert b.registry.total.size == 2 * SIZE
     b.unsubscribe(2, topic_filter="t/#", group="h")
     assert b.registry.total.size == 0
+
+
+def test_at_the_total_those_under_their_share_go_on_and_the_largest_waits() -> None:
+    b = broker(Overflow.BLOCK, 100 * SIZE, max_bytes_total=6 * SIZE)
+    a, c = sub(b, 1, "t/a"), sub(b, 2, "t/c")
+    assert b.publish([msg("t/a", n) for n in range(5)] + [msg("t/c", 5)], 0).accepted == 6
+    # all the queues hold the total: connection 1 is over its share (3 of 6), 2 is not
+    res = b.publish([msg("t/a", 6)], 0)
+    assert res.accepted == 0 and res.blocked is not None and res.blocked.queue == a.queue.id
+    res = b.publish([msg("t/c", n) for n in range(7, 10)], 0)
+    assert res.accepted == 2 and res.blocked is not None and res.blocked.queue == c.queue.id
+    assert b.registry.total.size == 8 * SIZE  # at most the total and each share
+    assert [p[:3] for p in take_all(b, c)] == [b"005", b"007", b"008"]
+    assert len(take_all(b, a)) == 5 and books(b) == {1: 0, 2: 0}

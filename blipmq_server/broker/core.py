@@ -410,22 +410,24 @@ class Broker:
         """Whether a message of ``size`` bytes to ``route`` must wait for room in ``q`` (a
         queue with the block policy and consumers): it is full, or a connection reading it
         holds ``max_bytes_per_connection`` (each of the route's targets it reads counted),
-        or all the queues hold ``max_bytes_total`` and a connection reading it holds any
-        (a queue read with no pools: holds any). Marks the pools to release it."""
+        or all the queues hold ``max_bytes_total`` and a connection reading it holds its
+        share of that (a queue read with no pools: holds any). Marks the pools to release
+        it."""
         items = q.items
         full = len(items) >= q.capacity or (items and q.size + size > q.capacity_bytes)
         if not full:
             limits = self.limits
             total = limits.max_bytes_total
             everyone = self.registry.total
-            if total and everyone.size + len(route.targets) * size > total:
-                full = any(p.size for p in q.pools) if q.pools else bool(items)
-                if full:  # a take by anyone makes room
-                    everyone.blocking.add(q.id)
-            else:
-                per_conn = limits.max_bytes_per_connection
-                full = any(p.size and p.size + k * size > per_conn
-                           for p, k in route.pools if p in q.pools)
+            most = limits.max_bytes_per_connection
+            at_total = total and everyone.size + len(route.targets) * size > total
+            if at_total:
+                most = min(most, everyone.share(total))
+            full = (any(p.size and p.size + k * size > most
+                        for p, k in route.pools if p in q.pools) if q.pools
+                    else at_total and bool(items))
+            if full and at_total:  # a take by anyone makes room
+                everyone.blocking.add(q.id)
         if full:
             for p in q.pools:  # a take of any of its readers lets the publisher try again
                 p.blocking.add(q.id)

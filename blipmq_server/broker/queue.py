@@ -25,9 +25,10 @@ each queue's ``pools`` lists the ``Pool`` of each of its consumers' connections 
 queue counts whole for every member), and every change of ``size`` is made to them too. A
 connection may otherwise make as many subscriptions as ``server.max_subscriptions`` lets it
 and read none. All the queues together hold ``max_bytes_total`` (their ``total``, one
-``Pool`` for all): past it a connection that holds any takes no more, one that holds none
-still takes one message, and a queue nobody reads keeps only its newest. Pure and
-synchronous; no trio.
+``Pool`` for all): past it a connection holding its share of it or more (the total over
+the connections with a pool) takes no more, so whoever holds the most waits or drops, not
+those that keep up, and a queue nobody reads drops its oldest. Pure and synchronous; no
+trio.
 """
 
 from __future__ import annotations
@@ -54,10 +55,15 @@ class Pool:
     def __init__(self, limit: int = 1 << 62) -> None:
         self.limit = limit  # its bound (the total's: 1 << 62 when there is none)
         self.size = 0  # the ``size`` of every queue it reads from, summed
-        self.queues = 0  # how many it reads from (the pool goes with the last)
+        # how many queues it reads from (the pool goes with the last); the total's: how
+        # many connection pools there are, to share it out (``share``)
+        self.queues = 0
         # the queues that held publishers back for this pool's room: released by a take
         self.blocking: set[int] = set()
 
+    def share(self, total: int) -> int:
+        """The total's: what a connection may hold once all the queues hold ``total``."""
+        return total // (self.queues or 1)
 
 
 class Queue:
@@ -133,11 +139,13 @@ class Queue:
 
     def over(self, size: int, limit: int, total: int) -> bool:
         """Whether ``size`` more bytes would take a pool of its past ``limit``, or all the
-        queues past ``total`` (0: no such bound): then a connection that holds any takes
-        no more, and a queue nobody reads keeps only the new one. An empty pool takes one
-        message of any size, as an empty queue does."""
+        queues past ``total`` (0: no such bound) and a pool of its past its share of it (a
+        queue nobody reads: holding anything). An empty pool takes one message of any size,
+        as an empty queue does."""
         if total and self.total.size + size > total:
-            return any(p.size for p in self.pools) if self.pools else bool(self.items)
+            if not self.pools:
+                return bool(self.items)
+            limit = min(limit, self.total.share(total))
         return any(p.size and p.size + size > limit for p in self.pools)
 
     def shrink(self, n: int) -> None:
@@ -160,8 +168,8 @@ class Queue:
     def frees(self, size: int, limit: int, total: int) -> bool:
         """Whether dropping all its items would let its pools take ``size`` more bytes."""
         mine = self.size
-        if total and self.total.size - mine + size > total:  # only if it is all they hold
-            return not any(p.size - mine for p in self.pools)
+        if total and self.total.size - mine + size > total:
+            limit = min(limit, self.total.share(total))
         return not any(p.size - mine and p.size - mine + size > limit for p in self.pools)
 
     def purge_expired(self, now_ms: int) -> int:

@@ -170,6 +170,7 @@ class Registry:
                 pool = self.pools.get(conn)
                 if pool is None:
                     pool = self.pools[conn] = Pool(self.limits.max_bytes_per_connection)
+                    self.total.queues += 1
                 pool.queues += 1
                 pool.size += target.size
                 target.pools.append(pool)
@@ -296,6 +297,7 @@ class Registry:
             self.total.blocking.clear()
             if not pool.queues:
                 del self.pools[consumer.conn]
+                self.total.queues -= 1
 
     def drop_idle(self) -> list[Queue]:
         """Drop the idle QoS 0 groups beyond ``limits.max_idle_groups``, those left longest
