@@ -154,6 +154,7 @@ class RetainedOptions(NamedTuple):
     max_topics: int = 10_000
     max_bytes: int = 16 * MiB
     max_per_connection: int = 100_000
+    max_all_connections: int = 1_000_000
 
 
 class MetricsOptions(NamedTuple):
@@ -439,6 +440,9 @@ SCHEMA: tuple[Key, ...] = (
         "when it was made, for as long as it lasts); a subscription that would pass it is "
         "refused (LIMIT; MQTT: SUBACK 0x80). Each waiting value costs memory until sent "
         "(0 = no limit)", 0, 2**40),
+    Key("retained", "max_all_connections", int, "Retained values the subscriptions of all "
+        "connections may start with together, counted as for max_per_connection (0 = no "
+        "limit)", 0, 2**40),
     Key("metrics", "enabled", bool, "Serve /metrics, /health and /ready over HTTP"),
     Key("metrics", "host", str, "Address of the metrics listener", check=_host_problem),
     Key("metrics", "port", int, "Port of the metrics listener (0 picks a free port)", 0, 65535),

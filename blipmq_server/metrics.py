@@ -71,7 +71,8 @@ def _label(value: str) -> str:
 # the caps ``blipmq_limit_refusals_total`` counts refusals at (every one shown, 0 or not)
 _LIMITS = ("queues.max_durable_groups", "mqtt.max_sessions", "auth.keys.max_durable_groups",
            "auth.keys.max_sessions", "auth.keys.max_retained_topics",
-           "auth.keys.max_retained_bytes", "retained.max_per_connection")
+           "auth.keys.max_retained_bytes", "retained.max_per_connection",
+           "retained.max_all_connections")
 
 
 def counter(name: str, doc: str, value: float) -> Family:

@@ -65,3 +65,30 @@ def test_an_mqtt_subscribe_past_it_gets_0x80_for_that_filter_only(start_broker) 
         assert got == {b"v%d" % i for i in range(20)}
     finally:
         sub.disconnect()
+
+
+def test_all_connections_together_start_with_at_most_max_all_connections(start_broker) -> None:
+    # the cap per connection multiplied by server.max_connections: 1,024 x 100,000 values
+    b = start_broker({"retained": {"max_all_connections": 50}})
+    _retain(b, 20)
+    clients = [Client(b.addr) for _ in range(3)]
+    try:
+        first = clients[0].subscribe("r/#")
+        clients[1].subscribe("r/#", qos=1)
+        with pytest.raises(BrokerError) as refused:  # 20 + 20 + 20 > 50, each under its own
+            clients[2].subscribe("r/#")
+        assert refused.value.code == ErrorCode.LIMIT
+        assert "retained.max_all_connections is 50" in str(refused.value)
+        clients[2].subscribe("s/#")  # nothing to start with: granted
+        first.unsubscribe()  # what it started with no longer counts
+        got = clients[2].subscribe("r/#")
+        values = []
+        while len(values) < 20:
+            batch = got.next_batch(timeout=10)
+            assert batch
+            values += batch
+        assert sorted(d.payload for d in values) == sorted(b"v%d" % i for i in range(20))
+    finally:
+        for c in clients:
+            c.close()
+    assert b.metric("blipmq_limit_refusals_total", limit="retained.max_all_connections") == 1

@@ -631,6 +631,14 @@ class Broker:
                 return refused(ErrorCode.LIMIT, f"{topic_filter!r} matches {len(values)} "
                                f"retained values and this connection's subscriptions started "
                                f"with {waiting}: retained.max_per_connection is {most}")
+            waiting = registry.offered_total
+            most = self.limits.retained_max_all_connections
+            if values and most and waiting + len(values) > most:
+                self._limited("retained.max_all_connections")
+                return refused(ErrorCode.LIMIT, f"{topic_filter!r} matches {len(values)} "
+                               f"retained values and the subscriptions of all connections "
+                               f"started with {waiting}: retained.max_all_connections is "
+                               f"{most}")
         if not qos and start == Start.LATEST:
             queue = registry.queue_for(topic_filter, group, None if group else overflow)
             consumer = registry.add(conn, queue, qos, credit, request_id)

@@ -87,6 +87,7 @@ class Registry:
         self.consumers: dict[int, Consumer] = {}
         self.by_conn: dict[int, list[Consumer]] = {}
         self.offered: dict[int, int] = {}  # per connection, its consumers' ``offered``
+        self.offered_total = 0  # all of them
         # per connection, what its queues hold together (``limits.max_bytes_per_connection``;
         # none kept when that is 0)
         self.pools: dict[int, Pool] = {}
@@ -186,6 +187,7 @@ class Registry:
     def offer(self, consumer: Consumer, n: int) -> None:
         """``consumer`` starts with ``n`` retained values (instead of what it had)."""
         left = self.offered.get(consumer.conn, 0) + n - consumer.offered
+        self.offered_total += n - consumer.offered
         consumer.offered = n
         if left > 0:
             self.offered[consumer.conn] = left

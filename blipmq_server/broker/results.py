@@ -46,6 +46,7 @@ class Limits(NamedTuple):
     retained_max_bytes: int = 16 * 1024 * 1024  # bytes of retained message records
     # retained values one connection's subscriptions start with, all together (0: no limit)
     retained_max_per_connection: int = 100_000
+    retained_max_all_connections: int = 1_000_000  # all connections together (0: no limit)
     max_topic_bytes: int = 1024  # longest topic name or filter (at most 65,535)
     max_subscriptions: int = 10_000  # subscriptions one connection may hold at once
     max_durable_groups: int = 100_000  # durable groups in the broker (each a log cursor)

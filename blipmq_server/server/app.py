@@ -154,6 +154,7 @@ class Server:
                 read_ahead_bytes=w.read_ahead_bytes,
                 retained_max_topics=config.retained.max_topics,
                 retained_max_per_connection=config.retained.max_per_connection,
+                retained_max_all_connections=config.retained.max_all_connections,
                 # carried forward at once, retained values must fit in half a segment
                 retained_max_bytes=min(config.retained.max_bytes,
                                        w.segment_bytes // 2 if w.enabled else 1 << 62),
