@@ -222,3 +222,18 @@ def test_at_the_total_those_under_their_share_go_on_and_the_largest_waits() -> N
     assert b.registry.total.size == 8 * SIZE  # at most the total and each share
     assert [p[:3] for p in take_all(b, c)] == [b"005", b"007", b"008"]
     assert len(take_all(b, a)) == 5 and books(b) == {1: 0, 2: 0}
+
+
+def test_one_batch_to_several_topics_sharing_a_pool_stops_at_its_bound() -> None:
+    b = broker(Overflow.BLOCK, 5 * SIZE)
+    a, c = sub(b, 1, "t/a"), sub(b, 1, "t/c")
+    batch = [msg("t/a" if n % 2 else "t/c", n) for n in range(10)]
+    res = b.publish(batch, 0)
+    assert res.accepted == 5 and res.blocked is not None
+    assert books(b) == {1: 5 * SIZE} and b.registry.total.size == 5 * SIZE
+    b.publish([msg("t/a", 1), msg("t/a", 1)], 0)  # runs of one route, charged at its end
+    assert books(b) == {1: 5 * SIZE}
+    assert len(take_all(b, a)) + len(take_all(b, c)) == 5
+    res = b.publish([msg("t/a", 1), msg("t/a", 2), msg("t/c", 3)], 0)
+    assert res.accepted == 3 and books(b) == {1: 3 * SIZE}
+    assert b.registry.total.size == 3 * SIZE

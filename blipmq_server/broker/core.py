@@ -176,6 +176,9 @@ class Broker:
         woken_by: tuple[Queue, ...] | None = None
         room_route: Route | Refusal | None = None
         room_n = room_b = 0
+        # bytes each target of ``room_route`` took since its pools were last charged: they
+        # are charged (each pool times its count) before anything looks at them again
+        owed = 0
         per_conn = self.limits.max_bytes_per_connection
         total_limit = self.limits.max_bytes_total
         total = self.registry.total
@@ -240,6 +243,10 @@ class Broker:
             # are skipped (the hot path of a batch to one topic). Another route in between
             # may fill shared queues, so a new route is looked at afresh.
             if route is not room_route:
+                if owed:
+                    for p, k in room_route.pools:  # type: ignore[union-attr]
+                        p.size += k * owed
+                    owed = 0
                 room_route = route
                 room_n = room_b = 1 << 62
                 for q in targets:
@@ -254,6 +261,10 @@ class Broker:
             room_b -= size
             tight = room_n < 0 or room_b < 0
             if tight:
+                if owed:
+                    for p, k in route.pools:  # type: ignore[union-attr]
+                        p.size += k * owed
+                    owed = 0
                 room_route = None  # look again at the next message
                 # Only a queue somebody consumes from holds publishers back. A broker-made
                 # message (dead letter) never waits: a full ``block`` queue drops its copy
@@ -318,6 +329,10 @@ class Broker:
                         confirms += 1
                 for q in targets:
                     if q.retained and m.topic in q.retained:  # its old value still to send
+                        if owed:
+                            for p, k in route.pools:  # type: ignore[union-attr]
+                                p.size += k * owed
+                            owed = 0
                         self._hand_over(q, m.topic, timestamp_ms, size)
                         room_route, tight = None, True  # the queue's room is looked at again
                 self.retained.put(m.topic, offset, timestamp_ms, m.record, offset)
@@ -377,8 +392,10 @@ class Broker:
                     q.expiring = True
                 enqueued += 1
             if not tight:
-                for p, k in route.pools:  # type: ignore[union-attr]
-                    p.size += k * size  # (the total too)
+                owed += size
+        if owed:
+            for p, k in room_route.pools:  # type: ignore[union-attr]
+                p.size += k * owed
         if run_route is not None:
             usage.add(run_entry, accepted - run_from, run_bytes,  # type: ignore[arg-type]
                       run_unlogged, run_first)
