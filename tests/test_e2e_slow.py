@@ -170,8 +170,10 @@ def test_many_quiet_qos0_subscriptions_of_one_connection_hold_one_bound(start_br
 def test_connections_each_under_their_bound_hold_the_total_together(start_broker) -> None:
     # Six connections that read nothing, each with a QoS 0 subscription to its own topic, and
     # 8 MB published to each: before queues.max_bytes_total each queue kept its own 8 MB
-    # (under queues.capacity_bytes), 48 MB in all, and nobody was cut.
-    b = start_broker({"queues": {"block_timeout_ms": 300, "max_bytes_total": 1 << 20},
+    # (under queues.capacity_bytes), 48 MB in all, and nobody was cut. The stalled ones are
+    # cut one after the other, each after queues.block_timeout_ms: a second, so that the
+    # reader, slowed by a busy machine, is not taken for one of them.
+    b = start_broker({"queues": {"block_timeout_ms": 1000, "max_bytes_total": 1 << 20},
                       "server": {"max_pending_bytes": 64 * 1024}})
     reader = b.spawn_shell("blipmq sub 'x/#' --count 12000 --format lines | wc -l")
     b.wait_subscribers(1)
