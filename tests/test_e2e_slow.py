@@ -134,6 +134,20 @@ def test_a_silent_connection_is_pinged_then_closed(start_broker) -> None:
     b.wait_metric("blipmq_connections_open", 0)
 
 
+def publish_all(sock: socket.socket, batches: list[list[bytes]]) -> None:
+    """Publish QoS 0 batches of message records, then wait until the broker has routed
+    them all (the PONG of a PING sent after them)."""
+    for records in batches:
+        sock.sendall(codec.encode_publish(records, 0))
+    sock.sendall(codec.encode(codec.Ping(b"", 9)))
+    sock.settimeout(60)
+    dec = codec.Decoder(1 << 24)
+    while not any(isinstance(f, codec.Pong) for f in dec.frames()):
+        data = sock.recv(1 << 20)
+        assert data, "the publisher was closed"
+        dec.feed(data)
+
+
 def test_many_quiet_qos0_subscriptions_of_one_connection_hold_one_bound(start_broker) -> None:
     # Before queues.max_bytes_per_connection, each of 2,000 queues kept its own 8,192
     # messages: 8,000 messages of 6 bytes took the broker from 24 to 161 MB and nobody was
@@ -149,15 +163,7 @@ def test_many_quiet_qos0_subscriptions_of_one_connection_hold_one_bound(start_br
     before = rss_kib(b.proc.pid)
     pub = raw_connect(b.port)
     records = [codec.message_record(codec.Message("x", b"%06d" % i, 0, 0)) for i in range(8000)]
-    for i in range(0, len(records), 100):
-        pub.sendall(codec.encode_publish(records[i:i + 100], 0))
-    pub.sendall(codec.encode(codec.Ping(b"", 9)))
-    pub.settimeout(60)
-    dec = codec.Decoder(1 << 24)
-    while not any(isinstance(f, codec.Pong) for f in dec.frames()):
-        data = pub.recv(1 << 20)
-        assert data, "the publisher was closed"
-        dec.feed(data)
+    publish_all(pub, [records[i:i + 100] for i in range(0, len(records), 100)])
     grown = (rss_kib(b.proc.pid) - before) // 1024
     assert grown < 60, f"the broker grew by {grown} MB"
     # its queues filled together, held the publisher, and the reader that did not read was
@@ -189,17 +195,9 @@ def test_connections_each_under_their_bound_hold_the_total_together(start_broker
     b.wait_subscribers(7)
     before = rss_kib(b.proc.pid)
     pub = raw_connect(b.port)
-    for i in range(0, 12000, 60):
-        pub.sendall(codec.encode_publish([
-            codec.message_record(codec.Message(f"x/{j % 6}", b"%06d" % j + b"p" * 4000, 0, 0))
-            for j in range(i, i + 60)], 0))
-    pub.sendall(codec.encode(codec.Ping(b"", 9)))
-    pub.settimeout(60)
-    dec = codec.Decoder(1 << 24)
-    while not any(isinstance(f, codec.Pong) for f in dec.frames()):
-        data = pub.recv(1 << 20)
-        assert data, "the publisher was closed"
-        dec.feed(data)
+    publish_all(pub, [[
+        codec.message_record(codec.Message(f"x/{j % 6}", b"%06d" % j + b"p" * 4000, 0, 0))
+        for j in range(i, i + 60)] for i in range(0, 12000, 60)])
     grown = (rss_kib(b.proc.pid) - before) // 1024
     out, err = reader.communicate(timeout=60)
     assert out.split() == [b"12000"], err  # the connection that reads got everything
