@@ -786,6 +786,7 @@ def test_a_bad_filter_gets_0x80_and_the_others_are_granted(start_broker) -> None
     raw.send(PingReq())
     assert raw.recv() == PingResp()
     # the refused share is named in one line, which does not say the connection closed
+    b.wait_log("$share/g")  # its stderr is read by a thread, which may not have got there yet
     lines = [x for x in b.log if "$share/g" in x]
     assert len(lines) == 1 and "refused (0x80)" in lines[0] and "closed" not in lines[0], lines
 
