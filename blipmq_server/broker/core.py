@@ -20,7 +20,7 @@ from typing import Any
 from blipmq_server.broker.access import FULL, Access, matches
 from blipmq_server.broker.cursors import Cursors
 from blipmq_server.broker.durable import BRIDGE_GROUPS, DurableGroup
-from blipmq_server.broker.queue import Overflow, Queue
+from blipmq_server.broker.queue import Overflow, Pool, Queue
 from blipmq_server.broker.registry import Consumer, Registry, Route
 from blipmq_server.broker.results import (
     Blocked,
@@ -76,6 +76,14 @@ def _check_message(record: bytes) -> None:
     size = record_size(record)
     if size > len(record):
         raise ValueError(f"a message record of {size} bytes in {len(record)}")
+
+
+def _uncharge(pools: tuple[tuple[Pool, int], ...], last: Pool, size: int) -> None:
+    """Take back what a message of ``size`` bytes charged ``pools``, up to ``last``."""
+    for p, k in pools:
+        p.size -= k * size
+        if p is last:
+            return
 
 
 def _durable_row(g: DurableGroup) -> dict[str, Any]:
@@ -496,8 +504,10 @@ class Broker:
             if len(q.items) >= q.capacity or q.size + size > q.capacity_bytes:
                 return None  # a full queue: drop, block or make room, the general way
         pools = route.pools  # type: ignore[union-attr]
-        for p, k in pools:  # the readers' connections', and the total
-            if p.size + k * size > p.limit:
+        for p, k in pools:  # the readers' connections', and the total: charged now
+            p.size += k * size
+            if p.size > p.limit:  # past a bound: the general way, nothing charged
+                _uncharge(pools, p, size)
                 return None
         usage = self.usage
         entry = usage.entries.get(m.topic) or usage.entry(m.topic)
@@ -516,8 +526,6 @@ class Broker:
             item = (_pack_prefix(offset, 1, timestamp_ms, 0) + m.record,
                     now_ms + ttl if ttl else 0)
             mark = self.registry.mark
-            for p, k in pools:
-                p.size += k * size
             for q in targets:
                 q.items.append(item)
                 q.size += size
