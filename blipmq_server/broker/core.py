@@ -78,6 +78,14 @@ def _check_message(record: bytes) -> None:
         raise ValueError(f"a message record of {size} bytes in {len(record)}")
 
 
+def _charge(pools: tuple[tuple[Pool, int], ...], size: int) -> int:
+    """Charge ``pools`` what ``size`` bytes to each target cost (each pool times its count);
+    returns 0, what is owed them then."""
+    for p, k in pools:
+        p.size += k * size
+    return 0
+
+
 def _uncharge(pools: tuple[tuple[Pool, int], ...], last: Pool, size: int) -> None:
     """Take back what a message of ``size`` bytes charged ``pools``, up to ``last``."""
     for p, k in pools:
@@ -187,8 +195,6 @@ class Broker:
         # bytes each target of ``room_route`` took since its pools were last charged: they
         # are charged (each pool times its count) before anything looks at them again
         owed = 0
-        per_conn = self.limits.max_bytes_per_connection
-        total_limit = self.limits.max_bytes_total
         total = self.registry.total
         enqueued = 0
         c = self.counters
@@ -252,9 +258,7 @@ class Broker:
             # may fill shared queues, so a new route is looked at afresh.
             if route is not room_route:
                 if owed:
-                    for p, k in room_route.pools:  # type: ignore[union-attr]
-                        p.size += k * owed
-                    owed = 0
+                    owed = _charge(room_route.pools, owed)  # type: ignore[union-attr]
                 room_route = route
                 room_n = room_b = 1 << 62
                 for q in targets:
@@ -270,9 +274,7 @@ class Broker:
             tight = room_n < 0 or room_b < 0
             if tight:
                 if owed:
-                    for p, k in route.pools:  # type: ignore[union-attr]
-                        p.size += k * owed
-                    owed = 0
+                    owed = _charge(route.pools, owed)  # type: ignore[union-attr]
                 room_route = None  # look again at the next message
                 # Only a queue somebody consumes from holds publishers back. A broker-made
                 # message (dead letter) never waits: a full ``block`` queue drops its copy
@@ -338,9 +340,7 @@ class Broker:
                 for q in targets:
                     if q.retained and m.topic in q.retained:  # its old value still to send
                         if owed:
-                            for p, k in route.pools:  # type: ignore[union-attr]
-                                p.size += k * owed
-                            owed = 0
+                            owed = _charge(route.pools, owed)  # type: ignore[union-attr]
                         self._hand_over(q, m.topic, timestamp_ms, size)
                         room_route, tight = None, True  # the queue's room is looked at again
                 self.retained.put(m.topic, offset, timestamp_ms, m.record, offset)
@@ -371,17 +371,17 @@ class Broker:
                 if tight and (len(items) >= q.capacity or (
                         items and q.size + size > q.capacity_bytes) or (
                         (internal or q.overflow is not block or not q.consumers)
-                        and q.over(size, per_conn, total_limit))):
+                        and q.over(size))):
                     # (a client's message for a ``block`` queue that is read had room above:
                     # its pools may take it past the bound only if they held nothing before)
                     overflow = q.overflow
-                    if overflow is drop_oldest and q.frees(size, per_conn, total_limit):
-                        n = q.make_room(size, per_conn, total_limit)
+                    if overflow is drop_oldest and q.frees(size):
+                        n = q.make_room(size)
                         q.dropped_oldest += n
                         c.dropped_oldest += n
                         self.dropping[q] = None
                     elif overflow is block and not q.consumers:
-                        n = q.make_room(size, per_conn, total_limit)
+                        n = q.make_room(size)
                         q.dropped_no_consumer += n
                         c.dropped_no_consumer += n
                     else:  # DROP_NEW, BLOCK for a dead letter (client messages wait above),
@@ -402,8 +402,7 @@ class Broker:
             if not tight:
                 owed += size
         if owed:
-            for p, k in room_route.pools:  # type: ignore[union-attr]
-                p.size += k * owed
+            _charge(room_route.pools, owed)  # type: ignore[union-attr]
         if run_route is not None:
             usage.add(run_entry, accepted - run_from, run_bytes,  # type: ignore[arg-type]
                       run_unlogged, run_first)
@@ -441,14 +440,10 @@ class Broker:
         items = q.items
         full = len(items) >= q.capacity or (items and q.size + size > q.capacity_bytes)
         if not full:
-            limits = self.limits
-            total = limits.max_bytes_total
             everyone = self.registry.total
-            most = limits.max_bytes_per_connection
-            at_total = total and everyone.size + len(route.targets) * size > total
-            if at_total:
-                most = min(most, everyone.share(total))
-            full = (any(p.size and p.size + k * size > most
+            at_total = everyone.size + len(route.targets) * size > everyone.limit
+            share = everyone.share() if at_total else everyone.limit
+            full = (any(p.size and p.size + k * size > min(p.limit, share)
                         for p, k in route.pools if p in q.pools) if q.pools
                     else at_total and bool(items))
             if full and at_total:  # a take by anyone makes room

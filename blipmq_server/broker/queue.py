@@ -61,9 +61,9 @@ class Pool:
         # the queues that held publishers back for this pool's room: released by a take
         self.blocking: set[int] = set()
 
-    def share(self, total: int) -> int:
-        """The total's: what a connection may hold once all the queues hold ``total``."""
-        return total // (self.queues or 1)
+    def share(self) -> int:
+        """The total's: what a connection may hold once all the queues hold its limit."""
+        return self.limit // (self.queues or 1)
 
 
 class Queue:
@@ -137,16 +137,18 @@ class Queue:
         items = self.items
         return len(items) < self.capacity and (not items or self.size + size <= self.capacity_bytes)
 
-    def over(self, size: int, limit: int, total: int) -> bool:
-        """Whether ``size`` more bytes would take a pool of its past ``limit``, or all the
-        queues past ``total`` (0: no such bound) and a pool of its past its share of it (a
-        queue nobody reads: holding anything). An empty pool takes one message of any size,
-        as an empty queue does."""
-        if total and self.total.size + size > total:
+    def over(self, size: int) -> bool:
+        """Whether ``size`` more bytes would take a pool of its past its limit, or all the
+        queues past the total's and a pool of its past its share of that (a queue nobody
+        reads: holding anything). An empty pool takes one message of any size, as an empty
+        queue does."""
+        total = self.total
+        if total.size + size > total.limit:
             if not self.pools:
                 return bool(self.items)
-            limit = min(limit, self.total.share(total))
-        return any(p.size and p.size + size > limit for p in self.pools)
+            share = total.share()
+            return any(p.size and p.size + size > min(p.limit, share) for p in self.pools)
+        return any(p.size and p.size + size > p.limit for p in self.pools)
 
     def shrink(self, n: int) -> None:
         """``n`` bytes of its items went: off its size, its pools' and the total."""
@@ -155,22 +157,23 @@ class Queue:
         for pool in self.pools:
             pool.size -= n
 
-    def make_room(self, size: int, limit: int = 0, total: int = 0) -> int:
+    def make_room(self, size: int) -> int:
         """Drop the oldest items until a record of ``size`` bytes fits, in its own bounds
         and in its pools' (``over``); returns how many."""
         items = self.items
         n = 0
-        while items and (not self.fits(size) or self.over(size, limit, total)):
+        while items and (not self.fits(size) or self.over(size)):
             self.shrink(len(items.popleft()[0]))
             n += 1
         return n
 
-    def frees(self, size: int, limit: int, total: int) -> bool:
+    def frees(self, size: int) -> bool:
         """Whether dropping all its items would let its pools take ``size`` more bytes."""
         mine = self.size
-        if total and self.total.size - mine + size > total:
-            limit = min(limit, self.total.share(total))
-        return not any(p.size - mine and p.size - mine + size > limit for p in self.pools)
+        total = self.total
+        share = total.share() if total.size - mine + size > total.limit else total.limit
+        return not any(p.size - mine and p.size - mine + size > min(p.limit, share)
+                       for p in self.pools)
 
     def purge_expired(self, now_ms: int) -> int:
         """Remove every expired item; returns how many. Clears ``expiring`` when none are left."""
