@@ -3,6 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
+# Bytecode for our own modules, written once: the suite starts the broker and the CLI as new
+# processes some thousands of times, and where PYTHONDONTWRITEBYTECODE is set (or the tree is
+# fresh) each one compiled every module from source again: 0.5 s of CPU per broker start
+# instead of 0.2 s. compileall is incremental, and __pycache__ is ignored by git.
+BYTECODE := $(BIN)/python -m compileall -q -j 0 blipmq_server blipmq_cli spark_tools \
+	pyspark_blipmq_wal bench tests > /dev/null
 
 .PHONY: run test test-fast lint bench bench-durability bench-compare clean dist dist-arm64
 
@@ -26,10 +32,12 @@ run: $(VENV)/.installed
 test: $(STAMP)
 	$(BIN)/ruff check .
 	scripts/test-deps
+	$(BYTECODE)
 	$(BIN)/pytest -q --durations=25
 
 ## test-fast: the suite without the tests marked slow
 test-fast: $(STAMP)
+	$(BYTECODE)
 	$(BIN)/pytest -q -m "not slow"
 
 lint: $(STAMP)
