@@ -10,13 +10,16 @@
    ``...contents.txt`` (every module, library and data file in the bundle).
 
 It does nothing when dist/ already holds a build of the same inputs (sources, spec,
-requirements, interpreter); ``--force`` builds anyway. Prints the artefacts' paths on stdout.
+requirements, interpreter); ``--force`` builds anyway. Two runs at once in one tree (the
+test suite's workers each ask for the executable) take turns on ``build/<arch>/build.lock``:
+the second finds the first one's build up to date. Prints the artefacts' paths on stdout.
 Exit codes: 0 built or up to date, 1 the build failed (its log is named), 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import platform
@@ -151,12 +154,18 @@ def main(argv: list[str] | None = None) -> int:
 
     work = TOP / "build" / machine()
     work.mkdir(parents=True, exist_ok=True)
-    dist = Path(args.dist)
+    with open(work / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        return build(args.python, Path(args.dist), args.force, work)
+
+
+def build(python: str, dist: Path, force: bool, work: Path) -> int:
+    """Build into ``dist`` unless it is up to date; the caller holds the build lock."""
     name = artefact_name()
-    wanted = digest(args.python)
+    wanted = digest(python)
     record = work / "inputs.sha256"
     outputs = [dist / name, dist / f"{name}-onedir.tar.gz", dist / f"{name}.contents.txt"]
-    if (not args.force and all(o.exists() for o in outputs) and record.exists()
+    if (not force and all(o.exists() for o in outputs) and record.exists()
             and record.read_text().strip() == wanted):
         print(f"build: {dist / name} is up to date", file=sys.stderr)
         print("\n".join(str(o) for o in outputs))
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     log.write_text("")
     record.unlink(missing_ok=True)
     try:
-        venv = build_venv(work, args.python, log)
+        venv = build_venv(work, python, log)
         out_dir = run_pyinstaller(venv, work, log)
         outputs = publish(out_dir, work, dist)
     except subprocess.CalledProcessError as exc:
