@@ -33,6 +33,32 @@ settings.register_profile("random", settings(), derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Give this process a block of loopback ports of its own for ``free_port()``
+    (bench/ports.py, used by tests/upstream.py and the bench scripts the tests start).
+
+    A test that picks a port itself (to start mosquitto or a second broker on it, to restart
+    a server on the same port, or as one nobody listens on) needs it to stay free until it
+    binds it. A port from the kernel's ephemeral range does not: with the suite on several
+    pytest-xdist workers, another worker's bind to port 0 or outgoing connection can take it
+    in between. Ports below that range are never handed out by the kernel, so each worker
+    gets a slice of 20000 up to the range's start, and a run without workers all of it; the
+    bench scripts inherit it through the environment. The xdist controller runs no test and
+    takes none."""
+    first = 20000
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if worker is None and getattr(config.option, "numprocesses", None):
+        return
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = (int(ephemeral[0]) - first) // workers
+    if size < 200:  # no room below the ephemeral range: the kernel's choice, as before
+        os.environ.pop("BLIPMQ_PORT_BLOCK", None)
+        return
+    low = first + (int(worker[2:]) if worker else 0) * size
+    os.environ["BLIPMQ_PORT_BLOCK"] = f"{low}-{low + size - 1}"
+
+
 def _default_signals() -> None:
     """In a child: SIGINT back to its default. A suite started in the background by a shell
     inherits SIGINT ignored, and Python then never raises KeyboardInterrupt (the Ctrl-C

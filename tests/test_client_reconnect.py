@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -18,12 +17,7 @@ import trio
 import trio.testing
 
 from blipmq_cli import AsyncClient, Client, ConnectError, Gap, Message, Reconnect, Start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.upstream import free_port
 
 
 def fast() -> Reconnect:

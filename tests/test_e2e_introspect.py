@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 from blipmq_cli.client import Client
@@ -79,9 +78,9 @@ def test_ping_and_version(start_broker) -> None:
 
 def test_introspection_errors_are_one_line_with_the_documented_code(start_broker) -> None:
     b = start_broker()
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    from tests.upstream import free_port
+
+    dead = f"127.0.0.1:{free_port()}"  # a port nobody listens on (of this worker's own)
     for args in (["stats"], ["groups"], ["ping"], ["stats", "--json", "--watch"]):
         res = b.cli(*args, "--addr", dead)
         assert res.returncode == Exit.UNREACHABLE, (args, res.stderr)

@@ -9,7 +9,6 @@ import os
 import pty
 import re
 import signal
-import socket
 import struct
 import subprocess
 import termios
@@ -100,9 +99,9 @@ def test_refusals_are_one_line_with_their_code(dumps, tmp_path) -> None:
     bare = {"PATH": "/usr/bin/nonexistent", "JAVA_HOME": str(tmp_path / "no-java")}
     res = export(str(dumps), "--output", str(tmp_path / "o"), **bare)
     assert res.returncode == Exit.MISSING and "Java is not installed" in _one_line(res)
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.upstream import free_port
+
+    port = free_port()  # a port nobody listens on (of this worker's own)
     res = export(str(dumps), "--output", str(tmp_path / "o"), "--master",
                  f"spark://127.0.0.1:{port}")
     assert res.returncode == Exit.UNREACHABLE and "unreachable" in _one_line(res)

@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -36,14 +37,11 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from ports import free_port  # bench/ports.py: from the worker's own block of ports
+
 MOSQUITTO = "/usr/sbin/mosquitto"
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
