@@ -59,6 +59,13 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["BLIPMQ_PORT_BLOCK"] = f"{low}-{low + size - 1}"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that share one worker (``xdist_group``: the Spark tests, the executable's)
+    first, keeping their order: each group is one long unit of work for pytest-xdist, and one
+    handed out last would run on alone while the other workers have finished."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
 def _default_signals() -> None:
     """In a child: SIGINT back to its default. A suite started in the background by a shell
     inherits SIGINT ignored, and Python then never raises KeyboardInterrupt (the Ctrl-C

@@ -22,7 +22,8 @@ from frozen import Executable, executable
 from test_dist_service import INSTALL, install, needs_root, throwaway_root
 from test_dist_upgrade import other_version, versions
 
-pytestmark = [pytest.mark.slow, needs_root]
+# one worker builds the executable (packaging/build.py) and runs these (make test's xdist)
+pytestmark = [pytest.mark.slow, needs_root, pytest.mark.xdist_group("dist")]
 __all__ = ["executable"]  # a fixture, used by name
 
 LIB = "usr/local/lib/blipmq"

@@ -25,6 +25,8 @@ WRAPPER = TOP / "packaging" / "blipmq-wrapper"
 UNIT = "etc/systemd/system/blipmq.service"
 WANTS = "etc/systemd/system/multi-user.target.wants/blipmq.service"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="install.sh creates a user: root only")
+# one worker builds the executable (packaging/build.py) and runs these (make test's xdist)
+pytestmark = pytest.mark.xdist_group("dist")
 
 
 def throwaway_root(path: Path) -> Path:

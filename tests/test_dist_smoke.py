@@ -38,7 +38,8 @@ from pki import make_pki
 
 from blipmq_cli.exits import Exit
 
-pytestmark = pytest.mark.slow
+# one worker builds the executable (packaging/build.py) and runs these (make test's xdist)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dist")]
 __all__ = ["executable", "runner"]  # fixtures, used by name
 
 SIZE_BUDGET = 12_000_000  # bytes, per executable: what an edge box downloads and stores

@@ -24,7 +24,8 @@ import pytest
 from frozen import SLOW, Executable, Runner, executable, group_alive, start_broker
 from test_dist_service import install, needs_root, throwaway_root
 
-pytestmark = [pytest.mark.slow, needs_root]
+# one worker builds the executable (packaging/build.py) and runs these (make test's xdist)
+pytestmark = [pytest.mark.slow, needs_root, pytest.mark.xdist_group("dist")]
 __all__ = ["executable"]  # a fixture, used by name
 
 

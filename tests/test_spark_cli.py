@@ -22,6 +22,11 @@ from fleet import CONFIG, drive
 
 from blipmq_cli.exits import Exit
 
+# One worker runs every Spark test (pytest-xdist, make test): they share one local Spark
+# session and the module fixtures' broker runs, and three JVMs at once would only fight for the
+# two cores.
+pytestmark = pytest.mark.xdist_group("spark")
+
 
 def export(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[bytes]:
     full = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", **env}

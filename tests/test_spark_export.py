@@ -22,6 +22,11 @@ from spark_tools.source import DDL, read_wal
 
 DEVICES = ("pi-1", "pi-2", "gw-3")
 
+# One worker runs every Spark test (pytest-xdist, make test): they share one local Spark
+# session and the module fixtures' broker runs, and three JVMs at once would only fight for the
+# two cores.
+pytestmark = pytest.mark.xdist_group("spark")
+
 
 @pytest.fixture(scope="session")
 def spark() -> SparkSession:
