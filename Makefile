@@ -28,17 +28,23 @@ $(STAMP): pyproject.toml | $(BIN)/python
 run: $(VENV)/.installed
 	$(BIN)/blipmq start --config config/blipmq.toml --data-dir ./data
 
+# The tests mostly wait (broker subprocesses, the CLI through pipes, mosquitto, Spark), so
+# pytest-xdist runs them on WORKERS processes; tests marked xdist_group share one worker.
+# WORKERS=0 runs them in this process, one after another.
+WORKERS ?= 2
+PYTEST_PARALLEL := -n $(WORKERS) --dist loadgroup
+
 ## test: install everything and run the whole suite (lint, unit, server, end-to-end, slow)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	scripts/test-deps
 	$(BYTECODE)
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q $(PYTEST_PARALLEL) --durations=25
 
 ## test-fast: the suite without the tests marked slow
 test-fast: $(STAMP)
 	$(BYTECODE)
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
