@@ -38,12 +38,14 @@ Loopback only: it listens on 127.0.0.1 and refuses a target that is not a loopba
 
 from __future__ import annotations
 
+import collections
 import enum
 import ipaddress
 import math
 import socket
 import struct
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -83,6 +85,7 @@ class ProxyStats:
     resets: int  # connections this proxy ended with an RST (cut, refuse, a failed upstream)
     upstream_failures: int  # accepted connections whose target could not be reached
     over_limit: int  # connections reset at once because max_connections were open
+    accepted_at: tuple[float, ...]  # time.monotonic() of the last 256 accepts, oldest first
 
 
 class _Conn:
@@ -157,6 +160,7 @@ class FaultProxy:
         self._lifetime: float | None = None  # cut_after: seconds each new connection lives
         self._conns: set[_Conn] = set()
         self._accepted = 0
+        self._accepted_at: collections.deque[float] = collections.deque(maxlen=256)
         self._bytes_up = 0
         self._bytes_down = 0
         self._dropped = 0
@@ -313,6 +317,7 @@ class FaultProxy:
             current=len(self._conns), bytes_up=self._bytes_up, bytes_down=self._bytes_down,
             bytes_dropped=self._dropped, resets=self._resets,
             upstream_failures=self._upstream_failures, over_limit=self._over_limit,
+            accepted_at=tuple(self._accepted_at),
         )
 
     def _set(self, mode: Mode, delay: float | None, lifetime: float | None = None) -> None:
@@ -372,6 +377,7 @@ class FaultProxy:
                 except (trio.ClosedResourceError, OSError):
                     return
                 self._accepted += 1
+                self._accepted_at.append(time.monotonic())
                 client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if len(self._conns) >= self.max_connections:
                     self._over_limit += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -470,6 +471,18 @@ def _numbered_lines(first: int, last: int) -> bytes:
     return b"".join(numbered(n, 400) + b"\n" for n in range(first, last))
 
 
+def _fill_until_held(bp: BrokerProcess) -> tuple[subprocess.Popen[bytes], dict]:
+    """Numbers 0..999 (400 KB, over the 64 KB retention) published to the bridged topic
+    with its upstream away, until the bridge holds its publishers: the publisher, which may
+    still be waiting for its last confirms (what came within one maintenance interval may
+    overshoot the cap; the rest waits, longer the slower the machine), and the status."""
+    publisher = bp.spawn("pub", "sensors/a", "-q", "1", "-l")
+    assert publisher.stdin is not None
+    publisher.stdin.write(_numbered_lines(0, 1000))
+    publisher.stdin.close()
+    return publisher, wait_status(bp, "site", lambda b: b["holding"])
+
+
 def test_retention_pressure_drop_oldest_counts_and_logs_what_it_dropped(
         start_broker, tmp_path: Path) -> None:
     up = start_broker()
@@ -495,11 +508,7 @@ def test_retention_pressure_block_holds_publishers_and_loses_nothing(
     with FaultProxy(("127.0.0.1", up.port)) as proxy:
         proxy.refuse()
         bp = start_broker(_pressure_config(proxy.port, "block"))
-        # what comes within one maintenance interval may overshoot the cap; after it,
-        # publishers to the bridged topics wait
-        first = bp.cli("pub", "sensors/a", "-q", "1", "-l", input=_numbered_lines(0, 1000))
-        assert first.returncode == 0, first.stderr
-        held = wait_status(bp, "site", lambda b: b["holding"])
+        first, held = _fill_until_held(bp)
         publisher = bp.spawn("pub", "sensors/a", "-q", "1", "-l")
         assert publisher.stdin is not None
         publisher.stdin.write(_numbered_lines(1000, 2000))
@@ -510,7 +519,8 @@ def test_retention_pressure_block_holds_publishers_and_loses_nothing(
         assert publisher.poll() is None  # still waiting for its confirms
         assert held["dropped"] == 0
         proxy.restore()
-        assert publisher.wait(60) == 0, publisher.stderr.read() if publisher.stderr else ""
+        for pub in (first, publisher):
+            assert pub.wait(60) == 0, pub.stderr.read() if pub.stderr else ""
         final = wait_status(bp, "site", lambda b: b["backlog_messages"] == 0
                             and not b["holding"], timeout=30)
         assert final["dropped"] == 0
@@ -521,7 +531,6 @@ def test_retention_pressure_block_holds_publishers_and_loses_nothing(
 @pytest.mark.slow
 def test_bridge_bench_runs_every_system() -> None:
     """bench/bridge.py end to end with a small backlog: figures, no assertions on them."""
-    import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
@@ -672,9 +681,7 @@ def test_a_publisher_held_by_the_block_policy_is_not_closed_as_silent(start_brok
     config = _pressure_config(free_port(), "block")
     config["mqtt"] = {"enabled": True, "port": 0}
     bp = start_broker(config)
-    first = bp.cli("pub", "sensors/a", "-q", "1", "-l", input=_numbered_lines(0, 1000))
-    assert first.returncode == 0, first.stderr
-    wait_status(bp, "site", lambda b: b["holding"])
+    first, _ = _fill_until_held(bp)
     assert bp.mqtt_port is not None
     c = Raw(bp.mqtt_port)
     c.connect("held-device", keepalive=1)
@@ -687,3 +694,5 @@ def test_a_publisher_held_by_the_block_policy_is_not_closed_as_silent(start_brok
     c.sock.settimeout(0)
     with pytest.raises(BlockingIOError):
         c.sock.recv(1)  # still open (not even an EOF waiting)
+    first.kill()  # still held: the upstream never came
+    first.wait()
