@@ -451,7 +451,7 @@ def durable(kinds: list[str], n: int, work: Path, rows: list[Row], skipped: dict
 
 CURVE = {  # messages per point, then the scales of each axis
     "full": (100_000, (1, 100, 10_000), (1, 1000, 100_000), (10, 100, 1000)),
-    "quick": (2_000, (1, 1000), (1, 1000), (10, 100)),
+    "quick": (2_000, (1000,), (1000,), (100,)),  # a smoke run: one point each
 }
 
 
@@ -536,7 +536,7 @@ MQTT = {  # counts of the MQTT workloads
     "full": {"tools": 200_000, "paho": 100_000, "latency": 10_000, "durable": 50_000,
              "idle": 1_000, "idle_s": 60, "sessions": 10_000, "sample": 100},
     "quick": {"tools": 3_000, "paho": 2_000, "latency": 1_000, "durable": 2_000,
-              "idle": 1_000, "idle_s": 2, "sessions": 2_000, "sample": 50},
+              "idle": 200, "idle_s": 2, "sessions": 500, "sample": 50},
 }
 MQTT_INFLIGHT = 100  # mosquitto_pub -M: QoS 1 messages in flight (its default is 20)
 KEEPALIVE = 30  # s, of the idle connections

@@ -1,6 +1,6 @@
 """`blipmq export` as a user runs it: refusals before Spark starts, the HTML report in a real
-headless chromium, and the same job on separate executor processes (local-cluster, and a
-standalone master and worker started here on 127.0.0.1 and stopped by PID)."""
+headless chromium, and the same job on a separate executor process (a standalone master and
+worker started here on 127.0.0.1 and stopped by PID)."""
 
 from __future__ import annotations
 
@@ -165,15 +165,12 @@ def _spark_class() -> str:
 
 @pytest.mark.slow
 def test_same_job_on_separate_executors(dumps, plain_export, tmp_path) -> None:
-    """local-cluster (executor JVMs of the pip package), then a standalone master and worker:
-    the same devices table as in one local JVM (``plain_export``)."""
-    res = export(str(dumps), "--output", str(tmp_path / "lc"), "--master",
-                 "local-cluster[1,2,1024]")
-    assert res.returncode == 0, res.stderr
+    """A standalone master and worker (the executor in a JVM of its own, as on a real
+    cluster, our packages shipped to it): the same devices table as in one local JVM
+    (``plain_export``)."""
     local = plain_export[0]
     assert local.returncode == 0, local.stderr
     assert len(_devices_table(local.stdout)) == 2, local.stdout  # east and west
-    assert _devices_table(res.stdout) == _devices_table(local.stdout)
 
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_NO_DAEMONIZE": "1"}
     master_log, worker_log = tmp_path / "master.log", tmp_path / "worker.log"
