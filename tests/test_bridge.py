@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,13 @@ def status(bp: BrokerProcess, name: str) -> dict:
     found = [b for b in json.loads(out.stdout)["bridges"] if b["name"] == name]
     assert found, out.stdout
     return found[0]
+
+
+def logged_at(line: str) -> float:
+    """When the broker wrote a plain log line ("2026-11-24T10:00:00.123Z INFO ..."), in s
+    since the epoch."""
+    stamp = datetime.strptime(line.split(" ", 1)[0], "%Y-%m-%dT%H:%M:%S.%fZ")
+    return stamp.replace(tzinfo=UTC).timestamp()
 
 
 def wait_status(bp: BrokerProcess, name: str, check, timeout: float = 20) -> dict:
@@ -205,10 +213,15 @@ def test_mosquitto_upstream_100k_through_outages_restart_and_sigkill(
             proxy.cut()  # RST mid-drain
             publish_numbers(bp, 40_000, 60_000)
             wait_status(bp, "cloud", lambda b: b["connected"])
+            seen_before = len(bp.log)
+            cut_at = time.time()
             proxy.blackhole()  # silent: no FIN, no RST
-            cut_at = time.monotonic()
             wait_status(bp, "cloud", lambda b: not b["connected"], timeout=3 * KEEPALIVE + 5)
-            noticed = time.monotonic() - cut_at
+            # timed by the broker's own log line, not by when a status poll (a `blipmq
+            # bridges` process, slow to start on a busy machine) saw it
+            lost = next(x for x in bp.log[seen_before:]
+                        if f"bridge cloud: link to 127.0.0.1:{proxy.port} lost" in x)
+            noticed = logged_at(lost) - cut_at
             publish_numbers(bp, 60_000, 80_000)  # during the outage that follows
             proxy.restore()
             up.restart()  # SIGTERM: mosquitto keeps the collector's session
@@ -225,7 +238,7 @@ def test_mosquitto_upstream_100k_through_outages_restart_and_sigkill(
             reconnects = 6  # refuse, cut, blackhole, upstream restart, SIGKILL, slack
             assert result.complete, result.missing[:20]
             assert result.duplicates <= 100 * reconnects, result
-            assert noticed <= 1.5 * KEEPALIVE + 2, noticed  # + the polling's own time
+            assert noticed <= 1.5 * KEEPALIVE + 0.4, noticed  # + a busy machine's scheduling
             final = status(bp, "cloud")
             assert final["backlog_messages"] == 0 and final["dead_lettered"] == 0
     finally:

@@ -9,7 +9,6 @@ import json
 import random
 import shlex
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from tests.test_bridge import (
     KEEPALIVE,
     bridge_table,
     local_numbers,
+    logged_at,
     publish_numbers,
     status,
     wait_status,
@@ -854,12 +854,6 @@ def test_a_bridge_on_a_later_address_goes_back_to_the_first_once_it_answers(
     assert local_numbers(main, "sensors/#", 1) == {b"via main"}
 
 
-def _logged_at(line: str) -> float:
-    """When the broker wrote a plain log line ("2026-11-24T10:00:00.123Z INFO ..."), in s."""
-    stamp = datetime.strptime(line.split(" ", 1)[0], "%Y-%m-%dT%H:%M:%S.%fZ")
-    return stamp.replace(tzinfo=UTC).timestamp()
-
-
 def _settled(bp, address: str, reconnects: int) -> dict:
     """The bridge's status once it is linked to ``address`` after ``reconnects`` links."""
     return wait_status(bp, "cloud", lambda b: b["connected"] and b["address"] == address
@@ -999,7 +993,7 @@ def test_failing_back_to_a_blackholed_first_address_costs_one_connect_timeout(
                     if f"bridge cloud: connected to {second}" in x]
 
         assert wait_until(lambda: bool(relinked()), 10), bp.log  # read from its stderr
-        gap = _logged_at(relinked()[0]) - _logged_at(leaving)
+        gap = logged_at(relinked()[0]) - logged_at(leaving)
         assert 2.0 <= gap <= 2.0 + 1.0 + 1.0, gap  # the timeout, a backoff wait, a busy machine
         assert back["connect_failures"] == 2, back  # the refused start and the failback
         tries = [x for x in bp.log if f"cannot connect to 127.0.0.1:{first.port}: " in x]

@@ -1230,6 +1230,14 @@ class _Link:
                 continue
             bridge._kick = trio.Event()
             wait = keepalive / 4 if keepalive else math.inf
+            if keepalive and not self.waiting:
+                # awake when the next check above is due (the ping, the silence, the oldest
+                # PUBLISH's wait), not up to a quarter keepalive after: a silent link was
+                # noticed up to 1.75 x the keepalive after the last byte came
+                due = self.heard_at + (1.5 * keepalive if self.pinged else keepalive / 2)
+                if self.inflight:
+                    due = min(due, next(iter(self.inflight.values()))[2] + 1.5 * keepalive)
+                wait = min(wait, max(due - now, 0.001))
             if rate and tokens < 1:
                 wait = min(wait, (1 - tokens) / rate)
             with trio.move_on_after(wait):
