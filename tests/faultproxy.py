@@ -86,6 +86,7 @@ class ProxyStats:
     upstream_failures: int  # accepted connections whose target could not be reached
     over_limit: int  # connections reset at once because max_connections were open
     accepted_at: tuple[float, ...]  # time.monotonic() of the last 256 accepts, oldest first
+    down_at: float  # time.time() when bytes last went target -> client (0.0: never)
 
 
 class _Conn:
@@ -163,6 +164,7 @@ class FaultProxy:
         self._accepted_at: collections.deque[float] = collections.deque(maxlen=256)
         self._bytes_up = 0
         self._bytes_down = 0
+        self._down_at = 0.0
         self._dropped = 0
         self._resets = 0
         self._upstream_failures = 0
@@ -317,7 +319,7 @@ class FaultProxy:
             current=len(self._conns), bytes_up=self._bytes_up, bytes_down=self._bytes_down,
             bytes_dropped=self._dropped, resets=self._resets,
             upstream_failures=self._upstream_failures, over_limit=self._over_limit,
-            accepted_at=tuple(self._accepted_at),
+            accepted_at=tuple(self._accepted_at), down_at=self._down_at,
         )
 
     def _set(self, mode: Mode, delay: float | None, lifetime: float | None = None) -> None:
@@ -499,3 +501,4 @@ class FaultProxy:
                         self._bytes_up += sent
                     else:
                         self._bytes_down += sent
+                        self._down_at = time.time()

@@ -19,7 +19,9 @@ from blipmq_server.bridge.plan import Backoff, brief, imports, inbound_rule
 from blipmq_server.bridge.spec import filters_meet, parse_bridges, parse_rule
 from blipmq_server.config import Config
 from blipmq_server.errors import ConfigError
+from blipmq_server.mqtt.packets import Publish
 from tests.faultproxy import FaultProxy
+from tests.mqttpeer import Raw
 from tests.pki import broker_tls, make_pki
 from tests.test_bridge import (
     KEEPALIVE,
@@ -1004,3 +1006,34 @@ def test_failing_back_to_a_blackholed_first_address_costs_one_connect_timeout(
         assert result.complete and result.duplicates <= 100, result
         assert final["address"] == second and final["forwarded"] == total, final
         assert 0 < final["redelivered"] <= 100, final  # the window in flight when it left
+
+
+def test_a_link_gone_silent_is_left_one_and_a_half_keepalives_after_its_last_byte(
+        start_broker) -> None:
+    """The writer used to check the link every quarter keepalive, counted from when it last
+    woke. A message to forward woke it a while after the last byte from the upstream, so the
+    silence was seen that while late (mod a quarter keepalive): up to 1.75 x the keepalive
+    after the last byte. Here that while is 0.6 s of a 0.75 s quarter: the old writer saw
+    the silence 5.1 s after the last byte, the new one, which wakes when the silence is due,
+    4.5 s after it."""
+    keepalive = 3
+    with Mosquitto() as up, FaultProxy(up.address) as proxy:
+        bp = start_broker({"mqtt": {"enabled": True, "port": 0},
+                           "bridge": [bridge_table("cloud", [f"127.0.0.1:{proxy.port}"],
+                                                   ["sensors/# out 1"], keepalive_s=keepalive)]})
+        device = Raw(bp.mqtt_port)
+        device.connect()
+        wait_status(bp, "cloud", lambda b: b["connected"])
+        linked = proxy.stats().bytes_down  # the CONNACK
+        # a ping's answer has passed: the last byte the bridge heard is that PINGRESP
+        assert wait_until(lambda: proxy.stats().bytes_down > linked, 2 * keepalive, 0.001)
+        proxy.blackhole()  # silent: no FIN, no RST
+        heard = proxy.stats().down_at
+        time.sleep(max(0.0, heard + 0.6 - time.time()))
+        device.send(Publish("sensors/a", b"into the void"))  # wakes the bridge's writer
+        lost = bp.wait_log("nothing from the upstream for 1.5 x the keepalive",
+                           timeout=3 * keepalive)
+        silent = logged_at(lost) - heard
+        # the log's stamps are whole milliseconds; a busy machine wakes the writer late
+        assert 1.5 * keepalive - 0.01 <= silent <= 1.5 * keepalive + 0.3, silent
+        device.close()
