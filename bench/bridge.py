@@ -14,9 +14,12 @@ Each system runs on one loopback layout, built the same way for all:
 The upstream is a stock mosquitto 2.0 (``max_queued_messages 0``) for the mosquitto bridge
 and BlipMQ's MQTT bridge, and a second BlipMQ for BlipMQ's native bridge. The subscriber is
 ``FastCollector``: a raw MQTT socket decoded with BlipMQ's codec, stamping each read's
-arrival (mosquitto_sub's line output capped every bridge near 50k msg/s here). The proxy and
-the subscriber run in this process, on the same two cores as the brokers: the figures are
-for comparing the systems side by side, not absolute.
+arrival (mosquitto_sub's line output capped every bridge near 50k msg/s here). The subscriber
+runs in this process, the proxy in a process of its own (``ProxyProcess``), all on the same
+two cores as the brokers: the figures are for comparing the systems side by side, not
+absolute. (With the proxy in this process too, it waited for the GIL whenever the subscriber
+was decoding, up to Python's 5 ms switch interval each time, and every bridge's acks waited
+with it: the native drain measured 63k msg/s so, 80k with a 0.5 ms switch interval.)
 
 Drain: with the bridge connected (a probe went through), the proxy refuses the link (the
 bridge's connection is reset, reconnects are refused); ``--count`` numbered QoS 1 messages of
@@ -25,8 +28,8 @@ broker; then the link comes back and the clock runs until every number arrived u
 nothing new arrived for ``--stall`` s). Figures: seconds from link-up to the first arrival
 (the bridge's reconnect), seconds to empty (link-up to the last new number) and msg/s over
 those seconds, msg/s of the drain itself (first to last arrival), duplicates and missing
-numbers, and the CPU seconds meanwhile of the local broker, of the upstream and of this
-process (the proxy and the subscriber).
+numbers, and the CPU seconds meanwhile of the local broker, of the upstream and of the
+bench's own two processes (the subscriber, and the proxy).
 
 Idle cost: the local broker's CPU per second and RSS over ``--idle`` s with the link up and
 nothing to send, then as long with the upstream refusing connections (an outage).
@@ -51,6 +54,7 @@ import math
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -101,12 +105,80 @@ class Options:
     inflight: int = 1000  # BlipMQ's bridges: messages awaiting the upstream's ack
 
 
+class ProxyProcess:
+    """A ``FaultProxy`` to ``target`` in a child process (``--serve-proxy``), so that it never
+    waits for this process's GIL; ``refuse`` and ``restore`` return once the child says
+    their effect is in place."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.port = 0
+        self.pid = 0
+        self._proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> ProxyProcess:
+        host, port = self.target
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve-proxy", f"{host}:{port}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pid = self._proc.pid
+        self.port = int(self._reply().removeprefix("port "))
+        return self
+
+    def _reply(self) -> str:
+        assert self._proc is not None and self._proc.stdout is not None
+        line = self._proc.stdout.readline().strip()
+        if not line or line.startswith("error"):
+            raise RuntimeError(f"the proxy process failed: {line or 'it ended'}")
+        return line
+
+    def _call(self, command: str) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write(command + "\n")
+        self._proc.stdin.flush()
+        self._reply()
+
+    def refuse(self) -> None:
+        self._call("refuse")
+
+    def restore(self) -> None:
+        self._call("restore")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is None:
+            return
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()  # the child's end of input: it closes the proxy and ends
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def serve_proxy(target: str) -> None:
+    """The child of ``ProxyProcess``: prints ``port N``, then obeys a command a line."""
+    host, port = target.rsplit(":", 1)
+    with FaultProxy((host, int(port))) as proxy:
+        print(f"port {proxy.port}", flush=True)
+        for line in sys.stdin:  # until the parent closes our input
+            command = line.strip()
+            if command == "refuse":
+                proxy.refuse()
+            elif command == "restore":
+                proxy.restore()
+            else:
+                print(f"error: unknown command {command!r}", flush=True)
+                continue
+            print("ok", flush=True)
+
+
 @dataclass
 class Link:
     """The shared half: the upstream, the proxy in front of it, the subscriber on it."""
 
     upstream: Mosquitto | None
-    proxy: FaultProxy
+    proxy: ProxyProcess
     collector: FastCollector | NativeCollector
     directory: Path
     upstream_pid: int
@@ -242,7 +314,7 @@ def uplink(opts: Options) -> Iterator[Link]:
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp, \
             Mosquitto(name="upstream", directory=Path(tmp) / "upstream",
                       extra=["max_queued_messages 0"]) as upstream, \
-            FaultProxy(upstream.address) as proxy, \
+            ProxyProcess(upstream.address) as proxy, \
             FastCollector(upstream.port, "bench/#") as collector:
         assert upstream.pid is not None
         yield Link(upstream, proxy, collector, Path(tmp), upstream.pid)
@@ -341,13 +413,14 @@ def drain(link: Link, local_port: int, local_pid: int, opts: Options) -> dict[st
     published_s = time.monotonic() - started
     leaked = sum(1 for m in col.messages() if m.topic == DRAIN_TOPIC)
 
-    pids = (local_pid, link.upstream_pid, os.getpid())
+    pids = (local_pid, link.upstream_pid, os.getpid(), link.proxy.pid)
     cpu_before = [cpu_seconds(pid) for pid in pids]
     up_ns = time.time_ns()
     link.proxy.restore()
     complete = wait_progress(col, opts.count, opts.stall, opts.drain_timeout)
-    cpu, upstream_cpu, bench_cpu = (cpu_seconds(pid) - before
-                                    for pid, before in zip(pids, cpu_before, strict=True))
+    cpu, upstream_cpu, bench_cpu, proxy_cpu = (
+        cpu_seconds(pid) - before for pid, before in zip(pids, cpu_before, strict=True))
+    bench_cpu += proxy_cpu
     col.wait_quiet(0.5, 5)  # late redeliveries still count as duplicates
     got = [m for m in col.messages() if m.topic == DRAIN_TOPIC]
     result = tally(got, opts.count)
@@ -525,7 +598,7 @@ def blipmq_native(opts: Options) -> dict[str, Any]:
     upstream's log); the upstream's subscriber reads it natively (``NativeCollector``)."""
     with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp, \
             blipmq_broker(Path(tmp) / "upstream", "", "upstream") as (up_native, _, up_pid), \
-            FaultProxy(("127.0.0.1", up_native)) as proxy, \
+            ProxyProcess(("127.0.0.1", up_native)) as proxy, \
             NativeCollector(up_native, "bench/#") as collector, \
             blipmq_broker(Path(tmp) / "local", _bridge_toml(opts, proxy.port, "blipmq"),
                           "local") as (_, mqtt_port, pid):
@@ -594,6 +667,9 @@ def medians(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve-proxy":
+        serve_proxy(sys.argv[2])
+        return
     d = Options()
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
