@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from test_e2e_wal_fsync import strace, traced
+from test_e2e_wal_fsync import attach, strace, traced
 
 from blipmq_cli.client import Client
 
@@ -104,3 +105,42 @@ def test_a_delivery_takes_the_broker_one_turn_of_its_loop(start_broker, tmp_path
     writes = calls(trace, "write") + calls(trace, "sendto")
     assert len(writes) >= rounds, trace[-2000:]
     assert len(waits) <= rounds * 1.5, (len(waits), rounds)  # the old way: 2.2 a message
+
+
+def test_an_idle_broker_wakes_about_twice_a_second(start_broker, tmp_path: Path) -> None:
+    """With nothing in flight, the redelivery ticker dozes: it looks once a second, not
+    ten times. It was most of an idle broker's wake-ups (about 12 epoll_waits a second) and
+    of its CPU (5 ms a second here, 1 ms since)."""
+    b = start_broker()
+    with Client(b.addr) as c:
+        c.subscribe("idle/t", group="g", qos=1)  # a cursor, nothing in flight
+        out = tmp_path / "idle.strace"
+        tracer = attach(b.proc.pid, out, "epoll_wait,epoll_pwait")
+        try:
+            time.sleep(3)  # the window measured: nothing happens in it
+        finally:
+            tracer.terminate()
+            tracer.wait(10)
+    trace = out.read_text()
+    waits = calls(trace, "epoll_wait") + calls(trace, "epoll_pwait")
+    assert len(waits) <= 3 * 4, (len(waits), trace[-2000:])
+
+
+def test_a_delivery_taken_while_the_ticker_dozes_is_redelivered_on_time(start_broker) -> None:
+    """The first delivery taken after a quiet spell wakes the dozing ticker at once, so an
+    unacked one comes again after retry_backoff_ms (300 ms), give or take a 100 ms tick;
+    left dozing, the ticker would first look up to a second after the delivery."""
+    b = start_broker({"delivery": {"retry_backoff_ms": 300, "retry_backoff_max_ms": 300}})
+    with Client(b.addr) as sub_client, Client(b.addr) as pub:
+        subscription = sub_client.subscribe("doze/t", group="g", qos=1)
+        for i in range(3):
+            time.sleep(1.2)  # nothing in flight for more than a doze: the ticker dozes
+            pub.publish("doze/t", b"m %d" % i, qos=1)
+            first = subscription.next_batch(5)
+            took = time.monotonic()
+            assert first is not None and [d.payload for d in first] == [b"m %d" % i]
+            again = subscription.next_batch(5)  # not acked: redelivered
+            late = time.monotonic() - took
+            assert again is not None and [d.payload for d in again] == [b"m %d" % i]
+            assert 0.25 <= late <= 0.3 + 0.35, (i, late)
+            subscription.ack(*again)

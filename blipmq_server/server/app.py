@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blipmq")
 _DROPS_EVERY_S = 1.0  # how often the queues that dropped messages are looked at
+_REDELIVERY_TICK_S = 0.1  # how often deliveries in flight are looked at
+_REDELIVERY_DOZE_S = 1.0  # ... and how often with none in flight
 _DROPPED_EVERY_S = 60  # dead letters dropped from a group: one line at most this often
 
 
@@ -192,6 +194,10 @@ class Server:
         self.published_at = -math.inf  # when a client last published (backlog drains yield)
         self._next_conn_id = 1
         self._routed: set[int] = set()  # connections a reader routed to, not yet sent
+        # the redelivery ticker dozes while nothing is in flight (``_redelivery_loop``);
+        # a delivery taken then sets ``_flights`` (``flights_began``)
+        self.redelivery_dozes = False
+        self._flights = trio.Event()
         self.mqtt_sessions = MqttSessions(self)
         # an MQTT packet's limit: the largest message with the longest topic, or a CONNECT
         # with every string at its longest
@@ -765,6 +771,14 @@ class Server:
             elif conn in self.bridges:
                 self.bridges[conn].wake()
 
+    def flights_began(self) -> None:
+        """Deliveries were taken while the redelivery ticker dozes: if any is now in
+        flight, it ticks again (callers test ``redelivery_dozes`` first, a field read)."""
+        cursors = self.broker.cursors
+        if cursors is not None and cursors.flying:
+            self.redelivery_dozes = False
+            self._flights.set()
+
     def routed(self, conns: set[int] | frozenset[int]) -> None:
         """A reader routed messages to these connections: ``deliver_routed`` sends them."""
         if conns:
@@ -853,7 +867,19 @@ class Server:
         counters, cursors = self.broker.counters, self.broker.cursors
         said, said_at = 0, -math.inf  # dead letters dropped by the last line, and when
         while True:
-            await trio.sleep(0.1)
+            if cursors is None or cursors.flying:
+                await trio.sleep(_REDELIVERY_TICK_S)
+            else:
+                # nothing in flight: nothing can come due (deadlines, delayed NACKs, room
+                # for connections past delivery.max_inflight_bytes_total) before a delivery
+                # is taken, which wakes this (``flights_began``). An idle broker woke ten
+                # times a second here, most of its idle CPU; now once, for the core's
+                # safety net (``Broker.redeliver`` rouses dozing consumers every second)
+                self._flights = trio.Event()
+                self.redelivery_dozes = True
+                with trio.move_on_after(_REDELIVERY_DOZE_S):
+                    await self._flights.wait()
+                self.redelivery_dozes = False
             self.wake(self.broker.redeliver(now_ms(), wall_ms()))
             self.log_touched()  # dead letters are new messages
             dropped, now = counters.dead_letters_dropped, trio.current_time()

@@ -1215,6 +1215,8 @@ class _Link:
                 # what comes past its own limit, acknowledged or not)
                 taken = broker.deliver(conn, room, _MAX_BATCH_BYTES, int(now * 1000),
                                        wall_ms(), total=room)
+                if server.redelivery_dozes and taken.batches:
+                    server.flights_began()
                 if taken.batches:
                     sent = self._encode(taken.batches, parts, now)
                     if rate:

@@ -495,6 +495,8 @@ class Session:
         owed = sum(map(len, parts))  # counted in pending_bytes when they were sent
         taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, int(now * 1000),
                                     int(_time() * 1000), qos0_only=self.closing)
+        if self.server.redelivery_dozes and taken.batches:
+            self.server.flights_began()
         if taken.batches:
             self.encode_batches(taken.batches, parts)
         if taken.released and self.server.room:  # publishers wait for room
