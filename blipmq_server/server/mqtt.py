@@ -115,6 +115,13 @@ def connection_state(topic: str, client_id: str, limit: int) -> bool:
 
 class MqttSession(Session):
     protocol = "mqtt"
+    __slots__ = (
+        "_batch_key", "_copies", "_cursors", "_filters", "_names", "_next_pid", "_no_ids",
+        "_owners", "_qos2_at", "_said_no_ids", "_salts", "_shared", "_turn", "_unsent",
+        "bridge", "clean", "client_id", "confirming", "connected", "granted", "inflight",
+        "keepalive", "level", "mark", "qos2_in", "refusals", "released", "sent_before",
+        "subs", "taken_over", "username", "will",
+    )
 
     def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int,
                  tls: trio.SSLStream[trio.SocketStream] | None = None,
