@@ -684,7 +684,7 @@ class MqttSession(Session):
             case Unsubscribe():
                 self._unsubscribe(packet)
             case PingReq():
-                self.send_bytes(_PINGRESP)
+                self.reply_now(_PINGRESP)
             case Disconnect():
                 self.will = None  # never after DISCONNECT
                 return CloseReason.GOODBYE

@@ -275,6 +275,28 @@ class Session:
     def send(self, frame: codec.Frame) -> None:
         self.send_bytes(codec.encode(frame))
 
+    def reply_now(self, data: bytes) -> None:
+        """A reply to what the reader just read (a PINGRESP, a PONG), written in the
+        reader's own turn when the writer waits with nothing queued, as ``deliver_now``
+        writes deliveries: it then costs no trip through trio's run loop to the writer
+        task (one PINGREQ cost 2 waits for events and about 130 us of CPU here). Otherwise,
+        and over TLS, it goes to the writer (``send_bytes``)."""
+        if self._parked is None or self.outbox or self.closing or self._via_writer:
+            self.send_bytes(data)
+            return
+        try:
+            sent = os.write(self._fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.abort(CloseReason.WRITE_FAILED)
+            return
+        if sent < len(data):  # the rest first, whole, before anything else (``_torn``)
+            self.outbox.append(data[sent:])
+            self.pending_bytes += len(data) - sent
+            self._torn = True
+            self.wake()
+
     def confirmed(self, request_id: int, count: int) -> None:
         """The flusher: ``count`` QoS 1 messages of ``request_id`` are durable."""
         self.send(codec.PubAck(count, request_id))
@@ -636,7 +658,7 @@ class Session:
             return self._auth(frame)
         match frame:
             case codec.Ping():
-                self.send(codec.Pong(frame.data, rid))
+                self.reply_now(codec.encode(codec.Pong(frame.data, rid)))
             case codec.Pong():
                 pass  # the answer to our keepalive PING: receiving it was the point
             case codec.Stats():
