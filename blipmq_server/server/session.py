@@ -109,7 +109,7 @@ _TLS_PIECE = 1 << 16  # a TLS send's piece, after which the watchdog sees progre
 class Session:
     protocol = "native"  # the front end's name, in counters ("mqtt": server/mqtt.py)
     # a connection's state without an attribute dict: one holds some sixty names, past
-    # what CPython shares between instances, about 2 KB a connection
+    # what CPython shares between instances, about 1 KB a connection
     __slots__ = (
         "_drained", "_fd", "_full", "_greeted", "_parked", "_read_scope", "_said_goodbye",
         "_scope", "_torn", "_via_writer", "aborted", "access", "authenticated", "broker",
