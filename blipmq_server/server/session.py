@@ -196,31 +196,32 @@ class Session:
             if self.broker.pending(self.conn_id):  # not to take yet: the writer's loop
                 self.wake()  # looks again after the others had their turn
             return
-        sent = self._write_now(data)
-        if sent < 0:
-            return
-        self.pending_bytes -= sent
-        if sent < len(data):
-            self.outbox.insert(0, data[sent:])  # still counted in pending_bytes
-            self._torn = True
-            self.wake()
+        if not self._write_now(data):
             return
         if self.paused:  # the reader waits until the writer caught up
             self._drained.set()
         if behind or self.broker.pending(self.conn_id):  # more than a batch was waiting
             self.wake()
 
-    def _write_now(self, data: bytes) -> int:
-        """One write of ``data`` while the writer is parked (``deliver_now``,
-        ``reply_now``): how many bytes the kernel took, or -1 if the write failed (the
-        connection is then aborted)."""
+    def _write_now(self, data: bytes) -> bool:
+        """One write of ``data`` (counted in ``pending_bytes``) while the writer is parked
+        (``deliver_now``, ``reply_now``); True if the kernel took all of it. What it did
+        not take waits first in the outbox, whole, for the writer (``_torn``); a failed
+        write aborts the connection."""
         try:
-            return os.write(self._fd, data)
+            sent = os.write(self._fd, data)
         except BlockingIOError:
-            return 0
+            sent = 0
         except OSError:
             self.abort(CloseReason.WRITE_FAILED)
-            return -1
+            return False
+        self.pending_bytes -= sent
+        if sent < len(data):
+            self.outbox.insert(0, data[sent:])  # still counted in pending_bytes
+            self._torn = True
+            self.wake()
+            return False
+        return True
 
     def idle_check(self, now: float, idle: float) -> None:
         """The watchdog's look at a quiet connection: silent for ``idle`` (keepalive_ms), it
@@ -292,12 +293,8 @@ class Session:
         if self._parked is None or self.outbox or self.closing or self._via_writer:
             self.send_bytes(data)
             return
-        sent = self._write_now(data)
-        if 0 <= sent < len(data):  # the rest first, whole, before anything else (``_torn``)
-            self.outbox.append(data[sent:])
-            self.pending_bytes += len(data) - sent
-            self._torn = True
-            self.wake()
+        self.pending_bytes += len(data)
+        self._write_now(data)
 
     def confirmed(self, request_id: int, count: int) -> None:
         """The flusher: ``count`` QoS 1 messages of ``request_id`` are durable."""
