@@ -425,6 +425,41 @@ def test_deliveries_left_by_a_gone_consumer_cost_the_redelivery_tick_nothing() -
         DurableGroup.expire = expire  # type: ignore[method-assign]
 
 
+
+def test_a_held_window_is_looked_through_only_once_its_first_deadline_passes() -> None:
+    """A consumer holds 1,000 deliveries due in 100 ms: each tick looked at every one of
+    them (10,000 flights a second for one such window, the whole window of each QoS 1
+    consumer of the broker). The ticks before the first deadline now look at none; the
+    one after it finds them all late, and the next deadline is looked for from then."""
+    log = MemoryLog()
+    b = Broker(Limits(retry_backoff_ms=100, max_retries=10), log=log)
+    sub = b.consumer(b.subscribe(1, "t", "g", qos=1, credit=1000).sub_id)
+    assert sub is not None
+    publish(b, "t", *[b"%d" % i for i in range(1000)])
+    log.store()
+    taken = b.deliver(1, 1000, 1 << 30, 0, 0)
+    assert sum(len(records) for _, records in taken.batches) == 1000
+    looks: list[int] = []
+
+    class Counted(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def]
+            looks.append(len(self))
+            return super().items()
+
+    group = sub.queue
+    group.inflight = Counted(group.inflight)
+    for now in (10, 50, 99):
+        assert b.redeliver(now, 0) == frozenset()
+    assert looks == []
+    assert 1 in b.redeliver(100, 0) and looks == [1000]  # all late: back to the group
+    again = b.deliver(1, 1000, 1 << 30, 100, 0)  # their second deadline: 100 + 200
+    offsets = tuple(m.offset for _, records in again.batches
+                    for m in decode_one(encode_deliver(1, records)).messages)  # type: ignore
+    assert b.ack(1, sub.sub_id, offsets[:999], 0)
+    looks.clear()
+    assert b.redeliver(299, 0) == frozenset() and looks == []
+    assert 1 in b.redeliver(300, 0) and looks == [1]  # the one left unacked comes again
+
 # ------------------------------------------------ what cursors hold in memory (h34 finding 7)
 
 _MATCH_COST = 80  # what ``durable`` charges a remembered topic besides its bytes

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 
 from blipmq_cli import Client, Start, Subscription
+from blipmq_server.mqtt.codec import Publish, SubAck, Subscribe
+from tests.mqttpeer import Raw
 
 _SIZE = 128 * 1024
 
@@ -171,3 +173,54 @@ def test_groups_left_with_their_window_full_do_not_keep_it_in_memory(start_broke
                 sub.ack(*batch)
                 got += batch
             assert [d.payload[:2] for d in got] == [b"%02d" % n for n in range(96)]
+
+
+def test_mqtt_subscribers_waiting_for_room_get_it_within_a_tick(start_broker) -> None:
+    """MQTT QoS 1 subscribers that never PUBACK hold `max_inflight_bytes_total` (1 MiB): the
+    first takes about 1 MiB, the second one message or two, then waits for room. When the
+    first goes, the second gets its next message within about a redelivery tick (0.1 s),
+    four times (was: up to a second: an MQTT subscriber's deliveries never come due, so
+    with only those in flight the redelivery ticker dozed, and it is its tick that wakes
+    connections waiting for room)."""
+    b = start_broker({"mqtt": {"enabled": True, "port": 0},
+                      "delivery": {"max_inflight_bytes": 1024 * 1024,
+                                   "max_inflight_bytes_total": 1024 * 1024}})
+    waits = []
+    for round_ in range(4):
+        topic = f"room/{round_}"
+        holder, waiter = Raw(b.mqtt_port), Raw(b.mqtt_port)
+        try:
+            for i, raw in enumerate((holder, waiter)):
+                raw.connect(f"room-{round_}-{i}")
+                raw.send(Subscribe(1, ((topic, 1),)))
+                assert raw.expect(SubAck) == SubAck(1, (1,))
+                _publish_to(b, topic, 8)  # 2 MiB in all: room for about half
+            assert _until_quiet_raw(holder) >= 6
+            assert _until_quiet_raw(waiter) >= 1  # and nothing more: it waits for room
+            holder.close()  # what it held goes back to its subscription, ended with it
+            gone = time.monotonic()
+            assert isinstance(waiter.recv(), Publish)
+            waits.append(time.monotonic() - gone)
+        finally:
+            holder.close()
+            waiter.close()
+    assert max(waits) < 0.25, [f"{w:.3f}" for w in waits]
+
+
+def _until_quiet_raw(raw: Raw) -> int:
+    """How many PUBLISHes come until 0.3 s pass with none."""
+    n = 0
+    while True:
+        try:
+            packet = raw.recv(timeout=0.3)
+        except AssertionError:
+            return n
+        assert isinstance(packet, Publish), packet
+        n += 1
+
+
+def _publish_to(b, topic: str, count: int) -> None:
+    with Client(b.addr) as c:
+        for i in range(count):
+            c.publish(topic, b"%02d" % i + b"x" * (_SIZE - 2), qos=1)
+        c.flush()

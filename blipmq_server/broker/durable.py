@@ -177,6 +177,7 @@ class DurableGroup:
         "quiet_from",
         "ready",
         "skipped",
+        "soonest",
         "unacked",
     )
 
@@ -201,6 +202,9 @@ class DurableGroup:
         # the broker's count of those bytes per connection (``Cursors.take`` bounds them)
         self.unacked: Unacked | None = None
         self.ready: deque[int] = deque()  # in-flight offsets to deliver again now
+        # no delivery in flight comes due before this (``expire`` looks at none until then):
+        # lowered whenever one is given a deadline, raised to the true soonest by a look
+        self.soonest = NEVER
         # holder -> in-flight offsets of QoS 2 messages to deliver again to that holder's
         # consumer only (``Consumer.holder``: an MQTT persistent session's share member,
         # MQTT-4.8.2-4, -5): never handed to another consumer while they wait
@@ -241,7 +245,8 @@ class DurableGroup:
         self.memory = 0  # bytes held for speed: read-ahead and matches (``budget``)
         self.budget: Budget | None = None  # the broker's, shared by every cursor
         # the cursors that may have deliveries in flight (``Cursors.flying``, shared): this
-        # one joins when it puts one in flight, so that ``Cursors.redeliver`` looks only
+        # one joins when it puts one in flight that can come due (not a patient consumer's),
+        # or a delayed nack waits, so that ``Cursors.redeliver`` looks only
         # at those, not at every cursor of the broker every 100 ms
         self.flying: dict[DurableGroup, None] | None = None
 
@@ -451,7 +456,9 @@ class DurableGroup:
                 flight.count += 1
                 flight.sub_id = sub_id
                 bodies += len(flight.body)
-                flight.due = now_ms + backoff(flight.count)
+                flight.due = due = now_ms + backoff(flight.count)
+                if due < self.soonest:
+                    self.soonest = due
                 out.append(DELIVERY_PREFIX.pack(offset, min(flight.count, 0xFFFF),
                                                 flight.timestamp_ms, flight.dflags) + flight.body)
                 size += record_size
@@ -461,7 +468,8 @@ class DurableGroup:
             del self.kept[holder]
         if out:
             self._hold(sub_id, conn, len(out), bodies)
-            self._flies()  # held by a consumer again: they may come due
+            if now_ms + backoff(1) < NEVER:
+                self._flies()  # held by a consumer again: they may come due
         return out, size
 
     def take_new(
@@ -529,8 +537,14 @@ class DurableGroup:
             self._release(passed)
         if acks and out:
             self._hold(sub_id, conn, len(out), size - used - PREFIX_SIZE * len(out))
-            if self.flying is not None:
-                self.flying[self] = None
+            # a patient consumer's deliveries never come due: ``redeliver`` would look at
+            # every one of them ten times a second for nothing (a bridge's window of 4,000
+            # cost its drain 5% of the broker's CPU so)
+            if due < NEVER:
+                if due < self.soonest:
+                    self.soonest = due
+                if self.flying is not None:
+                    self.flying[self] = None
         return out, size, expired, full
 
     def ack(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:
@@ -599,6 +613,8 @@ class DurableGroup:
                     continue
             flight.sub_id = DELAYED if delay_ms else 0
             flight.due = now_ms + delay_ms
+        if delay_ms and now_ms + delay_ms < self.soonest:
+            self.soonest = now_ms + delay_ms
         if not delay_ms:
             self.ready.extendleft(reversed([o for o in offsets if self.inflight[o].sub_id == 0]))
         elif offsets:
@@ -652,25 +668,37 @@ class DurableGroup:
         return n
 
     def expire(self, now_ms: int) -> tuple[list[int], int, int]:
-        """Deliveries whose consumer did not ack them in time (still in flight, to be decided
-        by the caller), how many delayed nacks became ready, and how many deliveries may
-        still come due later (held by a consumer, or nacked with a delay, and not due now; a
-        patient consumer's never does): none, and nothing of this group can come due before
-        it hands a delivery out again
-        (``take_new``, ``take_ready``) or a NACK delays one (``back``)."""
+        """Deliveries whose consumer did not ack them in time (still in flight, for the
+        caller to give back or drop, each of them), how many delayed nacks became ready,
+        and how many deliveries may still come due later (held by a consumer, or nacked
+        with a delay, and not due now; a patient consumer's never does): none, and nothing
+        of this group can come due before it hands a delivery out again (``take_new``,
+        ``take_ready``) or a NACK delays one (``back``). Before ``soonest`` it looks at
+        none of them."""
+        soonest = self.soonest
+        if now_ms < soonest and (self.held or soonest >= NEVER):
+            # none due yet: no look at each of a window of thousands (held by a consumer,
+            # they stay in flight; with none held, a look finds whether any was delayed)
+            return [], 0, int(soonest < NEVER)
         late = []
         woke = waiting = 0
+        soonest = NEVER
         for offset, f in self.inflight.items():
             if f.sub_id and f.sub_id != KEPT:
-                if f.due > now_ms:
+                due = f.due
+                if due > now_ms:
                     # a patient consumer's delivery never comes due: not waited for
-                    waiting += f.due < NEVER
+                    if due < NEVER:
+                        waiting += 1
+                        if due < soonest:
+                            soonest = due
                 elif f.sub_id == DELAYED:
                     f.sub_id = 0
                     self.ready.append(offset)
                     woke += 1
                 else:
                     late.append(offset)
+        self.soonest = soonest  # the late ones: given back or dropped by the caller
         return late, woke, waiting
 
     def in_flight_for(self, sub_id: int) -> int:

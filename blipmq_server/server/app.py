@@ -772,10 +772,12 @@ class Server:
                 self.bridges[conn].wake()
 
     def flights_began(self) -> None:
-        """Deliveries were taken while the redelivery ticker dozes: if any is now in
-        flight, it ticks again (callers test ``redelivery_dozes`` first, a field read)."""
+        """Deliveries were taken (or nacked with a delay) while the redelivery ticker
+        dozes: if any can now come due, or a connection waits for room under
+        ``delivery.max_inflight_bytes_total`` (woken by a tick), it ticks again (callers
+        test ``redelivery_dozes`` first, a field read)."""
         cursors = self.broker.cursors
-        if cursors is not None and cursors.flying:
+        if cursors is not None and (cursors.flying or cursors.unacked.starved):
             self.redelivery_dozes = False
             self._flights.set()
 
@@ -867,12 +869,13 @@ class Server:
         counters, cursors = self.broker.counters, self.broker.cursors
         said, said_at = 0, -math.inf  # dead letters dropped by the last line, and when
         while True:
-            if cursors is None or cursors.flying:
+            if cursors is None or cursors.flying or cursors.unacked.starved:
                 await trio.sleep(_REDELIVERY_TICK_S)
             else:
-                # nothing in flight: nothing can come due (deadlines, delayed NACKs, room
-                # for connections past delivery.max_inflight_bytes_total) before a delivery
-                # is taken, which wakes this (``flights_began``). An idle broker woke ten
+                # nothing in flight that can come due (deadlines, delayed NACKs; a patient
+                # consumer's deliveries never do) and no connection waiting for room past
+                # delivery.max_inflight_bytes_total: nothing to do before a delivery is
+                # taken or refused, which wakes this (``flights_began``). An idle broker woke ten
                 # times a second here, most of its idle CPU; now once, for the core's
                 # safety net (``Broker.redeliver`` rouses dozing consumers every second)
                 self._flights = trio.Event()

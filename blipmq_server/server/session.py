@@ -449,6 +449,8 @@ class Session:
                             if self.farewell():
                                 continue
                         return
+                    if self.server.redelivery_dozes:  # ``pending`` may have starved us
+                        self.server.flights_began()
                     self._parked = trio.lowlevel.current_task()
                     await trio.lowlevel.wait_task_rescheduled(self._unpark)
                     woken = True
@@ -525,7 +527,7 @@ class Session:
         owed = sum(map(len, parts))  # counted in pending_bytes when they were sent
         taken = self.broker.deliver(self.conn_id, max_batch, max_batch_bytes, int(now * 1000),
                                     int(_time() * 1000), qos0_only=self.closing)
-        if self.server.redelivery_dozes and taken.batches:
+        if self.server.redelivery_dozes:  # (a take refused for room may starve it too)
             self.server.flights_began()
         if taken.batches:
             self.encode_batches(taken.batches, parts)

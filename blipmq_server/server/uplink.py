@@ -233,6 +233,8 @@ class NativeLink(_Link):
         for sub, off in rest:  # the bridge's strikes decide, not the delivery counts
             wake |= broker.nack(conn_id, sub, (off,), 0, now_ms(), wall_ms(), reason,
                                 spend=False)
+        if bridge.server.redelivery_dozes:  # the delayed one comes due: a tick sends it
+            bridge.server.flights_began()
         bridge.server.wake(wake)
         bridge.server.log_touched()
 
