@@ -595,6 +595,29 @@ def test_an_offline_session_expires(start_broker) -> None:
     assert back.session_present is False
 
 
+def test_offline_sessions_expire_in_turn_whichever_came_back_meanwhile(start_broker) -> None:
+    """mqtt.session_expiry_ms: 'early' goes offline, then 'late'; 'early' comes back before
+    its time, so the oldest session still offline is 'late', which expires all the same.
+    'early', offline again, expires after its own time too, and across a restart (the
+    broker looks at its offline sessions only once the oldest of them may have expired)."""
+    config = {"mqtt": {"enabled": True, "port": 0, "session_expiry_ms": 1500}}
+    b = start_broker(config)
+    early = Paho(b.mqtt_port, "early", clean=False)
+    late = Paho(b.mqtt_port, "late", clean=False)
+    assert early.subscribe(("exp/e", 1)) == [1] and late.subscribe(("exp/l", 1)) == [1]
+    early.disconnect()
+    late.disconnect()
+    early = Paho(b.mqtt_port, "early", clean=False)
+    assert early.session_present is True
+    b.wait_log("MQTT session 'late' expired")
+    assert not any("'early' expired" in line for line in b.log)
+    early.disconnect()
+    b.stop()
+    b = start_broker(config, data_dir=b.data_dir)
+    b.wait_log("MQTT session 'early' expired")
+    b.wait_metric("blipmq_durable_groups", 0)
+    assert Paho(b.mqtt_port, "late", clean=False).session_present is False
+
 def test_an_expired_session_takes_the_share_groups_nobody_else_belongs_to(start_broker
                                                                          ) -> None:
     """A persistent session with QoS 1 shares expires: a share group nobody else belongs

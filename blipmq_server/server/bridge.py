@@ -1191,17 +1191,7 @@ class _Link:
             if self.done:
                 self._ack_core()
             now = trio.current_time()
-            if keepalive and not self.waiting:
-                if now - self.heard_at >= 1.5 * keepalive:
-                    raise LinkDown(f"nothing from the upstream for 1.5 x the keepalive "
-                                   f"({keepalive} s)")
-                if self.inflight:
-                    oldest = next(iter(self.inflight.values()))[2]
-                    if now - oldest >= 1.5 * keepalive:
-                        raise LinkDown(f"no acknowledgement for {now - oldest:.0f} s")
-                if now - self.heard_at >= keepalive / 2 and not self.pinged:
-                    self.outbox.append(self._ping())
-                    self.pinged = True
+            due = self._watch(now, keepalive)
             if rate:
                 tokens = min(burst, tokens + (now - refilled) * rate)
                 refilled = now
@@ -1231,19 +1221,39 @@ class _Link:
                 await self.stream.send_all(b"".join(parts))
                 continue
             bridge._kick = trio.Event()
-            wait = keepalive / 4 if keepalive else math.inf
-            if keepalive and not self.waiting:
-                # awake when the next check above is due (the ping, the silence, the oldest
-                # PUBLISH's wait), not up to a quarter keepalive after: a silent link was
-                # noticed up to 1.75 x the keepalive after the last byte came
-                due = self.heard_at + (1.5 * keepalive if self.pinged else keepalive / 2)
-                if self.inflight:
-                    due = min(due, next(iter(self.inflight.values()))[2] + 1.5 * keepalive)
-                wait = min(wait, max(due - now, 0.001))
+            # awake when the next check is due (the ping, the silence, the oldest PUBLISH's
+            # wait), not up to a quarter keepalive after: a silent link was noticed up to
+            # 1.75 x the keepalive after the last byte came
+            wait = min(keepalive / 4 if keepalive else math.inf, max(due - now, 0.001))
             if rate and tokens < 1:
                 wait = min(wait, (1 - tokens) / rate)
             with trio.move_on_after(wait):
                 await bridge._kick.wait()
+
+    def _watch(self, now: float, keepalive: float) -> float:
+        """The keepalive's checks: a link silent for 1.5 x the keepalive, or whose oldest
+        PUBLISH waited that long for its acknowledgement, is down (LinkDown); a PINGREQ is
+        queued once half of it passed in silence. Returns when the next check is due
+        (never without a keepalive, or while the reader waits for room in the log: that
+        silence is ours)."""
+        if not keepalive or self.waiting:
+            return math.inf
+        due = self.heard_at + 1.5 * keepalive
+        if now >= due:
+            raise LinkDown(f"nothing from the upstream for 1.5 x the keepalive ({keepalive} s)")
+        if self.inflight:
+            oldest = next(iter(self.inflight.values()))[2]
+            if now >= oldest + 1.5 * keepalive:
+                raise LinkDown(f"no acknowledgement for {now - oldest:.0f} s")
+            due = min(due, oldest + 1.5 * keepalive)
+        if not self.pinged:
+            ping_at = self.heard_at + keepalive / 2
+            if now >= ping_at:
+                self.outbox.append(self._ping())
+                self.pinged = True
+            else:
+                due = min(due, ping_at)
+        return due
 
     def _ping(self) -> bytes:
         return _PINGREQ
