@@ -618,6 +618,31 @@ def test_offline_sessions_expire_in_turn_whichever_came_back_meanwhile(start_bro
     b.wait_metric("blipmq_durable_groups", 0)
     assert Paho(b.mqtt_port, "late", clean=False).session_present is False
 
+def test_ids_of_deliveries_whose_subscription_ended_come_free_on_the_watchdogs_look(
+        start_broker) -> None:
+    """A client without a keepalive, looked at by the watchdog with nothing in flight, then
+    gets two QoS 1 messages, acks neither, and unsubscribes: the core holds those
+    deliveries no more, and their packet ids come free within the watchdog's next look or
+    two (it looks at a connection every second while it has deliveries in flight, else
+    only when its keepalive can have run out: never, without one)."""
+    b = start_broker(MQTT)
+    raw = Raw(b.mqtt_port)
+    raw.connect("unsub-ids", keepalive=0)
+    _subscribe(raw, "ids/#", 1)
+    time.sleep(1.2)  # the watchdog looks at it with nothing in flight (once a second)
+    sender = Raw(b.mqtt_port)
+    sender.connect("unsub-ids-sender")
+    for pid in (1, 2):
+        sender.send(Publish("ids/a", b"%d" % pid, 1, packet_id=pid))
+        assert sender.expect(PubAck) == PubAck(pid)
+    sender.disconnect()
+    assert [raw.expect(Publish).payload for _ in range(2)] == [b"1", b"2"]
+    assert b.metric("blipmq_mqtt_inflight") == 2
+    raw.send(Unsubscribe(2, ("ids/#",)))
+    assert raw.expect(UnsubAck) == UnsubAck(2)
+    b.wait_metric("blipmq_mqtt_inflight", 0, timeout=5)
+    raw.close()
+
 def test_an_expired_session_takes_the_share_groups_nobody_else_belongs_to(start_broker
                                                                          ) -> None:
     """A persistent session with QoS 1 shares expires: a share group nobody else belongs

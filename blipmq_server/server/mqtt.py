@@ -235,14 +235,24 @@ class MqttSession(Session):
     def farewell(self) -> bool:
         return False  # MQTT 3.1.1 has nothing to say on the way out
 
-    def idle_check(self, now: float, idle: float) -> None:
+    def idle_check(self, now: float, idle: float) -> float:
+        """Packet ids of deliveries the core gave up on come free (looked at every tick
+        while any is in flight: ``encode_batches`` calls for the next tick's look); a
+        client silent for 1.5 x its keepalive is closed. Returns when the next look is due
+        at the earliest."""
+        soon = math.inf
         if self.inflight or self.released:
             self._forget_given_up()
             self._id_freed()
-        if self.keepalive and now - self.heard_at >= 1.5 * self.keepalive:
+            soon = now
+        if not self.keepalive:
+            return soon
+        if now - self.heard_at >= 1.5 * self.keepalive:
             log.info("MQTT client %r silent for 1.5 x its keepalive (%g s): closing",
                      self.client_id, self.keepalive)
             self.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
+            return math.inf
+        return min(soon, self.heard_at + 1.5 * self.keepalive)
 
     def encode_batches(self, batches: list[tuple[int, list[bytes]]], parts: list[bytes]
                        ) -> None:
@@ -288,6 +298,7 @@ class MqttSession(Session):
                         parts.append(_PUBREL + pid.to_bytes(2, "big"))
                         continue
                     inflight[pid] = (sub_id, offset, qos)
+                    self.look_at = 0.0  # the watchdog looks at what is in flight
                 else:
                     if cursor and offset:  # a cursor's delivery sent at QoS 0: done at once
                         acks.setdefault(sub_id, []).append(offset)

@@ -114,7 +114,7 @@ class Session:
         "_drained", "_fd", "_full", "_greeted", "_parked", "_read_scope", "_said_goodbye",
         "_scope", "_torn", "_via_writer", "aborted", "access", "authenticated", "broker",
         "clock", "close_reason", "closing", "conn_id", "heard_at", "held", "key_digest",
-        "outbox", "paused", "peer", "pending_bytes", "pinged_at", "read_at", "refusal",
+        "look_at", "outbox", "paused", "peer", "pending_bytes", "pinged_at", "read_at", "refusal",
         "sending_since", "server", "stream", "tls", "tls_identity",
     )
 
@@ -153,6 +153,8 @@ class Session:
         self.heard_at = self.clock()
         self.read_at = self.heard_at  # when the frames being handled were read
         self.pinged_at: float | None = None
+        # and when its next look is due (``idle_check``): nothing can be due before then
+        self.look_at = 0.0
         self.sending_since: float | None = None
         self.paused = False  # the reader waits for the writer (output budget)
         self.aborted = False  # ended without draining (slow consumer, write failure)
@@ -223,19 +225,24 @@ class Session:
             return False
         return True
 
-    def idle_check(self, now: float, idle: float) -> None:
+    def idle_check(self, now: float, idle: float) -> float:
         """The watchdog's look at a quiet connection: silent for ``idle`` (keepalive_ms), it
-        gets a PING; silent as long again, GOODBYE TIMEOUT."""
+        gets a PING; silent as long again, GOODBYE TIMEOUT. Returns when the next look is
+        due at the earliest (what it hears meanwhile only puts that later)."""
         if not idle:
-            return
+            return math.inf
         if self.pinged_at is None:
-            if now - self.heard_at >= idle:
-                self.pinged_at = now  # ask for a sign of life
-                self.send(codec.Ping(b"keepalive"))
-        elif now - self.pinged_at >= idle:
-            self.send(codec.Goodbye(ErrorCode.TIMEOUT, f"nothing received for "
-                                    f"{2 * idle:g} s (server.keepalive_ms)"))
-            self.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
+            if now - self.heard_at < idle:
+                return self.heard_at + idle
+            self.pinged_at = now  # ask for a sign of life
+            self.send(codec.Ping(b"keepalive"))
+            return now + idle
+        if now - self.pinged_at < idle:
+            return self.pinged_at + idle
+        self.send(codec.Goodbye(ErrorCode.TIMEOUT, f"nothing received for "
+                                f"{2 * idle:g} s (server.keepalive_ms)"))
+        self.stop_reading(CloseReason.KEEPALIVE_TIMEOUT)
+        return math.inf
 
     def revoke(self) -> None:
         """A reload removed its key: nothing more goes out on its authority, and the

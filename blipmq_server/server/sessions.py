@@ -257,6 +257,7 @@ class MqttSessions:
             session.released = dict.fromkeys(old.released, (0, 0))
         else:  # sent PUBREL again once CONNACK is out (MqttSession._connect)
             session.released = dict.fromkeys(self.pubrel.get(cid, ()), (0, 0))
+        session.look_at = 0.0  # the watchdog looks at what it owes
         for topic_filter, qos in subs.items():
             session.subscribe_one(topic_filter, qos, retained=False, restored=True)
         # a filter refused now (the key may no longer read it, a damaged record) leaves the
