@@ -304,6 +304,34 @@ def test_blipmq_upstream_native_outage_restart_and_dead_letter(start_broker,
         assert all("bridge site" in json.dumps(x) for x in letters), letters
 
 
+def test_a_native_bridge_forwards_key_ttl_and_retain_of_every_message_on_a_topic(
+        start_broker, tmp_path: Path) -> None:
+    """Three keyed, retained QoS 1 messages with a TTL on one topic, to a BlipMQ upstream:
+    the first takes the full way, the next two the short one (the upstream's record head
+    kept from the first, ``_Link.heads``); each arrives with its key, TTL and payload, in
+    order, and the upstream's retained value is the last."""
+    port = free_port()
+    up = start_broker({"server": {"port": port}}, data_dir=tmp_path / "up")
+    bp = start_broker({"bridge": [bridge_table(
+        "site", [f"127.0.0.1:{port}"], ["sensors/# out 1 '' gw1/"], protocol="blipmq")]})
+    wait_status(bp, "site", lambda b: b["connected"])
+    for value in ("v1", "v2", "v3"):
+        out = bp.cli("pub", "sensors/k", value, "-q", "1", "-r", "--key", "K1",
+                     "--ttl", "600000")
+        assert out.returncode == 0, out.stderr
+    final = wait_status(bp, "site", lambda b: b["forwarded"] == 3
+                        and b["backlog_messages"] == 0)
+    assert final["refused"] == 0 and final["redelivered"] == 0, final  # each went once
+    logged = up.cli("sub", "gw1/#", "--from", "earliest", "-C", "3", "-W", "10", "-F", "json")
+    assert logged.returncode == 0, logged.stderr
+    got = [json.loads(line) for line in logged.stdout.splitlines()]
+    assert [(x["topic"], x["payload"], x["key"], x["ttl_ms"], x["qos"]) for x in got] == [
+        ("gw1/sensors/k", v, "K1", 600000, 1) for v in ("v1", "v2", "v3")]
+    kept = up.cli("sub", "gw1/sensors/k", "-C", "1", "-W", "10", "-F", "json")
+    assert kept.returncode == 0, kept.stderr
+    value = json.loads(kept.stdout)
+    assert (value["payload"], value["key"], value.get("retained")) == ("v3", "K1", True)
+
 def test_a_dead_letter_the_upstream_cannot_take_is_dropped_not_dead_lettered_again(
         start_broker, tmp_path: Path) -> None:
     """An out rule forwards the dead letters (`$dlq/#`) to an upstream that cannot take a

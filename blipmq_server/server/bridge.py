@@ -28,7 +28,7 @@ import math
 import random
 import socket
 import struct
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -851,8 +851,13 @@ class _Link:
         self.inflight: dict[int, tuple[int, int, float]] = {}  # pid -> sub, offset, sent at
         self.released: set[int] = set()  # QoS 2 ids of ``inflight`` PUBRECed: PUBCOMP owed
         self.outbox: list[bytes] = []
-        # rule's sub id -> a record's head and topic -> its PUBLISH head (QoS 1, MQTT only)
-        self.heads: dict[int, dict[bytes, bytes]] | None = {}
+        # rule's sub id -> a record's head and topic -> what goes before its payload upstream
+        # (QoS 1 rules): an MQTT PUBLISH head (its packet id follows), or a native record's
+        # head and topic (its key follows; ``_add``)
+        self.heads: dict[int, dict[bytes, bytes]] = {}
+        # a native link's way to add a record to the open batch (its ticket back), None for
+        # MQTT (``_encode``'s fast path)
+        self._add: Callable[[bytes, int], int] | None = None
         self.acked = 0  # PUBACKs this link had
         # rule's sub id -> offsets the upstream acknowledged that the core is not told of
         # yet: the writer tells it before it next takes deliveries (``_ack_core``)
@@ -1266,10 +1271,12 @@ class _Link:
         """The core's deliveries as the upstream's PUBLISHes; returns how many were sent.
         Bridged-in messages whose topic this bridge brings in are not sent back.
 
-        A QoS 1 rule's message sent for the first time goes out as the PUBLISH head its
-        record's head and topic gave the last time (``heads``, one dict per rule: flags,
-        TTL, sizes and topic decide the head), its packet id and its payload; anything else
-        (a record not seen before, DUP, QoS 0 and 2) takes the full way, ``_put``."""
+        A QoS 1 rule's message sent for the first time goes out as the head its record's
+        head and topic gave the last time (``heads``, one dict per rule: flags, TTL, sizes
+        and topic decide the head) and its payload: over MQTT the PUBLISH head, its packet
+        id and payload; to a native upstream the record's head and topic as it takes them,
+        the key and payload. Anything else (a record not seen before, DUP, QoS 0 and 2)
+        takes the full way, ``_put``."""
         bridge = self.bridge
         rules = bridge.rules_by_sub
         every = bridge.spec.rules
@@ -1281,6 +1288,7 @@ class _Link:
         maybe_sent, before = bridge.maybe_sent, bridge.restored_end
         largest = bridge.spec.max_message_bytes or 1 << 62  # payload bytes
         all_heads = self.heads
+        add = self._add
         unpack = _HEAD.unpack_from
         pack_pid = _PID.pack
         append = parts.append
@@ -1289,7 +1297,7 @@ class _Link:
         for sub_id, records in batches:
             rule = rules[sub_id]
             heads = None
-            if all_heads is not None and rule.qos == 1:
+            if rule.qos == 1:
                 heads = all_heads.get(sub_id)
                 if heads is None or len(heads) >= _MAX_HEADS:
                     heads = all_heads[sub_id] = {}
@@ -1298,11 +1306,14 @@ class _Link:
                 if heads is not None and count == 1 and not (maybe_sent and offset < before):
                     head = heads.get(rec[PREFIX_SIZE:_BODY + tlen])
                     if head is not None:
-                        pid = offset % 65535 + 1  # ``_pid``'s first choice, mostly free
-                        if pid in inflight or pid in reserved:
-                            pid = self._pid(offset)
                         at = _BODY + tlen + klen
-                        append(head + pack_pid(pid) + rec[at:at + plen])
+                        if add is not None:  # native: the ticket its batch's PUB_ACK settles
+                            pid = add(head + rec[at - klen:at + plen], plen)
+                        else:
+                            pid = offset % 65535 + 1  # ``_pid``'s first choice, mostly free
+                            if pid in inflight or pid in reserved:
+                                pid = self._pid(offset)
+                            append(head + pack_pid(pid) + rec[at:at + plen])
                         inflight[pid] = (sub_id, offset, now)
                         sent += 1
                         continue
@@ -1348,9 +1359,8 @@ class _Link:
                     if count > 1:
                         counters["redelivered"] += 1
                     elif heads is not None:  # this record's head and topic, next time
-                        heads[rec[PREFIX_SIZE:_BODY + tlen]] = mqtt.publish_head(
-                            remote, plen, 1,
-                            bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN))
+                        heads[rec[PREFIX_SIZE:_BODY + tlen]] = self._head(
+                            remote, flags, ttl, klen, plen)
                 else:
                     done.setdefault(sub_id, []).append(offset)
                     counters["forwarded"] += 1
@@ -1378,6 +1388,12 @@ class _Link:
             self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN),
             count > 1 and qos > 0, pid))
         return pid
+
+    def _head(self, topic: bytes, flags: int, ttl: int, klen: int, plen: int) -> bytes:
+        """What goes before a QoS 1 message's packet id and payload (``heads``): the
+        PUBLISH head of ``topic`` (the upstream's name)."""
+        return mqtt.publish_head(topic, plen, 1,
+                                 self.bridge.spec.outgoing_retain and bool(flags & FLAG_RETAIN))
 
     def _goodbye(self) -> bytes:
         """DISCONNECT (no will), after the state topic's "0" when there is one."""

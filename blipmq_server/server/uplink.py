@@ -39,8 +39,8 @@ _KEEP_RETAIN = FLAG_KEY | FLAG_RETAIN
 class NativeLink(_Link):
     def __init__(self, bridge: Bridge, stream: trio.abc.Stream) -> None:
         super().__init__(bridge, stream)
-        self.heads = None  # no MQTT PUBLISH heads: every record goes through ``_put``
         self.conn = ClientConnection()
+        self._add = self.conn.publish_record  # ``_encode``'s fast path: a known head
         self._ping_rid = 0
         self.in_subs: dict[int, Rule] = {}  # the upstream's subscription id -> its in rule
         # the flusher's confirm key -> the upstream subscription and offsets to ACK then
@@ -245,15 +245,19 @@ class NativeLink(_Link):
         alone = offset in self.bridge._strikes  # refused before: alone in its batch
         if alone:
             conn.seal()
-        # the record as the upstream takes it: the rule's QoS, the key, retain unless
-        # outgoing_retain is off, the upstream's topic; no broker-made flags or trailer
-        keep = _KEEP_RETAIN if self.bridge.spec.outgoing_retain else FLAG_KEY
-        head = MSG_HEAD.pack((flags & keep) | (FLAG_QOS1 if rule.qos else 0), ttl, len(topic),
-                             klen, plen)
-        ticket = conn.publish_record(head + topic + rec[at - klen:at + plen], plen)
+        head = self._head(topic, flags, ttl, klen, plen, rule.qos)  # and no trailer
+        ticket = conn.publish_record(head + rec[at - klen:at + plen], plen)
         if alone:
             conn.seal()
         return ticket
+
+    def _head(self, topic: bytes, flags: int, ttl: int, klen: int, plen: int,
+              qos: int = 1) -> bytes:
+        """A record's head and topic as the upstream takes it: the rule's QoS, the key,
+        retain unless outgoing_retain is off, the upstream's topic; no broker-made flags."""
+        keep = _KEEP_RETAIN if self.bridge.spec.outgoing_retain else FLAG_KEY
+        return MSG_HEAD.pack((flags & keep) | (FLAG_QOS1 if qos else 0), ttl, len(topic), klen,
+                             plen) + topic
 
     def _flush(self, parts: list[bytes]) -> None:
         data = self.conn.data_to_send()
