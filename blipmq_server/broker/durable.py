@@ -543,8 +543,7 @@ class DurableGroup:
             if due < NEVER:
                 if due < self.soonest:
                     self.soonest = due
-                if self.flying is not None:
-                    self.flying[self] = None
+                self._flies()
         return out, size, expired, full
 
     def ack(self, sub_id: int, offsets: tuple[int, ...]) -> list[int]:

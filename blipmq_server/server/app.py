@@ -875,9 +875,10 @@ class Server:
                 # nothing in flight that can come due (deadlines, delayed NACKs; a patient
                 # consumer's deliveries never do) and no connection waiting for room past
                 # delivery.max_inflight_bytes_total: nothing to do before a delivery is
-                # taken or refused, which wakes this (``flights_began``). An idle broker woke ten
-                # times a second here, most of its idle CPU; now once, for the core's
-                # safety net (``Broker.redeliver`` rouses dozing consumers every second)
+                # taken or refused, which wakes this (``flights_began``). An idle broker
+                # woke ten times a second here, most of its idle CPU; now once, for the
+                # core's safety net (``Broker.redeliver`` rouses dozing consumers every
+                # second)
                 self._flights = trio.Event()
                 self.redelivery_dozes = True
                 with trio.move_on_after(_REDELIVERY_DOZE_S):

@@ -298,7 +298,6 @@ class MqttSession(Session):
                         parts.append(_PUBREL + pid.to_bytes(2, "big"))
                         continue
                     inflight[pid] = (sub_id, offset, qos)
-                    self.look_at = 0.0  # the watchdog looks at what is in flight
                 else:
                     if cursor and offset:  # a cursor's delivery sent at QoS 0: done at once
                         acks.setdefault(sub_id, []).append(offset)
@@ -312,6 +311,8 @@ class MqttSession(Session):
                     rec[_BODY:_BODY + tlen], rec[at:at + plen], qos, retained,
                     qos > 0 and (count > 1 or (offset < self.sent_before and not retained)),
                     pid))
+        if inflight:
+            self.look_at = 0.0  # the watchdog looks at what is in flight
         if acks:
             wall = int(_time() * 1000)
             for sub_id, offsets in acks.items():

@@ -102,7 +102,7 @@ class MqttSessions:
         if whole:
             log.info("MQTT: %d set(s) of QoS 2 packet ids of persistent sessions (inbound "
                      "awaiting PUBREL, outbound owed a PUBCOMP) rewritten in blocks", len(whole))
-        self._oldest = min((since for _, since in self.offline.values()), default=_NONE)
+        self._oldest = self._oldest_since()
         if self.offline:
             log.info("MQTT: %d persistent session(s) restored", len(self.offline))
         self._drop_orphans(wall)
@@ -440,9 +440,13 @@ class MqttSessions:
             self._forget(cid, subs)
             log.info("MQTT session %r expired: offline for %d ms (mqtt.session_expiry_ms)",
                      cid, limit)
-        self._oldest = min((since for _, since in self.offline.values()), default=_NONE)
+        self._oldest = self._oldest_since()
         self.expired += len(gone)
         return len(gone)
+
+    def _oldest_since(self) -> int:
+        """When the session offline longest went offline (``_NONE``: none is)."""
+        return min((since for _, since in self.offline.values()), default=_NONE)
 
     def _forget(self, cid: str, subs: dict[str, int]) -> None:
         """A persistent session ends: its durable groups, the durable ``$share`` groups
