@@ -352,9 +352,9 @@ async def flusher_running(nursery: trio.Nursery, tmp_path: Path, tailing: bool =
     return flusher, log
 
 
-async def appended(flusher: Flusher, n: int = 1) -> None:
+async def appended(flusher: Flusher, n: int = 1, size: int = 300) -> None:
     for _ in range(n):
-        flusher.wal.append(MSG, body(0), 0)
+        flusher.wal.append(MSG, body(0, size), 0)
     flusher.appended()
     await wait_all_tasks_blocked()
 
@@ -385,7 +385,9 @@ async def test_a_tail_reader_a_big_batch_or_shutdown_ends_the_linger(
     # the clock never moves: only what hurries the batch gets it written
     flusher, log = await flusher_running(nursery, tmp_path, tailing=why == "tailing")
     if why == "big":
-        await appended(flusher, LINGER_RECORDS - 1)
+        # records small enough that their count, not their bytes, ends the linger
+        assert LINGER_RECORDS * 64 < LINGER_BYTES
+        await appended(flusher, LINGER_RECORDS - 1, size=32)
         assert flusher.counters.records == 0  # still lingering
         await appended(flusher)
     elif why == "bytes":  # few records, but a megabyte of them

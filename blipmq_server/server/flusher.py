@@ -72,7 +72,7 @@ class Waiter(Protocol):
 log = logging.getLogger("blipmq.wal")
 _offset = itemgetter(0)
 LINGER_S = 0.2  # longest a batch nobody waits for is held back to grow (docs/PERFORMANCE.md)
-LINGER_RECORDS = 256  # ... unless it holds this many records
+LINGER_RECORDS = 8192  # ... unless it holds this many records (docs/PERFORMANCE.md)
 LINGER_BYTES = 1 << 20  # ... or this many bytes
 RETRY_S = 0.2  # after a failed write or sync, before the next try
 TRIM_BATCH_BYTES = 4 << 20  # a batch this big: the heap is trimmed once the log is idle
