@@ -9,7 +9,18 @@ import json
 import time
 from collections import Counter
 
-from blipmq_server.mqtt.codec import PubAck, Publish, SubAck, Subscribe, Will
+from blipmq_server.mqtt.codec import (
+    ConnAck,
+    Connect,
+    PingReq,
+    PingResp,
+    PubAck,
+    Publish,
+    SubAck,
+    Subscribe,
+    Will,
+    encode,
+)
 from tests.conftest import BrokerProcess
 from tests.mqttpeer import Paho, Raw
 from tests.test_bridge import bridge_table, status, wait_status
@@ -99,6 +110,34 @@ def _read(raw: Raw, got: list[Publish], done, timeout: float = 10) -> None:
                 raw.send(PubAck(packet.packet_id))
         elif isinstance(packet, (SubAck, PubAck)):
             got.append(packet)  # type: ignore[arg-type]
+
+
+def test_a_bridges_publishes_read_with_its_connect_are_all_marked_bridged(start_broker) -> None:
+    """A bridge's CONNECT and its first PUBLISHes in one write, so one read for the broker:
+    each of them is marked as bridged in, the later ones of a topic too, which take the
+    reader's short way for a topic the client published to before (it must know that the
+    CONNECT just read made this client a bridge). Another bridge session gets none of them;
+    a plain client gets them all."""
+    bp = start_broker({"mqtt": MQTT})
+    other = Raw(bp.mqtt_port)
+    assert other.connect("other-bridge", level=0x84).code == 0
+    other.send(Subscribe(1, (("up/#", 0),)))
+    other.expect(SubAck)
+    with Collector(bp.mqtt_port, "up/#") as plain:
+        edge = Raw(bp.mqtt_port)
+        edge.send_bytes(b"".join(encode(p) for p in (
+            Connect("MQTT", 0x84, True, 0, "edge-bridge"),
+            *(Publish("up/x", str(i).encode(), 0, False, False, 0) for i in range(3)),
+            PingReq())))
+        assert edge.expect(ConnAck).code == 0
+        edge.expect(PingResp)
+        assert bp.cli("pub", "up/end", "plain").returncode == 0
+        end = other.expect(Publish)
+        assert (end.topic, end.payload) == ("up/end", b"plain")  # none of the bridge's
+        assert plain.wait_count(4, 10), plain.messages()
+        assert sorted(m.payload for m in plain.messages()) == [b"0", b"1", b"2", b"plain"]
+        edge.disconnect()
+    other.disconnect()
 
 
 def test_a_bridge_session_gets_neither_its_own_messages_nor_bridged_ones(start_broker) -> None:

@@ -252,14 +252,16 @@ def test_encode_publish_long_forms_match_encode() -> None:
 
 
 def test_publish_head_is_encode_publish_before_the_packet_id() -> None:
-    """A bridge sends a known record's PUBLISH as its kept head + packet id + payload."""
-    for size in (0, 100, 123, 124, 125, 200, 16_400):
-        for qos in (1, 2):
+    """A bridge, and a delivery to an MQTT subscriber, send a known record's PUBLISH as its
+    kept head + packet id + payload (QoS 0: head + payload)."""
+    for size in (0, 100, 123, 124, 125, 126, 200, 16_400, 2_097_200):
+        for qos in (0, 1, 2):
             for retain in (False, True):
                 payload = b"p" * size
-                wire = encode_publish(b"t/x", payload, qos, retain, False, 0x0102)
-                assert publish_head(b"t/x", size, qos, retain) + b"\x01\x02" + payload == wire
-    for args in ((b"", 1, 1, False), (b"t", 1, 0, False), (b"t", 1, 3, False),
+                wire = encode_publish(b"t/x", payload, qos, retain, False, 0x0102 if qos else 0)
+                pid = b"\x01\x02" if qos else b""
+                assert publish_head(b"t/x", size, qos, retain) + pid + payload == wire
+    for args in ((b"", 1, 1, False), (b"t", 1, -1, False), (b"t", 1, 3, False),
                  (b"t" * 65_536, 1, 1, False)):
         with pytest.raises(LocalProtocolError):
             publish_head(*args)

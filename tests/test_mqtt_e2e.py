@@ -103,6 +103,38 @@ def test_one_publisher_one_topic_keeps_its_order_at_each_qos(start_broker) -> No
             (f"order/{qos}", str(i).encode(), qos) for i in range(50)]
 
 
+def test_a_topics_deliveries_of_every_size_and_qos_each_get_their_own_publish_head(
+        start_broker) -> None:
+    """A delivery's PUBLISH head is kept for the record head, topic and QoS it starts
+    (``mqtt._HEADS``): one topic's messages around the sizes where the remaining length
+    takes a second byte (127/128 at QoS 0 and at QoS 1 and 2) and far past them, published
+    at each QoS and then retained, reach subscribers at QoS 0, 1 and 2 with their own
+    payload, QoS and flags. A head kept for another QoS or size breaks the stream."""
+    b = start_broker(MQTT)
+    subs = [Paho(b.mqtt_port, f"heads-sub-{q}") for q in range(3)]
+    for q, sub in enumerate(subs):
+        assert sub.subscribe(("heads/#", q)) == [q]
+    pub = Paho(b.mqtt_port, "heads-pub")
+    sent = []
+    for i, size in enumerate((5, 116, 117, 118, 119, 5, 20_000, 117)):
+        for p in range(3):
+            topic = "heads/a" if i % 2 else "heads/b"  # two topics of one length
+            payload = f"{i}{p}".encode().ljust(size, b"x")
+            pub.publish(topic, payload, p)
+            sent.append((topic, payload, p))
+    pub.publish("heads/a", b"kept".ljust(119, b"k"), 1, retain=True)
+    sent.append(("heads/a", b"kept".ljust(119, b"k"), 1))
+    for q, sub in enumerate(subs):
+        got = sub.take(len(sent))
+        assert [(m.topic, m.payload, m.qos, m.retain, m.dup) for m in got] == [
+            (t, payload, min(p, q), False, False) for t, payload, p in sent]
+    late = Paho(b.mqtt_port, "heads-late")
+    assert late.subscribe(("heads/a", 2)) == [2]
+    m = late.get()
+    assert (m.topic, m.payload, m.qos, m.retain, m.dup) == (
+        "heads/a", b"kept".ljust(119, b"k"), 1, True, False)
+
+
 # --------------------------------------------------------------------------- 2. retained
 
 

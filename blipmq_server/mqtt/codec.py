@@ -175,15 +175,17 @@ def encode_publish(topic: bytes, payload: bytes, qos: int, retain: bool, dup: bo
 
 def publish_head(topic: bytes, payload_size: int, qos: int, retain: bool) -> bytes:
     """What ``encode_publish`` puts before the packet id of a QoS 1 or 2 PUBLISH (no DUP)
-    of ``topic`` with a payload of ``payload_size`` bytes: the same for every such message,
-    so a sender that keeps it makes each packet as head + packet id + payload."""
+    of ``topic`` with a payload of ``payload_size`` bytes, or before the payload of a QoS 0
+    one: the same for every such message, so a sender that keeps it makes each packet as
+    head + packet id + payload (QoS 0: head + payload)."""
     tlen = len(topic)
     if not 0 < tlen <= 0xFFFF:
         raise LocalProtocolError(f"a PUBLISH topic is 1 to 65535 bytes, not {tlen}")
-    if not 0 < qos <= 2:
-        raise LocalProtocolError(f"a PUBLISH head with a packet id is for QoS 1 or 2, not {qos}")
+    if not 0 <= qos <= 2:
+        raise LocalProtocolError(f"PUBLISH qos must be 0, 1 or 2, not {qos}")
     first = 0x30 | qos << 1 | (1 if retain else 0)
-    return b"".join((_LENGTH_BYTE[first], remaining_length(tlen + 4 + payload_size),
+    return b"".join((_LENGTH_BYTE[first],
+                     remaining_length(tlen + (4 if qos else 2) + payload_size),
                      _U16.pack(tlen), topic))
 
 

@@ -98,6 +98,13 @@ _unpack_delivery = struct.Struct(DELIVERY_PREFIX.format + MSG_HEAD.format[1:]).u
 _pack_head = MSG_HEAD.pack
 _BODY = PREFIX_SIZE + HEAD_SIZE  # where a delivery record's topic starts
 _encode_publish = mqtt.encode_publish
+_publish_head = mqtt.publish_head
+# PUBLISH heads by QoS, for the record head and topic they start (``encode_batches``): shared
+# by every connection, as they depend on nothing else; at most _HEADS_KEPT of topics up to
+# _HEAD_TOPIC_MAX bytes each, so about 2 MiB at most
+_HEADS: tuple[dict[bytes, bytes], ...] = ({}, {}, {})
+_HEADS_KEPT = 1024
+_HEAD_TOPIC_MAX = 256
 _PINGRESP = mqtt.encode(PingResp())
 
 
@@ -307,10 +314,25 @@ class MqttSession(Session):
                 # broker restarted (a message the restored session's cursor held then; not a
                 # retained value sent for a new subscription)
                 retained = bool(dflags & DELIVERED_RETAINED)
-                parts.append(_encode_publish(
-                    rec[_BODY:_BODY + tlen], rec[at:at + plen], qos, retained,
-                    qos > 0 and (count > 1 or (offset < self.sent_before and not retained)),
-                    pid))
+                if retained or tlen > _HEAD_TOPIC_MAX or (qos and (
+                        count > 1 or offset < self.sent_before)):
+                    parts.append(_encode_publish(
+                        rec[_BODY:_BODY + tlen], rec[at:at + plen], qos, retained,
+                        qos > 0 and (count > 1 or (offset < self.sent_before and not retained)),
+                        pid))
+                    continue
+                # the usual: no DUP, no retain. Its head is that of every such delivery at
+                # this QoS of a record with this head and topic (``_HEADS``)
+                key = rec[PREFIX_SIZE:_BODY + tlen]
+                heads = _HEADS[qos]
+                head = heads.get(key)
+                if head is None:
+                    if len(heads) >= _HEADS_KEPT:
+                        heads.clear()
+                    head = heads[key] = _publish_head(rec[_BODY:_BODY + tlen], plen, qos,
+                                                      False)
+                parts.append(head + pid.to_bytes(2, "big") + rec[at:at + plen] if qos
+                             else head + rec[at:at + plen])
         if inflight:
             self.look_at = 0.0  # the watchdog looks at what is in flight
         if acks:
@@ -552,10 +574,23 @@ class MqttSession(Session):
                         # log append); any other packet sends what came before it first
                         batch: list[RawMessage] = []
                         pids: list[int] = []
+                        names, mark, bridge = self._names, self.mark, self.bridge
                         for packet in packets:
                             if packet.__class__ is Publish and self.connected:
-                                if packet.qos < 2 and not (  # type: ignore[attr-defined]
-                                        self.bridge and packet.topic[:1] == "$"):  # type: ignore[attr-defined]
+                                topic, payload, qos, retain, _, pid = packet  # type: ignore[misc]
+                                name = names.get(topic)
+                                if name is not None and qos < 2 and not (
+                                        bridge and topic[:1] == "$"):
+                                    # the usual: a topic this client published to before
+                                    # (``_message``'s first step, without its calls)
+                                    n = len(payload)
+                                    batch.append(_raw(name, 1 if qos else 0, 0, n, _join((
+                                        _pack_head(_FLAGS[qos][retain] | mark, 0, len(name),
+                                                   0, n), name, payload)),
+                                        FLAG_RETAIN if retain else 0))
+                                    pids.append(pid)
+                                    continue
+                                if qos < 2 and not (bridge and topic[:1] == "$"):
                                     raw = self._message(packet)  # type: ignore[arg-type]
                                     if raw.__class__ is RawMessage:
                                         batch.append(raw)  # type: ignore[arg-type]
@@ -579,6 +614,8 @@ class MqttSession(Session):
                                     await self._subscribe_packet(packet)  # type: ignore[arg-type]
                                 else:
                                     reason = self._handle(packet)
+                                    # a CONNECT sets what a bridge's PUBLISHes get
+                                    mark, bridge = self.mark, self.bridge
                             if reason is not None:
                                 return reason
                             if self.held is not None:  # CONNACK waits for the log
@@ -1234,6 +1271,7 @@ _NAMES_KEPT = 1024  # topics a connection remembers having checked
 # a message record's flags by MQTT QoS and retain
 _FLAGS = tuple((q, q | FLAG_RETAIN) for q in (0, FLAG_QOS1, FLAG_QOS1 | FLAG_QOS2))
 _raw = RawMessage.__new__.__get__(RawMessage)  # type: ignore[attr-defined]
+_join = b"".join
 _OUTBOUND = 0x10000  # ``confirming`` keys of our packet ids (the client's are below)
 _BATCHES = 0x20000  # ... and of a batch's PUBACKs, taking turns through _BATCH_KEYS
 _BATCH_KEYS = 1 << 20
