@@ -630,7 +630,7 @@ class MqttSession(Session):
                     server.log_touched()
                     # not kept while the reader waits for its next read (as the native
                     # reader's): a message can be max_message_bytes
-                    packets = batch = packet = raw = None  # type: ignore[assignment]
+                    packets = batch = packet = raw = payload = None  # type: ignore[assignment]
         return self.close_reason or CloseReason.SHUTDOWN
 
     async def _let_others_in(self) -> None:
