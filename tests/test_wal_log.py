@@ -589,13 +589,15 @@ def test_offset_at_finds_the_first_record_at_a_time_without_scanning(tmp_path: P
 
 
 def test_encode_many_writes_what_encode_writes_record_by_record() -> None:
-    """encode_many runs the CRC over the fixed part and then the body (one copy per
-    record); the bytes must be those of encode, which checksums them joined."""
+    """encode_many checksums a small record's fixed part and body joined, and runs the CRC
+    over the fixed part and then the body of a large one (one copy per record); either way
+    the bytes must be those of encode, record by record."""
     import os
 
     from blipmq_server.wal import record as rec
 
-    bodies = [b"", b"x", os.urandom(100), os.urandom(70_000)]
+    bodies = [b"", b"x", os.urandom(100), os.urandom(rec._ONE_CALL - 1),
+              os.urandom(rec._ONE_CALL), os.urandom(70_000)]
     assert rec.encode_many(1, 5, 123, bodies) == [
         rec.encode(1, 5 + i, 123, body) for i, body in enumerate(bodies)]
 

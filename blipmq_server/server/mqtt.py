@@ -584,10 +584,10 @@ class MqttSession(Session):
                                     # the usual: a topic this client published to before
                                     # (``_message``'s first step, without its calls)
                                     n = len(payload)
-                                    batch.append(_raw(name, 1 if qos else 0, 0, n, _join((
-                                        _pack_head(_FLAGS[qos][retain] | mark, 0, len(name),
-                                                   0, n), name, payload)),
-                                        FLAG_RETAIN if retain else 0))
+                                    batch.append(_new(RawMessage, (
+                                        name, 1 if qos else 0, 0, n, _join((_pack_head(
+                                            _FLAGS[qos][retain] | mark, 0, len(name), 0, n),
+                                            name, payload)), FLAG_RETAIN if retain else 0)))
                                     pids.append(pid)
                                     continue
                                 if qos < 2 and not (bridge and topic[:1] == "$"):
@@ -1272,6 +1272,7 @@ _NAMES_KEPT = 1024  # topics a connection remembers having checked
 _FLAGS = tuple((q, q | FLAG_RETAIN) for q in (0, FLAG_QOS1, FLAG_QOS1 | FLAG_QOS2))
 _raw = RawMessage.__new__.__get__(RawMessage)  # type: ignore[attr-defined]
 _join = b"".join
+_new = tuple.__new__  # a RawMessage without the Python frame of its ``__new__``
 _OUTBOUND = 0x10000  # ``confirming`` keys of our packet ids (the client's are below)
 _BATCHES = 0x20000  # ... and of a batch's PUBACKs, taking turns through _BATCH_KEYS
 _BATCH_KEYS = 1 << 20

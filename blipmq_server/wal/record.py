@@ -90,11 +90,21 @@ def encode_many(kind: int, first_offset: int, timestamp_ms: int, bodies: Iterabl
     """``encode`` for records with consecutive offsets (one call per broker batch)."""
     fixed, prefix, join = _pack_fixed, _pack_prefix, b"".join
     size = FIXED.size + 4
-    out = []
+    out: list[bytes] = []
+    append = out.append
     for offset, body in enumerate(bodies, first_offset):
-        head = fixed(kind, offset, timestamp_ms)  # the CRC runs on over the body: one copy
-        out.append(join((prefix(size + len(body), crc32c(body, crc32c(head))), head, body)))
+        head = fixed(kind, offset, timestamp_ms)
+        if len(body) < _ONE_CALL:
+            # a small record: one CRC call over a copy of what it covers costs less than a
+            # second call (about 120 ns less for 100 B)
+            covered = head + body
+            append(prefix(size + len(body), crc32c(covered)) + covered)
+        else:  # a large one: the CRC runs on over the body, which is copied once
+            append(join((prefix(size + len(body), crc32c(body, crc32c(head))), head, body)))
     return out
+
+
+_ONE_CALL = 2048  # bodies below this many bytes: ``encode_many`` checksums a copy
 
 
 _pack_fixed = FIXED.pack
